@@ -1,0 +1,149 @@
+"""Offline rollout throughput on a random-weight model of real dimensions.
+
+Prints, measured in one run: our output tokens/s per numerics mode, transformers'
+padded batched `generate` on the same architecture and dims, and the floor that
+the H200's memory bandwidth (decode) and matrix rate (prefill) allow.
+
+    python benchmarks/throughput.py --config benchmarks/configs/qwen3-8b.json \
+        --num-prompts 256 --input-len 512 --output-len 256 --numerics fast --hf
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+# Ceilings measured on our H200 (../shared/NOTES.md); override on other machines.
+COPY_BW = float(os.environ.get("BENCH_COPY_BW", 4.24e12))        # bytes/s, read + write
+MATMUL_RATE = float(os.environ.get("BENCH_MATMUL_RATE", 755e12))  # bf16 FLOP/s
+
+
+def make_model_dir(config_path: str) -> str:
+    from vllm.testing.tiny_models import build_tokenizer
+
+    d = tempfile.mkdtemp(prefix="bench_model_")
+    shutil.copy(config_path, os.path.join(d, "config.json"))
+    build_tokenizer(d)
+    return d
+
+
+def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tuple[float, float]:
+    h, inter, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", h // cfg["num_attention_heads"])
+    per_layer = h * (hq + 2 * hk) * d + hq * d * h + 3 * h * inter
+    body = layers * per_layer
+    lm = v * h
+    # prefill: 2 FLOP per weight per token + causal attention (QK^T and PV: 2 * 2 * L^2/2 * hq * d per layer)
+    prefill_flops = n * (2 * body * lin + 2 * lm + layers * 2 * lin * lin * hq * d)
+    prefill = prefill_flops / MATMUL_RATE
+    # decode: every step reads all weights once plus every sequence's KV so far
+    weight_bytes = (body + lm + (0 if cfg.get("tie_word_embeddings") else 0)) * elem
+    kv_per_token = 2 * layers * hk * d * elem
+    decode = 0.0
+    for step in range(1, lout):
+        decode += (weight_bytes + n * (lin + step) * kv_per_token) / COPY_BW
+    return prefill, decode
+
+
+def run_ours(model_dir: str, prompts, args, numerics: str) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", load_format="dummy", numerics=numerics, seed=0,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              max_model_len=args.input_len + args.output_len + 16)
+    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, detokenize=False)
+    warm = [{"prompt_token_ids": p[:32]} for p in prompts[:8]]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    res = {"numerics": numerics, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
+           "kv_blocks": llm.llm_engine.runner.num_blocks, "steps": llm.llm_engine.step_count}
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_hf(cfg_path: str, prompts, args) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(os.path.dirname(cfg_path) if cfg_path.endswith("config.json") else cfg_path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    n = args.hf_num_prompts or len(prompts)
+    ids = torch.tensor(prompts[:n], device="cuda")
+    mask = torch.ones_like(ids)
+    kw = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=True, top_k=0, top_p=1.0,
+              temperature=1.0, pad_token_id=0)
+    model.generate(ids[:2, :32], attention_mask=mask[:2, :32], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, **kw)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = (out.shape[1] - ids.shape[1]) * n
+    del model, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"numerics": "transformers generate (padded)", "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-8b.json")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--numerics", default="fast", help="comma-separated: fast,invariant")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="also time transformers' padded generate")
+    ap.add_argument("--hf-num-prompts", type=int, default=0)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("throughput.py needs a CUDA device")
+
+    with open(args.config) as f:
+        cfg = json.load(f)
+    model_dir = make_model_dir(args.config)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, cfg["vocab_size"] - 100, (args.num_prompts, args.input_len), generator=g).tolist()
+    results = [run_ours(model_dir, prompts, args, m) for m in args.numerics.split(",")]
+    if args.hf:
+        results.append(run_hf(os.path.join(model_dir, "config.json"), prompts, args))
+    pf, dc = floor_seconds(cfg, args.num_prompts, args.input_len, args.output_len)
+    floor_tok_s = args.num_prompts * args.output_len / (pf + dc)
+    name = os.path.basename(args.config)
+    print(f"\n== throughput: {name}, {args.num_prompts} prompts x {args.input_len} in, {args.output_len} out, T={args.temperature}")
+    print(f"floor: prefill {pf:.2f} s (matrix rate) + decode {dc:.2f} s (bandwidth) -> {floor_tok_s:,.0f} output tok/s")
+    print(f"{'engine':<34}{'seconds':>9}{'out tok/s':>12}{'x floor':>9}")
+    for r in results:
+        print(f"{r['numerics']:<34}{r['seconds']:>9.2f}{r['tok_s']:>12,.0f}{r['tok_s'] / floor_tok_s:>9.2f}")
+    ours = {r["numerics"]: r["tok_s"] for r in results}
+    if "fast" in ours and "invariant" in ours:
+        print(f"invariant / fast = {ours['invariant'] / ours['fast']:.3f}")
+    if args.hf and "fast" in ours:
+        print(f"fast / transformers = {ours['fast'] / results[-1]['tok_s']:.2f}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"config": name, "floor_tok_s": floor_tok_s, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

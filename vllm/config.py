@@ -1,0 +1,211 @@
+"""Configuration dataclasses: what the user asked for, resolved once at start-up.
+
+`ModelConfig` describes the logical model (read from an HF `config.json`),
+`CacheConfig`/`SchedulerConfig` the engine's resources, and `EngineConfig`
+bundles them. Every field that can change numerics is also recorded in the
+execution contract (see docs/numerics.md once it exists).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+NUMERICS_MODES = ("fast", "invariant")
+
+
+def default_model_path() -> str:
+    """The embedded default model shipped inside the package."""
+    return os.path.join(os.path.dirname(__file__), "default_model")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str, hf_dtype: str | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        # Checkpoint dtype on GPU (bf16 for all Qwen/Llama releases); float32 on CPU,
+        # where bf16 matmuls are slow and tests want tight agreement with transformers.
+        if device == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(hf_dtype or "bfloat16"), torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))} or 'auto'")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class RopeScaling:
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """The logical model: everything the model class needs to build itself."""
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    torch_dtype: str | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_model_len: int = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, max_model_len: int | None = None) -> "ModelConfig":
+        from vllm.models.registry import architecture_traits
+
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable: pass a local HF checkpoint directory)")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model directory {path!r} has no config.json")
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_path} names no 'architectures'")
+        arch = archs[0]
+        traits = architecture_traits(arch)  # raises ValueError for unsupported ones
+
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rope_theta, scaling = _read_rope(hf)
+        eos = hf.get("eos_token_id")
+        gen_defaults: dict[str, Any] = {}
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+            if gen.get("eos_token_id") is not None:
+                eos = gen["eos_token_id"]
+            for key in ("temperature", "top_k", "top_p", "min_p"):
+                if key in gen:
+                    gen_defaults[key] = gen[key]
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        max_pos = hf.get("max_position_embeddings", 4096)
+        if max_model_len is not None and max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=traits["qkv_bias"] or bool(hf.get("attention_bias", False)),
+            qk_norm=traits["qk_norm"],
+            hidden_act=act,
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            generation_defaults=gen_defaults,
+            max_model_len=max_model_len or max_pos,
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        o = self.num_attention_heads * self.head_dim * h
+        per_layer = qkv + o + 3 * h * i + 2 * h
+        return l * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _read_rope(hf: dict) -> tuple[float, RopeScaling]:
+    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`.
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    src = scaling or params
+    rope_type = src.get("rope_type", src.get("type", "default")) if src else "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    rs = RopeScaling(rope_type=rope_type)
+    if rope_type != "default":
+        rs.factor = float(src.get("factor", 1.0))
+        rs.low_freq_factor = float(src.get("low_freq_factor", 1.0))
+        rs.high_freq_factor = float(src.get("high_freq_factor", 4.0))
+        rs.original_max_position_embeddings = int(src.get("original_max_position_embeddings", 8192))
+    return float(theta), rs
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None     # override the memory-derived size (tests use it to force preemption)
+    cpu_kv_cache_bytes: int = 512 << 20   # KV budget on CPU
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap below the step budget
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    dtype: torch.dtype
+    seed: int = 0
+    enforce_eager: bool = False
+    numerics: str = "fast"
+    tokenizer: str | None = None
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+    load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
+        if self.scheduler.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not self.scheduler.enable_chunked_prefill and self.scheduler.max_num_batched_tokens < self.model.max_model_len:
+            raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
+        if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

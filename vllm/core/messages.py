@@ -1,0 +1,57 @@
+"""Typed messages at the scheduler <-> model runner boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's slice of a step: compute tokens [num_computed, num_computed + num_new)."""
+    req_id: str
+    token_ids: list[int]          # the new tokens' ids (len == num_new)
+    num_computed: int             # tokens whose KV is already in the cache
+    block_table: list[int]
+    sample: bool                  # this slice reaches the end of the known tokens: sample the next one
+    # Sampling inputs (used when sample is True)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    output_index: int = 0         # position of the token being sampled within the request's output
+    num_logprobs: int = -1
+    logprobs_mode: str = "tempered_logprobs"
+    allowed_eos_ids: tuple = ()   # eos ids to mask while min_tokens is not reached
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(r.num_new == 1 for r in self.requests)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None   # top-k alternatives (id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens, keyed by request id; requests mid-prefill have no entry."""
+    sampled: dict[str, SampledToken]

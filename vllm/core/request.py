@@ -1,0 +1,93 @@
+"""A request as the scheduler sees it: tokens, progress through the KV cache, status."""
+from __future__ import annotations
+
+import enum
+import time
+
+from vllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"           # waiting again, KV dropped, will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 eos_token_ids: list[int], max_model_len: int, leader: "Request | None" = None,
+                 parent_id: str | None = None, index: int = 0):
+        self.req_id = req_id
+        self.parent_id = parent_id or req_id
+        self.index = index                      # which of the n samples this is
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        # n > 1: siblings wait until the leader's prompt blocks are cached, then share them.
+        self.leader = leader
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1             # prefix-cache hit on first schedule (-1: not yet scheduled)
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        # Sampled-token logprobs: per output token, (logprob, rank, [(id, logprob), ...])
+        self.logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
+        self.cumulative_logprob = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.params.max_tokens
+        return room if mt is None else min(mt, room)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """Stop conditions decidable from token ids alone (stop strings are the detokenizer's)."""
+        n_out = len(self.output_token_ids)
+        if n_out == 0:
+            return None
+        last = self.output_token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if self.params.stop_token_ids and last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """While min_tokens is not reached, eos and stop tokens are masked (as upstream does)."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        ids = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        ids += list(self.params.stop_token_ids or [])
+        return tuple(ids)

@@ -1,0 +1,177 @@
+"""Continuous-batching scheduler: one token budget per step shared by decodes and
+(chunked) prefills, preemption by recompute when KV blocks run out.
+
+Each step every request asks to compute the tokens it has but whose KV is not
+in the cache yet (a whole prompt, a chunk of it, or the one token sampled last
+step). Running requests are served first, in arrival order; when the cache is
+full the most recently arrived running request is preempted: its blocks are
+freed (cached blocks stay reusable by hash) and it waits to be recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from vllm.config import SchedulerConfig
+from vllm.core.block_manager import KVCacheManager
+from vllm.core.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from vllm.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for rid in req_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            req.status = status
+            self.kv.free(rid)
+            done.append(req)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        # 1) running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted; everything after it is gone too
+
+        # 2) waiting requests, FIFO, unless this step had to preempt
+        if not preempted:
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                if req.leader is not None and not self._leader_ready(req.leader):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
+                remaining = req.num_tokens - num_cached
+                if not self.config.enable_chunked_prefill and remaining > budget:
+                    break
+                n = min(remaining, budget)
+                if self.config.long_prefill_token_threshold > 0:
+                    n = min(n, self.config.long_prefill_token_threshold)
+                if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_cached
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+            for req in reversed(skipped):
+                self.waiting.appendleft(req)
+
+        out = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            sample = start + n == req.num_tokens
+            p = req.params
+            out.append(ScheduledRequest(
+                req_id=req.req_id,
+                token_ids=req.all_token_ids[start:start + n],
+                num_computed=start,
+                block_table=self.kv.get_block_table(req.req_id),
+                sample=sample,
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                seed=req.seed,
+                output_index=len(req.output_token_ids),
+                num_logprobs=-1 if p.logprobs is None else p.logprobs,
+                logprobs_mode=p.logprobs_mode,
+                allowed_eos_ids=req.banned_token_ids(),
+            ))
+        return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget, preempted=preempted)
+
+    def _leader_ready(self, leader: Request) -> bool:
+        if not self.kv.enable_prefix_caching or leader.status.finished or leader.req_id not in self.requests:
+            return True
+        return leader.num_computed_tokens >= leader.num_prompt_tokens
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
+        """Advance progress; returns (requests that got a new token, requests finished by token rules)."""
+        updated, finished = [], []
+        for sr in sched.requests:
+            req = self.requests.get(sr.req_id)
+            if req is None:       # aborted while the step ran
+                continue
+            req.num_computed_tokens += sr.num_new
+            self.kv.cache_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            tok = result.sampled.get(sr.req_id)
+            if tok is None:
+                continue
+            req.append_output(tok.token_id)
+            if tok.logprob is not None:
+                req.logprobs.append((tok.logprob, tok.rank, tok.top or []))
+                req.cumulative_logprob += tok.logprob
+            updated.append(req)
+            status = req.check_token_stop()
+            if status is not None:
+                finished.extend(self.finish_requests([req.req_id], status))
+        return updated, finished

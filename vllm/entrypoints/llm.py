@@ -1,0 +1,117 @@
+"""The offline API, with upstream vLLM's names: LLM, generate, chat."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_model_path, resolve_dtype
+from vllm.engine.llm_engine import LLMEngine
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    """Offline generation.
+
+    >>> llm = LLM()                                  # the embedded default model
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | None = None, seed: int = 0, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                 num_gpu_blocks_override: int | None = None, numerics: str = "fast", cuda_graph_batch_sizes: list[int] | None = None,
+                 cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
+                 load_format: str = "safetensors"):
+        device = device or _default_device()
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        mc = ModelConfig.from_pretrained(model or default_model_path(), max_model_len=max_model_len)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if device != "cpu" else 2048
+        config = EngineConfig(
+            model=mc,
+            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                              num_gpu_blocks=num_gpu_blocks_override, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
+            device=device, dtype=resolve_dtype(dtype, device, mc.torch_dtype), seed=seed, enforce_eager=enforce_eager,
+            numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format)
+        self.llm_engine = LLMEngine(config)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.llm_engine.config
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate everything before anything is queued: a bad prompt loses nothing.
+        for p, sp in zip(prompts, params):
+            _, ids = engine.tokenize(p)
+            engine.validate(ids, sp)
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        tok = self.get_tokenizer()
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        prompts = []
+        for conv in messages:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,103 @@
+"""Kernel shim: every op the model calls, dispatched on the numerics mode.
+
+`fast` uses the fastest library kernels (cuBLAS through F.linear, torch's
+fused ops). `invariant` kernels (fixed reduction order) register themselves
+here from their own modules; until a verified invariant kernel exists for an
+op, asking for it is an error rather than a silent fallback.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+_INVARIANT: dict[str, Callable] = {}
+
+
+def register_invariant(name: str, fn: Callable) -> None:
+    _INVARIANT[name] = fn
+
+
+def _mode() -> str:
+    from vllm import forward_context
+
+    ctx = forward_context._CURRENT
+    return ctx.numerics if ctx is not None else "fast"
+
+
+def _dispatch(name: str) -> Callable | None:
+    if _mode() == "invariant":
+        fn = _INVARIANT.get(name)
+        if fn is None:
+            raise RuntimeError(f"numerics='invariant' has no verified kernel for op {name!r}")
+        return fn
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    fn = _dispatch("linear")
+    if fn is not None:
+        return fn(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
+    fn = _dispatch("rms_norm")
+    if fn is not None:
+        return fn(x, weight, eps)
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (in the model dtype); returns (rms_norm(residual'), residual')."""
+    fn = _dispatch("add_rms_norm")
+    if fn is not None:
+        return fn(x, residual, weight, eps)
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    fn = _dispatch("silu_and_mul")
+    if fn is not None:
+        return fn(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding. q: [T, Hq, D], k: [T, Hk, D], cos/sin: [T, D/2] float32.
+
+    Computed in float32 and rounded once to the model dtype.
+    """
+    fn = _dispatch("rope")
+    if fn is not None:
+        return fn(q, k, cos, sin)
+    return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+
+
+def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # A gather: no reduction, identical in every mode.
+    return F.embedding(ids, weight)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
+    fn = _dispatch("logits")
+    if fn is not None:
+        return fn(hidden, weight)
+    return F.linear(hidden, weight).float()

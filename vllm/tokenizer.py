@@ -1,0 +1,41 @@
+"""Tokenizer loading and incremental detokenization."""
+from __future__ import annotations
+
+import os
+
+
+def load_tokenizer(path: str):
+    if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
+        raise ValueError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class IncrementalDetokenizer:
+    """Appends text as tokens arrive without re-decoding the whole output each step.
+
+    Decodes a short window of tokens before the new ones and keeps only the new
+    suffix, which handles byte-level BPE tokens that only form a character
+    together (an incomplete UTF-8 sequence shows as U+FFFD and is held back).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def append(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += new
+            return new
+        return ""

@@ -1,0 +1,45 @@
+"""The worker's attention backend: paged KV cache writes + paged attention.
+
+It owns all step-specific state (slot mapping, block tables, sequence bounds),
+so the model's Attention layer stays a plain module. The same tensors serve
+eager steps and CUDA-graph replays (the runner copies step metadata into them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64: cache slot of each new token (block * block_size + offset)
+    block_table: torch.Tensor       # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor      # [S + 1] int32
+    seq_lens: torch.Tensor          # [S] int32: context length including this step's tokens
+    max_query_len: int
+    max_seq_len: int
+
+
+def _select_impl(device: torch.device):
+    if device.type == "cuda":
+        from vllm.kernels.attention import paged_attention
+        return paged_attention
+    from vllm.kernels.attention_ref import paged_attention_torch
+    return paged_attention_torch
+
+
+class PagedAttentionBackend:
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.metadata: AttentionMetadata | None = None
+        self.impl = _select_impl(k_caches[0].device)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        md = self.metadata
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        # KV write: a scatter with no reduction, so identical in every numerics mode.
+        kc.view(-1, kc.shape[-2], kc.shape[-1]).index_copy_(0, md.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, vc.shape[-2], vc.shape[-1]).index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        return self.impl(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
+                         max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)

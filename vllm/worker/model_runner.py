@@ -1,0 +1,250 @@
+"""Model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Owns the inference-only state: the paged KV cache, the attention backend's
+step metadata, persistent input buffers and the CUDA graphs captured for
+decode batches. The model itself is stateless between steps.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from vllm.config import EngineConfig
+from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.model_loader.loader import load_model
+from vllm.sample.sampler import Sampler, SamplingBatch
+from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.dtype
+        mc = config.model
+        self.block_size = config.cache.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        t0 = time.perf_counter()
+        self.model = load_model(mc, self.dtype, self.device, config.load_format)
+        self.load_time = time.perf_counter() - t0
+        self.sampler = Sampler()
+        self.num_blocks = self._decide_num_blocks()
+        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_batch_sizes: list[int] = []
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+
+    # ---- memory ---------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks is not None:
+            n = cc.num_gpu_blocks
+        elif self.device.type == "cuda":
+            n = self._profile_gpu_blocks()
+        else:
+            n = cc.cpu_kv_cache_bytes // self.kv_bytes_per_block()
+        if n < 2:
+            raise ValueError("not enough memory for the KV cache: raise gpu_memory_utilization / cpu_kv_cache_bytes or use a smaller max_model_len")
+        return int(n)
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        # Peak activation memory of the largest step the scheduler may build, measured
+        # by running it once against a tiny dummy cache.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        mc = self.config.model
+        n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        dummy_shape = (1 + -(-n_tok // self.block_size), self.block_size, mc.num_key_value_heads, mc.head_dim)
+        kc = [torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        vc = [torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        backend = PagedAttentionBackend(kc, vc)
+        nb = dummy_shape[0] - 1
+        backend.metadata = AttentionMetadata(
+            slot_mapping=torch.arange(self.block_size, self.block_size + n_tok, device=self.device),
+            block_table=torch.arange(1, nb + 1, dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, n_tok], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=self.device),
+            max_query_len=n_tok, max_seq_len=n_tok)
+        ids = torch.zeros(n_tok, dtype=torch.long, device=self.device)
+        with set_forward_context(ForwardContext(backend, self.config.numerics)):
+            h = self.model(ids, torch.arange(n_tok, device=self.device))
+            self.model.compute_logits(h[-self.config.scheduler.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del kc, vc, backend, h
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_allocated()
+        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
+        # Reserve for CUDA graphs, the sampler's [B, V] temporaries and fragmentation.
+        budget -= 2 << 30
+        return int(budget // self.kv_bytes_per_block())
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput):
+        reqs = sched.requests
+        bs = self.block_size
+        q_lens = np.fromiter((r.num_new for r in reqs), dtype=np.int64, count=len(reqs))
+        starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=len(reqs))
+        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        width = max(len(r.block_table) for r in reqs)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            a, b = cu[i], cu[i + 1]
+            input_ids[a:b] = r.token_ids
+            positions[a:b] = np.arange(starts[i], starts[i] + q_lens[i])
+            table[i, :len(r.block_table)] = r.block_table
+        seq_of_token = np.repeat(np.arange(len(reqs)), q_lens)
+        slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = starts + q_lens
+        return input_ids, positions, slots, table, cu, seq_lens
+
+    # ---- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if not sched.requests:
+            return ModelRunnerOutput(sampled={})
+        input_ids, positions, slots, table, cu, seq_lens = self._prepare(sched)
+        n_seqs = len(sched.requests)
+        max_q = int((cu[1:] - cu[:-1]).max())
+        graph_bs = self._graph_size(n_seqs) if max_q == 1 else None
+        if graph_bs is not None:
+            hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens)
+            sample_rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample], device=self.device)
+        else:
+            dev = self.device
+            md = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                block_table=torch.from_numpy(table).to(dev, non_blocking=True),
+                cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+                max_query_len=max_q, max_seq_len=int(seq_lens.max()))
+            self.attn.metadata = md
+            with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
+                hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                                    torch.from_numpy(positions).to(dev, non_blocking=True))
+            last = cu[1:] - 1
+            sample_rows = torch.tensor([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], dtype=torch.long, device=dev)
+        sampled_reqs = [r for r in sched.requests if r.sample]
+        if not sampled_reqs:
+            return ModelRunnerOutput(sampled={})
+        with set_forward_context(ForwardContext(None, self.config.numerics)):
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+        return ModelRunnerOutput(sampled=self._sample(logits, sampled_reqs))
+
+    def _sample(self, logits: torch.Tensor, reqs) -> dict[str, SampledToken]:
+        for i, r in enumerate(reqs):
+            if r.allowed_eos_ids:
+                logits[i, list(r.allowed_eos_ids)] = float("-inf")
+        max_lp = max(r.num_logprobs for r in reqs)
+        modes = {r.logprobs_mode for r in reqs if r.num_logprobs >= 0}
+        if len(modes) > 1:
+            # One sampler call per logprobs mode keeps every row's result its own.
+            out: dict[str, SampledToken] = {}
+            for mode in modes | ({None} if any(r.num_logprobs < 0 for r in reqs) else set()):
+                idx = [i for i, r in enumerate(reqs) if (r.logprobs_mode if r.num_logprobs >= 0 else None) == mode]
+                out.update(self._sample(logits[idx], [reqs[i] for i in idx]))
+            return out
+        batch = SamplingBatch.from_lists(
+            temperature=[r.temperature for r in reqs], top_k=[r.top_k for r in reqs], top_p=[r.top_p for r in reqs],
+            min_p=[r.min_p for r in reqs], seeds=[r.seed for r in reqs], positions=[r.output_index for r in reqs],
+            device=self.device, max_num_logprobs=max_lp, logprobs_mode=modes.pop() if modes else "tempered_logprobs")
+        so = self.sampler(logits, batch)
+        ids = so.token_ids.tolist()
+        lps = so.logprobs.tolist() if so.logprobs is not None else None
+        ranks = so.ranks.tolist() if so.ranks is not None else None
+        top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
+        top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+        result = {}
+        for i, r in enumerate(reqs):
+            tok = SampledToken(token_id=ids[i])
+            if r.num_logprobs >= 0 and lps is not None:
+                tok.logprob, tok.rank = lps[i], ranks[i]
+                if r.num_logprobs > 0 and top_ids is not None:
+                    tok.top = list(zip(top_ids[i][:r.num_logprobs], top_lps[i][:r.num_logprobs]))
+            result[r.req_id] = tok
+        return result
+
+    # ---- CUDA graphs ------------------------------------------------------------------
+    def _graph_size(self, n: int) -> int | None:
+        for s in self.graph_batch_sizes:
+            if s >= n:
+                return s
+        return None
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        sizes = self.config.cuda_graph_batch_sizes or default_graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        max_bs = max(sizes)
+        dev = self.device
+        self.g_input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_slots = torch.zeros(max_bs, dtype=torch.long, device=dev)  # padding rows write into the null block
+        self.g_table = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.g_hidden = torch.zeros(max_bs, self.config.model.hidden_size, dtype=self.dtype, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for bs in sorted(sizes, reverse=True):
+            md = AttentionMetadata(self.g_slots[:bs], self.g_table[:bs], self.g_cu[:bs + 1], self.g_seq_lens[:bs],
+                                   max_query_len=1, max_seq_len=self.max_model_len)
+            self.g_seq_lens[:bs].fill_(1)
+            self.attn.metadata = md
+            ctx = ForwardContext(self.attn, self.config.numerics)
+            with set_forward_context(ctx):
+                for _ in range(2):  # warm up: Triton autotuning/compilation happens outside capture
+                    self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
+            self.graphs[bs] = g
+        self.g_seq_lens.zero_()
+        torch.cuda.synchronize()
+        self.graph_batch_sizes = sorted(sizes)
+        logger.info("captured %d CUDA graphs in %.1f s", len(sizes), time.perf_counter() - t0)
+
+    def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens) -> torch.Tensor:
+        n = len(input_ids)
+        pin = lambda a: torch.from_numpy(a)
+        self.g_input_ids[:n].copy_(pin(input_ids), non_blocking=True)
+        self.g_positions[:n].copy_(pin(positions), non_blocking=True)
+        self.g_slots[:n].copy_(pin(slots), non_blocking=True)
+        self.g_table[:n].zero_()
+        self.g_table[:n, :table.shape[1]].copy_(pin(table), non_blocking=True)
+        self.g_seq_lens[:n].copy_(pin(seq_lens.astype(np.int32)), non_blocking=True)
+        if bs > n:
+            # Padding rows: context length 0 (attention writes nothing that is read), KV written to the null block.
+            self.g_seq_lens[n:bs].zero_()
+            self.g_slots[n:bs].zero_()
+            self.g_input_ids[n:bs].zero_()
+            self.g_positions[n:bs].zero_()
+        self.graphs[bs].replay()
+        return self.g_hidden[:n]
