@@ -43,6 +43,12 @@ class _Group:
     detoks: list[IncrementalDetokenizer | None]
     texts: list[str]
     finish: list[str | None]
+    # stream=True: step() also returns this group's unfinished outputs (text so far)
+    # each step it advances, for servers that stream tokens as they are sampled.
+    stream: bool = False
+    # Per child, the logprob dicts already built: a streamed request's output is
+    # rebuilt every step, and re-decoding every past token each time would be quadratic.
+    lp_cache: list[list[dict[int, Logprob]]] | None = None
 
 
 class LLMEngine:
@@ -86,7 +92,9 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
+                    stream: bool = False) -> str:
+        """Validate and queue one request; `stream=True` makes step() also report its progress."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
@@ -103,7 +111,8 @@ class LLMEngine:
             children.append(req)
         group = _Group(request_id, text, ids, params, children,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None for _ in children],
-                       ["" for _ in children], [None for _ in children])
+                       ["" for _ in children], [None for _ in children], stream=stream,
+                       lp_cache=[[] for _ in children])
         self._groups[request_id] = group
         for req in children:
             self._child_to_group[req.req_id] = request_id
@@ -124,6 +133,8 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduler step. Returns the outputs of the requests that finished in it,
+        plus (finished=False) the outputs so far of stream=True requests it advanced."""
         sched = self.scheduler.schedule()
         if not sched.requests:
             if self.scheduler.has_unfinished():
@@ -155,6 +166,8 @@ class LLMEngine:
                 del self._groups[gid]
                 for c in group.children:
                     self._child_to_group.pop(c.req_id, None)
+            elif group.stream:
+                outs.append(self._make_output(group, False))
         return outs
 
     def _detokenize(self, group: _Group, req: Request) -> str | None:
@@ -181,13 +194,16 @@ class LLMEngine:
         for i, req in enumerate(group.children):
             lps = None
             if group.params.logprobs is not None:
-                lps = []
-                for tok, (lp, rank, top) in zip(req.output_token_ids, req.logprobs):
+                # Output tokens are append-only (preemption recomputes KV, not tokens), so
+                # only the entries of tokens sampled since the last call need building.
+                cache = group.lp_cache[i]
+                for tok, (lp, rank, top) in zip(req.output_token_ids[len(cache):], req.logprobs[len(cache):]):
                     entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
                     for r, (tid, tlp) in enumerate(top, start=1):
                         if tid not in entry:
                             entry[tid] = Logprob(tlp, r, self._decode_one(tid))
-                    lps.append(entry)
+                    cache.append(entry)
+                lps = list(cache)
             detok = group.detoks[i]
             outs.append(CompletionOutput(
                 index=i, text=detok.text if detok is not None else "", token_ids=list(req.output_token_ids),

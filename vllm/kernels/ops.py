@@ -20,6 +20,11 @@ def register_invariant(name: str, fn: Callable) -> None:
     _INVARIANT[name] = fn
 
 
+def _ensure_registered() -> None:
+    if not _INVARIANT:
+        import vllm.kernels.invariant  # noqa: F401  (registers on import)
+
+
 def _mode() -> str:
     from vllm import forward_context
 
@@ -29,6 +34,7 @@ def _mode() -> str:
 
 def _dispatch(name: str) -> Callable | None:
     if _mode() == "invariant":
+        _ensure_registered()
         fn = _INVARIANT.get(name)
         if fn is None:
             raise RuntimeError(f"numerics='invariant' has no verified kernel for op {name!r}")
@@ -67,6 +73,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     fn = _dispatch("silu_and_mul")
     if fn is not None:
         return fn(x)
+    return _silu_and_mul_fast(x)
+
+
+def _silu_and_mul_fast(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

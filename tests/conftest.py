@@ -1,0 +1,99 @@
+"""Shared pytest setup for vllm-parity.
+
+* Forces HuggingFace libraries offline: tests must never reach a model hub.
+* Tests marked ``@pytest.mark.gpu`` are skipped when CUDA is unavailable.
+* Session-scoped fixtures give paths to tiny random-weight checkpoints built
+  locally by :mod:`vllm.testing.tiny_models` (once per test session):
+
+  ``tiny_qwen3``      Qwen3ForCausalLM, untied embeddings, q/k norm,
+                      head_dim 32 != hidden_size // num_heads (16)
+  ``tiny_qwen2``      Qwen2ForCausalLM (qkv bias), sharded into several
+                      safetensors files + model.safetensors.index.json
+  ``tiny_llama``      LlamaForCausalLM, llama3 rope scaling, tied embeddings
+  ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
+  ``default_model_dir`` the embedded ``vllm/default_model`` directory
+"""
+
+import os
+
+# Must be set before transformers / huggingface_hub are imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# llama3-style rope scaling used by the tiny_llama fixture (original context
+# 256 < max_position_embeddings 1024, so the scaling actually matters).
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu``-marked tests on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root(tmp_path_factory):
+    """Directory holding this session's tiny checkpoints."""
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models_root) -> str:
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tiny_models_root / "qwen3", "qwen3", head_dim=32, tie_word_embeddings=False, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models_root) -> str:
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    # ~1 MB of fp32 weights cut into 100 KB shards => several files + index.
+    return make_tiny_checkpoint(tiny_models_root / "qwen2", "qwen2", max_shard_size="100KB", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models_root) -> str:
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tiny_models_root / "llama",
+        "llama",
+        tie_word_embeddings=True,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        rope_theta=500000.0,
+        seed=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tiny_models_root) -> str:
+    from vllm.testing.tiny_models import build_tokenizer
+
+    path = tiny_models_root / "tokenizer"
+    build_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    return os.path.join(REPO_ROOT, "vllm", "default_model")

@@ -1,0 +1,216 @@
+"""End-to-end engine tests on CPU against transformers' own model classes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.testing.tiny_models import load_hf_model
+
+ARCH_FIXTURES = ["tiny_qwen3", "tiny_qwen2", "tiny_llama"]
+
+
+def _prompts(vocab: int, lengths=(3, 17, 40, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy decoding with its own KV cache, eos ignored (generate's
+    min_new_tokens would mask eos logits instead, which is not ignore_eos)."""
+    ids = torch.tensor([prompt])
+    out, past = [], None
+    with torch.no_grad():
+        for _ in range(max_new):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    cache = {}
+
+    def get(path, **kw):
+        key = (path, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = LLM(path, device="cpu", dtype="float32", **kw)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCH_FIXTURES)
+def test_greedy_matches_transformers(arch, request, engines):
+    path = request.getfixturevalue(arch)
+    llm = engines(path, max_num_batched_tokens=32)  # small budget: prompts are chunked across steps
+    hf = load_hf_model(path, torch.float32)
+    vocab = llm.config.model.vocab_size
+    prompts = _prompts(vocab)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12), f"{arch}: prompt of {len(p)} tokens diverged"
+        assert o.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ARCH_FIXTURES)
+def test_logits_close_to_transformers(arch, request, engines):
+    path = request.getfixturevalue(arch)
+    llm = engines(path, max_num_batched_tokens=32)
+    hf = load_hf_model(path, torch.float32)
+    runner = llm.llm_engine.runner
+    prompt = _prompts(llm.config.model.vocab_size, (23,))[0]
+
+    class Dense:  # causal attention over the packed step, no cache: isolates the model class
+        def forward(self, layer, q, k, v, scale):
+            rep = q.shape[1] // k.shape[1]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1),
+                is_causal=True, scale=scale)
+            return o.transpose(0, 1)
+    with torch.no_grad(), set_forward_context(ForwardContext(Dense())):
+        ours = runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(len(prompt))))
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert torch.isfinite(ours).all()
+    err = (ours - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_logprobs_are_tempered_full_vocab(tiny_qwen3, engines):
+    llm = engines(tiny_qwen3)
+    hf = load_hf_model(tiny_qwen3, torch.float32)
+    prompt = _prompts(llm.config.model.vocab_size, (11,))[0]
+    T = 0.7
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=T, max_tokens=6, logprobs=3, seed=7,
+                                                                      top_k=5), use_tqdm=False)[0].outputs[0]
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq])).logits[0].double()
+    ref = torch.log_softmax(logits / T, dim=-1)
+    for i, tok in enumerate(out.token_ids):
+        pos = len(prompt) - 1 + i
+        lp = out.logprobs[i]
+        assert lp[tok].logprob == pytest.approx(ref[pos, tok].item(), abs=1e-4)
+        assert len(lp) >= 3 and tok in lp
+        top = sorted(lp.items(), key=lambda kv: kv[1].rank)
+        assert abs(top[0][1].logprob - ref[pos].max().item()) < 1e-4
+
+
+def test_preemption_and_resume(tiny_qwen3, engines):
+    # 9 usable blocks of 16 tokens for 6 requests of ~60 tokens each: the scheduler must preempt.
+    small = LLM(tiny_qwen3, device="cpu", dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=64)
+    big = engines(tiny_qwen3)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(small.config.model.vocab_size, (20, 33, 25, 41, 12, 30))]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    a = small.generate(prompts, sp, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    b = big.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    kv = small.llm_engine.kv
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    kv.check_invariants()
+
+
+def test_prefix_cache_hit_and_no_leak(tiny_qwen3, engines):
+    llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
+    vocab = llm.config.model.vocab_size
+    shared = _prompts(vocab, (48,))[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": shared + [11, 12]}, sp, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": shared + [13, 14, 15]}, sp, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 48
+    # a cache hit must not change the result
+    cold = LLM(tiny_qwen3, device="cpu", dtype="float32", enable_prefix_caching=False)
+    ref = cold.generate({"prompt_token_ids": shared + [13, 14, 15]}, sp, use_tqdm=False)[0]
+    assert ref.outputs[0].token_ids == second.outputs[0].token_ids
+    kv = llm.llm_engine.kv
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    kv.check_invariants()
+
+
+def test_n_samples_share_prompt_blocks(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
+    prompt = _prompts(llm.config.model.vocab_size, (64,))[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    stats = llm.llm_engine.kv.stats()
+    assert stats["prefix_cache_hits"] >= 3 * 48  # the three followers reuse the leader's full prompt blocks
+    # seeded: the same request again gives the same samples
+    again = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3), use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_seeded_sampling_independent_of_batch(tiny_qwen3, engines):
+    llm = engines(tiny_qwen3)
+    vocab = llm.config.model.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in _prompts(vocab, (5, 9, 14, 30, 7))]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42, ignore_eos=True)
+    alone = llm.generate(prompts[2], sp, use_tqdm=False)[0].outputs[0].token_ids
+    together = llm.generate(prompts, sp, use_tqdm=False)[2].outputs[0].token_ids
+    assert alone == together
+
+
+def test_stop_strings_and_tokens(tiny_qwen3, engines):
+    llm = engines(tiny_qwen3)
+    tok = llm.get_tokenizer()
+    base = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert base.text
+    # stop at the text of the 5th generated token
+    fifth = tok.decode(base.token_ids[4:5])
+    if fifth.strip():
+        o = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[fifth]), use_tqdm=False)[0].outputs[0]
+        assert o.finish_reason == "stop" and o.stop_reason == fifth
+        assert fifth not in o.text and base.text.startswith(o.text)
+    o = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[base.token_ids[3]]), use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.token_ids[-1] == base.token_ids[3] and len(o.token_ids) <= 4
+
+
+def test_bad_input_is_rejected_and_loses_nothing(tiny_qwen3, engines):
+    llm = engines(tiny_qwen3)
+    vocab = llm.config.model.vocab_size
+    good = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([good, {"prompt_token_ids": [vocab + 5]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate({"prompt_token_ids": [5] * llm.config.model.max_model_len}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-3), dict(min_p=2.0), dict(max_tokens=0), dict(n=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(good, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_unsupported_architecture_and_missing_files(tmp_path, tiny_qwen3):
+    import json
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_qwen3, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(bad), device="cpu")
+    nofile = tmp_path / "nofile"
+    shutil.copytree(tiny_qwen3, nofile)
+    for f in nofile.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(nofile), device="cpu")
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(str(tmp_path / "missing"), device="cpu")
+
+
+def test_chat_and_default_model():
+    llm = LLM(device="cpu")
+    out = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) >= 1

@@ -1,0 +1,513 @@
+"""Tests for vllm.sample: counter-based RNG, batch-invariant sampling and logprobs.
+
+Parity checks compare bit patterns (float32 viewed as int32) and exact integer
+ids; allclose is used only where a value is checked against a float64 reference.
+Every test runs on CPU and, when one is present, on CUDA.
+"""
+import math
+import random
+
+import pytest
+import torch
+
+from vllm.sample import (
+    LOGPROBS_MODES,
+    Sampler,
+    SamplingBatch,
+    batch_invariant_log_softmax,
+    gumbel_noise,
+    stable_topk,
+    tempered_logprobs,
+    uniform_noise,
+)
+from vllm.sample.sampler import _inclusive_scan, _pairwise_sum, apply_temperature
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SAMPLER = Sampler()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float32 tensor (so -0.0 != 0.0 and NaNs compare by payload)."""
+    assert t.dtype == torch.float32
+    return t.contiguous().view(torch.int32).cpu()
+
+
+def make_batch(rows, device, max_num_logprobs=-1, mode="tempered_logprobs"):
+    """rows: list of dicts with keys t, k, p, m, seed, pos."""
+    return SamplingBatch.from_lists(
+        [r["t"] for r in rows], [r["k"] for r in rows], [r["p"] for r in rows],
+        [r["m"] for r in rows], [r["seed"] for r in rows], [r["pos"] for r in rows],
+        device, max_num_logprobs=max_num_logprobs, logprobs_mode=mode)
+
+
+def random_row_params(rng: random.Random):
+    """A random, valid parameter set exercising every stage (and none)."""
+    return dict(
+        t=rng.choice([0.0, 0.3, 0.7, 1.0, 1.0, 1.5]),
+        k=rng.choice([0, 0, 1, 5, 40, 10**6]),
+        p=rng.choice([1.0, 1.0, 0.9, 0.5, 0.05]),
+        m=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        seed=rng.randrange(-2**63, 2**63),
+        pos=rng.randrange(0, 5000),
+    )
+
+
+def sample_rows(logits, rows, **kw):
+    return SAMPLER(logits, make_batch(rows, logits.device, **kw))
+
+
+# --------------------------------------------------------------------------- #
+# RNG
+# --------------------------------------------------------------------------- #
+# Pinned outputs: u * 2**24 for four (seed, position) rows and token ids 0..3.
+# Integer-exact, so every device must reproduce them; a change here changes
+# every seeded completion ever produced.
+GOLDEN_SEEDS = [0, 1, -1, 2**62 + 12345]
+GOLDEN_POSITIONS = [0, 0, 5, 2**40 + 3]
+GOLDEN_U24 = [
+    [1459649, 8614597, 12685209, 8069371],
+    [14407535, 5891947, 11712889, 13598125],
+    [13457043, 12503147, 5218031, 1614731],
+    [8151181, 16125393, 13570541, 16120251],
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uniform_noise_golden_values(device):
+    u = uniform_noise(torch.tensor(GOLDEN_SEEDS), torch.tensor(GOLDEN_POSITIONS), 4, device)
+    assert u.dtype == torch.float32 and u.device.type == device
+    assert (u.double() * 2**24).long().cpu().tolist() == GOLDEN_U24
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uniform_noise_range_grid_and_determinism(device):
+    seeds = torch.tensor([3, 3, 4, -7, 2**63 - 1, -2**63])
+    positions = torch.tensor([0, 1, 0, 9, 2**62, 0])
+    V = 4099
+    u = uniform_noise(seeds, positions, V, device)
+    assert u.shape == (6, V)
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    # Every value is an odd multiple of 2**-24.
+    k = (u.double() * 2**24).cpu()
+    assert bool((k == k.round()).all()) and bool((k.long() % 2 == 1).all())
+    # Pure function of its inputs; chunking (by rows) never changes a bit.
+    again = uniform_noise(seeds, positions, V, device, chunk_elems=V)
+    assert torch.equal(bits(u), bits(again))
+    # Different positions / seeds give unrelated noise.
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert (u[0] == u[1]).float().mean().item() < 0.01
+    # The noise of a row alone equals its noise inside a batch.
+    alone = uniform_noise(seeds[3:4], positions[3:4], V, device)
+    assert torch.equal(bits(alone[0]), bits(u[3]))
+
+
+def test_uniform_noise_statistics():
+    u = uniform_noise(torch.full((64,), 11), torch.arange(64), 20000).double()
+    n = u.numel()
+    assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    counts = torch.bincount((u.flatten() * 100).long(), minlength=100).double()
+    chi2 = (((counts - n / 100) ** 2) / (n / 100)).sum().item()
+    assert chi2 < 99 + 6 * math.sqrt(2 * 99)
+    # Neighbouring tokens and neighbouring positions are uncorrelated.
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        c = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(c) < 5 / math.sqrt(a.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_noise_finite(device):
+    g = gumbel_noise(torch.arange(8), torch.zeros(8, dtype=torch.long), 1000, device)
+    assert bool(torch.isfinite(g).all())
+    assert abs(g.double().mean().item() - 0.5772156649) < 0.05  # Euler-Mascheroni
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uniform_noise_triton_equals_torch_on_cuda():
+    seeds = torch.randint(-2**63, 2**63 - 1, (33,), device="cuda")
+    positions = torch.randint(0, 2**40, (33,), device="cuda")
+    fast = uniform_noise(seeds, positions, 70001, "cuda", impl="triton")
+    ref = uniform_noise(seeds, positions, 70001, "cuda", impl="torch")
+    assert torch.equal(bits(fast), bits(ref))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uniform_noise_cpu_equals_cuda():
+    seeds = torch.randint(-2**63, 2**63 - 1, (17,))
+    positions = torch.randint(0, 10**6, (17,))
+    cpu = uniform_noise(seeds, positions, 5003, "cpu")
+    gpu = uniform_noise(seeds.cuda(), positions.cuda(), 5003, "cuda")
+    assert torch.equal(bits(cpu), bits(gpu))
+
+
+# --------------------------------------------------------------------------- #
+# Batch-invariant numerics
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("device", DEVICES)
+def test_pairwise_sum_and_scan(device):
+    torch.manual_seed(0)
+    for n in (1, 2, 3, 7, 64, 1000, 1025):
+        x = torch.rand(5, n, device=device)
+        ref = x.double().sum(-1, keepdim=True)
+        torch.testing.assert_close(_pairwise_sum(x).double(), ref, rtol=1e-6, atol=0)
+        scan = _inclusive_scan(x)
+        torch.testing.assert_close(scan.double(), x.double().cumsum(-1), rtol=1e-6, atol=0)
+        # Column j of the scan does not depend on how long the row is.
+        for m in (1, n // 2 + 1):
+            assert torch.equal(bits(_inclusive_scan(x[:, :m])), bits(scan[:, :m]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_softmax_matches_reference_and_is_row_local(device):
+    torch.manual_seed(1)
+    x = torch.randn(9, 3001, device=device) * 4
+    x[2, :100] = float("-inf")
+    out = batch_invariant_log_softmax(x)
+    torch.testing.assert_close(out.double(), torch.log_softmax(x.double(), -1), rtol=0, atol=1e-5)
+    for i in range(9):
+        assert torch.equal(bits(batch_invariant_log_softmax(x[i:i + 1].clone())[0]), bits(out[i]))
+    # Any leading shape; per-row temperatures; T == 0 means T = 1.
+    t = torch.tensor([0.5, 0.0, 2.0], device=device)
+    x3 = x[:6].reshape(3, 2, 3001)
+    lp = tempered_logprobs(x3, t.unsqueeze(1).expand(3, 2))
+    assert torch.equal(bits(lp[1, 0]), bits(batch_invariant_log_softmax(x3[1, 0:1])[0]))
+    assert torch.equal(bits(lp[2, 1]), bits(tempered_logprobs(x3[2, 1:2], 2.0)[0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_temperature_is_true_division(device):
+    x = torch.randn(4, 333, device=device)
+    t = torch.tensor([0.7, 0.0, 1.3, 1.0], device=device)
+    out = apply_temperature(x, t)
+    ref = torch.stack([x[0] / torch.tensor(0.7, device=device), x[1],
+                       x[2] / torch.tensor(1.3, device=device), x[3]])
+    assert torch.equal(bits(out), bits(ref))
+    assert torch.equal(bits(out[1]), bits(x[1]))  # greedy rows keep raw logits exactly
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stable_topk_equals_stable_sort_prefix(device):
+    torch.manual_seed(2)
+    x = torch.randint(-3, 4, (7, 500), device=device).float()  # many ties
+    x[1, 10:] = float("-inf")
+    x[4:] = torch.randn(3, 500, device=device)  # no ties: topk's own set is used
+    x[6, 100:110] = x[6, 5]  # ties inside the top set, not at the boundary for small k
+    full_v, full_i = torch.sort(x, dim=-1, descending=True, stable=True)
+    for k in (1, 3, 17, 250, 499, 500, 600):
+        v, i = stable_topk(x, k)
+        kk = min(k, 500)
+        assert torch.equal(i.cpu(), full_i[:, :kk].cpu())
+        assert torch.equal(bits(v), bits(full_v[:, :kk]))
+
+
+# --------------------------------------------------------------------------- #
+# Sampling
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_reproducibility(device):
+    torch.manual_seed(3)
+    logits = torch.randn(1, 1000, device=device).expand(64, -1).contiguous() * 0.1
+    rows = [dict(t=1.0, k=0, p=1.0, m=0.0, seed=1234, pos=i) for i in range(64)]
+    a = sample_rows(logits, rows).token_ids
+    b = sample_rows(logits, rows).token_ids
+    assert torch.equal(a.cpu(), b.cpu())
+    # Same seed, different positions: different draws from a flat distribution.
+    assert len(set(a.tolist())) > 50
+    # Same position, different seed: different draw (with overwhelming probability).
+    other = [dict(r, seed=4321) for r in rows]
+    assert (sample_rows(logits, other).token_ids != a).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_batch_invariance_bits(device, mode):
+    """Row i alone == row i at several positions inside batches of random others."""
+    rng = random.Random(LOGPROBS_MODES.index(mode))
+    torch.manual_seed(4)
+    V = 4001  # not a multiple of any vector width
+    num_top = 6
+    pool_logits = torch.randn(24, V, device=device) * 3
+    pool_logits[3, :5] = pool_logits[3, 5]            # ties at the top
+    pool_logits[18, ::7] = float("-inf")              # pre-masked tokens
+    pool_params = [random_row_params(rng) for _ in range(24)]
+    # Rows sampled alone below are 0, 3, ..., 21: give them every interesting combination.
+    pool_params[0].update(t=0.0, k=0, p=1.0, m=0.0)
+    pool_params[3].update(t=1.0, k=3, p=1.0, m=0.0)
+    pool_params[6].update(t=0.8, k=20, p=0.8, m=0.1)
+    pool_params[9].update(t=1.0, k=0, p=1.0, m=0.0)
+    pool_params[12].update(t=1.2, k=0, p=0.7, m=0.0)
+    pool_params[15].update(t=0.9, k=0, p=1.0, m=0.2)
+    pool_params[18].update(t=0.6, k=50, p=0.95, m=0.0)
+
+    for i in range(0, 24, 3):
+        alone = sample_rows(pool_logits[i:i + 1].clone(), [pool_params[i]],
+                            max_num_logprobs=num_top, mode=mode)
+        for batch_size in (3, 11):
+            others = rng.sample([j for j in range(24) if j != i], batch_size - 1)
+            for where in {0, batch_size // 2, batch_size - 1}:
+                order = others[:where] + [i] + others[where:]
+                out = sample_rows(pool_logits[order], [pool_params[j] for j in order],
+                                  max_num_logprobs=num_top, mode=mode)
+                assert out.token_ids[where].item() == alone.token_ids[0].item()
+                assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
+                assert out.ranks[where].item() == alone.ranks[0].item()
+                assert torch.equal(out.topk_ids[where].cpu(), alone.topk_ids[0].cpu())
+                assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_invariance_fast_path_flags(device):
+    """all_greedy / no_truncation fast paths give the same bits as the general path."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 777, device=device)
+    plain = [dict(t=0.0, k=0, p=1.0, m=0.0, seed=i, pos=0) for i in range(3)]
+    for mode in LOGPROBS_MODES:
+        fast = SAMPLER(logits, make_batch(plain, device, 3, mode))
+        assert fast is not None
+        slow_batch = make_batch(plain, device, 3, mode)
+        slow_batch.all_greedy = slow_batch.no_truncation = False
+        slow = SAMPLER(logits, slow_batch)
+        assert torch.equal(fast.token_ids.cpu(), slow.token_ids.cpu())
+        assert torch.equal(bits(fast.logprobs), bits(slow.logprobs))
+        assert torch.equal(bits(fast.topk_logprobs), bits(slow.topk_logprobs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_lowest_id_on_ties(device):
+    torch.manual_seed(6)
+    logits = torch.randn(6, 300, device=device)
+    logits[2, [7, 50, 299]] = 100.0   # tie at the max -> id 7
+    logits[4, :] = 0.0                # all tied -> id 0
+    rows = [dict(t=0.0, k=rng_k, p=1.0, m=0.0, seed=i, pos=i) for i, rng_k in enumerate([0, 5, 0, 1, 0, 2])]
+    out = sample_rows(logits, rows, max_num_logprobs=0)
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.token_ids[2].item() == 7 and out.token_ids[4].item() == 0
+    assert out.ranks.tolist() == [1] * 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_broken_deterministically(device):
+    """Equal scores are resolved the same way every time, by token id."""
+    logits = torch.zeros(2, 10, device=device)
+    logits[:, 2:5] = 1.0  # three tied best tokens
+    # top_k = 2 over a 3-way tie keeps ids 2 and 3 (lower ids win).
+    rows = [dict(t=1.0, k=2, p=1.0, m=0.0, seed=s, pos=0) for s in range(400)]
+    toks = sample_rows(logits[:1].expand(400, -1).contiguous(), rows).token_ids
+    assert set(toks.tolist()) == {2, 3}
+    # top_p that needs exactly one of the tied tokens keeps the lowest id.
+    rows = [dict(t=1.0, k=0, p=0.01, m=0.0, seed=s, pos=0) for s in range(50)]
+    toks = sample_rows(logits[:1].expand(50, -1).contiguous(), rows).token_ids
+    assert set(toks.tolist()) == {2}
+
+
+def support(logits, rows, draws=3000):
+    """Set of token ids sampled over `draws` (seed, position) pairs for one logits row."""
+    many = logits.expand(draws, -1).contiguous()
+    rows = [dict(rows, seed=1000 + d, pos=d * 7) for d in range(draws)]
+    return set(sample_rows(many, rows).token_ids.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_support(device):
+    torch.manual_seed(7)
+    logits = torch.randn(1, 200, device=device) * 0.3  # flat-ish
+    expected = set(torch.sort(logits[0], descending=True, stable=True).indices[:5].tolist())
+    assert support(logits, dict(t=1.0, k=5, p=1.0, m=0.0)) == expected
+
+
+def _sorted_probs64(logits, t):
+    p = torch.softmax(logits.double().cpu() / t, -1)[0]
+    order = torch.sort(p, descending=True, stable=True).indices
+    return p, order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_support(device):
+    torch.manual_seed(8)
+    logits = torch.randn(1, 60, device=device)
+    t, top_p = 0.9, 0.6
+    p, order = _sorted_probs64(logits, t)
+    cum = p[order].cumsum(0)
+    n_keep = int((cum < top_p).sum().item()) + 1  # smallest prefix with mass >= top_p
+    assert abs(cum[n_keep - 1].item() - top_p) > 1e-4  # not a rounding-sensitive boundary
+    expected = set(order[:n_keep].tolist())
+    assert support(logits, dict(t=t, k=0, p=top_p, m=0.0), draws=6000) == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_then_top_p_support(device):
+    torch.manual_seed(9)
+    logits = torch.randn(1, 80, device=device)
+    k, top_p = 10, 0.5
+    p, order = _sorted_probs64(logits, 1.0)
+    pk = p[order[:k]] / p[order[:k]].sum()  # top-p acts on the renormalised top-k
+    cum = pk.cumsum(0)
+    n_keep = int((cum < top_p).sum().item()) + 1
+    expected = set(order[:n_keep].tolist())
+    assert support(logits, dict(t=1.0, k=k, p=top_p, m=0.0), draws=6000) == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_width_search_never_changes_results(device, monkeypatch):
+    """The sorted-prefix width used for top-p is a speed knob only."""
+    import vllm.sample.sampler as sampler_mod
+
+    torch.manual_seed(14)
+    logits = torch.randn(6, 3000, device=device) * 0.5  # flat: big nuclei
+    rows = [dict(t=1.0, k=k, p=p, m=0.0, seed=i, pos=i)
+            for i, (k, p) in enumerate([(0, 0.99), (0, 0.5), (700, 0.9), (0, 1.0), (40, 1.0), (0, 0.999)])]
+    ref = sample_rows(logits, rows, max_num_logprobs=4, mode="processed_logprobs")
+    for first_width in (1, 7, 64):
+        monkeypatch.setattr(sampler_mod, "_TOP_P_FIRST_WIDTH", first_width)
+        out = sample_rows(logits, rows, max_num_logprobs=4, mode="processed_logprobs")
+        assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+        assert torch.equal(bits(out.logprobs), bits(ref.logprobs))
+        assert torch.equal(bits(out.topk_logprobs), bits(ref.topk_logprobs))
+        assert torch.equal(out.ranks.cpu(), ref.ranks.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_support(device):
+    torch.manual_seed(10)
+    logits = torch.randn(1, 100, device=device)
+    t, min_p = 1.3, 0.25
+    p, _ = _sorted_probs64(logits, t)
+    ratio = p / p.max()
+    assert bool(((ratio - min_p).abs() > 1e-4).all())
+    expected = set(torch.nonzero(ratio >= min_p).flatten().tolist())
+    assert support(logits, dict(t=t, k=0, p=1.0, m=min_p), draws=6000) == expected
+    # The min-p-only path (no sort) and the sorted path agree bit for bit.
+    rows = [dict(t=t, k=0, p=1.0, m=min_p, seed=s, pos=0) for s in range(4)]
+    rows_sorted = [dict(r, k=99) for r in rows]  # k = 99 < V forces the sorted path, keeps all
+    many = logits.expand(4, -1).contiguous()
+    a = sample_rows(many, rows, max_num_logprobs=3, mode="processed_logprobs")
+    b = sample_rows(many, rows_sorted, max_num_logprobs=3, mode="processed_logprobs")
+    assert torch.equal(a.token_ids.cpu(), b.token_ids.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empirical_distribution_matches_softmax(device):
+    torch.manual_seed(11)
+    V, T, draws = 12, 0.8, 20000
+    logits = torch.randn(1, V, device=device) * 1.5
+    rows = [dict(t=T, k=0, p=1.0, m=0.0, seed=77, pos=d) for d in range(draws)]
+    toks = sample_rows(logits.expand(draws, -1).contiguous(), rows).token_ids.cpu()
+    counts = torch.bincount(toks, minlength=V).double()
+    expected = torch.softmax(logits.double().cpu()[0] / T, -1) * draws
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 40.0  # 11 dof: p ~ 4e-5
+    tv = 0.5 * (counts / draws - expected / draws).abs().sum().item()
+    assert tv < 0.02
+
+
+# --------------------------------------------------------------------------- #
+# Logprobs
+# --------------------------------------------------------------------------- #
+def _reference_dist(logits, rows, mode):
+    """float64 reference of each logprobs mode, truncation done independently."""
+    out = []
+    for i, r in enumerate(rows):
+        x = logits[i].double().cpu()
+        t = r["t"] if r["t"] > 0 else 1.0
+        s = x / t
+        if mode == "raw_logits":
+            out.append(x)
+            continue
+        if mode == "raw_logprobs":
+            out.append(torch.log_softmax(x, -1))
+            continue
+        if mode == "tempered_logprobs":
+            out.append(torch.log_softmax(s, -1))
+            continue
+        keep = torch.ones_like(s, dtype=torch.bool)
+        order = torch.sort(s, descending=True, stable=True).indices
+        if 0 < r["k"] < len(s):
+            keep[order[r["k"]:]] = False
+        if r["p"] < 1.0:
+            p = torch.softmax(s.masked_fill(~keep, -math.inf), -1)[order]
+            before = p.cumsum(0) - p
+            drop = before >= r["p"]
+            drop[0] = False
+            keep[order[drop]] = False
+        if r["m"] > 0:
+            keep &= torch.softmax(s, -1) >= r["m"] * torch.softmax(s, -1).max()
+        proc = s.masked_fill(~keep, -math.inf)
+        out.append(proc if mode == "processed_logits" else torch.log_softmax(proc, -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_logprob_modes_against_float64(device, mode):
+    torch.manual_seed(12)
+    V, k = 500, 8
+    logits = torch.randn(5, V, device=device) * 2
+    rows = [
+        dict(t=0.0, k=0, p=1.0, m=0.0, seed=1, pos=0),
+        dict(t=0.7, k=0, p=1.0, m=0.0, seed=2, pos=3),
+        dict(t=1.0, k=30, p=1.0, m=0.0, seed=3, pos=1),
+        dict(t=1.3, k=0, p=0.8, m=0.0, seed=4, pos=9),
+        dict(t=0.9, k=50, p=0.9, m=0.05, seed=5, pos=2),
+    ]
+    out = sample_rows(logits, rows, max_num_logprobs=k, mode=mode)
+    ref = _reference_dist(logits, rows, mode)
+    tok = out.token_ids.cpu()
+    ref_tok = ref.gather(1, tok.unsqueeze(1)).squeeze(1)
+    assert bool(torch.isfinite(ref_tok).all())  # the sampled token always survives truncation
+    torch.testing.assert_close(out.logprobs.double().cpu(), ref_tok, rtol=0, atol=2e-5)
+    # Masked entries match exactly (-inf); the top-k values match the reference.
+    ref_top = torch.sort(ref, dim=-1, descending=True, stable=True).values[:, :k]
+    torch.testing.assert_close(out.topk_logprobs.double().cpu(), ref_top, rtol=0, atol=2e-5)
+    if mode == "raw_logits":
+        assert torch.equal(bits(out.logprobs), bits(logits.gather(1, out.token_ids.unsqueeze(1))[:, 0]))
+    assert out.logprobs.dtype == torch.float32 and out.topk_logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ranks_and_topk_exact(device):
+    """Ranks and top-k against an exact Python recomputation on the returned distribution."""
+    torch.manual_seed(13)
+    V, k = 300, 10
+    logits = torch.randint(-4, 5, (4, V), device=device).float()  # lots of ties
+    rows = [dict(t=1.0, k=0, p=1.0, m=0.0, seed=i, pos=i) for i in range(4)]
+    rows[3]["t"] = 0.0
+    for mode in ("raw_logits", "tempered_logprobs"):
+        out = sample_rows(logits, rows, max_num_logprobs=k, mode=mode)
+        dist = logits if mode == "raw_logits" else batch_invariant_log_softmax(logits)
+        for i in range(4):
+            vals = dist[i].cpu().tolist()
+            tok = out.token_ids[i].item()
+            assert bits(out.logprobs[i]).item() == bits(dist[i, tok]).item()
+            assert out.ranks[i].item() == 1 + sum(v > vals[tok] for v in vals)
+            expect = sorted(range(V), key=lambda j: (-vals[j], j))[:k]
+            assert out.topk_ids[i].tolist() == expect
+            assert torch.equal(bits(out.topk_logprobs[i]), bits(dist[i, expect]))
+    # Greedy rows: rank 1 and top-1 is the sampled token.
+    assert out.ranks[3].item() == 1 and out.topk_ids[3, 0].item() == out.token_ids[3].item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_shapes_by_max_num_logprobs(device):
+    logits = torch.randn(3, 50, device=device)
+    rows = [dict(t=1.0, k=0, p=1.0, m=0.0, seed=i, pos=0) for i in range(3)]
+    none = sample_rows(logits, rows)
+    assert none.logprobs is None and none.ranks is None and none.topk_ids is None
+    zero = sample_rows(logits, rows, max_num_logprobs=0)
+    assert zero.logprobs.shape == (3,) and zero.ranks.shape == (3,) and zero.topk_ids is None
+    many = sample_rows(logits, rows, max_num_logprobs=80)  # more than the vocab: clamped
+    assert many.topk_ids.shape == (3, 50) and many.topk_logprobs.shape == (3, 50)
+    assert torch.equal(many.token_ids.cpu(), none.token_ids.cpu())
+    with pytest.raises(ValueError):
+        sample_rows(logits, rows, max_num_logprobs=0, mode="bogus")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    logits = torch.empty(0, 100, device=device)
+    out = sample_rows(logits, [])
+    assert out.token_ids.shape == (0,) and out.token_ids.dtype == torch.int64
+    out = sample_rows(logits, [], max_num_logprobs=4)
+    assert out.logprobs.shape == (0,) and out.ranks.shape == (0,)
+    assert out.topk_ids.shape == (0, 4) and out.topk_logprobs.shape == (0, 4)
+    assert uniform_noise(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                         100, device).shape == (0, 100)

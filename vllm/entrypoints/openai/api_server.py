@@ -1,0 +1,540 @@
+"""The OpenAI-compatible HTTP server (FastAPI) in front of an AsyncLLM.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (see docs/serving.md for the schema and extensions).
+
+Every request goes through the same three stages, and each stage maps its
+failures to one HTTP status:
+  1. parse + validate (pydantic types, SamplingParams values, model name)  -> 400
+  2. add to the engine (prompt tokenization and validation on the engine
+     thread; a multi-prompt request is added atomically)                   -> 400
+  3. wait for outputs (non-streaming) or stream them as SSE                -> 500 if the engine fails
+Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+A streamed response has already sent its 200 when stage 3 fails, so the
+error then arrives as a final `data: {"error": ...}` event before [DONE].
+
+When the client disconnects, its requests are aborted in the engine so they
+stop taking batch slots and KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from vllm.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
+    ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+    OpenAIBaseModel, TopLogprob, UsageInfo, json_logprob,
+)
+from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+def error_response(message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> JSONResponse:
+    if err_type is None:
+        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+            status, "internal_server_error" if status >= 500 else "invalid_request_error")
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _exception_response(err: BaseException) -> JSONResponse:
+    """The one place that maps an exception from stages 1-3 to an HTTP error."""
+    if isinstance(err, ValueError):
+        return error_response(str(err), 400)
+    if isinstance(err, EngineDeadError):
+        return error_response(str(err), 503)
+    if isinstance(err, EngineError):
+        return error_response(str(err), 500)
+    logger.exception("unexpected error while serving a request", exc_info=err)
+    return error_response(f"internal error: {type(err).__name__}: {err}", 500)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if loc and param is None:
+            param = ".".join(loc)
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+# ---- disconnect handling ------------------------------------------------------------------
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read by the time a handler runs, so the next ASGI message
+    # is http.disconnect: sent when the client goes away (or after the response).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro, streams: Sequence[RequestStream]) -> Any:
+    """Run a non-streaming handler; cancel it and abort its requests if the client leaves first."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        for s in streams:  # also covers a handler cancelled before it ever ran
+            s.abort()
+        logger.info("client disconnected: request aborted")
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    return task.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """A server-sent-events response that aborts its engine requests when it ends.
+
+    However the response ends -- completed, client disconnected mid-stream, or
+    before the first byte -- the requests are aborted right away (a no-op for
+    finished ones) instead of whenever the abandoned generator is collected.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = list(streams)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+            await self.body_iterator.aclose()
+
+
+def _sse(obj: OpenAIBaseModel | dict) -> str:
+    import json
+    data = obj.model_dump_json() if isinstance(obj, OpenAIBaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+_DONE_EVENT = "data: [DONE]\n\n"
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they arrive, as (request index, output).
+
+    Ends when every stream has ended; raises the first engine error. Leaving early
+    cancels the pumps, and a cancelled stream aborts its request in the engine.
+    """
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()  # no-op once finished
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as err:  # noqa: BLE001 -- handed to the consumer
+            q.put_nowait((i, err))
+        q.put_nowait((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()  # no-op for finished streams
+
+
+async def _final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merge(streams):
+        if out.finished:
+            finals[i] = out
+    if any(f is None for f in finals):
+        raise EngineError("the request was aborted before it finished")
+    return finals  # type: ignore[return-value]
+
+
+# ---- logprob conversion -------------------------------------------------------------------
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], offset: int) -> CompletionLogprobs:
+    """OpenAI completions logprobs: the sampled token's logprob plus, per token, a
+    {token text: logprob} dict of the sampled token and the top-k alternatives."""
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, lps):
+        sampled = entry[tok]
+        text = sampled.decoded_token or ""
+        out.tokens.append(text)
+        out.token_logprobs.append(json_logprob(sampled.logprob))
+        out.text_offset.append(offset)
+        offset += len(text)
+        # Best rank first; the sampled token (rank may be large) keeps its place by rank.
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 62, kv[0]))
+        top: dict[str, float] = {}
+        for _, lp in ranked:
+            top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], top_k: int) -> ChatLogprobs:
+    """OpenAI chat logprobs: per token its logprob and the top_k most likely tokens (by rank)."""
+    content = []
+    for tok, entry in zip(token_ids, lps):
+        sampled = entry[tok]
+        text = sampled.decoded_token or ""
+        ranked = sorted((lp.rank, tid, lp) for tid, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= top_k)
+        top = [TopLogprob(token=lp.decoded_token or "", logprob=json_logprob(lp.logprob),
+                          bytes=list((lp.decoded_token or "").encode("utf-8"))) for _, _, lp in ranked[:top_k]]
+        content.append(ChatLogprobToken(token=text, logprob=json_logprob(sampled.logprob),
+                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# ---- streaming state ----------------------------------------------------------------------
+
+@dataclass
+class _ChoiceCursor:
+    """How much of one choice has been sent."""
+    text: int = 0
+    tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+    first: bool = True
+
+
+def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tuple[str, list[int], list | None] | None:
+    """The not-yet-sent part of a choice, or None when there is nothing to send.
+
+    With stop strings the last `holdback` characters stay unsent until the choice
+    finishes: a stop string may be completing there, and the engine then cuts the
+    text before it. So the chunks always concatenate to the non-streamed text.
+    """
+    finished = c.finish_reason is not None
+    end = len(c.text) if finished else max(cur.text, len(c.text) - holdback)
+    text = c.text[cur.text:end]
+    ids = c.token_ids[cur.tokens:]
+    lps = c.logprobs[cur.tokens:] if c.logprobs is not None else None
+    if not text and not ids and not finished:
+        return None
+    cur.text = max(cur.text, end)
+    cur.tokens = len(c.token_ids)
+    cur.done = finished
+    return text, ids, lps
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+class OpenAIServing:
+    """Request handlers; one instance per app, holding what every handler needs."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_names: Sequence[str], *, max_logprobs: int = 20,
+                 generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
+                 max_model_len: int | None = None):
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.llm = async_llm
+        self.names = list(served_model_names)
+        self.max_logprobs = max_logprobs
+        self.defaults = dict(generation_defaults or {})
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.names[0]
+        if requested not in self.names:
+            raise ValueError(f"the model {requested!r} is not served here; available: {', '.join(self.names)}")
+        return requested
+
+    @staticmethod
+    def _log_ignored(req: OpenAIBaseModel) -> None:
+        extra = req.ignored_fields()
+        if extra:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
+
+    # -- /v1/completions -------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request):
+        try:
+            self._log_ignored(req)
+            model = self._model_name(req.model)
+            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            prompts = req.prompts()
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            streams = await self.llm.add_requests(
+                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
+        except Exception as err:  # noqa: BLE001 -- mapped to 400/500/503
+            return _exception_response(err)
+        created = int(time.time())
+        if req.stream:
+            return _SSEResponse(self._completion_events(streams, params, rid, model, created, req), streams)
+        return await _unless_disconnected(raw, self._completion_full(streams, params, rid, model, created), streams)
+
+    async def _completion_full(self, streams, params: SamplingParams, rid: str, model: str, created: int):
+        try:
+            finals = await _final_outputs(streams)
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+        choices, n_prompt, n_gen = [], 0, 0
+        for i, out in enumerate(finals):
+            n_prompt += len(out.prompt_token_ids)
+            for c in out.outputs:
+                n_gen += len(c.token_ids)
+                choices.append(CompletionChoice(
+                    index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs is not None else None,
+                    token_ids=list(c.token_ids), prompt_token_ids=list(out.prompt_token_ids)))
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen))
+
+    async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
+                                 req: CompletionRequest) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        cursors: dict[tuple[int, int], _ChoiceCursor] = {}
+        n_prompt: dict[int, int] = {}
+        n_gen = 0
+        try:
+            async for i, out in _merge(streams):
+                n_prompt[i] = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    cur = cursors.setdefault((i, c.index), _ChoiceCursor())
+                    if cur.done:
+                        continue
+                    delta = _stream_delta(c, cur, holdback)
+                    if delta is None:
+                        continue
+                    text, ids, lps = delta
+                    n_gen += len(ids)
+                    logprobs = None
+                    if lps is not None:
+                        logprobs = _completion_logprobs(ids, lps, cur.text_offset)
+                        cur.text_offset += sum(len(t) for t in logprobs.tokens)
+                    choice = CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids,
+                                              prompt_token_ids=list(out.prompt_token_ids) if cur.first else None)
+                    cur.first = False
+                    yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                p = sum(n_prompt.values())
+                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                    usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+        except Exception as err:  # noqa: BLE001 -- the 200 is already sent: report in-band
+            yield _sse(_exception_response_body(err))
+        yield _DONE_EVENT
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        try:
+            self._log_ignored(req)
+            model = self._model_name(req.model)
+            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            messages = req.template_messages()
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs["tools"] = req.tools
+            # The tokenizer belongs to the engine thread (HF fast tokenizers are not
+            # safe to share across threads), so the template is applied there.
+            prompt_ids = await self.llm.call(lambda eng: apply_chat_template(
+                eng.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs))
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+        created = int(time.time())
+        if req.stream:
+            return _SSEResponse(self._chat_events(streams[0], params, rid, model, created, req, prompt_ids), streams)
+        return await _unless_disconnected(raw, self._chat_full(streams[0], params, rid, model, created, req), streams)
+
+    async def _chat_full(self, stream, params: SamplingParams, rid: str, model: str, created: int, req: ChatCompletionRequest):
+        try:
+            (out,) = await _final_outputs([stream])
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+        top_k = params.logprobs or 0
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason, token_ids=list(c.token_ids),
+                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k) if req.logprobs and c.logprobs is not None else None)
+                   for c in out.outputs]
+        n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
+                                      prompt_token_ids=list(out.prompt_token_ids))
+
+    async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
+                           req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        top_k = params.logprobs or 0
+        cursors = [_ChoiceCursor() for _ in range(params.n)]
+        n_gen = 0
+        # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
+        yield _sse(ChatCompletionStreamResponse(
+            id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids),
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")) for j in range(params.n)]))
+        try:
+            async for _, out in _merge([stream]):
+                for c in out.outputs:
+                    cur = cursors[c.index]
+                    if cur.done:
+                        continue
+                    delta = _stream_delta(c, cur, holdback)
+                    if delta is None:
+                        continue
+                    text, ids, lps = delta
+                    n_gen += len(ids)
+                    logprobs = _chat_logprobs(ids, lps, top_k) if req.logprobs and lps is not None else None
+                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
+                    yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                p = len(prompt_ids)
+                yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                        usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+        except Exception as err:  # noqa: BLE001
+            yield _sse(_exception_response_body(err))
+        yield _DONE_EVENT
+
+
+def _exception_response_body(err: BaseException) -> dict:
+    import json
+    return json.loads(_exception_response(err).body)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                        kwargs: dict) -> list[int]:
+    """Messages -> prompt token ids, exactly as LLM.chat does it (so server and offline agree)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    if continue_final_message:
+        kwargs = {**kwargs, "continue_final_message": True}
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as err:  # jinja errors (raise_exception in templates, bad roles), bad kwargs
+        raise ValueError(f"could not apply the chat template: {err}") from err
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+# ---- the app ------------------------------------------------------------------------------
+
+def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True) -> FastAPI:
+    """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_engine_on_exit:
+            # Blocking join of the engine thread: off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, serving.llm.shutdown)
+
+    app = FastAPI(title="vllm-parity OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = serving
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(_request: Request, exc: RequestValidationError):
+        # OpenAI clients expect 400 + an error object, not FastAPI's 422 + "detail".
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_request: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_request: Request, exc: Exception):
+        return _exception_response(exc)
+
+    @app.get("/health")
+    async def health():
+        if serving.llm.is_running:
+            return {"status": "ok"}
+        return error_response("the engine is not running", 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await serving.chat(req, raw)
+
+    return app
+
+
+def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, max_logprobs: int = 20,
+                       generation_config: str = "auto") -> FastAPI:
+    """An app serving an existing `vllm.LLM` (its engine is driven by a new AsyncLLM thread).
+
+    Once the app runs, only the AsyncLLM may touch `llm.llm_engine`.
+    """
+    cfg = llm.config
+    names = list(served_model_names or [default_served_name(cfg.model.path)])
+    serving = OpenAIServing(AsyncLLM(llm.llm_engine), names, max_logprobs=max_logprobs,
+                            generation_defaults=cfg.model.generation_defaults if generation_config == "auto" else {},
+                            model_path=cfg.model.path, max_model_len=cfg.model.max_model_len)
+    return build_app(serving)
+
+
+def default_served_name(model_path: str) -> str:
+    """The name a model is served under without --served-model-name: its path, as upstream does,
+    except the embedded default model, whose path is an install location, is 'default'."""
+    from vllm.config import default_model_path
+    import os
+    if os.path.abspath(model_path) == os.path.abspath(default_model_path()):
+        return "default"
+    return model_path
+
+
+def run_server(llm, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
+               max_logprobs: int = 20, generation_config: str = "auto", log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; uvicorn's graceful shutdown then stops the engine thread."""
+    import uvicorn
+
+    app = build_app_from_llm(llm, served_model_names, max_logprobs=max_logprobs, generation_config=generation_config)
+    names = app.state.serving.names
+    logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
+    # Bounded graceful shutdown: an open stream must not keep the process alive forever.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

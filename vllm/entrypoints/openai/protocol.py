@@ -1,0 +1,356 @@
+"""Pydantic models of the OpenAI-compatible API: requests in, responses out.
+
+Requests are checked in two layers. Pydantic checks *types* (a non-integer
+token id, a string temperature, NaN); SamplingParams checks *values* (a
+negative temperature, top_p outside (0, 1]) so the server and the offline API
+share one set of rules and one set of messages. Both failures become HTTP 400.
+
+OpenAI fields this engine does not implement are accepted only at their no-op
+default: silently ignoring `presence_penalty: 1.5` would sample from a
+different distribution than the caller asked for, which is exactly what an RL
+framework must never get without knowing.
+
+Extensions over the OpenAI schema (documented in docs/serving.md):
+`token_ids` per choice, `prompt_token_ids` (per choice for completions, top
+level for chat), `stop_reason`, and the vLLM sampling fields top_k, min_p,
+min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output,
+skip_special_tokens, logprobs_mode.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_serializer
+
+from vllm.sampling_params import SamplingParams
+
+# Seeds reach the sampler as int64: anything wider would crash a whole batch
+# inside step(), so it is rejected here, per request.
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# One request may not ask for more than this many completions (prompts x n):
+# each is a scheduler entry, and an absurd n would stall the engine thread.
+MAX_CHOICES_PER_REQUEST = 1024
+
+# JSON has no infinities; a -inf logprob (a token masked by top-k/top-p in a
+# processed mode) is reported as this value, as upstream vLLM does.
+NEG_INF_LOGPROB = -9999.0
+
+
+def json_logprob(x: float) -> float:
+    """A logprob as a JSON-safe float (finite values pass through bit for bit)."""
+    if math.isnan(x):
+        return NEG_INF_LOGPROB
+    return x if math.isfinite(x) else (NEG_INF_LOGPROB if x < 0 else float(x))
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (not rejected) so clients that send vendor fields such
+    # as `user` or `metadata` still work; the server logs the names it ignored.
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: Optional[str] = None
+    n: StrictInt = 1
+    # None means "not given": the model's generation_config.json default applies
+    # (when the server runs with --generation-config auto), else SamplingParams'.
+    temperature: Optional[FiniteFloat] = None
+    top_p: Optional[FiniteFloat] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[FiniteFloat] = None
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: bool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs_mode: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # OpenAI fields accepted only at their no-op value (see module docstring).
+    presence_penalty: Optional[FiniteFloat] = 0.0
+    frequency_penalty: Optional[FiniteFloat] = 0.0
+    repetition_penalty: Optional[FiniteFloat] = 1.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def _check_unsupported(self) -> None:
+        if self.presence_penalty not in (None, 0.0) or self.frequency_penalty not in (None, 0.0):
+            raise ValueError("presence_penalty and frequency_penalty are not supported (must be 0)")
+        if self.repetition_penalty not in (None, 1.0):
+            raise ValueError("repetition_penalty is not supported (must be 1)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError("seed must fit in a signed 64-bit integer")
+        if self.top_k is not None and self.top_k > _INT64_MAX:
+            raise ValueError("top_k must fit in a signed 64-bit integer (any value >= the vocabulary size disables it)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
+                         max_logprobs: int) -> SamplingParams:
+        self._check_unsupported()
+        if logprobs is not None and logprobs > max_logprobs:
+            raise ValueError(f"at most {max_logprobs} logprobs per token may be requested (server --max-logprobs), got {logprobs}")
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(self, k) is not None}
+        kw = {**{k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")}, **given}
+        # SamplingParams raises ValueError with a readable message for every bad value.
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            **({"logprobs_mode": self.logprobs_mode} if self.logprobs_mode is not None else {}),
+            **kw)
+
+
+PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptType
+    max_tokens: Optional[StrictInt] = 16      # OpenAI's default for completions
+    logprobs: Optional[StrictInt] = None      # k: the sampled token's logprob plus the top-k alternatives
+    echo: bool = False
+    best_of: Optional[StrictInt] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, dict]]:
+        """The prompts as engine inputs: strings stay strings, token ids become dicts."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list = [p]
+        elif len(p) == 0:
+            raise ValueError("prompt is empty")
+        elif all(isinstance(x, str) for x in p):
+            out = list(p)
+        elif all(isinstance(x, int) for x in p):
+            out = [{"prompt_token_ids": list(p)}]
+        else:
+            out = [{"prompt_token_ids": list(x)} for x in p]
+        if len(out) * max(self.n, 1) > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"a request may ask for at most {MAX_CHOICES_PER_REQUEST} completions (prompts x n)")
+        return out
+
+    def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (must be unset or equal to n)")
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults, max_logprobs)
+
+
+class ChatContentPart(OpenAIBaseModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    # Extra keys (name, tool_calls, tool_call_id, ...) are kept and handed to the
+    # chat template, which decides what to do with them.
+    role: str
+    content: Optional[Union[str, list[ChatContentPart]]] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=False)
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"only text content parts are supported, got type {part.type!r}")
+                parts.append(part.text)
+            d["content"] = "\n".join(parts)
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: Optional[StrictInt] = None    # None: until the context is full (OpenAI's chat default)
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: bool = False
+    top_logprobs: Optional[StrictInt] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise ValueError("messages is empty")
+        return [m.to_template_dict() for m in self.messages]
+
+    def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
+        if self.n > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"n must be <= {MAX_CHOICES_PER_REQUEST}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("only tool_choice 'none' or 'auto' is supported (tool calls are not parsed)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than 'text' is not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    """OpenAI's legacy completions logprobs, one entry per generated token."""
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: list[int] = Field(default_factory=list)             # extension
+    prompt_token_ids: Optional[list[int]] = None                   # extension
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobToken(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: Optional[list[ChatLogprobToken]] = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: list[int] = Field(default_factory=list)             # extension
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: Optional[list[int]] = None                   # extension
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="plain")
+    def _drop_unset(self) -> dict[str, Any]:
+        # OpenAI deltas carry only what changed: `role` on a choice's first chunk only.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: list[int] = Field(default_factory=list)             # extension: this chunk's new token ids
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None                   # extension: on the first chunk only
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm-parity"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo

@@ -1,0 +1,480 @@
+"""Paged attention with a fixed reduction order (prefill, chunked prefill, decode).
+
+One Triton kernel serves every attention call of the engine. Its promise: the
+output bits for one query token (sequence content, absolute position p, head h)
+do not depend on how the token was scheduled -- full prefill, any chunk of a
+chunked prefill, single-token decode (with or without parallel KV splits) --
+nor on the other sequences in the batch, the sequence's slot, its physical
+block ids, or padding rows. docs/attention.md explains why each axis cannot
+change the bits; the short version:
+
+* KV positions are reduced in tiles of KV_TILE tokens anchored at absolute
+  position 0, in increasing order, with an fp32 online softmax.
+* Tiles are grouped into splits of ``kv_split_size`` tokens (also anchored at
+  0). Every split starts a fresh online softmax; split partials are merged in
+  increasing order with one formula (``_merge``). Prefill walks the splits
+  inside one program; decode may instead run them as parallel programs plus a
+  merge kernel that applies the same ``_merge`` to the same partials.
+* Work that a row does not need (tiles/splits past its position, rows padding
+  a Q tile) is an exact identity on its state, so the amount of such work --
+  which is what differs between schedules -- cannot show in the bits.
+* Everything summed goes through ``tl.dot(a, b, acc)`` (including the softmax
+  denominator, as a dot with a ones tile), whose per-row bits do not depend on
+  the tile height BLOCK_M; fp contraction is disabled so mul/add never fuse
+  differently between kernel specialisations.
+
+All tunables live in the block below. KV_TILE and the split size change the
+bits (they define the reduction order) and must be the same for every call of
+a model -- in the engine AND in the trainer. Everything else (BLOCK_M, warps,
+stages, the decode-parallel heuristic) only changes speed.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# --------------------------------------------------------------------------
+# Tunables (the one place). See docs/attention.md.
+# --------------------------------------------------------------------------
+# Reduction-order constants: changing either changes the output bits.
+KV_TILE = 64  # KV tokens per online-softmax step (power of two, >= 16).
+KV_SPLIT_SIZE = 512  # KV tokens per split (multiple of KV_TILE).
+
+# Speed-only constants, keyed by head_dim.
+# Prefill Q tile height in rows (= query tokens x padded GQA group). Two fp32
+# [BLOCK_M, head_dim] accumulators (running + current split) live in registers,
+# which is what limits BLOCK_M for head_dim 256.
+PREFILL_BLOCK_M = {16: 64, 32: 64, 64: 128, 128: 128, 256: 64}
+PREFILL_NUM_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
+PREFILL_NUM_STAGES = {16: 2, 32: 2, 64: 3, 128: 2, 256: 2}
+# Decode: one query token x G heads, padded up to the smallest tl.dot height.
+DECODE_MIN_BLOCK_M = 16
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+MERGE_NUM_WARPS = 4
+# Decode runs KV splits as parallel programs when (sequences x kv heads) would
+# otherwise leave the GPU idle (H200: 132 SMs) and contexts span >= 2 splits.
+DECODE_PARALLEL_MAX_PROGRAMS = 264
+# Under TRITON_INTERPRET (CPU tests) smaller prefill tiles keep numpy fast.
+INTERPRET_PREFILL_BLOCK_M = 32
+
+# --------------------------------------------------------------------------
+
+try:  # The module must import on machines without Triton (CPU engine).
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Read once, like triton.jit does when it decides between JIT and interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, acc, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ b in the fused ``tl.dot(a, b, acc)`` form.
+
+        The Triton interpreter (CPU tests) implements tl.dot with np.matmul,
+        whose per-element bits change with the number of rows (BLAS kernel
+        choice) and which mishandles bf16; there we emulate the dot with
+        exact fp32 products summed in a fixed, shape-independent order.
+        """
+        if EMULATE:
+            prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+            res = acc + tl.sum(prod, axis=1)
+        else:
+            res = tl.dot(a, b, acc, input_precision=PRECISION)
+        return res
+
+    @triton.jit
+    def _attend_split(
+        q, row_pos, kv_lo, kv_hi, seq_len, qk_scale,
+        bt_row_ptr, k_base, v_base,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Online softmax over KV positions [kv_lo, kv_hi) from a fresh state.
+
+        kv_lo is a split start (a multiple of KV_TILE), so tiles are anchored
+        at absolute position 0 whatever the caller. Returns the split partial
+        (m, l, acc): running max in the log2 domain, softmax denominator and
+        unnormalised output, all fp32.
+        """
+        offs_t = tl.arange(0, KV_TILE)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # The denominator is a dot with a ones tile rather than tl.sum(p, 1):
+        # tl.sum's cross-thread order follows the register layout, which
+        # changes with BLOCK_M / num_warps, while the dot's per-row bits don't.
+        ones = tl.full([KV_TILE, 16], 1.0, v_base.dtype.element_ty)
+        for start in tl.range(kv_lo, kv_hi, KV_TILE):
+            pos = start + offs_t
+            # Positions beyond the context are never read: their block-table
+            # entry may be anything and their cache slots may hold NaN.
+            in_ctx = pos < seq_len
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+            slot = (pos % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(
+                k_base + blk[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                mask=in_ctx[:, None], other=0.0)
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                mask=in_ctx[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, KV_TILE], tl.float32), EMULATE, PRECISION)
+            s = s * qk_scale
+            # Causal mask per row; padding rows have row_pos = -1 (all masked).
+            s = tl.where(pos[None, :] <= row_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # A row with nothing unmasked yet keeps m = -inf; use 0 as the
+            # reference so no (-inf) - (-inf) NaN appears. A fully masked tile
+            # for a row with finite m gives alpha = exp2(0) = 1 and p = 0, so
+            # (m, l, acc) stay bit-identical: extra tiles are invisible.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s - m_ref[:, None]).to(v.dtype)
+            l_acc = _dot(p, ones, l_acc * alpha[:, None], EMULATE, PRECISION)
+            acc = _dot(p, v, acc * alpha[:, None], EMULATE, PRECISION)
+            m = m_new
+        # All 16 columns of l_acc hold the same sum; max extracts it exactly.
+        l = tl.max(l_acc, axis=1)
+        return m, l, acc
+
+    @triton.jit
+    def _merge(M, L, ACC, m, l, acc):
+        """Fold split partial (m, l, acc) into the running (M, L, ACC).
+
+        The single merge formula shared by the in-kernel split loop and the
+        decode merge kernel. An empty partial (m = -inf, l = 0, acc = 0) is an
+        exact identity on a row with finite M (a = 1, b = 0).
+        """
+        M_new = tl.maximum(M, m)
+        M_ref = tl.where(M_new == float("-inf"), 0.0, M_new)
+        a = tl.exp2(M - M_ref)
+        b = tl.exp2(m - M_ref)
+        L = L * a + l * b
+        ACC = ACC * a[:, None] + acc * b[:, None]
+        return M_new, L, ACC
+
+    @triton.jit
+    def _finalize(L, ACC):
+        """ACC / L with rows that saw no KV (padding, seq_len 0) set to 0.
+
+        Signed zeros are canonicalised to +0: which zeros an exact identity
+        step adds (0 * v vs 0 * 0) can differ between schedules, and that can
+        only ever show as the sign of an output that is exactly zero.
+        """
+        ok = L > 0.0
+        L_safe = tl.where(ok, L, 1.0)
+        o = tl.math.div_rn(ACC, L_safe[:, None])
+        o = tl.where(ok[:, None], o, 0.0)
+        return tl.where(o == 0.0, 0.0, o)
+
+    @triton.jit
+    def _paged_attn_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr,
+        ws_acc_ptr, ws_ml_ptr,
+        qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_bt,
+        num_kv_heads, max_splits,
+        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One program per (q tile | split, sequence, kv head).
+
+        Rows of the Q tile are (query token, head in GQA group) pairs:
+        row r -> token r // G_PAD, head r % G_PAD, so one KV tile load serves
+        all G query heads that share the kv head.
+
+        WRITE_PARTIALS=False: axis 0 is the Q tile; all splits are walked and
+        merged in order, the final output is written.
+        WRITE_PARTIALS=True (decode only, BLOCK_Q == 1): axis 0 is the split;
+        the split partial (m, l, acc) goes to the fp32 workspace and
+        _merge_splits_kernel finishes.
+        """
+        pid0 = tl.program_id(0)
+        seq = tl.program_id(1)
+        kvh = tl.program_id(2)
+
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        seq_len = tl.load(seqlen_ptr + seq)
+        if WRITE_PARTIALS:
+            qt = 0
+        else:
+            qt = pid0
+        # KV range this Q tile needs: up to its last row's position.
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, (qt + 1) * BLOCK_Q))
+        # Q tiles past this sequence's queries (and q_len == 0 padding
+        # sequences) have nothing to do; neither do decode splits past the
+        # context (the merge kernel never reads them). One top-level return.
+        done = qt * BLOCK_Q >= q_len
+        if WRITE_PARTIALS:
+            done = done | (pid0 * SPLIT >= kv_end)
+        if done:
+            return
+
+        rows = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        tok = qt * BLOCK_Q + rows // G_PAD
+        hh = rows % G_PAD
+        row_ok = (rows // G_PAD < BLOCK_Q) & (tok < q_len) & (hh < G)
+        head = kvh * G + hh
+        # Absolute position of each query row; -1 masks every KV position.
+        row_pos = tl.where(row_ok, seq_len - q_len + tok, -1)
+        q_row = (q_start + tok).to(tl.int64)
+        q = tl.load(
+            q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None], other=0.0)
+
+        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+
+        if WRITE_PARTIALS:
+            lo = pid0 * SPLIT
+            hi = tl.minimum(lo + SPLIT, kv_end)
+            m, l, acc = _attend_split(
+                q, row_pos, lo, hi, seq_len, qk_scale, bt_row_ptr, k_base, v_base,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                BLOCK_M, HEAD_DIM, KV_TILE, BLOCK_SIZE, EMULATE, PRECISION)
+            # Workspace layout [seq, kv head, split, BLOCK_M (, HEAD_DIM)]:
+            # all BLOCK_M rows are stored, so the merge reads full tiles.
+            ws_row = ((seq.to(tl.int64) * num_kv_heads + kvh) * max_splits + pid0) * BLOCK_M + rows
+            tl.store(ws_ml_ptr + ws_row * 2, m)
+            tl.store(ws_ml_ptr + ws_row * 2 + 1, l)
+            tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        else:
+            M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            L = tl.zeros([BLOCK_M], tl.float32)
+            ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for lo in range(0, kv_end, SPLIT):
+                hi = tl.minimum(lo + SPLIT, kv_end)
+                m, l, acc = _attend_split(
+                    q, row_pos, lo, hi, seq_len, qk_scale, bt_row_ptr, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt,
+                    BLOCK_M, HEAD_DIM, KV_TILE, BLOCK_SIZE, EMULATE, PRECISION)
+                M, L, ACC = _merge(M, L, ACC, m, l, acc)
+            o = _finalize(L, ACC)
+            tl.store(
+                out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr, cu_ptr, seqlen_ptr, ws_acc_ptr, ws_ml_ptr,
+        stride_ot, stride_oh, num_kv_heads, max_splits,
+        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """Decode epilogue: merge the split partials of one (sequence, kv head)
+        in increasing split order with the same _merge/_finalize, on the same
+        [BLOCK_M, HEAD_DIM] row layout, as the sequential decode kernel."""
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        seq_len = tl.load(seqlen_ptr + seq)
+        if q_len <= 0:
+            return
+        rows = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        hh = rows % G_PAD
+        row_ok = (rows // G_PAD < 1) & (hh < G)
+        head = kvh * G + hh
+        # Same expression as the partial kernel (BLOCK_Q = 1).
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, 1))
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        base = (seq.to(tl.int64) * num_kv_heads + kvh) * max_splits
+        for j in range(0, tl.cdiv(kv_end, SPLIT)):
+            ws_row = (base + j) * BLOCK_M + rows
+            m = tl.load(ws_ml_ptr + ws_row * 2)
+            l = tl.load(ws_ml_ptr + ws_row * 2 + 1)
+            acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :])
+            M, L, ACC = _merge(M, L, ACC, m, l, acc)
+        o = _finalize(L, ACC)
+        q_row = q_start.to(tl.int64)
+        tl.store(
+            out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size):
+    """Shape/dtype checks on metadata only (no device sync)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("expected q [T, Hq, D] and k/v caches [blocks, block_size, Hkv, D]")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError("q and kv cache head_dim differ")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError("head_dim must be a power of two >= 16")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError("block_size must be a power of two")
+    if kv_split_size <= 0 or kv_split_size % KV_TILE != 0:
+        raise ValueError(f"kv_split_size must be a positive multiple of KV_TILE={KV_TILE}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError("q, k_cache and v_cache must share a dtype")
+    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_table, cu_seqlens_q and seq_lens must be int32")
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+        raise ValueError("cu_seqlens_q must be [S+1] and block_table [>=S, max_blocks]")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous in its last dim")
+
+
+def use_decode_parallel_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
+                               kv_split_size: int = KV_SPLIT_SIZE) -> bool:
+    """Shape-only heuristic: parallel KV splits for few (sequence, kv head)
+    pairs with contexts spanning >= 2 splits. Either choice gives the same
+    bits; this only decides speed."""
+    if max_seq_len is None or _cdiv(max_seq_len, kv_split_size) < 2:
+        return False
+    return num_seqs * num_kv_heads < DECODE_PARALLEL_MAX_PROGRAMS
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int,
+    max_seq_len: int | None = None,
+    kv_split_size: int = KV_SPLIT_SIZE,
+    decode_parallel_splits: bool | None = None,
+) -> torch.Tensor:
+    """Causal paged attention; see module docstring and docs/attention.md.
+
+    q [T, Hq, D] packed by cu_seqlens_q [S+1]; seq_lens [S] = context length
+    including the query tokens; k/v caches [num_blocks, block_size, Hkv, D];
+    block_table [S, max_blocks] int32. max_query_len / max_seq_len are host
+    ints (upper bounds) that size the grid, so the call never syncs and is
+    CUDA-graph capturable. max_query_len == 1 selects the decode path;
+    max_seq_len is required for parallel decode splits.
+
+    Returns out [T, Hq, D] in q's dtype. Rows of sequences with q_len 0 are
+    not written; rows of sequences with no KV (seq_len 0) are zero; when
+    ``out`` is None, rows past cu_seqlens_q[-1] are zero.
+
+    Without CUDA and without TRITON_INTERPRET=1 this falls back to the
+    pure-torch implementation (same tile/split/merge order, not the same
+    bits as the GPU kernel).
+    """
+    if not HAS_TRITON or (not q.is_cuda and not _INTERPRET):
+        from vllm.kernels.attention_ref import paged_attention_torch
+
+        return paged_attention_torch(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            kv_split_size=kv_split_size, decode_parallel_splits=decode_parallel_splits)
+
+    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size)
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.zeros_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError("out must match q's shape and be contiguous in head_dim")
+    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+
+    G = num_q_heads // num_kv_heads
+    G_PAD = _next_pow2(G)
+    is_decode = max_query_len == 1
+    if decode_parallel_splits is None:
+        decode_parallel_splits = is_decode and use_decode_parallel_splits(
+            num_seqs, num_kv_heads, max_seq_len, kv_split_size)
+    if decode_parallel_splits and (not is_decode or max_seq_len is None):
+        raise ValueError("parallel splits need max_query_len == 1 and max_seq_len")
+
+    if is_decode:
+        block_q = 1
+        block_m = max(DECODE_MIN_BLOCK_M, G_PAD)
+        num_warps, num_stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
+    else:
+        base_m = INTERPRET_PREFILL_BLOCK_M if _INTERPRET else PREFILL_BLOCK_M.get(head_dim, 64)
+        # Short queries (spec decode, small chunks) get a shorter Q tile;
+        # BLOCK_M never changes the bits, only wasted rows.
+        block_q = max(1, min(max(base_m, G_PAD) // G_PAD, _next_pow2(max_query_len)))
+        block_m = max(DECODE_MIN_BLOCK_M, block_q * G_PAD)
+        num_warps = PREFILL_NUM_WARPS.get(head_dim, 4)
+        num_stages = PREFILL_NUM_STAGES.get(head_dim, 2)
+
+    # log2-domain scores: exp2 is the native instruction.
+    qk_scale = float(scale) * 1.4426950408889634
+    emulate = _INTERPRET or not q.is_cuda
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(G=G, G_PAD=G_PAD, BLOCK_M=block_m, HEAD_DIM=head_dim)
+    launch = dict(num_warps=num_warps, num_stages=num_stages,
+                  # Keep every mul/add a separately rounded op: FMA contraction
+                  # is a compiler choice that may differ between
+                  # specialisations (prefill vs decode vs merge kernel).
+                  enable_fp_fusion=False)
+
+    if decode_parallel_splits:
+        max_splits = max(1, _cdiv(max_seq_len, kv_split_size))
+        ws_acc = torch.empty((num_seqs, num_kv_heads, max_splits, block_m, head_dim),
+                             dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((num_seqs, num_kv_heads, max_splits, block_m, 2),
+                            dtype=torch.float32, device=q.device)
+        grid = (max_splits, num_seqs, num_kv_heads)
+    else:
+        max_splits = 1
+        ws_acc = ws_ml = out  # unused placeholders (never dereferenced)
+        grid = (_cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
+
+    _paged_attn_kernel[grid](
+        out, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+        ws_acc, ws_ml,
+        qk_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        num_kv_heads, max_splits,
+        BLOCK_Q=block_q, KV_TILE=KV_TILE, SPLIT=kv_split_size, BLOCK_SIZE=block_size,
+        WRITE_PARTIALS=bool(decode_parallel_splits), EMULATE=emulate, PRECISION=precision,
+        **common, **launch,
+    )
+    if decode_parallel_splits:
+        _merge_splits_kernel[(num_seqs, num_kv_heads)](
+            out, cu_seqlens_q, seq_lens, ws_acc, ws_ml,
+            out.stride(0), out.stride(1), num_kv_heads, max_splits,
+            SPLIT=kv_split_size, **common,
+            num_warps=MERGE_NUM_WARPS, num_stages=1, enable_fp_fusion=False,
+        )
+    return out

@@ -1,0 +1,110 @@
+"""Batch-invariant GEMM: y = x @ W^T (+ b), one fixed reduction order along K.
+
+Each output element is produced by ONE program that walks K from 0 to K in
+order, accumulating in float32 with the `acc = tl.dot(a, b, acc)` form: no
+split-K, no atomics, no dependence of the K order on M. Tile shapes (BM, BN,
+BK, warps, stages) may follow M: measured on the H200 this form gives
+bit-identical results for every tile shape tried (../shared/NOTES.md), and the
+start-up self-check (`vllm/kernels/selfcheck.py`) re-verifies it for the
+loaded model's shapes on the machine at hand.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _invariant_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    # Grouped launch order so consecutive programs share W tiles in L2 (order of
+    # programs never affects bits: each output tile belongs to exactly one program).
+    group = GROUP_M * num_pid_n
+    gid = pid // group
+    first_m = gid * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_left = K - k * BK
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & (rk[:, None] < k_left), other=0.0)
+        acc = tl.dot(a, b, acc)  # this form (not `acc += tl.dot`) keeps bits independent of BK/BM
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# (max M, BM, BN, BK, num_warps, num_stages): chosen by M only. Any entry must
+# produce the same bits as any other (tested in tests/test_matmul_kernel.py and
+# at start-up); benchmarks/kernels/gemm.py sweeps candidates on the H200.
+GPU_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
+    (16, 16, 64, 256, 4, 4),
+    (32, 32, 64, 256, 4, 4),
+    (64, 64, 64, 128, 4, 4),
+    (128, 64, 128, 64, 4, 4),
+    (256, 128, 128, 64, 8, 3),
+    (1 << 62, 128, 256, 64, 8, 3),
+]
+# Small tiles for the Triton interpreter (CPU tests): speed there is irrelevant.
+INTERPRET_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
+    (16, 16, 16, 16, 1, 1),
+    (1 << 62, 32, 32, 32, 1, 1),
+]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pick_config(M: int, configs=None) -> tuple[int, int, int, int, int]:
+    table = configs or (INTERPRET_CONFIGS if _interpreting() else GPU_CONFIGS)
+    for max_m, bm, bn, bk, warps, stages in table:
+        if M <= max_m:
+            return bm, bn, bk, warps, stages
+    raise AssertionError("config table must end with an unbounded entry")
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype)."""
+    K = x.shape[-1]
+    N, Kw = weight.shape
+    if Kw != K:
+        raise ValueError(f"invariant_matmul: x has K={K}, weight has K={Kw}")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, K)
+    M = a.shape[0]
+    c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return c.reshape(*lead, N)
+    bm, bn, bk, warps, stages = config or pick_config(M)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _invariant_matmul_kernel[grid](
+        a, weight, c, bias if bias is not None else c,
+        M, N, K,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+    )
+    return c.reshape(*lead, N)

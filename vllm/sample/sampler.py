@@ -1,0 +1,474 @@
+"""Batch-invariant sampler.
+
+The product promise is that a request's sampled token and its logprobs are a
+function of that request's logits row and sampling parameters only: never of
+the batch size, the other rows, or the row order.  Two rules make that hold by
+construction rather than by luck:
+
+* Only *exact* or *elementwise* operations touch a row.  Elementwise float ops
+  (``/``, ``+``, ``exp``, ``log``) compute each element on its own, so its bits
+  cannot depend on the tensor's shape.  Exact ops (``amax``, ``argmax``,
+  comparisons, integer sums/cumsums, stable sorts, ``topk`` values, gathers,
+  scatters to distinct indices) have a single correct answer, so whatever
+  algorithm torch picks for a given shape returns the same bits.
+* Float *reductions* (sums, prefix sums) are never left to torch's reduction
+  kernels, whose split/tile choices on CUDA depend on the number of rows (and
+  ``cumsum`` of a single row even takes a different code path).  They are
+  written as a fixed sequence of elementwise adds over column slices
+  (:func:`_pairwise_sum`, :func:`_inclusive_scan`), so the order of additions
+  depends only on the row length.
+
+Randomness comes from :mod:`vllm.sample.rng`, a counter-based hash of
+``(seed, position, token id)``.  See ``docs/sampling.md`` for the full spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm.sample.rng import gumbel_noise
+
+LOGPROBS_MODES = (
+    "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation (T == 0 -> T = 1)
+    "raw_logprobs",        # log_softmax(logits)
+    "raw_logits",          # logits as given
+    "processed_logprobs",  # log_softmax of the truncated tempered logits (masked tokens -inf)
+    "processed_logits",    # the truncated tempered logits (masked tokens -inf)
+)
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- #
+# Batch-invariant numerics (also meant for the trainer: see tempered_logprobs)
+# --------------------------------------------------------------------------- #
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim with a fixed pairwise order; returns shape [..., 1].
+
+    Each step adds the second half of the columns onto the first half (an
+    elementwise add), folding an odd leftover column into column 0.  The order
+    of additions is a function of the row length alone.  Pairwise summation is
+    also more accurate than a sequential sum (error O(log n) ulps).
+    """
+    n = x.shape[-1]
+    if n == 0:
+        return x.new_zeros(x.shape[:-1] + (1,))
+    while n > 1:
+        half = n // 2
+        y = x[..., :half] + x[..., half:2 * half]
+        if n % 2:
+            y[..., :1] += x[..., 2 * half:]
+        x, n = y, half
+    return x
+
+
+def _inclusive_scan(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sum over the last dim, Hillis-Steele order (elementwise adds only).
+
+    Output column j is a fixed combination of input columns 0..j that does not
+    depend on the row length either: step ``s`` touches column j only if
+    ``j >= s``, and every ``s <= j`` step runs whenever the row is longer than j.
+    """
+    a = x.contiguous().clone()
+    n = a.shape[-1]
+    if n <= 1:
+        return a
+    b = torch.empty_like(a)
+    s = 1
+    while s < n:
+        b[..., :s].copy_(a[..., :s])
+        torch.add(a[..., s:], a[..., :-s], out=b[..., s:])
+        a, b = b, a
+        s *= 2
+    return a
+
+
+def batch_invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dim whose bits depend only on each row.
+
+    Same formula as torch's kernel, ``(x - max) - log(sum(exp(x - max)))``, but
+    the sum is :func:`_pairwise_sum`.  Rows whose max is not finite (all -inf)
+    are not supported (their output is -inf/nan), as in torch.
+    """
+    x = x.float()
+    m = x.amax(dim=-1, keepdim=True)
+    # Keep rows with -inf entries finite; a fully -inf row just yields nan/-inf.
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z = x - m
+    s = _pairwise_sum(torch.exp(z))
+    return z.sub_(s.log_())
+
+
+def _effective_temperature(temperature: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """Temperature as a float32 device tensor broadcastable against ``like``'s rows, 0 -> 1."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=like.device)
+    if t.dim() > 0:
+        t = t.reshape(t.shape + (1,))  # one value per row -> broadcast over the vocab
+    return torch.where(t <= 0, torch.ones_like(t), t)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """``logits / T`` as the sampler computes it (T <= 0 means greedy and is treated as 1).
+
+    It is a true IEEE division by a *device tensor*: ``logits / 0.7`` with a
+    Python float would let CUDA multiply by the reciprocal instead (different
+    bits), so trainers should call this function rather than re-deriving it.
+    ``x / 1.0 == x`` exactly, so greedy rows keep their raw logits bit for bit.
+    """
+    return logits.float() / _effective_temperature(temperature, logits)
+
+
+def tempered_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """The ``tempered_logprobs`` mode for any ``[..., V]`` logits: what an RL trainer recomputes.
+
+    ``temperature`` is a scalar or one value per row (shape ``logits.shape[:-1]``).
+    Calling this on the trainer's logits gives the rollout's logprobs bit for bit
+    whenever the logits themselves match.
+    """
+    return batch_invariant_log_softmax(apply_temperature(logits, temperature))
+
+
+def _stable_topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stable_topk` for rows where ties straddle the k-th value (0 < k < N).
+
+    ``torch.topk`` is only trusted for the k-th largest *value* (exact); which
+    of the tied indices to keep is decided by exact integer bookkeeping.
+    """
+    B, N = x.shape
+    kth = torch.topk(x, k, dim=-1, largest=True, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = x > kth
+    at = x == kth
+    # Of the entries tied with the k-th value, keep the lowest indices that fit.
+    room = k - above.sum(dim=-1, keepdim=True)
+    selected = above | (at & (at.cumsum(dim=-1) <= room))
+    # A per-row permutation putting the selected indices first (in index order)
+    # and the rest after them: every scatter target is distinct, so the scatter
+    # is deterministic.
+    col = torch.arange(N, device=x.device, dtype=torch.int64).expand(B, N)
+    csum = selected.cumsum(dim=-1)
+    slot = torch.where(selected, csum - 1, k + col - csum)
+    ids = torch.empty_like(slot).scatter_(1, slot, col)[:, :k]
+    vals, order = torch.sort(x.gather(1, ids), dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` entries of a stable descending sort of each row of ``x`` [B, N].
+
+    Returns ``(values, indices)`` [B, k], descending, equal values ordered by
+    lower index first: exactly ``torch.sort(x, descending=True, stable=True)``
+    truncated to k, without sorting the whole row.
+
+    ``torch.topk`` does not promise which of several tied indices it returns.
+    Its chosen *set* is nevertheless forced whenever exactly k entries are >=
+    the k-th largest value; then only the order inside the set needs fixing
+    (sort by id, then stable sort by value).  Rows where more than k entries
+    reach the k-th value (a tie straddling the boundary) are redone by
+    :func:`_stable_topk_exact`.  Either way a row's answer is the same unique
+    prefix, so which rows take which path never matters.
+    """
+    B, N = x.shape
+    k = max(0, min(int(k), N))
+    if k == N:
+        return torch.sort(x, dim=-1, descending=True, stable=True)
+    if k == 0 or B == 0:
+        return x.new_empty((B, k)), torch.empty((B, k), dtype=torch.int64, device=x.device)
+    vals, ids = torch.topk(x, k, dim=-1, largest=True, sorted=False)
+    ambiguous = (x >= vals.amin(dim=-1, keepdim=True)).sum(dim=-1) > k
+    ids = torch.sort(ids, dim=-1).values                   # ascending token id ...
+    vals, order = torch.sort(x.gather(1, ids), dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)                              # ... then by value, stably
+    rows = ambiguous.nonzero().squeeze(1)                   # host sync; usually empty
+    if rows.numel():
+        v, i = _stable_topk_exact(x.index_select(0, rows), k)
+        vals.index_copy_(0, rows, v)
+        ids.index_copy_(0, rows, i)
+    return vals, ids
+
+
+# --------------------------------------------------------------------------- #
+# Public dataclasses
+# --------------------------------------------------------------------------- #
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters; one row per request sampled this step.
+
+    All tensors live on the logits' device.  ``all_greedy`` and
+    ``no_truncation`` are promises from the engine that let the sampler skip
+    work; when False the sampler works it out itself.  A skipped stage is
+    exactly the identity for every row it would have left alone, so the flags
+    never change any row's result.
+    """
+
+    temperature: torch.Tensor   # [B] float32; <= 0 => greedy (argmax of raw logits)
+    top_k: torch.Tensor         # [B] int64; <= 0 or >= vocab => disabled
+    top_p: torch.Tensor         # [B] float32; >= 1.0 => disabled
+    min_p: torch.Tensor         # [B] float32; <= 0.0 => disabled
+    seeds: torch.Tensor         # [B] int64; per-request seed
+    positions: torch.Tensor     # [B] int64; index of the token within the request's output
+    max_num_logprobs: int = -1  # -1: none; 0: sampled token's logprob + rank; k > 0: also top-k
+    logprobs_mode: str = "tempered_logprobs"
+    all_greedy: bool = False    # promise: every temperature is 0
+    no_truncation: bool = False  # promise: no row uses top_k / top_p / min_p
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        device: torch.device | str,
+        max_num_logprobs: int = -1,
+        logprobs_mode: str = "tempered_logprobs",
+    ) -> "SamplingBatch":
+        """Build a batch from Python lists, deriving the fast-path flags."""
+        n = len(temperature)
+        if not all(len(v) == n for v in (top_k, top_p, min_p, seeds, positions)):
+            raise ValueError("all per-row parameter lists must have the same length")
+        return cls(
+            temperature=torch.tensor(list(temperature), dtype=torch.float32, device=device),
+            top_k=torch.tensor(list(top_k), dtype=torch.int64, device=device),
+            top_p=torch.tensor(list(top_p), dtype=torch.float32, device=device),
+            min_p=torch.tensor(list(min_p), dtype=torch.float32, device=device),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            max_num_logprobs=max_num_logprobs,
+            logprobs_mode=logprobs_mode,
+            all_greedy=all(t <= 0 for t in temperature),
+            # top_k >= vocab also disables, but the vocab is unknown here: stay conservative.
+            no_truncation=all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p)
+            and all(m <= 0.0 for m in min_p),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                     # [B] int64
+    logprobs: torch.Tensor | None = None        # [B] float32, sampled token's value under logprobs_mode
+    ranks: torch.Tensor | None = None           # [B] int64, 1 + #tokens with a strictly greater value
+    topk_ids: torch.Tensor | None = None        # [B, k] int64, descending value, ties -> lower id first
+    topk_logprobs: torch.Tensor | None = None   # [B, k] float32
+
+
+# --------------------------------------------------------------------------- #
+# Truncation (top-k, top-p, min-p)
+# --------------------------------------------------------------------------- #
+# Sorted-prefix width tried first for top-p rows without top-k; multiplied by
+# _TOP_P_GROWTH until every such row's nucleus fits.  Only a speed knob: the
+# result never depends on it.
+_TOP_P_FIRST_WIDTH = 1024
+_TOP_P_GROWTH = 8
+
+
+@dataclass
+class _TruncationPlan:
+    """Which truncation stages some row of the batch uses (host-side booleans)."""
+
+    any_k: bool = False
+    any_p: bool = False
+    any_m: bool = False
+    any_p_without_k: bool = False
+    max_top_k: int = 0  # largest top_k among rows that use top-k
+
+    @property
+    def any(self) -> bool:
+        return self.any_k or self.any_p or self.any_m
+
+
+def _keep_mask(scaled, plan, top_k, top_p, min_p, use_k, use_p, use_m) -> torch.Tensor:
+    """Boolean [B, V] mask of the tokens surviving top-k, then top-p, then min-p.
+
+    * top-k keeps the first k entries of the stable descending sort of the
+      tempered logits (ties at the boundary -> lower token id).
+    * top-p, on the distribution renormalised over the top-k survivors, keeps
+      sorted entry j iff the mass strictly before it is < top_p * total: the
+      shortest prefix reaching top_p.  Entry 0 is always kept.
+    * min-p keeps tokens with exp(x - max) >= min_p, i.e. prob >= min_p * max
+      prob.  The ratio is the same before or after renormalisation, so min-p
+      commutes with the other two and needs no sort.
+    """
+    keep = None
+    if plan.any_m:
+        ratio = torch.exp(scaled - _finite_row_max(scaled))
+        keep = (ratio >= min_p.unsqueeze(1)) | ~use_m.unsqueeze(1)
+        del ratio
+    if plan.any_k or plan.any_p:
+        keep_kp = _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p)
+        keep = keep_kp if keep is None else keep.logical_and_(keep_kp)
+    return keep
+
+
+def _finite_row_max(x: torch.Tensor) -> torch.Tensor:
+    """Row max [B, 1] (exact), with non-finite maxima replaced by 0 so x - max stays sane."""
+    m = x.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p) -> torch.Tensor:
+    """Keep mask of top-k then top-p, working on a sorted prefix of each row.
+
+    Both stages keep a prefix of the stable descending order, so only the first
+    W sorted columns matter, where W covers every top-k row's k and every top-p
+    row's nucleus.  W is a batch-level choice but cannot change a row's result:
+    the sorted prefix, column j of the prefix sums (which depends on columns
+    0..j only) and each row's total mass are all independent of W.
+    """
+    num_rows, vocab = scaled.shape
+    device = scaled.device
+    k_eff = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    uses_kp = (use_k | use_p).unsqueeze(1)
+
+    # Total mass of a top-p row without top-k: the whole row, summed in token-id
+    # order (fixed by V); a row with top-k reads it off its own prefix sums below.
+    full_total = None
+    if plan.any_p_without_k:
+        full_total = _pairwise_sum(torch.exp(scaled - _finite_row_max(scaled)))
+
+    width = min(vocab, max(plan.max_top_k, _TOP_P_FIRST_WIDTH if plan.any_p_without_k else 1))
+    while True:
+        vals, ids = stable_topk(scaled, width)
+        col = torch.arange(width, device=device, dtype=torch.int64).unsqueeze(0)
+        keep_s = (col < k_eff.unsqueeze(1)) | ~use_k.unsqueeze(1)
+        if not plan.any_p:
+            break
+        row_max = vals[:, :1]
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        mass = torch.exp(vals - row_max).masked_fill_(~keep_s, 0.0)
+        incl = _inclusive_scan(mass)
+        # A top-k row's total is read at its own last kept column (k <= width).
+        total = incl.gather(1, (k_eff.clamp(max=width) - 1).unsqueeze(1))
+        if full_total is not None:
+            total = torch.where(use_k.unsqueeze(1), total, full_total)
+        before = torch.cat([torch.zeros_like(incl[:, :1]), incl[:, :-1]], dim=1)
+        keep_p = (before < top_p.unsqueeze(1) * total) | (col == 0) | ~use_p.unsqueeze(1)
+        keep_s &= keep_p
+        # keep_p is a prefix of True; if a top-p row without top-k still keeps
+        # its last column, its nucleus may extend past the width: widen.
+        if width == vocab or not bool((use_p & ~use_k & keep_p[:, -1]).any()):
+            break
+        width = min(vocab, width * _TOP_P_GROWTH)
+
+    keep = torch.zeros((num_rows, vocab), dtype=torch.bool, device=device)
+    keep.scatter_(1, ids, keep_s)
+    # Rows using neither top-k nor top-p keep everything (not just the prefix).
+    return keep.logical_or_(~uses_kp)
+
+
+# --------------------------------------------------------------------------- #
+# Sampler
+# --------------------------------------------------------------------------- #
+class Sampler(torch.nn.Module):
+    """temperature -> top-k -> top-p -> min-p -> Gumbel-max, plus logprobs.
+
+    Stateless: all randomness is keyed by ``(seed, position, token id)``.
+    """
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        mode = batch.logprobs_mode
+        if mode not in LOGPROBS_MODES:
+            raise ValueError(f"unknown logprobs_mode {mode!r}; expected one of {LOGPROBS_MODES}")
+        num_rows, vocab = logits.shape
+        device = logits.device
+        want_logprobs = batch.max_num_logprobs >= 0
+        num_top = min(batch.max_num_logprobs, vocab) if batch.max_num_logprobs > 0 else 0
+        if num_rows == 0:
+            return self._empty_output(device, want_logprobs, num_top)
+
+        logits = logits.float()
+        temperature = batch.temperature.to(device=device, dtype=torch.float32)
+        greedy = temperature <= 0
+        top_k = batch.top_k.to(device=device, dtype=torch.int64)
+        top_p = batch.top_p.to(device=device, dtype=torch.float32)
+        # min_p > 1 would reject even the max token; clamping keeps the max (and
+        # its exact ties) in every code path.
+        min_p = batch.min_p.to(device=device, dtype=torch.float32).clamp(max=1.0)
+        use_k = (top_k > 0) & (top_k < vocab)
+        use_p = top_p < 1.0
+        use_m = min_p > 0.0
+
+        # Batch-level decisions of which stages to run, in one host sync.  They
+        # only skip work: a disabled stage leaves its row bit-identical.
+        all_greedy = batch.all_greedy
+        plan = _TruncationPlan()
+        probes = []
+        if not all_greedy:
+            probes.append(greedy.all())
+        if not batch.no_truncation:
+            probes += [use_k.any(), use_p.any(), use_m.any(), (use_p & ~use_k).any(),
+                       torch.where(use_k, top_k, torch.zeros_like(top_k)).max()]
+        if probes:
+            values = torch.stack([p.to(torch.int64) for p in probes]).tolist()
+            if not all_greedy:
+                all_greedy = bool(values.pop(0))
+            if not batch.no_truncation:
+                plan = _TruncationPlan(*map(bool, values[:4]), max_top_k=int(values[4]))
+
+        processed_needed = want_logprobs and mode.startswith("processed")
+        truncate = plan.any and (processed_needed or not all_greedy)
+
+        # Tempered logits.  Greedy rows divide by exactly 1.0, i.e. stay raw.
+        scaled = logits if all_greedy else apply_temperature(logits, temperature)
+
+        keep = None
+        if truncate:
+            keep = _keep_mask(scaled, plan, top_k, top_p, min_p, use_k, use_p, use_m)
+
+        # ---- sample ---------------------------------------------------------
+        greedy_ids = logits.argmax(dim=-1)  # first (lowest) id among ties
+        if all_greedy:
+            token_ids = greedy_ids
+        else:
+            scores = gumbel_noise(batch.seeds, batch.positions, vocab, device)
+            scores.add_(scaled)
+            if keep is not None:
+                scores.masked_fill_(~keep, _NEG_INF)
+            token_ids = torch.where(greedy, greedy_ids, scores.argmax(dim=-1))
+            del scores
+
+        if not want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+
+        # ---- logprobs -------------------------------------------------------
+        if mode == "raw_logits":
+            dist = logits
+        elif mode == "raw_logprobs":
+            dist = batch_invariant_log_softmax(logits)
+        elif mode == "tempered_logprobs":
+            dist = batch_invariant_log_softmax(scaled)
+        else:
+            processed = scaled if keep is None else scaled.masked_fill(~keep, _NEG_INF)
+            dist = processed if mode == "processed_logits" else batch_invariant_log_softmax(processed)
+
+        token_values = dist.gather(1, token_ids.unsqueeze(1))
+        # Integer count of strictly greater values: exact, so batch-invariant.
+        ranks = (dist > token_values).sum(dim=-1) + 1
+        out = SamplerOutput(token_ids=token_ids, logprobs=token_values.squeeze(1), ranks=ranks)
+        if num_top > 0:
+            out.topk_logprobs, out.topk_ids = stable_topk(dist, num_top)
+        return out
+
+    @staticmethod
+    def _empty_output(device, want_logprobs: bool, num_top: int) -> SamplerOutput:
+        ids = torch.empty(0, dtype=torch.int64, device=device)
+        if not want_logprobs:
+            return SamplerOutput(token_ids=ids)
+        out = SamplerOutput(
+            token_ids=ids,
+            logprobs=torch.empty(0, dtype=torch.float32, device=device),
+            ranks=torch.empty(0, dtype=torch.int64, device=device),
+        )
+        if num_top > 0:
+            out.topk_ids = torch.empty((0, num_top), dtype=torch.int64, device=device)
+            out.topk_logprobs = torch.empty((0, num_top), dtype=torch.float32, device=device)
+        return out
