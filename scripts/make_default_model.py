@@ -131,6 +131,9 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(readme)
 
+    for fn in os.listdir(out):  # safetensors writes 0600; make the files world-readable
+        os.chmod(os.path.join(out, fn), 0o644)
+
     total = dir_size(out)
     for fn in sorted(os.listdir(out)):
         print(f"{os.path.getsize(os.path.join(out, fn)):>10,}  {fn}")

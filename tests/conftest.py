@@ -25,6 +25,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton kernels run on CPU tensors through the interpreter when there is no GPU;
+# the switch is read when a kernel module is imported, so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # llama3-style rope scaling used by the tiny_llama fixture (original context

@@ -190,7 +190,7 @@ def test_chat_logprobs(served):
 def test_streaming_concatenates_to_full_text(served, ref_llm):
     app, _ = served
     # Seeded sampling: the random-weight default model's greedy text is one token repeated.
-    sampling = {"temperature": 1.0, "seed": 5, "max_tokens": 24, "ignore_eos": True}
+    sampling = {"temperature": 1.0, "seed": 5, "max_tokens": 16, "ignore_eos": True}
     ref = _ref(ref_llm, {"prompt_token_ids": PROMPT_IDS}, **sampling).outputs[0]
     # A stop string taken from the middle of the text: streaming must hold back the
     # text a stop string might be completing, or chunks would overshoot the cut.
@@ -401,3 +401,19 @@ def test_vllm_serve_cli_subprocess():
             proc.wait(timeout=10)
         log.close()
     assert proc.returncode is not None
+
+
+def test_top_alternatives_order_with_ties():
+    """The sampled token's own slot among the top-k is recovered even when its rank ties."""
+    from vllm.entrypoints.openai.api_server import _top_alternatives
+    from vllm.outputs import Logprob
+    # Top-3 by (value desc, id asc): 7 (-1.0), 3 (-2.0), 9 (-2.0). Token 9 was sampled; its
+    # true rank is 2 (tied with 3), its slot in the top list is 3.
+    entry = {9: Logprob(-2.0, 2, "c"), 7: Logprob(-1.0, 1, "a"), 3: Logprob(-2.0, 2, "b")}
+    assert [t for t, _ in _top_alternatives(entry, 9, 3)] == [7, 3, 9]
+    # Sampled token outside the top 2 (tied with slot 2 but a higher id): not listed.
+    entry = {9: Logprob(-2.0, 2, "c"), 7: Logprob(-1.0, 1, "a"), 3: Logprob(-2.0, 2, "b")}
+    assert [t for t, _ in _top_alternatives(entry, 9, 2)] == [7, 3]
+    # Sampled token first.
+    entry = {7: Logprob(-1.0, 1, "a"), 3: Logprob(-2.0, 2, "b")}
+    assert [t for t, _ in _top_alternatives(entry, 7, 2)] == [7, 3]

@@ -53,6 +53,11 @@ class LLM:
     def config(self) -> EngineConfig:
         return self.llm_engine.config
 
+    def execution_contract(self):
+        """The content-hashed description of every choice that can change bits (vllm/contract.py)."""
+        from vllm.contract import build_contract
+        return build_contract(self.config, self.llm_engine.runner.model)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -84,78 +84,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _dot(a, b, acc, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-        """acc + a @ b in the fused ``tl.dot(a, b, acc)`` form.
-
-        The Triton interpreter (CPU tests) implements tl.dot with np.matmul,
-        whose per-element bits change with the number of rows (BLAS kernel
-        choice) and which mishandles bf16; there we emulate the dot with
-        exact fp32 products summed in a fixed, shape-independent order.
-        """
-        if EMULATE:
-            prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-            res = acc + tl.sum(prod, axis=1)
-        else:
-            res = tl.dot(a, b, acc, input_precision=PRECISION)
-        return res
-
-    @triton.jit
-    def _attend_split(
-        q, row_pos, kv_lo, kv_hi, seq_len, qk_scale,
-        bt_row_ptr, k_base, v_base,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """Online softmax over KV positions [kv_lo, kv_hi) from a fresh state.
-
-        kv_lo is a split start (a multiple of KV_TILE), so tiles are anchored
-        at absolute position 0 whatever the caller. Returns the split partial
-        (m, l, acc): running max in the log2 domain, softmax denominator and
-        unnormalised output, all fp32.
-        """
-        offs_t = tl.arange(0, KV_TILE)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # The denominator is a dot with a ones tile rather than tl.sum(p, 1):
-        # tl.sum's cross-thread order follows the register layout, which
-        # changes with BLOCK_M / num_warps, while the dot's per-row bits don't.
-        ones = tl.full([KV_TILE, 16], 1.0, v_base.dtype.element_ty)
-        for start in tl.range(kv_lo, kv_hi, KV_TILE):
-            pos = start + offs_t
-            # Positions beyond the context are never read: their block-table
-            # entry may be anything and their cache slots may hold NaN.
-            in_ctx = pos < seq_len
-            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-            slot = (pos % BLOCK_SIZE).to(tl.int64)
-            k = tl.load(
-                k_base + blk[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                mask=in_ctx[:, None], other=0.0)
-            v = tl.load(
-                v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                mask=in_ctx[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, KV_TILE], tl.float32), EMULATE, PRECISION)
-            s = s * qk_scale
-            # Causal mask per row; padding rows have row_pos = -1 (all masked).
-            s = tl.where(pos[None, :] <= row_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            # A row with nothing unmasked yet keeps m = -inf; use 0 as the
-            # reference so no (-inf) - (-inf) NaN appears. A fully masked tile
-            # for a row with finite m gives alpha = exp2(0) = 1 and p = 0, so
-            # (m, l, acc) stay bit-identical: extra tiles are invisible.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_ref)
-            p = tl.exp2(s - m_ref[:, None]).to(v.dtype)
-            l_acc = _dot(p, ones, l_acc * alpha[:, None], EMULATE, PRECISION)
-            acc = _dot(p, v, acc * alpha[:, None], EMULATE, PRECISION)
-            m = m_new
-        # All 16 columns of l_acc hold the same sum; max extracts it exactly.
-        l = tl.max(l_acc, axis=1)
-        return m, l, acc
+    # The combine functions behind tl.sum / tl.max. Under the interpreter,
+    # calling tl.sum (itself a jit function) costs milliseconds of patching per
+    # call, while tl.reduce with these exact functions maps straight to numpy;
+    # used on the EMULATE (interpreter) path only.
+    _SUM_COMBINE = tl.standard._sum_combine
+    _MAX_COMBINE = tl.standard._elementwise_max
 
     @triton.jit
     def _merge(M, L, ACC, m, l, acc):
@@ -251,31 +185,96 @@ if HAS_TRITON:
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
+        offs_t = tl.arange(0, KV_TILE)
+        # The softmax denominator is a dot with a ones tile rather than
+        # tl.sum(p, 1): tl.sum's cross-thread order follows the register
+        # layout, which changes with BLOCK_M / num_warps; the dot's per-row
+        # bits do not.
+        ones = tl.full([KV_TILE, 16], 1.0, v_ptr.dtype.element_ty)
 
         if WRITE_PARTIALS:
-            lo = pid0 * SPLIT
-            hi = tl.minimum(lo + SPLIT, kv_end)
-            m, l, acc = _attend_split(
-                q, row_pos, lo, hi, seq_len, qk_scale, bt_row_ptr, k_base, v_base,
-                stride_kb, stride_kt, stride_vb, stride_vt,
-                BLOCK_M, HEAD_DIM, KV_TILE, BLOCK_SIZE, EMULATE, PRECISION)
-            # Workspace layout [seq, kv head, split, BLOCK_M (, HEAD_DIM)]:
-            # all BLOCK_M rows are stored, so the merge reads full tiles.
-            ws_row = ((seq.to(tl.int64) * num_kv_heads + kvh) * max_splits + pid0) * BLOCK_M + rows
-            tl.store(ws_ml_ptr + ws_row * 2, m)
-            tl.store(ws_ml_ptr + ws_row * 2 + 1, l)
-            tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc)
+            split_lo = pid0 * SPLIT
+            split_hi = split_lo + 1  # exactly this program's split
         else:
-            M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            L = tl.zeros([BLOCK_M], tl.float32)
-            ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for lo in range(0, kv_end, SPLIT):
-                hi = tl.minimum(lo + SPLIT, kv_end)
-                m, l, acc = _attend_split(
-                    q, row_pos, lo, hi, seq_len, qk_scale, bt_row_ptr, k_base, v_base,
-                    stride_kb, stride_kt, stride_vb, stride_vt,
-                    BLOCK_M, HEAD_DIM, KV_TILE, BLOCK_SIZE, EMULATE, PRECISION)
+            split_lo = 0
+            split_hi = kv_end  # every split, in increasing order
+        # Running state across splits (unused when writing partials).
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for lo in range(split_lo, split_hi, SPLIT):
+            # ---- one split: fresh online softmax over tiles [lo, hi) ----
+            # lo is a multiple of SPLIT (hence of KV_TILE): tiles are
+            # anchored at absolute position 0 whatever the schedule.
+            hi = tl.minimum(lo + SPLIT, kv_end)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for start in tl.range(lo, hi, KV_TILE):
+                pos = start + offs_t
+                # Positions beyond the context are never read: their
+                # block-table entry may be anything and their cache slots may
+                # hold NaN. other=0 keeps masked K/V finite.
+                in_ctx = pos < seq_len
+                blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+                slot = (pos % BLOCK_SIZE).to(tl.int64)
+                k = tl.load(
+                    k_base + blk[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=in_ctx[:, None], other=0.0)
+                v = tl.load(
+                    v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=in_ctx[:, None], other=0.0)
+                # The interpreter's tl.dot is np.matmul, whose per-element
+                # bits change with the row count (BLAS kernel choice) and
+                # which mishandles bf16: emulate dots there with exact fp32
+                # products summed in a fixed, shape-independent order.
+                if EMULATE:
+                    s = tl.reduce(q.to(tl.float32)[:, :, None] * tl.trans(k).to(tl.float32)[None, :, :],
+                                  1, _SUM_COMBINE)
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                s = s * qk_scale
+                # Causal mask per row; padding rows have row_pos = -1.
+                s = tl.where(pos[None, :] <= row_pos[:, None], s, float("-inf"))
+                if EMULATE:
+                    tile_max = tl.reduce(s, 1, _MAX_COMBINE)
+                else:
+                    tile_max = tl.max(s, axis=1)
+                m_new = tl.maximum(m, tile_max)
+                # A row with nothing unmasked yet keeps m = -inf: use 0 as
+                # the reference so no (-inf) - (-inf) NaN appears. A fully
+                # masked tile for a row with finite m gives alpha = exp2(0) = 1
+                # and p = 0, so (m, l, acc) stay bit-identical: tiles a row
+                # does not need are invisible in its bits.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_ref)
+                p = tl.exp2(s - m_ref[:, None]).to(v.dtype)
+                if EMULATE:
+                    pf = p.to(tl.float32)[:, :, None]
+                    l_acc = l_acc * alpha[:, None] + tl.reduce(pf * ones.to(tl.float32)[None, :, :], 1, _SUM_COMBINE)
+                    acc = acc * alpha[:, None] + tl.reduce(pf * v.to(tl.float32)[None, :, :], 1, _SUM_COMBINE)
+                else:
+                    # The fused tl.dot(a, b, acc) form: bit-identical across
+                    # BLOCK_M on H200, unlike acc += tl.dot(a, b).
+                    l_acc = tl.dot(p, ones, l_acc * alpha[:, None], input_precision=PRECISION)
+                    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+                m = m_new
+            # All 16 columns of l_acc hold the same sum; max extracts it exactly.
+            if EMULATE:
+                l = tl.reduce(l_acc, 1, _MAX_COMBINE)
+            else:
+                l = tl.max(l_acc, axis=1)
+            # ---- split partial (m, l, acc) done ----
+            if WRITE_PARTIALS:
+                # Workspace [seq, kv head, split, BLOCK_M (, HEAD_DIM)] fp32:
+                # all BLOCK_M rows are stored so the merge reads full tiles.
+                ws_row = ((seq.to(tl.int64) * num_kv_heads + kvh) * max_splits + pid0) * BLOCK_M + rows
+                tl.store(ws_ml_ptr + ws_row * 2, m)
+                tl.store(ws_ml_ptr + ws_row * 2 + 1, l)
+                tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc)
+            else:
                 M, L, ACC = _merge(M, L, ACC, m, l, acc)
+        if not WRITE_PARTIALS:
             o = _finalize(L, ACC)
             tl.store(
                 out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -309,7 +308,7 @@ if HAS_TRITON:
         L = tl.zeros([BLOCK_M], tl.float32)
         ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         base = (seq.to(tl.int64) * num_kv_heads + kvh) * max_splits
-        for j in range(0, tl.cdiv(kv_end, SPLIT)):
+        for j in range(0, (kv_end + SPLIT - 1) // SPLIT):
             ws_row = (base + j) * BLOCK_M + rows
             m = tl.load(ws_ml_ptr + ws_row * 2)
             l = tl.load(ws_ml_ptr + ws_row * 2 + 1)

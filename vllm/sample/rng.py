@@ -113,30 +113,50 @@ def _hash_bits_into(x: torch.Tensor, tmp: torch.Tensor, a: torch.Tensor, b: torc
 if triton is not None:
 
     @triton.jit
-    def _uniform_kernel(out_ptr, a_ptr, b_ptr, V, stride_out, BLOCK: tl.constexpr):
-        """The same hash as the torch path, in native uint32 arithmetic.
+    def _mix32_u32(x, mul1, mul2):
+        x = x ^ (x >> 16)
+        x = x * mul1
+        x = x ^ (x >> 15)
+        x = x * mul2
+        return x ^ (x >> 15)
 
-        uint32 multiplication wraps mod 2**32 by definition and >> on uint32 is
-        logical, which is exactly what the torch path computes with masks, so
-        the two produce identical bits (tested).
+    @triton.jit
+    def _key_chain_u32(init, s_lo, s_hi, p_lo, p_hi, mul1, mul2):
+        h = _mix32_u32(init ^ s_lo, mul1, mul2)
+        h = _mix32_u32(h ^ s_hi, mul1, mul2)
+        h = _mix32_u32(h ^ p_lo, mul1, mul2)
+        return _mix32_u32(h ^ p_hi, mul1, mul2)
+
+    @triton.jit
+    def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, stride_out,
+                        mul1_arg, mul2_arg, init_a_arg, init_b_arg, BLOCK: tl.constexpr):
+        """:func:`row_keys` + :func:`_hash_bits_into` + the uniform map, fused.
+
+        Native uint32 arithmetic wraps mod 2**32 by definition and ``>>`` on
+        uint32 is logical: exactly what the torch path computes with masks, so
+        both give identical bits (tested).  Constants come in as arguments and
+        are truncated to uint32 to avoid any literal-promotion subtleties.
+        Each program recomputes its row's keys (a few scalar ops) so that no
+        separate key kernels need launching.
         """
         row = tl.program_id(0)
+        mul1 = mul1_arg.to(tl.uint32)
+        mul2 = mul2_arg.to(tl.uint32)
+        seed = tl.load(seed_ptr + row)  # int64
+        pos = tl.load(pos_ptr + row)
+        # int64 -> uint32 truncation keeps the low word; >> 32 (arithmetic) then
+        # truncation gives the high word, as the torch path's shift-and-mask.
+        s_lo = seed.to(tl.uint32)
+        s_hi = (seed >> 32).to(tl.uint32)
+        p_lo = pos.to(tl.uint32)
+        p_hi = (pos >> 32).to(tl.uint32)
+        a = _key_chain_u32(init_a_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        a = (a | 1) & 0x7FFFFFFF
+        b = _key_chain_u32(init_b_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < V
-        a = tl.load(a_ptr + row).to(tl.uint32)  # a < 2**31, b < 2**32: exact truncations
-        b = tl.load(b_ptr + row).to(tl.uint32)
-        x = cols.to(tl.uint32) * a
-        x = x ^ b
-        x = x ^ (x >> 16)
-        x = x * _MUL1_U32
-        x = x ^ (x >> 15)
-        x = x * _MUL2_U32
-        x = x ^ (x >> 15)
+        x = _mix32_u32((cols.to(tl.uint32) * a) ^ b, mul1, mul2)
         u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, u, mask=mask)
-
-    _MUL1_U32 = tl.constexpr(_MUL1)
-    _MUL2_U32 = tl.constexpr(_MUL2)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, u, mask=cols < V)
 
 
 def _use_triton(device: torch.device, impl: str) -> bool:
@@ -167,8 +187,8 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
     device = torch.device(device)
     if not 0 <= vocab_size < 2**32:
         raise ValueError(f"vocab_size must be in [0, 2**32), got {vocab_size}")
-    seeds = seeds.to(device=device, dtype=torch.int64).reshape(-1)
-    positions = positions.to(device=device, dtype=torch.int64).reshape(-1)
+    seeds = seeds.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
+    positions = positions.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
     if seeds.shape != positions.shape:
         raise ValueError("seeds and positions must have the same length")
     num_rows = seeds.shape[0]
@@ -177,12 +197,14 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
     if num_rows == 0 or vocab_size == 0:
         return out
 
-    a, b = row_keys(seeds, positions)
     if _use_triton(device, impl) and out.stride(1) == 1:
         block = 1024
         grid = (num_rows, triton.cdiv(vocab_size, block))
-        _uniform_kernel[grid](out, a, b, vocab_size, out.stride(0), BLOCK=block)
+        _uniform_kernel[grid](out, seeds, positions, vocab_size, out.stride(0),
+                              _MUL1, _MUL2, _KEY_INIT_A, _KEY_INIT_B, BLOCK=block)
         return out
+
+    a, b = row_keys(seeds, positions)
 
     token_ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
     rows_per_chunk = max(1, min(num_rows, chunk_elems // vocab_size))

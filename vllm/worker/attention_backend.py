@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.forward_context import get_forward_context
+
 
 @dataclass
 class AttentionMetadata:
@@ -19,6 +21,17 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # [S] int32: context length including this step's tokens
     max_query_len: int
     max_seq_len: int
+    # every sequence's slice starts at position 0 (no cached context): fast mode may
+    # then use torch's flash varlen attention on the step's own q/k/v
+    fresh_prefill: bool = False
+
+
+def _flash_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn
+    except ImportError:
+        return None
 
 
 def _select_impl(device: torch.device):
@@ -34,6 +47,7 @@ class PagedAttentionBackend:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.metadata: AttentionMetadata | None = None
         self.impl = _select_impl(k_caches[0].device)
+        self.varlen = _flash_varlen() if k_caches[0].is_cuda else None
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         md = self.metadata
@@ -41,5 +55,10 @@ class PagedAttentionBackend:
         # KV write: a scatter with no reduction, so identical in every numerics mode.
         kc.view(-1, kc.shape[-2], kc.shape[-1]).index_copy_(0, md.slot_mapping, k.to(kc.dtype))
         vc.view(-1, vc.shape[-2], vc.shape[-1]).index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        if self.varlen is not None and md.fresh_prefill and get_forward_context().numerics == "fast":
+            # The baseline's fastest prefill. Its bits differ from single-query decode
+            # (measured on the H200), which is why invariant mode never takes this path.
+            return self.varlen(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, md.max_query_len, md.max_query_len,
+                               scale=scale, window_size=(-1, 0))
         return self.impl(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
                          max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)

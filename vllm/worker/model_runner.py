@@ -36,9 +36,18 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if config.numerics == "invariant":
+            from vllm.kernels.selfcheck import check_supported
+            check_supported(self.device, self.dtype)
         t0 = time.perf_counter()
         self.model = load_model(mc, self.dtype, self.device, config.load_format)
         self.load_time = time.perf_counter() - t0
+        self.self_check_report = None
+        if config.numerics == "invariant" and self.device.type == "cuda":
+            from vllm.kernels.selfcheck import gemm_self_check
+            t0 = time.perf_counter()
+            self.self_check_report = gemm_self_check(self.model, self.device, self.dtype)
+            logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
         self.sampler = Sampler()
         self.num_blocks = self._decide_num_blocks()
         shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
@@ -144,7 +153,8 @@ class ModelRunner:
                 block_table=torch.from_numpy(table).to(dev, non_blocking=True),
                 cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-                max_query_len=max_q, max_seq_len=int(seq_lens.max()))
+                max_query_len=max_q, max_seq_len=int(seq_lens.max()),
+                fresh_prefill=bool(max_q > 1 and (seq_lens == cu[1:] - cu[:-1]).all()))
             self.attn.metadata = md
             with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
                 hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),

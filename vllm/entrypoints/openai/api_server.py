@@ -19,7 +19,9 @@ stop taking batch slots and KV blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm.config import default_model_path
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
 from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
@@ -130,8 +133,13 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _json(obj: OpenAIBaseModel) -> Response:
+    # pydantic's own serializer: much faster than FastAPI's jsonable_encoder on
+    # logprob-heavy responses, and its floats are shortest round-trip (bit-exact).
+    return Response(content=obj.model_dump_json(), media_type="application/json")
+
+
 def _sse(obj: OpenAIBaseModel | dict) -> str:
-    import json
     data = obj.model_dump_json() if isinstance(obj, OpenAIBaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
 
@@ -193,9 +201,27 @@ async def _final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput
 
 # ---- logprob conversion -------------------------------------------------------------------
 
-def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], offset: int) -> CompletionLogprobs:
-    """OpenAI completions logprobs: the sampled token's logprob plus, per token, a
-    {token text: logprob} dict of the sampled token and the top-k alternatives."""
+def _top_alternatives(entry: dict[int, Logprob], sampled: int, k: int) -> list[tuple[int, Logprob]]:
+    """The engine's top-k alternatives of one token, in the sampler's exact order.
+
+    The engine's entry maps the sampled token (with its true rank) and the top-k
+    alternatives (rank = position 1..k, best first) to their Logprobs; when the
+    sampled token is one of the top k its alternative slot is folded into its own
+    entry. Ordering by the stored rank alone would misplace it on ties (ties share
+    the sampled token's rank), so its position is recovered as the missing slot.
+    """
+    alts = {lp.rank: (tid, lp) for tid, lp in entry.items() if tid != sampled and lp.rank is not None}
+    ordered = [alts[r] for r in sorted(alts)]
+    if len(ordered) < k and sampled in entry:  # the sampled token is one of the top k
+        gap = next((i for i, r in enumerate(sorted(alts)) if r != i + 1), len(ordered))
+        ordered.insert(gap, (sampled, entry[sampled]))
+    return ordered[:k]
+
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int) -> CompletionLogprobs:
+    """OpenAI completions logprobs: per token the sampled token's logprob and a
+    {token text: logprob} dict of the top-k alternatives plus the sampled token
+    (so up to k + 1 entries; tokens that decode to the same text share a key)."""
     out = CompletionLogprobs()
     for tok, entry in zip(token_ids, lps):
         sampled = entry[tok]
@@ -204,24 +230,22 @@ def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], of
         out.token_logprobs.append(json_logprob(sampled.logprob))
         out.text_offset.append(offset)
         offset += len(text)
-        # Best rank first; the sampled token (rank may be large) keeps its place by rank.
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 62, kv[0]))
         top: dict[str, float] = {}
-        for _, lp in ranked:
+        for _, lp in _top_alternatives(entry, tok, k) + [(tok, sampled)]:
             top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
         out.top_logprobs.append(top)
     return out
 
 
-def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], top_k: int) -> ChatLogprobs:
-    """OpenAI chat logprobs: per token its logprob and the top_k most likely tokens (by rank)."""
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
+    """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
     content = []
     for tok, entry in zip(token_ids, lps):
         sampled = entry[tok]
         text = sampled.decoded_token or ""
-        ranked = sorted((lp.rank, tid, lp) for tid, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= top_k)
         top = [TopLogprob(token=lp.decoded_token or "", logprob=json_logprob(lp.logprob),
-                          bytes=list((lp.decoded_token or "").encode("utf-8"))) for _, _, lp in ranked[:top_k]]
+                          bytes=list((lp.decoded_token or "").encode("utf-8")))
+               for _, lp in _top_alternatives(entry, tok, k)]
         content.append(ChatLogprobToken(token=text, logprob=json_logprob(sampled.logprob),
                                         bytes=list(text.encode("utf-8")), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -321,10 +345,10 @@ class OpenAIServing:
                 n_gen += len(c.token_ids)
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs is not None else None,
+                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0) if c.logprobs is not None else None,
                     token_ids=list(c.token_ids), prompt_token_ids=list(out.prompt_token_ids)))
-        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen))
+        return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                        usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
 
     async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
                                  req: CompletionRequest) -> AsyncIterator[str]:
@@ -346,7 +370,7 @@ class OpenAIServing:
                     n_gen += len(ids)
                     logprobs = None
                     if lps is not None:
-                        logprobs = _completion_logprobs(ids, lps, cur.text_offset)
+                        logprobs = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset)
                         cur.text_offset += sum(len(t) for t in logprobs.tokens)
                     choice = CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids,
@@ -395,9 +419,9 @@ class OpenAIServing:
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k) if req.logprobs and c.logprobs is not None else None)
                    for c in out.outputs]
         n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
-                                      prompt_token_ids=list(out.prompt_token_ids))
+        return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                            usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
+                                            prompt_token_ids=list(out.prompt_token_ids)))
 
     async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
                            req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:
@@ -434,7 +458,6 @@ class OpenAIServing:
 
 
 def _exception_response_body(err: BaseException) -> dict:
-    import json
     return json.loads(_exception_response(err).body)
 
 
@@ -521,8 +544,6 @@ def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, 
 def default_served_name(model_path: str) -> str:
     """The name a model is served under without --served-model-name: its path, as upstream does,
     except the embedded default model, whose path is an install location, is 'default'."""
-    from vllm.config import default_model_path
-    import os
     if os.path.abspath(model_path) == os.path.abspath(default_model_path()):
         return "default"
     return model_path

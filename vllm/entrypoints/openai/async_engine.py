@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from vllm.outputs import RequestOutput
@@ -144,7 +144,7 @@ class AsyncLLM:
     >>> async_llm.shutdown()
     """
 
-    def __init__(self, engine, *, start: bool = True, log_stats_interval_s: float = 0.0):
+    def __init__(self, engine, *, start: bool = True):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> stream; touched only by the engine thread once the thread runs.
@@ -154,7 +154,6 @@ class AsyncLLM:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self.num_step_failures = 0
-        self._log_stats_interval_s = log_stats_interval_s
         if start:
             self.start()
 
@@ -250,17 +249,22 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         backoff = 0.0
-        last_log = time.monotonic()
         try:
             while True:
                 # Block only when there is nothing to step; otherwise take what is pending.
                 busy = engine.has_unfinished_requests()
                 cmds = self._drain(block=not busy)
-                for cmd in cmds:
+                for i, cmd in enumerate(cmds):
                     if isinstance(cmd, _Shutdown):
                         self._fail_all(EngineDeadError("the server is shutting down"))
+                        for later in cmds[i + 1:]:  # drained already: answer them here
+                            if isinstance(later, (_Add, _Call)):
+                                _set_exception(later.done, EngineDeadError("the server is shutting down"))
                         return
-                    self._handle(cmd)
+                    try:
+                        self._handle(cmd)
+                    except Exception:  # noqa: BLE001 -- one bad command must not stop the engine thread
+                        logger.exception("engine command %s failed", type(cmd).__name__)
                 if not engine.has_unfinished_requests():
                     continue
                 try:
@@ -276,10 +280,10 @@ class AsyncLLM:
                     continue
                 backoff = 0.0
                 for out in outputs:
-                    self._deliver(out)
-                if self._log_stats_interval_s and time.monotonic() - last_log > self._log_stats_interval_s:
-                    last_log = time.monotonic()
-                    logger.info("engine: %d request(s) in flight, step %d", len(self._streams), engine.step_count)
+                    try:
+                        self._deliver(out)
+                    except Exception:  # noqa: BLE001 -- keep delivering the others
+                        logger.exception("delivering the output of %s failed", out.request_id)
         except BaseException as err:  # a bug in this loop itself: record it so /health reports it
             self._error = err
             logger.exception("engine thread crashed")

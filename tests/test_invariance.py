@@ -1,0 +1,80 @@
+"""The invariance battery in numerics='invariant' on CPU (tiny models): every
+layout that must not change bits is compared by bit pattern, never allclose."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.testing.parity_battery import Battery
+
+
+@pytest.fixture(scope="module")
+def battery(tiny_qwen3):
+    def make(**kw):
+        opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512)
+        opts.update(kw)
+        return LLM(tiny_qwen3, **opts)
+    b = Battery(make, vocab=512, max_tokens=6)
+    return b
+
+
+@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
+def test_invariant_battery(battery, check):
+    res = getattr(battery, check)()
+    assert res.comparisons > 0
+    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    if check == "prefix_cache":
+        assert res.detail.startswith("3 ")
+    if check == "preemption":
+        assert not res.detail.startswith("0 ")
+
+
+def test_identical_requests(battery):
+    res = battery.identical_requests(n=60, n_seeds=6)
+    assert res.differing == 0, res
+
+
+def test_invariant_mode_qwen2_bias_and_llama(tiny_qwen2, tiny_llama):
+    for path in (tiny_qwen2, tiny_llama):
+        llm = LLM(path, device="cpu", numerics="invariant")
+        sp = SamplingParams(temperature=0.0, max_tokens=5, logprobs=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": list(range(20, 50))}]
+        both = llm.generate(prompts, sp, use_tqdm=False)
+        alone = llm.generate(prompts[1], sp, use_tqdm=False)[0]
+        a = [alone.outputs[0].logprobs[i][t].logprob for i, t in enumerate(alone.outputs[0].token_ids)]
+        b = [both[1].outputs[0].logprobs[i][t].logprob for i, t in enumerate(both[1].outputs[0].token_ids)]
+        assert torch.equal(torch.tensor(a).view(torch.int32), torch.tensor(b).view(torch.int32))
+
+
+def test_execution_contract(tiny_qwen3):
+    from vllm.contract import ExecutionContract
+    inv = LLM(tiny_qwen3, device="cpu", numerics="invariant").execution_contract()
+    inv2 = LLM(tiny_qwen3, device="cpu", numerics="invariant", max_num_seqs=3, block_size=8).execution_contract()
+    fast = LLM(tiny_qwen3, device="cpu", numerics="fast").execution_contract()
+    assert inv.digests["semantic"] == inv2.digests["semantic"] == fast.digests["semantic"]
+    assert inv.digests["numerical"] == inv2.digests["numerical"] != fast.digests["numerical"]
+    assert inv.digests["deployment"] != inv2.digests["deployment"]
+    inv.check_compatible(inv2)  # deployment differences are allowed
+    with pytest.raises(ValueError, match="numerical"):
+        inv.check_compatible(fast)
+    round_trip = ExecutionContract.from_json(inv.to_json())
+    assert round_trip.digests == inv.digests
+    tampered = inv.to_dict()
+    tampered["numerical"]["gemm"] = "something else"
+    with pytest.raises(ValueError, match="digests"):
+        ExecutionContract.from_dict(tampered)
+
+
+def test_invariant_refuses_unverified_device():
+    from vllm.kernels.selfcheck import check_supported
+    with pytest.raises(ValueError):
+        check_supported(torch.device("meta"), torch.float32)
+
+
+def test_invariant_ops_refuse_unknown_op():
+    from vllm.forward_context import ForwardContext, set_forward_context
+    from vllm.kernels import ops
+    with set_forward_context(ForwardContext(None, "invariant")):
+        with pytest.raises(RuntimeError, match="no verified kernel"):
+            ops._dispatch("no_such_op")

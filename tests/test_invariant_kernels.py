@@ -1,0 +1,165 @@
+"""Invariant GEMM and row-wise kernels: float64 references and bit-pattern invariance.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 at tiny sizes; the
+`gpu` tests repeat the checks at Qwen3-8B shapes on the H200.
+"""
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from vllm.kernels.matmul import GPU_CONFIGS, INTERPRET_CONFIGS, invariant_matmul
+from vllm.kernels.rowwise import log_softmax_triton, rms_norm_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 40, 24), (5, 64, 48), (33, 70, 17), (17, 16, 100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_matches_float64(M, K, N, bias):
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    b = torch.randn(N, generator=g).to(DEV) if bias else None
+    out = invariant_matmul(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert rel_err(out, ref) < (1e-5 if DEV == "cpu" else 5e-3)
+
+
+def test_matmul_rows_independent_of_M_and_config():
+    g = torch.Generator().manual_seed(0)
+    K, N = 80, 48
+    x = torch.randn(40, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    configs = INTERPRET_CONFIGS if DEV == "cpu" else GPU_CONFIGS
+    full = invariant_matmul(x, w)
+    for M in (1, 2, 3, 16, 17, 33, 40):
+        part = invariant_matmul(x[:M].clone(), w)
+        assert torch.equal(bits(part), bits(full[:M])), f"M={M}"
+    # every tile configuration gives the same bits, and a row alone == that row inside a batch
+    for _, bm, bn, bk, warps, stages in configs:
+        out = invariant_matmul(x, w, config=(bm, bn, bk, warps, stages))
+        assert torch.equal(bits(out), bits(full)), (bm, bn, bk)
+    if DEV == "cpu":
+        # numpy's matmul (what the interpreter runs for tl.dot) rounds a row differently
+        # depending on its position inside the tile, so position-independence is
+        # checked on the GPU; CPU engines use the row-wise torch path checked below.
+        return
+    for i in (0, 7, 39):
+        assert torch.equal(bits(invariant_matmul(x[i:i + 1].clone(), w)), bits(full[i:i + 1]))
+
+
+def test_cpu_rowwise_linear_is_position_independent():
+    from vllm.kernels.invariant import _linear_cpu, _logits_cpu, _rms_norm_cpu
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 64, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g)
+    full = _linear_cpu(x, w, b)
+    perm = torch.randperm(37, generator=g)
+    assert torch.equal(bits(_linear_cpu(x[perm], w, b)), bits(full[perm]))
+    for i in (0, 13, 36):
+        assert torch.equal(bits(_linear_cpu(x[i:i + 1], w, b)), bits(full[i:i + 1]))
+    assert torch.equal(bits(_logits_cpu(x[perm], w)), bits(_logits_cpu(x, w)[perm]))
+    nw = torch.randn(64, generator=g)
+    assert torch.equal(bits(_rms_norm_cpu(x[perm], nw, 1e-6)), bits(_rms_norm_cpu(x, nw, 1e-6)[perm]))
+
+
+def test_matmul_float32_out_and_empty():
+    x = torch.randn(3, 32).to(DEV)
+    w = torch.randn(20, 32).to(DEV)
+    assert invariant_matmul(x, w, out_dtype=torch.float32).dtype == torch.float32
+    assert invariant_matmul(x[:0], w).shape == (0, 20)
+    with pytest.raises(ValueError):
+        invariant_matmul(x, torch.randn(20, 31).to(DEV))
+
+
+@pytest.mark.parametrize("H", [8, 48, 100])
+def test_rms_norm_matches_reference_and_is_row_invariant(H):
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(9, H, generator=g).to(DEV)
+    r = torch.randn(9, H, generator=g).to(DEV)
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(DEV)
+    out = rms_norm_triton(x, w, 1e-6)
+    xd = x.double()
+    ref = w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_err(out, ref) < 1e-6
+    out2, res2 = rms_norm_triton(x, w, 1e-6, residual=r)
+    assert torch.equal(bits(res2), bits(x + r))
+    assert torch.equal(bits(out2), bits(rms_norm_triton(x + r, w, 1e-6)))
+    for i in (0, 4, 8):
+        assert torch.equal(bits(rms_norm_triton(x[i:i + 1].clone(), w, 1e-6)), bits(out[i:i + 1]))
+
+
+@pytest.mark.parametrize("V", [7, 300, 5000])
+def test_log_softmax_matches_reference_and_is_row_invariant(V):
+    g = torch.Generator().manual_seed(V)
+    x = (3 * torch.randn(6, V, generator=g)).to(DEV)
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.3]).to(DEV)
+    out = log_softmax_triton(x, temps)
+    ref = torch.log_softmax(x.double() / temps.double()[:, None], dim=-1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    for i in (0, 3, 5):
+        assert torch.equal(bits(log_softmax_triton(x[i:i + 1].clone(), temps[i:i + 1])), bits(out[i:i + 1]))
+
+
+# ---- GPU, real shapes ---------------------------------------------------------------------
+QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
+def test_gpu_matmul_invariant_over_M(name):
+    K, N = QWEN3_8B_SHAPES[name]
+    torch.manual_seed(0)
+    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    full = invariant_matmul(x, w)
+    ref = x.double() @ w.double().T
+    assert rel_err(full, ref) < 1e-2
+    for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w)), bits(full[:M])), f"{name} M={M}"
+    cublas_row0 = torch.nn.functional.linear(x[:1], w)
+    assert rel_err(full[:1], cublas_row0.double()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_fp32_invariant():
+    torch.manual_seed(0)
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(151936, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    full = invariant_matmul(x, w, out_dtype=torch.float32)
+    for M in (1, 7, 64, 299):
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, out_dtype=torch.float32)), bits(full[:M]))
+
+
+@pytest.mark.gpu
+def test_gpu_rowwise_invariant():
+    torch.manual_seed(0)
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    full, res = rms_norm_triton(x, w, 1e-6, residual=r)
+    for M in (1, 3, 64, 511):
+        o, rr = rms_norm_triton(x[:M].clone(), w, 1e-6, residual=r[:M].clone())
+        assert torch.equal(bits(o), bits(full[:M])) and torch.equal(bits(rr), bits(res[:M]))
+    logits = torch.randn(256, 151936, device="cuda") * 4
+    t = torch.rand(256, device="cuda") + 0.5
+    ls = log_softmax_triton(logits, t)
+    ref = torch.log_softmax(logits.double() / t.double()[:, None], -1)
+    assert (ls.double() - ref).abs().max().item() < 1e-4
+    for M in (1, 5, 255):
+        assert torch.equal(bits(log_softmax_triton(logits[:M].clone(), t[:M].clone())), bits(ls[:M]))

@@ -1,0 +1,71 @@
+"""Start-up self-check for numerics='invariant': verify, on this machine, that
+the loaded model's GEMM shapes give bit-identical rows for every M bucket.
+
+A row computed inside a batch of M rows must equal the same row computed in a
+batch of 1 (and every bucket's tile configuration must agree). A failure means
+the invariance promise does not hold here, so start-up stops.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.matmul import invariant_matmul
+
+CHECK_MS = (1, 2, 3, 16, 17, 33, 64, 65, 128, 129, 256, 257, 1024)
+
+
+class SelfCheckError(RuntimeError):
+    pass
+
+
+def model_gemm_shapes(model: torch.nn.Module) -> list[tuple[str, int, int, bool]]:
+    """(name, K, N, fp32_out) for every distinct linear weight shape in the model (+ lm_head)."""
+    from vllm.layers.embedding import LMHead
+    from vllm.layers.linear import Linear
+
+    seen, shapes = set(), []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (Linear, LMHead)):
+            N, K = mod.weight.shape
+            key = (K, N, isinstance(mod, LMHead))
+            if key not in seen:
+                seen.add(key)
+                shapes.append((name, K, N, isinstance(mod, LMHead)))
+    return shapes
+
+
+@torch.inference_mode()
+def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_m: int = 1024) -> dict:
+    gen = torch.Generator(device=device).manual_seed(1234)
+    ms = [m for m in CHECK_MS if m <= max_m] or [1]
+    report = {}
+    for name, K, N, fp32_out in model_gemm_shapes(model):
+        w = dict(model.named_modules())[name].weight
+        x = torch.randn(max(ms), K, generator=gen, device=device).to(dtype)
+        out_dtype = torch.float32 if fp32_out else dtype
+        full = invariant_matmul(x, w, out_dtype=out_dtype)
+        view = torch.int32 if out_dtype == torch.float32 else torch.int16
+        for m in ms:
+            part = invariant_matmul(x[:m].clone(), w, out_dtype=out_dtype)
+            if not torch.equal(part.view(view), full[:m].view(view)):
+                raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}) at M={m}: "
+                                     f"rows differ from the same rows computed at M={max(ms)}")
+        # the last row alone, i.e. at another position inside its tile
+        last = invariant_matmul(x[-1:].clone(), w, out_dtype=out_dtype)
+        if not torch.equal(last.view(view), full[-1:].view(view)):
+            raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}): row position changes bits")
+        report[name] = {"K": K, "N": N, "Ms": ms}
+    return report
+
+
+def check_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse numerics='invariant' where no verified kernel exists."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"numerics='invariant' has no verified kernels for device type {device.type!r}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ValueError(f"numerics='invariant' needs compute capability >= 8.0, this GPU is {major}.{minor}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"numerics='invariant' on GPU is verified for bfloat16/float16 only, not {dtype}")
