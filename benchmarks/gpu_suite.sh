@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
-# kernel + end-to-end benchmarks; prints a short table last.
-#   bash benchmarks/gpu_suite.sh [quick|full]
-# Outputs land in ${OUT:-/tmp/gpu_suite}.
+# kernel benchmarks, the parity battery and end-to-end throughput; prints a
+# short summary last. Select parts with STEPS (default: all), e.g.
+#   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
+# Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:-full}"
 OUT="${OUT:-/tmp/gpu_suite}"
+STEPS="${STEPS:-tests,gemm,attention,battery,throughput}"
+THROUGHPUT_CONFIG="${THROUGHPUT_CONFIG:-benchmarks/configs/qwen3-8b.json}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+SECONDS=0
 
 echo "== install"
 VLLM_PARITY_SKIP_CSRC="${VLLM_PARITY_SKIP_CSRC:-1}" python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
@@ -17,20 +21,39 @@ VLLM_PARITY_SKIP_CSRC="${VLLM_PARITY_SKIP_CSRC:-1}" python -m pip install -q --n
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-echo "== GPU tests"
-python -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-TESTS_LINE=$(tail -1 "$OUT/gpu_tests.log")
-
-echo "== throughput"
-if [ "$MODE" = "quick" ]; then
-  python benchmarks/throughput.py --config benchmarks/configs/qwen3-0.6b.json --num-prompts 64 --input-len 256 --output-len 64 \
-    --numerics "${NUMERICS:-fast}" --json-out "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -12
-else
-  python benchmarks/throughput.py --config benchmarks/configs/qwen3-8b.json --num-prompts 256 --input-len 512 --output-len 256 \
-    --numerics "${NUMERICS:-fast}" ${HF_FLAG:---hf} --json-out "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -12
+if has tests; then
+  echo "== GPU tests ($SECONDS s)"
+  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|Error|FAILED" "$OUT/gpu_tests.log" | tail -25
+fi
+if has gemm; then
+  echo "== GEMM ($SECONDS s)"
+  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/kernels/gemm.py ${GEMM_ARGS:-} --json-out "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
+  tail -22 "$OUT/gemm.log"
+fi
+if has attention; then
+  echo "== attention ($SECONDS s)"
+  timeout 200 python benchmarks/kernels/attention.py >"$OUT/attention.log" 2>&1
+  tail -20 "$OUT/attention.log"
+fi
+if has battery; then
+  echo "== parity battery ($SECONDS s)"
+  timeout "${BATTERY_TIMEOUT:-400}" python benchmarks/parity_battery.py ${BATTERY_ARGS:-} --json-out "$OUT/battery.json" >"$OUT/battery.log" 2>&1
+  tail -12 "$OUT/battery.log"
+fi
+if has throughput; then
+  echo "== throughput ($SECONDS s)"
+  timeout "${THROUGHPUT_TIMEOUT:-500}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" --num-prompts "${NUM_PROMPTS:-256}" \
+    --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" --numerics "${NUMERICS:-fast,invariant}" ${HF_FLAG:---hf} \
+    --json-out "$OUT/throughput.json" >"$OUT/throughput.log" 2>&1
+  tail -10 "$OUT/throughput.log"
 fi
 
 echo
-echo "================ summary ================"
-echo "gpu tests: $TESTS_LINE"
-grep -E "^(floor|engine|fast|invariant|transformers)" "$OUT/throughput.log" || true
+echo "================ summary (${SECONDS} s) ================"
+has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
+has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -20
+has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
+has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
+has throughput && grep -E "^(floor|engine|fast|invariant|transformers)" "$OUT/throughput.log"
+exit 0

@@ -302,6 +302,22 @@ def test_batch_invariance_bits(device, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_token_is_argmax_of_tempered_logits_plus_gumbel(device):
+    """The documented formula, bit for bit: argmax over kept tokens of x / T + g."""
+    torch.manual_seed(16)
+    V = 1000
+    logits = torch.randn(5, V, device=device) * 2
+    rows = [dict(t=t, k=k, p=p, m=0.0, seed=31 * i - 7, pos=3 * i)
+            for i, (t, k, p) in enumerate([(0.5, 0, 1.0), (1.0, 0, 1.0), (1.7, 0, 1.0), (1.0, 10, 1.0), (0.8, 0, 0.7)])]
+    out = sample_rows(logits, rows)
+    t = torch.tensor([r["t"] for r in rows], device=device)
+    g = gumbel_noise(torch.tensor([r["seed"] for r in rows]), torch.tensor([r["pos"] for r in rows]), V, device)
+    kept = torch.isfinite(_reference_dist(logits, rows, "processed_logits")).to(device)
+    scores = (apply_temperature(logits, t) + g).masked_fill(~kept, float("-inf"))
+    assert out.token_ids.tolist() == scores.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_batch_invariance_fast_path_flags(device):
     """all_greedy / no_truncation fast paths give the same bits as the general path."""
     torch.manual_seed(5)

@@ -200,16 +200,16 @@ if HAS_TRITON:
             split_hi = kv_end  # every split, in increasing order
         # Running state across splits (unused when writing partials).
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        L = tl.zeros([BLOCK_M], tl.float32)
-        ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        L = tl.full([BLOCK_M], 0.0, tl.float32)
+        ACC = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
         for lo in range(split_lo, split_hi, SPLIT):
             # ---- one split: fresh online softmax over tiles [lo, hi) ----
             # lo is a multiple of SPLIT (hence of KV_TILE): tiles are
             # anchored at absolute position 0 whatever the schedule.
             hi = tl.minimum(lo + SPLIT, kv_end)
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            l_acc = tl.full([BLOCK_M, 16], 0.0, tl.float32)
+            acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
             for start in tl.range(lo, hi, KV_TILE):
                 pos = start + offs_t
                 # Positions beyond the context are never read: their
@@ -305,8 +305,8 @@ if HAS_TRITON:
         # Same expression as the partial kernel (BLOCK_Q = 1).
         kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, 1))
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        L = tl.zeros([BLOCK_M], tl.float32)
-        ACC = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        L = tl.full([BLOCK_M], 0.0, tl.float32)
+        ACC = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
         base = (seq.to(tl.int64) * num_kv_heads + kvh) * max_splits
         for j in range(0, (kv_end + SPLIT - 1) // SPLIT):
             ws_row = (base + j) * BLOCK_M + rows

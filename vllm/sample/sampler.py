@@ -8,9 +8,10 @@ construction rather than by luck:
 * Only *exact* or *elementwise* operations touch a row.  Elementwise float ops
   (``/``, ``+``, ``exp``, ``log``) compute each element on its own, so its bits
   cannot depend on the tensor's shape.  Exact ops (``amax``, ``argmax``,
-  comparisons, integer sums/cumsums, stable sorts, ``topk`` values, gathers,
-  scatters to distinct indices) have a single correct answer, so whatever
-  algorithm torch picks for a given shape returns the same bits.
+  comparisons, integer sums/cumsums, stable sorts, ``topk`` where its answer
+  is unique, gathers, scatters to distinct indices) have a single correct
+  answer, so whatever algorithm torch picks for a given shape returns the same
+  bits.
 * Float *reductions* (sums, prefix sums) are never left to torch's reduction
   kernels, whose split/tile choices on CUDA depend on the number of rows (and
   ``cumsum`` of a single row even takes a different code path).  They are
@@ -85,6 +86,12 @@ def _inclusive_scan(x: torch.Tensor) -> torch.Tensor:
     return a
 
 
+def _finite_row_max(x: torch.Tensor) -> torch.Tensor:
+    """Row max [B, 1] (exact), with non-finite maxima replaced by 0 so x - max stays sane."""
+    m = x.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def batch_invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax`` over the last dim whose bits depend only on each row.
 
@@ -93,10 +100,7 @@ def batch_invariant_log_softmax(x: torch.Tensor) -> torch.Tensor:
     are not supported (their output is -inf/nan), as in torch.
     """
     x = x.float()
-    m = x.amax(dim=-1, keepdim=True)
-    # Keep rows with -inf entries finite; a fully -inf row just yields nan/-inf.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    z = x - m
+    z = x - _finite_row_max(x)
     s = _pairwise_sum(torch.exp(z))
     return z.sub_(s.log_())
 
@@ -262,9 +266,10 @@ class SamplerOutput:
 # --------------------------------------------------------------------------- #
 # Truncation (top-k, top-p, min-p)
 # --------------------------------------------------------------------------- #
-# Sorted-prefix width tried first for top-p rows without top-k; multiplied by
-# _TOP_P_GROWTH until every such row's nucleus fits.  Only a speed knob: the
-# result never depends on it.
+# Sorted-prefix width tried first for top-p rows without top-k; if some
+# nucleus does not fit, the width jumps to a proven bound (then grows by
+# _TOP_P_GROWTH should rounding defeat the bound).  Only speed knobs: no result
+# depends on them.
 _TOP_P_FIRST_WIDTH = 1024
 _TOP_P_GROWTH = 8
 
@@ -307,12 +312,6 @@ def _keep_mask(scaled, plan, top_k, top_p, min_p, use_k, use_p, use_m) -> torch.
     return keep
 
 
-def _finite_row_max(x: torch.Tensor) -> torch.Tensor:
-    """Row max [B, 1] (exact), with non-finite maxima replaced by 0 so x - max stays sane."""
-    m = x.amax(dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-
-
 def _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p) -> torch.Tensor:
     """Keep mask of top-k then top-p, working on a sorted prefix of each row.
 
@@ -343,9 +342,8 @@ def _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p) -> torch.Tensor:
         keep_s = (col < k_eff.unsqueeze(1)) | ~use_k.unsqueeze(1)
         if not plan.any_p:
             break
-        row_max = vals[:, :1]
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        mass = torch.exp(vals - row_max).masked_fill_(~keep_s, 0.0)
+        # Sorted column 0 is the row max, so this is exp(x - max) as in full_ratio.
+        mass = torch.exp(vals - _finite_row_max(vals[:, :1])).masked_fill_(~keep_s, 0.0)
         incl = _inclusive_scan(mass)
         # A top-k row's total is read at its own last kept column (k <= width).
         total = incl.gather(1, (k_eff.clamp(max=width) - 1).unsqueeze(1))

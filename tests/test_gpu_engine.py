@@ -1,0 +1,67 @@
+"""Engine on the GPU (bf16): transformers agreement, CUDA graphs, invariant battery."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu_model"), "qwen3", hidden_size=512, num_hidden_layers=3,
+                                num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
+                                dtype=torch.bfloat16, max_position_embeddings=2048, init_std=0.05)
+
+
+def test_gpu_greedy_close_to_transformers(gpu_model):
+    from vllm.testing.tiny_models import load_hf_model
+    llm = LLM(gpu_model, device="cuda", dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    hf = load_hf_model(gpu_model, torch.float32, device="cuda")
+    prompt = list(range(5, 60))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].double()
+    ref = torch.log_softmax(logits, -1)
+    for i, t in enumerate(out.token_ids):
+        assert abs(out.logprobs[i][t].logprob - ref[len(prompt) - 1 + i, t].item()) < 2e-2
+
+
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+def test_gpu_graph_and_eager_agree_on_tokens(gpu_model, numerics):
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 100, 7, 250)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    eager = LLM(gpu_model, device="cuda", numerics=numerics, gpu_memory_utilization=0.2, enforce_eager=True)
+    a = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    del eager
+    graph = LLM(gpu_model, device="cuda", numerics=numerics, gpu_memory_utilization=0.2, cuda_graph_batch_sizes=[1, 2, 4, 8])
+    assert graph.llm_engine.runner.graphs
+    b = [o.outputs[0].token_ids for o in graph.generate(prompts, sp, use_tqdm=False)]
+    if numerics == "invariant":
+        assert a == b
+
+
+def test_gpu_invariant_battery(gpu_model):
+    from vllm.testing.parity_battery import Battery
+
+    def make(**kw):
+        opts = dict(device="cuda", numerics="invariant", gpu_memory_utilization=0.2, max_num_batched_tokens=1024,
+                    cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64])
+        opts.update(kw)
+        return LLM(gpu_model, **opts)
+    bat = Battery(make, vocab=512, max_tokens=10, batch_sizes=(3, 33), long_len=200)
+    for res in bat.run_all(gpu=True):
+        assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} ({res.detail})"
+
+
+def test_gpu_invariant_selfcheck_and_contract(gpu_model):
+    llm = LLM(gpu_model, device="cuda", numerics="invariant", gpu_memory_utilization=0.2, enforce_eager=True)
+    assert llm.llm_engine.runner.self_check_report
+    c = llm.execution_contract()
+    assert c.numerical["device"]["type"] == "cuda"
+    with pytest.raises(ValueError, match="verified"):
+        LLM(gpu_model, device="cuda", numerics="invariant", dtype="float32", gpu_memory_utilization=0.2)
