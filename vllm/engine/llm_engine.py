@@ -175,19 +175,20 @@ class LLMEngine:
         detok = group.detoks[req.index]
         if detok is None:
             return None
+        before = len(detok.text)
         detok.append(req.output_token_ids[-1])
         stops = group.params.stop_strings
         if not stops:
             return None
         text = detok.text
-        # Only the tail can contain a new match: the new text plus the longest stop string.
-        window_start = max(0, len(text) - max(len(s) for s in stops) - 16)
-        for s in stops:
-            pos = text.find(s, window_start)
-            if pos >= 0:
-                detok.text = text[:pos + len(s)] if group.params.include_stop_str_in_output else text[:pos]
-                return s
-        return None
+        # Only a match that ends in the new text is new: start one stop-string length before it.
+        window_start = max(0, before - max(len(s) for s in stops) + 1)
+        hits = [(pos, s) for s in stops if (pos := text.find(s, window_start)) >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)  # the earliest stop string in the text wins
+        detok.text = text[:pos + len(s)] if group.params.include_stop_str_in_output else text[:pos]
+        return s
 
     def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
         outs = []
