@@ -168,8 +168,12 @@ def test_exp_det_is_accurate():
 # Correctness vs float64 reference
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size,hq,hkv", [(1, 2, 2), (4, 4, 2), (16, 4, 1)])
+@pytest.mark.parametrize("dtype,block_size,hq,hkv", [
+    (torch.float32, 1, 2, 2),    # MHA, one token per block
+    (torch.bfloat16, 4, 4, 2),   # GQA 2
+    (torch.float32, 16, 4, 1),   # GQA 4
+    (torch.bfloat16, 16, 4, 1),
+])
 def test_matches_reference(impl, dtype, block_size, hq, hkv):
     lengths = [1, 77, 150, 9]
     P = Problem(lengths, hq, hkv, 16, dtype, seed=block_size)
@@ -177,7 +181,7 @@ def test_matches_reference(impl, dtype, block_size, hq, hkv):
         (0, 1, 1),      # a single KV token
         (1, 77, 77),    # full prefill, 77 not a multiple of block or tile
         (None, 0, 0),   # q_len 0 padding entry
-        (2, 150, 22),   # chunk spanning several splits (split = 64)
+        (2, 150, 12),   # chunk spanning several splits (split = 64)
         (3, 9, 1),      # decode
         (2, 131, 1),    # decode, 3 splits
         (None, 0, 1),   # seq_len 0 padding entry with a query row
@@ -224,12 +228,19 @@ def test_out_argument_and_untouched_rows():
 # --------------------------------------------------------------------------
 # Bit invariance (CPU sizes)
 # --------------------------------------------------------------------------
+def decode_positions(L):
+    """Decode positions to test: tile/split edges plus a regular sample."""
+    T = KV_TILE
+    edges = {0, 1, 2, T - 1, T, T + 1, 2 * T - 1, 2 * T, 2 * T + 1, L - 1}
+    return sorted(p for p in edges | set(range(3, L, 11)) if p < L)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunked_decode_same_bits(impl, dtype):
     """Full prefill == every chunking (chunks ending mid-block) == decode."""
-    L, bs = 150, 4
-    P = Problem([L], 4, 2, 16, dtype, seed=11)
+    L, bs = 140, 4  # 3 splits of 64: [0,64) [64,128) [128,140)
+    P = Problem([L], 4, 1, 16, dtype, seed=11)
     full = by_position(P.call(impl, [(0, L, L)], bs), [(0, L, L)])
 
     def check(table, what):
@@ -237,22 +248,22 @@ def test_prefill_chunked_decode_same_bits(impl, dtype):
             assert_same_bits(o, full[key], f"{what} at position {key[1]}")
 
     # Chunked prefill: each chunk is one call whose context ends at the chunk.
-    for chunks in ([3] * 50, [7] * 21 + [3], [50, 50, 50], [1, 62, 2, 65, 20], [129, 21]):
+    for chunks in ([5] * 28, [50, 50, 40], [1, 62, 2, 65, 10], [129, 11]):
         assert sum(chunks) == L
         done = 0
         for c in chunks:
             done += c
             table = by_position(P.call(impl, [(0, done, c)], bs, seed=done), [(0, done, c)])
             check(table, f"chunks {chunks[:3]}...")
-    # Token-by-token decode at every position: one decode row per position
-    # (batch-invariance makes this the same as L separate decode steps), with
-    # sequential and parallel KV splits.
-    items = [(0, p + 1, 1) for p in range(L)]
+    # Token-by-token decode: one decode row per position in one batch (batch
+    # invariance makes that the same as separate decode steps), with
+    # sequential and parallel KV splits ...
+    items = [(0, p + 1, 1) for p in decode_positions(L)]
     for parallel in (False, True):
         check(by_position(P.call(impl, items, bs, decode_parallel=parallel), items),
               f"decode (parallel={parallel})")
-    # And a few real single-sequence decode steps around tile/split edges.
-    for p in (0, 63, 64, 65, 127, 128, 149):
+    # ... and real single-sequence decode steps around tile/split edges.
+    for p in (0, 64, 129):
         check(by_position(P.call(impl, [(0, p + 1, 1)], bs), [(0, p + 1, 1)]), "single decode")
 
 
@@ -262,16 +273,15 @@ def test_batch_slot_and_block_ids_do_not_change_bits(impl):
     every slot, with different physical blocks and block-table widths."""
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(5)
-    lengths = [140] + torch.randint(1, 160, (6,), generator=g).tolist()
+    lengths = [140] + torch.randint(1, 100, (5,), generator=g).tolist()
     P = Problem(lengths, 8, 2, 16, dtype, seed=5)
-    target = (0, 140, 37)  # positions 103..139: crosses a split edge (128)
+    target = (0, 140, 21)  # positions 119..139: crosses a split edge (128)
     alone = P.call(impl, [target], 16, seed=0)[0]
-    for trial in range(4):
+    for trial in range(2):
         others = []
         for s in range(1, len(lengths)):
             L = lengths[s]
-            kind = torch.randint(0, 3, (1,), generator=g).item()
-            n = {0: 1, 1: L, 2: min(L, 1 + torch.randint(0, L, (1,), generator=g).item())}[kind]
+            n = min(L, [1, 13, L][torch.randint(0, 3, (1,), generator=g).item()])
             others.append((s, L, n))
         others += [(None, 0, 0), (None, 0, 1)]
         perm = torch.randperm(len(others), generator=g).tolist()
@@ -280,9 +290,8 @@ def test_batch_slot_and_block_ids_do_not_change_bits(impl):
             items = others[:slot] + [target] + others[slot:]
             outs = P.call(impl, items, 16, seed=100 * trial + slot, extra_blocks=7 * slot)
             assert_same_bits(outs[slot], alone, f"trial {trial} slot {slot}")
-    # Same sequence, different block size of the physical layout is a
-    # different cache geometry; only block ids must not matter: permute them.
-    for seed in range(3):
+    # Only the block ids change here: permute the physical layout.
+    for seed in range(2):
         assert_same_bits(P.call(impl, [target], 16, seed=77 + seed, extra_blocks=30)[0], alone,
                          f"block permutation {seed}")
 
@@ -292,7 +301,7 @@ def test_block_size_does_not_change_bits(impl):
     """Tiles are anchored at token positions, not blocks: the page size of
     the cache cannot show in the bits either."""
     P = Problem([100], 4, 4, 16, torch.bfloat16, seed=8)
-    items = [(0, 100, 30)]
+    items = [(0, 100, 10)]
     base = P.call(impl, items, 1)[0]
     for bs in (4, 16):
         assert_same_bits(P.call(impl, items, bs)[0], base, f"block_size {bs}")

@@ -149,6 +149,7 @@ def test_gumbel_noise_finite(device):
     assert abs(g.double().mean().item() - 0.5772156649) < 0.05  # Euler-Mascheroni
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_uniform_noise_triton_equals_torch_on_cuda():
     seeds = torch.randint(-2**63, 2**63 - 1, (33,), device="cuda")
@@ -158,6 +159,7 @@ def test_uniform_noise_triton_equals_torch_on_cuda():
     assert torch.equal(bits(fast), bits(ref))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_uniform_noise_cpu_equals_cuda():
     seeds = torch.randint(-2**63, 2**63 - 1, (17,))
@@ -419,7 +421,7 @@ def test_top_p_width_search_never_changes_results(device, monkeypatch):
     rows = [dict(t=1.0, k=k, p=p, m=0.0, seed=i, pos=i)
             for i, (k, p) in enumerate([(0, 0.99), (0, 0.5), (700, 0.9), (0, 1.0), (40, 1.0), (0, 0.999)])]
     ref = sample_rows(logits, rows, max_num_logprobs=4, mode="processed_logprobs")
-    for first_width in (1, 7, 64):
+    for first_width in (1, 7, 64, 4096):
         monkeypatch.setattr(sampler_mod, "_TOP_P_FIRST_WIDTH", first_width)
         out = sample_rows(logits, rows, max_num_logprobs=4, mode="processed_logprobs")
         assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())

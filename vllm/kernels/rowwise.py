@@ -1,5 +1,6 @@
-"""Row-wise kernels with a fixed reduction order: RMSNorm (optionally fused with
-the residual add) and log-softmax.
+"""Row-wise kernel with a fixed reduction order: RMSNorm, optionally fused with
+the residual add. (Log-softmax lives with the sampler: vllm/sample/sampler.py,
+`batch_invariant_log_softmax`, shared by rollout and trainer.)
 
 One program owns one row and reduces it in chunks of a BLOCK fixed by the row
 length only, accumulating a per-lane float32 vector that is summed once at the
@@ -67,45 +68,3 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if residual is not None:
         return out.reshape(shape), res_out.reshape(shape)
     return out.reshape(shape)
-
-
-@triton.jit
-def _log_softmax_kernel(x_ptr, out_ptr, temp_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    temp = tl.load(temp_ptr + row)
-    # pass 1: max (exact: max is order independent)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
-        m = tl.maximum(m, x)
-    mx = tl.max(m, axis=0)
-    # pass 2: sum of exp in chunk order, per lane, then one tree sum of fixed shape
-    s = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
-        s += tl.exp(x - mx)
-    lse = mx + tl.log(tl.sum(s, axis=0))
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=0.0).to(tl.float32) / temp
-        tl.store(out_ptr + row * stride_o + cols, x - lse, mask=cols < V)
-
-
-def log_softmax_triton(x: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """float32 log_softmax(x / temperature) over the last dim, one program per row.
-
-    `temperature` is a float or a per-row float32 tensor (rows with 0 must be given 1 by the caller).
-    """
-    V = x.shape[-1]
-    x2 = x.reshape(-1, V)
-    rows = x2.shape[0]
-    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    if not torch.is_tensor(temperature):
-        temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=x.device)
-    temperature = temperature.to(torch.float32).contiguous()
-    if rows:
-        _log_softmax_kernel[(rows,)](x2, out, temperature, V, x2.stride(0), out.stride(0),
-                                            BLOCK=_block(V, 4096), num_warps=8)
-    return out.reshape(x.shape)

@@ -266,12 +266,10 @@ class SamplerOutput:
 # --------------------------------------------------------------------------- #
 # Truncation (top-k, top-p, min-p)
 # --------------------------------------------------------------------------- #
-# Sorted-prefix width tried first for top-p rows without top-k; if some
-# nucleus does not fit, the width jumps to a proven bound (then grows by
-# _TOP_P_GROWTH should rounding defeat the bound).  Only speed knobs: no result
-# depends on them.
+# Sorted-prefix width tried first for top-p rows without top-k.  Rows whose
+# nucleus does not fit are redone alone with their whole row sorted.  A speed
+# knob only: no result depends on it.
 _TOP_P_FIRST_WIDTH = 1024
-_TOP_P_GROWTH = 8
 
 
 @dataclass
@@ -316,61 +314,60 @@ def _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p) -> torch.Tensor:
     """Keep mask of top-k then top-p, working on a sorted prefix of each row.
 
     Both stages keep a prefix of the stable descending order, so only the first
-    W sorted columns matter, where W covers every top-k row's k and every top-p
-    row's nucleus.  W is a batch-level choice but cannot change a row's result:
-    the sorted prefix, column j of the prefix sums (which depends on columns
-    0..j only) and each row's total mass are all independent of W.
+    W sorted columns matter, as long as W covers every top-k row's k and every
+    top-p row's nucleus.  W starts at max(largest top_k, _TOP_P_FIRST_WIDTH);
+    the top-p rows whose nucleus does not fit are then redone on their own
+    with W = V.  Neither choice can change a row's result: the sorted prefix,
+    column j of the prefix sums (which depends on columns 0..j only) and each
+    row's total mass are all independent of W and of the other rows.
+    """
+    vocab = scaled.shape[1]
+    k_eff = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    width = min(vocab, max(plan.max_top_k, _TOP_P_FIRST_WIDTH if plan.any_p_without_k else 1))
+    keep, unresolved = _prefix_keep(scaled, width, k_eff, top_p, use_k, use_p, plan)
+    if unresolved is not None:
+        rows = unresolved.nonzero().squeeze(1)  # host sync; usually empty
+        if rows.numel():
+            sub, _ = _prefix_keep(scaled.index_select(0, rows), vocab, k_eff[rows], top_p[rows],
+                                  use_k[rows], use_p[rows], plan)
+            keep.index_copy_(0, rows, sub)
+    # Rows using neither top-k nor top-p keep everything (not just the prefix).
+    return keep.logical_or_(~(use_k | use_p).unsqueeze(1))
+
+
+def _prefix_keep(scaled, width, k_eff, top_p, use_k, use_p, plan):
+    """Top-k/top-p keep mask from the first ``width`` sorted columns.
+
+    Returns ``(keep [B, V], unresolved [B] or None)``; ``unresolved`` flags the
+    top-p rows without top-k whose nucleus may extend past ``width``.
     """
     num_rows, vocab = scaled.shape
     device = scaled.device
-    k_eff = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    uses_kp = (use_k | use_p).unsqueeze(1)
-
-    # Total mass of a top-p row without top-k: the whole row, summed in token-id
-    # order (fixed by V); a row with top-k reads it off its own prefix sums below.
-    full_total = full_ratio = None
-    p_only = use_p & ~use_k
-    if plan.any_p_without_k:
-        full_ratio = torch.exp(scaled - _finite_row_max(scaled))
-        full_total = _pairwise_sum(full_ratio)
-
-    width = min(vocab, max(plan.max_top_k, _TOP_P_FIRST_WIDTH if plan.any_p_without_k else 1))
-    bound_used = False
-    while True:
-        vals, ids = stable_topk(scaled, width)
-        col = torch.arange(width, device=device, dtype=torch.int64).unsqueeze(0)
-        keep_s = (col < k_eff.unsqueeze(1)) | ~use_k.unsqueeze(1)
-        if not plan.any_p:
-            break
-        # Sorted column 0 is the row max, so this is exp(x - max) as in full_ratio.
+    vals, ids = stable_topk(scaled, width)
+    col = torch.arange(width, device=device, dtype=torch.int64).unsqueeze(0)
+    keep_s = (col < k_eff.unsqueeze(1)) | ~use_k.unsqueeze(1)
+    unresolved = None
+    if plan.any_p:
+        # Sorted column 0 is the row max: masses are exp(x - max).
         mass = torch.exp(vals - _finite_row_max(vals[:, :1])).masked_fill_(~keep_s, 0.0)
         incl = _inclusive_scan(mass)
         # A top-k row's total is read at its own last kept column (k <= width).
         total = incl.gather(1, (k_eff.clamp(max=width) - 1).unsqueeze(1))
-        if full_total is not None:
+        p_only = use_p & ~use_k
+        if plan.any_p_without_k:
+            # Without top-k the total is the whole row's mass, summed in token-id
+            # order (a fixed order set by V), whatever the width.
+            full_total = _pairwise_sum(torch.exp(scaled - _finite_row_max(scaled)))
             total = torch.where(use_k.unsqueeze(1), total, full_total)
         before = torch.cat([torch.zeros_like(incl[:, :1]), incl[:, :-1]], dim=1)
         keep_p = (before < top_p.unsqueeze(1) * total) | (col == 0) | ~use_p.unsqueeze(1)
         keep_s &= keep_p
-        # keep_p is a prefix of True; if a top-p row without top-k still keeps
-        # its last column, its nucleus may extend past the width: widen.
-        if width == vocab or not bool((p_only & keep_p[:, -1]).any()):
-            break
-        new_width = width * _TOP_P_GROWTH
-        if not bound_used:
-            # Tokens with prob < (1 - top_p) / V hold less than 1 - top_p in
-            # total, so the nucleus lies within the tokens above that (halved for
-            # rounding slack).  Jump there at once instead of growing step by step.
-            thr = (1.0 - top_p.unsqueeze(1)) * full_total / (2.0 * vocab)
-            count = (full_ratio >= thr).sum(dim=-1)
-            new_width = max(new_width, int(torch.where(p_only, count, torch.zeros_like(count)).max()) + 1)
-            bound_used = True
-        width = min(vocab, new_width)
-
+        # keep_p is a prefix of True: a top-p-only row that still keeps its last
+        # column may have a nucleus reaching past the width.
+        if width < vocab:
+            unresolved = p_only & keep_p[:, -1]
     keep = torch.zeros((num_rows, vocab), dtype=torch.bool, device=device)
-    keep.scatter_(1, ids, keep_s)
-    # Rows using neither top-k nor top-p keep everything (not just the prefix).
-    return keep.logical_or_(~uses_kp)
+    return keep.scatter_(1, ids, keep_s), unresolved
 
 
 # --------------------------------------------------------------------------- #
