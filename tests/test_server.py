@@ -18,8 +18,11 @@ import sys
 import tempfile
 import time
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 
 from vllm import LLM, SamplingParams
 from vllm.entrypoints.openai.api_server import build_app_from_llm

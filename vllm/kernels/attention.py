@@ -41,14 +41,22 @@ import torch
 KV_TILE = 64  # KV tokens per online-softmax step (power of two, >= 16).
 KV_SPLIT_SIZE = 512  # KV tokens per split (multiple of KV_TILE).
 
-# Speed-only constants, keyed by head_dim.
+# Speed-only constants (the bits do not depend on them), keyed by head_dim.
+# Values checked by compiling for sm_90 (Triton 3.9 AOT): no register spills
+# except ~88 B for head_dim 256.
 # Prefill Q tile height in rows (= query tokens x padded GQA group). Two fp32
-# [BLOCK_M, head_dim] accumulators (running + current split) live in registers,
-# which is what limits BLOCK_M for head_dim 256.
+# [BLOCK_M, head_dim] accumulators (running + current split) live in
+# registers, which is what limits BLOCK_M for head_dim 256.
 PREFILL_BLOCK_M = {16: 64, 32: 64, 64: 128, 128: 128, 256: 64}
-PREFILL_NUM_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
-PREFILL_NUM_STAGES = {16: 2, 32: 2, 64: 3, 128: 2, 256: 2}
-# Decode: one query token x G heads, padded up to the smallest tl.dot height.
+PREFILL_NUM_WARPS = {16: 4, 32: 4, 64: 8, 128: 8, 256: 8}
+PREFILL_NUM_STAGES = {16: 2, 32: 2, 64: 3, 128: 3, 256: 2}
+# fp32 caches (tests only on GPU) take the ieee-fp32 dot path: small tiles.
+PREFILL_BLOCK_M_FP32 = 16
+# Decode: one query token x G heads, padded up to the smallest tl.dot height
+# (16 -> mma.sync tiles; prefill's 64/128 rows use wgmma). If an H200 run of
+# the GPU invariance tests ever shows decode != prefill bits, set this to
+# PREFILL_BLOCK_M's value (decode then runs the same wgmma tile shape; still
+# memory-bound).
 DECODE_MIN_BLOCK_M = 16
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
@@ -308,7 +316,10 @@ if HAS_TRITON:
         L = tl.full([BLOCK_M], 0.0, tl.float32)
         ACC = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
         base = (seq.to(tl.int64) * num_kv_heads + kvh) * max_splits
-        for j in range(0, (kv_end + SPLIT - 1) // SPLIT):
+        # max_seq_len (hence max_splits) must bound seq_len; the clamp only
+        # keeps a violated bound from reading past the workspace.
+        n_splits = tl.minimum((kv_end + SPLIT - 1) // SPLIT, max_splits)
+        for j in range(0, n_splits):
             ws_row = (base + j) * BLOCK_M + rows
             m = tl.load(ws_ml_ptr + ws_row * 2)
             l = tl.load(ws_ml_ptr + ws_row * 2 + 1)
@@ -425,7 +436,12 @@ def paged_attention(
         block_m = max(DECODE_MIN_BLOCK_M, G_PAD)
         num_warps, num_stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
     else:
-        base_m = INTERPRET_PREFILL_BLOCK_M if _INTERPRET else PREFILL_BLOCK_M.get(head_dim, 64)
+        if _INTERPRET:
+            base_m = INTERPRET_PREFILL_BLOCK_M
+        elif q.dtype == torch.float32:
+            base_m = PREFILL_BLOCK_M_FP32
+        else:
+            base_m = PREFILL_BLOCK_M.get(head_dim, 64)
         # Short queries (spec decode, small chunks) get a shorter Q tile;
         # BLOCK_M never changes the bits, only wasted rows.
         block_q = max(1, min(max(base_m, G_PAD) // G_PAD, _next_pow2(max_query_len)))
