@@ -69,6 +69,17 @@ def run_ours(model_dir: str, prompts, args, numerics: str) -> dict:
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     res = {"numerics": numerics, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
            "kv_blocks": llm.llm_engine.runner.num_blocks, "steps": llm.llm_engine.step_count}
+    if args.profile:
+        # a second, synchronised run that splits the step time into phases
+        runner = llm.llm_engine.runner
+        runner.profile = True
+        runner.timings.clear()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        res["profile_total_s"] = time.perf_counter() - t0
+        res["profile"] = dict(runner.timings)
+        print(f"[{numerics}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
+              + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timings.items(), key=lambda kv: -kv[1])), flush=True)
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()
@@ -115,6 +126,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time transformers' padded generate")
     ap.add_argument("--hf-num-prompts", type=int, default=0)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--profile", action="store_true", help="also run once with per-phase timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("throughput.py needs a CUDA device")

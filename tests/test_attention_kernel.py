@@ -109,9 +109,10 @@ class Problem:
         qlens = [n for _, _, n in items]
         cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
         seq_lens = torch.tensor([L for _, L, _ in items], dtype=torch.int32)
-        dev = "cpu" if impl == "torch" else device
+        dev = "cpu" if impl in ("torch", "dispatch") else device
         args = [t.to(dev) for t in (q, k_cache, v_cache, block_table, cu, seq_lens)]
-        fn = paged_attention_torch if impl == "torch" else attn.paged_attention
+        fn = {"torch": paged_attention_torch, "triton": attn.paged_attention_triton,
+              "dispatch": attn.paged_attention}[impl]
         out = fn(*args, self.scale, max_query_len=max(qlens),
                  max_seq_len=max_seq_len if max_seq_len is not None else max(seq_lens.tolist()),
                  kv_split_size=split, decode_parallel_splits=decode_parallel).cpu()
@@ -214,7 +215,7 @@ def test_out_argument_and_untouched_rows():
     k_cache, v_cache = k[:, None].contiguous(), v[:, None].contiguous()
     bt = torch.arange(40, dtype=torch.int32)[None]
     qq = torch.cat([q[30:40], torch.randn(3, 4, 16)])
-    for fn in (attn.paged_attention, paged_attention_torch):
+    for fn in (attn.paged_attention_triton, paged_attention_torch):
         dev = "cpu" if fn is paged_attention_torch else DEV
         out = torch.full((13, 4, 16), 7.0, device=dev)
         args = [t.to(dev) for t in (qq, k_cache, v_cache, bt, torch.tensor([0, 10], dtype=torch.int32),
@@ -334,6 +335,15 @@ def test_empty_batch_and_all_padding():
         assert outs[1].shape == (1, 2, 16) and (bits(outs[1]) == 0).all()
     outs = P.call("triton", [(None, 0, 1), (None, 0, 1)], 4, decode_parallel=True, max_seq_len=300)
     assert all((bits(o) == 0).all() for o in outs)
+
+
+def test_cpu_dispatch_is_the_torch_version():
+    """paged_attention on CPU tensors is paged_attention_torch (the CPU
+    engine and a CPU trainer therefore share one implementation)."""
+    P = Problem([30, 70], 4, 2, 16, torch.float32, seed=9)
+    items = [(0, 30, 30), (1, 70, 1), (None, 0, 0)]
+    for a, b in zip(P.call("dispatch", items, 4), P.call("torch", items, 4)):
+        assert_same_bits(a, b, "dispatch vs torch")
 
 
 def test_rejects_bad_split_size():

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from vllm.config import EngineConfig
@@ -135,12 +136,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step. Returns the outputs of the requests that finished in it,
         plus (finished=False) the outputs so far of stream=True requests it advanced."""
+        prof = self.runner.profile
+        t0 = time.perf_counter() if prof else 0.0
         sched = self.scheduler.schedule()
+        if prof:
+            self.runner.timings["schedule"] += time.perf_counter() - t0
         if not sched.requests:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any request: the KV cache is too small for one request")
             return []
         result = self.runner.execute(sched)
+        t1 = time.perf_counter() if prof else 0.0
         updated, finished = self.scheduler.update(sched, result)
         self.step_count += 1
         touched: dict[str, _Group] = {}
@@ -168,6 +174,8 @@ class LLMEngine:
                     self._child_to_group.pop(c.req_id, None)
             elif group.stream:
                 outs.append(self._make_output(group, False))
+        if prof:
+            self.runner.timings["update+output"] += time.perf_counter() - t1
         return outs
 
     def _detokenize(self, group: _Group, req: Request) -> str | None:

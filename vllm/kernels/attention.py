@@ -259,7 +259,8 @@ if HAS_TRITON:
                 p = tl.exp2(s - m_ref[:, None]).to(v.dtype)
                 if EMULATE:
                     pf = p.to(tl.float32)[:, :, None]
-                    l_acc = l_acc * alpha[:, None] + tl.reduce(pf * ones.to(tl.float32)[None, :, :], 1, _SUM_COMBINE)
+                    l_sum = tl.reduce(pf * ones.to(tl.float32)[None, :, :], 1, _SUM_COMBINE)
+                    l_acc = l_acc * alpha[:, None] + l_sum
                     acc = acc * alpha[:, None] + tl.reduce(pf * v.to(tl.float32)[None, :, :], 1, _SUM_COMBINE)
                 else:
                     # The fused tl.dot(a, b, acc) form: bit-identical across
@@ -399,18 +400,46 @@ def paged_attention(
     not written; rows of sequences with no KV (seq_len 0) are zero; when
     ``out`` is None, rows past cu_seqlens_q[-1] are zero.
 
-    Without CUDA and without TRITON_INTERPRET=1 this falls back to the
-    pure-torch implementation (same tile/split/merge order, not the same
-    bits as the GPU kernel).
+    CUDA tensors run the Triton kernel (paged_attention_triton). Anything
+    else runs vllm.kernels.attention_ref.paged_attention_torch: same
+    tile/split/merge order and invariances, but not the GPU kernel's bits --
+    so an engine and a trainer on the same device type always agree. (The
+    Triton kernel on CPU, through TRITON_INTERPRET=1, is for tests only and
+    is reached by calling paged_attention_triton directly.)
     """
-    if not HAS_TRITON or (not q.is_cuda and not _INTERPRET):
-        from vllm.kernels.attention_ref import paged_attention_torch
+    kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len,
+                  kv_split_size=kv_split_size, decode_parallel_splits=decode_parallel_splits)
+    if HAS_TRITON and q.is_cuda:
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
+    from vllm.kernels.attention_ref import paged_attention_torch
 
-        return paged_attention_torch(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
-            kv_split_size=kv_split_size, decode_parallel_splits=decode_parallel_splits)
+    return paged_attention_torch(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
 
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int,
+    max_seq_len: int | None = None,
+    kv_split_size: int = KV_SPLIT_SIZE,
+    decode_parallel_splits: bool | None = None,
+) -> torch.Tensor:
+    """The Triton kernel behind paged_attention (same arguments). Needs CUDA
+    tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton was
+    imported (tests)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if not q.is_cuda and not _INTERPRET:
+        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

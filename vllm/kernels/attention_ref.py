@@ -24,10 +24,13 @@ import torch
 
 from vllm.kernels.attention import KV_SPLIT_SIZE, KV_TILE
 
-# Elements of the largest per-step temporary ([kv heads, rows, tiles, KV_TILE,
-# head_dim] fp32). Only affects speed / memory: grouping tiles is invisible
+# Elements of the largest per-step temporary ([head_dim, kv heads, rows, tiles,
+# KV_TILE] fp32). Only affects speed / memory: grouping tiles is invisible
 # in the bits because the per-tile recurrence is unchanged.
 _TORCH_STEP_ELEMS = 1 << 22
+# A sequence with at least this many rows in a tile step uses its own K/V by
+# broadcasting instead of a per-row gather (speed only).
+_TORCH_BROADCAST_MIN_ROWS = 16
 
 _LOG2E = 1.4426950408889634
 # Cody-Waite split of ln 2: _LN2_HI has 32 significant bits so n * _LN2_HI is
@@ -125,21 +128,32 @@ def paged_attention_torch(
     Same signature and semantics as vllm.kernels.attention.paged_attention.
     max_query_len / max_seq_len / decode_parallel_splits are accepted for
     interface compatibility and do not change the arithmetic (parallel and
-    sequential decode splits are the same bits by construction, so there is
-    only one path here). Host-syncs on the metadata: CPU use only.
+    sequential decode splits give the same bits by construction, so there is
+    one path here). Host-syncs on the metadata: CPU use only.
+
+    All query rows of the batch are processed together, vectorised over
+    sequences, kv heads and rows; the Python loops run over splits and tile
+    groups of the longest context only. A row whose position lies before a
+    tile (a shorter sequence, an earlier query token) simply does not take
+    part in that step, which is bit-identical to the kernel's fully masked
+    identity step -- so batching cannot change a row's bits.
     """
     del max_query_len, max_seq_len, decode_parallel_splits
     if kv_split_size <= 0 or kv_split_size % KV_TILE:
         raise ValueError(f"kv_split_size must be a positive multiple of KV_TILE={KV_TILE}")
     T = KV_TILE
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     G = num_q_heads // num_kv_heads
     d_pad = 1 << (head_dim - 1).bit_length()  # tree over head_dim needs 2^k
+    dev = q.device
+    f32 = torch.float32
+    neg_inf = float("-inf")
     if out is None:
         out = torch.zeros_like(q)
-    neg_inf = float("-inf")
 
+    # ---- rows: (sequence, query token, head in GQA group), per kv head ----
+    live = []  # (batch index, q start, q len, seq_len) of sequences with work
     for s, (start, end, L) in enumerate(_seq_bounds(cu_seqlens_q, seq_lens)):
         n = end - start
         if n <= 0:
@@ -147,82 +161,115 @@ def paged_attention_torch(
         if L <= 0:
             out[start:end] = 0  # seq_len 0 padding sequence
             continue
-        first = L - n  # absolute position of this sequence's first query row
-        n_tiles = -(-L // T)
-        # Context as [Hkv, n_tiles * T, D], zero past L: the kernel's masked
-        # loads (other=0), so a tile always has exactly T columns.
-        k = torch.zeros(num_kv_heads, n_tiles * T, d_pad, dtype=torch.float32, device=q.device)
-        v = torch.zeros(num_kv_heads, n_tiles * T, head_dim, dtype=torch.float32, device=q.device)
-        k[:, :L, :head_dim] = _gather_context(k_cache, block_table[s], L).float().permute(1, 0, 2)
-        v[:, :L] = _gather_context(v_cache, block_table[s], L).float().permute(1, 0, 2)
-        # Rows r = token * G + g (the kernel's GQA packing), per kv head.
-        R = n * G
-        qq = torch.zeros(num_kv_heads, R, d_pad, dtype=torch.float32, device=q.device)
-        qq[..., :head_dim] = (q[start:end].float().view(n, num_kv_heads, G, head_dim)
-                              .permute(1, 0, 2, 3).reshape(num_kv_heads, R, head_dim))
-        pos = (first + torch.arange(n, device=q.device)).repeat_interleave(G)  # [R], ascending
+        live.append((s, start, n, L))
+    if not live:
+        return out
+    L_max = max(L for *_, L in live)
+    ctx = -(-L_max // T) * T  # padded context length (whole tiles)
+    # Contexts, zero past each sequence's length (the kernel's masked loads,
+    # other=0, so a tile always has T columns). Layouts put the reduced axis
+    # first so every tree level adds two contiguous halves:
+    #   Kt [S', D, Hkv, ctx] for scores (reduced over D),
+    #   Vt [S', ctx, Hkv, D] for P @ V  (reduced over the tile's T tokens).
+    Kt = torch.zeros(len(live), d_pad, num_kv_heads, ctx, dtype=f32, device=dev)
+    Vt = torch.zeros(len(live), ctx, num_kv_heads, head_dim, dtype=f32, device=dev)
+    q_rows, row_pos, row_seq = [], [], []
+    for i, (s, start, n, L) in enumerate(live):
+        Kt[i, :head_dim, :, :L] = _gather_context(k_cache, block_table[s], L).to(f32).permute(2, 1, 0)
+        Vt[i, :L] = _gather_context(v_cache, block_table[s], L).to(f32)
+        # Row r = token * G + g: the kernel's GQA packing.
+        q_rows.append(q[start:start + n].to(f32).view(n, num_kv_heads, G, head_dim)
+                      .permute(3, 1, 0, 2).reshape(head_dim, num_kv_heads, n * G))
+        row_pos.append((L - n + torch.arange(n, device=dev)).repeat_interleave(G))
+        row_seq.append(torch.full((n * G,), i, dtype=torch.long, device=dev))
+    Qt = torch.cat(q_rows, 2)  # [D, Hkv, R]
+    if d_pad != head_dim:
+        Qt = torch.nn.functional.pad(Qt, (0, 0, 0, 0, 0, d_pad - head_dim))
+    row_pos, row_seq = torch.cat(row_pos), torch.cat(row_seq)
+    R = Qt.shape[2]
 
-        M = torch.full((num_kv_heads, R), neg_inf, dtype=torch.float32, device=q.device)
-        Lsum = torch.zeros(num_kv_heads, R, dtype=torch.float32, device=q.device)
-        ACC = torch.zeros(num_kv_heads, R, head_dim, dtype=torch.float32, device=q.device)
+    M = torch.full((num_kv_heads, R), neg_inf, dtype=f32, device=dev)
+    Lsum = torch.zeros(num_kv_heads, R, dtype=f32, device=dev)
+    ACC = torch.zeros(num_kv_heads, R, head_dim, dtype=f32, device=dev)
 
-        def first_row(kv_pos: int) -> int:
-            # Rows are sorted by position, so the rows that see any KV
-            # position >= kv_pos form a suffix. Skipping the others is
-            # bit-identical to the kernel's fully-masked identity steps.
-            return min(R, max(0, kv_pos - first) * G)
+    def tile_step(rows, kg, vg, kpos, nt, m, l, acc):
+        """Online softmax over nt tiles for `rows` (global row ids), given
+        their K [D, Hkv, rows|1, nt, T] and V [T, Hkv, rows|1, nt, D]."""
+        # Scores [Hkv, rows, nt, T]: exact elementwise products, tree sum.
+        S = _tree_sum(Qt[:, :, rows, None, None] * kg, 0) * scale
+        S = torch.where(kpos[None, None] <= row_pos[rows][None, :, None, None], S, neg_inf)
+        m0 = m[:, rows]
+        m_run = torch.cummax(torch.cat([m0[..., None], S.amax(-1)], -1), dim=-1).values
+        m_prev, m_run = m_run[..., :-1], m_run[..., 1:]
+        m_ref = torch.where(m_run == neg_inf, 0.0, m_run)
+        alpha = _exp_det(m_prev - m_ref)  # [Hkv, rows, nt]
+        P = _exp_det(S - m_ref[..., None])  # [Hkv, rows, nt, T]
+        rs = _tree_sum(P, -1)
+        PV = _tree_sum(P.permute(3, 0, 1, 2)[..., None] * vg, 0)  # [Hkv, rows, nt, D]
+        lc, ac = l[:, rows], acc[:, rows]
+        for t in range(nt):  # online softmax, strictly tile by tile
+            lc = lc * alpha[..., t] + rs[..., t]
+            ac = ac * alpha[..., t, None] + PV[:, :, t]
+        l[:, rows], acc[:, rows], m[:, rows] = lc, ac, m_run[..., -1]
 
-        for lo in range(0, L, kv_split_size):
-            hi = min(lo + kv_split_size, L)
-            r0 = first_row(lo)
-            m = torch.full((num_kv_heads, R - r0), neg_inf, dtype=torch.float32, device=q.device)
-            l = torch.zeros(num_kv_heads, R - r0, dtype=torch.float32, device=q.device)
-            acc = torch.zeros(num_kv_heads, R - r0, head_dim, dtype=torch.float32, device=q.device)
-            t0 = lo
-            while t0 < hi:
-                # A group of nt consecutive tiles is evaluated at once; the
-                # online-softmax recurrence below is still strictly per tile.
-                rg = first_row(t0)
-                rows = R - rg
-                per_tile = max(1, num_kv_heads * rows * T * d_pad)
-                nt = max(1, min(-(-(hi - t0) // T), _TORCH_STEP_ELEMS // per_tile))
-                t1 = t0 + nt * T
-                rel = rg - r0
-                kg = k[:, t0:t1].reshape(num_kv_heads, nt, T, d_pad)
-                vg = v[:, t0:t1].reshape(num_kv_heads, nt, T, head_dim)
-                # Scores [Hkv, rows, nt, T]: exact elementwise products, tree sum.
-                S = _tree_sum(qq[:, rg:, None, None, :] * kg[:, None], -1) * scale
-                kpos = torch.arange(t0, t1, device=q.device).view(nt, T)
-                S = torch.where(kpos[None, None] <= pos[rg:, None, None][None], S, neg_inf)
-                m0 = m[:, rel:]
-                m_run = torch.cummax(torch.cat([m0[..., None], S.amax(-1)], -1), dim=-1).values
-                m_prev, m_run = m_run[..., :-1], m_run[..., 1:]
-                m_ref = torch.where(m_run == neg_inf, 0.0, m_run)
-                alpha = _exp_det(m_prev - m_ref)  # [Hkv, rows, nt]
-                P = _exp_det(S - m_ref[..., None])  # [Hkv, rows, nt, T]
-                rs = _tree_sum(P, -1)
-                PV = _tree_sum(P[..., None] * vg[:, None], -2)  # [Hkv, rows, nt, D]
-                lc, ac = l[:, rel:], acc[:, rel:]
-                for t in range(nt):
-                    lc = lc * alpha[..., t] + rs[..., t]
-                    ac = ac * alpha[..., t, None] + PV[:, :, t]
-                l[:, rel:], acc[:, rel:], m[:, rel:] = lc, ac, m_run[..., -1]
-                t0 = t1
-            # Merge this split's partial into the running state (kernel's _merge).
-            M0 = M[:, r0:]
-            M_new = torch.maximum(M0, m)
-            M_ref = torch.where(M_new == neg_inf, 0.0, M_new)
-            a = _exp_det(M0 - M_ref)
-            b = _exp_det(m - M_ref)
-            Lsum[:, r0:] = Lsum[:, r0:] * a + l * b
-            ACC[:, r0:] = ACC[:, r0:] * a[..., None] + acc * b[..., None]
-            M[:, r0:] = M_new
+    for lo in range(0, L_max, kv_split_size):
+        hi = min(lo + kv_split_size, L_max)
+        act = (row_pos >= lo).nonzero().squeeze(1)  # rows that see this split
+        # Fresh split state (indexed by global row id; only act rows used).
+        m = torch.full((num_kv_heads, R), neg_inf, dtype=f32, device=dev)
+        l = torch.zeros(num_kv_heads, R, dtype=f32, device=dev)
+        acc = torch.zeros(num_kv_heads, R, head_dim, dtype=f32, device=dev)
+        t0 = lo
+        while t0 < hi:
+            rows_all = (row_pos >= t0).nonzero().squeeze(1)  # ascending, grouped by sequence
+            # Group nt consecutive tiles and chunk rows to bound the largest
+            # temporary; the per-tile recurrence is unchanged by either.
+            per_row_tile = num_kv_heads * T * d_pad
+            nt = max(1, min(-(-(hi - t0) // T), _TORCH_STEP_ELEMS // (per_row_tile * len(rows_all))))
+            t1 = t0 + nt * T
+            row_chunk = max(1, _TORCH_STEP_ELEMS // (per_row_tile * nt))
+            kpos = t0 + torch.arange(nt * T, device=dev).view(nt, T)
+            # Sequences with many rows here (prefill) broadcast their own K/V;
+            # the rest (decode rows) gather K/V per row. Same arithmetic.
+            seqs, counts = torch.unique_consecutive(row_seq[rows_all], return_counts=True)
+            small, off = [], 0
+            for i, c in zip(seqs.tolist(), counts.tolist()):
+                rows_i = rows_all[off:off + c]
+                off += c
+                if c < _TORCH_BROADCAST_MIN_ROWS:
+                    small.append(rows_i)
+                    continue
+                kg = Kt[i, :, :, None, t0:t1].unflatten(-1, (nt, T))  # [D, Hkv, 1, nt, T]
+                vg = Vt[i, t0:t1].unflatten(0, (nt, T)).permute(1, 2, 0, 3)[:, :, None]  # [T, Hkv, 1, nt, D]
+                for c0 in range(0, c, row_chunk):
+                    tile_step(rows_i[c0:c0 + row_chunk], kg, vg, kpos, nt, m, l, acc)
+            if small:
+                small = torch.cat(small)
+                for c0 in range(0, len(small), row_chunk):
+                    rows = small[c0:c0 + row_chunk]
+                    seq_idx = row_seq[rows]
+                    kg = Kt[seq_idx, :, :, t0:t1].permute(1, 2, 0, 3).unflatten(-1, (nt, T))
+                    vg = Vt[seq_idx, t0:t1].unflatten(1, (nt, T)).permute(2, 3, 0, 1, 4)
+                    tile_step(rows, kg, vg, kpos, nt, m, l, acc)
+            t0 = t1
+        # Merge this split's partial into the running state (kernel's _merge).
+        M0, m_j = M[:, act], m[:, act]
+        M_new = torch.maximum(M0, m_j)
+        M_ref = torch.where(M_new == neg_inf, 0.0, M_new)
+        a = _exp_det(M0 - M_ref)
+        b = _exp_det(m_j - M_ref)
+        Lsum[:, act] = Lsum[:, act] * a + l[:, act] * b
+        ACC[:, act] = ACC[:, act] * a[..., None] + acc[:, act] * b[..., None]
+        M[:, act] = M_new
 
-        # Finalize (kernel's _finalize): rows with no KV -> 0, canonical +0.
-        ok = Lsum > 0
-        o = ACC / torch.where(ok, Lsum, 1.0)[..., None]
-        o = torch.where(ok[..., None], o, 0.0)
-        o = torch.where(o == 0, 0.0, o)
-        out[start:end] = (o.view(num_kv_heads, n, G, head_dim).permute(1, 0, 2, 3)
-                          .reshape(n, num_q_heads, head_dim).to(out.dtype))
+    # Finalize (kernel's _finalize): rows with no KV -> 0, canonical +0.
+    ok = Lsum > 0
+    o = ACC / torch.where(ok, Lsum, 1.0)[..., None]
+    o = torch.where(ok[..., None], o, 0.0)
+    o = torch.where(o == 0, 0.0, o)
+    r = 0
+    for s, start, n, L in live:
+        out[start:start + n] = (o[:, r:r + n * G].view(num_kv_heads, n, G, head_dim).permute(1, 0, 2, 3)
+                                .reshape(n, num_q_heads, head_dim).to(out.dtype))
+        r += n * G
     return out

@@ -55,7 +55,8 @@ class PagedAttentionBackend:
         # KV write: a scatter with no reduction, so identical in every numerics mode.
         kc.view(-1, kc.shape[-2], kc.shape[-1]).index_copy_(0, md.slot_mapping, k.to(kc.dtype))
         vc.view(-1, vc.shape[-2], vc.shape[-1]).index_copy_(0, md.slot_mapping, v.to(vc.dtype))
-        if self.varlen is not None and md.fresh_prefill and get_forward_context().numerics == "fast":
+        if (self.varlen is not None and md.fresh_prefill and q.dtype in (torch.bfloat16, torch.float16)
+                and get_forward_context().numerics == "fast"):
             # The baseline's fastest prefill. Its bits differ from single-query decode
             # (measured on the H200), which is why invariant mode never takes this path.
             return self.varlen(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, md.max_query_len, md.max_query_len,

@@ -7,7 +7,9 @@ decode batches. The model itself is stateless between steps.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import defaultdict
 
 import numpy as np
 import torch
@@ -40,6 +42,10 @@ class ModelRunner:
             from vllm.kernels.selfcheck import check_supported
             check_supported(self.device, self.dtype)
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._mem_before_load = torch.cuda.memory_allocated(self.device)
         self.model = load_model(mc, self.dtype, self.device, config.load_format)
         self.load_time = time.perf_counter() - t0
         self.self_check_report = None
@@ -54,6 +60,11 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
+        # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
+        # per phase (benchmarks print it; off by default because syncs cost time).
+        self.profile = os.environ.get("VLLM_STEP_PROFILE") == "1"
+        self.timings: dict[str, float] = defaultdict(float)
+        self._t = 0.0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_batch_sizes: list[int] = []
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -82,7 +93,6 @@ class ModelRunner:
         # Peak activation memory of the largest step the scheduler may build, measured
         # by running it once against a tiny dummy cache.
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         mc = self.config.model
         n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         dummy_shape = (1 + -(-n_tok // self.block_size), self.block_size, mc.num_key_value_heads, mc.head_dim)
@@ -101,15 +111,28 @@ class ModelRunner:
             h = self.model(ids, torch.arange(n_tok, device=self.device))
             self.model.compute_logits(h[-self.config.scheduler.max_num_seqs:])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        # This engine's own peak: weights + the largest step's activations (other
+        # engines in the process, e.g. a trainer, are not ours to count).
+        own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load
         del kc, vc, backend, h
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_allocated()
-        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
-        # Reserve for CUDA graphs, the sampler's [B, V] temporaries and fragmentation.
-        budget -= 2 << 30
+        weights = torch.cuda.memory_allocated() - self._mem_before_load
+        budget = total * self.config.cache.gpu_memory_utilization - own_peak
+        # Never more than is actually free now, and keep room for CUDA graphs, the
+        # sampler's [B, V] temporaries and fragmentation.
+        budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
+
+    def _mark(self, phase: str | None) -> None:
+        if not self.profile:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if phase is not None:
+            self.timings[phase] += now - self._t
+        self._t = now
 
     # ---- inputs -----------------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput):
@@ -139,12 +162,15 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if not sched.requests:
             return ModelRunnerOutput(sampled={})
+        self._mark(None)
         input_ids, positions, slots, table, cu, seq_lens = self._prepare(sched)
+        self._mark("prepare")
         n_seqs = len(sched.requests)
         max_q = int((cu[1:] - cu[:-1]).max())
         graph_bs = self._graph_size(n_seqs) if max_q == 1 else None
         if graph_bs is not None:
             hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens)
+            self._mark("forward_graph")
             sample_rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample], device=self.device)
         else:
             dev = self.device
@@ -159,6 +185,7 @@ class ModelRunner:
             with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
                 hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
                                     torch.from_numpy(positions).to(dev, non_blocking=True))
+            self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
             sample_rows = torch.tensor([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], dtype=torch.long, device=dev)
         sampled_reqs = [r for r in sched.requests if r.sample]
@@ -166,7 +193,10 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         with set_forward_context(ForwardContext(None, self.config.numerics)):
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-        return ModelRunnerOutput(sampled=self._sample(logits, sampled_reqs))
+        self._mark("logits")
+        out = ModelRunnerOutput(sampled=self._sample(logits, sampled_reqs))
+        self._mark("sample")
+        return out
 
     def _sample(self, logits: torch.Tensor, reqs) -> dict[str, SampledToken]:
         for i, r in enumerate(reqs):
