@@ -144,3 +144,27 @@ def test_gpu_rowwise_invariant():
     for M in (1, 3, 64, 511):
         o, rr = rms_norm_triton(x[:M].clone(), w, 1e-6, residual=r[:M].clone())
         assert torch.equal(bits(o), bits(full[:M])) and torch.equal(bits(rr), bits(res[:M]))
+
+
+def test_fused_elementwise_match_torch():
+    """rope and silu-and-mul kernels vs the torch formulas they replace: equal bits."""
+    from vllm.kernels import ops
+    from vllm.kernels.elementwise import rope_triton, silu_and_mul_triton
+    g = torch.Generator().manual_seed(3)
+    # (the interpreter casts float32 -> bf16 by truncation, so bf16 bits are checked on the GPU only)
+    for dtype in (torch.float32, torch.bfloat16) if DEV == "cuda" else (torch.float32,):
+        q = torch.randn(7, 4, 16, generator=g).to(DEV, dtype)
+        k = torch.randn(7, 2, 16, generator=g).to(DEV, dtype)
+        ang = torch.randn(7, 8, generator=g).to(DEV)
+        cos, sin = ang.cos(), ang.sin()
+        rq, rk = rope_triton(q, k, cos, sin)
+        assert torch.equal(bits(rq), bits(ops._rope_one(q, cos, sin)))
+        assert torch.equal(bits(rk), bits(ops._rope_one(k, cos, sin)))
+        x = torch.randn(5, 2 * 24, generator=g).to(DEV, dtype)
+        gate, up = x.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        out = silu_and_mul_triton(x)
+        if dtype == torch.float32:
+            assert (out - ref).abs().max().item() < 1e-6  # exp implementations may differ by an ulp
+        else:
+            assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6 * ref.float().abs().max().item()

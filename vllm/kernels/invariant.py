@@ -86,7 +86,7 @@ def register() -> None:
     # Elementwise ops compute every element on its own: their bits cannot depend
     # on the batch, so the fast implementations are already invariant.
     ops.register_invariant("silu_and_mul", lambda x: ops._silu_and_mul_fast(x))
-    ops.register_invariant("rope", lambda q, k, cos, sin: (ops._rope_one(q, cos, sin), ops._rope_one(k, cos, sin)))
+    ops.register_invariant("rope", ops._rope_fast)
 
 
 register()

@@ -54,6 +54,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fn = _dispatch("rms_norm")
     if fn is not None:
         return fn(x, weight, eps)
+    if x.is_cuda:
+        # one fused row kernel instead of ~6 torch kernels (also the invariant one)
+        from vllm.kernels.rowwise import rms_norm_triton
+        return rms_norm_triton(x, weight, eps)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
@@ -64,6 +68,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     fn = _dispatch("add_rms_norm")
     if fn is not None:
         return fn(x, residual, weight, eps)
+    if x.is_cuda:
+        from vllm.kernels.rowwise import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, residual=residual)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
@@ -77,6 +84,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_and_mul_fast(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from vllm.kernels.elementwise import silu_and_mul_triton
+        return silu_and_mul_triton(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -89,6 +99,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     fn = _dispatch("rope")
     if fn is not None:
         return fn(q, k, cos, sin)
+    return _rope_fast(q, k, cos, sin)
+
+
+def _rope_fast(q, k, cos, sin):
+    if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+        from vllm.kernels.elementwise import rope_triton
+        return rope_triton(q, k, cos, sin)
     return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
 
 

@@ -6,6 +6,7 @@ decode batches. The model itself is stateless between steps.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -136,23 +137,22 @@ class ModelRunner:
 
     # ---- inputs -----------------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput):
+        """Pack the step into flat arrays with a handful of numpy calls (no per-token Python)."""
         reqs = sched.requests
+        n = len(reqs)
         bs = self.block_size
-        q_lens = np.fromiter((r.num_new for r in reqs), dtype=np.int64, count=len(reqs))
-        starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=len(reqs))
-        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+        q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=n)
+        starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         total = int(cu[-1])
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
+        input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=total)
+        seq_of_token = np.repeat(np.arange(n), q_lens)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
         width = max(len(r.block_table) for r in reqs)
-        table = np.zeros((len(reqs), width), dtype=np.int32)
+        table = np.zeros((n, width), dtype=np.int32)
         for i, r in enumerate(reqs):
-            a, b = cu[i], cu[i + 1]
-            input_ids[a:b] = r.token_ids
-            positions[a:b] = np.arange(starts[i], starts[i] + q_lens[i])
             table[i, :len(r.block_table)] = r.block_table
-        seq_of_token = np.repeat(np.arange(len(reqs)), q_lens)
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + q_lens
         return input_ids, positions, slots, table, cu, seq_lens
