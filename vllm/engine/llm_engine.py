@@ -67,6 +67,7 @@ class LLMEngine:
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.step_count = 0
+        self.weight_version = 0
 
     # ---- input ------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -119,6 +120,14 @@ class LLMEngine:
             self._child_to_group[req.req_id] = request_id
             self.scheduler.add_request(req)
         return request_id
+
+    def on_weights_updated(self) -> None:
+        """The parameters changed in place (colocated trainer step or weight sync):
+        count the version and drop cached prefixes computed with the old weights."""
+        self.weight_version += 1
+        if not self.kv.reset_prefix_cache():
+            raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
+                               "versions; update weights only between generate calls")
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)

@@ -53,6 +53,19 @@ class LLM:
     def config(self) -> EngineConfig:
         return self.llm_engine.config
 
+    def policy(self, activation_checkpointing: bool = False):
+        """The colocated training view of this engine's model: same parameter storage,
+        so an optimizer step is immediately the engine's new weights."""
+        from vllm.training import Policy
+        runner = self.llm_engine.runner
+        return Policy(runner.model, self.config.model, self.config.dtype, runner.device, self.config.numerics,
+                      self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
+                      block_size=self.config.cache.block_size)
+
+    @property
+    def weight_version(self) -> int:
+        return self.llm_engine.weight_version
+
     def execution_contract(self):
         """The content-hashed description of every choice that can change bits (vllm/contract.py)."""
         from vllm.contract import build_contract

@@ -42,9 +42,17 @@ def _dispatch(name: str) -> Callable | None:
     return None
 
 
+def _needs_autograd(*tensors) -> bool:
+    """True when a Triton kernel (not differentiable by itself) is asked for gradients."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     fn = _dispatch("linear")
     if fn is not None:
+        if x.is_cuda and _needs_autograd(x, weight, bias):
+            from vllm.kernels.autograd_ops import LinearFn
+            return LinearFn.apply(x, weight, bias, fn)
         return fn(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -52,12 +60,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
     fn = _dispatch("rms_norm")
-    if fn is not None:
-        return fn(x, weight, eps)
-    if x.is_cuda:
+    if fn is None and x.is_cuda:
         # one fused row kernel instead of ~6 torch kernels (also the invariant one)
         from vllm.kernels.rowwise import rms_norm_triton
-        return rms_norm_triton(x, weight, eps)
+        fn = rms_norm_triton
+    if fn is not None:
+        if x.is_cuda and _needs_autograd(x, weight):
+            from vllm.kernels.autograd_ops import RMSNormFn
+            return RMSNormFn.apply(x, weight, eps, fn)
+        return fn(x, weight, eps)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
@@ -66,21 +77,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual (in the model dtype); returns (rms_norm(residual'), residual')."""
     fn = _dispatch("add_rms_norm")
-    if fn is not None:
-        return fn(x, residual, weight, eps)
-    if x.is_cuda:
+    if fn is None and x.is_cuda:
         from vllm.kernels.rowwise import rms_norm_triton
-        return rms_norm_triton(x, weight, eps, residual=residual)
+        fn = lambda x_, r_, w_, e_: rms_norm_triton(x_, w_, e_, residual=r_)  # noqa: E731
+    if fn is not None:
+        if x.is_cuda and _needs_autograd(x, residual, weight):
+            from vllm.kernels.autograd_ops import AddRMSNormFn
+            return AddRMSNormFn.apply(x, residual, weight, eps, fn)
+        return fn(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
-    fn = _dispatch("silu_and_mul")
-    if fn is not None:
-        return fn(x)
-    return _silu_and_mul_fast(x)
+    fn = _dispatch("silu_and_mul") or _silu_and_mul_fast
+    if x.is_cuda and _needs_autograd(x):
+        from vllm.kernels.autograd_ops import SiluAndMulFn
+        return SiluAndMulFn.apply(x, fn)
+    return fn(x)
 
 
 def _silu_and_mul_fast(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +111,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
     Computed in float32 and rounded once to the model dtype.
     """
-    fn = _dispatch("rope")
-    if fn is not None:
-        return fn(q, k, cos, sin)
-    return _rope_fast(q, k, cos, sin)
+    fn = _dispatch("rope") or _rope_fast
+    if q.is_cuda and _needs_autograd(q, k):
+        from vllm.kernels.autograd_ops import RopeFn
+        return RopeFn.apply(q, k, cos, sin, fn)
+    return fn(q, k, cos, sin)
 
 
 def _rope_fast(q, k, cos, sin):
@@ -126,5 +142,8 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
     fn = _dispatch("logits")
     if fn is not None:
+        if hidden.is_cuda and _needs_autograd(hidden, weight):
+            from vllm.kernels.autograd_ops import LinearFn
+            return LinearFn.apply(hidden, weight, None, lambda x_, w_, b_: fn(x_, w_))
         return fn(hidden, weight)
     return F.linear(hidden, weight).float()

@@ -163,8 +163,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             keys.add(name)
         return keys
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Our parameters under HF names (fused projections split back), for save_pretrained."""
+    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Our parameters (or their .grad with grads=True) under HF names, fused
+        projections split back: for save_pretrained and for comparing with transformers."""
         out: dict[str, torch.Tensor] = {}
         inverse = {}
         for frag, (fused, sid) in self.packed_modules.items():
@@ -174,15 +175,17 @@ class LlamaFamilyForCausalLM(nn.Module):
                 fused = name.rsplit(".", 1)[-1]
                 for pname in ("weight", "bias"):
                     p = getattr(module, pname)
-                    if p is None:
+                    if p is None or (grads and p.grad is None):
                         continue
-                    for sid, part in module.split_shards(p.detach()).items():
+                    for sid, part in module.split_shards((p.grad if grads else p).detach()).items():
                         out[f"{name.rsplit('.', 1)[0]}.{inverse[(fused, sid)]}.{pname}"] = part
         for name, p in self.named_parameters():
             mod = name.rsplit(".", 1)[0]
             if isinstance(self.get_submodule(mod), FusedLinear):
                 continue
-            out[name] = p.detach()
+            if grads and p.grad is None:
+                continue
+            out[name] = (p.grad if grads else p).detach()
         if self.config.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("vllm.entrypoints.cli.generate", "offline generation (defaults to the embedded model)"),
     "serve": ("vllm.entrypoints.cli.serve", "OpenAI-compatible rollout server"),
+    "parity": ("vllm.parity", "find the first op where rollout and training bits differ"),
 }
 
 

@@ -1,0 +1,209 @@
+"""Training mode: rollout == trainer logprobs by bits, gradients against transformers,
+an optimizer step through save_pretrained, the divergence finder, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.testing.tiny_models import load_hf_model
+from vllm.training import Policy
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def _rollout(llm, prompts, temperature=0.8, max_tokens=8, seed=11, layout="together"):
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    if layout == "together":
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+    else:  # one at a time, reversed
+        outs = [llm.generate(r, sp, use_tqdm=False)[0] for r in reversed(reqs)][::-1]
+    seqs, lps = [], []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        seqs.append(p + c.token_ids)
+        lps.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
+    return seqs, lps
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 23, 40, 11)]
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_qwen2", "tiny_llama"])
+def test_rollout_logprobs_equal_trainer_bits(arch, request, prompts):
+    path = request.getfixturevalue(arch)
+    llm = LLM(path, device="cpu", numerics="invariant", block_size=8)
+    seqs, roll = _rollout(llm, prompts)
+    seqs2, roll2 = _rollout(llm, prompts, layout="alone")
+    assert seqs == seqs2 and all(torch.equal(bits(a), bits(b)) for a, b in zip(roll, roll2))
+    policy = Policy.from_pretrained(path, device="cpu", numerics="invariant")
+    plens = [len(p) for p in prompts]
+    for budget, order in ((None, [0, 1, 2, 3]), (50, [3, 1, 0, 2]), (1, [2, 0, 3, 1])):
+        got = policy.token_logprobs([seqs[i] for i in order], [plens[i] for i in order], temperature=0.8,
+                                    max_tokens_per_micro_batch=budget)
+        for j, i in enumerate(order):
+            assert torch.equal(bits(got[j]), bits(roll[i])), f"{arch}: seq {i} budget {budget}"
+    # the colocated view shares storage and gives the same bits
+    colo = llm.policy()
+    assert colo.model is llm.llm_engine.runner.model
+    got = colo.token_logprobs(seqs, plens, temperature=0.8)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll))
+
+
+def _hf_logprobs(hf, seqs, plens, temperature):
+    out = []
+    for s, pl in zip(seqs, plens):
+        logits = hf(torch.tensor([s])).logits[0]
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        out.append(lp[pl - 1:len(s) - 1].gather(1, torch.tensor(s[pl:])[:, None])[:, 0])
+    return out
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+def test_gradients_match_transformers_float64(tiny_qwen3, prompts, numerics):
+    seqs = [p + [7, 8, 9, 10, 11] for p in prompts]
+    plens = [len(p) for p in prompts]
+    weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="float32", numerics=numerics)
+    lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
+    sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+    ours = policy.model.hf_state_dict(grads=True)
+
+    hf = load_hf_model(tiny_qwen3, torch.float64)
+    ref_lps = _hf_logprobs(hf, seqs, plens, 0.7)
+    for a, b in zip(lps, ref_lps):
+        assert (a.double() - b).abs().max().item() < 1e-5
+    sum((w.double() * lp).sum() for w, lp in zip(weights, ref_lps)).backward()
+    checked = 0
+    for name, p in hf.named_parameters():
+        if p.grad is None or name not in ours:
+            continue
+        err = ((ours[name].double() - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+        assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
+        checked += 1
+    assert checked >= 20
+
+
+def test_bf16_gradients_loosely_match(tiny_qwen3, prompts):
+    seqs = [p + [7, 8, 9] for p in prompts]
+    plens = [len(p) for p in prompts]
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="bfloat16", numerics="invariant")
+    sum(lp.sum() for lp in policy.token_logprobs(seqs, plens)).backward()
+    ours = policy.model.hf_state_dict(grads=True)
+    hf = load_hf_model(tiny_qwen3, torch.float64)
+    sum(lp.sum() for lp in _hf_logprobs(hf, seqs, plens, 1.0)).backward()
+    for name, p in hf.named_parameters():
+        if name in ours and p.grad is not None and p.grad.norm() > 0:
+            err = ((ours[name].double() - p.grad).norm() / p.grad.norm()).item()
+            assert err < 0.1, f"{name}: bf16 relative gradient error {err:.2e}"
+
+
+def test_optimizer_step_through_save_pretrained(tiny_qwen3, prompts, tmp_path):
+    seqs = [p + [21, 22, 23, 24] for p in prompts]
+    plens = [len(p) for p in prompts]
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="float32", numerics="invariant")
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.01)
+    loss = -sum(lp.sum() for lp in policy.token_logprobs(seqs, plens))
+    loss.backward()
+    opt.step()
+    policy.save_pretrained(str(tmp_path / "step1"))
+
+    hf = load_hf_model(tiny_qwen3, torch.float64)
+    ref_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.01)
+    (-sum(lp.sum() for lp in _hf_logprobs(hf, seqs, plens, 1.0))).backward()
+    ref_opt.step()
+    saved = load_hf_model(str(tmp_path / "step1"), torch.float64)
+    ref = dict(hf.named_parameters())
+    for name, p in saved.named_parameters():
+        err = ((p - ref[name]).norm() / ref[name].norm()).item()
+        assert err < 1e-5, f"{name}: {err:.2e}"
+    # the saved checkpoint also loads in our engine and reproduces the policy's logprobs
+    llm = LLM(str(tmp_path / "step1"), device="cpu", numerics="invariant")
+    s2, roll = _rollout(llm, prompts[:2])
+    again = Policy.from_pretrained(str(tmp_path / "step1"), device="cpu", numerics="invariant")
+    got = again.token_logprobs(s2, [len(p) for p in prompts[:2]], temperature=0.8)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll))
+
+
+def test_colocated_step_updates_engine(tiny_qwen3, prompts):
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    policy = llm.policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    policy.attach_optimizer(opt)
+    seqs, before = _rollout(llm, prompts[:2])
+    assert llm.weight_version == 0
+    loss = -sum(lp.sum() for lp in policy.token_logprobs(seqs, [len(p) for p in prompts[:2]], temperature=0.8))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert llm.weight_version == 1
+    assert llm.llm_engine.kv.stats()["cached_blocks"] == 0  # stale prefixes dropped
+    seqs2, after = _rollout(llm, prompts[:2])
+    assert any(not torch.equal(bits(a), bits(b)) for a, b in zip(before, after)) or seqs != seqs2
+    with torch.no_grad():
+        got = policy.token_logprobs(seqs2, [len(p) for p in prompts[:2]], temperature=0.8)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, after))
+
+
+def test_activation_checkpointing_same_bits_and_grads(tiny_qwen3, prompts):
+    seqs = [p + [5, 6, 7] for p in prompts[:2]]
+    plens = [len(p) for p in prompts[:2]]
+    grads = []
+    outs = []
+    for ckpt in (False, True):
+        pol = Policy.from_pretrained(tiny_qwen3, device="cpu", numerics="invariant", activation_checkpointing=ckpt)
+        lps = pol.token_logprobs(seqs, plens)
+        sum(lp.sum() for lp in lps).backward()
+        outs.append(lps)
+        grads.append(pol.model.hf_state_dict(grads=True))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(*outs))
+    for k in grads[0]:
+        assert torch.equal(bits(grads[0][k]), bits(grads[1][k])), k
+
+
+def test_training_bad_input(tiny_qwen3):
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu")
+    ctx = policy.model_config.max_model_len
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        policy.token_logprobs([[1] * (ctx + 1)], [3])
+    with pytest.raises(ValueError, match="empty response"):
+        policy.token_logprobs([[1, 2, 3]], [3])
+    with pytest.raises(ValueError, match="out of range"):
+        policy.token_logprobs([[1, 2, 3]], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        policy.token_logprobs([[1, 2, 3]], [5])
+    with pytest.raises(ValueError, match="vocabulary"):
+        policy.token_logprobs([[1, 2, 10 ** 6]], [1])
+    with pytest.raises(ValueError, match="prompt lengths"):
+        policy.token_logprobs([[1, 2, 3]], [1, 2])
+
+
+def test_divergence_finder_locates_injected_ulp(tiny_qwen3):
+    from vllm.parity import find_divergence
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enforce_eager=True)
+    prompt = list(range(10, 30))
+    clean, _ = find_divergence(llm, prompt, max_tokens=5)
+    assert clean.first_divergence is None and clean.logprobs_equal
+
+    def perturb(model):
+        target = model.model.layers[1].self_attn.o_proj
+
+        def nudge(module, args, out):
+            out = out.clone()
+            flat = out.view(-1)
+            flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf"), dtype=flat.dtype))
+            return out
+        return [target.register_forward_hook(nudge)]
+    report, _ = find_divergence(llm, prompt, max_tokens=5, perturb_training=perturb)
+    first = report.first_divergence
+    assert first is not None and first.module == "model.layers.1.self_attn.o_proj", report.format()
+    assert first.first_index == (0, 3) and 0 < first.max_abs_diff < 1e-5
+    # everything before it in execution order is bit-identical
+    names = [o.module for o in report.ops]
+    assert all(o.differing_rows == 0 for o in report.ops[:names.index(first.module)])

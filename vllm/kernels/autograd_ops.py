@@ -1,0 +1,167 @@
+"""Training-side wrappers: the rollout's forward kernels under autograd, each
+with a separately written backward.
+
+The forward of every Function here calls exactly the kernel the engine calls
+(passed in as `fwd`), so a training forward produces the rollout's bits. The
+backward is a separate implementation (torch formulas in float32 on the GPU,
+float64 in the gradcheck tests): gradients only have to be right, not
+batch-invariant. Each backward is verified by `torch.autograd.gradcheck` in
+float64 (tests/test_training_kernels.py) with a float64 reference forward.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class LinearFn(torch.autograd.Function):
+    """y = fwd(x, w, b); dx = dy @ w, dw = dy^T x, db = sum(dy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fwd):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(acc)
+        x2 = x.reshape(-1, x.shape[-1]).to(acc)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ weight.to(acc)).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = (dy2.t() @ x2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0).to(weight.dtype)
+        return dx, dw, db, None
+
+
+class RMSNormFn(torch.autograd.Function):
+    """y = w * round(x * rstd); backward of the unrounded formula:
+    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w; dw = sum(dy * xhat)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, fwd):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return fwd(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        xhat = xf * rstd
+        g = dyf * wf
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None
+
+
+class AddRMSNormFn(torch.autograd.Function):
+    """(y, r') = (rms_norm(x + r), x + r): the residual stream gets the norm's
+    input gradient plus whatever flows into r' from later layers."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, fwd):
+        out, res = fwd(x, residual, weight, eps)
+        ctx.save_for_backward(res, weight)
+        ctx.eps = eps
+        return out, res
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        res, weight = ctx.saved_tensors
+        dnorm, dw, _, _ = RMSNormFn.backward(ctx, dy)
+        d = dnorm if dres is None else dnorm + dres.to(dnorm.dtype)
+        return d, d, dw, None, None
+
+
+class RopeFn(torch.autograd.Function):
+    """Rotation by angle a per (position, frequency); its adjoint rotates by -a."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, fwd):
+        ctx.save_for_backward(cos, sin)
+        return fwd(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+
+        def adjoint(d):
+            if d is None:
+                return None
+            acc = torch.float64 if d.dtype == torch.float64 else torch.float32
+            half = d.shape[-1] // 2
+            df = d.to(acc)
+            d1, d2 = df[..., :half], df[..., half:]
+            c, s = cos.to(acc)[:, None, :], sin.to(acc)[:, None, :]
+            return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s), dim=-1).to(d.dtype)
+        return adjoint(dq), adjoint(dk), None, None, None
+
+
+class SiluAndMulFn(torch.autograd.Function):
+    """y = silu(g) * u with x = [g | u]."""
+
+    @staticmethod
+    def forward(ctx, x, fwd):
+        ctx.save_for_backward(x)
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        g, u = x.to(acc).chunk(2, dim=-1)
+        dyf = dy.to(acc)
+        sig = torch.sigmoid(g)
+        dg = dyf * u * sig * (1 + g * (1 - sig))
+        du = dyf * g * sig
+        return torch.cat((dg, du), dim=-1).to(x.dtype), None
+
+
+class PackedAttentionFn(torch.autograd.Function):
+    """Causal GQA attention over packed sequences. Forward: `fwd(q, k, v)` (the
+    rollout's paged kernel on a private cache). Backward: recomputes each
+    sequence's probabilities in float32 and applies the softmax-attention
+    adjoint: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = dS K * scale,
+    dK = dS^T Q * scale (summed over each KV head's query group)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale, fwd):
+        ctx.save_for_backward(q, k, v)
+        ctx.cu = [int(c) for c in cu_seqlens]
+        ctx.scale = scale
+        return fwd(q, k, v)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        acc = torch.float64 if do.dtype == torch.float64 else torch.float32
+        G = q.shape[1] // k.shape[1]
+        dq, dk, dv = torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+        for a, b in zip(ctx.cu[:-1], ctx.cu[1:]):
+            if b <= a:
+                continue
+            qs = q[a:b].to(acc).transpose(0, 1)                          # [Hq, L, D]
+            ks = k[a:b].to(acc).transpose(0, 1).repeat_interleave(G, 0)  # [Hq, L, D]
+            vs = v[a:b].to(acc).transpose(0, 1).repeat_interleave(G, 0)
+            dos = do[a:b].to(acc).transpose(0, 1)
+            L = b - a
+            s = (qs @ ks.transpose(1, 2)) * ctx.scale
+            mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+            dvs = p.transpose(1, 2) @ dos
+            dp = dos @ vs.transpose(1, 2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+            dqs = (ds @ ks) * ctx.scale
+            dks = (ds.transpose(1, 2) @ qs) * ctx.scale
+            Hk = k.shape[1]
+            dq[a:b] = dqs.transpose(0, 1)
+            dk[a:b] = dks.view(Hk, G, L, -1).sum(1).transpose(0, 1)
+            dv[a:b] = dvs.view(Hk, G, L, -1).sum(1).transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
