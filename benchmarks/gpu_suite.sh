@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_suite}"
-STEPS="${STEPS:-tests,gemm,attention,battery,throughput}"
+STEPS="${STEPS:-tests,gemm,attention,battery,throughput,train}"
 THROUGHPUT_CONFIG="${THROUGHPUT_CONFIG:-benchmarks/configs/qwen3-8b.json}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 
 if has tests; then
   echo "== GPU tests ($SECONDS s)"
-  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
   grep -E "passed|failed|Error|FAILED" "$OUT/gpu_tests.log" | tail -25
 fi
 if has gemm; then
@@ -48,6 +48,11 @@ if has throughput; then
     --json-out "$OUT/throughput.json" >"$OUT/throughput.log" 2>&1
   tail -10 "$OUT/throughput.log"
 fi
+if has train; then
+  echo "== train step ($SECONDS s)"
+  timeout "${TRAIN_TIMEOUT:-300}" python benchmarks/train_step.py ${TRAIN_ARGS:-} --json-out "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
+  tail -8 "$OUT/train_step.log"
+fi
 
 echo
 echo "================ summary (${SECONDS} s) ================"
@@ -56,4 +61,5 @@ has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -20
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers)" "$OUT/throughput.log"
+has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 exit 0

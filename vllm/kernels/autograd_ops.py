@@ -25,7 +25,11 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            # tensor-core GEMMs in the weight dtype (float32 accumulation inside cuBLAS)
+            acc = weight.dtype
+        else:
+            acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
         dy2 = dy.reshape(-1, dy.shape[-1]).to(acc)
         x2 = x.reshape(-1, x.shape[-1]).to(acc)
         dx = dw = db = None

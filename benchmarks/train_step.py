@@ -1,0 +1,105 @@
+"""One training step (forward + backward + AdamW) on packed sequences: the
+invariant Policy vs a plain PyTorch step of the same model class (fast mode:
+cuBLAS linears + torch flash varlen attention), measured in one run.
+
+    python benchmarks/train_step.py --config benchmarks/configs/qwen3-4b.json --tokens 4096 --seq-len 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from vllm.config import ModelConfig
+from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.model_loader.loader import load_model
+from vllm.sample.sampler import tempered_logprobs
+from vllm.training import Policy
+from vllm.training.plain import FlashVarlenBackend
+
+
+def plain_step(model, seqs, plens, opt):
+    dev = next(model.parameters()).device
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(dev)
+    rows, tg, off = [], [], 0
+    for s, pl in zip(seqs, plens):
+        rows.append(torch.arange(off + pl - 1, off + len(s) - 1))
+        tg.extend(s[pl:])
+        off += len(s)
+    with set_forward_context(ForwardContext(FlashVarlenBackend([len(s) for s in seqs], dev), "fast")):
+        h = model(ids, pos)
+        logits = model.compute_logits(h.index_select(0, torch.cat(rows).to(dev)))
+    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(tg, device=dev)[:, None])
+    (-lp.sum()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def ours_step(policy, seqs, plens, opt):
+    lps = policy.token_logprobs(seqs, plens)
+    (-sum(lp.sum() for lp in lps)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, reps):
+    fn()  # warm-up (compilation, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps, torch.cuda.max_memory_allocated() / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-4b.json")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="train_bench_")
+    shutil.copy(args.config, os.path.join(d, "config.json"))
+    mc = ModelConfig.from_pretrained(d)
+    g = torch.Generator().manual_seed(0)
+    n = args.tokens // args.seq_len
+    seqs = torch.randint(100, mc.vocab_size - 100, (n, args.seq_len), generator=g).tolist()
+    plens = [args.prompt_len] * n
+    results = {}
+    for name in ("plain", "invariant"):
+        model = load_model(mc, torch.bfloat16, "cuda", load_format="dummy")
+        for p in model.parameters():
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+        if name == "plain":
+            fn = lambda: plain_step(model, seqs, plens, opt)  # noqa: E731
+        else:
+            policy = Policy(model, mc, torch.bfloat16, torch.device("cuda"), "invariant")
+            fn = lambda: ours_step(policy, seqs, plens, opt)  # noqa: E731
+        sec, mem = timed(fn, args.reps)
+        results[name] = {"seconds": sec, "tok_s": args.tokens / sec, "peak_gib": mem}
+        print(f"[{name}] {sec * 1e3:.0f} ms/step, {args.tokens / sec:,.0f} tok/s, peak {mem:.1f} GiB", flush=True)
+        del model, opt, fn
+        torch.cuda.empty_cache()
+    print(f"\n== train step: {os.path.basename(args.config)}, {n} x {args.seq_len} packed tokens, bf16, AdamW")
+    print(f"{'step':<12}{'ms':>8}{'tok/s':>10}{'peak GiB':>10}")
+    for k, r in results.items():
+        print(f"{k:<12}{r['seconds'] * 1e3:>8.0f}{r['tok_s']:>10,.0f}{r['peak_gib']:>10.1f}")
+    print(f"invariant / plain = {results['invariant']['tok_s'] / results['plain']['tok_s']:.3f}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
