@@ -59,3 +59,31 @@ def test_gpu_gradients_vs_transformers(gpu_model):
             if name in ours and gref.norm() > 0:
                 err = ((ours[name].double() - gref).norm() / gref.norm()).item()
                 assert err < tol, f"{numerics}/{dtype} {name}: {err:.2e}"
+
+
+def test_gpu_attention_backward_vs_float64():
+    """The bf16 attention backward (flash varlen adjoint) against float64 autograd."""
+    from vllm.training.attention import PackedAttentionBackend
+    torch.manual_seed(0)
+    lens = [37, 300, 1, 129]
+    T = sum(lens)
+    q = torch.randn(T, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    be = PackedAttentionBackend(lens, torch.device("cuda"))
+    out = be.forward(0, q, k, v, 0.125)
+    go = torch.randn_like(out)
+    out.backward(go)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    refs = []
+    for a, b in zip(be.cu[:-1], be.cu[1:]):
+        qs, ks, vs = qd[a:b].transpose(0, 1), kd[a:b].transpose(0, 1).repeat_interleave(4, 0), vd[a:b].transpose(0, 1).repeat_interleave(4, 0)
+        s = (qs @ ks.transpose(1, 2)) * 0.125
+        L = b - a
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+        refs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
+    ref = torch.cat(refs)
+    ref.backward(go.double())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    for a, b in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-2

@@ -145,6 +145,10 @@ class PackedAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v = ctx.saved_tensors
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            grads = _flash_varlen_backward(q, k, v, do, ctx.cu, ctx.scale)
+            if grads is not None:
+                return (*grads, None, None, None)
         acc = torch.float64 if do.dtype == torch.float64 else torch.float32
         G = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
@@ -169,3 +173,21 @@ class PackedAttentionFn(torch.autograd.Function):
             dk[a:b] = dks.view(Hk, G, L, -1).sum(1).transpose(0, 1)
             dv[a:b] = dvs.view(Hk, G, L, -1).sum(1).transpose(0, 1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _flash_varlen_backward(q, k, v, do, cu, scale):
+    """GPU bf16/fp16: the adjoint through torch's flash varlen attention (its own
+    fused backward kernels, tensor cores). The forward bits came from our kernel;
+    the gradient of causal softmax attention is the same function, so flash's
+    backward is a valid (and verified, tests/test_gpu_training.py) implementation.
+    Returns None where torch has no varlen flash attention."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    max_len = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    with torch.enable_grad():
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = varlen_attn(qg, kg, vg, cu_t, cu_t, max_len, max_len, scale=scale, window_size=(-1, 0))
+        return torch.autograd.grad(out, (qg, kg, vg), do.to(out.dtype))
