@@ -102,3 +102,12 @@ def tokenizer_dir(tiny_models_root) -> str:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return os.path.join(REPO_ROOT, "vllm", "default_model")
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    """A small bf16 Qwen3 with real head_dim for GPU tests (made per test module)."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu_model"), "qwen3", hidden_size=512, num_hidden_layers=3,
+                                num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
+                                dtype=torch.bfloat16, max_position_embeddings=2048, init_std=0.05)

@@ -11,13 +11,6 @@ from vllm.training import Policy
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory):
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu_train"), "qwen3", hidden_size=512, num_hidden_layers=3,
-                                num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
-                                dtype=torch.bfloat16, max_position_embeddings=2048, init_std=0.05)
-
 
 def test_gpu_rollout_equals_trainer_bits(gpu_model):
     llm = LLM(gpu_model, device="cuda", numerics="invariant", gpu_memory_utilization=0.2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's slice of a step: compute tokens [num_computed, num_computed + num_new)."""
     req_id: str

@@ -130,23 +130,16 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
         out = []
+        get_table = self.kv.get_block_table
         for req, n in scheduled:
             start = req.num_computed_tokens
-            sample = start + n == req.num_tokens
             p = req.params
+            # positional construction: this loop runs for every request every step
             out.append(ScheduledRequest(
-                req_id=req.req_id,
-                token_ids=req.all_token_ids[start:start + n],
-                num_computed=start,
-                block_table=self.kv.get_block_table(req.req_id),
-                sample=sample,
-                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                seed=req.seed,
-                output_index=len(req.output_token_ids),
-                num_logprobs=-1 if p.logprobs is None else p.logprobs,
-                logprobs_mode=p.logprobs_mode,
-                allowed_eos_ids=req.banned_token_ids(),
-            ))
+                req.req_id, req.all_token_ids[start:start + n], start, get_table(req.req_id),
+                start + n == req.num_tokens, p.temperature, p.top_k, p.top_p, p.min_p, req.seed,
+                len(req.output_token_ids), -1 if p.logprobs is None else p.logprobs, p.logprobs_mode,
+                req.banned_token_ids() if p.min_tokens else ()))
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget, preempted=preempted)
 
     def _leader_ready(self, leader: Request) -> bool:
