@@ -41,7 +41,7 @@ class CMakeBuild(build_ext):
         import torch
 
         cfg = [
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}/vllm",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             "-DCMAKE_BUILD_TYPE=Release",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm._custom_ops import cache_kv
 from vllm.forward_context import get_forward_context
 
 
@@ -52,9 +53,9 @@ class PagedAttentionBackend:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         md = self.metadata
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        # KV write: a scatter with no reduction, so identical in every numerics mode.
-        kc.view(-1, kc.shape[-2], kc.shape[-1]).index_copy_(0, md.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, vc.shape[-2], vc.shape[-1]).index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        # KV write: a scatter with no reduction, so identical in every numerics mode
+        # (one fused launch from csrc/ where it is built, two index_copy_ otherwise).
+        cache_kv(k, v, kc, vc, md.slot_mapping)
         if (self.varlen is not None and md.fresh_prefill and q.dtype in (torch.bfloat16, torch.float16)
                 and get_forward_context().numerics == "fast"):
             # The baseline's fastest prefill. Its bits differ from single-query decode
