@@ -51,10 +51,12 @@ def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tupl
     return prefill, decode
 
 
-def run_ours(model_dir: str, prompts, args, numerics: str) -> dict:
+def run_ours(model_dir: str, prompts, args, mode: str) -> dict:
     from vllm import LLM, SamplingParams
 
+    numerics, _, variant = mode.partition("+")
     llm = LLM(model=model_dir, dtype="bfloat16", load_format="dummy", numerics=numerics, seed=0,
+              async_scheduling=variant == "async",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               max_model_len=args.input_len + args.output_len + 16)
@@ -67,7 +69,7 @@ def run_ours(model_dir: str, prompts, args, numerics: str) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    res = {"numerics": numerics, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
+    res = {"numerics": mode, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
            "kv_blocks": llm.llm_engine.runner.num_blocks, "steps": llm.llm_engine.step_count}
     if args.profile:
         # a second, synchronised run that splits the step time into phases
@@ -78,7 +80,7 @@ def run_ours(model_dir: str, prompts, args, numerics: str) -> dict:
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         res["profile_total_s"] = time.perf_counter() - t0
         res["profile"] = dict(runner.timings)
-        print(f"[{numerics}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
+        print(f"[{mode}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timings.items(), key=lambda kv: -kv[1])), flush=True)
     del llm, outs
     gc.collect()
@@ -118,7 +120,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--numerics", default="fast", help="comma-separated: fast,invariant")
+    ap.add_argument("--numerics", default="fast", help="comma-separated: fast,invariant; append +async to a mode "
+                    "for async scheduling, e.g. fast,fast+async,invariant+async")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -148,8 +151,9 @@ def main() -> None:
     for r in results:
         print(f"{r['numerics']:<34}{r['seconds']:>9.2f}{r['tok_s']:>12,.0f}{r['tok_s'] / floor_tok_s:>9.2f}")
     ours = {r["numerics"]: r["tok_s"] for r in results}
-    if "fast" in ours and "invariant" in ours:
-        print(f"invariant / fast = {ours['invariant'] / ours['fast']:.3f}")
+    for suffix in ("", "+async"):
+        if "fast" + suffix in ours and "invariant" + suffix in ours:
+            print(f"invariant{suffix} / fast{suffix} = {ours['invariant' + suffix] / ours['fast' + suffix]:.3f}")
     if args.hf and "fast" in ours:
         print(f"fast / transformers = {ours['fast'] / results[-1]['tok_s']:.2f}")
     if args.json_out:

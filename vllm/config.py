@@ -197,6 +197,7 @@ class EngineConfig:
     tokenizer: str | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)
+    async_scheduling: bool = False     # overlap host work of step N+1 with the GPU's step N
 
     def __post_init__(self) -> None:
         if self.numerics not in NUMERICS_MODES:

@@ -7,6 +7,11 @@ import time
 from vllm.sampling_params import SamplingParams
 
 
+# Stands for a sampled token whose value is still on the GPU (async scheduling):
+# the runner fills it in on the device before the forward pass reads it.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +45,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1             # prefix-cache hit on first schedule (-1: not yet scheduled)
         self.num_preemptions = 0
+        self.finishing = False                  # its last sampled token ends it by length (async lookahead)
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

@@ -15,7 +15,7 @@ from typing import Iterable
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from vllm.core.request import Request, RequestStatus
+from vllm.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 class Scheduler:
@@ -84,7 +84,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            n = 0 if req.finishing else self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -149,17 +149,38 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
         """Advance progress; returns (requests that got a new token, requests finished by token rules)."""
-        updated, finished = [], []
+        self.advance(sched)
+        return self.finalize(sched, result)
+
+    def advance(self, sched: SchedulerOutput) -> None:
+        """The step's effect that does not depend on sampled values: KV progress and one
+        PLACEHOLDER output token per sampling request. With async scheduling the next
+        step is scheduled right after this, while the GPU still computes the tokens."""
         for sr in sched.requests:
             req = self.requests.get(sr.req_id)
             if req is None:       # aborted while the step ran
                 continue
             req.num_computed_tokens += sr.num_new
-            self.kv.cache_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
-            tok = result.sampled.get(sr.req_id)
+            if sr.sample:
+                req.append_output(PLACEHOLDER)
+                # a length stop is known now: do not schedule past it
+                req.finishing = len(req.output_token_ids) >= req.max_output_tokens
+
+    def finalize(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
+        """Replace placeholders with the sampled tokens, register full blocks in the
+        prefix cache (only now are their tokens real) and apply the stop rules."""
+        updated, finished = [], []
+        for sr in sched.requests:
+            req = self.requests.get(sr.req_id)
+            if req is None:
+                continue
+            tok = result.sampled.get(sr.req_id) if sr.sample else None
+            if tok is not None and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                req.output_token_ids[-1] = tok.token_id
+                req.all_token_ids[-1] = tok.token_id
+            self.kv.cache_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, self._real_prefix(req)))
             if tok is None:
                 continue
-            req.append_output(tok.token_id)
             if tok.logprob is not None:
                 req.logprobs.append((tok.logprob, tok.rank, tok.top or []))
                 req.cumulative_logprob += tok.logprob
@@ -168,3 +189,10 @@ class Scheduler:
             if status is not None:
                 finished.extend(self.finish_requests([req.req_id], status))
         return updated, finished
+
+    @staticmethod
+    def _real_prefix(req: Request) -> int:
+        """Tokens before the first placeholder: only those may be hashed into the cache."""
+        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            return req.num_tokens - 1
+        return req.num_tokens

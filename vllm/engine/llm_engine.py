@@ -68,6 +68,7 @@ class LLMEngine:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.step_count = 0
         self.weight_version = 0
+        self._inflight = None   # async scheduling: (SchedulerOutput, StepHandle) of the step on the GPU
 
     # ---- input ------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -139,12 +140,14 @@ class LLMEngine:
         del self._groups[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step. Returns the outputs of the requests that finished in it,
         plus (finished=False) the outputs so far of stream=True requests it advanced."""
+        if self.config.async_scheduling:
+            return self._step_async()
         prof = self.runner.profile
         t0 = time.perf_counter() if prof else 0.0
         sched = self.scheduler.schedule()
@@ -158,6 +161,34 @@ class LLMEngine:
         t1 = time.perf_counter() if prof else 0.0
         updated, finished = self.scheduler.update(sched, result)
         self.step_count += 1
+        outs = self._process(updated, finished)
+        if prof:
+            self.runner.timings["update+output"] += time.perf_counter() - t1
+        return outs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: step N+1 is scheduled, packed and enqueued on the GPU before
+        the host waits for step N's tokens, so host work overlaps GPU work. Tokens of N
+        enter N+1 as placeholders filled on the device; a request that N's tokens end
+        (eos, stop string) has computed one extra token in N+1, which is dropped. The
+        tokens, their logprobs and the RNG positions are those of the synchronous loop."""
+        prev = self._inflight
+        if prev is not None:
+            self.scheduler.advance(prev[0])
+        sched = self.scheduler.schedule()
+        handle = self.runner.launch(sched, prev[1] if prev is not None else None) if sched.requests else None
+        self._inflight = (sched, handle) if handle is not None else None
+        if prev is None:
+            if handle is None and self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule any request: the KV cache is too small for one request")
+            return []
+        result = self.runner.collect(prev[1])
+        updated, finished = self.scheduler.finalize(prev[0], result)
+        self.step_count += 1
+        return self._process(updated, finished)
+
+    def _process(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        """Detokenize, apply stop strings, and build the outputs of finished (or streamed) groups."""
         touched: dict[str, _Group] = {}
         for req in updated:
             gid = self._child_to_group[req.req_id]
@@ -183,8 +214,6 @@ class LLMEngine:
                     self._child_to_group.pop(c.req_id, None)
             elif group.stream:
                 outs.append(self._make_output(group, False))
-        if prof:
-            self.runner.timings["update+output"] += time.perf_counter() - t1
         return outs
 
     def _detokenize(self, group: _Group, req: Request) -> str | None:

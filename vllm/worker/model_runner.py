@@ -11,18 +11,30 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm.config import EngineConfig
 from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.model_loader.loader import load_model
 from vllm.sample.sampler import Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled requests, the sampler outputs still on the device,
+    and the sampled token ids as one device tensor (row_of: request id -> row)."""
+    reqs: list
+    groups: list
+    token_ids: torch.Tensor | None
+    row_of: dict
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -158,22 +170,42 @@ class ModelRunner:
         return input_ids, positions, slots, table, cu, seq_lens
 
     # ---- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Enqueue the step's GPU work (forward, logits, sampling) without waiting for it.
+
+        Tokens not known yet on the host (PLACEHOLDER: sampled by the still-running
+        step `prev`) are filled on the device from prev's sampled-token tensor."""
         if not sched.requests:
-            return ModelRunnerOutput(sampled={})
+            return StepHandle([], [], None, {})
         self._mark(None)
         input_ids, positions, slots, table, cu, seq_lens = self._prepare(sched)
+        fill_rows, fill_src = [], []
+        if prev is not None:
+            for i, r in enumerate(sched.requests):
+                if r.token_ids and r.token_ids[-1] == PLACEHOLDER:
+                    fill_rows.append(int(cu[i + 1]) - 1)
+                    fill_src.append(prev.row_of[r.req_id])
+            input_ids[fill_rows] = 0
+        elif (input_ids < 0).any():
+            raise RuntimeError("a placeholder token reached the runner without the step that samples it")
         self._mark("prepare")
         n_seqs = len(sched.requests)
         max_q = int((cu[1:] - cu[:-1]).max())
         graph_bs = self._graph_size(n_seqs) if max_q == 1 else None
+        dev = self.device
+
+        def fill(ids_dev: torch.Tensor) -> None:
+            if fill_rows:
+                ids_dev[torch.tensor(fill_rows, device=dev)] = prev.token_ids[torch.tensor(fill_src, device=dev)]
         if graph_bs is not None:
-            hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens)
+            hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens, fill)
             self._mark("forward_graph")
-            sample_rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample], device=self.device)
+            sample_rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample], device=dev)
         else:
-            dev = self.device
             md = AttentionMetadata(
                 slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
                 block_table=torch.from_numpy(table).to(dev, non_blocking=True),
@@ -182,54 +214,66 @@ class ModelRunner:
                 max_query_len=max_q, max_seq_len=int(seq_lens.max()),
                 fresh_prefill=bool(max_q > 1 and (seq_lens == cu[1:] - cu[:-1]).all()))
             self.attn.metadata = md
+            ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+            fill(ids_dev)
             with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
-                hidden = self.model(torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                                    torch.from_numpy(positions).to(dev, non_blocking=True))
+                hidden = self.model(ids_dev, torch.from_numpy(positions).to(dev, non_blocking=True))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
             sample_rows = torch.tensor([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], dtype=torch.long, device=dev)
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
-            return ModelRunnerOutput(sampled={})
+            return StepHandle([], [], None, {})
         with set_forward_context(ForwardContext(None, self.config.numerics)):
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
         self._mark("logits")
-        out = ModelRunnerOutput(sampled=self._sample(logits, sampled_reqs))
+        handle = self._sample_launch(logits, sampled_reqs)
         self._mark("sample")
-        return out
+        return handle
 
-    def _sample(self, logits: torch.Tensor, reqs) -> dict[str, SampledToken]:
+    def _sample_launch(self, logits: torch.Tensor, reqs) -> "StepHandle":
         for i, r in enumerate(reqs):
             if r.allowed_eos_ids:
                 logits[i, list(r.allowed_eos_ids)] = float("-inf")
-        max_lp = max(r.num_logprobs for r in reqs)
-        modes = {r.logprobs_mode for r in reqs if r.num_logprobs >= 0}
-        if len(modes) > 1:
-            # One sampler call per logprobs mode keeps every row's result its own.
-            out: dict[str, SampledToken] = {}
-            for mode in modes | ({None} if any(r.num_logprobs < 0 for r in reqs) else set()):
-                idx = [i for i, r in enumerate(reqs) if (r.logprobs_mode if r.num_logprobs >= 0 else None) == mode]
-                out.update(self._sample(logits[idx], [reqs[i] for i in idx]))
-            return out
-        batch = SamplingBatch.from_lists(
-            temperature=[r.temperature for r in reqs], top_k=[r.top_k for r in reqs], top_p=[r.top_p for r in reqs],
-            min_p=[r.min_p for r in reqs], seeds=[r.seed for r in reqs], positions=[r.output_index for r in reqs],
-            device=self.device, max_num_logprobs=max_lp, logprobs_mode=modes.pop() if modes else "tempered_logprobs")
-        so = self.sampler(logits, batch)
-        ids = so.token_ids.tolist()
-        lps = so.logprobs.tolist() if so.logprobs is not None else None
-        ranks = so.ranks.tolist() if so.ranks is not None else None
-        top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
-        top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
-        result = {}
+        # One sampler call per logprobs mode keeps every row's result its own.
+        by_mode: dict = {}
         for i, r in enumerate(reqs):
-            tok = SampledToken(token_id=ids[i])
-            if r.num_logprobs >= 0 and lps is not None:
-                tok.logprob, tok.rank = lps[i], ranks[i]
-                if r.num_logprobs > 0 and top_ids is not None:
-                    tok.top = list(zip(top_ids[i][:r.num_logprobs], top_lps[i][:r.num_logprobs]))
-            result[r.req_id] = tok
-        return result
+            by_mode.setdefault(r.logprobs_mode if r.num_logprobs >= 0 else None, []).append(i)
+        groups = []
+        token_ids = torch.empty(len(reqs), dtype=torch.long, device=self.device)
+        for mode, idx in by_mode.items():
+            sub = [reqs[i] for i in idx]
+            batch = SamplingBatch.from_lists(
+                temperature=[r.temperature for r in sub], top_k=[r.top_k for r in sub], top_p=[r.top_p for r in sub],
+                min_p=[r.min_p for r in sub], seeds=[r.seed for r in sub], positions=[r.output_index for r in sub],
+                device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
+                logprobs_mode=mode or "tempered_logprobs")
+            so = self.sampler(logits if len(by_mode) == 1 else logits[idx], batch)
+            if len(by_mode) == 1:
+                token_ids = so.token_ids
+            else:
+                token_ids[torch.tensor(idx, device=self.device)] = so.token_ids
+            groups.append((idx, so))
+        return StepHandle(reqs, groups, token_ids, {r.req_id: i for i, r in enumerate(reqs)})
+
+    def collect(self, handle: "StepHandle") -> ModelRunnerOutput:
+        """Wait for the step and bring its sampled tokens (and logprobs) to the host."""
+        result: dict[str, SampledToken] = {}
+        for idx, so in handle.groups:
+            ids = so.token_ids.tolist()
+            lps = so.logprobs.tolist() if so.logprobs is not None else None
+            ranks = so.ranks.tolist() if so.ranks is not None else None
+            top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
+            top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+            for j, i in enumerate(idx):
+                r = handle.reqs[i]
+                tok = SampledToken(token_id=ids[j])
+                if r.num_logprobs >= 0 and lps is not None:
+                    tok.logprob, tok.rank = lps[j], ranks[j]
+                    if r.num_logprobs > 0 and top_ids is not None:
+                        tok.top = list(zip(top_ids[j][:r.num_logprobs], top_lps[j][:r.num_logprobs]))
+                result[r.req_id] = tok
+        return ModelRunnerOutput(sampled=result)
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_size(self, n: int) -> int | None:
@@ -271,7 +315,7 @@ class ModelRunner:
         self.graph_batch_sizes = sorted(sizes)
         logger.info("captured %d CUDA graphs in %.1f s", len(sizes), time.perf_counter() - t0)
 
-    def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens) -> torch.Tensor:
+    def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens, fill=None) -> torch.Tensor:
         n = len(input_ids)
         pin = lambda a: torch.from_numpy(a)
         self.g_input_ids[:n].copy_(pin(input_ids), non_blocking=True)
@@ -286,5 +330,7 @@ class ModelRunner:
             self.g_slots[n:bs].zero_()
             self.g_input_ids[n:bs].zero_()
             self.g_positions[n:bs].zero_()
+        if fill is not None:
+            fill(self.g_input_ids)
         self.graphs[bs].replay()
         return self.g_hidden[:n]
