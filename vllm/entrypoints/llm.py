@@ -63,6 +63,12 @@ class LLM:
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
                       block_size=self.config.cache.block_size)
 
+    def update_weights(self, weights, contract=None, require_complete: bool = False) -> int:
+        """In-place weight sync from a trainer (HF names -> tensors); see vllm/weight_sync.py.
+        A rejected update raises ValueError and leaves the old weights serving."""
+        from vllm.weight_sync import update_weights
+        return update_weights(self.llm_engine, weights, contract=contract, require_complete=require_complete)
+
     @property
     def weight_version(self) -> int:
         return self.llm_engine.weight_version

@@ -1,0 +1,102 @@
+"""In-place weight updates for a running engine (the trainer -> rollout sync).
+
+Everything is validated before anything is written (names, shapes, dtypes,
+finiteness, complete coverage of fused shards, and the trainer's execution
+contract when given), so a rejected update leaves the engine serving the old
+weights. Accepted tensors are copied INTO the existing parameters: storage
+addresses do not change, so captured CUDA graphs keep reading the right
+memory. The engine's weight version is bumped and its prefix cache dropped.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from vllm.layers.linear import FusedLinear
+
+
+def _plan(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]):
+    """Map HF-named tensors to (destination view, source) pairs; raise ValueError on any problem."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    plan, seen = [], set()
+    for hf_name, tensor in weights.items():
+        if not torch.is_tensor(tensor):
+            raise ValueError(f"weight {hf_name!r} is not a tensor")
+        if tied and hf_name == "lm_head.weight":
+            continue
+        name, shard = hf_name, None
+        for frag, (fused, sid) in model.packed_modules.items():
+            if f".{frag}." in hf_name:
+                name, shard = hf_name.replace(f".{frag}.", f".{fused}."), sid
+                break
+        if name not in params:
+            raise ValueError(f"unknown weight {hf_name!r}")
+        param = params[name]
+        if shard is None:
+            dest = param.data
+        else:
+            mod = modules[name.rsplit(".", 1)[0]]
+            assert isinstance(mod, FusedLinear)
+            off, size = mod.shard_offsets[shard]
+            dest = param.data.narrow(0, off, size)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        if tensor.dtype != dest.dtype:
+            raise ValueError(f"weight {hf_name!r}: dtype {tensor.dtype} != the engine's {dest.dtype} "
+                             "(sync the exact bits the trainer's forward used)")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"weight {hf_name!r} has non-finite values")
+        key = (name, shard)
+        if key in seen:
+            raise ValueError(f"weight {hf_name!r} given twice")
+        seen.add(key)
+        plan.append((dest, tensor))
+    return plan, seen
+
+
+def _all_keys(model: torch.nn.Module) -> set:
+    keys = set()
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        mod = modules[name.rsplit(".", 1)[0]]
+        if isinstance(mod, FusedLinear):
+            keys.update((name, sid) for sid in mod.shard_offsets)
+        else:
+            keys.add((name, None))
+    return keys
+
+
+def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                   contract=None, require_complete: bool = False) -> int:
+    """Copy `weights` (HF names) into the engine's model in place; returns the new weight version.
+
+    `contract`: the trainer's ExecutionContract; refused unless compatible with the
+    engine's. `require_complete`: every parameter (every fused shard) must be given.
+    Must be called while no request is running (the engine refuses otherwise).
+    """
+    from vllm.contract import build_contract
+
+    if engine.has_unfinished_requests():
+        raise ValueError("weights can only be updated while no request is running")
+    if not isinstance(weights, Mapping):
+        weights = dict(weights)
+    model = engine.runner.model
+    if contract is not None:
+        ours = build_contract(engine.config, model)
+        ours.check_compatible(contract)  # ValueError names the differing keys
+    plan, seen = _plan(model, weights)
+    if require_complete:
+        missing = _all_keys(model) - seen
+        if missing:
+            raise ValueError(f"incomplete update: missing {sorted(f'{n}[{k}]' if k is not None else n for n, k in missing)[:6]}")
+    with torch.no_grad():
+        for dest, src in plan:
+            dest.copy_(src.to(dest.device), non_blocking=True)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+    engine.on_weights_updated()
+    return engine.weight_version
+
