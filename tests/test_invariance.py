@@ -78,3 +78,21 @@ def test_invariant_ops_refuse_unknown_op():
     with set_forward_context(ForwardContext(None, "invariant")):
         with pytest.raises(RuntimeError, match="no verified kernel"):
             ops._dispatch("no_such_op")
+
+
+def test_n_samples_equal_separate_requests(tiny_qwen3):
+    """Sample i of an n>1 request (sharing the leader's cached prompt blocks) has the bits of
+    a separate request seeded with derive_seed(seed, i)."""
+    from vllm.engine.llm_engine import derive_seed
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", block_size=4)
+    prompt = {"prompt_token_ids": list(range(30, 75))}
+    group = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=6, logprobs=0, ignore_eos=True),
+                         use_tqdm=False)[0]
+    for i, c in enumerate(group.outputs):
+        alone = LLM(tiny_qwen3, device="cpu", numerics="invariant", block_size=4).generate(
+            prompt, SamplingParams(temperature=1.0, seed=derive_seed(9, i), max_tokens=6, logprobs=0, ignore_eos=True),
+            use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+        a = torch.tensor([c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)])
+        b = torch.tensor([alone.logprobs[j][t].logprob for j, t in enumerate(alone.token_ids)])
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
