@@ -66,3 +66,28 @@ def test_async_abort_mid_flight(tiny_qwen3):
         outs += eng.step()
     assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == 5
     assert eng.kv.num_free_blocks == eng.kv.num_blocks - 1
+
+
+def _run_engine(path, steps_fn, async_scheduling):
+    llm = LLM(path, device="cpu", numerics="invariant", async_scheduling=async_scheduling)
+    return steps_fn(llm.llm_engine)
+
+
+def test_async_reused_request_id_and_cache_hits(tiny_qwen3):
+    def scenario(eng):
+        outs = []
+        eng.add_request("a", {"prompt_token_ids": [3, 4, 5]},
+                        SamplingParams(max_tokens=5, stop_token_ids=list(range(512)), seed=1))
+        while not any(o.request_id == "a" for o in outs):
+            outs += eng.step()
+        # the id is reused right away: with async scheduling the old request's next step is still in flight
+        eng.add_request("a", {"prompt_token_ids": [9, 10, 11, 12]}, SamplingParams(max_tokens=3, seed=2, ignore_eos=True))
+        eng.add_request("n", {"prompt_token_ids": list(range(20, 90))}, SamplingParams(n=3, max_tokens=3, seed=3))
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        return [(o.request_id, [c.token_ids for c in o.outputs], o.num_cached_tokens) for o in outs], \
+            eng.kv.stats()["prefix_cache_hits"]
+    sync, hits_sync = _run_engine(tiny_qwen3, scenario, False)
+    asy, hits_async = _run_engine(tiny_qwen3, scenario, True)
+    assert sync == asy
+    assert hits_async == hits_sync > 0  # followers of the n=3 request reuse the leader's prompt blocks

@@ -70,3 +70,38 @@ def test_rejected_updates_leave_old_weights(tiny_qwen3):
     with pytest.raises(ValueError, match="numerical"):
         llm.update_weights(good, contract=fast)
     assert llm.weight_version == 0
+
+
+def test_weight_sync_edge_cases(tiny_qwen3, tiny_llama):
+    llm = LLM(tiny_qwen3, device="cpu")
+    good = Policy.from_pretrained(tiny_qwen3, device="cpu").model.hf_state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="twice"):
+        llm.update_weights([(name, good[name]), (name, good[name])])
+    fused = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    with pytest.raises(ValueError, match="overlaps"):
+        llm.update_weights({"model.layers.0.self_attn.qkv_proj.weight": fused, name: good[name]})
+    assert llm.weight_version == 0
+    # tied embeddings: lm_head.weight is checked, and written as the embedding when sent alone
+    tied = LLM(tiny_llama, device="cpu")
+    emb = tied.llm_engine.runner.model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="non-finite"):
+        tied.update_weights({"lm_head.weight": torch.full_like(emb, float("nan"))})
+    with pytest.raises(ValueError, match="differs"):
+        tied.update_weights({"lm_head.weight": emb.detach() * 2, "model.embed_tokens.weight": emb.detach().clone()})
+    new = emb.detach() * 0.5
+    tied.update_weights({"lm_head.weight": new})
+    assert torch.equal(tied.llm_engine.runner.model.model.embed_tokens.weight, new)
+    assert tied.llm_engine.runner.model.lm_head.weight is tied.llm_engine.runner.model.model.embed_tokens.weight
+
+
+def test_async_engine_aborted_then_updated(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cpu", async_scheduling=True)
+    eng = llm.llm_engine
+    eng.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.abort_request("a")
+    assert not eng.has_unfinished_requests()
+    good = Policy.from_pretrained(tiny_qwen3, device="cpu").model.hf_state_dict()
+    assert llm.update_weights(good) == 1

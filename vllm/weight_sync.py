@@ -16,18 +16,27 @@ import torch
 from vllm.layers.linear import FusedLinear
 
 
-def _plan(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]):
-    """Map HF-named tensors to (destination view, source) pairs; raise ValueError on any problem."""
+def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
+    """Map HF-named tensors to (destination view, source) pairs; raise ValueError on any problem.
+
+    Returns (plan, covered) where covered holds (parameter name, shard id or None) keys."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     tied = getattr(model.config, "tie_word_embeddings", False)
-    plan, seen = [], set()
-    for hf_name, tensor in weights.items():
+    plan, covered, names = [], set(), set()
+    tied_head = embed = None
+    for hf_name, tensor in weights:
+        if hf_name in names:
+            raise ValueError(f"weight {hf_name!r} given twice")
+        names.add(hf_name)
         if not torch.is_tensor(tensor):
             raise ValueError(f"weight {hf_name!r} is not a tensor")
-        if tied and hf_name == "lm_head.weight":
-            continue
+        if "rotary_emb.inv_freq" in hf_name:
+            continue  # derived from the config, as in load_weights
         name, shard = hf_name, None
+        if tied and hf_name == "lm_head.weight":
+            # one tensor in our model: validated like any other, written as the embedding
+            name = "model.embed_tokens.weight"
         for frag, (fused, sid) in model.packed_modules.items():
             if f".{frag}." in hf_name:
                 name, shard = hf_name.replace(f".{frag}.", f".{fused}."), sid
@@ -35,10 +44,10 @@ def _plan(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]):
         if name not in params:
             raise ValueError(f"unknown weight {hf_name!r}")
         param = params[name]
+        mod = modules[name.rsplit(".", 1)[0]]
         if shard is None:
             dest = param.data
         else:
-            mod = modules[name.rsplit(".", 1)[0]]
             assert isinstance(mod, FusedLinear)
             off, size = mod.shard_offsets[shard]
             dest = param.data.narrow(0, off, size)
@@ -49,12 +58,25 @@ def _plan(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]):
                              "(sync the exact bits the trainer's forward used)")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {hf_name!r} has non-finite values")
-        key = (name, shard)
-        if key in seen:
-            raise ValueError(f"weight {hf_name!r} given twice")
-        seen.add(key)
+        if tied and hf_name == "lm_head.weight":
+            tied_head = tensor
+            continue
+        if tied and name == "model.embed_tokens.weight":
+            embed = tensor
+        # a fused parameter given whole (our own name) covers every shard
+        keys = [(name, sid) for sid in mod.shard_offsets] if (shard is None and isinstance(mod, FusedLinear)) else [(name, shard)]
+        if covered.intersection(keys):
+            raise ValueError(f"weight {hf_name!r} overlaps another tensor of this update")
+        covered.update(keys)
         plan.append((dest, tensor))
-    return plan, seen
+    if tied_head is not None:
+        if embed is None:
+            plan.append((params["model.embed_tokens.weight"].data, tied_head))
+            covered.add(("model.embed_tokens.weight", None))
+        elif not torch.equal(tied_head.detach().cpu().contiguous().view(torch.uint8),
+                             embed.detach().cpu().contiguous().view(torch.uint8)):  # bit patterns
+            raise ValueError("tied embeddings: 'lm_head.weight' differs from 'model.embed_tokens.weight'")
+    return plan, covered
 
 
 def _all_keys(model: torch.nn.Module) -> set:
@@ -79,15 +101,15 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
     """
     from vllm.contract import build_contract
 
+    engine.drain()
     if engine.has_unfinished_requests():
         raise ValueError("weights can only be updated while no request is running")
-    if not isinstance(weights, Mapping):
-        weights = dict(weights)
+    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
     model = engine.runner.model
     if contract is not None:
         ours = build_contract(engine.config, model)
         ours.check_compatible(contract)  # ValueError names the differing keys
-    plan, seen = _plan(model, weights)
+    plan, seen = _plan(model, pairs)
     if require_complete:
         missing = _all_keys(model) - seen
         if missing:

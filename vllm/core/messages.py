@@ -37,6 +37,10 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_batched_tokens: int
     preempted: list[str] = field(default_factory=list)
+    # The scheduler's own Request objects, aligned with `requests` (never read by the
+    # runner): progress is applied to these objects, not to whatever request holds the
+    # same id by the time a step completes (an id can be reused after an abort).
+    owners: list = field(default_factory=list, repr=False)
 
     @property
     def is_decode_only(self) -> bool:

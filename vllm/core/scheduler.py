@@ -140,7 +140,8 @@ class Scheduler:
                 start + n == req.num_tokens, p.temperature, p.top_k, p.top_p, p.min_p, req.seed,
                 len(req.output_token_ids), -1 if p.logprobs is None else p.logprobs, p.logprobs_mode,
                 req.banned_token_ids() if p.min_tokens else ()))
-        return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget, preempted=preempted)
+        return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
+                               preempted=preempted, owners=[req for req, _ in scheduled])
 
     def _leader_ready(self, leader: Request) -> bool:
         if not self.kv.enable_prefix_caching or leader.status.finished or leader.req_id not in self.requests:
@@ -152,35 +153,36 @@ class Scheduler:
         self.advance(sched)
         return self.finalize(sched, result)
 
+    def _live(self, sched: SchedulerOutput):
+        """(scheduled slice, Request) pairs whose request is still the one that was scheduled."""
+        owners = sched.owners or [self.requests.get(sr.req_id) for sr in sched.requests]
+        for sr, req in zip(sched.requests, owners):
+            if req is not None and self.requests.get(sr.req_id) is req:
+                yield sr, req
+
     def advance(self, sched: SchedulerOutput) -> None:
-        """The step's effect that does not depend on sampled values: KV progress and one
-        PLACEHOLDER output token per sampling request. With async scheduling the next
-        step is scheduled right after this, while the GPU still computes the tokens."""
-        for sr in sched.requests:
-            req = self.requests.get(sr.req_id)
-            if req is None:       # aborted while the step ran
-                continue
+        """The step's effect that does not depend on sampled values: KV progress, prefix-cache
+        registration of blocks now full of real tokens, and one PLACEHOLDER output token per
+        sampling request. With async scheduling the next step is scheduled right after this,
+        while the GPU still computes the tokens."""
+        for sr, req in self._live(sched):
             req.num_computed_tokens += sr.num_new
+            self.kv.cache_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, self._real_prefix(req)))
             if sr.sample:
                 req.append_output(PLACEHOLDER)
                 # a length stop is known now: do not schedule past it
                 req.finishing = len(req.output_token_ids) >= req.max_output_tokens
 
     def finalize(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
-        """Replace placeholders with the sampled tokens, register full blocks in the
-        prefix cache (only now are their tokens real) and apply the stop rules."""
+        """Replace placeholders with the sampled tokens and apply the stop rules."""
         updated, finished = [], []
-        for sr in sched.requests:
-            req = self.requests.get(sr.req_id)
-            if req is None:
-                continue
+        for sr, req in self._live(sched):
             tok = result.sampled.get(sr.req_id) if sr.sample else None
-            if tok is not None and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
-                req.output_token_ids[-1] = tok.token_id
-                req.all_token_ids[-1] = tok.token_id
-            self.kv.cache_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, self._real_prefix(req)))
             if tok is None:
                 continue
+            if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                req.output_token_ids[-1] = tok.token_id
+                req.all_token_ids[-1] = tok.token_id
             if tok.logprob is not None:
                 req.logprobs.append((tok.logprob, tok.rank, tok.top or []))
                 req.cumulative_logprob += tok.logprob

@@ -138,6 +138,8 @@ class LLMEngine:
         for c in group.children:
             self._child_to_group.pop(c.req_id, None)
         del self._groups[request_id]
+        if not self.scheduler.has_unfinished():
+            self.drain()  # nothing left to run: do not leave a step in flight
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -172,11 +174,17 @@ class LLMEngine:
         enter N+1 as placeholders filled on the device; a request that N's tokens end
         (eos, stop string) has computed one extra token in N+1, which is dropped. The
         tokens, their logprobs and the RNG positions are those of the synchronous loop."""
-        prev = self._inflight
+        prev, self._inflight = self._inflight, None
         if prev is not None:
             self.scheduler.advance(prev[0])
         sched = self.scheduler.schedule()
-        handle = self.runner.launch(sched, prev[1] if prev is not None else None) if sched.requests else None
+        try:
+            handle = self.runner.launch(sched, prev[1] if prev is not None else None) if sched.requests else None
+        except BaseException:
+            # keep the scheduler consistent (no placeholder left behind) before re-raising
+            if prev is not None:
+                self.scheduler.finalize(prev[0], self.runner.collect(prev[1]))
+            raise
         self._inflight = (sched, handle) if handle is not None else None
         if prev is None:
             if handle is None and self.scheduler.has_unfinished():
@@ -186,6 +194,16 @@ class LLMEngine:
         updated, finished = self.scheduler.finalize(prev[0], result)
         self.step_count += 1
         return self._process(updated, finished)
+
+    def drain(self) -> list[RequestOutput]:
+        """Async scheduling: finish the step still on the GPU (if any) and process it."""
+        outs = []
+        while self._inflight is not None and not self.scheduler.has_unfinished():
+            sched, handle = self._inflight
+            self._inflight = None
+            self.scheduler.advance(sched)
+            outs += self._process(*self.scheduler.finalize(sched, self.runner.collect(handle)))
+        return outs
 
     def _process(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
         """Detokenize, apply stop strings, and build the outputs of finished (or streamed) groups."""

@@ -35,6 +35,7 @@ class StepHandle:
     groups: list
     token_ids: torch.Tensor | None
     row_of: dict
+    event: object = None   # CUDA event recorded after the host copies were enqueued
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -190,7 +191,7 @@ class ModelRunner:
                     fill_rows.append(int(cu[i + 1]) - 1)
                     fill_src.append(prev.row_of[r.req_id])
             input_ids[fill_rows] = 0
-        elif (input_ids < 0).any():
+        if (input_ids < 0).any():
             raise RuntimeError("a placeholder token reached the runner without the step that samples it")
         self._mark("prepare")
         n_seqs = len(sched.requests)
@@ -253,12 +254,34 @@ class ModelRunner:
                 token_ids = so.token_ids
             else:
                 token_ids[torch.tensor(idx, device=self.device)] = so.token_ids
-            groups.append((idx, so))
-        return StepHandle(reqs, groups, token_ids, {r.req_id: i for i, r in enumerate(reqs)})
+            groups.append((idx, self._to_host_async(so)))
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(reqs, groups, token_ids, {r.req_id: i for i, r in enumerate(reqs)}, event)
+
+    def _to_host_async(self, so):
+        """Start copying the sampler's outputs into pinned host memory, so that waiting for
+        this step (an event) does not also wait for the step enqueued after it."""
+        if self.device.type != "cuda":
+            return so
+        from dataclasses import replace
+
+        def host(t):
+            if t is None:
+                return None
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            return buf
+        return replace(so, token_ids=host(so.token_ids), logprobs=host(so.logprobs), ranks=host(so.ranks),
+                       topk_ids=host(so.topk_ids), topk_logprobs=host(so.topk_logprobs))
 
     def collect(self, handle: "StepHandle") -> ModelRunnerOutput:
         """Wait for the step and bring its sampled tokens (and logprobs) to the host."""
         result: dict[str, SampledToken] = {}
+        if handle.event is not None:
+            handle.event.synchronize()
         for idx, so in handle.groups:
             ids = so.token_ids.tolist()
             lps = so.logprobs.tolist() if so.logprobs is not None else None
