@@ -114,6 +114,8 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
         missing = _all_keys(model) - seen
         if missing:
             raise ValueError(f"incomplete update: missing {sorted(f'{n}[{k}]' if k is not None else n for n, k in missing)[:6]}")
+    if any(src.is_cuda for _, src in plan):
+        torch.cuda.synchronize()  # the trainer may have written the sources on another stream
     with torch.no_grad():
         for dest, src in plan:
             dest.copy_(src.to(dest.device), non_blocking=True)
