@@ -15,8 +15,12 @@ unset TRITON_INTERPRET
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 SECONDS=0
 
-# The GPU machine is offline: no pip install (build isolation would need to
-# download setuptools); the tree is used in place.
+# The GPU machine is offline: install without build isolation (pyproject.toml
+# names the backend; nothing is downloaded); the tree is also put on PYTHONPATH
+# so a failed install cannot hide the code under test.
+echo "== install"
+VLLM_PARITY_SKIP_CSRC="${VLLM_PARITY_SKIP_CSRC:-1}" python -m pip install -q --no-build-isolation --no-deps -e . \
+  >"$OUT/install.log" 2>&1 && echo "pip install -e . ok" || { echo "pip install failed (see install.log)"; tail -3 "$OUT/install.log"; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
