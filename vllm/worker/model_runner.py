@@ -256,7 +256,7 @@ class ModelRunner:
                 token_ids[torch.tensor(idx, device=self.device)] = so.token_ids
             groups.append((idx, self._to_host_async(so)))
         event = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.config.async_scheduling:
             event = torch.cuda.Event()
             event.record()
         return StepHandle(reqs, groups, token_ids, {r.req_id: i for i, r in enumerate(reqs)}, event)
@@ -264,8 +264,8 @@ class ModelRunner:
     def _to_host_async(self, so):
         """Start copying the sampler's outputs into pinned host memory, so that waiting for
         this step (an event) does not also wait for the step enqueued after it."""
-        if self.device.type != "cuda":
-            return so
+        if self.device.type != "cuda" or not self.config.async_scheduling:
+            return so  # synchronous loop: collect() reads the device tensors right away
         from dataclasses import replace
 
         def host(t):
