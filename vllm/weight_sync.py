@@ -33,14 +33,10 @@ def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
             raise ValueError(f"weight {hf_name!r} is not a tensor")
         if "rotary_emb.inv_freq" in hf_name:
             continue  # derived from the config, as in load_weights
-        name, shard = hf_name, None
+        name, shard = model.resolve_hf_name(hf_name)
         if tied and hf_name == "lm_head.weight":
             # one tensor in our model: validated like any other, written as the embedding
             name = "model.embed_tokens.weight"
-        for frag, (fused, sid) in model.packed_modules.items():
-            if f".{frag}." in hf_name:
-                name, shard = hf_name.replace(f".{frag}.", f".{fused}."), sid
-                break
         if name not in params:
             raise ValueError(f"unknown weight {hf_name!r}")
         param = params[name]

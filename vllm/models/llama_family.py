@@ -121,6 +121,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # ---- checkpoint names -------------------------------------------------------------
+    def resolve_hf_name(self, hf_name: str) -> tuple[str, object]:
+        """HF tensor name -> (our parameter name, shard id within a fused parameter or None)."""
+        for frag, (fused, shard_id) in self.packed_modules.items():
+            if f".{frag}." in hf_name:
+                return hf_name.replace(f".{frag}.", f".{fused}."), shard_id
+        return hf_name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the set of our parameter names that were filled."""
         params = dict(self.named_parameters())
@@ -130,11 +137,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 continue  # derived from the config
             if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # tied: the embedding is the single source of truth
-            name, shard = hf_name, None
-            for frag, (fused, shard_id) in self.packed_modules.items():
-                if f".{frag}." in hf_name:
-                    name, shard = hf_name.replace(f".{frag}.", f".{fused}."), shard_id
-                    break
+            name, shard = self.resolve_hf_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__} ({self.config.architecture})")
             param = params[name]
