@@ -18,7 +18,6 @@ import torch
 from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.model_loader.loader import load_model
-from vllm.sample.sampler import tempered_logprobs
 from vllm.training import Policy
 from vllm.training.plain import FlashVarlenBackend
 
