@@ -1,9 +1,10 @@
 """Invariant GEMM vs cuBLAS on Qwen3-8B's shapes over M = 1 .. 16384.
 
 For every (shape, M) it times cuBLAS (F.linear), our kernel with the shipped
-config table, and (with --sweep) a list of candidate tile configs, checking
-that every candidate gives the same bits as the table's choice (tile shape
-must never change bits). Prints ratios (cuBLAS time / ours: > 1 means faster).
+config table, and (with --sweep) a list of candidate tile configs -- for
+M >= 128 also in the persistent TMA variant (impl="tma") -- checking that every
+candidate gives the same bits as the table's choice (neither tile shape nor
+the load path may change bits). Prints ratios (cuBLAS time / ours: > 1 means faster).
 
     python benchmarks/kernels/gemm.py [--sweep] [--shapes qkv,o,gate_up,down,lm_head]
 """
@@ -70,19 +71,21 @@ def main() -> None:
             if args.sweep:
                 view = torch.int32 if out_dtype == torch.float32 else torch.int16
                 best = (t_ours, pick_config(M))
+                impls = ("plain", "tma") if M >= 128 else ("plain",)
                 for cfg in CANDIDATES[bucket(M)]:
-                    try:
-                        out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg)
-                    except Exception as err:  # e.g. out of shared memory
-                        print(f"  {name} M={M} cfg={cfg}: {type(err).__name__}")
-                        continue
-                    if not torch.equal(out.view(view), ref.view(view)):
-                        print(f"  !! {name} M={M} cfg={cfg} CHANGES BITS")
-                        row.setdefault("bit_mismatch", []).append(cfg)
-                        continue
-                    t = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg))
-                    if t < best[0]:
-                        best = (t, cfg)
+                    for impl in impls:
+                        try:
+                            out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, impl=impl)
+                        except Exception as err:  # e.g. out of shared memory
+                            print(f"  {name} M={M} cfg={cfg} {impl}: {type(err).__name__}")
+                            continue
+                        if not torch.equal(out.view(view), ref.view(view)):
+                            print(f"  !! {name} M={M} cfg={cfg} {impl} CHANGES BITS")
+                            row.setdefault("bit_mismatch", []).append((cfg, impl))
+                            continue
+                        t = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, impl=impl))
+                        if t < best[0]:
+                            best = (t, (cfg, impl))
                 row["best_us"], row["best_config"] = best
                 row["best_ratio"] = t_cublas / best[0]
                 agg = best_by_bucket.setdefault(bucket(M), {})

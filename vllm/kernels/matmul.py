@@ -57,6 +57,38 @@ def _invariant_matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _invariant_matmul_tma_kernel(
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent variant (Hopper TMA loads/stores, one program per SM walking output
+    tiles). Per output tile it is the same computation as _invariant_matmul_kernel:
+    K from 0 upward in BK steps, `acc = tl.dot(a, b, acc)` in fp32 (TMA zero-fills the
+    K tail, adding exact zeros). Candidate for large M: benchmarks/kernels/gemm.py
+    --sweep times it and checks its bits against the plain kernel before it may enter
+    the config table."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        gid = tile // group
+        first_m = gid * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % size_m
+        pid_n = (tile % group) // size_m
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(0, tl.cdiv(K, BK)):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = b_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            rn = pid_n * BN + tl.arange(0, BN)
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([pid_m * BM, pid_n * BN], acc.to(c_desc.dtype))
+
+
 # (max M, BM, BN, BK, num_warps, num_stages). Tile shapes never change bits
 # (tests/test_invariant_kernels.py, the start-up self-check and
 # benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M, N
@@ -105,8 +137,21 @@ def pick_config(M: int, N: int = 0, configs=None) -> tuple[int, int, int, int, i
     raise AssertionError("config table must end with an unbounded entry")
 
 
+def _tma_ok(a: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> bool:
+    # TMA needs 16-byte aligned row strides and base addresses, unit inner stride
+    return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (a, weight, c))
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, config: tuple | None = None,
+                     impl: str = "plain") -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype)."""
     K = x.shape[-1]
     N, Kw = weight.shape
@@ -119,6 +164,17 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if M == 0:
         return c.reshape(*lead, N)
     bm, bn, bk, warps, stages = config or pick_config(M, N)
+    if impl == "tma" and _tma_ok(a, weight, c):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        programs = min(_num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+        _invariant_matmul_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(c, [bm, bn]), bias if bias is not None else c, M, N, K,
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
+            num_warps=warps, num_stages=stages)
+        return c.reshape(*lead, N)
+    if impl not in ("plain", "tma"):
+        raise ValueError(f"impl must be 'plain' or 'tma', got {impl!r}")
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _invariant_matmul_kernel[grid](
         a, weight, c, bias if bias is not None else c,
