@@ -48,7 +48,7 @@ fi
 if has throughput; then
   echo "== throughput ($SECONDS s)"
   timeout "${THROUGHPUT_TIMEOUT:-500}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" --num-prompts "${NUM_PROMPTS:-256}" \
-    --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" --numerics "${NUMERICS:-fast,invariant}" ${HF_FLAG:---hf} \
+    --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" --numerics "${NUMERICS:-fast,fast+async,invariant,invariant+async}" ${HF_FLAG:---hf} \
     --json-out "$OUT/throughput.json" >"$OUT/throughput.log" 2>&1
   tail -10 "$OUT/throughput.log"
 fi
