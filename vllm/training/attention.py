@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.attention import paged_attention
 from vllm.kernels.autograd_ops import PackedAttentionFn
-
-
-def _kernel_for(device: torch.device):
-    if device.type == "cuda":
-        from vllm.kernels.attention import paged_attention
-        return paged_attention
-    from vllm.kernels.attention_ref import paged_attention_torch
-    return paged_attention_torch
 
 
 class PackedAttentionBackend:
@@ -46,14 +39,13 @@ class PackedAttentionBackend:
         self.slots = torch.cat(slots).to(self.device)
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
         self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
-        self.kernel = _kernel_for(self.device)
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         shape = (self.num_blocks * self.block_size, k.shape[1], k.shape[2])
         kc = torch.zeros(shape, dtype=k.dtype, device=k.device).index_copy_(0, self.slots, k.detach())
         vc = torch.zeros(shape, dtype=v.dtype, device=v.device).index_copy_(0, self.slots, v.detach())
         view = (self.num_blocks, self.block_size, k.shape[1], k.shape[2])
-        return self.kernel(q.detach(), kc.view(view), vc.view(view), self.block_table, self.cu_seqlens, self.seq_lens_t,
+        return paged_attention(q.detach(), kc.view(view), vc.view(view), self.block_table, self.cu_seqlens, self.seq_lens_t,
                            scale, max_query_len=max(self.seq_lens), max_seq_len=max(self.seq_lens))
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from vllm._custom_ops import cache_kv
 from vllm.forward_context import get_forward_context
+from vllm.kernels.attention import paged_attention
 
 
 @dataclass
@@ -35,19 +36,10 @@ def _flash_varlen():
         return None
 
 
-def _select_impl(device: torch.device):
-    if device.type == "cuda":
-        from vllm.kernels.attention import paged_attention
-        return paged_attention
-    from vllm.kernels.attention_ref import paged_attention_torch
-    return paged_attention_torch
-
-
 class PagedAttentionBackend:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         self.k_caches, self.v_caches = k_caches, v_caches
         self.metadata: AttentionMetadata | None = None
-        self.impl = _select_impl(k_caches[0].device)
         self.varlen = _flash_varlen() if k_caches[0].is_cuda else None
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -62,5 +54,6 @@ class PagedAttentionBackend:
             # (measured on the H200), which is why invariant mode never takes this path.
             return self.varlen(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, md.max_query_len, md.max_query_len,
                                scale=scale, window_size=(-1, 0))
-        return self.impl(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
+        # paged_attention picks the kernel by device; the trainer calls the same function.
+        return paged_attention(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
                          max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
