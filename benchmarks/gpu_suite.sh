@@ -48,9 +48,9 @@ fi
 if has throughput; then
   echo "== throughput ($SECONDS s)"
   timeout "${THROUGHPUT_TIMEOUT:-500}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" --num-prompts "${NUM_PROMPTS:-256}" \
-    --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" --numerics "${NUMERICS:-fast,fast+async,invariant,invariant+async}" ${HF_FLAG:---hf} \
+    --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" --numerics "${NUMERICS:-fast,fast+async,invariant,invariant+async}" ${HF_FLAG:---hf} ${THROUGHPUT_ARGS:-} \
     --json-out "$OUT/throughput.json" >"$OUT/throughput.log" 2>&1
-  tail -10 "$OUT/throughput.log"
+  tail -14 "$OUT/throughput.log"
 fi
 if has train; then
   echo "== train step ($SECONDS s)"
@@ -64,6 +64,6 @@ has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -20
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
-has throughput && grep -E "^(floor|engine|fast|invariant|transformers)" "$OUT/throughput.log"
+has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 exit 0
