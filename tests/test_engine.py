@@ -132,6 +132,10 @@ def test_prefix_cache_hit_and_no_leak(tiny_qwen3, engines):
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.num_blocks - 1
     kv.check_invariants()
+    # after reset_prefix_cache nothing is reused
+    assert llm.reset_prefix_cache()
+    third = llm.generate({"prompt_token_ids": shared + [13, 14, 15]}, sp, use_tqdm=False)[0]
+    assert third.num_cached_tokens == 0 and third.outputs[0].token_ids == second.outputs[0].token_ids
 
 
 def test_n_samples_share_prompt_blocks(tiny_qwen3):

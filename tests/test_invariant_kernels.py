@@ -50,9 +50,9 @@ def test_matmul_rows_independent_of_M_and_config():
         part = invariant_matmul(x[:M].clone(), w)
         assert torch.equal(bits(part), bits(full[:M])), f"M={M}"
     # every tile configuration gives the same bits, and a row alone == that row inside a batch
-    for _, bm, bn, bk, warps, stages in configs:
-        out = invariant_matmul(x, w, config=(bm, bn, bk, warps, stages))
-        assert torch.equal(bits(out), bits(full)), (bm, bn, bk)
+    for _, *cfg in configs:
+        out = invariant_matmul(x, w, config=tuple(cfg))
+        assert torch.equal(bits(out), bits(full)), cfg
     if DEV == "cpu":
         # numpy's matmul (what the interpreter runs for tl.dot) rounds a row differently
         # depending on its position inside the tile, so position-independence is
@@ -109,17 +109,23 @@ QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 245
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_size", [-1, 2048], ids=["policy", "split2048"])
 @pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
-def test_gpu_matmul_invariant_over_M(name):
+def test_gpu_matmul_invariant_over_M(name, split_size):
     K, N = QWEN3_8B_SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    full = invariant_matmul(x, w)
+    full = invariant_matmul(x, w, split_size=split_size)
     ref = x.double() @ w.double().T
     assert rel_err(full, ref) < 1e-2
     for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
-        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w)), bits(full[:M])), f"{name} M={M}"
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, split_size=split_size)), bits(full[:M])), \
+            f"{name} M={M}"
+    for impl in ("plain", "tma", "partial"):  # every impl, at a decode and a prefill size
+        for M in (7, 300):
+            out = invariant_matmul(x[:M].clone(), w, impl=impl, split_size=split_size)
+            assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} M={M}"
     cublas_row0 = torch.nn.functional.linear(x[:1], w)
     assert rel_err(full[:1], cublas_row0.double()) < 1e-2
 
@@ -170,14 +176,35 @@ def test_fused_elementwise_match_torch():
             assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6 * ref.float().abs().max().item()
 
 
-def test_tma_persistent_matmul_matches_plain():
-    """The persistent TMA candidate computes each tile exactly like the plain kernel."""
+@pytest.mark.parametrize("split_size", [None, 32, 48])
+def test_every_impl_gives_the_same_bits(split_size):
+    """plain (splits inside one program), tma (persistent) and partial (one program per
+    split + ordered merge) compute one reduction order, for any fixed K split."""
     g = torch.Generator().manual_seed(7)
-    for M, K, N, bias in ((37, 72, 48, False), (5, 64, 40, True)):
+    for M, K, N, bias in ((37, 72, 48, False), (5, 64, 40, True), (3, 96, 24, True)):
         x = torch.randn(M, K, generator=g).to(DEV)
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
-        plain = invariant_matmul(x, w, b)
-        tma = invariant_matmul(x, w, b, impl="tma")
-        assert torch.equal(bits(plain), bits(tma))
-        assert rel_err(tma, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+        plain = invariant_matmul(x, w, b, split_size=split_size)
+        for impl in ("tma", "partial"):
+            other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
+            assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
+        assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+
+
+def test_k_split_merge_order():
+    """A split GEMM equals the unsplit GEMMs of its K ranges merged in ascending order
+    (p0 + p1) + p2 in float32, then + bias: the order the contract names."""
+    g = torch.Generator().manual_seed(8)
+    M, K, N = 9, 80, 24
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    b = torch.randn(N, generator=g).to(DEV)
+    out = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=32)
+    parts = [invariant_matmul(x[:, lo:lo + 32].contiguous(), w[:, lo:lo + 32].contiguous(), out_dtype=torch.float32,
+                              split_size=None) for lo in (0, 32, 64)]
+    assert torch.equal(bits(out), bits(((parts[0] + parts[1]) + parts[2]) + b))
+    unsplit = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=None)
+    assert rel_err(out, unsplit.double()) < 1e-5
+    with pytest.raises(ValueError, match="multiple of the K tile"):
+        invariant_matmul(x, w, split_size=24)

@@ -61,8 +61,10 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "logprobs": "float32 log_softmax(logits / T) over the full vocabulary (T=0 -> 1), before truncation",
     }
     if numerics == "invariant":
-        policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)", "split_k": 1,
-                           "accumulate": "float32", "k_order": "ascending", "tiles_by_M": matmul.GPU_CONFIGS}
+        policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)",
+                           "k_split_size": matmul.K_SPLIT_SIZE, "split_merge": "float32, ascending, p0 first",
+                           "accumulate": "float32", "k_order": "ascending",
+                           "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE}
                           if gpu else {"kernel": "torch F.linear one row at a time", "accumulate": "backend"})
         policy["norm"] = "triton one row per program, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"

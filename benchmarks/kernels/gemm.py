@@ -1,10 +1,13 @@
 """Invariant GEMM vs cuBLAS on Qwen3-8B's shapes over M = 1 .. 16384.
 
-For every (shape, M) it times cuBLAS (F.linear), our kernel with the shipped
-config table, and (with --sweep) a list of candidate tile configs -- for
-M >= 128 also in the persistent TMA variant (impl="tma") -- checking that every
-candidate gives the same bits as the table's choice (neither tile shape nor
-the load path may change bits). Prints ratios (cuBLAS time / ours: > 1 means faster).
+For every (shape, M) it times cuBLAS (F.linear) and our kernel with the shipped
+config table. With --sweep it also times candidate tile configs in every impl
+("plain", persistent "tma", and for split policies "partial") under each K-split
+policy (unsplit, split size 2048, split size 4096), checking that within one policy
+every candidate gives the same bits as the first (neither tile shape nor impl may
+change bits; the split size may, which is why it is a policy fixed by K alone).
+Prints ratios (cuBLAS time / ours: > 1 means faster) and writes every timing to
+--json-out, from which the per-shape config table is derived.
 
     python benchmarks/kernels/gemm.py [--sweep] [--shapes qkv,o,gate_up,down,lm_head]
 """
@@ -12,35 +15,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from vllm.kernels.matmul import invariant_matmul, pick_config
+from vllm.kernels.matmul import invariant_matmul, k_split_size, pick_config
 
 SHAPES = {  # name: (K, N)
     "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096), "lm_head": (4096, 151936),
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+SWEEP_MS = [1, 16, 64, 128, 256, 512, 1024, 4096, 16384]
+MAX_M = {"lm_head": 4096}  # logits are only taken for sampled rows / training chunks
 
-CANDIDATES = {
+TILES = {
     # bucket upper M -> candidate (BM, BN, BK, warps, stages)
-    16: [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 5), (16, 128, 128, 4, 4), (16, 32, 512, 4, 3), (16, 64, 512, 8, 3)],
-    32: [(32, 32, 256, 4, 4), (32, 64, 256, 4, 4), (32, 64, 128, 4, 5), (32, 128, 128, 4, 4), (16, 64, 256, 4, 4)],
-    64: [(64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (32, 64, 256, 4, 4), (64, 32, 256, 4, 4)],
-    128: [(64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3)],
-    256: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4)],
-    512: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)],
-    1 << 62: [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)],
+    16: [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 5), (16, 128, 128, 4, 4)],
+    64: [(64, 32, 256, 4, 4), (64, 64, 256, 4, 3), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)],
+    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3)],
+    256: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
+    512: [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)],
+    1 << 62: [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+              (128, 128, 128, 8, 3)],
 }
+POLICIES = (None, 2048, 4096)  # K split size; None = unsplit
 
 
 def bucket(m: int) -> int:
-    for b in sorted(CANDIDATES):
-        if m <= b:
-            return b
-    raise AssertionError
+    return min(b for b in TILES if m <= b)
+
+
+def policies_for(K: int) -> list:
+    seen, out = set(), []
+    for p in POLICIES:
+        ks = k_split_size(K, p)
+        if ks not in seen:
+            seen.add(ks)
+            out.append(p if ks < K else None)
+    return out
+
+
+def candidates(M: int, policy) -> list[tuple]:
+    out = []
+    for tiles in TILES[bucket(M)]:
+        out.append(("plain", *tiles))
+        if M >= 16:
+            out.append(("tma", *tiles))
+        if policy is not None and M <= 512:
+            out.append(("partial", *tiles))
+    return out
+
+
+def sweep_jobs(shapes, ms) -> list[tuple]:
+    return [(name, M, policy, cfg) for name in shapes for M in ms if M <= MAX_M.get(name, 1 << 62)
+            for policy in policies_for(SHAPES[name][0]) for cfg in candidates(M, policy)]
+
+
+def _prewarm(jobs: list[tuple]) -> int:
+    """Compile (and run once) every job in a worker process: fills the shared Triton
+    cache so the timing process does not spend the device lease on compilation."""
+    torch.manual_seed(0)
+    cache: dict = {}
+    ok = 0
+    for name, M, policy, cfg in jobs:
+        K, N = SHAPES[name]
+        if name not in cache:
+            cache.clear()
+            cache[name] = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        try:
+            invariant_matmul(x, cache[name], out_dtype=torch.float32 if name == "lm_head" else None,
+                             config=cfg, split_size=policy)
+            ok += 1
+        except Exception:
+            pass
+    torch.cuda.synchronize()
+    return ok
+
+
+def prewarm(jobs: list[tuple], workers: int) -> None:
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        done = pool.map(_prewarm, chunks)
+    print(f"prewarmed {sum(done)}/{len(jobs)} kernels in {workers} processes", flush=True)
 
 
 def bench(fn) -> float:
@@ -51,58 +111,75 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--ms", default=None)
+    ap.add_argument("--prewarm-workers", type=int, default=8)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    names = args.shapes.split(",")
+    ms = list(map(int, args.ms.split(","))) if args.ms else (SWEEP_MS if args.sweep else MS)
+    if args.sweep and args.prewarm_workers > 0:
+        prewarm(sweep_jobs(names, ms), args.prewarm_workers)
     torch.manual_seed(0)
     rows = []
-    best_by_bucket: dict[int, dict] = {}
-    for name in args.shapes.split(","):
+    for name in names:
         K, N = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
         out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
-        for M in map(int, args.ms.split(",")):
+        view = torch.int32 if out_dtype == torch.float32 else torch.int16
+        for M in ms:
+            if M > MAX_M.get(name, 1 << 62):
+                continue
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             t_cublas = bench(lambda: F.linear(x, w))
-            ref = invariant_matmul(x, w, out_dtype=out_dtype)
             t_ours = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype))
             row = {"shape": name, "M": M, "K": K, "N": N, "cublas_us": t_cublas, "ours_us": t_ours,
-                   "config": pick_config(M), "ratio": t_cublas / t_ours}
+                   "config": pick_config(M, N), "ratio": t_cublas / t_ours, "policies": {}}
             if args.sweep:
-                view = torch.int32 if out_dtype == torch.float32 else torch.int16
-                best = (t_ours, pick_config(M))
-                impls = ("plain", "tma") if M >= 128 else ("plain",)
-                for cfg in CANDIDATES[bucket(M)]:
-                    for impl in impls:
+                for policy in policies_for(K):
+                    ref, timings = None, []
+                    for cfg in candidates(M, policy):
                         try:
-                            out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, impl=impl)
+                            out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, split_size=policy)
                         except Exception as err:  # e.g. out of shared memory
-                            print(f"  {name} M={M} cfg={cfg} {impl}: {type(err).__name__}")
+                            print(f"  {name} M={M} split={policy} {cfg}: {type(err).__name__}: {str(err)[:80]}")
                             continue
-                        if not torch.equal(out.view(view), ref.view(view)):
-                            print(f"  !! {name} M={M} cfg={cfg} {impl} CHANGES BITS")
-                            row.setdefault("bit_mismatch", []).append((cfg, impl))
+                        if ref is None:
+                            ref = out
+                        elif not torch.equal(out.view(view), ref.view(view)):
+                            print(f"  !! {name} M={M} split={policy} {cfg} CHANGES BITS")
+                            row.setdefault("bit_mismatch", []).append((policy, cfg))
                             continue
-                        t = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, impl=impl))
-                        if t < best[0]:
-                            best = (t, (cfg, impl))
-                row["best_us"], row["best_config"] = best
-                row["best_ratio"] = t_cublas / best[0]
-                agg = best_by_bucket.setdefault(bucket(M), {})
-                agg[best[1]] = agg.get(best[1], 0) + 1
+                        timings.append((bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg,
+                                                                       split_size=policy)), cfg))
+                    timings.sort()
+                    row["policies"][str(policy)] = timings
             rows.append(row)
-            tb = row["cublas_us"] * 1e-6
-            print(f"{name:8s} M={M:6d} cublas {t_cublas:9.1f} us ({2 * M * K * N / tb / 1e12:6.1f} TF/s, "
-                  f"{(N * K * 2 + M * K * 2) / tb / 1e12:5.2f} TB/s)  ours {t_ours:9.1f} us  x{row['ratio']:.2f}"
-                  + (f"  best {row['best_us']:.1f} us x{row['best_ratio']:.2f} {row['best_config']}" if args.sweep else ""),
-                  flush=True)
-    print("\n== invariant GEMM / cuBLAS speed ratio (cuBLAS time / ours; >1 = faster than cuBLAS)")
-    names = args.shapes.split(",")
+            tb = t_cublas * 1e-6
+            line = (f"{name:8s} M={M:6d} cublas {t_cublas:8.1f} us ({2 * M * K * N / tb / 1e12:5.0f} TF/s "
+                    f"{(N * K * 2 + M * K * 2) / tb / 1e12:4.2f} TB/s) table {t_ours:8.1f} x{row['ratio']:.2f}")
+            for policy, timings in row["policies"].items():
+                if timings:
+                    line += f" | {policy}: x{t_cublas / timings[0][0]:.2f} {timings[0][1]}"
+            print(line, flush=True)
+    print("\n== invariant GEMM / cuBLAS speed ratio (cuBLAS time / ours; >1 = faster than cuBLAS), shipped table")
     print("M".rjust(6) + "".join(n.rjust(10) for n in names))
-    for M in map(int, args.ms.split(",")):
-        print(str(M).rjust(6) + "".join(f"{next(r['ratio'] for r in rows if r['shape'] == n and r['M'] == M):10.2f}" for n in names))
+    for M in ms:
+        cells = []
+        for n in names:
+            r = next((r for r in rows if r["shape"] == n and r["M"] == M), None)
+            cells.append(f"{r['ratio']:10.2f}" if r else " " * 10)
+        print(str(M).rjust(6) + "".join(cells))
     if args.sweep:
-        print("best configs by bucket:", {b: sorted(v.items(), key=lambda kv: -kv[1])[:3] for b, v in best_by_bucket.items()})
+        for policy in ("None", "2048", "4096"):
+            print(f"\n== best candidate per (shape, M), K split size {policy} (same ratio)")
+            print("M".rjust(6) + "".join(n.rjust(10) for n in names))
+            for M in ms:
+                cells = []
+                for n in names:
+                    r = next((r for r in rows if r["shape"] == n and r["M"] == M), None)
+                    t = r and r["policies"].get(policy)
+                    cells.append(f"{r['cublas_us'] / t[0][0]:10.2f}" if t else "         -")
+                print(str(M).rjust(6) + "".join(cells))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -81,6 +81,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next requests recompute their KV (benchmarks,
+        or after changing weights by hand). Returns False, changing nothing, while
+        requests are running."""
+        return self.llm_engine.kv.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):

@@ -1,12 +1,23 @@
 """Batch-invariant GEMM: y = x @ W^T (+ b), one fixed reduction order along K.
 
-Each output element is produced by ONE program that walks K from 0 to K in
-order, accumulating in float32 with the `acc = tl.dot(a, b, acc)` form: no
-split-K, no atomics, no dependence of the K order on M. Tile shapes (BM, BN,
-BK, warps, stages) may follow M: measured on the H200 this form gives
+The reduction order of every output element (m, n) is a function of K alone:
+
+* K is cut into splits of a fixed size (`k_split_size(K)`, never a function of M);
+* inside a split, one program walks K upward and accumulates in float32 with the
+  `acc = tl.dot(a, b, acc)` form, starting from zero;
+* the split partials are merged in ascending order, `total = p0; total = total + p1; ...`,
+  then the bias is added and the result cast once.
+
+Three implementations compute exactly that order and are chosen by M only for
+speed: "plain" (one program per output tile, all splits inside the program with a
+second register accumulator), "tma" (the same, persistent, with Hopper TMA loads)
+and "partial" (one program per (tile, split) writing a float32 partial, then a merge
+kernel summing the partials in ascending order) -- the last gives decode-sized
+batches more programs than there are output tiles. Tile shapes (BM, BN, BK, warps,
+stages) may follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives
 bit-identical results for every tile shape tried (../shared/NOTES.md), and the
-start-up self-check (`vllm/kernels/selfcheck.py`) re-verifies it for the
-loaded model's shapes on the machine at hand.
+start-up self-check (`vllm/kernels/selfcheck.py`) plus benchmarks/kernels/gemm.py
+--sweep re-verify every table entry against every other.
 """
 from __future__ import annotations
 
@@ -18,122 +29,207 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped order so consecutive programs share W tiles in L2 (program order never
+    # affects bits: each output tile belongs to exactly one program).
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_pid_n
+    first_m = (tile // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bn, stride_bk,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """float32 sum over k in [k_lo*BK, k_hi*BK) of a[rm, k] * b[rn, k], ascending, from zero."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_lo * BK + rk[None, :]) * stride_ak
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + (k_lo * BK + rk[:, None]) * stride_bk
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    for k in range(k_lo, k_hi):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok, other=0.0)
+        else:
+            k_left = K - k * BK
+            a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok & (rk[:, None] < k_left), other=0.0)
+        acc = tl.dot(a, b, acc)  # this form (not `acc += tl.dot`) keeps bits independent of BK/BM
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    return acc
+
+
+@triton.jit
 def _invariant_matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    # Grouped launch order so consecutive programs share W tiles in L2 (order of
-    # programs never affects bits: each output tile belongs to exactly one program).
-    group = GROUP_M * num_pid_n
-    gid = pid // group
-    first_m = gid * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BM, BN, GROUP_M)
     # int64 offsets: lm_head outputs exceed 2^31 elements at large M
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        k_left = K - k * BK
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & (rk[:, None] < k_left), other=0.0)
-        acc = tl.dot(a, b, acc)  # this form (not `acc += tl.dot`) keeps bits independent of BK/BM
-        a_ptrs += BK * stride_ak
-        b_ptrs += BK * stride_bk
+    k_tiles = tl.cdiv(K, BK)
+    if SPLITS == 1:
+        total = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, 0, k_tiles, stride_am, stride_ak, stride_bn, stride_bk,
+                           BM, BN, BK, EVEN_K)
+    else:
+        total = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, 0, SPLIT_STEPS, stride_am, stride_ak, stride_bn,
+                           stride_bk, BM, BN, BK, EVEN_K)
+        for s in tl.static_range(1, SPLITS):
+            hi = min((s + 1) * SPLIT_STEPS, k_tiles)
+            part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak,
+                              stride_bn, stride_bk, BM, BN, BK, EVEN_K)
+            total = total + part
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
+        total = total + bias[None, :]
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _split_partial_kernel(
+    a_ptr, b_ptr, ws_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+):
+    """Program (tile, s) writes split s's float32 partial of its tile to ws[s]."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    s = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
+    part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak, stride_bn,
+                      stride_bk, BM, BN, BK, EVEN_K)
+    ws_ptrs = ws_ptr + s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(ws_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _merge_splits_kernel(ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
+                         HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """c[m, :] = ((ws[0] + ws[1]) + ...) + bias, ascending split order, one row block per program."""
+    m = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rn < N
+    total = tl.load(ws_ptr + m * N + rn, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        total = total + tl.load(ws_ptr + s * M * N + m * N + rn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + m * stride_cm + rn * stride_cn, total.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _tma_dot_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_lo, k_hi):
+        a = a_desc.load([off_m, ki * BK])
+        b = b_desc.load([off_n, ki * BK])
+        acc = tl.dot(a, b.T, acc)  # TMA zero-fills the K tail: exact zeros added
+    return acc
 
 
 @triton.jit
 def _invariant_matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
 ):
     """Persistent variant (Hopper TMA loads/stores, one program per SM walking output
-    tiles). Per output tile it is the same computation as _invariant_matmul_kernel:
-    K from 0 upward in BK steps, `acc = tl.dot(a, b, acc)` in fp32 (TMA zero-fills the
-    K tail, adding exact zeros). Candidate for large M: benchmarks/kernels/gemm.py
-    --sweep times it and checks its bits against the plain kernel before it may enter
-    the config table."""
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        gid = tile // group
-        first_m = gid * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % group) % size_m
-        pid_n = (tile % group) // size_m
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(0, tl.cdiv(K, BK)):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = b_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
+    tiles). Per output tile it is the same computation as _invariant_matmul_kernel."""
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
+        if SPLITS == 1:
+            total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, k_tiles, BM, BN, BK)
+        else:
+            total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, SPLIT_STEPS, BM, BN, BK)
+            for s in tl.static_range(1, SPLITS):
+                hi = min((s + 1) * SPLIT_STEPS, k_tiles)
+                total = total + _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, s * SPLIT_STEPS, hi, BM, BN, BK)
         if HAS_BIAS:
             rn = pid_n * BN + tl.arange(0, BN)
-            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c_desc.store([pid_m * BM, pid_n * BN], acc.to(c_desc.dtype))
+            total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([pid_m * BM, pid_n * BN], total.to(c_desc.dtype))
 
 
-# (max M, BM, BN, BK, num_warps, num_stages). Tile shapes never change bits
-# (tests/test_invariant_kernels.py, the start-up self-check and
-# benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M, N
-# and K freely; the values below are the H200 sweep's winners
-# (benchmarks/NOTES.md). Wide outputs (the lm_head) get their own table.
-GPU_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
-    (16, 16, 32, 512, 4, 3),
-    (32, 16, 64, 256, 4, 4),
-    (64, 64, 32, 256, 4, 4),
-    (128, 64, 64, 128, 4, 4),
-    (256, 64, 128, 64, 4, 4),
-    (512, 128, 128, 64, 8, 4),
-    (1 << 62, 256, 128, 64, 8, 3),
+# ---- the K-split policy (part of the numerical contract) -------------------------------------
+# Split size along K. None = never split (one accumulator over all of K). A function
+# of K only, so every M, every path (rollout, training forward, self-check) uses it.
+K_SPLIT_SIZE: int | None = None
+
+
+def k_split_size(K: int, split_size: int | None = -1) -> int:
+    """The split size used for a reduction of length K (== K when unsplit)."""
+    size = K_SPLIT_SIZE if split_size == -1 else split_size
+    if size is None or size >= K:
+        return K
+    return size
+
+
+# ---- config tables ----------------------------------------------------------------------------
+# (max M, impl, BM, BN, BK, num_warps, num_stages). Neither tile shape nor impl changes
+# bits (tests/test_invariant_kernels.py, the start-up self-check and
+# benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M freely; the
+# values below are the H200 sweep's winners (benchmarks/NOTES.md). Wide outputs (the
+# lm_head) get their own table.
+GPU_CONFIGS: list[tuple] = [
+    (16, "plain", 16, 32, 512, 4, 3),
+    (32, "plain", 16, 64, 256, 4, 4),
+    (64, "plain", 64, 32, 256, 4, 4),
+    (128, "plain", 64, 64, 128, 4, 4),
+    (256, "plain", 64, 128, 64, 4, 4),
+    (512, "plain", 128, 128, 64, 8, 4),
+    (1 << 62, "plain", 256, 128, 64, 8, 3),
 ]
-GPU_CONFIGS_WIDE: list[tuple[int, int, int, int, int, int]] = [
-    (16, 16, 64, 128, 4, 5),
-    (32, 32, 128, 128, 4, 4),
-    (64, 64, 128, 128, 4, 4),
-    (128, 128, 128, 64, 8, 3),
-    (256, 128, 128, 64, 4, 4),
-    (1 << 62, 128, 256, 64, 8, 4),
+GPU_CONFIGS_WIDE: list[tuple] = [
+    (16, "plain", 16, 64, 128, 4, 5),
+    (32, "plain", 32, 128, 128, 4, 4),
+    (64, "plain", 64, 128, 128, 4, 4),
+    (128, "plain", 128, 128, 64, 8, 3),
+    (256, "plain", 128, 128, 64, 4, 4),
+    (1 << 62, "plain", 128, 256, 64, 8, 4),
 ]
 WIDE_N = 65536
-# The Triton interpreter (CPU tests) emulates tl.dot with numpy, where the K
-# tile DOES change bits (each tile's partial product is rounded before it is
-# added), so it gets one fixed tile shape for every M.
-INTERPRET_CONFIGS: list[tuple[int, int, int, int, int, int]] = [
-    (1 << 62, 16, 16, 16, 1, 1),
+# The Triton interpreter (CPU tests) emulates tl.dot with numpy, where the K tile DOES
+# change bits (each tile's partial product is rounded before it is added), so it gets
+# one fixed tile shape for every M (the impls still differ, and must agree).
+INTERPRET_CONFIGS: list[tuple] = [
+    (1 << 62, "plain", 16, 16, 16, 1, 1),
 ]
+IMPLS = ("plain", "tma", "partial")
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def pick_config(M: int, N: int = 0, configs=None) -> tuple[int, int, int, int, int]:
-    if configs is not None:
-        table = configs
-    elif _interpreting():
-        table = INTERPRET_CONFIGS
-    else:
-        table = GPU_CONFIGS_WIDE if N >= WIDE_N else GPU_CONFIGS
-    for max_m, bm, bn, bk, warps, stages in table:
+def config_table(N: int = 0) -> list[tuple]:
+    if _interpreting():
+        return INTERPRET_CONFIGS
+    return GPU_CONFIGS_WIDE if N >= WIDE_N else GPU_CONFIGS
+
+
+def pick_config(M: int, N: int = 0, configs=None) -> tuple:
+    """(impl, BM, BN, BK, warps, stages) for a GEMM with M rows and N outputs."""
+    for max_m, *cfg in (configs if configs is not None else config_table(N)):
         if M <= max_m:
-            return bm, bn, bk, warps, stages
+            return tuple(cfg)
     raise AssertionError("config table must end with an unbounded entry")
 
 
@@ -149,10 +245,24 @@ def _num_programs(device: torch.device) -> int:
     return 4
 
 
+def _normalize(config: tuple, impl: str | None) -> tuple:
+    if isinstance(config[0], str):
+        cfg_impl, *tiles = config
+    else:  # bare (BM, BN, BK, warps, stages)
+        cfg_impl, tiles = "plain", list(config)
+    impl = impl or cfg_impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return (impl, *tiles)
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None, config: tuple | None = None,
-                     impl: str = "plain") -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype)."""
+                     impl: str | None = None, split_size: int | None = -1) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype).
+
+    `config` / `impl` override the table (speed only: they never change bits);
+    `split_size` overrides the K-split policy (this DOES change bits; benchmarks only)."""
     K = x.shape[-1]
     N, Kw = weight.shape
     if Kw != K:
@@ -163,23 +273,35 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    bm, bn, bk, warps, stages = config or pick_config(M, N)
+    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N), impl)
+    ks = k_split_size(K, split_size)
+    splits = triton.cdiv(K, ks)
+    if splits > 1 and ks % bk:
+        raise ValueError(f"K split size {ks} must be a multiple of the K tile {bk}")
+    steps = ks // bk
+    even_k = K % bk == 0
+    bias_arg = bias if bias is not None else c
     if impl == "tma" and _tma_ok(a, weight, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
         programs = min(_num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
         _invariant_matmul_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-            TensorDescriptor.from_tensor(c, [bm, bn]), bias if bias is not None else c, M, N, K,
+            TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
             HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-            num_warps=warps, num_stages=stages)
-        return c.reshape(*lead, N)
-    if impl not in ("plain", "tma"):
-        raise ValueError(f"impl must be 'plain' or 'tma', got {impl!r}")
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _invariant_matmul_kernel[grid](
-        a, weight, c, bias if bias is not None else c,
-        M, N, K,
-        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
-    )
+            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
+    elif impl == "partial" and splits > 1:
+        ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+        _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
+            a, weight, ws, M, N, K, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
+            BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
+        block_n = min(1024, triton.next_power_of_2(N))
+        _merge_splits_kernel[(M, triton.cdiv(N, block_n))](
+            ws, c, bias_arg, M, N, c.stride(0), c.stride(1),
+            HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_N=block_n, num_warps=4)
+    else:
+        _invariant_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            a, weight, c, bias_arg, M, N, K,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
+            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
     return c.reshape(*lead, N)
