@@ -61,7 +61,7 @@ fi
 echo
 echo "================ summary (${SECONDS} s) ================"
 has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
-has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -20
+has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"

@@ -154,6 +154,9 @@ def main() -> None:
                     timings.sort()
                     row["policies"][str(policy)] = timings
             rows.append(row)
+            if args.json_out:  # after every row: a timed-out sweep still leaves its numbers
+                with open(args.json_out, "w") as f:
+                    json.dump(rows, f, indent=1, default=str)
             tb = t_cublas * 1e-6
             line = (f"{name:8s} M={M:6d} cublas {t_cublas:8.1f} us ({2 * M * K * N / tb / 1e12:5.0f} TF/s "
                     f"{(N * K * 2 + M * K * 2) / tb / 1e12:4.2f} TB/s) table {t_ours:8.1f} x{row['ratio']:.2f}")
