@@ -208,3 +208,30 @@ def test_k_split_merge_order():
     assert rel_err(out, unsplit.double()) < 1e-5
     with pytest.raises(ValueError, match="multiple of the K tile"):
         invariant_matmul(x, w, split_size=24)
+
+
+def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
+    """A sweep result becomes a per-shape table; the loader uses it only under the
+    K-split policy it was measured with."""
+    import importlib.util
+    import json
+
+    from vllm.kernels import matmul
+    spec = importlib.util.spec_from_file_location("derive", os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "kernels", "derive_gemm_configs.py"))
+    derive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(derive)
+    rows = [{"K": 64, "N": 32, "M": m, "cublas_us": 1.0,
+             "policies": {"None": [[2.0, ["plain", 16, 32, 64, 4, 3]], [3.0, ["tma", 64, 32, 64, 4, 3]]]}}
+            for m in (1, 16, 256)]
+    table = derive.derive(rows, None)
+    assert table == {"64,32": [[1, "plain", 16, 32, 64, 4, 3], [16, "plain", 16, 32, 64, 4, 3],
+                               [1 << 62, "plain", 16, 32, 64, 4, 3]]}
+    (tmp_path / "gemm_fake.json").write_text(json.dumps({"k_split_size": None, "shapes": table}))
+    monkeypatch.setattr(matmul, "_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul, "_tuned_cache", {})
+    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", None)
+    assert matmul.pick_config(20, configs=matmul.tuned_tables("fake")["64,32"]) == ("plain", 16, 32, 64, 4, 3)
+    monkeypatch.setattr(matmul, "_tuned_cache", {})
+    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", 2048)
+    assert matmul.tuned_tables("fake") == {}

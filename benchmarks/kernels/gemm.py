@@ -133,7 +133,7 @@ def main() -> None:
             t_cublas = bench(lambda: F.linear(x, w))
             t_ours = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype))
             row = {"shape": name, "M": M, "K": K, "N": N, "cublas_us": t_cublas, "ours_us": t_ours,
-                   "config": pick_config(M, N), "ratio": t_cublas / t_ours, "policies": {}}
+                   "config": pick_config(M, N, K), "ratio": t_cublas / t_ours, "policies": {}}
             if args.sweep:
                 for policy in policies_for(K):
                     ref, timings = None, []

@@ -219,15 +219,47 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def config_table(N: int = 0) -> list[tuple]:
+# Per-device tables measured by `benchmarks/kernels/gemm.py --sweep` and written by
+# `benchmarks/kernels/derive_gemm_configs.py`: {"K,N": [[max M, impl, BM, BN, BK, warps,
+# stages], ...]} for the shapes that were swept. Speed only: bits never depend on them.
+_TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+_tuned_cache: dict[str, dict] = {}
+
+
+def _device_key() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    return torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "_")
+
+
+def tuned_tables(device_key: str | None = None) -> dict:
+    key = _device_key() if device_key is None else device_key
+    if key not in _tuned_cache:
+        path = os.path.join(_TUNED_DIR, f"gemm_{key}.json")
+        table = {}
+        if key and os.path.exists(path):
+            import json
+            with open(path) as f:
+                data = json.load(f)
+            # measured under one K-split policy: timings under another do not carry over
+            if data.get("k_split_size") == K_SPLIT_SIZE:
+                table = {k: [tuple(e) for e in v] for k, v in data["shapes"].items()}
+        _tuned_cache[key] = table
+    return _tuned_cache[key]
+
+
+def config_table(N: int = 0, K: int = 0) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
+    tuned = tuned_tables().get(f"{K},{N}")
+    if tuned:
+        return tuned
     return GPU_CONFIGS_WIDE if N >= WIDE_N else GPU_CONFIGS
 
 
-def pick_config(M: int, N: int = 0, configs=None) -> tuple:
-    """(impl, BM, BN, BK, warps, stages) for a GEMM with M rows and N outputs."""
-    for max_m, *cfg in (configs if configs is not None else config_table(N)):
+def pick_config(M: int, N: int = 0, K: int = 0, configs=None) -> tuple:
+    """(impl, BM, BN, BK, warps, stages) for a GEMM with M rows, N outputs and depth K."""
+    for max_m, *cfg in (configs if configs is not None else config_table(N, K)):
         if M <= max_m:
             return tuple(cfg)
     raise AssertionError("config table must end with an unbounded entry")
@@ -273,7 +305,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N), impl)
+    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K), impl)
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
     if splits > 1 and ks % bk:

@@ -1,0 +1,54 @@
+"""Turn a `gemm.py --sweep --json-out` result into the per-shape config table that
+`vllm.kernels.matmul` loads for this device (vllm/kernels/tuned/gemm_<device>.json).
+
+For every swept (K, N) and M it keeps the fastest candidate measured under the
+given K-split policy; an M between two swept values uses the next larger one's
+choice. Tile choices never change bits (the sweep verified every candidate against
+the others), so this file is about speed only.
+
+    python benchmarks/kernels/derive_gemm_configs.py sweep.json --device h200 [--split-size 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def derive(rows: list[dict], split_size) -> dict[str, list]:
+    key = str(split_size)
+    shapes: dict[str, list] = {}
+    for row in sorted(rows, key=lambda r: (r["K"], r["N"], r["M"])):
+        timings = row.get("policies", {}).get(key)
+        if not timings:
+            continue
+        best_us, cfg = timings[0]
+        shapes.setdefault(f"{row['K']},{row['N']}", []).append([row["M"], *cfg, round(best_us, 2), row["cublas_us"]])
+    out = {}
+    for shape, entries in shapes.items():
+        table = [e[:7] for e in entries]
+        table[-1][0] = 1 << 62  # the largest swept M's choice covers everything above it
+        out[shape] = table
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sweep_json")
+    ap.add_argument("--device", required=True, help="file suffix, e.g. h200 (torch device name, lower case)")
+    ap.add_argument("--split-size", default="None", help="the K-split policy whose timings to use (None = unsplit)")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "vllm", "kernels", "tuned"))
+    args = ap.parse_args()
+    with open(args.sweep_json) as f:
+        rows = json.load(f)
+    split = None if args.split_size == "None" else int(args.split_size)
+    shapes = derive(rows, split)
+    path = os.path.join(args.out_dir, f"gemm_{args.device}.json")
+    with open(path, "w") as f:
+        json.dump({"device": args.device, "k_split_size": split, "source": os.path.basename(args.sweep_json),
+                   "shapes": shapes}, f, indent=1)
+    print(f"wrote {path}: {len(shapes)} shapes")
+
+
+if __name__ == "__main__":
+    main()
