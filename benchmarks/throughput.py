@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -72,7 +73,8 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    res = {"numerics": mode, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
+    digest = hashlib.sha256(json.dumps([c.token_ids for o in outs for c in o.outputs]).encode()).hexdigest()[:16]
+    res = {"numerics": mode, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "tokens_sha256": digest,
            "kv_blocks": llm.llm_engine.runner.num_blocks, "steps": llm.llm_engine.step_count}
     if args.profile:
         # a second, synchronised run (fresh cache) that splits the step time into phases
@@ -160,6 +162,10 @@ def main() -> None:
     for suffix in ("", "+async"):
         if "fast" + suffix in ours and "invariant" + suffix in ours:
             print(f"invariant{suffix} / fast{suffix} = {ours['invariant' + suffix] / ours['fast' + suffix]:.3f}")
+    digests = {r["numerics"]: r.get("tokens_sha256") for r in results}
+    if "invariant" in digests and "invariant+async" in digests:
+        # same weights, same seeds: async scheduling must not change a single token
+        print(f"invariant vs invariant+async: same tokens = {digests['invariant'] == digests['invariant+async']}")
     if args.hf and "fast" in ours:
         print(f"fast / transformers = {ours['fast'] / results[-1]['tok_s']:.2f}")
     if args.json_out:
