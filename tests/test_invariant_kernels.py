@@ -122,7 +122,7 @@ def test_gpu_matmul_invariant_over_M(name, split_size):
     for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
         assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, split_size=split_size)), bits(full[:M])), \
             f"{name} M={M}"
-    for impl in ("plain", "tma", "partial"):  # every impl, at a decode and a prefill size
+    for impl in ("plain", "tma", "tma2", "tmaf", "partial"):  # every impl, at a decode and a prefill size
         for M in (7, 300):
             out = invariant_matmul(x[:M].clone(), w, impl=impl, split_size=split_size)
             assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} M={M}"
@@ -186,7 +186,7 @@ def test_every_impl_gives_the_same_bits(split_size):
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
         plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("tma", "partial"):
+        for impl in ("tma", "tma2", "tmaf", "partial"):
             other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)

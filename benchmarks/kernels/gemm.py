@@ -31,26 +31,44 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SWEEP_MS = [1, 16, 64, 128, 256, 512, 1024, 4096, 16384]
 MAX_M = {"lm_head": 4096}  # logits are only taken for sampled rows / training chunks
 
-TILES = {
-    # bucket upper M -> candidate (BM, BN, BK, warps, stages)
-    16: [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 5), (16, 128, 128, 4, 4)],
-    64: [(64, 32, 256, 4, 4), (64, 64, 256, 4, 3), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)],
-    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3)],
-    256: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
-    512: [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)],
-    1 << 62: [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
-              (128, 128, 128, 8, 3)],
+def _cfgs(impls, tiles):
+    return [(impl, *t) for t in tiles for impl in impls]
+
+
+# bucket upper M -> candidate (impl, BM, BN, BK, warps, stages) for the unsplit policy
+CANDIDATES = {
+    16: _cfgs(("plain",), [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 5),
+                           (16, 128, 128, 4, 4)]) + _cfgs(("tma",), [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4)]),
+    64: _cfgs(("plain", "tma"), [(64, 32, 256, 4, 4), (64, 64, 256, 4, 3), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4),
+                                 (64, 128, 128, 4, 4)]),
+    128: _cfgs(("plain", "tma"), [(64, 64, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 64, 4, 3),
+                                  (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)])
+    + _cfgs(("tma2",), [(128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3)]),
+    256: _cfgs(("plain", "tma"), [(128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                                  (256, 128, 64, 8, 3), (256, 64, 64, 8, 3), (128, 256, 64, 8, 3)])
+    + _cfgs(("tma2",), [(128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)])
+    + _cfgs(("tmaf",), [(128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]),
+    512: _cfgs(("tma", "tmaf"), [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)])
+    + _cfgs(("tma2",), [(128, 128, 64, 4, 3)]) + _cfgs(("plain",), [(128, 128, 64, 4, 4)]),
+    1 << 62: _cfgs(("tma", "tmaf"), [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)])
+    + _cfgs(("tma2",), [(128, 128, 64, 4, 3)]),
 }
-POLICIES = (None, 2048, 4096)  # K split size; None = unsplit
+# candidate tiles for split policies (each in plain, tma and partial)
+SPLIT_TILES = {
+    16: [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 64, 128, 4, 5)],
+    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 8, 3)],
+    512: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4)],
+    1 << 62: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4)],
+}
 
 
-def bucket(m: int) -> int:
-    return min(b for b in TILES if m <= b)
+def bucket(m: int, table=CANDIDATES) -> int:
+    return min(b for b in table if m <= b)
 
 
-def policies_for(K: int) -> list:
+def policies_for(K: int, policies) -> list:
     seen, out = set(), []
-    for p in POLICIES:
+    for p in policies:
         ks = k_split_size(K, p)
         if ks not in seen:
             seen.add(ks)
@@ -59,19 +77,17 @@ def policies_for(K: int) -> list:
 
 
 def candidates(M: int, policy) -> list[tuple]:
+    if policy is None:
+        return list(CANDIDATES[bucket(M)])
     out = []
-    for tiles in TILES[bucket(M)]:
-        out.append(("plain", *tiles))
-        if M >= 16:
-            out.append(("tma", *tiles))
-        if policy is not None and M <= 512:
-            out.append(("partial", *tiles))
+    for tiles in SPLIT_TILES[bucket(M, SPLIT_TILES)]:
+        out += [("plain", *tiles), ("tma", *tiles)] + ([("partial", *tiles)] if M <= 512 else [])
     return out
 
 
-def sweep_jobs(shapes, ms) -> list[tuple]:
+def sweep_jobs(shapes, ms, policies) -> list[tuple]:
     return [(name, M, policy, cfg) for name in shapes for M in ms if M <= MAX_M.get(name, 1 << 62)
-            for policy in policies_for(SHAPES[name][0]) for cfg in candidates(M, policy)]
+            for policy in policies_for(SHAPES[name][0], policies) for cfg in candidates(M, policy)]
 
 
 def _prewarm(jobs: list[tuple]) -> int:
@@ -113,12 +129,17 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=None)
     ap.add_argument("--prewarm-workers", type=int, default=8)
+    ap.add_argument("--policies", default="None", help="K split sizes to sweep, e.g. None,2048,4096 (None = unsplit)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     names = args.shapes.split(",")
     ms = list(map(int, args.ms.split(","))) if args.ms else (SWEEP_MS if args.sweep else MS)
+    policies = [None if p == "None" else int(p) for p in args.policies.split(",")]
     if args.sweep and args.prewarm_workers > 0:
-        prewarm(sweep_jobs(names, ms), args.prewarm_workers)
+        prewarm(sweep_jobs(names, ms, policies), args.prewarm_workers)
+        settle = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        bench(lambda: settle @ settle)  # let the workers' contexts go and the clocks settle
+        del settle
     torch.manual_seed(0)
     rows = []
     for name in names:
@@ -135,7 +156,7 @@ def main() -> None:
             row = {"shape": name, "M": M, "K": K, "N": N, "cublas_us": t_cublas, "ours_us": t_ours,
                    "config": pick_config(M, N, K), "ratio": t_cublas / t_ours, "policies": {}}
             if args.sweep:
-                for policy in policies_for(K):
+                for policy in policies_for(K, policies):
                     ref, timings = None, []
                     for cfg in candidates(M, policy):
                         try:
@@ -151,6 +172,12 @@ def main() -> None:
                             continue
                         timings.append((bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg,
                                                                        split_size=policy)), cfg))
+                    timings.sort()
+                    # timings drift by up to ~25% over a sweep (clocks, placement): re-time
+                    # the three best after the others and keep each one's faster median
+                    for i, (t, cfg) in enumerate(timings[:3]):
+                        again = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, split_size=policy))
+                        timings[i] = (min(t, again), cfg)
                     timings.sort()
                     row["policies"][str(policy)] = timings
             rows.append(row)
@@ -173,7 +200,7 @@ def main() -> None:
             cells.append(f"{r['ratio']:10.2f}" if r else " " * 10)
         print(str(M).rjust(6) + "".join(cells))
     if args.sweep:
-        for policy in ("None", "2048", "4096"):
+        for policy in map(str, policies):
             print(f"\n== best candidate per (shape, M), K split size {policy} (same ratio)")
             print("M".rjust(6) + "".join(n.rjust(10) for n in names))
             for M in ms:

@@ -144,28 +144,41 @@ def _tma_dot_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, B
 
 
 @triton.jit
+def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K,
+              HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+              SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr):
+    pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
+    k_tiles = tl.cdiv(K, BK)
+    if SPLITS == 1:
+        total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, k_tiles, BM, BN, BK)
+    else:
+        total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, SPLIT_STEPS, BM, BN, BK)
+        for s in tl.static_range(1, SPLITS):
+            hi = min((s + 1) * SPLIT_STEPS, k_tiles)
+            total = total + _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, s * SPLIT_STEPS, hi, BM, BN, BK)
+    if HAS_BIAS:
+        rn = pid_n * BN + tl.arange(0, BN)
+        total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c_desc.store([pid_m * BM, pid_n * BN], total.to(c_desc.dtype))
+
+
+@triton.jit
 def _invariant_matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """Persistent variant (Hopper TMA loads/stores, one program per SM walking output
+    """Persistent variant (Hopper TMA loads/stores, NUM_PROGRAMS programs walking output
     tiles). Per output tile it is the same computation as _invariant_matmul_kernel."""
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
-        if SPLITS == 1:
-            total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, k_tiles, BM, BN, BK)
-        else:
-            total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, SPLIT_STEPS, BM, BN, BK)
-            for s in tl.static_range(1, SPLITS):
-                hi = min((s + 1) * SPLIT_STEPS, k_tiles)
-                total = total + _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, s * SPLIT_STEPS, hi, BM, BN, BK)
-        if HAS_BIAS:
-            rn = pid_n * BN + tl.arange(0, BN)
-            total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c_desc.store([pid_m * BM, pid_n * BN], total.to(c_desc.dtype))
+    if FLATTEN:  # only compiled when asked for (older Triton lacks the keyword)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M, SPLITS,
+                      SPLIT_STEPS)
+    else:
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M, SPLITS,
+                      SPLIT_STEPS)
 
 
 # ---- the K-split policy (part of the numerical contract) -------------------------------------
@@ -188,22 +201,20 @@ def k_split_size(K: int, split_size: int | None = -1) -> int:
 # benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M freely; the
 # values below are the H200 sweep's winners (benchmarks/NOTES.md). Wide outputs (the
 # lm_head) get their own table.
-GPU_CONFIGS: list[tuple] = [
-    (16, "plain", 16, 32, 512, 4, 3),
-    (32, "plain", 16, 64, 256, 4, 4),
+GPU_CONFIGS: list[tuple] = [  # shapes without a tuned table (benchmarks/NOTES.md, 2026-11-29 sweep)
+    (16, "plain", 16, 64, 256, 4, 4),
     (64, "plain", 64, 32, 256, 4, 4),
     (128, "plain", 64, 64, 128, 4, 4),
-    (256, "plain", 64, 128, 64, 4, 4),
-    (512, "plain", 128, 128, 64, 8, 4),
-    (1 << 62, "plain", 256, 128, 64, 8, 3),
+    (512, "tma", 128, 128, 64, 4, 4),
+    (1 << 62, "tma", 128, 256, 64, 8, 3),
 ]
 GPU_CONFIGS_WIDE: list[tuple] = [
     (16, "plain", 16, 64, 128, 4, 5),
-    (32, "plain", 32, 128, 128, 4, 4),
     (64, "plain", 64, 128, 128, 4, 4),
-    (128, "plain", 128, 128, 64, 8, 3),
-    (256, "plain", 128, 128, 64, 4, 4),
-    (1 << 62, "plain", 128, 256, 64, 8, 4),
+    (128, "tma", 128, 64, 128, 4, 4),
+    (512, "tma", 128, 128, 64, 4, 4),
+    (1024, "tma", 128, 128, 64, 8, 4),
+    (1 << 62, "plain", 128, 256, 64, 8, 3),
 ]
 WIDE_N = 65536
 # The Triton interpreter (CPU tests) emulates tl.dot with numpy, where the K tile DOES
@@ -212,7 +223,10 @@ WIDE_N = 65536
 INTERPRET_CONFIGS: list[tuple] = [
     (1 << 62, "plain", 16, 16, 16, 1, 1),
 ]
-IMPLS = ("plain", "tma", "partial")
+# "tma2": the persistent kernel with two programs per SM (when two fit, one's epilogue
+# overlaps the other's main loop); "tmaf": one program per SM with the tile loop
+# flattened into the K loop (the pipeline keeps loading across tile boundaries).
+IMPLS = ("plain", "tma", "tma2", "tmaf", "partial")
 
 
 def _interpreting() -> bool:
@@ -313,14 +327,15 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     steps = ks // bk
     even_k = K % bk == 0
     bias_arg = bias if bias is not None else c
-    if impl == "tma" and _tma_ok(a, weight, c):
+    if impl.startswith("tma") and _tma_ok(a, weight, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
-        programs = min(_num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+        per_sm = 2 if impl == "tma2" else 1
+        programs = min(per_sm * _num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
         _invariant_matmul_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
             TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
             HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
+            SPLITS=splits, SPLIT_STEPS=steps, FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
     elif impl == "partial" and splits > 1:
         ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
         _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
