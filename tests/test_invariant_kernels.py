@@ -109,9 +109,8 @@ QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 245
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_size", [-1, 2048], ids=["policy", "split2048"])
 @pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
-def test_gpu_matmul_invariant_over_M(name, split_size):
+def test_gpu_matmul_invariant_over_M(name, split_size=-1):
     K, N = QWEN3_8B_SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
@@ -122,7 +121,7 @@ def test_gpu_matmul_invariant_over_M(name, split_size):
     for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
         assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, split_size=split_size)), bits(full[:M])), \
             f"{name} M={M}"
-    for impl in ("plain", "tma", "tma2", "tmaf", "partial"):  # every impl, at a decode and a prefill size
+    for impl in ("plain", "tma", "tmaf"):  # every impl the tables use, at a decode and a prefill size
         for M in (7, 300):
             out = invariant_matmul(x[:M].clone(), w, impl=impl, split_size=split_size)
             assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} M={M}"
@@ -231,6 +230,7 @@ def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setattr(matmul, "_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(matmul, "_tuned_cache", {})
     monkeypatch.setattr(matmul, "K_SPLIT_SIZE", None)
+    matmul._gpu_config_table.cache_clear()
     assert matmul.pick_config(20, configs=matmul.tuned_tables("fake")["64,32"]) == ("plain", 16, 32, 64, 4, 3)
     monkeypatch.setattr(matmul, "_tuned_cache", {})
     monkeypatch.setattr(matmul, "K_SPLIT_SIZE", 2048)

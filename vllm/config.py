@@ -197,9 +197,14 @@ class EngineConfig:
     tokenizer: str | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)
-    async_scheduling: bool = False     # overlap host work of step N+1 with the GPU's step N
+    # Overlap the host work of step N+1 with the GPU's step N. None = on for CUDA (same
+    # tokens and bits as the synchronous loop, ~10% more throughput on the H200), off
+    # on CPU, where there is no device queue to overlap with.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is None:
+            self.async_scheduling = str(self.device).startswith("cuda")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.scheduler.max_num_seqs < 1:

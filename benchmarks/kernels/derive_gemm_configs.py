@@ -15,6 +15,27 @@ import json
 import os
 
 
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """Several sweeps of the same shapes -> one, keeping each candidate's fastest time
+    (interference only ever adds time, so the minimum is the better estimate)."""
+    merged: dict[tuple, dict] = {}
+    for rows in runs:
+        for row in rows:
+            key = (row["K"], row["N"], row["M"])
+            if key not in merged:
+                merged[key] = {**row, "policies": {p: list(t) for p, t in row.get("policies", {}).items()}}
+                continue
+            into = merged[key]
+            into["cublas_us"] = min(into["cublas_us"], row["cublas_us"])
+            for policy, timings in row.get("policies", {}).items():
+                best = {json.dumps(cfg): t for t, cfg in into["policies"].get(policy, [])}
+                for t, cfg in timings:
+                    k = json.dumps(cfg)
+                    best[k] = min(t, best.get(k, t))
+                into["policies"][policy] = sorted((t, json.loads(k)) for k, t in best.items())
+    return list(merged.values())
+
+
 def derive(rows: list[dict], split_size) -> dict[str, list]:
     key = str(split_size)
     shapes: dict[str, list] = {}
@@ -34,18 +55,21 @@ def derive(rows: list[dict], split_size) -> dict[str, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep_json")
+    ap.add_argument("sweep_json", nargs="+", help="one or more sweep results (merged: fastest time per candidate)")
     ap.add_argument("--device", required=True, help="file suffix, e.g. h200 (torch device name, lower case)")
     ap.add_argument("--split-size", default="None", help="the K-split policy whose timings to use (None = unsplit)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "vllm", "kernels", "tuned"))
     args = ap.parse_args()
-    with open(args.sweep_json) as f:
-        rows = json.load(f)
+    runs = []
+    for path in args.sweep_json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    rows = merge(runs)
     split = None if args.split_size == "None" else int(args.split_size)
     shapes = derive(rows, split)
     path = os.path.join(args.out_dir, f"gemm_{args.device}.json")
     with open(path, "w") as f:
-        json.dump({"device": args.device, "k_split_size": split, "source": os.path.basename(args.sweep_json),
+        json.dump({"device": args.device, "k_split_size": split, "source": [os.path.basename(p) for p in args.sweep_json],
                    "shapes": shapes}, f, indent=1)
     print(f"wrote {path}: {len(shapes)} shapes")
 

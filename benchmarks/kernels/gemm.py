@@ -114,8 +114,10 @@ def _prewarm(jobs: list[tuple]) -> int:
 
 def prewarm(jobs: list[tuple], workers: int) -> None:
     chunks = [jobs[i::workers] for i in range(workers)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        done = pool.map(_prewarm, chunks)
+    pool = mp.get_context("spawn").Pool(workers)
+    done = pool.map(_prewarm, chunks)
+    pool.close()
+    pool.join()  # workers fully gone (CUDA contexts torn down) before anything is timed
     print(f"prewarmed {sum(done)}/{len(jobs)} kernels in {workers} processes", flush=True)
 
 

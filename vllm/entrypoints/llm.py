@@ -28,7 +28,7 @@ class LLM:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, numerics: str = "fast", cuda_graph_batch_sizes: list[int] | None = None,
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
-                 load_format: str = "safetensors", async_scheduling: bool = False):
+                 load_format: str = "safetensors", async_scheduling: bool | None = None):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")

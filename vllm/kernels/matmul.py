@@ -21,6 +21,7 @@ start-up self-check (`vllm/kernels/selfcheck.py`) plus benchmarks/kernels/gemm.p
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -240,6 +241,7 @@ _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 _tuned_cache: dict[str, dict] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _device_key() -> str:
     if not torch.cuda.is_available():
         return ""
@@ -265,6 +267,13 @@ def tuned_tables(device_key: str | None = None) -> dict:
 def config_table(N: int = 0, K: int = 0) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
+    return _gpu_config_table(N, K)
+
+
+# Cached: this runs on every eager GEMM launch, where a few device queries per call
+# cost more host time (~90 us measured) than a decode-sized GEMM takes on the GPU.
+@functools.lru_cache(maxsize=None)
+def _gpu_config_table(N: int, K: int) -> list[tuple]:
     tuned = tuned_tables().get(f"{K},{N}")
     if tuned:
         return tuned
@@ -287,8 +296,13 @@ def _tma_ok(a: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> bool:
 
 def _num_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _normalize(config: tuple, impl: str | None) -> tuple:
