@@ -140,6 +140,19 @@ def test_gpu_lm_head_fp32_invariant():
 
 
 @pytest.mark.gpu
+def test_gpu_fp32_logits_small_vocab_large_M():
+    """float32 outputs below the wide-N threshold (small-vocab logits, e.g. test models)
+    at prefill/training sizes: a config that fits, and rows independent of M."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(5000, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
+    full = invariant_matmul(x, w, out_dtype=torch.float32)
+    assert rel_err(full, x.double() @ w.double().T) < 1e-2
+    for M in (1, 100, 1000):
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, out_dtype=torch.float32)), bits(full[:M]))
+
+
+@pytest.mark.gpu
 def test_gpu_rowwise_invariant():
     torch.manual_seed(0)
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)

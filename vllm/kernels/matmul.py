@@ -264,25 +264,27 @@ def tuned_tables(device_key: str | None = None) -> dict:
     return _tuned_cache[key]
 
 
-def config_table(N: int = 0, K: int = 0) -> list[tuple]:
+def config_table(N: int = 0, K: int = 0, fp32_out: bool = False) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
-    return _gpu_config_table(N, K)
+    return _gpu_config_table(N, K, fp32_out)
 
 
 # Cached: this runs on every eager GEMM launch, where a few device queries per call
 # cost more host time (~90 us measured) than a decode-sized GEMM takes on the GPU.
 @functools.lru_cache(maxsize=None)
-def _gpu_config_table(N: int, K: int) -> list[tuple]:
+def _gpu_config_table(N: int, K: int, fp32_out: bool = False) -> list[tuple]:
     tuned = tuned_tables().get(f"{K},{N}")
     if tuned:
         return tuned
-    return GPU_CONFIGS_WIDE if N >= WIDE_N else GPU_CONFIGS
+    # float32 outputs (logits) take the lm_head table: a TMA epilogue of 128x256 fp32
+    # does not fit next to three bf16 load stages in shared memory
+    return GPU_CONFIGS_WIDE if (N >= WIDE_N or fp32_out) else GPU_CONFIGS
 
 
-def pick_config(M: int, N: int = 0, K: int = 0, configs=None) -> tuple:
+def pick_config(M: int, N: int = 0, K: int = 0, configs=None, fp32_out: bool = False) -> tuple:
     """(impl, BM, BN, BK, warps, stages) for a GEMM with M rows, N outputs and depth K."""
-    for max_m, *cfg in (configs if configs is not None else config_table(N, K)):
+    for max_m, *cfg in (configs if configs is not None else config_table(N, K, fp32_out)):
         if M <= max_m:
             return tuple(cfg)
     raise AssertionError("config table must end with an unbounded entry")
@@ -292,6 +294,9 @@ def _tma_ok(a: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> bool:
     # TMA needs 16-byte aligned row strides and base addresses, unit inner stride
     return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (a, weight, c))
+
+
+_TMA_TOO_BIG: set = set()
 
 
 def _num_programs(device: torch.device) -> int:
@@ -333,7 +338,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K), impl)
+    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K, fp32_out=c.dtype == torch.float32),
+                                                 impl)
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
     if splits > 1 and ks % bk:
@@ -341,16 +347,23 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     steps = ks // bk
     even_k = K % bk == 0
     bias_arg = bias if bias is not None else c
-    if impl.startswith("tma") and _tma_ok(a, weight, c):
+    if impl.startswith("tma") and _tma_ok(a, weight, c) and (impl, bm, bn, bk, stages, c.dtype) not in _TMA_TOO_BIG:
+        from triton.runtime.errors import OutOfResources
         from triton.tools.tensor_descriptor import TensorDescriptor
         per_sm = 2 if impl == "tma2" else 1
         programs = min(per_sm * _num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
-        _invariant_matmul_tma_kernel[(programs,)](
-            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-            TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-            SPLITS=splits, SPLIT_STEPS=steps, FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
-    elif impl == "partial" and splits > 1:
+        try:
+            _invariant_matmul_tma_kernel[(programs,)](
+                TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+                TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
+                HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
+                SPLITS=splits, SPLIT_STEPS=steps, FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
+            return c.reshape(*lead, N)
+        except OutOfResources:
+            # e.g. an fp32 epilogue tile too large for shared memory: the plain kernel
+            # computes the same bits (raised before anything ran, so nothing is half-written)
+            _TMA_TOO_BIG.add((impl, bm, bn, bk, stages, c.dtype))
+    if impl == "partial" and splits > 1:
         ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
         _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
             a, weight, ws, M, N, K, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
