@@ -58,3 +58,32 @@ def test_gpu_invariant_selfcheck_and_contract(gpu_model):
     assert c.numerical["device"]["type"] == "cuda"
     with pytest.raises(ValueError, match="verified"):
         LLM(gpu_model, device="cuda", numerics="invariant", dtype="float32", gpu_memory_utilization=0.2)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+def test_gpu_async_launch_never_waits_for_the_gpu(gpu_model, numerics):
+    """With async scheduling, launching step N+1 must not synchronise the host with the
+    GPU (a blocking H2D copy, .item(), .tolist(), nonzero ...): otherwise the host work of
+    the next step cannot overlap the GPU and async scheduling buys nothing. Checked with
+    torch's sync debug mode set to raise, for prefill (eager) and decode (graph) steps,
+    sampling with temperature, top-k/top-p and logprobs of the sampled token."""
+    llm = LLM(gpu_model, device="cuda", numerics=numerics, gpu_memory_utilization=0.2, async_scheduling=True,
+              cuda_graph_batch_sizes=[1, 2, 4, 8])
+    runner = llm.llm_engine.runner
+    sps = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0),
+           SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=12, ignore_eos=True, seed=2),
+           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70)]
+    llm.generate(prompts, sps, use_tqdm=False)  # warm: compile, pinned-memory pool
+    launch, checked = runner.launch, []
+
+    def strict_launch(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(1)
+    runner.launch = strict_launch
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert len(checked) >= 12 and all(len(o.outputs[0].token_ids) == 12 for o in outs)

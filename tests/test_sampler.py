@@ -575,3 +575,37 @@ def test_empty_batch(device):
     assert out.topk_ids.shape == (0, 4) and out.topk_logprobs.shape == (0, 4)
     assert uniform_noise(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
                          100, device).shape == (0, 100)
+
+
+def test_host_plan_matches_device_probes_and_changes_no_bits():
+    """from_lists keeps the parameters on the host so the sampler plans its stages without
+    a host sync; the plan must be the one the device probes give (float32 comparisons,
+    top_k >= vocab disabled, min_p clamped), and the outputs must not change by a bit."""
+    from dataclasses import replace
+
+    from vllm.sample.sampler import Sampler, _TruncationPlan
+    vocab = 97
+    g = torch.Generator().manual_seed(5)
+    cases = [
+        dict(temperature=[0.0, 1e-50, 0.5], top_k=[0, 97, 200], top_p=[0.99999999, 1.0, 1.5], min_p=[1e-50, 0.0, 2.0]),
+        dict(temperature=[1.0, 0.0], top_k=[5, 0], top_p=[1.0, 0.3], min_p=[0.0, 0.0]),
+        dict(temperature=[0.0, 0.0], top_k=[0, 0], top_p=[1.0, 1.0], min_p=[0.0, 0.0]),
+        dict(temperature=[0.7] * 4, top_k=[3, 96, -1, 50], top_p=[0.8, 1.0, 0.95, 1.0], min_p=[0.0, 0.1, 0.0, 0.05]),
+    ]
+    for case in cases:
+        n = len(case["temperature"])
+        batch = SamplingBatch.from_lists(**case, seeds=list(range(n)), positions=[3] * n, device="cpu",
+                                         max_num_logprobs=2)
+        t, k = batch.temperature, batch.top_k
+        p, m = batch.top_p, batch.min_p.clamp(max=1.0)
+        use_k, use_p, use_m = (k > 0) & (k < vocab), p < 1.0, m > 0.0
+        want = (bool((t <= 0).all()), _TruncationPlan(bool(use_k.any()), bool(use_p.any()), bool(use_m.any()),
+                                                      bool((use_p & ~use_k).any()),
+                                                      int(torch.where(use_k, k, torch.zeros_like(k)).max())))
+        assert batch.host_params.plan(vocab) == want, case
+        logits = torch.randn(n, vocab, generator=g)
+        a = Sampler()(logits, batch)
+        b = Sampler()(logits, replace(batch, host_params=None))
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
+        assert torch.equal(a.topk_ids, b.topk_ids)

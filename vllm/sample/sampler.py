@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from vllm.sample.rng import uniform_noise
@@ -216,6 +217,9 @@ class SamplingBatch:
     logprobs_mode: str = "tempered_logprobs"
     all_greedy: bool = False    # promise: every temperature is 0
     no_truncation: bool = False  # promise: no row uses top_k / top_p / min_p
+    # The per-row parameters as host values (from_lists keeps them): the sampler then
+    # decides which stages to run without reading device tensors back (a host sync).
+    host_params: "_HostParams | None" = None
 
     @property
     def batch_size(self) -> int:
@@ -239,12 +243,13 @@ class SamplingBatch:
         if not all(len(v) == n for v in (top_k, top_p, min_p, seeds, positions)):
             raise ValueError("all per-row parameter lists must have the same length")
         return cls(
-            temperature=torch.tensor(list(temperature), dtype=torch.float32, device=device),
-            top_k=torch.tensor(list(top_k), dtype=torch.int64, device=device),
-            top_p=torch.tensor(list(top_p), dtype=torch.float32, device=device),
-            min_p=torch.tensor(list(min_p), dtype=torch.float32, device=device),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
-            positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            temperature=_to_device(temperature, torch.float32, device),
+            top_k=_to_device(top_k, torch.int64, device),
+            top_p=_to_device(top_p, torch.float32, device),
+            min_p=_to_device(min_p, torch.float32, device),
+            seeds=_to_device(seeds, torch.int64, device),
+            positions=_to_device(positions, torch.int64, device),
+            host_params=_HostParams(tuple(temperature), tuple(top_k), tuple(top_p), tuple(min_p)),
             max_num_logprobs=max_num_logprobs,
             logprobs_mode=logprobs_mode,
             all_greedy=all(t <= 0 for t in temperature),
@@ -252,6 +257,36 @@ class SamplingBatch:
             no_truncation=all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p)
             and all(m <= 0.0 for m in min_p),
         )
+
+
+def _to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list -> device tensor without a host sync (pinned + non_blocking on CUDA;
+    `torch.tensor(values, device="cuda")` would wait for all queued GPU work)."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(frozen=True)
+class _HostParams:
+    temperature: tuple
+    top_k: tuple
+    top_p: tuple
+    min_p: tuple
+
+    def plan(self, vocab: int) -> tuple[bool, "_TruncationPlan"]:
+        """(all_greedy, truncation plan): the same decisions the device probes would give.
+        Comparisons are made on float32-rounded values, as the device makes them."""
+        f32 = lambda v: float(np.float32(v))
+        greedy = [f32(t) <= 0 for t in self.temperature]
+        use_k = [0 < k < vocab for k in self.top_k]
+        use_p = [f32(p) < 1.0 for p in self.top_p]
+        use_m = [min(f32(m), 1.0) > 0.0 for m in self.min_p]
+        plan = _TruncationPlan(any(use_k), any(use_p), any(use_m),
+                               any(p and not k for p, k in zip(use_p, use_k)),
+                               max((k for k, u in zip(self.top_k, use_k) if u), default=0))
+        return all(greedy), plan
 
 
 @dataclass
@@ -404,14 +439,19 @@ class Sampler(torch.nn.Module):
         use_p = top_p < 1.0
         use_m = min_p > 0.0
 
-        # Batch-level decisions of which stages to run, in one host sync.  They
-        # only skip work: a disabled stage leaves its row bit-identical.
+        # Batch-level decisions of which stages to run: from the host values when the
+        # batch carries them (no sync), else in one host sync.  They only skip work:
+        # a disabled stage leaves its row bit-identical.
         all_greedy = batch.all_greedy
         plan = _TruncationPlan()
         probes = []
-        if not all_greedy:
+        if batch.host_params is not None:
+            all_greedy, host_plan = batch.host_params.plan(vocab)
+            if not batch.no_truncation:
+                plan = host_plan
+        elif not all_greedy:
             probes.append(greedy.all())
-        if not batch.no_truncation:
+        if not batch.no_truncation and batch.host_params is None:
             probes += [use_k.any(), use_p.any(), use_m.any(), (use_p & ~use_k).any(),
                        torch.where(use_k, top_k, torch.zeros_like(top_k)).max()]
         if probes:

@@ -197,31 +197,30 @@ class ModelRunner:
         n_seqs = len(sched.requests)
         max_q = int((cu[1:] - cu[:-1]).max())
         graph_bs = self._graph_size(n_seqs) if max_q == 1 else None
-        dev = self.device
 
         def fill(ids_dev: torch.Tensor) -> None:
             if fill_rows:
-                ids_dev[torch.tensor(fill_rows, device=dev)] = prev.token_ids[torch.tensor(fill_src, device=dev)]
+                ids_dev[self._h2d(fill_rows, torch.long)] = prev.token_ids[self._h2d(fill_src, torch.long)]
         if graph_bs is not None:
             hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens, fill)
             self._mark("forward_graph")
-            sample_rows = torch.tensor([i for i, r in enumerate(sched.requests) if r.sample], device=dev)
+            sample_rows = self._h2d([i for i, r in enumerate(sched.requests) if r.sample], torch.long)
         else:
             md = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                block_table=torch.from_numpy(table).to(dev, non_blocking=True),
-                cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+                slot_mapping=self._h2d(slots),
+                block_table=self._h2d(table),
+                cu_seqlens_q=self._h2d(cu.astype(np.int32)),
+                seq_lens=self._h2d(seq_lens.astype(np.int32)),
                 max_query_len=max_q, max_seq_len=int(seq_lens.max()),
                 fresh_prefill=bool(max_q > 1 and (seq_lens == cu[1:] - cu[:-1]).all()))
             self.attn.metadata = md
-            ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+            ids_dev = self._h2d(input_ids)
             fill(ids_dev)
             with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
-                hidden = self.model(ids_dev, torch.from_numpy(positions).to(dev, non_blocking=True))
+                hidden = self.model(ids_dev, self._h2d(positions))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
-            sample_rows = torch.tensor([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], dtype=torch.long, device=dev)
+            sample_rows = self._h2d([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], torch.long)
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
             return StepHandle([], [], None, {})
@@ -232,10 +231,22 @@ class ModelRunner:
         self._mark("sample")
         return handle
 
+    def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Host values (list / numpy) -> a tensor on the device, WITHOUT making the host wait
+        for the GPU: staged in pinned memory and copied non_blocking. A plain
+        `torch.tensor(values, device="cuda")` is a blocking copy, which synchronizes the
+        stream, i.e. waits for every step already enqueued -- with async scheduling that
+        serialises the host and the GPU again (tests/test_gpu_engine.py checks launch())."""
+        t = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _sample_launch(self, logits: torch.Tensor, reqs) -> "StepHandle":
-        for i, r in enumerate(reqs):
-            if r.allowed_eos_ids:
-                logits[i, list(r.allowed_eos_ids)] = float("-inf")
+        eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
+        if eos_rows:
+            eos_cols = [t for r in reqs for t in r.allowed_eos_ids]
+            logits[self._h2d(eos_rows, torch.long), self._h2d(eos_cols, torch.long)] = float("-inf")
         # One sampler call per logprobs mode keeps every row's result its own.
         by_mode: dict = {}
         for i, r in enumerate(reqs):
@@ -253,7 +264,7 @@ class ModelRunner:
             if len(by_mode) == 1:
                 token_ids = so.token_ids
             else:
-                token_ids[torch.tensor(idx, device=self.device)] = so.token_ids
+                token_ids[self._h2d(idx, torch.long)] = so.token_ids
             groups.append((idx, self._to_host_async(so)))
         event = None
         if self.device.type == "cuda" and self.config.async_scheduling:
@@ -340,7 +351,7 @@ class ModelRunner:
 
     def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens, fill=None) -> torch.Tensor:
         n = len(input_ids)
-        pin = lambda a: torch.from_numpy(a)
+        pin = lambda a: torch.from_numpy(a).pin_memory()  # non_blocking copies need pinned sources
         self.g_input_ids[:n].copy_(pin(input_ids), non_blocking=True)
         self.g_positions[:n].copy_(pin(positions), non_blocking=True)
         self.g_slots[:n].copy_(pin(slots), non_blocking=True)
