@@ -64,7 +64,8 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)",
                            "k_split_size": matmul.K_SPLIT_SIZE, "split_merge": "float32, ascending, p0 first",
                            "accumulate": "float32", "k_order": "ascending",
-                           "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE}
+                           "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
+                           "tuned_tables_sha256": matmul.tuned_tables_digest()}
                           if gpu else {"kernel": "torch F.linear one row at a time", "accumulate": "backend"})
         policy["norm"] = "triton one row per program, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"

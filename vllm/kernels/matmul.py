@@ -264,6 +264,17 @@ def tuned_tables(device_key: str | None = None) -> dict:
     return _tuned_cache[key]
 
 
+def tuned_tables_digest() -> str | None:
+    """SHA-256 of this device's tuned tables as loaded (None: no table). Tables are speed
+    only, but the contract names them anyway: that claim is itself measured."""
+    tables = tuned_tables()
+    if not tables:
+        return None
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()
+
+
 def config_table(N: int = 0, K: int = 0, fp32_out: bool = False) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
