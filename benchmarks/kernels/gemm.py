@@ -62,8 +62,8 @@ SPLIT_TILES = {
 }
 
 
-def bucket(m: int, table=CANDIDATES) -> int:
-    return min(b for b in table if m <= b)
+def bucket(m: int, table=None) -> int:
+    return min(b for b in (CANDIDATES if table is None else table) if m <= b)
 
 
 def policies_for(K: int, policies) -> list:
@@ -224,29 +224,23 @@ def main() -> None:
                 if timings:
                     line += f" | {policy}: x{t_cublas / timings[0][0]:.2f} {timings[0][1]}"
             print(line, flush=True)
-    tables = [("ratio", "eager launches (host time included, as in prefill and training)")]
-    if not args.sweep:
-        tables.insert(0, ("graph_ratio", "inside CUDA graphs (GPU time only, as in decode)"))
-    for key, what in tables:
-        print(f"\n== invariant GEMM / cuBLAS speed ratio (cuBLAS time / ours; >1 = faster), shipped table, {what}")
+    def print_table(title: str, cell) -> None:
+        """One ratio table, rows M, columns shapes; cell(row) -> ratio or None."""
+        print(f"\n== {title}")
         print("M".rjust(6) + "".join(n.rjust(10) for n in names))
         for M in ms:
-            cells = []
-            for n in names:
-                r = next((r for r in rows if r["shape"] == n and r["M"] == M), None)
-                cells.append(f"{r[key]:10.2f}" if r else " " * 10)
-            print(str(M).rjust(6) + "".join(cells))
+            found = [next((r for r in rows if r["shape"] == n and r["M"] == M), None) for n in names]
+            values = [cell(r) if r else None for r in found]
+            print(str(M).rjust(6) + "".join(f"{v:10.2f}" if v is not None else "         -" for v in values))
+
+    head = "invariant GEMM / cuBLAS speed ratio (cuBLAS time / ours; >1 = faster), shipped table"
+    if not args.sweep:
+        print_table(f"{head}, inside CUDA graphs (GPU time only, as in decode)", lambda r: r["graph_ratio"])
+    print_table(f"{head}, eager launches (host time included, as in prefill and training)", lambda r: r["ratio"])
     if args.sweep:
         for policy in map(str, policies):
-            print(f"\n== best candidate per (shape, M), K split size {policy} (same ratio)")
-            print("M".rjust(6) + "".join(n.rjust(10) for n in names))
-            for M in ms:
-                cells = []
-                for n in names:
-                    r = next((r for r in rows if r["shape"] == n and r["M"] == M), None)
-                    t = r and r["policies"].get(policy)
-                    cells.append(f"{r['cublas_us'] / t[0][0]:10.2f}" if t else "         -")
-                print(str(M).rjust(6) + "".join(cells))
+            print_table(f"best candidate per (shape, M), K split size {policy} (same ratio)",
+                        lambda r: r["cublas_us"] / r["policies"][policy][0][0] if r["policies"].get(policy) else None)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1, default=str)
