@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
-# short summary last. Select parts with STEPS (default: all), e.g.
+# short summary last. Select parts with STEPS (default: all but overhead), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -34,6 +34,11 @@ if has gemm; then
   echo "== GEMM ($SECONDS s)"
   timeout "${GEMM_TIMEOUT:-300}" python benchmarks/kernels/gemm.py ${GEMM_ARGS:-} --json-out "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
   tail -22 "$OUT/gemm.log"
+fi
+if has overhead; then
+  echo "== launch overhead ($SECONDS s)"
+  timeout 120 python benchmarks/kernels/launch_overhead.py >"$OUT/overhead.log" 2>&1
+  cat "$OUT/overhead.log" | tail -10
 fi
 if has attention; then
   echo "== attention ($SECONDS s)"
