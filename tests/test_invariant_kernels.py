@@ -248,3 +248,21 @@ def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setattr(matmul, "_tuned_cache", {})
     monkeypatch.setattr(matmul, "K_SPLIT_SIZE", 2048)
     assert matmul.tuned_tables("fake") == {}
+
+
+def test_table_k_tile_adapts_to_the_split(monkeypatch):
+    """A table config whose K tile does not divide the split size takes the largest tile
+    that does (same bits as asking for that tile); an explicit config is refused."""
+    from vllm.kernels import matmul
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 96, generator=g).to(DEV)
+    w = torch.randn(24, 96, generator=g).to(DEV)
+    if DEV == "cpu":
+        monkeypatch.setattr(matmul, "INTERPRET_CONFIGS", [(1 << 62, "plain", 16, 16, 32, 1, 1)])
+    else:
+        monkeypatch.setattr(matmul, "_gpu_config_table", lambda *a: [(1 << 62, "plain", 16, 16, 32, 4, 2)])
+    adapted = invariant_matmul(x, w, split_size=48)  # gcd(32, 48) = 16
+    explicit = invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 16, 1, 1))
+    assert torch.equal(bits(adapted), bits(explicit))
+    with pytest.raises(ValueError, match="multiple of the K tile"):
+        invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 32, 1, 1))

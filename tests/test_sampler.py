@@ -609,3 +609,17 @@ def test_host_plan_matches_device_probes_and_changes_no_bits():
         assert torch.equal(a.token_ids, b.token_ids)
         assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
         assert torch.equal(a.topk_ids, b.topk_ids)
+
+
+def test_stable_topk_k1_is_the_first_maximum():
+    """k = 1 takes argmax (no host sync): the lowest index among tied maxima, as the stable sort."""
+    from vllm.sample.sampler import stable_topk
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -0.0, -1.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    vals, ids = stable_topk(x, 1)
+    ref_vals, ref_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, ref_ids[:, :1]) and torch.equal(vals.view(torch.int32), ref_vals[:, :1].view(torch.int32))
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 4, (64, 50), generator=g).float()
+    vals, ids = stable_topk(y, 1)
+    ref_vals, ref_ids = torch.sort(y, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, ref_ids[:, :1])

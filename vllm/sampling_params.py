@@ -1,6 +1,8 @@
 """SamplingParams: upstream vLLM's names and defaults, validated on construction."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("tempered_logprobs", "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -30,12 +32,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None:
             self.top_k = 0
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         if self.top_k == -1:

@@ -22,6 +22,7 @@ start-up self-check (`vllm/kernels/selfcheck.py`) plus benchmarks/kernels/gemm.p
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -128,7 +129,8 @@ def _merge_splits_kernel(ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
     ok = rn < N
     total = tl.load(ws_ptr + m * N + rn, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        total = total + tl.load(ws_ptr + s * M * N + m * N + rn, mask=ok, other=0.0)
+        # (s * M + m) is int64 because m is: s * M * N in int32 wraps for lm_head-sized outputs
+        total = total + tl.load(ws_ptr + (s * M + m) * N + rn, mask=ok, other=0.0)
     if HAS_BIAS:
         total = total + tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
     tl.store(c_ptr + m * stride_cm + rn * stride_cn, total.to(c_ptr.dtype.element_ty), mask=ok)
@@ -238,7 +240,7 @@ def _interpreting() -> bool:
 # `benchmarks/kernels/derive_gemm_configs.py`: {"K,N": [[max M, impl, BM, BN, BK, warps,
 # stages], ...]} for the shapes that were swept. Speed only: bits never depend on them.
 _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
-_tuned_cache: dict[str, dict] = {}
+_tuned_cache: dict[tuple, dict] = {}  # (device key, K_SPLIT_SIZE) -> tables
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,11 +251,12 @@ def _device_key() -> str:
 
 
 def tuned_tables(device_key: str | None = None) -> dict:
-    key = _device_key() if device_key is None else device_key
+    dev = _device_key() if device_key is None else device_key
+    key = (dev, K_SPLIT_SIZE)
     if key not in _tuned_cache:
-        path = os.path.join(_TUNED_DIR, f"gemm_{key}.json")
+        path = os.path.join(_TUNED_DIR, f"gemm_{dev}.json")
         table = {}
-        if key and os.path.exists(path):
+        if dev and os.path.exists(path):
             import json
             with open(path) as f:
                 data = json.load(f)
@@ -278,13 +281,13 @@ def tuned_tables_digest() -> str | None:
 def config_table(N: int = 0, K: int = 0, fp32_out: bool = False) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
-    return _gpu_config_table(N, K, fp32_out)
+    return _gpu_config_table(N, K, fp32_out, K_SPLIT_SIZE)
 
 
 # Cached: this runs on every eager GEMM launch, where a few device queries per call
 # cost more host time (~90 us measured) than a decode-sized GEMM takes on the GPU.
 @functools.lru_cache(maxsize=None)
-def _gpu_config_table(N: int, K: int, fp32_out: bool = False) -> list[tuple]:
+def _gpu_config_table(N: int, K: int, fp32_out: bool, split_policy) -> list[tuple]:  # policy: cache key only
     tuned = tuned_tables().get(f"{K},{N}")
     if tuned:
         return tuned
@@ -354,11 +357,14 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
     if splits > 1 and ks % bk:
-        raise ValueError(f"K split size {ks} must be a multiple of the K tile {bk}")
+        if config is not None or math.gcd(bk, ks) < 16:
+            raise ValueError(f"K split size {ks} must be a multiple of the K tile {bk}")
+        bk = math.gcd(bk, ks)  # a table's K tile that does not divide the split: a smaller one (same bits)
     steps = ks // bk
     even_k = K % bk == 0
     bias_arg = bias if bias is not None else c
-    if impl.startswith("tma") and _tma_ok(a, weight, c) and (impl, bm, bn, bk, stages, c.dtype) not in _TMA_TOO_BIG:
+    too_big_key = (impl, bm, bn, bk, warps, stages, a.dtype, c.dtype)
+    if impl.startswith("tma") and _tma_ok(a, weight, c) and too_big_key not in _TMA_TOO_BIG:
         from triton.runtime.errors import OutOfResources
         from triton.tools.tensor_descriptor import TensorDescriptor
         per_sm = 2 if impl == "tma2" else 1
@@ -373,7 +379,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         except OutOfResources:
             # e.g. an fp32 epilogue tile too large for shared memory: the plain kernel
             # computes the same bits (raised before anything ran, so nothing is half-written)
-            _TMA_TOO_BIG.add((impl, bm, bn, bk, stages, c.dtype))
+            _TMA_TOO_BIG.add(too_big_key)
     if impl == "partial" and splits > 1:
         ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
         _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](

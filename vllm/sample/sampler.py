@@ -180,6 +180,11 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.sort(x, dim=-1, descending=True, stable=True)
     if k == 0 or B == 0:
         return x.new_empty((B, k)), torch.empty((B, k), dtype=torch.int64, device=x.device)
+    if k == 1:
+        # argmax returns the first maximal index (documented), i.e. the stable sort's
+        # first entry, with no host sync (the general path below needs one for ties)
+        ids = x.argmax(dim=-1, keepdim=True)
+        return x.gather(1, ids), ids
     vals, ids = torch.topk(x, k, dim=-1, largest=True, sorted=False)
     ambiguous = (x >= vals.amin(dim=-1, keepdim=True)).sum(dim=-1) > k
     ids = torch.sort(ids, dim=-1).values                   # ascending token id ...
@@ -219,6 +224,7 @@ class SamplingBatch:
     no_truncation: bool = False  # promise: no row uses top_k / top_p / min_p
     # The per-row parameters as host values (from_lists keeps them): the sampler then
     # decides which stages to run without reading device tensors back (a host sync).
+    # Drop it (host_params=None) when replacing the tensors after construction.
     host_params: "_HostParams | None" = None
 
     @property
@@ -249,7 +255,7 @@ class SamplingBatch:
             min_p=_to_device(min_p, torch.float32, device),
             seeds=_to_device(seeds, torch.int64, device),
             positions=_to_device(positions, torch.int64, device),
-            host_params=_HostParams(tuple(temperature), tuple(top_k), tuple(top_p), tuple(min_p)),
+            host_params=_HostParams(tuple(temperature), tuple(int(k) for k in top_k), tuple(top_p), tuple(min_p)),
             max_num_logprobs=max_num_logprobs,
             logprobs_mode=logprobs_mode,
             all_greedy=all(t <= 0 for t in temperature),
@@ -278,7 +284,9 @@ class _HostParams:
     def plan(self, vocab: int) -> tuple[bool, "_TruncationPlan"]:
         """(all_greedy, truncation plan): the same decisions the device probes would give.
         Comparisons are made on float32-rounded values, as the device makes them."""
-        f32 = lambda v: float(np.float32(v))
+        def f32(v):
+            with np.errstate(over="ignore"):
+                return float(np.float32(v))
         greedy = [f32(t) <= 0 for t in self.temperature]
         use_k = [0 < k < vocab for k in self.top_k]
         use_p = [f32(p) < 1.0 for p in self.top_p]
@@ -445,13 +453,16 @@ class Sampler(torch.nn.Module):
         all_greedy = batch.all_greedy
         plan = _TruncationPlan()
         probes = []
-        if batch.host_params is not None:
-            all_greedy, host_plan = batch.host_params.plan(vocab)
+        host = batch.host_params
+        if host is not None and len(host.temperature) != num_rows:
+            host = None  # a batch sliced or replaced after from_lists: trust only the tensors
+        if host is not None:
+            all_greedy, host_plan = host.plan(vocab)
             if not batch.no_truncation:
                 plan = host_plan
         elif not all_greedy:
             probes.append(greedy.all())
-        if not batch.no_truncation and batch.host_params is None:
+        if not batch.no_truncation and host is None:
             probes += [use_k.any(), use_p.any(), use_m.any(), (use_p & ~use_k).any(),
                        torch.where(use_k, top_k, torch.zeros_like(top_k)).max()]
         if probes:

@@ -260,7 +260,7 @@ class ModelRunner:
                 min_p=[r.min_p for r in sub], seeds=[r.seed for r in sub], positions=[r.output_index for r in sub],
                 device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
                 logprobs_mode=mode or "tempered_logprobs")
-            so = self.sampler(logits if len(by_mode) == 1 else logits[idx], batch)
+            so = self.sampler(logits if len(by_mode) == 1 else logits.index_select(0, self._h2d(idx, torch.long)), batch)
             if len(by_mode) == 1:
                 token_ids = so.token_ids
             else:
