@@ -198,7 +198,7 @@ def test_every_impl_gives_the_same_bits(split_size):
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
         plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("tma", "tma2", "tmaf", "partial"):
+        for impl in ("plainc", "tma", "tma2", "tmaf", "partial"):
             other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)

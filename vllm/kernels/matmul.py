@@ -228,8 +228,10 @@ INTERPRET_CONFIGS: list[tuple] = [
 ]
 # "tma2": the persistent kernel with two programs per SM (when two fit, one's epilogue
 # overlaps the other's main loop); "tmaf": one program per SM with the tile loop
-# flattened into the K loop (the pipeline keeps loading across tile boundaries).
-IMPLS = ("plain", "tma", "tma2", "tmaf", "partial")
+# flattened into the K loop (the pipeline keeps loading across tile boundaries);
+# "plainc": the plain kernel compiled for a cluster of 2 CTAs (Triton's num_ctas=2, which
+# splits each tile over the pair; a sweep candidate for decode-sized M).
+IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial")
 
 
 def _interpreting() -> bool:
@@ -394,5 +396,6 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             a, weight, c, bias_arg, M, N, K,
             a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
             HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
-            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
+            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages,
+            **({"num_ctas": 2} if impl == "plainc" else {}))
     return c.reshape(*lead, N)
