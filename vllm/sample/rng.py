@@ -159,6 +159,78 @@ if triton is not None:
         tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, u, mask=cols < V)
 
 
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import libdevice as _libdevice
+    except ImportError:  # pragma: no cover
+        _libdevice = None
+
+    @triton.jit
+    def _gumbel_argmax_kernel(scaled_ptr, stride_row, seed_ptr, pos_ptr, out_ptr, scores_ptr, V,
+                              mul1_arg, mul2_arg, init_a_arg, init_b_arg,
+                              BLOCK: tl.constexpr, PRECISE_LOG: tl.constexpr, WRITE_SCORES: tl.constexpr):
+        """argmax_v(scaled[row, v] - log(-log(u[row, v]))), the lowest v among ties, in one
+        pass over the row: the noise is generated in registers (same hash and uniform map
+        as _uniform_kernel) instead of being written, logged twice and re-read.
+        PRECISE_LOG uses libdevice's logf, the function torch's CUDA `log_` calls, so that
+        the scores equal the unfused path's bit for bit (checked on the GPU by
+        tests/test_sampler.py before the sampler may use this kernel)."""
+        row = tl.program_id(0)
+        mul1 = mul1_arg.to(tl.uint32)
+        mul2 = mul2_arg.to(tl.uint32)
+        seed = tl.load(seed_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        s_lo = seed.to(tl.uint32)
+        s_hi = (seed >> 32).to(tl.uint32)
+        p_lo = pos.to(tl.uint32)
+        p_hi = (pos >> 32).to(tl.uint32)
+        a = _key_chain_u32(init_a_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        a = (a | 1) & 0x7FFFFFFF
+        b = _key_chain_u32(init_b_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        best_val = -float("inf")
+        best_idx = 0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = _mix32_u32((cols.to(tl.uint32) * a) ^ b, mul1, mul2)
+            u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+            if PRECISE_LOG:
+                g = _libdevice.log(-_libdevice.log(u))
+            else:
+                g = tl.log(-tl.log(u))
+            sc = tl.load(scaled_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < V, other=-float("inf"))
+            score = tl.where(cols < V, sc - g, -float("inf"))
+            if WRITE_SCORES:  # tests only: the scores themselves, to compare bits with the unfused path
+                tl.store(scores_ptr + row.to(tl.int64) * V + cols, score, mask=cols < V)
+            m = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0, tie_break_left=True)
+            take = m > best_val  # strictly greater: an earlier block keeps its tie
+            best_idx = tl.where(take, start + i, best_idx)
+            best_val = tl.where(take, m, best_val)
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  block: int = 2048, scores_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids ``argmax(scaled - log(-log(u)))`` per row (first index among ties), fused:
+    the same values as ``uniform_noise`` + ``log_().neg_().log_()`` + ``sub`` + ``argmax``
+    where the logarithms agree (see _gumbel_argmax_kernel)."""
+    if triton is None:
+        raise RuntimeError("gumbel_argmax needs triton")
+    scaled = scaled.contiguous() if scaled.stride(-1) != 1 else scaled
+    B, V = scaled.shape
+    out = torch.empty(B, dtype=torch.int64, device=scaled.device)
+    if B == 0:
+        return out
+    seeds = seeds.to(device=scaled.device, dtype=torch.int64).contiguous()
+    positions = positions.to(device=scaled.device, dtype=torch.int64).contiguous()
+    precise = scaled.device.type == "cuda" and _libdevice is not None
+    _gumbel_argmax_kernel[(B,)](scaled, scaled.stride(0), seeds, positions, out,
+                                scores_out if scores_out is not None else out, V,
+                                _MUL1, _MUL2, _KEY_INIT_A, _KEY_INIT_B, BLOCK=block, PRECISE_LOG=precise,
+                                WRITE_SCORES=scores_out is not None)
+    return out
+
+
 def _use_triton(device: torch.device, impl: str) -> bool:
     if impl == "torch":
         return False

@@ -24,13 +24,14 @@ Randomness comes from :mod:`vllm.sample.rng`, a counter-based hash of
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from vllm.sample.rng import uniform_noise
+from vllm.sample.rng import gumbel_argmax, uniform_noise
 
 LOGPROBS_MODES = (
     "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation (T == 0 -> T = 1)
@@ -41,6 +42,10 @@ LOGPROBS_MODES = (
 )
 
 _NEG_INF = float("-inf")
+# Fused noise + argmax for untruncated sampling on CUDA (rng.gumbel_argmax). Off until the
+# GPU test shows its scores equal the unfused path's bit for bit: the two paths must never
+# disagree, since which one runs depends on the other rows of the batch.
+FUSED_GUMBEL = os.environ.get("VLLM_PARITY_FUSED_GUMBEL", "0") == "1"
 
 
 # --------------------------------------------------------------------------- #
@@ -489,13 +494,19 @@ class Sampler(torch.nn.Module):
         else:
             # scores = scaled + g with g = -log(-log(u)), computed in place as
             # scaled - log(-log(u)) (a - b is a + (-b) exactly): one pass fewer.
-            scores = uniform_noise(batch.seeds, batch.positions, vocab, device)
-            scores.log_().neg_().log_()
-            torch.sub(scaled, scores, out=scores)
-            if keep is not None:
-                scores.masked_fill_(~keep, _NEG_INF)
-            token_ids = torch.where(greedy, greedy_ids, scores.argmax(dim=-1))
-            del scores
+            if keep is None and FUSED_GUMBEL and device.type == "cuda":
+                # one pass instead of six over [B, V] (opt-in until its bits are checked
+                # on the GPU: tests/test_sampler.py::test_gpu_fused_gumbel_scores_bits)
+                sampled = gumbel_argmax(scaled, batch.seeds, batch.positions)
+            else:
+                scores = uniform_noise(batch.seeds, batch.positions, vocab, device)
+                scores.log_().neg_().log_()
+                torch.sub(scaled, scores, out=scores)
+                if keep is not None:
+                    scores.masked_fill_(~keep, _NEG_INF)
+                sampled = scores.argmax(dim=-1)
+                del scores
+            token_ids = torch.where(greedy, greedy_ids, sampled)
 
         if not want_logprobs:
             return SamplerOutput(token_ids=token_ids)
