@@ -31,9 +31,11 @@ PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 
 
-@pytest.fixture(scope="module")
-def served():
-    llm = LLM(device="cpu")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def served(request):
+    # the async-scheduling loop (the default on CUDA) behind the same server: streaming,
+    # aborts and concurrent requests with a step always in flight
+    llm = LLM(device="cpu", async_scheduling=request.param)
     app = build_app_from_llm(llm)
     yield app, llm
     app.state.serving.llm.shutdown()
@@ -304,21 +306,21 @@ def test_bad_requests_get_400_while_good_ones_succeed(served):
 def test_engine_failure_is_500_and_server_recovers(served, ref_llm):
     app, llm = served
     runner = llm.llm_engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch  # both loops enqueue steps through launch()
     calls = {"n": 0}
 
-    def flaky_execute(sched):
+    def flaky_launch(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected kernel failure")
-        return real_execute(sched)
+        return real_launch(*args, **kwargs)
 
-    runner.execute = flaky_execute
+    runner.launch = flaky_launch
     try:
         failed = _run(_post(app, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0}))
         ok = _run(_post(app, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "ignore_eos": True}))
     finally:
-        runner.execute = real_execute
+        runner.launch = real_launch
     assert failed.status_code == 500
     assert failed.json()["error"]["code"] == 500 and "injected kernel failure" in failed.json()["error"]["message"]
     assert ok.status_code == 200
