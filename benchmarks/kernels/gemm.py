@@ -28,7 +28,7 @@ SHAPES = {  # name: (K, N)
     "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096), "lm_head": (4096, 151936),
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-SWEEP_MS = [1, 16, 64, 128, 256, 512, 1024, 4096, 16384]
+SWEEP_MS = [1, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
 MAX_M = {"lm_head": 4096}  # logits are only taken for sampled rows / training chunks
 
 def _cfgs(impls, tiles):
