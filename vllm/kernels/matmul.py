@@ -8,16 +8,21 @@ The reduction order of every output element (m, n) is a function of K alone:
 * the split partials are merged in ascending order, `total = p0; total = total + p1; ...`,
   then the bias is added and the result cast once.
 
-Three implementations compute exactly that order and are chosen by M only for
-speed: "plain" (one program per output tile, all splits inside the program with a
-second register accumulator), "tma" (the same, persistent, with Hopper TMA loads)
-and "partial" (one program per (tile, split) writing a float32 partial, then a merge
-kernel summing the partials in ascending order) -- the last gives decode-sized
-batches more programs than there are output tiles. Tile shapes (BM, BN, BK, warps,
-stages) may follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives
-bit-identical results for every tile shape tried (../shared/NOTES.md), and the
-start-up self-check (`vllm/kernels/selfcheck.py`) plus benchmarks/kernels/gemm.py
---sweep re-verify every table entry against every other.
+The shipped policy is one split (K_SPLIT_SIZE = None): fixed splits were measured
+on the H200 and were not faster (benchmarks/NOTES.md, session 2).
+
+Several implementations compute exactly that order and are chosen by M only for
+speed (see IMPLS): "plain" (one program per output tile, all splits inside the
+program with a second register accumulator), the persistent Hopper TMA variants
+"tma" / "tma2" / "tmaf", "plainc" (plain in a 2-CTA cluster) and "partial" (one
+program per (tile, split) writing a float32 partial, then a merge kernel summing
+the partials in ascending order). Tile shapes (BM, BN, BK, warps, stages) may
+follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives bit-identical
+results for every tile shape and impl tried (../shared/NOTES.md, two sweeps of
+~1,500 candidates), and the start-up self-check (`vllm/kernels/selfcheck.py`)
+plus benchmarks/kernels/gemm.py --sweep re-verify table entries against each
+other. Which config runs comes from a per-device, per-(K, N) table
+(`tuned/gemm_<device>.json`) or the generic tables below.
 """
 from __future__ import annotations
 
@@ -201,10 +206,11 @@ def k_split_size(K: int, split_size: int | None = -1) -> int:
 # ---- config tables ----------------------------------------------------------------------------
 # (max M, impl, BM, BN, BK, num_warps, num_stages). Neither tile shape nor impl changes
 # bits (tests/test_invariant_kernels.py, the start-up self-check and
-# benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M freely; the
-# values below are the H200 sweep's winners (benchmarks/NOTES.md). Wide outputs (the
-# lm_head) get their own table.
-GPU_CONFIGS: list[tuple] = [  # shapes without a tuned table (benchmarks/NOTES.md, 2026-11-29 sweep)
+# benchmarks/kernels/gemm.py --sweep all verify it), so they may follow M freely. These
+# generic tables serve shapes without a tuned table (values: the H200 sweeps' common
+# winners, benchmarks/NOTES.md); wide outputs and float32 outputs (logits) use the
+# second one.
+GPU_CONFIGS: list[tuple] = [
     (16, "plain", 16, 64, 256, 4, 4),
     (64, "plain", 64, 32, 256, 4, 4),
     (128, "plain", 64, 64, 128, 4, 4),
