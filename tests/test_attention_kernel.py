@@ -361,7 +361,6 @@ GPU_HQ, GPU_HKV, GPU_D = 32, 8, 128
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_matches_reference():
     lengths = [1, 17, 1000, 4096, 3000]
     P = Problem(lengths, GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, seed=1)
@@ -380,7 +379,6 @@ def test_gpu_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_prefill_chunked_decode_same_bits():
     L = 4096 - 37  # not a multiple of block, tile or split
     P = Problem([L], GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, seed=2)
@@ -408,7 +406,6 @@ def test_gpu_prefill_chunked_decode_same_bits():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_batch_composition_same_bits():
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(1, 4096, (64,), generator=g).tolist()
@@ -430,7 +427,6 @@ def test_gpu_batch_composition_same_bits():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_cuda_graph_decode():
     """Decode (parallel splits) captured in a CUDA graph and replayed with new
     lengths gives the same bits as eager calls."""

@@ -128,6 +128,27 @@ if triton is not None:
         return _mix32_u32(h ^ p_hi, mul1, mul2)
 
     @triton.jit
+    def _row_keys_u32(seed_ptr, pos_ptr, row, mul1, mul2, init_a_arg, init_b_arg):
+        """:func:`row_keys` for one row: (a, b) as uint32. int64 -> uint32 truncation keeps
+        the low word; >> 32 (arithmetic) then truncation gives the high word, as the torch
+        path's shift-and-mask."""
+        seed = tl.load(seed_ptr + row)  # int64
+        pos = tl.load(pos_ptr + row)
+        s_lo = seed.to(tl.uint32)
+        s_hi = (seed >> 32).to(tl.uint32)
+        p_lo = pos.to(tl.uint32)
+        p_hi = (pos >> 32).to(tl.uint32)
+        a = _key_chain_u32(init_a_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        b = _key_chain_u32(init_b_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        return (a | 1) & 0x7FFFFFFF, b
+
+    @triton.jit
+    def _uniform_u32(cols, a, b, mul1, mul2):
+        """u for token ids `cols` of the row with keys (a, b): :func:`_hash_bits_into` + the uniform map."""
+        x = _mix32_u32((cols.to(tl.uint32) * a) ^ b, mul1, mul2)
+        return ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+
+    @triton.jit
     def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, stride_out,
                         mul1_arg, mul2_arg, init_a_arg, init_b_arg, BLOCK: tl.constexpr):
         """:func:`row_keys` + :func:`_hash_bits_into` + the uniform map, fused.
@@ -142,20 +163,9 @@ if triton is not None:
         row = tl.program_id(0)
         mul1 = mul1_arg.to(tl.uint32)
         mul2 = mul2_arg.to(tl.uint32)
-        seed = tl.load(seed_ptr + row)  # int64
-        pos = tl.load(pos_ptr + row)
-        # int64 -> uint32 truncation keeps the low word; >> 32 (arithmetic) then
-        # truncation gives the high word, as the torch path's shift-and-mask.
-        s_lo = seed.to(tl.uint32)
-        s_hi = (seed >> 32).to(tl.uint32)
-        p_lo = pos.to(tl.uint32)
-        p_hi = (pos >> 32).to(tl.uint32)
-        a = _key_chain_u32(init_a_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
-        a = (a | 1) & 0x7FFFFFFF
-        b = _key_chain_u32(init_b_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        a, b = _row_keys_u32(seed_ptr, pos_ptr, row, mul1, mul2, init_a_arg, init_b_arg)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        x = _mix32_u32((cols.to(tl.uint32) * a) ^ b, mul1, mul2)
-        u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+        u = _uniform_u32(cols, a, b, mul1, mul2)
         tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, u, mask=cols < V)
 
 
@@ -178,21 +188,12 @@ if triton is not None:
         row = tl.program_id(0)
         mul1 = mul1_arg.to(tl.uint32)
         mul2 = mul2_arg.to(tl.uint32)
-        seed = tl.load(seed_ptr + row)
-        pos = tl.load(pos_ptr + row)
-        s_lo = seed.to(tl.uint32)
-        s_hi = (seed >> 32).to(tl.uint32)
-        p_lo = pos.to(tl.uint32)
-        p_hi = (pos >> 32).to(tl.uint32)
-        a = _key_chain_u32(init_a_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
-        a = (a | 1) & 0x7FFFFFFF
-        b = _key_chain_u32(init_b_arg.to(tl.uint32), s_lo, s_hi, p_lo, p_hi, mul1, mul2)
+        a, b = _row_keys_u32(seed_ptr, pos_ptr, row, mul1, mul2, init_a_arg, init_b_arg)
         best_val = -float("inf")
         best_idx = 0
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = _mix32_u32((cols.to(tl.uint32) * a) ^ b, mul1, mul2)
-            u = ((x >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+            u = _uniform_u32(cols, a, b, mul1, mul2)
             if PRECISE_LOG:
                 g = _libdevice.log(-_libdevice.log(u))
             else:

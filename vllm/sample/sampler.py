@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vllm.host_copy import to_device
 from vllm.sample.rng import gumbel_argmax, uniform_noise
 
 LOGPROBS_MODES = (
@@ -254,12 +255,12 @@ class SamplingBatch:
         if not all(len(v) == n for v in (top_k, top_p, min_p, seeds, positions)):
             raise ValueError("all per-row parameter lists must have the same length")
         return cls(
-            temperature=_to_device(temperature, torch.float32, device),
-            top_k=_to_device(top_k, torch.int64, device),
-            top_p=_to_device(top_p, torch.float32, device),
-            min_p=_to_device(min_p, torch.float32, device),
-            seeds=_to_device(seeds, torch.int64, device),
-            positions=_to_device(positions, torch.int64, device),
+            temperature=to_device(temperature, torch.float32, device),
+            top_k=to_device(top_k, torch.int64, device),
+            top_p=to_device(top_p, torch.float32, device),
+            min_p=to_device(min_p, torch.float32, device),
+            seeds=to_device(seeds, torch.int64, device),
+            positions=to_device(positions, torch.int64, device),
             host_params=_HostParams(tuple(temperature), tuple(int(k) for k in top_k), tuple(top_p), tuple(min_p)),
             max_num_logprobs=max_num_logprobs,
             logprobs_mode=logprobs_mode,
@@ -268,15 +269,6 @@ class SamplingBatch:
             no_truncation=all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p)
             and all(m <= 0.0 for m in min_p),
         )
-
-
-def _to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list -> device tensor without a host sync (pinned + non_blocking on CUDA;
-    `torch.tensor(values, device="cuda")` would wait for all queued GPU work)."""
-    t = torch.tensor(list(values), dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass(frozen=True)
@@ -288,18 +280,17 @@ class _HostParams:
 
     def plan(self, vocab: int) -> tuple[bool, "_TruncationPlan"]:
         """(all_greedy, truncation plan): the same decisions the device probes would give.
-        Comparisons are made on float32-rounded values, as the device makes them."""
-        def f32(v):
-            with np.errstate(over="ignore"):
-                return float(np.float32(v))
-        greedy = [f32(t) <= 0 for t in self.temperature]
-        use_k = [0 < k < vocab for k in self.top_k]
-        use_p = [f32(p) < 1.0 for p in self.top_p]
-        use_m = [min(f32(m), 1.0) > 0.0 for m in self.min_p]
-        plan = _TruncationPlan(any(use_k), any(use_p), any(use_m),
-                               any(p and not k for p, k in zip(use_p, use_k)),
-                               max((k for k, u in zip(self.top_k, use_k) if u), default=0))
-        return all(greedy), plan
+        Comparisons are made on float32 arrays, as the device makes them."""
+        with np.errstate(over="ignore"):  # temperatures beyond float32 range become inf, as on the device
+            t = np.asarray(self.temperature, dtype=np.float32)
+            p = np.asarray(self.top_p, dtype=np.float32)
+            m = np.minimum(np.asarray(self.min_p, dtype=np.float32), np.float32(1.0))
+        k = np.asarray(self.top_k, dtype=np.int64)
+        use_k = (k > 0) & (k < vocab)
+        use_p = p < 1.0
+        plan = _TruncationPlan(bool(use_k.any()), bool(use_p.any()), bool((m > 0.0).any()),
+                               bool((use_p & ~use_k).any()), int(np.where(use_k, k, 0).max(initial=0)))
+        return bool((t <= 0).all()), plan
 
 
 @dataclass

@@ -20,6 +20,7 @@ from vllm.config import EngineConfig
 from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.host_copy import to_device
 from vllm.model_loader.loader import load_model
 from vllm.sample.sampler import Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
@@ -204,7 +205,7 @@ class ModelRunner:
         if graph_bs is not None:
             hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens, fill)
             self._mark("forward_graph")
-            sample_rows = self._h2d([i for i, r in enumerate(sched.requests) if r.sample], torch.long)
+            rows = [i for i, r in enumerate(sched.requests) if r.sample]
         else:
             md = AttentionMetadata(
                 slot_mapping=self._h2d(slots),
@@ -220,27 +221,22 @@ class ModelRunner:
                 hidden = self.model(ids_dev, self._h2d(positions))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
-            sample_rows = self._h2d([int(last[i]) for i, r in enumerate(sched.requests) if r.sample], torch.long)
+            rows = [int(last[i]) for i, r in enumerate(sched.requests) if r.sample]
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
             return StepHandle([], [], None, {})
         with set_forward_context(ForwardContext(None, self.config.numerics)):
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+            # a decode step where every request samples needs every row, in order: no gather
+            # (nor the index copy) on the hot path; a copy would not change a bit anyway
+            picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
+            logits = self.model.compute_logits(picked)
         self._mark("logits")
         handle = self._sample_launch(logits, sampled_reqs)
         self._mark("sample")
         return handle
 
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Host values (list / numpy) -> a tensor on the device, WITHOUT making the host wait
-        for the GPU: staged in pinned memory and copied non_blocking. A plain
-        `torch.tensor(values, device="cuda")` is a blocking copy, which synchronizes the
-        stream, i.e. waits for every step already enqueued -- with async scheduling that
-        serialises the host and the GPU again (tests/test_gpu_engine.py checks launch())."""
-        t = torch.as_tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
 
     def _sample_launch(self, logits: torch.Tensor, reqs) -> "StepHandle":
         eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
