@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
-# short summary last. Select parts with STEPS (default: all but overhead), e.g.
+# short summary last. Select parts with STEPS (default: all but csrc, overhead and
+# kernels), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -25,6 +26,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+if has csrc; then
+  # build csrc/ through CMakeLists.txt (nvcc + cmake) and run its test; the other steps
+  # keep the pure-Python install so one failed build cannot hide the rest
+  echo "== csrc build ($SECONDS s)"
+  ( command -v nvcc; command -v cmake; nvcc --version | tail -1 ) >"$OUT/csrc.log" 2>&1
+  timeout "${CSRC_TIMEOUT:-300}" env VLLM_PARITY_SKIP_CSRC=0 python -m pip install -v --no-build-isolation --no-deps -e . \
+    >>"$OUT/csrc.log" 2>&1 && echo "csrc build ok" || { echo "csrc build failed"; tail -5 "$OUT/csrc.log"; }
+  python -c "from vllm import _custom_ops as c; print('vllm._C built:', c.HAS_C)" 2>&1 | tee -a "$OUT/csrc.log"
+  python -m pytest -q -p no:cacheprovider tests/test_custom_ops.py 2>&1 | tail -2 | tee -a "$OUT/csrc.log"
+fi
 if has tests; then
   echo "== GPU tests ($SECONDS s)"
   timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
@@ -39,6 +50,12 @@ if has overhead; then
   echo "== launch overhead ($SECONDS s)"
   timeout 120 python benchmarks/kernels/launch_overhead.py >"$OUT/overhead.log" 2>&1
   cat "$OUT/overhead.log" | tail -10
+fi
+if has kernels; then
+  echo "== kernel profile ($SECONDS s)"
+  timeout "${KERNELS_TIMEOUT:-300}" python benchmarks/profile_kernels.py --config "$THROUGHPUT_CONFIG" ${KERNELS_ARGS:-} \
+    --json-out "$OUT/kernels.json" >"$OUT/kernels.log" 2>&1
+  grep -E "^== |families" "$OUT/kernels.log"
 fi
 if has attention; then
   echo "== attention ($SECONDS s)"
@@ -65,6 +82,7 @@ fi
 
 echo
 echo "================ summary (${SECONDS} s) ================"
+has csrc && echo "csrc: $(tail -1 "$OUT/csrc.log")"
 has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14

@@ -43,10 +43,11 @@ LOGPROBS_MODES = (
 )
 
 _NEG_INF = float("-inf")
-# Fused noise + argmax for untruncated sampling on CUDA (rng.gumbel_argmax). Off until the
-# GPU test shows its scores equal the unfused path's bit for bit: the two paths must never
-# disagree, since which one runs depends on the other rows of the batch.
-FUSED_GUMBEL = os.environ.get("VLLM_PARITY_FUSED_GUMBEL", "0") == "1"
+# Fused noise + argmax for untruncated sampling on CUDA (rng.gumbel_argmax). The two paths
+# must never disagree, since which one runs depends on the other rows of the batch:
+# test_gpu_fused_gumbel_scores_bits proves the scores equal bit for bit on the H200 (passed
+# 2026-11-29); VLLM_PARITY_FUSED_GUMBEL=0 turns the fused path off.
+FUSED_GUMBEL = os.environ.get("VLLM_PARITY_FUSED_GUMBEL", "1") == "1"
 
 
 # --------------------------------------------------------------------------- #
