@@ -34,7 +34,13 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     """Builds csrc/ with CMake; a failure is reported but never fails the install."""
 
-    def build_extension(self, ext: CMakeExtension) -> None:
+    def build_extensions(self) -> None:
+        built = [ext for ext in self.extensions if self._build_cmake(ext)]
+        # Outputs (and the editable install's copies) cover only what was built: a
+        # missing .so must not turn a failed optional build into a failed install.
+        self.extensions[:] = built
+
+    def _build_cmake(self, ext: CMakeExtension) -> bool:
         out_dir = os.path.abspath(os.path.dirname(self.get_ext_fullpath(ext.name)))
         build_dir = os.path.abspath(self.build_temp)
         os.makedirs(build_dir, exist_ok=True)
@@ -51,6 +57,8 @@ class CMakeBuild(build_ext):
             subprocess.check_call(["cmake", "--build", ".", "-j"], cwd=build_dir)
         except (subprocess.CalledProcessError, OSError) as err:
             print(f"[vllm-parity] csrc build failed ({err}); continuing without it")
+            return False
+        return os.path.exists(self.get_ext_fullpath(ext.name))
 
 
 ext_modules = [CMakeExtension("vllm._C", ".")] if _cuda_toolchain_present() else []
