@@ -26,69 +26,103 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
-def make_inputs(lens, cache_blocks: int):
+def make_inputs(lens, cache_blocks: int, layout: str, q_len: int = 1, seed: int = 0):
+    """Caches of logical shape [blocks, BS, HKV, D]; layout "tok" stores them that way, "head"
+    stores [blocks, HKV, BS, D] (each head's slice of a block contiguous) and passes the
+    permuted view. Same seed -> same logical contents in both layouts."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [-(-n // BS) for n in lens]
     need = sum(blocks) + 1
     cache_blocks = max(cache_blocks, need)
-    kc = torch.empty(cache_blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.empty(cache_blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    shape = (cache_blocks, BS, HKV, D) if layout == "tok" else (cache_blocks, HKV, BS, D)
+    kc = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    vc = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    if layout == "head":
+        kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
     # random blocks anywhere in the cache (the engine's free list after some churn)
-    chosen = torch.randperm(cache_blocks - 1, device="cuda")[: need - 1] + 1
-    kc[chosen] = torch.randn(len(chosen), BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc[chosen] = torch.randn(len(chosen), BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randperm(cache_blocks - 1, device="cuda", generator=g)[: need - 1] + 1
+    kc[chosen] = torch.randn(len(chosen), BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc[chosen] = torch.randn(len(chosen), BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device="cuda")
     off = 0
     for i, b in enumerate(blocks):
         table[i, :b] = chosen[off:off + b].int()
         off += b
-    q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lens) * q_len, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32) * q_len
     sl = torch.tensor(lens, device="cuda", dtype=torch.int32)
     return q, kc, vc, table, cu, sl
 
 
-def run(q, kc, vc, table, cu, sl, max_seq_len, warps, stages, splits=None):
-    old = A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES
-    A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = warps, stages
+def run(q, kc, vc, table, cu, sl, max_q, max_seq_len, warps=4, stages=3, splits=None, axis0=False):
+    old = A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0
+    A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0 = warps, stages, axis0, axis0
     try:
-        return A.paged_attention(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=1, max_seq_len=max_seq_len,
+        return A.paged_attention(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=max_q, max_seq_len=max_seq_len,
                                  decode_parallel_splits=splits)
     finally:
-        A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = old
+        A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0 = old
+
+
+# (label, layout, run kwargs)
+VARIANTS = [
+    ("tok w4s3", "tok", {}),
+    ("tok w4s4", "tok", {"stages": 4}),
+    ("tok axis0", "tok", {"axis0": True}),
+    ("head", "head", {}),
+    ("head axis0", "head", {"axis0": True}),
+    ("head axis0 s4", "head", {"axis0": True, "stages": 4}),
+    ("head axis0 w8", "head", {"axis0": True, "warps": 8}),
+    ("head axis0 w2", "head", {"axis0": True, "warps": 2}),
+    ("head ax0 split", "head", {"axis0": True, "splits": True}),
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--big-cache-gib", type=float, default=80.0)
+    ap.add_argument("--cache-gib", type=float, default=40.0)
     ap.add_argument("--contexts", default="512,528,640,768,mixed")
     args = ap.parse_args()
     n = args.num_seqs
     block_bytes = BS * HKV * D * 2 * 2  # k + v
-    big_blocks = int(args.big_cache_gib * 2**30 / block_bytes)
-    variants = [(4, 3, None), (4, 2, None), (4, 4, None), (8, 3, None), (8, 2, None), (2, 3, None), (4, 3, True)]
-    print(f"== decode attention, {n} seqs, H={H} Hkv={HKV} D={D} block {BS}; us (TB/s); bits vs default")
-    print(f"{'context':>8} {'cache':>7} " + " ".join(f"{f'w{w}s{s}' + ('+split' if sp else ''):>16}" for w, s, sp in variants))
+    cache_blocks = int(args.cache_gib * 2**30 / block_bytes)
+    print(f"== decode attention, {n} seqs, H={H} Hkv={HKV} D={D} block {BS}, blocks scattered over "
+          f"{args.cache_gib:.0f} GiB; us (TB/s); '!' = bits differ from the first column (must never appear)")
+    print(f"{'context':>8} " + " ".join(f"{v[0]:>16}" for v in VARIANTS))
     g = torch.Generator().manual_seed(0)
     for ctx in args.contexts.split(","):
-        if ctx == "mixed":
-            lens = torch.randint(513, 769, (n,), generator=g).tolist()
-        else:
-            lens = [int(ctx)] * n
-        for cache_name, cache_blocks in (("small", 0), ("big", big_blocks)):
-            q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks)
-            kv_bytes = sum(lens) * HKV * D * 2 * 2
-            ref = run(q, kc, vc, table, cu, sl, 784, 4, 3)
-            cells = []
-            for w, s, sp in variants:
-                out = run(q, kc, vc, table, cu, sl, 784, w, s, sp)
+        lens = torch.randint(513, 769, (n,), generator=g).tolist() if ctx == "mixed" else [int(ctx)] * n
+        kv_bytes = sum(lens) * HKV * D * 2 * 2
+        cells, ref = [], None
+        for layout in ("tok", "head"):
+            q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks, layout)
+            for label, lay, kw in VARIANTS:
+                if lay != layout:
+                    continue
+                out = run(q, kc, vc, table, cu, sl, 1, 784, **kw)
+                ref = out if ref is None else ref
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-                t = bench(lambda: run(q, kc, vc, table, cu, sl, 784, w, s, sp))
+                t = bench(lambda: run(q, kc, vc, table, cu, sl, 1, 784, **kw))
                 cells.append(f"{t:7.1f} ({kv_bytes / t / 1e6:4.2f}){'' if same else '!'}")
-            print(f"{ctx:>8} {cache_name:>7} " + " ".join(f"{c:>16}" for c in cells), flush=True)
             del q, kc, vc, table
             torch.cuda.empty_cache()
-    print("('!' = bits differ from the default launch: must never appear)")
+        print(f"{ctx:>8} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+    # prefill (32 x 512, one engine prefill chunk): layout and grid order must not cost here
+    print("\n== prefill 32 x 512 (us; TF/s)")
+    lens = [512] * 32
+    flops = 4 * 32 * 512 * 512 / 2 * H * D
+    ref = None
+    for layout in ("tok", "head"):
+        q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks, layout, q_len=512)
+        for axis0 in (False, True):
+            out = run(q, kc, vc, table, cu, sl, 512, 512, axis0=axis0)
+            ref = out if ref is None else ref
+            same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+            t = bench(lambda: run(q, kc, vc, table, cu, sl, 512, 512, axis0=axis0))
+            print(f"  {layout:>4} axis0={axis0!s:5} {t:8.1f} us {flops / t / 1e6:6.0f} TF/s{'' if same else '  BITS DIFFER'}")
+        del q, kc, vc, table
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBacke
 
 logger = logging.getLogger(__name__)
 
+# Physical KV cache layout: "token" ([blocks, block_size, heads, D]) or "head" (head-major,
+# see _new_cache). Speed only; benchmarks/kernels/decode_attention.py measures both.
+KV_CACHE_LAYOUT = os.environ.get("VLLM_PARITY_KV_LAYOUT", "token")
+
 
 @dataclass
 class StepHandle:
@@ -71,9 +75,8 @@ class ModelRunner:
             logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
         self.sampler = Sampler()
         self.num_blocks = self._decide_num_blocks()
-        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        self.k_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
+        self.v_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
         # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
         # per phase (benchmarks print it; off by default because syncs cost time).
@@ -138,6 +141,16 @@ class ModelRunner:
         # sampler's [B, V] temporaries and fragmentation.
         budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
+
+    def _new_cache(self, mc) -> torch.Tensor:
+        """One layer's K or V cache, logical shape [blocks, block_size, kv heads, head_dim].
+        KV_CACHE_LAYOUT "head" stores it head-major ([blocks, heads, block_size, D], each
+        head's slice of a block contiguous) behind a permuted view. Kernels take strides,
+        so the layout changes where bytes live, never a computed bit."""
+        nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
+        if KV_CACHE_LAYOUT == "head":
+            return torch.zeros((nb, h, bs, d), dtype=self.dtype, device=self.device).permute(0, 2, 1, 3)
+        return torch.zeros((nb, bs, h, d), dtype=self.dtype, device=self.device)
 
     def _mark(self, phase: str | None) -> None:
         if not self.profile:

@@ -1,0 +1,89 @@
+"""Paged KV-cache write: this step's K and V rows scattered into their cache slots.
+
+One Triton launch per layer writes both K and V (the torch reference is two indexed
+copies, which on the H200 cost ~350 us per layer for a 16k-token prefill chunk because
+the strided K/V views are first made contiguous). A pure copy: no arithmetic, so it
+cannot change a bit in any numerics mode; it only has to put every element where the
+reference puts it, which the tests check element for element.
+
+Caches have the logical shape [num_blocks, block_size, num_kv_heads, head_dim] and may
+be any strided view of it (e.g. a head-major [blocks, heads, block_size, D] buffer passed
+permuted); only head_dim must be contiguous.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU machines without triton
+    HAS_TRITON = False
+
+
+def cache_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """Reference: slot s = block * block_size + offset; row t goes to cache[block, offset].
+    Slots are >= 0 (the engine sends padding rows to the null block 0; the Triton kernel
+    also skips negative slots, a guard the reference does not need). No host sync."""
+    bs = k_cache.shape[1]
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        # token-major and contiguous: one index_copy_ per cache
+        k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1]).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = k.to(k_cache.dtype)
+    v_cache[blk, off] = v.to(v_cache.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _cache_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                         block_size,
+                         NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk = slot // block_size
+            off = slot % block_size
+            h = tl.arange(0, HEADS_POW2)[:, None]
+            d = tl.arange(0, HEAD_DIM)[None, :]
+            mask = h < NUM_HEADS
+            kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+            tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + h * stride_kch + d, kv, mask=mask)
+            vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+            tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + h * stride_vch + d, vv, mask=mask)
+
+
+def triton_supports(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Same dtype in and out (no conversion inside the copy), power-of-two head_dim,
+    head_dim contiguous everywhere."""
+    d = k.shape[-1]
+    return (HAS_TRITON and k.dim() == 3 and v.shape == k.shape and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+            and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and d >= 16 and d & (d - 1) == 0
+            and k_cache.shape[2:] == k.shape[1:]
+            and all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache)))
+
+
+def cache_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+    """The Triton write (CUDA, or CPU under TRITON_INTERPRET=1 in tests)."""
+    if not triton_supports(k, v, k_cache, v_cache):
+        raise ValueError("cache_kv_triton: k/v [T, H, D] and caches [blocks, block_size, H, D] of one dtype, "
+                         "power-of-two D, contiguous in D")
+    T, H, D = k.shape
+    if T == 0:
+        return
+    _cache_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[1],
+        NUM_HEADS=H, HEADS_POW2=triton.next_power_of_2(H), HEAD_DIM=D,
+        num_warps=4 if H * D >= 1024 else 1)
