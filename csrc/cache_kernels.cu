@@ -2,6 +2,8 @@
 // in ONE launch (the torch fallback is two index_copy_ calls per layer).
 // A pure copy: no arithmetic, so it cannot change bits in any numerics mode.
 #include <torch/library.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
