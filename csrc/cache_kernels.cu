@@ -4,8 +4,11 @@
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+// c10's stream/guard headers only: ATen/cuda/CUDAContext.h pulls in cuSPARSE/cuBLAS headers
+// that a bare CUDA toolkit may lack.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 namespace {
 
@@ -43,7 +46,7 @@ void cache_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row_elems, "cache_kv: cache row size mismatch");
   if (tokens == 0) return;
   const at::cuda::OptionalCUDAGuard guard(k.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const int threads = row_elems >= 1024 ? 1024 : static_cast<int>(row_elems);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "cache_kv", [&] {
     cache_kv_kernel<scalar_t><<<tokens, threads, 0, stream>>>(
