@@ -331,6 +331,32 @@ def test_cache_layout_and_grid_order_do_not_change_bits(impl, monkeypatch):
                 assert_same_bits(a, b, f"head_major={head_major} entry {i}")
 
 
+@pytest.mark.parametrize("max_query_len,decode_parallel", [(1 << 22, None), (1, True)])
+def test_kvh_axis0_grid_stays_within_launch_limits(monkeypatch, max_query_len, decode_parallel):
+    """Grid axes 1 and 2 hold at most 65535 programs on CUDA: the kv-heads-first order must
+    not move a long q-tile / split axis there (it falls back to the default order, which
+    computes the same bits). Only the launch grid is checked; the kernel is not run."""
+    grids = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(attn, "_paged_attn_kernel", _Recorder())
+    monkeypatch.setattr(attn, "_merge_splits_kernel", _Recorder())
+    monkeypatch.setattr(attn, "DECODE_KVH_AXIS0", True)
+    monkeypatch.setattr(attn, "PREFILL_KVH_AXIS0", True)
+    q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    kc = torch.zeros(2, 16, 1, 16, dtype=torch.bfloat16)
+    i32 = dict(dtype=torch.int32)
+    max_seq_len = max_query_len if decode_parallel is None else (1 << 16) * SPLIT + 1
+    attn.paged_attention_triton(q, kc, kc, torch.zeros(1, 1, **i32), torch.tensor([0, 1], **i32),
+                                torch.tensor([1], **i32), 1.0, max_query_len=max_query_len,
+                                max_seq_len=max_seq_len, kv_split_size=SPLIT, decode_parallel_splits=decode_parallel)
+    assert grids and all(max(g[1:]) <= 65535 for g in grids), grids
+
+
 def test_decode_parallel_vs_sequential_vs_prefill():
     """Parallel split decode (partials + merge kernel) == sequential split
     decode == prefill, for a batch with mixed lengths and padding rows, and

@@ -511,7 +511,9 @@ def paged_attention_triton(
         max_splits = 1
         ws_acc = ws_ml = out  # unused placeholders (never dereferenced)
         grid = (_cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    kvh_axis0 = DECODE_KVH_AXIS0 if is_decode else PREFILL_KVH_AXIS0
+    # Grid axes 1 and 2 hold at most 65535 programs (axis 0: 2**31 - 1): a q-tile / split
+    # axis too long for axis 2 keeps the default order (same bits, only speed differs).
+    kvh_axis0 = (DECODE_KVH_AXIS0 if is_decode else PREFILL_KVH_AXIS0) and grid[0] <= 65535
     if kvh_axis0:
         grid = (grid[2], grid[1], grid[0])
 
