@@ -487,8 +487,8 @@ class Sampler(torch.nn.Module):
             # scores = scaled + g with g = -log(-log(u)), computed in place as
             # scaled - log(-log(u)) (a - b is a + (-b) exactly): one pass fewer.
             if keep is None and FUSED_GUMBEL and device.type == "cuda":
-                # one pass instead of six over [B, V] (opt-in until its bits are checked
-                # on the GPU: tests/test_sampler.py::test_gpu_fused_gumbel_scores_bits)
+                # one pass instead of six over [B, V]; its scores equal the unfused path's
+                # bit for bit (tests/test_sampler.py::test_gpu_fused_gumbel_scores_bits)
                 sampled = gumbel_argmax(scaled, batch.seeds, batch.positions)
             else:
                 scores = uniform_noise(batch.seeds, batch.positions, vocab, device)
