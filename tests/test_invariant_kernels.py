@@ -130,6 +130,25 @@ def test_gpu_matmul_invariant_over_M(name, split_size=-1):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["o", "down"])
+def test_gpu_split_impls_agree(name):
+    """Under a fixed K split, every impl -- in particular "fixup", whose merge runs in
+    whichever program of a tile finishes last -- gives the same bits at every M, many
+    times over (arrival order changes between launches on the GPU)."""
+    K, N = QWEN3_8B_SHAPES[name]
+    torch.manual_seed(1)
+    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    full = invariant_matmul(x, w, split_size=2048, impl="partial", config=("partial", 128, 128, 64, 4, 4))
+    for M in (1, 7, 128, 256, 300, 2048):
+        for impl, cfg in (("plain", None), ("tma", None), ("fixup", ("fixup", 64, 64, 128, 4, 4)),
+                          ("fixup", ("fixup", 128, 128, 64, 8, 3))):
+            for _ in range(5 if impl == "fixup" else 1):
+                out = invariant_matmul(x[:M].clone(), w, split_size=2048, impl=impl, config=cfg)
+                assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} {cfg} M={M}"
+
+
+@pytest.mark.gpu
 def test_gpu_lm_head_fp32_invariant():
     torch.manual_seed(0)
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
@@ -198,10 +217,26 @@ def test_every_impl_gives_the_same_bits(split_size):
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
         plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("plainc", "tma", "tma2", "tmaf", "partial"):
+        for impl in ("plainc", "tma", "tma2", "tmaf", "partial", "fixup"):
             other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+
+
+def test_fixup_counters_reset_and_repeat():
+    """ "fixup" merges in whichever program of a tile arrives last: its tile counters must
+    be back at zero after every launch (CUDA-graph replays reuse them), and repeated
+    launches give the same bits as the merge-kernel impl."""
+    from vllm.kernels import matmul as mm
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(21, 80, generator=g).to(DEV)
+    w = torch.randn(40, 80, generator=g).to(DEV)
+    b = torch.randn(40, generator=g).to(DEV)
+    ref = invariant_matmul(x, w, b, impl="partial", split_size=32)
+    for _ in range(3):
+        out = invariant_matmul(x, w, b, impl="fixup", split_size=32)
+        assert torch.equal(bits(out), bits(ref))
+        assert int(mm._FIXUP_LOCKS[x.device].abs().sum()) == 0
 
 
 def test_k_split_merge_order():

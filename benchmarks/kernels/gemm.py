@@ -83,7 +83,7 @@ def candidates(M: int, policy) -> list[tuple]:
         return list(CANDIDATES[bucket(M)])
     out = []
     for tiles in SPLIT_TILES[bucket(M, SPLIT_TILES)]:
-        out += [("plain", *tiles), ("tma", *tiles)] + ([("partial", *tiles)] if M <= 512 else [])
+        out += [("plain", *tiles), ("tma", *tiles), ("fixup", *tiles)] + ([("partial", *tiles)] if M <= 512 else [])
     return out
 
 

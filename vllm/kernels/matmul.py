@@ -14,9 +14,10 @@ on the H200 and were not faster (benchmarks/NOTES.md, session 2).
 Several implementations compute exactly that order and are chosen by M only for
 speed (see IMPLS): "plain" (one program per output tile, all splits inside the
 program with a second register accumulator), the persistent Hopper TMA variants
-"tma" / "tma2" / "tmaf", "plainc" (plain in a 2-CTA cluster) and "partial" (one
+"tma" / "tma2" / "tmaf", "plainc" (plain in a 2-CTA cluster), "partial" (one
 program per (tile, split) writing a float32 partial, then a merge kernel summing
-the partials in ascending order). Tile shapes (BM, BN, BK, warps, stages) may
+the partials in ascending order) and "fixup" (the same programs, the merge done by
+whichever program of a tile finishes last, in the same ascending order). Tile shapes (BM, BN, BK, warps, stages) may
 follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives bit-identical
 results for every tile shape and impl tried (../shared/NOTES.md, two sweeps of
 ~1,500 candidates), and the start-up self-check (`vllm/kernels/selfcheck.py`)
@@ -142,6 +143,51 @@ def _merge_splits_kernel(ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
 
 
 @triton.jit
+def _split_fixup_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, lock_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+):
+    """Program (tile, s) computes split s's float32 partial into the tile's workspace; the
+    LAST of the tile's SPLITS programs to finish (an atomic count) merges all partials in
+    ascending order -- the order of every other impl, whoever arrives last -- adds the bias,
+    writes c and resets the tile's counter to 0 for the next launch. One launch, and the
+    partials are read back soon after they are written (mostly from L2)."""
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
+    part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak, stride_bn,
+                      stride_bk, BM, BN, BK, EVEN_K)
+    # workspace [tiles, SPLITS, BM, BN], dense (edge tiles store their zero rows/cols too)
+    offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    tile_ws = ws_ptr + tile.to(tl.int64) * (SPLITS * BM * BN)
+    tl.store(tile_ws + s * (BM * BN) + offs, part)
+    # The count is one thread's atomic: a CTA barrier first makes every thread's part of the
+    # partial performed before it; its release then publishes them GPU-wide, and its acquire
+    # (result shared with the CTA through another barrier) shows the last arriver every
+    # other program's partial -- the classic semaphore pattern (barrier, one-thread
+    # release; one-thread acquire, barrier).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        total = tl.load(tile_ws + offs, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
+        for j in tl.static_range(1, SPLITS):
+            total = total + tl.load(tile_ws + j * (BM * BN) + offs, cache_modifier=".cg")
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _tma_dot_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_lo, k_hi):
@@ -237,7 +283,10 @@ INTERPRET_CONFIGS: list[tuple] = [
 # flattened into the K loop (the pipeline keeps loading across tile boundaries);
 # "plainc": the plain kernel compiled for a cluster of 2 CTAs (Triton's num_ctas=2, which
 # splits each tile over the pair; a sweep candidate for decode-sized M).
-IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial")
+# "fixup": one program per (tile, split) like "partial", but the last program of a tile
+# to finish merges the partials (same ascending order) in the same launch: no merge
+# kernel, partials read back mostly from L2 (a sweep candidate for split policies).
+IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial", "fixup")
 
 
 def _interpreting() -> bool:
@@ -332,6 +381,22 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Per-device tile counters for "fixup": all zero between launches (each tile's last program
+# resets its own). Kernels on one stream never overlap, so one buffer serves every call.
+_FIXUP_LOCKS: dict = {}
+
+
+def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
+    buf = _FIXUP_LOCKS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # allocated inside a CUDA graph: zeroed by every replay, never cached
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _FIXUP_LOCKS[device] = buf
+    return buf
+
+
 def _normalize(config: tuple, impl: str | None) -> tuple:
     if isinstance(config[0], str):
         cfg_impl, *tiles = config
@@ -388,7 +453,15 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             # e.g. an fp32 epilogue tile too large for shared memory: the plain kernel
             # computes the same bits (raised before anything ran, so nothing is half-written)
             _TMA_TOO_BIG.add(too_big_key)
-    if impl == "partial" and splits > 1:
+    if impl == "fixup" and splits > 1:
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        ws = torch.empty((tiles, splits, bm, bn), dtype=torch.float32, device=x.device)
+        _split_fixup_kernel[(tiles, splits)](
+            a, weight, c, bias_arg, ws, _fixup_locks(x.device, tiles), M, N, K,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k, SPLITS=splits,
+            SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
+    elif impl == "partial" and splits > 1:
         ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
         _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
             a, weight, ws, M, N, K, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
