@@ -106,6 +106,20 @@ def _invariant_matmul_kernel(
 
 
 @triton.jit
+def _split_part(a_ptr, b_ptr, tile, s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                EVEN_K: tl.constexpr, SPLIT_STEPS: tl.constexpr):
+    """Rows, columns and float32 partial of output tile `tile` over K split `s`."""
+    pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
+    part = _dot_range(a_ptr, b_ptr, rm, rn, tl.arange(0, BK), M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak,
+                      stride_bn, stride_bk, BM, BN, BK, EVEN_K)
+    return rm, rn, part
+
+
+@triton.jit
 def _split_partial_kernel(
     a_ptr, b_ptr, ws_ptr,
     M, N, K,
@@ -114,14 +128,9 @@ def _split_partial_kernel(
     EVEN_K: tl.constexpr, SPLIT_STEPS: tl.constexpr,
 ):
     """Program (tile, s) writes split s's float32 partial of its tile to ws[s]."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BM, BN, GROUP_M)
     s = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
-    part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak, stride_bn,
-                      stride_bk, BM, BN, BK, EVEN_K)
+    rm, rn, part = _split_part(a_ptr, b_ptr, tl.program_id(0), s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                               BM, BN, BK, GROUP_M, EVEN_K, SPLIT_STEPS)
     ws_ptrs = ws_ptr + s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
     tl.store(ws_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -157,13 +166,8 @@ def _split_fixup_kernel(
     partials are read back soon after they are written (mostly from L2)."""
     tile = tl.program_id(0)
     s = tl.program_id(1)
-    pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
-    part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak, stride_bn,
-                      stride_bk, BM, BN, BK, EVEN_K)
+    rm, rn, part = _split_part(a_ptr, b_ptr, tile, s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                               BM, BN, BK, GROUP_M, EVEN_K, SPLIT_STEPS)
     # workspace [tiles, SPLITS, BM, BN], dense (edge tiles store their zero rows/cols too)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_ws = ws_ptr + tile.to(tl.int64) * (SPLITS * BM * BN)
