@@ -30,7 +30,7 @@ FAMILIES = [
     ("rope", r"rope|rotary"),
     ("act", r"silu|act_and_mul|swiglu"),
     ("sample", r"gumbel|softmax|sort|topk|argmax|exponential|noise|philox|logsumexp|cumsum|max"),
-    ("copy/index", r"copy|index|scatter|gather|cat|fill|memcpy|memset|elementwise"),
+    ("copy/index", r"copy|index|scatter|gather|cat|fill|memcpy|memset|elementwise|cache_kv"),
 ]
 
 
@@ -61,6 +61,9 @@ def profile(llm, prompts, sp) -> dict[str, tuple[float, int]]:
 
 def report(title: str, kernels: dict[str, tuple[float, int]], top: int) -> dict:
     total = sum(t for t, _ in kernels.values())
+    if total <= 0:
+        print(f"\n== {title}: no kernel time recorded")
+        return {"total_s": 0.0, "families": {}}
     fams: dict[str, float] = defaultdict(float)
     for name, (t, _) in kernels.items():
         fams[family(name)] += t
