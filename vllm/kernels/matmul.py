@@ -388,6 +388,7 @@ def _sm_count(index: int) -> int:
 # Per-device tile counters for "fixup": all zero between launches (each tile's last program
 # resets its own). Kernels on one stream never overlap, so one buffer serves every call.
 _FIXUP_LOCKS: dict = {}
+_FIXUP_LOCKS_RETIRED: list = []
 
 
 def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
@@ -396,6 +397,9 @@ def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # allocated inside a CUDA graph: zeroed by every replay, never cached
             return torch.zeros(tiles, dtype=torch.int32, device=device)
+        if buf is not None:
+            # a captured CUDA graph may still point at the smaller buffer: keep it alive
+            _FIXUP_LOCKS_RETIRED.append(buf)
         buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _FIXUP_LOCKS[device] = buf
     return buf
