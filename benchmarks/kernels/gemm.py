@@ -59,8 +59,9 @@ CANDIDATES = {
 SPLIT_TILES = {
     16: [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 64, 128, 4, 5)],
     128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 8, 3)],
-    512: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4)],
-    1 << 62: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4)],
+    512: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+          (128, 256, 64, 8, 3)],
+    1 << 62: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)],
 }
 
 
@@ -81,10 +82,10 @@ def policies_for(K: int, policies) -> list:
 def candidates(M: int, policy) -> list[tuple]:
     if policy is None:
         return list(CANDIDATES[bucket(M)])
-    out = []
-    for tiles in SPLIT_TILES[bucket(M, SPLIT_TILES)]:
-        out += [("plain", *tiles), ("tma", *tiles), ("fixup", *tiles)] + ([("partial", *tiles)] if M <= 512 else [])
-    return out
+    # workspace impls (fixup, partial) only where their float32 partials are small
+    impls = ("plain", "tma", "fixup", "partial") if M <= 512 else ("plain", "tma", "fixup") if M <= 1024 \
+        else ("plain", "tma", "tmaf")
+    return [(impl, *tiles) for tiles in SPLIT_TILES[bucket(M, SPLIT_TILES)] for impl in impls]
 
 
 def sweep_jobs(shapes, ms, policies) -> list[tuple]:
