@@ -1,0 +1,119 @@
+"""Is cuBLASLt without split-K a batch-invariant GEMM with our Triton kernel's bits?
+
+torch >= 2.10 can forbid cuBLASLt every reduction scheme (`allow_bf16_reduced_precision_reduction
+= (False, False)` sets CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK to NONE) when cuBLASLt is the
+preferred backend. A GEMM that accumulates each output over K in one sequence of MMA steps
+then has no reason to depend on M. This script measures, on Qwen3-8B's shapes:
+
+* bits: cuBLASLt-nosplit rows for M in 1..16384 against (a) its own M=max rows and (b) our
+  invariant Triton kernel (`invariant_matmul`), bit patterns compared;
+* speed inside CUDA graphs (as decode runs them): cuBLAS default (fast mode), cuBLASLt-nosplit
+  and ours (shipped table), weights rotated beyond L2.
+
+    python benchmarks/kernels/cublas_nosplit.py [--shapes qkv,o] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gemm import SHAPES, bench_graph  # noqa: E402
+
+from vllm.kernels.matmul import invariant_matmul  # noqa: E402
+
+BIT_MS = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 48, 64, 96, 127, 128, 160, 192, 200, 255, 256, 300, 384, 511, 512,
+          640, 768, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 16384]
+TIME_MS = [16, 64, 128, 256, 512, 1024, 4096, 16384]
+
+
+@contextlib.contextmanager
+def nosplit():
+    lib = torch.backends.cuda.preferred_blas_library()
+    red = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = red
+        torch.backends.cuda.preferred_blas_library(lib)
+
+
+def lt_mm(x, w, out_dtype):
+    with nosplit():
+        if out_dtype == torch.float32:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return torch.mm(x, w.t())
+
+
+def bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    print("torch", torch.__version__, "cublas", torch.backends.cuda.preferred_blas_library(),
+          "bf16 reduction", torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, flush=True)
+    torch.manual_seed(0)
+    rows = []
+    for name in args.shapes.split(","):
+        K, N = SHAPES[name]
+        out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+        max_m = 4096 if name == "lm_head" else 16384
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+        x = torch.randn(max_m, K, device="cuda", dtype=torch.bfloat16)
+        try:
+            full_lt = lt_mm(x, w, out_dtype)
+        except Exception as err:  # noqa: BLE001
+            print(f"{name}: cuBLASLt nosplit failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+            continue
+        full_ours = invariant_matmul(x, w, out_dtype=out_dtype)
+        full_default = F.linear(x, w)
+        row = {"shape": name, "K": K, "N": N, "self_equal": {}, "ours_equal": {}, "default_equal": {},
+               "lt_full_eq_ours": bool(torch.equal(bits(full_lt), bits(full_ours)))}
+        for M in BIT_MS:
+            if M > max_m:
+                continue
+            o = lt_mm(x[:M].clone(), w, out_dtype)
+            row["self_equal"][M] = bool(torch.equal(bits(o), bits(full_lt[:M])))
+            row["ours_equal"][M] = bool(torch.equal(bits(o), bits(full_ours[:M])))
+            d = F.linear(x[:M].clone(), w)
+            row["default_equal"][M] = bool(torch.equal(bits(d), bits(full_default[:M])))
+        bad_self = [m for m, ok in row["self_equal"].items() if not ok]
+        bad_ours = [m for m, ok in row["ours_equal"].items() if not ok]
+        bad_def = [m for m, ok in row["default_equal"].items() if not ok]
+        print(f"{name:8s} bits: nosplit rows vary with M at {bad_self or 'none'}; "
+              f"nosplit != ours at {bad_ours or 'none'}; cuBLAS default varies at {bad_def or 'none'}", flush=True)
+        ws = [w] + [w.clone() for _ in range(min(3, int(128e6 // w.nbytes)))]
+        row["time"] = {}
+        for M in TIME_MS:
+            if M > max_m:
+                continue
+            xm = x[:M].clone()
+            reps = max(2, min(8, int(1e9 // (M * N * out_dtype.itemsize))))
+            t_def = bench_graph(lambda i: F.linear(xm, ws[i % len(ws)]), reps)
+            t_lt = bench_graph(lambda i: lt_mm(xm, ws[i % len(ws)], out_dtype), reps)
+            t_ours = bench_graph(lambda i: invariant_matmul(xm, ws[i % len(ws)], out_dtype=out_dtype), reps)
+            row["time"][M] = (t_def, t_lt, t_ours)
+            print(f"{name:8s} M={M:6d} graphs: cuBLAS default {t_def:8.1f} us  nosplit {t_lt:8.1f} "
+                  f"(x{t_def / t_lt:.2f})  ours {t_ours:8.1f} (x{t_def / t_ours:.2f})  nosplit/ours x{t_ours / t_lt:.2f}",
+                  flush=True)
+        del ws
+        rows.append(row)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
