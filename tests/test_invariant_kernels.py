@@ -149,6 +149,46 @@ def test_gpu_split_impls_agree(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES) + ["lm_head"])
+def test_gpu_cublaslt_nosplit_equals_triton(name):
+    """cuBLASLt with split-K forbidden computes our Triton kernel's bits at every M (its
+    heuristic picks a kernel per M), from an offset 16-byte aligned view too, and inside a
+    CUDA graph; the global cuBLAS settings are back as they were after each call."""
+    from vllm.kernels import matmul as mm
+    assert mm.cublaslt_nosplit_supported(), "torch cannot forbid cuBLASLt split-K here"
+    K, N = {**QWEN3_8B_SHAPES, "lm_head": (4096, 151936)}[name]
+    out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+    torch.manual_seed(2)
+    x = torch.randn(1024, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    ref = invariant_matmul(x, w, out_dtype=out_dtype, impl="plain")
+    before = _blas_state()
+    for M in (1, 2, 5, 16, 33, 64, 100, 128, 200, 256, 300, 512, 777, 1024):
+        out = invariant_matmul(x[:M].clone(), w, out_dtype=out_dtype, impl="cublaslt")
+        assert torch.equal(bits(out), bits(ref[:M])), f"{name} M={M}"
+    assert _blas_state() == before
+    buf = torch.empty(256 * K + 8, device="cuda", dtype=torch.bfloat16)
+    view = buf[8:8 + 256 * K].view(256, K)
+    view.copy_(x[:256])
+    assert mm._cublaslt_takes(view, w, None, out_dtype)
+    assert torch.equal(bits(invariant_matmul(view, w, out_dtype=out_dtype, impl="cublaslt")), bits(ref[:256]))
+    xs = x[:256].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        invariant_matmul(xs, w, out_dtype=out_dtype, impl="cublaslt")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = invariant_matmul(xs, w, out_dtype=out_dtype, impl="cublaslt")
+    xs.copy_(x[256:512])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(captured), bits(ref[256:512]))
+    assert _blas_state() == before
+
+
+@pytest.mark.gpu
 def test_gpu_lm_head_fp32_invariant():
     torch.manual_seed(0)
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
@@ -217,10 +257,51 @@ def test_every_impl_gives_the_same_bits(split_size):
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
         plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("plainc", "tma", "tma2", "tmaf", "partial", "fixup"):
+        for impl in ("plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt"):
             other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+
+
+def _blas_state():
+    return (torch._C._get_blas_preferred_backend(), torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
+            torch._C._get_cublas_allow_fp16_reduced_precision_reduction())
+
+
+def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
+    """impl "cublaslt" takes only what cuBLASLt-nosplit can run (CUDA, no bias, aligned rows);
+    everything else runs the entry's tiles in Triton (same bits). The process-global cuBLAS
+    settings it switches are restored after every call, also when the GEMM raises."""
+    from vllm.kernels import matmul as mm
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 48, generator=g).to(DEV)
+    w = torch.randn(20, 48, generator=g).to(DEV)
+    b = torch.randn(20, generator=g).to(DEV)
+    before = _blas_state()
+    for bias in (None, b):
+        assert torch.equal(bits(invariant_matmul(x, w, bias, impl="cublaslt")), bits(invariant_matmul(x, w, bias)))
+    assert not mm._cublaslt_takes(x.cpu(), w.cpu(), None, x.dtype)
+    assert not mm._cublaslt_takes(x, w, b, x.dtype)
+    assert _blas_state() == before
+
+    # the switch itself, on CPU tensors (a CPU torch cannot select cuBLASLt: a stand-in records it)
+    backend = {"now": "default"}
+    monkeypatch.setattr(torch._C, "_get_blas_preferred_backend", lambda: backend["now"])
+    monkeypatch.setattr(torch._C, "_set_blas_preferred_backend", lambda b: backend.update(now=b))
+    seen = []
+    real_mm = torch.mm
+
+    def spy_mm(*args, **kwargs):
+        seen.append((backend["now"], torch._C._get_cublas_allow_bf16_reduced_precision_reduction()))
+        return real_mm(*args, **kwargs)
+    monkeypatch.setattr(torch, "mm", spy_mm)
+    xb, wb = x.cpu().bfloat16(), w.cpu().bfloat16()
+    assert torch.equal(bits(mm._cublaslt_matmul(xb, wb, torch.bfloat16)), bits(xb @ wb.t()))
+    assert seen == [(torch._C._BlasBackend.Cublaslt, (False, False))]
+    with pytest.raises(RuntimeError):
+        mm._cublaslt_matmul(xb, wb[:, :40], torch.bfloat16)  # shapes do not match: raises inside
+    assert backend["now"] == "default"
+    assert _blas_state()[1:] == before[1:]
 
 
 def test_fixup_counters_reset_and_repeat():

@@ -65,7 +65,8 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
                            "k_split_size": matmul.K_SPLIT_SIZE, "split_merge": "float32, ascending, p0 first",
                            "accumulate": "float32", "k_order": "ascending",
                            "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
-                           "tuned_tables_sha256": matmul.tuned_tables_digest()}
+                           "tuned_tables_sha256": matmul.tuned_tables_digest(),
+                           "cublaslt": _cublaslt_policy(matmul)}
                           if gpu else {"kernel": "torch F.linear one row at a time", "accumulate": "backend"})
         policy["norm"] = "triton one row per program, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"
@@ -81,6 +82,15 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
     }
     policy["block_size_affects_bits"] = False
     return policy
+
+
+def _cublaslt_policy(matmul) -> dict | None:
+    """cuBLASLt serves some M buckets (impl "cublaslt") with split-K forbidden: its version
+    and that rule are bits-relevant, so they are named (None: the tables never use it)."""
+    if not any(e[1] == "cublaslt" for table in matmul.tuned_tables().values() for e in table):
+        return None
+    return {"reduction_scheme": "NONE (no split-K): one float32 MMA sequence along K",
+            "available": matmul.cublaslt_nosplit_supported(), "version": matmul.cublaslt_version()}
 
 
 @dataclass

@@ -10,7 +10,14 @@ then has no reason to depend on M. This script measures, on Qwen3-8B's shapes:
 * speed inside CUDA graphs (as decode runs them): cuBLAS default (fast mode), cuBLASLt-nosplit
   and ours (shipped table), weights rotated beyond L2.
 
+With --scan it times, at many M, our shipped table against the same table entry run as
+impl "cublaslt" (inside CUDA graphs), checks their bits are equal, and with --write-table
+rewrites this device's tuned table: an M bucket switches to "cublaslt" (its tiles kept as
+the Triton fallback) where cuBLASLt-nosplit is faster at every scanned M of the bucket
+(none below 0.97x, mean at least 1.03x) and equal in bits at all of them.
+
     python benchmarks/kernels/cublas_nosplit.py [--shapes qkv,o] [--json-out F]
+    python benchmarks/kernels/cublas_nosplit.py --scan --write-table vllm/kernels/tuned/gemm_h200.json
 """
 from __future__ import annotations
 
@@ -26,11 +33,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from gemm import SHAPES, bench_graph  # noqa: E402
 
+from vllm.kernels import matmul  # noqa: E402
 from vllm.kernels.matmul import invariant_matmul  # noqa: E402
 
 BIT_MS = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 48, 64, 96, 127, 128, 160, 192, 200, 255, 256, 300, 384, 511, 512,
           640, 768, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 16384]
 TIME_MS = [16, 64, 128, 256, 512, 1024, 4096, 16384]
+SCAN_MS = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 288, 320, 384, 448, 512, 640,
+           768, 1024, 1536, 2048, 4096, 8192, 16384]
 
 
 @contextlib.contextmanager
@@ -57,11 +67,73 @@ def bits(t):
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
+def scan(names: list[str], write_table: str | None, json_out: str | None) -> None:
+    """Per (shape, M): shipped table vs the same entry as "cublaslt", in graphs; then the
+    bucket rule of the module docstring, applied to the tuned table."""
+    torch.manual_seed(0)
+    tables = matmul.tuned_tables()
+    result = {}
+    new_shapes = {k: [list(e) for e in v] for k, v in tables.items()}
+    for name in names:
+        K, N = SHAPES[name]
+        key = f"{K},{N}"
+        out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+        max_m = 4096 if name == "lm_head" else 16384
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+        x = torch.randn(max_m, K, device="cuda", dtype=torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(min(3, int(128e6 // w.nbytes)))]
+        points = []
+        for M in [m for m in SCAN_MS if m <= max_m]:
+            xm = x[:M].clone()
+            cfg = matmul.pick_config(M, N, K, fp32_out=out_dtype == torch.float32)
+            lt_cfg = ("cublaslt", *cfg[1:])
+            same = torch.equal(bits(invariant_matmul(xm, w, out_dtype=out_dtype, config=cfg)),
+                               bits(invariant_matmul(xm, w, out_dtype=out_dtype, config=lt_cfg)))
+            reps = max(2, min(8, int(1e9 // (M * N * out_dtype.itemsize))))
+            t_ours = bench_graph(lambda i: invariant_matmul(xm, ws[i % len(ws)], out_dtype=out_dtype, config=cfg), reps)
+            t_lt = bench_graph(lambda i: invariant_matmul(xm, ws[i % len(ws)], out_dtype=out_dtype, config=lt_cfg),
+                               reps)
+            points.append((M, t_ours, t_lt, same))
+            print(f"scan {name:8s} M={M:6d} table {cfg[0]:6s} {t_ours:8.1f} us  cublaslt {t_lt:8.1f} us  "
+                  f"x{t_ours / t_lt:.2f}  bits {'equal' if same else 'DIFFER'}", flush=True)
+        result[name] = points
+        del ws
+        if key not in new_shapes:
+            continue
+        lo = 0
+        for entry in new_shapes[key]:
+            hi = entry[0]
+            inside = [(t_o / t_l, same) for M, t_o, t_l, same in points if lo < M <= hi]
+            if inside and all(same for _, same in inside):
+                ratios = [r for r, _ in inside]
+                if min(ratios) >= 0.97 and sum(ratios) / len(ratios) >= 1.03 and entry[1] != "cublaslt":
+                    print(f"  {name} M in ({lo}, {hi}]: {entry[1]} -> cublaslt "
+                          f"(x{min(ratios):.2f}..x{max(ratios):.2f} over {len(ratios)} M)", flush=True)
+                    entry[1] = "cublaslt"
+            lo = hi
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    if write_table:
+        with open(write_table) as f:
+            data = json.load(f)
+        data["shapes"] = new_shapes
+        data["cublaslt_rule"] = ("bucket -> cublaslt where cuBLASLt-nosplit is bit-equal and faster at every scanned M "
+                                 "(min >= 0.97x, mean >= 1.03x), benchmarks/kernels/cublas_nosplit.py --scan")
+        with open(write_table, "w") as f:
+            json.dump(data, f, indent=1)
+        print("wrote", write_table, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--scan", action="store_true")
+    ap.add_argument("--write-table", default=None)
     args = ap.parse_args()
+    if args.scan:
+        return scan(args.shapes.split(","), args.write_table, args.json_out)
     print("torch", torch.__version__, "cublas", torch.backends.cuda.preferred_blas_library(),
           "bf16 reduction", torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, flush=True)
     torch.manual_seed(0)

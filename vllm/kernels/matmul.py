@@ -17,7 +17,11 @@ program with a second register accumulator), the persistent Hopper TMA variants
 "tma" / "tma2" / "tmaf", "plainc" (plain in a 2-CTA cluster), "partial" (one
 program per (tile, split) writing a float32 partial, then a merge kernel summing
 the partials in ascending order) and "fixup" (the same programs, the merge done by
-whichever program of a tile finishes last, in the same ascending order). Tile shapes (BM, BN, BK, warps, stages) may
+whichever program of a tile finishes last, in the same ascending order), and "cublaslt":
+cuBLASLt with every reduction scheme forbidden (no split-K, so one sequence of MMA steps
+along K per output), which on the H200 gives exactly the Triton kernels' bits at every M
+(benchmarks/kernels/cublas_nosplit.py; checked again at start-up and in the GPU tests)
+and is faster at mid M, where cuBLAS's own tiles beat ours. Tile shapes (BM, BN, BK, warps, stages) may
 follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives bit-identical
 results for every tile shape and impl tried (../shared/NOTES.md, two sweeps of
 ~1,500 candidates), and the start-up self-check (`vllm/kernels/selfcheck.py`)
@@ -290,7 +294,9 @@ INTERPRET_CONFIGS: list[tuple] = [
 # "fixup": one program per (tile, split) like "partial", but the last program of a tile
 # to finish merges the partials (same ascending order) in the same launch: no merge
 # kernel, partials read back mostly from L2 (a sweep candidate for split policies).
-IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial", "fixup")
+# "cublaslt": cuBLASLt with split-K forbidden (see _cublaslt_matmul); the entry's tiles are
+# the Triton fallback for inputs it does not take (bias, unaligned, non-CUDA, old torch).
+IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt")
 
 
 def _interpreting() -> bool:
@@ -380,6 +386,16 @@ def _num_programs(device: torch.device) -> int:
     return 4
 
 
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -403,6 +419,71 @@ def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
         buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _FIXUP_LOCKS[device] = buf
     return buf
+
+
+# ---- cuBLASLt without split-K ------------------------------------------------------------------
+# torch >= 2.10 lets a caller forbid cuBLASLt every split-K reduction scheme
+# (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False) sets
+# CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK to NONE on the cuBLASLt path). Every output is
+# then one float32 sequence of MMA steps along K, whatever tile cuBLAS picks for M: measured
+# bit-identical to our Triton kernels for Qwen3-8B's shapes at M = 1..16384 on the H200.
+# The settings are process-global, so they are switched on around our call only (read on
+# the host when the GEMM is launched or captured into a CUDA graph) and restored after.
+_LT_REDUCTION = {torch.bfloat16: ("_get_cublas_allow_bf16_reduced_precision_reduction",
+                                  "_set_cublas_allow_bf16_reduced_precision_reduction"),
+                 torch.float16: ("_get_cublas_allow_fp16_reduced_precision_reduction",
+                                 "_set_cublas_allow_fp16_reduced_precision_reduction")}
+
+
+@functools.lru_cache(maxsize=None)
+def cublaslt_nosplit_supported() -> bool:
+    """Whether this torch can forbid cuBLASLt's split-K (the setter takes allow_splitk)."""
+    if os.environ.get("VLLM_PARITY_CUBLASLT", "1") == "0":
+        return False
+    try:
+        for getter, setter in _LT_REDUCTION.values():
+            state = getattr(torch._C, getter)()
+            if not isinstance(state, tuple) or len(state) != 2:
+                return False
+            getattr(torch._C, setter)(*state)  # the two-argument form exists
+        return hasattr(torch._C, "_set_blas_preferred_backend") and hasattr(torch._C._BlasBackend, "Cublaslt")
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
+def cublaslt_version() -> int | None:
+    """cuBLASLt's version number (part of the contract where the impl is used)."""
+    try:
+        import ctypes
+        import glob
+        import nvidia.cublas  # the wheel torch loads its cuBLAS from
+        libs = glob.glob(os.path.join(list(nvidia.cublas.__path__)[0], "lib", "libcublasLt.so*"))
+        return int(ctypes.CDLL(libs[0]).cublasLtGetVersion()) if libs else None
+    except Exception:  # noqa: BLE001 -- a version we cannot read is reported as None
+        return None
+
+
+def _cublaslt_takes(a: torch.Tensor, weight: torch.Tensor, bias, out_dtype: torch.dtype) -> bool:
+    return (a.is_cuda and bias is None and a.dtype in _LT_REDUCTION and weight.dtype == a.dtype
+            and out_dtype in (a.dtype, torch.float32) and a.stride(-1) == 1 and weight.stride(-1) == 1
+            and a.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (a.stride(0) * a.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
+            and cublaslt_nosplit_supported())
+
+
+def _cublaslt_matmul(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    getter, setter = _LT_REDUCTION[a.dtype]
+    backend = torch._C._get_blas_preferred_backend()
+    reduction = getattr(torch._C, getter)()
+    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
+    getattr(torch._C, setter)(False, False)
+    try:
+        if out_dtype == a.dtype:
+            return torch.mm(a, weight.t())
+        return torch.mm(a, weight.t(), out_dtype=out_dtype)
+    finally:
+        getattr(torch._C, setter)(*reduction)
+        torch._C._set_blas_preferred_backend(backend)
 
 
 def _normalize(config: tuple, impl: str | None) -> tuple:
@@ -430,13 +511,18 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     lead = x.shape[:-1]
     a = x.reshape(-1, K)
     M = a.shape[0]
-    c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
     if M == 0:
-        return c.reshape(*lead, N)
-    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K, fp32_out=c.dtype == torch.float32),
+        return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
+    impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K, fp32_out=out_dtype == torch.float32),
                                                  impl)
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
+    if impl == "cublaslt":
+        if splits == 1 and _cublaslt_takes(a, weight, bias, out_dtype):
+            return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
+        impl = "tma" if _is_hopper_or_newer(a.device) else "plain"  # the entry's tiles, same bits
+    c = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if splits > 1 and ks % bk:
         if config is not None or math.gcd(bk, ks) < 16:
             raise ValueError(f"K split size {ks} must be a multiple of the K tile {bk}")

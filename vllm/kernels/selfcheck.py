@@ -9,9 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels import matmul
 from vllm.kernels.matmul import invariant_matmul
 
 CHECK_MS = (1, 2, 3, 16, 17, 33, 64, 65, 128, 129, 256, 257, 1024)
+# M buckets served by cuBLASLt (impl "cublaslt") pick their kernel by cuBLAS's heuristic per
+# M, not by our table: those buckets are checked at every LT_STRIDE-th M and at both ends.
+LT_STRIDE = 8
+
+
+def _check_ms(N: int, K: int, fp32_out: bool, max_m: int) -> list[int]:
+    ms = {m for m in CHECK_MS if m <= max_m}
+    lo = 0
+    for hi, impl, *_ in matmul.config_table(N, K, fp32_out):
+        if impl == "cublaslt":
+            top = min(hi, max_m)
+            ms.update(range(lo + 1, top + 1, LT_STRIDE))
+            ms.update(m for m in (lo + 1, top) if lo < m <= top)
+        lo = hi
+    return sorted(ms) or [1]
 
 
 class SelfCheckError(RuntimeError):
@@ -37,14 +53,21 @@ def model_gemm_shapes(model: torch.nn.Module) -> list[tuple[str, int, int, bool]
 @torch.inference_mode()
 def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_m: int = 1024) -> dict:
     gen = torch.Generator(device=device).manual_seed(1234)
-    ms = [m for m in CHECK_MS if m <= max_m] or [1]
     report = {}
     for name, K, N, fp32_out in model_gemm_shapes(model):
+        ms = _check_ms(N, K, fp32_out, max_m)
         w = dict(model.named_modules())[name].weight
         x = torch.randn(max(ms), K, generator=gen, device=device).to(dtype)
         out_dtype = torch.float32 if fp32_out else dtype
         full = invariant_matmul(x, w, out_dtype=out_dtype)
         view = torch.int32 if out_dtype == torch.float32 else torch.int16
+        if device.type == "cuda":
+            # every impl the table may use computes the same bits: the Triton kernel, with
+            # the table's tiles, is the reference for cuBLASLt and for itself
+            triton_full = invariant_matmul(x, w, out_dtype=out_dtype, impl="plain")
+            if not torch.equal(triton_full.view(view), full.view(view)):
+                raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}) at M={max(ms)}: "
+                                     "the table's kernel and the Triton kernel give different bits")
         for m in ms:
             part = invariant_matmul(x[:m].clone(), w, out_dtype=out_dtype)
             if not torch.equal(part.view(view), full[:m].view(view)):
