@@ -284,6 +284,20 @@ def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
     assert not mm._cublaslt_takes(x, w, b, x.dtype)
     assert _blas_state() == before
 
+    # cuBLASLt refusing a problem (torch raises before launching): Triton, remembered
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise RuntimeError("no cuBLASLt algorithm")
+    monkeypatch.setattr(mm, "_cublaslt_takes", lambda *args: True)
+    monkeypatch.setattr(mm, "_cublaslt_matmul", refuse)
+    monkeypatch.setattr(mm, "_LT_REFUSED", set())
+    for _ in range(2):
+        assert torch.equal(bits(invariant_matmul(x, w, impl="cublaslt")), bits(invariant_matmul(x, w)))
+    assert len(calls) == 1 and len(mm._LT_REFUSED) == 1
+    monkeypatch.undo()
+
     # the switch itself, on CPU tensors (a CPU torch cannot select cuBLASLt: a stand-in records it)
     backend = {"now": "default"}
     monkeypatch.setattr(torch._C, "_get_blas_preferred_backend", lambda: backend["now"])
@@ -302,6 +316,22 @@ def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
         mm._cublaslt_matmul(xb, wb[:, :40], torch.bfloat16)  # shapes do not match: raises inside
     assert backend["now"] == "default"
     assert _blas_state()[1:] == before[1:]
+
+
+def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
+    """Buckets served by cuBLASLt pick their kernel by cuBLAS's heuristic per M: the
+    start-up self-check visits every LT_STRIDE-th M of them and both ends."""
+    from vllm.kernels import matmul as mm
+    from vllm.kernels import selfcheck
+    table = [(16, "plain", 16, 32, 64, 4, 3), (256, "cublaslt", 64, 64, 64, 4, 3), (1 << 62, "tma", 128, 128, 64, 8, 3)]
+    monkeypatch.setattr(mm, "config_table", lambda *args, **kw: table)
+    ms = selfcheck._check_ms(4096, 4096, False, 1024)
+    assert set(selfcheck.CHECK_MS) <= set(ms)
+    assert {17, 17 + selfcheck.LT_STRIDE, 256} <= set(ms)
+    assert all(m in ms for m in range(17, 257, selfcheck.LT_STRIDE))
+    assert max(ms) == 1024
+    assert 300 not in ms  # tma bucket: table tiles, checked at CHECK_MS only
+    assert max(selfcheck._check_ms(4096, 4096, False, 100)) == 100
 
 
 def test_fixup_counters_reset_and_repeat():

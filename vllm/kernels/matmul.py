@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -471,19 +472,27 @@ def _cublaslt_takes(a: torch.Tensor, weight: torch.Tensor, bias, out_dtype: torc
             and cublaslt_nosplit_supported())
 
 
+# One lock for the switch: two of our threads interleaving set/restore could otherwise
+# restore the defaults under the other's GEMM (split-K allowed again: other bits).
+_LT_LOCK = threading.Lock()
+# (M, N, K, dtypes) that cuBLASLt refused (torch raises before launching anything): Triton
+_LT_REFUSED: set = set()
+
+
 def _cublaslt_matmul(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     getter, setter = _LT_REDUCTION[a.dtype]
-    backend = torch._C._get_blas_preferred_backend()
-    reduction = getattr(torch._C, getter)()
-    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
-    getattr(torch._C, setter)(False, False)
-    try:
-        if out_dtype == a.dtype:
-            return torch.mm(a, weight.t())
-        return torch.mm(a, weight.t(), out_dtype=out_dtype)
-    finally:
-        getattr(torch._C, setter)(*reduction)
-        torch._C._set_blas_preferred_backend(backend)
+    with _LT_LOCK:
+        backend = torch._C._get_blas_preferred_backend()
+        reduction = getattr(torch._C, getter)()
+        torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
+        try:
+            getattr(torch._C, setter)(False, False)
+            if out_dtype == a.dtype:
+                return torch.mm(a, weight.t())
+            return torch.mm(a, weight.t(), out_dtype=out_dtype)
+        finally:
+            getattr(torch._C, setter)(*reduction)
+            torch._C._set_blas_preferred_backend(backend)
 
 
 def _normalize(config: tuple, impl: str | None) -> tuple:
@@ -519,8 +528,14 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
     if impl == "cublaslt":
-        if splits == 1 and _cublaslt_takes(a, weight, bias, out_dtype):
-            return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
+        refused_key = (M, N, K, a.dtype, out_dtype)
+        if splits == 1 and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
+            try:
+                return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
+            except RuntimeError:
+                # e.g. no cuBLASLt algorithm for this problem: torch then wants plain cuBLAS,
+                # which cannot forbid split-K, and raises before launching anything
+                _LT_REFUSED.add(refused_key)
         impl = "tma" if _is_hopper_or_newer(a.device) else "plain"  # the entry's tiles, same bits
     c = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if splits > 1 and ks % bk:
