@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
-# short summary last. Select parts with STEPS (default: all but csrc, overhead and
-# kernels), e.g.
+# short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead
+# and kernels), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -46,6 +46,13 @@ if has gemm; then
   timeout "${GEMM_TIMEOUT:-300}" python benchmarks/kernels/gemm.py ${GEMM_ARGS:-} --json-out "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
   tail -22 "$OUT/gemm.log"
 fi
+if has nosplit; then
+  # cuBLASLt with split-K forbidden: rows vs M, bits vs our Triton kernel, speed in graphs
+  echo "== cuBLASLt nosplit ($SECONDS s)"
+  timeout "${NOSPLIT_TIMEOUT:-240}" python benchmarks/kernels/cublas_nosplit.py ${NOSPLIT_ARGS:-} \
+    --json-out "$OUT/nosplit.json" >"$OUT/nosplit.log" 2>&1
+  grep -E "bits:|graphs:|cublaslt \(|wrote" "$OUT/nosplit.log" | tail -50
+fi
 if has overhead; then
   echo "== launch overhead ($SECONDS s)"
   timeout 120 python benchmarks/kernels/launch_overhead.py >"$OUT/overhead.log" 2>&1
@@ -85,6 +92,7 @@ echo "================ summary (${SECONDS} s) ================"
 has csrc && echo "csrc: $(tail -1 "$OUT/csrc.log")"
 has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
+has nosplit && grep -E "bits:" "$OUT/nosplit.log"
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"

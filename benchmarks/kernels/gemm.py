@@ -81,7 +81,10 @@ def policies_for(K: int, policies) -> list:
 
 def candidates(M: int, policy) -> list[tuple]:
     if policy is None:
-        return list(CANDIDATES[bucket(M)])
+        # cuBLASLt-nosplit (same bits; its tiles are only the Triton fallback's) competes too,
+        # so a re-derived table keeps it where it wins
+        first = CANDIDATES[bucket(M)][0]
+        return list(CANDIDATES[bucket(M)]) + [("cublaslt", *first[1:])]
     # workspace impls (fixup, partial) only where their float32 partials are small
     impls = ("plain", "tma", "fixup", "partial") if M <= 512 else ("plain", "tma", "fixup") if M <= 1024 \
         else ("plain", "tma", "tmaf")
