@@ -161,17 +161,38 @@ def test_gpu_cublaslt_nosplit_equals_triton(name):
     torch.manual_seed(2)
     x = torch.randn(1024, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    big = 1024 if name == "lm_head" else 8192  # prefill steps reach the engine's token budget
+    x = torch.randn(big, K, device="cuda", dtype=torch.bfloat16)
     ref = invariant_matmul(x, w, out_dtype=out_dtype, impl="plain")
     before = _blas_state()
-    for M in (1, 2, 5, 16, 33, 64, 100, 128, 200, 256, 300, 512, 777, 1024):
-        out = invariant_matmul(x[:M].clone(), w, out_dtype=out_dtype, impl="cublaslt")
-        assert torch.equal(bits(out), bits(ref[:M])), f"{name} M={M}"
+    mm._LT_REFUSED.clear()
+    calls = []
+    real = mm._cublaslt_matmul
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+    mm._cublaslt_matmul = counted
+    try:
+        ms = (1, 2, 5, 16, 33, 64, 100, 128, 200, 256, 300, 512, 777, 1024, 1025, 2048, 3000, 4096, 5000, 8192)
+        for M in [m for m in ms if m <= big]:
+            out = invariant_matmul(x[:M].clone(), w, out_dtype=out_dtype, impl="cublaslt")
+            assert torch.equal(bits(out), bits(ref[:M])), f"{name} M={M}"
+    finally:
+        mm._cublaslt_matmul = real
+    assert len(calls) == len([m for m in ms if m <= big]) and not mm._LT_REFUSED  # cuBLASLt really ran
+    x = x[:1024].contiguous()
+    ref = ref[:1024]
     assert _blas_state() == before
+    # what it does not take runs in Triton: a bias, fp16, a 16-byte (not 256-byte) aligned view
     buf = torch.empty(256 * K + 8, device="cuda", dtype=torch.bfloat16)
     view = buf[8:8 + 256 * K].view(256, K)
     view.copy_(x[:256])
-    assert mm._cublaslt_takes(view, w, None, out_dtype)
+    assert not mm._cublaslt_takes(view, w, None, out_dtype)
     assert torch.equal(bits(invariant_matmul(view, w, out_dtype=out_dtype, impl="cublaslt")), bits(ref[:256]))
+    assert not mm._cublaslt_takes(x, w, torch.zeros(N, device="cuda", dtype=torch.bfloat16), out_dtype)
+    assert not mm._cublaslt_takes(x.half(), w.half(), None, out_dtype)
+    assert mm._cublaslt_takes(x[:256].clone(), w, None, out_dtype)
     xs = x[:256].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -289,13 +310,23 @@ def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
 
     def refuse(*args):
         calls.append(args)
-        raise RuntimeError("no cuBLASLt algorithm")
+        raise RuntimeError("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction(..., "
+                           "allow_splitk=False) requires the cuBLASLt backend")
     monkeypatch.setattr(mm, "_cublaslt_takes", lambda *args: True)
     monkeypatch.setattr(mm, "_cublaslt_matmul", refuse)
     monkeypatch.setattr(mm, "_LT_REFUSED", set())
     for _ in range(2):
         assert torch.equal(bits(invariant_matmul(x, w, impl="cublaslt")), bits(invariant_matmul(x, w)))
+        assert torch.equal(bits(invariant_matmul(x, w, impl="cublaslt+plain")), bits(invariant_matmul(x, w)))
     assert len(calls) == 1 and len(mm._LT_REFUSED) == 1
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(mm, "_cublaslt_matmul", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        invariant_matmul(x[:5], w, impl="cublaslt")  # not a refusal: not hidden
+    with pytest.raises(ValueError, match="cublaslt"):
+        invariant_matmul(x, w, impl="cublaslt+cublaslt")
     monkeypatch.undo()
 
     # the switch itself, on CPU tensors (a CPU torch cannot select cuBLASLt: a stand-in records it)
@@ -332,6 +363,14 @@ def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
     assert max(ms) == 1024
     assert 300 not in ms  # tma bucket: table tiles, checked at CHECK_MS only
     assert max(selfcheck._check_ms(4096, 4096, False, 100)) == 100
+    # a cuBLASLt bucket above max_m is checked up to the engine's token budget
+    table[2] = (4096, "cublaslt+tma", 128, 128, 64, 8, 3)
+    table.append((1 << 62, "tma", 128, 256, 64, 8, 3))
+    ms = selfcheck._check_ms(4096, 4096, False, 1024, 8192)
+    assert {257, 1025, 1025 + selfcheck.LT_STRIDE_LARGE, 4096} <= set(ms) and max(ms) == 4096
+    assert all(m in ms for m in range(257, 1025, selfcheck.LT_STRIDE))
+    assert max(selfcheck._check_ms(4096, 4096, False, 1024, 2000)) == 2000
+    assert max(selfcheck._check_ms(4096, 4096, False, 1024)) == 1024
 
 
 def test_fixup_counters_reset_and_repeat():

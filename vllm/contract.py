@@ -87,7 +87,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
 def _cublaslt_policy(matmul) -> dict | None:
     """cuBLASLt serves some M buckets (impl "cublaslt") with split-K forbidden: its version
     and that rule are bits-relevant, so they are named (None: the tables never use it)."""
-    if not any(e[1] == "cublaslt" for table in matmul.tuned_tables().values() for e in table):
+    if not any(e[1].startswith("cublaslt") for table in matmul.tuned_tables().values() for e in table):
         return None
     return {"reduction_scheme": "NONE (no split-K): one float32 MMA sequence along K",
             "available": matmul.cublaslt_nosplit_supported(), "version": matmul.cublaslt_version()}

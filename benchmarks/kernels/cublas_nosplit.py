@@ -12,8 +12,8 @@ then has no reason to depend on M. This script measures, on Qwen3-8B's shapes:
 
 With --scan it times, at many M, our shipped table against the same table entry run as
 impl "cublaslt" (inside CUDA graphs), checks their bits are equal, and with --write-table
-rewrites this device's tuned table: an M bucket switches to "cublaslt" (its tiles kept as
-the Triton fallback) where cuBLASLt-nosplit is faster at every scanned M of the bucket
+rewrites this device's tuned table: an M bucket switches to "cublaslt+<its impl>" (its
+Triton impl and tiles kept as the fallback) where cuBLASLt-nosplit is faster at every scanned M of the bucket
 (none below 0.97x, mean at least 1.03x) and equal in bits at all of them.
 
     python benchmarks/kernels/cublas_nosplit.py [--shapes qkv,o] [--json-out F]
@@ -45,15 +45,15 @@ SCAN_MS = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 
 
 @contextlib.contextmanager
 def nosplit():
-    lib = torch.backends.cuda.preferred_blas_library()
-    red = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+    lib = torch._C._get_blas_preferred_backend()
+    red = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()  # (reduced precision, split-K)
+    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
+    torch._C._set_cublas_allow_bf16_reduced_precision_reduction(False, False)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = red
-        torch.backends.cuda.preferred_blas_library(lib)
+        torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*red)
+        torch._C._set_blas_preferred_backend(lib)
 
 
 def lt_mm(x, w, out_dtype):
@@ -86,7 +86,8 @@ def scan(names: list[str], write_table: str | None, json_out: str | None) -> Non
         for M in [m for m in SCAN_MS if m <= max_m]:
             xm = x[:M].clone()
             cfg = matmul.pick_config(M, N, K, fp32_out=out_dtype == torch.float32)
-            lt_cfg = ("cublaslt", *cfg[1:])
+            lt_cfg = ("cublaslt", *cfg[1:]) if not cfg[0].startswith("cublaslt") else cfg
+            cfg = (cfg[0].partition("+")[2] or "tma", *cfg[1:]) if cfg[0].startswith("cublaslt") else cfg
             same = torch.equal(bits(invariant_matmul(xm, w, out_dtype=out_dtype, config=cfg)),
                                bits(invariant_matmul(xm, w, out_dtype=out_dtype, config=lt_cfg)))
             reps = max(2, min(8, int(1e9 // (M * N * out_dtype.itemsize))))
@@ -106,10 +107,10 @@ def scan(names: list[str], write_table: str | None, json_out: str | None) -> Non
             inside = [(t_o / t_l, same) for M, t_o, t_l, same in points if lo < M <= hi]
             if inside and all(same for _, same in inside):
                 ratios = [r for r, _ in inside]
-                if min(ratios) >= 0.97 and sum(ratios) / len(ratios) >= 1.03 and entry[1] != "cublaslt":
+                if min(ratios) >= 0.97 and sum(ratios) / len(ratios) >= 1.03 and not entry[1].startswith("cublaslt"):
                     print(f"  {name} M in ({lo}, {hi}]: {entry[1]} -> cublaslt "
                           f"(x{min(ratios):.2f}..x{max(ratios):.2f} over {len(ratios)} M)", flush=True)
-                    entry[1] = "cublaslt"
+                    entry[1] = "cublaslt+" + entry[1]  # its Triton impl stays the fallback
             lo = hi
     if json_out:
         with open(json_out, "w") as f:

@@ -295,8 +295,9 @@ INTERPRET_CONFIGS: list[tuple] = [
 # "fixup": one program per (tile, split) like "partial", but the last program of a tile
 # to finish merges the partials (same ascending order) in the same launch: no merge
 # kernel, partials read back mostly from L2 (a sweep candidate for split policies).
-# "cublaslt": cuBLASLt with split-K forbidden (see _cublaslt_matmul); the entry's tiles are
-# the Triton fallback for inputs it does not take (bias, unaligned, non-CUDA, old torch).
+# "cublaslt": cuBLASLt with split-K forbidden (see _cublaslt_matmul); "cublaslt+tma" etc.
+# names the Triton impl that runs, with the entry's tiles, the inputs it does not take
+# (bias, fp16, unaligned, non-CUDA, old torch); bare "cublaslt" falls back to tma / plain.
 IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt")
 
 
@@ -453,23 +454,33 @@ def cublaslt_nosplit_supported() -> bool:
 
 
 def cublaslt_version() -> int | None:
-    """cuBLASLt's version number (part of the contract where the impl is used)."""
+    """Version of the cuBLASLt this process has loaded (part of the contract where the impl
+    is used): read from the library mapped into the process, so it is the one torch calls."""
     try:
         import ctypes
-        import glob
-        import nvidia.cublas  # the wheel torch loads its cuBLAS from
-        libs = glob.glob(os.path.join(list(nvidia.cublas.__path__)[0], "lib", "libcublasLt.so*"))
-        return int(ctypes.CDLL(libs[0]).cublasLtGetVersion()) if libs else None
+        if torch.cuda.is_available():
+            torch.cuda.current_blas_handle()  # makes torch load cuBLAS(Lt) if it has not yet
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcublasLt.so" in line}
+        for path in sorted(paths):
+            return int(ctypes.CDLL(path).cublasLtGetVersion())
     except Exception:  # noqa: BLE001 -- a version we cannot read is reported as None
-        return None
+        pass
+    return None
 
 
 def _cublaslt_takes(a: torch.Tensor, weight: torch.Tensor, bias, out_dtype: torch.dtype) -> bool:
-    return (a.is_cuda and bias is None and a.dtype in _LT_REDUCTION and weight.dtype == a.dtype
+    """What cuBLASLt-nosplit was measured on: CUDA bf16 in (fp16 was never measured, and
+    torch may accumulate fp16 in fp16), bf16 or float32 out, no bias, unit inner strides,
+    256-byte aligned bases and 16-byte aligned rows (alignment feeds cuBLAS's choice of
+    kernel, so only the measured kind is taken), TunableOp off (it bypasses the backend
+    switch). Everything else runs in Triton with the same bits."""
+    return (a.is_cuda and bias is None and a.dtype == torch.bfloat16 and weight.dtype == a.dtype
             and out_dtype in (a.dtype, torch.float32) and a.stride(-1) == 1 and weight.stride(-1) == 1
-            and a.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and a.data_ptr() % 256 == 0 and weight.data_ptr() % 256 == 0
             and (a.stride(0) * a.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
-            and cublaslt_nosplit_supported())
+            and (weight.shape[0] * (4 if out_dtype == torch.float32 else 2)) % 16 == 0
+            and cublaslt_nosplit_supported() and not torch.cuda.tunable.is_enabled())
 
 
 # One lock for the switch: two of our threads interleaving set/restore could otherwise
@@ -501,8 +512,9 @@ def _normalize(config: tuple, impl: str | None) -> tuple:
     else:  # bare (BM, BN, BK, warps, stages)
         cfg_impl, tiles = "plain", list(config)
     impl = impl or cfg_impl
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    lt, plus, fallback = impl.partition("+")
+    if (lt if plus else impl) not in IMPLS or (plus and (lt != "cublaslt" or fallback not in IMPLS[:-1])):
+        raise ValueError(f"impl must be one of {IMPLS}, or 'cublaslt+<Triton impl>' (its fallback), got {impl!r}")
     return (impl, *tiles)
 
 
@@ -527,16 +539,22 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                                  impl)
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
-    if impl == "cublaslt":
+    if impl.startswith("cublaslt"):
+        lt_fallback = impl.partition("+")[2] or ("tma" if _is_hopper_or_newer(a.device) else "plain")
+        if lt_fallback.startswith("tma") and not _is_hopper_or_newer(a.device):
+            lt_fallback = "plain"
         refused_key = (M, N, K, a.dtype, out_dtype)
         if splits == 1 and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
             try:
                 return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
-            except RuntimeError:
-                # e.g. no cuBLASLt algorithm for this problem: torch then wants plain cuBLAS,
-                # which cannot forbid split-K, and raises before launching anything
+            except RuntimeError as err:
+                # no cuBLASLt algorithm for this problem: torch then wants plain cuBLAS, which
+                # cannot forbid split-K, and refuses before launching anything. Any other
+                # error (out of memory, a broken context) is not ours to hide.
+                if "cuBLASLt" not in str(err):
+                    raise
                 _LT_REFUSED.add(refused_key)
-        impl = "tma" if _is_hopper_or_newer(a.device) else "plain"  # the entry's tiles, same bits
+        impl = lt_fallback  # the entry's Triton impl and tiles: same bits
     c = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if splits > 1 and ks % bk:
         if config is not None or math.gcd(bk, ks) < 16:

@@ -13,19 +13,23 @@ from vllm.kernels import matmul
 from vllm.kernels.matmul import invariant_matmul
 
 CHECK_MS = (1, 2, 3, 16, 17, 33, 64, 65, 128, 129, 256, 257, 1024)
-# M buckets served by cuBLASLt (impl "cublaslt") pick their kernel by cuBLAS's heuristic per
-# M, not by our table: those buckets are checked at every LT_STRIDE-th M and at both ends.
+# M buckets served by cuBLASLt (impl "cublaslt...") pick their kernel by cuBLAS's heuristic
+# per M, not by our table: those buckets are checked at every LT_STRIDE-th M up to 1024,
+# every LT_STRIDE_LARGE-th beyond (up to the largest step the engine runs), and both ends.
 LT_STRIDE = 8
+LT_STRIDE_LARGE = 64
 
 
-def _check_ms(N: int, K: int, fp32_out: bool, max_m: int) -> list[int]:
+def _check_ms(N: int, K: int, fp32_out: bool, max_m: int, lt_max_m: int | None = None) -> list[int]:
+    lt_max_m = max(max_m, lt_max_m or max_m)
     ms = {m for m in CHECK_MS if m <= max_m}
     lo = 0
     for hi, impl, *_ in matmul.config_table(N, K, fp32_out):
-        if impl == "cublaslt":
-            top = min(hi, max_m)
-            ms.update(range(lo + 1, top + 1, LT_STRIDE))
-            ms.update(m for m in (lo + 1, top) if lo < m <= top)
+        if impl.startswith("cublaslt") and lo < lt_max_m:
+            top = min(hi, lt_max_m)
+            ms.update(range(lo + 1, min(top, 1024) + 1, LT_STRIDE))
+            ms.update(range(max(lo + 1, 1025), top + 1, LT_STRIDE_LARGE))
+            ms.update((lo + 1, top))
         lo = hi
     return sorted(ms) or [1]
 
@@ -51,11 +55,14 @@ def model_gemm_shapes(model: torch.nn.Module) -> list[tuple[str, int, int, bool]
 
 
 @torch.inference_mode()
-def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_m: int = 1024) -> dict:
+def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_m: int = 1024,
+                    max_tokens: int | None = None) -> dict:
+    """max_tokens: the largest M the engine runs (its token budget per step); cuBLASLt
+    buckets of the linear layers are checked up to it (logits rows stay within max_m)."""
     gen = torch.Generator(device=device).manual_seed(1234)
     report = {}
     for name, K, N, fp32_out in model_gemm_shapes(model):
-        ms = _check_ms(N, K, fp32_out, max_m)
+        ms = _check_ms(N, K, fp32_out, max_m, None if fp32_out else max_tokens)
         w = dict(model.named_modules())[name].weight
         x = torch.randn(max(ms), K, generator=gen, device=device).to(dtype)
         out_dtype = torch.float32 if fp32_out else dtype
@@ -65,7 +72,9 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
             # every impl the table may use computes the same bits: the Triton kernel, with
             # the table's tiles, is the reference for cuBLASLt and for itself
             triton_full = invariant_matmul(x, w, out_dtype=out_dtype, impl="plain")
-            if not torch.equal(triton_full.view(view), full.view(view)):
+            same = torch.equal(triton_full.view(view), full.view(view))
+            del triton_full  # as large as the logits of the whole check batch
+            if not same:
                 raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}) at M={max(ms)}: "
                                      "the table's kernel and the Triton kernel give different bits")
         for m in ms:
