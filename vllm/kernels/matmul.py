@@ -458,7 +458,7 @@ def cublaslt_version() -> int | None:
     is used): read from the library mapped into the process, so it is the one torch calls."""
     try:
         import ctypes
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
             torch.cuda.current_blas_handle()  # makes torch load cuBLAS(Lt) if it has not yet
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcublasLt.so" in line}
