@@ -22,7 +22,6 @@ Triton impl and tiles kept as the fallback) where cuBLASLt-nosplit is faster at 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -43,24 +42,9 @@ SCAN_MS = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 
            768, 1024, 1536, 2048, 4096, 8192, 16384]
 
 
-@contextlib.contextmanager
-def nosplit():
-    lib = torch._C._get_blas_preferred_backend()
-    red = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()  # (reduced precision, split-K)
-    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
-    torch._C._set_cublas_allow_bf16_reduced_precision_reduction(False, False)
-    try:
-        yield
-    finally:
-        torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*red)
-        torch._C._set_blas_preferred_backend(lib)
-
-
 def lt_mm(x, w, out_dtype):
-    with nosplit():
-        if out_dtype == torch.float32:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        return torch.mm(x, w.t())
+    """The engine's own cuBLASLt-nosplit call (`vllm.kernels.matmul._cublaslt_matmul`)."""
+    return matmul._cublaslt_matmul(x, w, out_dtype)
 
 
 def bits(t):

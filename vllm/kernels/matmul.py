@@ -431,10 +431,7 @@ def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
 # bit-identical to our Triton kernels for Qwen3-8B's shapes at M = 1..16384 on the H200.
 # The settings are process-global, so they are switched on around our call only (read on
 # the host when the GEMM is launched or captured into a CUDA graph) and restored after.
-_LT_REDUCTION = {torch.bfloat16: ("_get_cublas_allow_bf16_reduced_precision_reduction",
-                                  "_set_cublas_allow_bf16_reduced_precision_reduction"),
-                 torch.float16: ("_get_cublas_allow_fp16_reduced_precision_reduction",
-                                 "_set_cublas_allow_fp16_reduced_precision_reduction")}
+# Only bf16 is taken (see _cublaslt_takes), so only the bf16 switch is touched.
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,11 +440,10 @@ def cublaslt_nosplit_supported() -> bool:
     if os.environ.get("VLLM_PARITY_CUBLASLT", "1") == "0":
         return False
     try:
-        for getter, setter in _LT_REDUCTION.values():
-            state = getattr(torch._C, getter)()
-            if not isinstance(state, tuple) or len(state) != 2:
-                return False
-            getattr(torch._C, setter)(*state)  # the two-argument form exists
+        state = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
+        if not isinstance(state, tuple) or len(state) != 2:
+            return False
+        torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*state)  # the two-argument form exists
         return hasattr(torch._C, "_set_blas_preferred_backend") and hasattr(torch._C._BlasBackend, "Cublaslt")
     except (AttributeError, TypeError, RuntimeError):
         return False
@@ -491,18 +487,18 @@ _LT_REFUSED: set = set()
 
 
 def _cublaslt_matmul(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    getter, setter = _LT_REDUCTION[a.dtype]
+    """a @ weight^T on cuBLASLt with split-K forbidden (bf16 in; bf16 or float32 out)."""
     with _LT_LOCK:
         backend = torch._C._get_blas_preferred_backend()
-        reduction = getattr(torch._C, getter)()
+        reduction = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
         torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
         try:
-            getattr(torch._C, setter)(False, False)
+            torch._C._set_cublas_allow_bf16_reduced_precision_reduction(False, False)
             if out_dtype == a.dtype:
                 return torch.mm(a, weight.t())
             return torch.mm(a, weight.t(), out_dtype=out_dtype)
         finally:
-            getattr(torch._C, setter)(*reduction)
+            torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*reduction)
             torch._C._set_blas_preferred_backend(backend)
 
 
@@ -540,9 +536,9 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ks = k_split_size(K, split_size)
     splits = triton.cdiv(K, ks)
     if impl.startswith("cublaslt"):
-        lt_fallback = impl.partition("+")[2] or ("tma" if _is_hopper_or_newer(a.device) else "plain")
+        lt_fallback = impl.partition("+")[2] or "tma"
         if lt_fallback.startswith("tma") and not _is_hopper_or_newer(a.device):
-            lt_fallback = "plain"
+            lt_fallback = "plain"  # TMA needs Hopper; same bits
         refused_key = (M, N, K, a.dtype, out_dtype)
         if splits == 1 and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
             try:
