@@ -169,9 +169,12 @@ def test_new_architecture_needs_only_its_model_file_and_registry(toy_checkpoint,
     grads = []
     for ckpt in (False, True):
         policy = Policy.from_pretrained(toy_checkpoint, device="cpu", activation_checkpointing=ckpt)
+        calls = []
+        policy.model.blocks[1].register_forward_pre_hook(lambda *_: calls.append(1))
         got = policy.token_logprobs(seqs, [len(p) for p in prompts], temperature=0.9)
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, lps))
         sum(g.sum() for g in got).backward()
+        assert len(calls) == (2 if ckpt else 1)  # checkpointed: run again in backward
         grads.append(policy.model.hf_state_dict(grads=True))
     assert grads[0].keys() == grads[1].keys() and "layers.1.experts.2.weight" in grads[0]
     assert all(torch.equal(_bits(grads[0][k]), _bits(grads[1][k])) for k in grads[0])
@@ -257,3 +260,16 @@ def test_model_modules_are_imported_only_when_built():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": REPO}).stdout.strip()
     assert out == "['vllm.models.registry']"
+
+
+def test_llama_family_layer_loop_checkpoints(tiny_qwen3):
+    """The model's own loop recomputes each layer in backward when asked, only under autograd."""
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu", activation_checkpointing=True)
+    calls = []
+    policy.model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    lps = policy.token_logprobs([[5, 6, 7, 8]], [2])
+    lps[0].sum().backward()
+    assert len(calls) == 2
+    with torch.no_grad():
+        policy.token_logprobs([[5, 6, 7, 8]], [2])
+    assert len(calls) == 3
