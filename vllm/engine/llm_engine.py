@@ -130,6 +130,22 @@ class LLMEngine:
             raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
                                "versions; update weights only between generate calls")
 
+    def execution_contract(self):
+        """This engine's ExecutionContract (vllm/contract.py): its model, numerics, and the
+        settings that must not change bits."""
+        from vllm.contract import build_contract
+        c = self.config
+        deployment = {
+            "max_num_seqs": c.scheduler.max_num_seqs, "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": c.scheduler.enable_chunked_prefill, "block_size": c.cache.block_size,
+            "gpu_memory_utilization": c.cache.gpu_memory_utilization,
+            "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
+            "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
+            "seed": c.seed,
+        }
+        return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
+                              deployment=deployment)
+
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
         if group is None:
