@@ -35,12 +35,11 @@ def hf_step_fn(cfg_path: str, ids: torch.Tensor, plen: int):
 
 
 def policy_step_fn(cfg_dir: str, ids: torch.Tensor, plen: int, numerics: str):
-    from vllm.config import ModelConfig
-    from vllm.model_loader.loader import load_model
+    from vllm.model_loader.build import build_model, resolve_model
     from vllm.training import Policy
-    mc = ModelConfig.from_pretrained(cfg_dir)
-    model = load_model(mc, torch.bfloat16, "cuda", load_format="dummy")
-    policy = Policy(model, mc, torch.bfloat16, torch.device("cuda"), numerics)
+    mc, dtype = resolve_model(cfg_dir, dtype="bfloat16", device="cuda")
+    model, _ = build_model(mc, dtype, "cuda", numerics=numerics, load_format="dummy")
+    policy = Policy(model, mc, dtype, torch.device("cuda"), numerics)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, foreach=True)
     seqs = ids.tolist()
 
