@@ -472,7 +472,8 @@ class OpenAIServing:
         yield _sse(ChatCompletionStreamResponse(
             id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
             weight_version=self.llm.weight_version,
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")) for j in range(params.n)]))
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+                                      token_ids=[] if want_ids else None) for j in range(params.n)]))
         try:
             async for _, out in _merge([stream]):
                 for c in out.outputs:
