@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 from vllm.core.request import RequestStatus
 from vllm.engine.core_messages import (
-    AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestDelta, RequestFailure, StopChild,
+    AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestFailure, StopChild,
     UtilityCall, UtilityResult,
 )
 
@@ -45,7 +45,7 @@ class EngineCore:
 
     def __init__(self, engine):
         self.engine = engine
-        self._deltas: list[RequestDelta] = []
+        self._deltas: list[tuple] = []   # RequestDelta fields
         # request id -> tokens already reported, per sample
         self._sent: dict[str, list[int]] = {}
         self._utility: list[UtilityResult] = []
@@ -64,9 +64,10 @@ class EngineCore:
             if start < 0 or (n == start and fin is None):
                 continue  # its finish was already reported, or nothing new
             lps = req.logprobs[start:n] if group.params.logprobs is not None else None
-            self._deltas.append(RequestDelta(group.request_id, i, req.output_token_ids[start:n], lps, fin,
-                                             req.stop_reason if fin is not None else None,
-                                             list(group.weight_versions[i]), max(0, req.num_cached_tokens)))
+            # a plain tuple in RequestDelta's field order (see core_messages)
+            self._deltas.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
+                                 req.stop_reason if fin is not None else None,
+                                 list(group.weight_versions[i]), max(0, req.num_cached_tokens)))
             sent[i] = -1 if fin is not None else n
         if finished:
             self._sent.pop(group.request_id, None)

@@ -36,7 +36,7 @@ import threading
 from typing import Any, AsyncIterator, Sequence
 
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
-from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, StopChild
+from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
 from vllm.engine.llm_engine import check_max_tokens, validate_prompt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.outputs import RequestOutput
@@ -57,6 +57,7 @@ class QueueFullError(RuntimeError):
 
 
 _ABORTED = object()
+_CHANGED = object()   # the request advanced: build its output when the consumer reads
 
 
 class RequestStream:
@@ -77,15 +78,13 @@ class RequestStream:
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.finished = False  # True once the final output, an error or an abort was seen
+        self.state: RequestState | None = None
+        # A _CHANGED marker is queued and unread: the receiver need not queue another.
+        self.notified = False
 
     # -- loop side: called through loop.call_soon_threadsafe ------------------------------
     def _put(self, item: Any) -> None:
-        items = self._items
-        # A newer cumulative output replaces an unread partial one.
-        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput) and not items[-1].finished:
-            items[-1] = item
-        else:
-            items.append(item)
+        self._items.append(item)
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -104,6 +103,11 @@ class RequestStream:
             finally:
                 self._waiter = None
         item = self._items.popleft()
+        if item is _CHANGED:
+            # Outputs are cumulative: one snapshot covers every step since the last read.
+            with self.owner._lock:
+                self.notified = False
+                item = self.state.output()
         if item is _ABORTED:
             self.finished = True
             raise StopAsyncIteration
@@ -231,7 +235,8 @@ class AsyncLLM:
                     raise ValueError(f"request id {rid!r} is already in use")
             for rid, text, ids, params in prepared:
                 s = RequestStream(self, rid, loop, stream)
-                self._requests[rid] = _Entry(RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one), s)
+                s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
+                self._requests[rid] = _Entry(s.state, s)
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
                 msgs.append(AddRequest(rid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
@@ -312,7 +317,8 @@ class AsyncLLM:
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         stops, gen = [], 0
         with self._lock:
-            for d in out.deltas:
+            for t in out.deltas:
+                d = RequestDelta._make(t)
                 entry = self._requests.get(d.request_id)
                 if entry is None:
                     continue  # aborted while this step ran
@@ -325,11 +331,13 @@ class AsyncLLM:
                 if not was_done and state.finish[d.index] is not None:
                     self._outstanding -= 1
                     self.finished_by_reason[state.finish[d.index]] += 1
+                s = entry.stream
                 if state.finished:
                     del self._requests[d.request_id]
-                elif not entry.stream.stream:
-                    continue  # non-streaming consumers need the final output only
-                deliveries.setdefault(entry.stream.loop, []).append((entry.stream, state.output()))
+                    deliveries.setdefault(s.loop, []).append((s, state.output()))
+                elif s.stream and not s.notified:  # non-streaming consumers need the final output only
+                    s.notified = True
+                    deliveries.setdefault(s.loop, []).append((s, _CHANGED))
             for f in out.failures:
                 err = ValueError(f.message) if f.invalid else EngineError(f.message)
                 for rid in f.request_ids:
