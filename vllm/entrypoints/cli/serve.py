@@ -51,10 +51,9 @@ def run(args) -> int:
         raise SystemExit("vllm serve: --max-queued-requests must be >= 0")
     try:
         import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
-        raise SystemExit(f"vllm serve needs fastapi, uvicorn and prometheus-client: pip install 'vllm-parity[serve]' ({err})")
+        raise SystemExit(f"vllm serve needs fastapi and uvicorn: pip install 'vllm-parity[serve]' ({err})")
     from vllm.engine.core_client import EngineStartError
     from vllm.entrypoints.openai.api_server import run_server
 

@@ -681,10 +681,15 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
         from vllm import __version__
         return {"version": __version__}
 
-    registry = _metrics_registry(serving)
+    try:
+        registry = _metrics_registry(serving)
+    except ImportError:  # prometheus-client is in the [serve] extra
+        registry = None
 
     @app.get("/metrics")
     async def metrics():
+        if registry is None:
+            return error_response("/metrics needs prometheus-client: pip install 'vllm-parity[serve]'", 501)
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
