@@ -198,3 +198,38 @@ def test_fast_decoder_equals_tokenizer_decode(tokenizer_dir):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
         for skip in (True, False):
             assert dec(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_process_logprob_bits_equal_offline(gpu_model):
+    """On the GPU: the engine core process (invariant numerics, async scheduling, CUDA
+    graphs) serves 32 concurrent requests whose token ids and logprob bits equal the
+    offline engine's, penalties included."""
+    from vllm.entrypoints.openai.api_server import _serving, build_app
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    kw = dict(model=gpu_model, device="cuda", numerics="invariant", seed=0, gpu_memory_utilization=0.3)
+    prompts = [[5 + i, 6 + i, 7 + i, 8 + i] * (1 + i % 5) for i in range(32)]
+    bodies = [dict(prompt=p, max_tokens=16, temperature=1.0, seed=i, logprobs=1, ignore_eos=True,
+                   **({"frequency_penalty": 0.5} if i % 3 == 0 else {})) for i, p in enumerate(prompts)]
+    llm = LLM(**kw)
+    refs = [llm.generate({"prompt_token_ids": b["prompt"]},
+                         SamplingParams(max_tokens=16, temperature=1.0, seed=b["seed"], logprobs=1, ignore_eos=True,
+                                        frequency_penalty=b.get("frequency_penalty", 0.0)), use_tqdm=False)[0].outputs[0]
+            for b in bodies]
+    del llm
+    import torch
+    torch.cuda.empty_cache()
+    async_llm = AsyncLLM.from_engine_args(kw, startup_timeout=600)
+    app = build_app(_serving(async_llm, ["gpu"], 20, "vllm"), shutdown_engine_on_exit=False)
+    try:
+        async def go():
+            async with _http(app, key=None) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+        rs = _run(go())
+    finally:
+        async_llm.shutdown()
+    for r, ref in zip(rs, refs):
+        c = r.json()["choices"][0]
+        assert c["token_ids"] == ref.token_ids
+        assert c["logprobs"]["token_logprobs"] == [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
