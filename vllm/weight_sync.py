@@ -43,11 +43,12 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
 
     `contract`: the trainer's ExecutionContract; refused unless compatible with the
     engine's. `require_complete`: every parameter (every fused shard) must be given.
-    Must be called while no request is running (the engine refuses otherwise).
+    Must be called while no request is running, or while the engine is paused (the
+    paused requests then continue under the new weights); the engine refuses otherwise.
     """
     engine.drain()
-    if engine.has_unfinished_requests():
-        raise ValueError("weights can only be updated while no request is running")
+    if engine.has_unfinished_requests() and not engine.paused:
+        raise ValueError("weights can only be updated while no request is running (or the engine is paused)")
     pairs = _pairs(weights)
     model = engine.runner.model
     if contract is not None:
