@@ -166,7 +166,7 @@ class EngineCore:
 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise ValueError(f"weights path {path!r} is not a directory")
-        checkpoint_files(path)  # ValueError for a directory without weights, before pausing anything
+        files = checkpoint_files(path)  # ValueError for a directory without weights, before pausing anything
         eng = self.engine
         was_paused = eng.paused
         eng.pause()
@@ -174,7 +174,7 @@ class EngineCore:
             dtype = eng.config.dtype
             # Cast by the load rule (what loading this checkpoint into a fresh engine does).
             weights = ((name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
-                       for name, t in iterate_weights(path))
+                       for name, t in iterate_weights(files))
             t0 = time.perf_counter()
             version = update_weights(eng, weights)
             logger.info("weights updated from %s in %.2f s: version %d", path, time.perf_counter() - t0, version)
