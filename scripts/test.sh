@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test]"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+# The tests run tiny models, whose ops are too small to gain from OpenMP threads; on a
+# busy machine extra threads only wait on each other.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # pytest.ini's testpaths (tests/) and the cd above fix what is collected; a run that
 # collects nothing (pytest's exit code 5, e.g. a -k that matches no test) is a failure
 # with a reason, not a silent pass.
