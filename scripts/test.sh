@@ -12,7 +12,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # collects nothing (pytest's exit code 5, e.g. a -k that matches no test) is a failure
 # with a reason, not a silent pass.
 rc=0
-python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+python -m pytest -q -p no:cacheprovider --durations=15 "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "scripts/test.sh: pytest collected no tests (arguments: ${*:-none}); nothing was verified" >&2
 fi
