@@ -256,9 +256,8 @@ def test_invariant_rollout_logprobs_equal_policy_bits(smollm2_dir, tok):
         seqs.append(list(o.prompt_token_ids) + list(c.token_ids))
         plens.append(len(o.prompt_token_ids))
         roll.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
-    greedy_ids = [o.outputs[0].token_ids for o in
-                  llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
-    assert [list(s[p:]) for s, p in zip(seqs, plens)] != [list(g) for g in greedy_ids]  # really sampled
+    # really sampled: some token was not the most likely one (rank counts strictly greater logits)
+    assert any(lp[t].rank > 1 for o in outs for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids))
     policy = Policy.from_pretrained(smollm2_dir, device="cpu", dtype="float32", numerics="invariant")
     with torch.no_grad():
         for order in ([0, 1], [1, 0]):
@@ -293,7 +292,8 @@ def test_training_step_gradients_match_transformers_float64(smollm2_dir, tok):
     # derivative (what we compute) includes them.
     hf.model.embed_tokens.padding_idx = None
     logits = hf(torch.tensor([seq])).logits[0]
-    ref = torch.log_softmax(logits / 0.7, dim=-1)[plen - 1:len(seq) - 1].gather(1, torch.tensor(response)[:, None])[:, 0]
+    rows = torch.log_softmax(logits / 0.7, dim=-1)[plen - 1:len(seq) - 1]
+    ref = rows.gather(1, torch.tensor(response)[:, None])[:, 0]
     assert (lp.detach().double() - ref.detach()).abs().max().item() < LOGPROB_ABS_TOL
     (-(weights.double() * ref).sum()).backward()
     checked = 0

