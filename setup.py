@@ -87,7 +87,10 @@ setup(
     ],
     extras_require={
         "serve": ["fastapi", "starlette", "uvicorn", "prometheus-client"],
-        "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai"],
+        # gguf + accelerate: transformers dequantizes the registry's SmolLM2 GGUF with them
+        # (vllm/testing/smollm2.py builds the real-model test fixture from it)
+        "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
+                 "gguf", "accelerate"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
     ext_modules=ext_modules,
