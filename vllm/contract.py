@@ -155,6 +155,7 @@ def build_contract(config, model: torch.nn.Module) -> ExecutionContract:
         "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,
         "gpu_memory_utilization": config.cache.gpu_memory_utilization,
         "enable_prefix_caching": config.cache.enable_prefix_caching, "enforce_eager": config.enforce_eager,
+        "enable_sleep_mode": getattr(config.cache, "enable_sleep_mode", False),
         "cuda_graph_batch_sizes": config.cuda_graph_batch_sizes, "max_model_len": config.model.max_model_len,
         "seed": config.seed,
     }
