@@ -68,7 +68,7 @@ setup(
     version="0.1.0",
     description="Rollout engine and trainer sharing one model class and one set of kernels, bit for bit",
     packages=find_packages(include=["vllm", "vllm.*", "training", "training.*"]),
-    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json"]},
+    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json"], "training": ["*.yaml"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
@@ -86,7 +86,9 @@ setup(
     extras_require={
         "serve": ["fastapi", "uvicorn", "httpx"],
         "test": ["pytest", "httpx", "fastapi", "uvicorn"],
-        "gpu": ["cupy-cuda12x"],
+        "gpu": ["cupy-cuda12x", "cuda-bindings"],
+        # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)
+        "train": ["tensorboard", "matplotlib", "pyarrow"],
         "ray": ["ray"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},

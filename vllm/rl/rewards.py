@@ -4,8 +4,9 @@ Math verifier: the prediction is the content of the LAST \\boxed{...} (or \\fbox
 braces matched), else what follows the last "answer is" / "answer:", else the last
 number in the response. Prediction and reference are equal when both parse as numbers
 (integers, decimals, thousands separators, scientific notation, a/b, \\frac{a}{b}, a
-trailing %) that are equal exactly as rationals or within a relative 1e-9, or when their
-normalised LaTeX strings are identical.
+trailing %) that are equal exactly as rationals, or (unless both are integers) within a
+relative 1e-9 (a rounded decimal of 1/3), or when their normalised LaTeX strings are
+identical.
 
 A custom reward is given as `module:function` (or `path/to/file.py:function`) and is
 called as
@@ -106,8 +107,8 @@ def normalize(s: str) -> str:
     return s
 
 
-def to_number(s: str) -> Fraction | float | None:
-    """The value of a normalised numeric answer, exactly where possible."""
+def to_number(s: str) -> Fraction | None:
+    """The exact value of a numeric answer (None when it is not a number)."""
     s = normalize(s)
     neg = False
     if s.startswith("-"):
@@ -119,7 +120,7 @@ def to_number(s: str) -> Fraction | float | None:
         a, b = to_number(m.group(1)), to_number(m.group(2))
         if a is None or b is None or b == 0:
             return None
-        v = Fraction(a) / Fraction(b) if isinstance(a, Fraction) and isinstance(b, Fraction) else float(a) / float(b)
+        v = a / b
         return -v if neg else v
     if re.fullmatch(r"\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
@@ -140,6 +141,8 @@ def answers_match(pred: str | None, gold: str) -> bool:
     if a is not None and b is not None:
         if a == b:
             return True
+        if a.denominator == 1 and b.denominator == 1:
+            return False  # integers: exact (a tolerance would equate large neighbours)
         fa, fb = float(a), float(b)
         return math.isfinite(fa) and math.isfinite(fb) and abs(fa - fb) <= 1e-9 * max(1.0, abs(fb))
     return normalize(pred) == normalize(gold) and normalize(gold) != ""

@@ -161,19 +161,22 @@ class Trainer:
         self.reward_fn = build_reward(cfg.reward.reward, cfg.reward.correct_reward, cfg.reward.wrong_reward)
         self.train_examples = load_examples(d.data, d.task, prompt_field=d.prompt_field, answer_field=d.answer_field,
                                             size=d.train_size, seed=cfg.run.seed, split="train")
-        eval_task = d.task if d.eval_data is None else None
         self.eval_examples: list[Example] = []
-        if cfg.run.eval_interval > 0:
-            if d.eval_data is None and d.task is None:
-                raise ValueError("eval_interval > 0 needs --eval-data (or a --task with a test split)")
-            self.eval_examples = load_examples(d.eval_data, eval_task, prompt_field=d.prompt_field,
-                                               answer_field=d.answer_field, size=d.eval_size, seed=cfg.run.seed,
-                                               split="test")
+        # evaluation data: --eval-data, else the test split of the task the run trains on
+        eval_task = d.task if d.data is None else None
+        self.eval_note = None
+        if cfg.run.eval_interval > 0 and d.eval_data is None and eval_task is None:
+            self.eval_note = "no evaluation: --data without --eval-data"
+        elif cfg.run.eval_interval > 0:
+            self.eval_examples = load_examples(d.eval_data, None if d.eval_data else eval_task,
+                                               prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                               size=d.eval_size, seed=cfg.run.seed, split="test")
         from vllm.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(self.model_dir)
         render = PromptRenderer(self.tokenizer, d.chat_template, d.system_prompt)
         with open(os.path.join(self.model_dir, "config.json")) as f:
-            max_pos = json.load(f).get("max_position_embeddings", 4096)
+            hf = json.load(f)
+        max_pos, vocab = hf.get("max_position_embeddings", 4096), hf.get("vocab_size")
         max_len = cfg.model.max_model_len or max_pos
         if max_len > max_pos:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -189,6 +192,9 @@ class Trainer:
                                      f"({max_len}) allows at most {budget}")
                 if not ids:
                     raise ValueError(f"{what} record {ex.index + 1}: the prompt renders to no tokens")
+                if vocab is not None and max(ids) >= vocab:
+                    raise ValueError(f"{what} record {ex.index + 1}: the tokenizer gives token id {max(ids)}, outside "
+                                     f"the model's vocabulary of {vocab}")
                 out.append(ids)
 
     def _build_colocated(self) -> ColocatedRollout:
@@ -488,7 +494,9 @@ class Trainer:
                 log.write(f"warning: resuming with changed knobs {changes}: the run will not continue bit-exactly")
             if self.step_count >= cfg.run.steps:
                 log.write(f"already at step {self.step_count} of {cfg.run.steps}: nothing to do (raise --steps)")
-            if cfg.run.eval_interval > 0 and self.step_count == 0:
+            if self.eval_note:
+                log.write(self.eval_note)
+            if self.eval_examples and self.step_count == 0:
                 records.append(self.evaluate())
                 log.log(records[-1])
             while self.step_count < cfg.run.steps:
@@ -499,7 +507,7 @@ class Trainer:
                 if err is not None:
                     raise MismatchError(err)
                 s = self.step_count
-                if cfg.run.eval_interval > 0 and (s % cfg.run.eval_interval == 0 or s == cfg.run.steps):
+                if self.eval_examples and (s % cfg.run.eval_interval == 0 or s == cfg.run.steps):
                     records.append(self.evaluate())
                     log.log(records[-1])
                 if (cfg.run.checkpoint_interval > 0 and s % cfg.run.checkpoint_interval == 0) or s == cfg.run.steps:
