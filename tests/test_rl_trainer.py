@@ -171,6 +171,10 @@ def test_gpu_run_zero_mismatch_with_sleep(gpu_model, rl_files, tmp_path):
                                  "time_sync_s")})
         assert m["logprob_diff_max"] == 0.0 and m["k3_kl"] == 0.0
         assert m["kv_freed_gib"] > 0
+    del t
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
     fast = Trainer(_config(gpu_model, rl_files, tmp_path / "gpu_fast", device="cuda", dtype="bfloat16",
                            numerics="fast", sleep_mode=True, gpu_memory_utilization=0.3, max_response_tokens=32,
                            group_size=8, prompts_per_step=4))
@@ -199,3 +203,18 @@ def test_tensorboard_and_plots_are_optional(tiny_qwen3, rl_files, tmp_path, monk
     run = tmp_path / "with"
     assert (run / "reward.png").stat().st_size > 0 and (run / "mismatch.png").stat().st_size > 0
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run / "tensorboard"))
+
+
+def test_master_weights_path_matches_plain_fp32(tiny_qwen3, rl_files, tmp_path):
+    """fp32 master weights over fp32 parameters must give the very same update as AdamW on
+    the parameters (the master path is what bf16 GPU runs use: grads accumulated per
+    micro-batch in fp32, the step on the masters, the result copied into the parameters)."""
+    weights = {}
+    for master in (False, True):
+        t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / f"m{master}", master_weights=master,
+                            micro_batch_tokens=30, steps=1))
+        assert (t.master is not None) == master
+        m = t.step().metrics
+        assert m["updated"] and m["grad_norm"] > 0
+        weights[master] = [p.detach().clone() for p in t.params]
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(weights[False], weights[True]))

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -266,14 +267,24 @@ class Trainer:
         return policy.token_logprobs([seqs[i] for i in idx], [plens[i] for i in idx],
                                      temperature=self.cfg.algorithm.temperature)
 
+    def _accumulate_master_grads(self) -> None:
+        """Move the bf16 parameter gradients of one micro-batch into the float32 master
+        gradients, so micro-batches accumulate in float32."""
+        for p, m in zip(self.params, self.master):
+            if p.grad is not None:
+                g = p.grad.to(torch.float32)
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
     def _optimizer_step(self, step: int) -> tuple[float, bool]:
         lr = lr_at(step, self.cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         if self.master is not None:
-            for p, m in zip(self.params, self.master):
-                m.grad = p.grad.to(torch.float32) if p.grad is not None else torch.zeros_like(m)
-                p.grad = None
+            self._accumulate_master_grads()
+            for m in self.master:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
         targets = self.master if self.master is not None else self.params
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(targets, max_norm))
@@ -319,7 +330,8 @@ class Trainer:
         low = high = tokens = 0
         kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False
         for chunk in chunks:
-            members = [i for i in range(n) if group_of[i] in set(chunk)]
+            in_chunk = set(chunk)
+            members = [i for i in range(n) if group_of[i] in in_chunk]
             if not members:
                 continue
             total_tokens = sum(resp_len[i] for i in members)
@@ -342,6 +354,8 @@ class Trainer:
                 loss, st = losses.policy_loss(lp, old_t, adv_t, w, eps_low=a.clip_eps_low, eps_high=a.clip_eps_high,
                                               tis_weight=tis, ref_logp=ref_t, kl_coef=a.kl_coef)
                 loss.backward()
+                if self.master is not None:
+                    self._accumulate_master_grads()
                 loss_sum += float(loss.detach())
                 low, high, tokens, kl_sum = low + st.clipped_low, high + st.clipped_high, tokens + st.tokens, \
                     kl_sum + st.kl_sum
@@ -372,7 +386,7 @@ class Trainer:
 
     def step(self) -> StepResult:
         """Run one training step; returns its metrics and the exact tokens and logprobs it used."""
-        cfg, a = self.cfg, self.cfg.algorithm
+        a = self.cfg.algorithm
         step = self.step_count
         t0 = time.perf_counter()
         kept, sampled, batches = self._rollout(step)
@@ -516,7 +530,7 @@ class Trainer:
         finally:
             plots = log.close(plots=cfg.run.plots)
         for p in plots:
-            print(f"plot: {p}", file=self.stream) if self.stream else print(f"plot: {p}")
+            print(f"plot: {p}", file=self.stream or sys.stdout)
         return records
 
     def _banner(self) -> str:
