@@ -89,7 +89,7 @@ fi
 if has rlstep; then
   # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
   echo "== RL step ($SECONDS s)"
-  timeout "${RLSTEP_TIMEOUT:-900}" python benchmarks/rl_step.py ${RLSTEP_ARGS:-} --json-out "$OUT/rl_step.json" \
+  timeout "${RLSTEP_TIMEOUT:-540}" python benchmarks/rl_step.py ${RLSTEP_ARGS:-} --json-out "$OUT/rl_step.json" \
     >"$OUT/rl_step.log" 2>&1
   tail -12 "$OUT/rl_step.log"
 fi
