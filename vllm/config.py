@@ -112,6 +112,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = None     # override the memory-derived size (tests use it to force preemption)
     cpu_kv_cache_bytes: int = 512 << 20   # KV budget on CPU
     enable_prefix_caching: bool = True
+    # sleep()/wake_up(): release the KV cache's memory while a colocated trainer runs.
+    # On CUDA the cache then lives in a driver VMM region (same address after wake).
+    enable_sleep_mode: bool = False
 
 
 @dataclass

@@ -43,14 +43,17 @@ def _dispatch(name: str) -> Callable | None:
 
 
 def _needs_autograd(*tensors) -> bool:
-    """True when a Triton kernel (not differentiable by itself) is asked for gradients."""
+    """True when an invariant kernel is asked for gradients. It runs inside an autograd
+    Function with a separately verified backward: Triton kernels are not differentiable
+    by themselves, and autograd through the CPU kernels' one-row-at-a-time ops builds a
+    graph of thousands of nodes per layer (a backward ~30x slower than the forward)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     fn = _dispatch("linear")
     if fn is not None:
-        if x.is_cuda and _needs_autograd(x, weight, bias):
+        if _needs_autograd(x, weight, bias):
             from vllm.kernels.autograd_ops import LinearFn
             return LinearFn.apply(x, weight, bias, fn)
         return fn(x, weight, bias)
@@ -65,7 +68,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from vllm.kernels.rowwise import rms_norm_triton
         fn = rms_norm_triton
     if fn is not None:
-        if x.is_cuda and _needs_autograd(x, weight):
+        if _needs_autograd(x, weight):
             from vllm.kernels.autograd_ops import RMSNormFn
             return RMSNormFn.apply(x, weight, eps, fn)
         return fn(x, weight, eps)
@@ -81,7 +84,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         from vllm.kernels.rowwise import rms_norm_triton
         fn = lambda x_, r_, w_, e_: rms_norm_triton(x_, w_, e_, residual=r_)  # noqa: E731
     if fn is not None:
-        if x.is_cuda and _needs_autograd(x, residual, weight):
+        if _needs_autograd(x, residual, weight):
             from vllm.kernels.autograd_ops import AddRMSNormFn
             return AddRMSNormFn.apply(x, residual, weight, eps, fn)
         return fn(x, residual, weight, eps)
@@ -142,7 +145,7 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
     fn = _dispatch("logits")
     if fn is not None:
-        if hidden.is_cuda and _needs_autograd(hidden, weight):
+        if _needs_autograd(hidden, weight):
             from vllm.kernels.autograd_ops import LinearFn
             return LinearFn.apply(hidden, weight, None, lambda x_, w_, b_: fn(x_, w_))
         return fn(hidden, weight)

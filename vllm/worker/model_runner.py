@@ -73,9 +73,11 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler = Sampler()
         self.num_blocks = self._decide_num_blocks()
-        arch = self.model.config  # the model's own config: its layers, kv heads and head_dim size the cache
-        self.k_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
-        self.v_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
+        # sleep mode on CUDA: the caches live in one driver VMM region, so waking maps new
+        # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
+        self._kv_region = None
+        self.sleeping = False
+        self.k_caches, self.v_caches = self._allocate_kv_caches(self.model.config)
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
         # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
         # per phase (benchmarks print it; off by default because syncs cost time).
@@ -140,6 +142,79 @@ class ModelRunner:
         # sampler's [B, V] temporaries and fragmentation.
         budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
+
+    def _allocate_kv_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n = mc.num_hidden_layers
+        if self.config.cache.enable_sleep_mode and self.device.type == "cuda":
+            try:
+                return self._vmm_caches(mc)
+            except (ImportError, RuntimeError, OSError) as err:
+                # still correct, only slower to wake: the caches come back at new addresses
+                # and wake_up re-captures the CUDA graphs
+                logger.warning("sleep mode: driver VMM unavailable (%s); waking will re-capture CUDA graphs", err)
+                self._kv_region = None
+        return [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
+
+    def _vmm_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from vllm.worker.cuda_vmm import VirtualMemoryRegion
+
+        nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        layer_bytes = -(-(nb * bs * h * d * elem) // 256) * 256  # each cache 256-byte aligned
+        self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes, self.device)
+        raw = self._kv_region.as_tensor()
+        caches = []
+        for i in range(2 * mc.num_hidden_layers):
+            flat = raw[i * layer_bytes:i * layer_bytes + nb * bs * h * d * elem].view(self.dtype)
+            if KV_CACHE_LAYOUT == "head":
+                caches.append(flat.view(nb, h, bs, d).permute(0, 2, 1, 3))
+            else:
+                caches.append(flat.view(nb, bs, h, d))
+        raw.zero_()
+        return caches[0::2], caches[1::2]
+
+    # ---- sleep mode -------------------------------------------------------------------
+    def kv_cache_bytes(self) -> int:
+        if self._kv_region is not None:
+            return self._kv_region.size
+        return sum(c.untyped_storage().nbytes() for c in self.k_caches + self.v_caches)
+
+    def sleep(self) -> int:
+        """Release the KV cache's memory; returns the bytes released. The cache tensors
+        keep their shapes; their contents are gone (the engine drops its prefix cache)."""
+        if self.sleeping:
+            return 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        freed = self.kv_cache_bytes()
+        if self._kv_region is not None:
+            self._kv_region.unmap()
+        else:
+            for c in self.k_caches + self.v_caches:
+                c.untyped_storage().resize_(0)
+        self.sleeping = True
+        return freed
+
+    def wake_up(self) -> None:
+        """Take the KV cache's memory back, zero-filled as at start-up. With the VMM region
+        the addresses are unchanged, so the captured graphs are replayed as they are."""
+        if not self.sleeping:
+            return
+        if self._kv_region is not None:
+            torch.cuda.empty_cache()  # blocks the trainer freed go back to the driver first
+            self._kv_region.map()
+            self._kv_region.as_tensor().zero_()
+        else:
+            mc = self.model.config
+            nbytes = self.num_blocks * self.block_size * mc.num_key_value_heads * mc.head_dim \
+                * torch.empty((), dtype=self.dtype).element_size()
+            for c in self.k_caches + self.v_caches:
+                c.untyped_storage().resize_(nbytes)
+                c.zero_()
+            if self.graphs:
+                self.graphs.clear()
+                self._capture_graphs()  # the old graphs point at the freed addresses
+        self.sleeping = False
 
     def _new_cache(self, mc) -> torch.Tensor:
         """One layer's K or V cache, logical shape [blocks, block_size, kv heads, head_dim].
