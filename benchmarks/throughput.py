@@ -58,22 +58,13 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
     from vllm.sample import sampler as sampler_mod
 
     numerics, *variants = mode.split("+")
-    unknown = set(variants) - {"async", "sync", "gumbel", "unfused", "headkv", "tokkv", "axis0", "axis2"}
+    unknown = set(variants) - {"async", "sync", "gumbel", "unfused"}
     if unknown:
         raise ValueError(f"unknown mode variant(s) {sorted(unknown)} in {mode!r}")
     # "+gumbel" / "+unfused" force the fused Gumbel-max sampler on / off for this mode
-    from vllm.kernels import attention as attn_mod
-    from vllm.worker import model_runner as runner_mod
-
-    # speed-only switches, restored after this mode: "+headkv"/"+tokkv" KV cache layout,
-    # "+axis0"/"+axis2" decode attention grid order (kv heads first or last)
-    saved = (sampler_mod.FUSED_GUMBEL, runner_mod.KV_CACHE_LAYOUT, attn_mod.DECODE_KVH_AXIS0)
+    saved = sampler_mod.FUSED_GUMBEL
     if "gumbel" in variants or "unfused" in variants:
         sampler_mod.FUSED_GUMBEL = "gumbel" in variants
-    if "headkv" in variants or "tokkv" in variants:
-        runner_mod.KV_CACHE_LAYOUT = "head" if "headkv" in variants else "token"
-    if "axis0" in variants or "axis2" in variants:
-        attn_mod.DECODE_KVH_AXIS0 = "axis0" in variants
     llm = LLM(model=model_dir, dtype="bfloat16", load_format="dummy", numerics=numerics, seed=0,
               async_scheduling="async" in variants,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -107,7 +98,7 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
         runner.profile = False
         print(f"[{mode}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timings.items(), key=lambda kv: -kv[1])), flush=True)
-    sampler_mod.FUSED_GUMBEL, runner_mod.KV_CACHE_LAYOUT, attn_mod.DECODE_KVH_AXIS0 = saved
+    sampler_mod.FUSED_GUMBEL = saved
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()

@@ -110,42 +110,22 @@ QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 245
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
-def test_gpu_matmul_invariant_over_M(name, split_size=-1):
+def test_gpu_matmul_invariant_over_M(name):
     K, N = QWEN3_8B_SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    full = invariant_matmul(x, w, split_size=split_size)
+    full = invariant_matmul(x, w)
     ref = x.double() @ w.double().T
     assert rel_err(full, ref) < 1e-2
     for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
-        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, split_size=split_size)), bits(full[:M])), \
-            f"{name} M={M}"
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w)), bits(full[:M])), f"{name} M={M}"
     for impl in ("plain", "tma", "tmaf"):  # every impl the tables use, at a decode and a prefill size
         for M in (7, 300):
-            out = invariant_matmul(x[:M].clone(), w, impl=impl, split_size=split_size)
+            out = invariant_matmul(x[:M].clone(), w, impl=impl)
             assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} M={M}"
     cublas_row0 = torch.nn.functional.linear(x[:1], w)
     assert rel_err(full[:1], cublas_row0.double()) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["o", "down"])
-def test_gpu_split_impls_agree(name):
-    """Under a fixed K split, every impl -- in particular "fixup", whose merge runs in
-    whichever program of a tile finishes last -- gives the same bits at every M, many
-    times over (arrival order changes between launches on the GPU)."""
-    K, N = QWEN3_8B_SHAPES[name]
-    torch.manual_seed(1)
-    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    full = invariant_matmul(x, w, split_size=2048, impl="partial", config=("partial", 128, 128, 64, 4, 4))
-    for M in (1, 7, 128, 256, 300, 2048):
-        for impl, cfg in (("plain", None), ("tma", None), ("fixup", ("fixup", 64, 64, 128, 4, 4)),
-                          ("fixup", ("fixup", 128, 128, 64, 8, 3))):
-            for _ in range(5 if impl == "fixup" else 1):
-                out = invariant_matmul(x[:M].clone(), w, split_size=2048, impl=impl, config=cfg)
-                assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} {cfg} M={M}"
 
 
 @pytest.mark.gpu
@@ -268,20 +248,21 @@ def test_fused_elementwise_match_torch():
             assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6 * ref.float().abs().max().item()
 
 
-@pytest.mark.parametrize("split_size", [None, 32, 48])
-def test_every_impl_gives_the_same_bits(split_size):
-    """plain (splits inside one program), tma (persistent) and partial (one program per
-    split + ordered merge) compute one reduction order, for any fixed K split."""
+def test_every_impl_gives_the_same_bits():
+    """plain (one program per tile), tma / tmaf (persistent, TMA descriptors) and cublaslt
+    (off CUDA: its Triton fallback) compute one reduction order."""
     g = torch.Generator().manual_seed(7)
     for M, K, N, bias in ((37, 72, 48, False), (5, 64, 40, True), (3, 96, 24, True)):
         x = torch.randn(M, K, generator=g).to(DEV)
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
-        plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt"):
-            other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
+        plain = invariant_matmul(x, w, b, impl="plain")
+        for impl in ("tma", "tmaf", "cublaslt"):
+            other = invariant_matmul(x, w, b, impl=impl)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        invariant_matmul(x, w, impl="partial")
 
 
 def _blas_state():
@@ -373,43 +354,8 @@ def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
     assert max(selfcheck._check_ms(4096, 4096, False, 1024)) == 1024
 
 
-def test_fixup_counters_reset_and_repeat():
-    """ "fixup" merges in whichever program of a tile arrives last: its tile counters must
-    be back at zero after every launch (CUDA-graph replays reuse them), and repeated
-    launches give the same bits as the merge-kernel impl."""
-    from vllm.kernels import matmul as mm
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(21, 80, generator=g).to(DEV)
-    w = torch.randn(40, 80, generator=g).to(DEV)
-    b = torch.randn(40, generator=g).to(DEV)
-    ref = invariant_matmul(x, w, b, impl="partial", split_size=32)
-    for _ in range(3):
-        out = invariant_matmul(x, w, b, impl="fixup", split_size=32)
-        assert torch.equal(bits(out), bits(ref))
-        assert int(mm._FIXUP_LOCKS[x.device].abs().sum()) == 0
-
-
-def test_k_split_merge_order():
-    """A split GEMM equals the unsplit GEMMs of its K ranges merged in ascending order
-    (p0 + p1) + p2 in float32, then + bias: the order the contract names."""
-    g = torch.Generator().manual_seed(8)
-    M, K, N = 9, 80, 24
-    x = torch.randn(M, K, generator=g).to(DEV)
-    w = torch.randn(N, K, generator=g).to(DEV)
-    b = torch.randn(N, generator=g).to(DEV)
-    out = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=32)
-    parts = [invariant_matmul(x[:, lo:lo + 32].contiguous(), w[:, lo:lo + 32].contiguous(), out_dtype=torch.float32,
-                              split_size=None) for lo in (0, 32, 64)]
-    assert torch.equal(bits(out), bits(((parts[0] + parts[1]) + parts[2]) + b))
-    unsplit = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=None)
-    assert rel_err(out, unsplit.double()) < 1e-5
-    with pytest.raises(ValueError, match="multiple of the K tile"):
-        invariant_matmul(x, w, split_size=24)
-
-
 def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
-    """A sweep result becomes a per-shape table; the loader uses it only under the
-    K-split policy it was measured with."""
+    """A sweep result becomes a per-shape table that the loader reads back."""
     import importlib.util
     import json
 
@@ -419,35 +365,13 @@ def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
     derive = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(derive)
     rows = [{"K": 64, "N": 32, "M": m, "cublas_us": 1.0,
-             "policies": {"None": [[2.0, ["plain", 16, 32, 64, 4, 3]], [3.0, ["tma", 64, 32, 64, 4, 3]]]}}
+             "timings": [[2.0, ["plain", 16, 32, 64, 4, 3]], [3.0, ["tma", 64, 32, 64, 4, 3]]]}
             for m in (1, 16, 256)]
-    table = derive.derive(rows, None)
+    table = derive.derive(rows)
     assert table == {"64,32": [[1, "plain", 16, 32, 64, 4, 3], [16, "plain", 16, 32, 64, 4, 3],
                                [1 << 62, "plain", 16, 32, 64, 4, 3]]}
-    (tmp_path / "gemm_fake.json").write_text(json.dumps({"k_split_size": None, "shapes": table}))
+    (tmp_path / "gemm_fake.json").write_text(json.dumps({"shapes": table}))
     monkeypatch.setattr(matmul, "_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(matmul, "_tuned_cache", {})
-    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", None)
-    matmul._gpu_config_table.cache_clear()
     assert matmul.pick_config(20, configs=matmul.tuned_tables("fake")["64,32"]) == ("plain", 16, 32, 64, 4, 3)
-    monkeypatch.setattr(matmul, "_tuned_cache", {})
-    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", 2048)
-    assert matmul.tuned_tables("fake") == {}
-
-
-def test_table_k_tile_adapts_to_the_split(monkeypatch):
-    """A table config whose K tile does not divide the split size takes the largest tile
-    that does (same bits as asking for that tile); an explicit config is refused."""
-    from vllm.kernels import matmul
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(5, 96, generator=g).to(DEV)
-    w = torch.randn(24, 96, generator=g).to(DEV)
-    if DEV == "cpu":
-        monkeypatch.setattr(matmul, "INTERPRET_CONFIGS", [(1 << 62, "plain", 16, 16, 32, 1, 1)])
-    else:
-        monkeypatch.setattr(matmul, "_gpu_config_table", lambda *a: [(1 << 62, "plain", 16, 16, 32, 4, 2)])
-    adapted = invariant_matmul(x, w, split_size=48)  # gcd(32, 48) = 16
-    explicit = invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 16, 1, 1))
-    assert torch.equal(bits(adapted), bits(explicit))
-    with pytest.raises(ValueError, match="multiple of the K tile"):
-        invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 32, 1, 1))
+    assert matmul.tuned_tables("absent") == {}

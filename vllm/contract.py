@@ -62,7 +62,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
     }
     if numerics == "invariant":
         policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)",
-                           "k_split_size": matmul.K_SPLIT_SIZE, "split_merge": "float32, ascending, p0 first",
+                           "k_split": "none: one float32 accumulation over all of K",
                            "accumulate": "float32", "k_order": "ascending",
                            "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
                            "tuned_tables_sha256": matmul.tuned_tables_digest(),

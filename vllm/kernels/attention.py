@@ -64,9 +64,6 @@ MERGE_NUM_WARPS = 4
 # Decode runs KV splits as parallel programs when (sequences x kv heads) would
 # otherwise leave the GPU idle (H200: 132 SMs) and contexts span >= 2 splits.
 DECODE_PARALLEL_MAX_PROGRAMS = 264
-# Decode grid order: kv heads fastest (True) or the q-tile/split axis fastest (False).
-DECODE_KVH_AXIS0 = False
-PREFILL_KVH_AXIS0 = False
 # Under TRITON_INTERPRET (CPU tests) smaller prefill tiles keep numpy fast.
 INTERPRET_PREFILL_BLOCK_M = 32
 
@@ -144,7 +141,7 @@ if HAS_TRITON:
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr, KVH_AXIS0: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program per (q tile | split, sequence, kv head).
 
@@ -158,17 +155,9 @@ if HAS_TRITON:
         the split partial (m, l, acc) goes to the fp32 workspace and
         _merge_splits_kernel finishes.
         """
-        if KVH_AXIS0:
-            # grid (kv heads, sequences, q tiles | splits): the kv heads of one sequence
-            # are adjacent programs, so they run together and read the same KV blocks'
-            # memory pages together (speed only; every program computes the same thing)
-            kvh = tl.program_id(0)
-            seq = tl.program_id(1)
-            pid0 = tl.program_id(2)
-        else:
-            pid0 = tl.program_id(0)
-            seq = tl.program_id(1)
-            kvh = tl.program_id(2)
+        pid0 = tl.program_id(0)
+        seq = tl.program_id(1)
+        kvh = tl.program_id(2)
 
         q_start = tl.load(cu_ptr + seq)
         q_len = tl.load(cu_ptr + seq + 1) - q_start
@@ -511,11 +500,6 @@ def paged_attention_triton(
         max_splits = 1
         ws_acc = ws_ml = out  # unused placeholders (never dereferenced)
         grid = (_cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    # Grid axes 1 and 2 hold at most 65535 programs (axis 0: 2**31 - 1): a q-tile / split
-    # axis too long for axis 2 keeps the default order (same bits, only speed differs).
-    kvh_axis0 = (DECODE_KVH_AXIS0 if is_decode else PREFILL_KVH_AXIS0) and grid[0] <= 65535
-    if kvh_axis0:
-        grid = (grid[2], grid[1], grid[0])
 
     _paged_attn_kernel[grid](
         out, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
@@ -528,7 +512,7 @@ def paged_attention_triton(
         num_kv_heads, max_splits,
         BLOCK_Q=block_q, KV_TILE=KV_TILE, SPLIT=kv_split_size, BLOCK_SIZE=block_size,
         WRITE_PARTIALS=bool(decode_parallel_splits), EMULATE=emulate, PRECISION=precision,
-        KVH_AXIS0=kvh_axis0, **common, **launch,
+        **common, **launch,
     )
     if decode_parallel_splits:
         _merge_splits_kernel[(num_seqs, num_kv_heads)](

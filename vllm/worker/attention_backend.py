@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm._custom_ops import cache_kv
 from vllm.forward_context import get_forward_context
 from vllm.kernels.attention import paged_attention
+from vllm.kernels.cache_write import cache_kv
 
 
 @dataclass
@@ -46,7 +46,7 @@ class PagedAttentionBackend:
         md = self.metadata
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         # KV write: a scatter with no reduction, so identical in every numerics mode
-        # (`_custom_ops.cache_kv`: the Triton write on CUDA, index_copy_ elsewhere).
+        # (the Triton write on CUDA, index_copy_ elsewhere).
         cache_kv(k, v, kc, vc, md.slot_mapping)
         if (self.varlen is not None and md.fresh_prefill and q.dtype in (torch.bfloat16, torch.float16)
                 and get_forward_context().numerics == "fast"):

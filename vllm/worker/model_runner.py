@@ -27,10 +27,6 @@ from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBacke
 
 logger = logging.getLogger(__name__)
 
-# Physical KV cache layout: "token" ([blocks, block_size, heads, D]) or "head" (head-major,
-# see _new_cache). Speed only; benchmarks/kernels/decode_attention.py measures both.
-KV_CACHE_LAYOUT = os.environ.get("VLLM_PARITY_KV_LAYOUT", "token")
-
 
 @dataclass
 class StepHandle:
@@ -148,14 +144,9 @@ class ModelRunner:
         return int(budget // self.kv_bytes_per_block())
 
     def _new_cache(self, mc) -> torch.Tensor:
-        """One layer's K or V cache, logical shape [blocks, block_size, kv heads, head_dim].
-        KV_CACHE_LAYOUT "head" stores it head-major ([blocks, heads, block_size, D], each
-        head's slice of a block contiguous) behind a permuted view. Kernels take strides,
-        so the layout changes where bytes live, never a computed bit."""
-        nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
-        if KV_CACHE_LAYOUT == "head":
-            return torch.zeros((nb, h, bs, d), dtype=self.dtype, device=self.device).permute(0, 2, 1, 3)
-        return torch.zeros((nb, bs, h, d), dtype=self.dtype, device=self.device)
+        """One layer's K or V cache: [blocks, block_size, kv heads, head_dim], contiguous."""
+        return torch.zeros((self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim),
+                           dtype=self.dtype, device=self.device)
 
     def _mark(self, phase: str | None) -> None:
         if not self.profile:
