@@ -63,7 +63,9 @@ def test_matmul_rows_independent_of_M_and_config():
 
 
 def test_cpu_rowwise_linear_is_position_independent():
-    from vllm.kernels.invariant import _linear_cpu, _logits_cpu, _rms_norm_cpu
+    from vllm.kernels.torch_ops import linear_rows as _linear_cpu
+    from vllm.kernels.torch_ops import logits_rows as _logits_cpu
+    from vllm.kernels.torch_ops import rms_norm_rows as _rms_norm_cpu
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 64, generator=g)
     w = torch.randn(96, 64, generator=g)
@@ -226,8 +228,8 @@ def test_gpu_rowwise_invariant():
 
 def test_fused_elementwise_match_torch():
     """rope and silu-and-mul kernels vs the torch formulas they replace: equal bits."""
-    from vllm.kernels import ops
     from vllm.kernels.elementwise import rope_triton, silu_and_mul_triton
+    from vllm.kernels.torch_ops import rope_one
     g = torch.Generator().manual_seed(3)
     # (the interpreter casts float32 -> bf16 by truncation, so bf16 bits are checked on the GPU only)
     for dtype in (torch.float32, torch.bfloat16) if DEV == "cuda" else (torch.float32,):
@@ -236,8 +238,8 @@ def test_fused_elementwise_match_torch():
         ang = torch.randn(7, 8, generator=g).to(DEV)
         cos, sin = ang.cos(), ang.sin()
         rq, rk = rope_triton(q, k, cos, sin)
-        assert torch.equal(bits(rq), bits(ops._rope_one(q, cos, sin)))
-        assert torch.equal(bits(rk), bits(ops._rope_one(k, cos, sin)))
+        assert torch.equal(bits(rq), bits(rope_one(q, cos, sin)))
+        assert torch.equal(bits(rk), bits(rope_one(k, cos, sin)))
         x = torch.randn(5, 2 * 24, generator=g).to(DEV, dtype)
         gate, up = x.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up

@@ -42,7 +42,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
 
     from vllm.kernels import attention as attn
     from vllm.kernels import matmul
-    from vllm.kernels.invariant import KERNEL_VERSION
+    from vllm.kernels.numerics_table import KERNEL_VERSION, describe
 
     dev = torch.device(device)
     gpu = dev.type == "cuda"
@@ -53,6 +53,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "torch": torch.__version__.split("+")[0],
         "triton": triton.__version__,
         "kernel_version": KERNEL_VERSION,
+        "kernels": describe(numerics, dev),
         "quantization": None,
         "kv_cache_dtype": str(dtype).replace("torch.", ""),
         "sampler": {"rng": "counter-hash(seed, position, token_id) -> gumbel-max",
@@ -60,25 +61,22 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
                     "float_reductions": "fixed pairwise order over the row"},
         "logprobs": "float32 log_softmax(logits / T) over the full vocabulary (T=0 -> 1), before truncation",
     }
+    # what runs is named by policy["kernels"] (the numerics table); below, the rules inside them
     if numerics == "invariant":
-        policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)",
-                           "k_split": "none: one float32 accumulation over all of K",
+        policy["gemm"] = ({"form": "acc = tl.dot(a, b, acc)", "k_split": "none: one float32 accumulation over all of K",
                            "accumulate": "float32", "k_order": "ascending",
                            "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
                            "tuned_tables_sha256": matmul.tuned_tables_digest(),
                            "cublaslt": _cublaslt_policy(matmul)}
-                          if gpu else {"kernel": "torch F.linear one row at a time", "accumulate": "backend"})
-        policy["norm"] = "triton one row per program, BLOCK by hidden size" if gpu else "torch one row at a time"
+                          if gpu else {"form": "torch F.linear one row at a time", "accumulate": "backend"})
+        policy["norm"] = "one program per row, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"
     else:
-        policy["gemm"] = {"kernel": "torch F.linear (cuBLAS / CPU BLAS)", "batch_invariant": False}
-        policy["norm"] = "torch"
+        policy["gemm"] = {"batch_invariant": False}
         policy["lm_head"] = "F.linear in model dtype, then float32"
     policy["attention"] = {
-        "kernel": "triton paged_attention" if gpu else "torch paged_attention_torch",
-        "kv_tile": getattr(attn, "KV_TILE", None), "kv_split_size": getattr(attn, "KV_SPLIT_SIZE", None),
+        "kv_tile": attn.KV_TILE, "kv_split_size": attn.KV_SPLIT_SIZE,
         "merge": "ascending splits, fixed formula", "accumulate": "float32",
-        "fast_prefill": "torch varlen flash attention" if (gpu and numerics == "fast") else None,
     }
     policy["block_size_affects_bits"] = False
     return policy

@@ -37,6 +37,13 @@ def get_forward_context() -> ForwardContext:
     return _CURRENT
 
 
+def current_numerics() -> str:
+    """The numerics mode of the model call in progress (what the op shim dispatches on).
+    Outside any forward context (a kernel called directly, as tests and benchmarks do)
+    it is "fast", the baseline."""
+    return _CURRENT.numerics if _CURRENT is not None else "fast"
+
+
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     global _CURRENT

@@ -55,7 +55,7 @@ def run(q, kc, vc, table, cu, sl, max_q, max_seq_len, warps=4, stages=3, splits=
     old = A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES
     A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = warps, stages
     try:
-        return A.paged_attention(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=max_q, max_seq_len=max_seq_len,
+        return A.paged_attention_triton(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=max_q, max_seq_len=max_seq_len,
                                  decode_parallel_splits=splits)
     finally:
         A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = old

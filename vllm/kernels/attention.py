@@ -372,7 +372,7 @@ def use_decode_parallel_splits(num_seqs: int, num_kv_heads: int, max_seq_len: in
     return num_seqs * num_kv_heads < DECODE_PARALLEL_MAX_PROGRAMS
 
 
-def paged_attention(
+def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -400,42 +400,12 @@ def paged_attention(
     not written; rows of sequences with no KV (seq_len 0) are zero; when
     ``out`` is None, rows past cu_seqlens_q[-1] are zero.
 
-    CUDA tensors run the Triton kernel (paged_attention_triton). Anything
-    else runs vllm.kernels.attention_ref.paged_attention_torch: same
-    tile/split/merge order and invariances, but not the GPU kernel's bits --
-    so an engine and a trainer on the same device type always agree. (The
-    Triton kernel on CPU, through TRITON_INTERPRET=1, is for tests only and
-    is reached by calling paged_attention_triton directly.)
-    """
-    kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len,
-                  kv_split_size=kv_split_size, decode_parallel_splits=decode_parallel_splits)
-    if HAS_TRITON and q.is_cuda:
-        return paged_attention_triton(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
-    from vllm.kernels.attention_ref import paged_attention_torch
-
-    return paged_attention_torch(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
-
-
-def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    max_query_len: int,
-    max_seq_len: int | None = None,
-    kv_split_size: int = KV_SPLIT_SIZE,
-    decode_parallel_splits: bool | None = None,
-) -> torch.Tensor:
-    """The Triton kernel behind paged_attention (same arguments). Needs CUDA
-    tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton was
-    imported (tests)."""
+    Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before
+    triton was imported (tests). The CPU engine runs
+    vllm.kernels.attention_cpu.paged_attention_cpu instead (same tile / split /
+    merge order and invariances, not this kernel's bits): the numerics table
+    (vllm/kernels/numerics_table.py) picks by device, so an engine and a trainer
+    on the same device type always agree."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     if not q.is_cuda and not _INTERPRET:

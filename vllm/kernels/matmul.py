@@ -413,3 +413,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
         num_warps=warps, num_stages=stages)
     return c.reshape(*lead, N)
+
+
+def invariant_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head: the same GEMM with a float32 output (logits are never rounded to bf16)."""
+    return invariant_matmul(hidden, weight, out_dtype=torch.float32)

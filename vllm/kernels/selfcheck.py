@@ -90,6 +90,17 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
     return report
 
 
+def start_up_check(model: torch.nn.Module, numerics: str, device: torch.device, dtype: torch.dtype,
+                   max_tokens: int | None = None) -> dict | None:
+    """The check a numerics mode needs on this device before an engine serves: invariant
+    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`). Nothing
+    else needs one (the CPU's invariant kernels are row-at-a-time torch; fast mode promises
+    nothing). Returns the check's report, or None when none ran."""
+    if numerics == "invariant" and device.type == "cuda":
+        return gemm_self_check(model, device, dtype, max_tokens=max_tokens)
+    return None
+
+
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse numerics='invariant' where no verified kernel exists."""
     if device.type == "cpu":

@@ -21,6 +21,7 @@ from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
+from vllm.kernels.selfcheck import check_supported, start_up_check
 from vllm.model_loader.loader import load_model
 from vllm.sample.sampler import Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
@@ -54,7 +55,6 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         if config.numerics == "invariant":
-            from vllm.kernels.selfcheck import check_supported
             check_supported(self.device, self.dtype)
         t0 = time.perf_counter()
         if self.device.type == "cuda":
@@ -63,17 +63,16 @@ class ModelRunner:
             self._mem_before_load = torch.cuda.memory_allocated(self.device)
         self.model = load_model(mc, self.dtype, self.device, config.load_format)
         self.load_time = time.perf_counter() - t0
-        self.self_check_report = None
-        if config.numerics == "invariant" and self.device.type == "cuda":
-            from vllm.kernels.selfcheck import gemm_self_check
-            t0 = time.perf_counter()
-            self.self_check_report = gemm_self_check(self.model, self.device, self.dtype,
-                                                     max_tokens=config.scheduler.max_num_batched_tokens)
-            logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
-            # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        self.self_check_report = start_up_check(self.model, config.numerics, self.device, self.dtype,
+                                                max_tokens=config.scheduler.max_num_batched_tokens)
+        if self.self_check_report is not None:
+            logger.info("%s numerics self-check passed in %.2f s", config.numerics, time.perf_counter() - t0)
+            if self.device.type == "cuda":
+                # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler = Sampler()
         self.num_blocks = self._decide_num_blocks()
         self.k_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]

@@ -1,11 +1,12 @@
-"""Pure-torch paged attention: a float64 reference and the CPU implementation.
+"""Paged attention on the CPU, and the float64 reference both implementations are tested against.
 
+* ``paged_attention_cpu``: float32, the SAME tile / split / merge order as
+  the Triton kernel in vllm/kernels/attention.py. What the CPU engine and a
+  CPU trainer run (in both numerics modes), and its bits are invariant across
+  prefill, chunked prefill and decode, batch composition, slot and physical
+  block ids.
 * ``paged_attention_ref``: plain float64 math (gather the context, causal
   softmax). The correctness reference for tests; no claims about bits.
-* ``paged_attention_torch``: float32, the SAME tile / split / merge order as
-  the Triton kernel in vllm/kernels/attention.py. The CPU engine uses it when
-  Triton is unavailable, and its bits are invariant across prefill, chunked
-  prefill and decode, batch composition, slot and physical block ids.
 
 The torch version is bit-invariant by construction, not by luck of the
 backend: torch's CPU matmul / sum / exp may pick kernels (and reduction
@@ -118,14 +119,14 @@ def paged_attention_ref(
     return out
 
 
-def paged_attention_torch(
+def paged_attention_cpu(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None, *,
     max_query_len: int, max_seq_len: int | None = None,
     kv_split_size: int = KV_SPLIT_SIZE, decode_parallel_splits: bool | None = None,
 ) -> torch.Tensor:
     """float32 paged attention in the Triton kernel's tile/split/merge order.
 
-    Same signature and semantics as vllm.kernels.attention.paged_attention.
+    Same signature and semantics as vllm.kernels.attention.paged_attention_triton.
     max_query_len / max_seq_len / decode_parallel_splits are accepted for
     interface compatibility and do not change the arithmetic (parallel and
     sequential decode splits give the same bits by construction, so there is
