@@ -332,6 +332,23 @@ def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
     assert _blas_state()[1:] == before[1:]
 
 
+def test_cublaslt_can_be_turned_off(monkeypatch):
+    """allow_cublaslt=False (KernelConfig.gemm_cublaslt) never calls cuBLASLt, even where it
+    would take the problem: the entry's Triton fallback runs (same bits)."""
+    from vllm.kernels import matmul as mm
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 48, generator=g).to(DEV)
+    w = torch.randn(20, 48, generator=g).to(DEV)
+    calls = []
+    monkeypatch.setattr(mm, "_cublaslt_takes", lambda *args: True)
+    monkeypatch.setattr(mm, "_cublaslt_matmul", lambda a, w_, out_dtype: calls.append(1) or torch.mm(a, w_.t()))
+    monkeypatch.setattr(mm, "_LT_REFUSED", set())
+    off = mm.invariant_matmul(x, w, impl="cublaslt", allow_cublaslt=False)
+    assert not calls and torch.equal(bits(off), bits(invariant_matmul(x, w, impl="plain")))
+    mm.invariant_matmul(x, w, impl="cublaslt")
+    assert calls == [1]  # the stand-ins are live: turned on, cuBLASLt is called
+
+
 def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
     """Buckets served by cuBLASLt pick their kernel by cuBLAS's heuristic per M: the
     start-up self-check visits every LT_STRIDE-th M of them and both ends."""

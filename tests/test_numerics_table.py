@@ -67,7 +67,7 @@ def test_describe_names_what_runs():
     d = nt.describe("invariant", "cpu")
     assert d["linear"] == "kernels.torch_ops.linear_rows"
     assert d["prefill_attention"] == "kernels.attention_cpu.paged_attention_cpu"
-    assert nt.describe("invariant", "cuda")["linear"] == "kernels.matmul.invariant_matmul"
+    assert nt.describe("invariant", "cuda")["linear"] == "kernels.matmul.invariant_matmul(allow_cublaslt=True)"
     assert nt.describe("fast", "cuda")["fresh_prefill_attention"] == "kernels.flash_varlen.flash_prefill_attention"
 
 

@@ -9,7 +9,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
   and split sizes, accumulation dtypes, quantization rule, sampler rules and
   tie-breaking, logprobs definition);
 - deployment: everything that must NOT change bits in invariant mode (batch
-  limits, block size, memory fraction, prefix caching, CUDA graph sizes).
+  limits, block size, memory fraction, prefix caching, CUDA graph sizes, kernel
+  options measured bit-neutral such as the fused Gumbel sampler).
 
 Rollout and trainer exchange contracts before a weight sync and refuse to go on
 when the semantic or numerical digests differ (`check_compatible`).
@@ -21,6 +22,8 @@ import json
 from dataclasses import dataclass
 
 import torch
+
+from vllm.config import KernelConfig
 
 
 def _digest(obj) -> str:
@@ -37,7 +40,8 @@ def device_kind(device: str | torch.device) -> dict:
     return {"type": dev.type, "threads": torch.get_num_threads()}
 
 
-def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype, block_size: int) -> dict:
+def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype, block_size: int,
+                     kernels: KernelConfig | None = None) -> dict:
     import triton
 
     from vllm.kernels import attention as attn
@@ -46,6 +50,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
 
     dev = torch.device(device)
     gpu = dev.type == "cuda"
+    kernels = kernels or KernelConfig()
     policy = {
         "numerics": numerics,
         "device": device_kind(dev),
@@ -53,7 +58,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "torch": torch.__version__.split("+")[0],
         "triton": triton.__version__,
         "kernel_version": KERNEL_VERSION,
-        "kernels": describe(numerics, dev),
+        "kernels": describe(numerics, dev, kernels),
         "quantization": None,
         "kv_cache_dtype": str(dtype).replace("torch.", ""),
         "sampler": {"rng": "counter-hash(seed, position, token_id) -> gumbel-max",
@@ -67,7 +72,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
                            "accumulate": "float32", "k_order": "ascending",
                            "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
                            "tuned_tables_sha256": matmul.tuned_tables_digest(),
-                           "cublaslt": _cublaslt_policy(matmul)}
+                           "cublaslt": _cublaslt_policy(matmul) if kernels.gemm_cublaslt else None}
                           if gpu else {"form": "torch F.linear one row at a time", "accumulate": "backend"})
         policy["norm"] = "one program per row, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"
@@ -147,13 +152,13 @@ def build_contract(config, model: torch.nn.Module) -> ExecutionContract:
         "qkv_bias": mc.qkv_bias, "qk_norm": mc.qk_norm, "dtype": str(config.dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
-    numerical = numerical_policy(config.numerics, config.device, config.dtype, config.cache.block_size)
+    numerical = numerical_policy(config.numerics, config.device, config.dtype, config.cache.block_size, config.kernels)
     deployment = {
         "max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,
         "gpu_memory_utilization": config.cache.gpu_memory_utilization,
         "enable_prefix_caching": config.cache.enable_prefix_caching, "enforce_eager": config.enforce_eager,
         "cuda_graph_batch_sizes": config.cuda_graph_batch_sizes, "max_model_len": config.model.max_model_len,
-        "seed": config.seed,
+        "seed": config.seed, "fused_gumbel": config.kernels.fused_gumbel,
     }
     return ExecutionContract(semantic, numerical, deployment)

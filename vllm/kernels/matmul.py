@@ -277,8 +277,6 @@ def _sm_count(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def cublaslt_nosplit_supported() -> bool:
     """Whether this torch can forbid cuBLASLt's split-K (the setter takes allow_splitk)."""
-    if os.environ.get("VLLM_PARITY_CUBLASLT", "1") == "0":
-        return False
     try:
         state = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
         if not isinstance(state, tuple) or len(state) != 2:
@@ -356,10 +354,12 @@ def _normalize(config: tuple, impl: str | None) -> tuple:
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None, config: tuple | None = None,
-                     impl: str | None = None) -> torch.Tensor:
+                     impl: str | None = None, allow_cublaslt: bool = True) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype).
 
-    `config` / `impl` override the table (speed only: they never change bits)."""
+    `config` / `impl` override the table (speed only: they never change bits).
+    `allow_cublaslt=False` (KernelConfig.gemm_cublaslt) runs "cublaslt" entries in their
+    Triton fallback (same bits)."""
     K = x.shape[-1]
     N, Kw = weight.shape
     if Kw != K:
@@ -377,7 +377,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if lt_fallback.startswith("tma") and not _is_hopper_or_newer(a.device):
             lt_fallback = "plain"  # TMA needs Hopper; same bits
         refused_key = (M, N, K, a.dtype, out_dtype)
-        if refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
+        if allow_cublaslt and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
             try:
                 return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
             except RuntimeError as err:
@@ -415,6 +415,6 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return c.reshape(*lead, N)
 
 
-def invariant_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def invariant_logits(hidden: torch.Tensor, weight: torch.Tensor, allow_cublaslt: bool = True) -> torch.Tensor:
     """The lm_head: the same GEMM with a float32 output (logits are never rounded to bf16)."""
-    return invariant_matmul(hidden, weight, out_dtype=torch.float32)
+    return invariant_matmul(hidden, weight, out_dtype=torch.float32, allow_cublaslt=allow_cublaslt)

@@ -18,12 +18,13 @@ reach (elementwise ops, gathers, copies) or is batch-invariant by construction i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from vllm.config import NUMERICS_MODES
+from vllm.config import NUMERICS_MODES, KernelConfig
 from vllm.kernels import attention, attention_cpu, cache_write, elementwise, flash_varlen, matmul, rowwise, torch_ops
 from vllm.sample import sampler
 
@@ -41,9 +42,15 @@ class Impl:
     # invariant GEMM): when a gradient is asked for, the op shim runs it inside its autograd
     # Function (vllm/kernels/autograd_ops.py), whose backward is written separately.
     cuda_autograd_fn: bool = True
+    # Keyword arguments the CUDA entry takes from the kernel options (vllm.config.KernelConfig).
+    cuda_options: Callable[[KernelConfig], dict] | None = None
 
-    def on(self, device: torch.device) -> Callable | None:
-        return self.cuda if device.type == "cuda" else self.cpu
+    def on(self, device: torch.device, kernels: KernelConfig | None = None) -> Callable | None:
+        if device.type != "cuda":
+            return self.cpu
+        if self.cuda_options is None or self.cuda is None:
+            return self.cuda
+        return functools.partial(self.cuda, **self.cuda_options(kernels or KernelConfig()))
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,10 @@ def _torch(fn: Callable) -> Impl:
     return Impl(cuda=fn, cpu=fn, cuda_autograd_fn=False)
 
 
+def _gemm_options(kernels: KernelConfig) -> dict:
+    return {"allow_cublaslt": kernels.gemm_cublaslt}
+
+
 _ROPE = Impl(cuda=elementwise.rope, cpu=torch_ops.rope)
 _SILU = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul)
 _EMBEDDING = _torch(torch_ops.embedding)
@@ -74,10 +85,10 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     # GEMMs: cuBLAS picks split-K / tiles by M; the invariant GEMM fixes the order by K.
     "linear": OpNumerics(
         fast=_torch(torch_ops.linear),
-        invariant=Impl(cuda=matmul.invariant_matmul, cpu=torch_ops.linear_rows)),
+        invariant=Impl(cuda=matmul.invariant_matmul, cpu=torch_ops.linear_rows, cuda_options=_gemm_options)),
     "logits": OpNumerics(
         fast=_torch(torch_ops.logits),
-        invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows)),
+        invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows, cuda_options=_gemm_options)),
     # Norms: one Triton program per row on CUDA in both modes; torch on CPU.
     "rms_norm": OpNumerics(
         fast=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm),
@@ -104,20 +115,25 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
 }
 
 
-def kernel_for(op: str, numerics: str, device: torch.device | str) -> Callable | None:
-    """The implementation of `op` that runs in `numerics` mode on `device`."""
-    return NUMERICS_TABLE[op].mode(numerics).on(torch.device(device))
+def kernel_for(op: str, numerics: str, device: torch.device | str, kernels: KernelConfig | None = None) -> Callable | None:
+    """The implementation of `op` that runs in `numerics` mode on `device` (with the kernel
+    options it takes bound)."""
+    return NUMERICS_TABLE[op].mode(numerics).on(torch.device(device), kernels)
 
 
 def _name(fn: Callable | None) -> str | None:
     if fn is None:
         return None
+    if isinstance(fn, functools.partial):
+        args = ", ".join(f"{k}={v}" for k, v in fn.keywords.items())
+        return f"{_name(fn.func)}({args})"
     return f"{fn.__module__.removeprefix('vllm.')}.{fn.__qualname__}"
 
 
-def describe(numerics: str, device: torch.device | str) -> dict[str, str | None]:
-    """{op: implementation} for one mode and device, as the execution contract records it."""
-    return {op: _name(kernel_for(op, numerics, device)) for op in NUMERICS_TABLE}
+def describe(numerics: str, device: torch.device | str, kernels: KernelConfig | None = None) -> dict[str, str | None]:
+    """{op: implementation} for one mode, device and set of kernel options, as the
+    execution contract records it."""
+    return {op: _name(kernel_for(op, numerics, device, kernels)) for op in NUMERICS_TABLE}
 
 
 def markdown() -> str:

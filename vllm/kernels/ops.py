@@ -11,17 +11,17 @@ from typing import Callable
 
 import torch
 
-from vllm.forward_context import current_numerics
+from vllm.forward_context import current_kernel_config, current_numerics
 from vllm.kernels.autograd_ops import AddRMSNormFn, LinearFn, RMSNormFn, RopeFn, SiluAndMulFn
 from vllm.kernels.numerics_table import NUMERICS_TABLE
 
 
 def _kernel(op: str, x: torch.Tensor) -> tuple[Callable | None, bool]:
-    """(implementation for x's device in the current mode, whether it needs its autograd Function)."""
+    """(implementation for x's device in the current mode, with the kernel options it takes
+    bound; whether it needs its autograd Function)."""
     impl = NUMERICS_TABLE[op].mode(current_numerics())
-    if x.is_cuda:
-        return impl.cuda, impl.cuda_autograd_fn
-    return impl.cpu, False
+    fn = impl.on(x.device, current_kernel_config())
+    return fn, x.is_cuda and impl.cuda_autograd_fn
 
 
 def _needs_autograd(*tensors) -> bool:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import ModelConfig, resolve_dtype
+from vllm.config import KernelConfig, ModelConfig, resolve_dtype
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.sample.sampler import tempered_logprobs
 from vllm.training.attention import PackedAttentionBackend
@@ -24,7 +24,7 @@ from vllm.training.attention import PackedAttentionBackend
 class Policy:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16):
+                 block_size: int = 16, kernels: KernelConfig | None = None):
         self.model = model
         self.model_config = model_config
         self.dtype = dtype
@@ -33,6 +33,7 @@ class Policy:
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
         self.block_size = block_size
+        self.kernels = kernels or KernelConfig()  # the engine's, when colocated
         self.activation_checkpointing = activation_checkpointing
         for p in self.model.parameters():
             p.requires_grad_(True)
@@ -129,7 +130,7 @@ class Policy:
             targets.extend(s[pl:])
             offset += len(s)
         rows_t = torch.cat(rows).to(dev)
-        with set_forward_context(ForwardContext(backend, self.numerics)):
+        with set_forward_context(ForwardContext(backend, self.numerics, self.kernels)):
             hidden = self._forward(ids, positions)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         temp = temperature if temperature > 0 else 1.0
@@ -189,5 +190,5 @@ class Policy:
         from vllm.contract import build_contract
         cfg = SimpleNamespace(model=self.model_config, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
                               cache=CacheConfig(block_size=self.block_size), scheduler=SchedulerConfig(),
-                              enforce_eager=True, cuda_graph_batch_sizes=[], seed=0)
+                              enforce_eager=True, cuda_graph_batch_sizes=[], seed=0, kernels=self.kernels)
         return build_contract(cfg, self.model)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -65,7 +64,8 @@ class ModelRunner:
         self.load_time = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.self_check_report = start_up_check(self.model, config.numerics, self.device, self.dtype,
-                                                max_tokens=config.scheduler.max_num_batched_tokens)
+                                                max_tokens=config.scheduler.max_num_batched_tokens,
+                                                kernels=config.kernels)
         if self.self_check_report is not None:
             logger.info("%s numerics self-check passed in %.2f s", config.numerics, time.perf_counter() - t0)
             if self.device.type == "cuda":
@@ -73,14 +73,14 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_gumbel=config.kernels.fused_gumbel)
         self.num_blocks = self._decide_num_blocks()
         self.k_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
         self.v_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
-        # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
-        # per phase (benchmarks print it; off by default because syncs cost time).
-        self.profile = os.environ.get("VLLM_STEP_PROFILE") == "1"
+        # synchronise at phase boundaries and accumulate wall time per phase (benchmarks
+        # print it; off by default because syncs cost time)
+        self.profile = config.step_profile
         self.timings: dict[str, float] = defaultdict(float)
         self._t = 0.0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -125,7 +125,7 @@ class ModelRunner:
             seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=self.device),
             max_query_len=n_tok, max_seq_len=n_tok)
         ids = torch.zeros(n_tok, dtype=torch.long, device=self.device)
-        with set_forward_context(ForwardContext(backend, self.config.numerics)):
+        with set_forward_context(ForwardContext(backend, self.config.numerics, self.config.kernels)):
             h = self.model(ids, torch.arange(n_tok, device=self.device))
             self.model.compute_logits(h[-self.config.scheduler.max_num_seqs:])
         torch.cuda.synchronize()
@@ -225,7 +225,7 @@ class ModelRunner:
             self.attn.metadata = md
             ids_dev = self._h2d(input_ids)
             fill(ids_dev)
-            with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
+            with set_forward_context(ForwardContext(self.attn, self.config.numerics, self.config.kernels)):
                 hidden = self.model(ids_dev, self._h2d(positions))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
@@ -233,7 +233,7 @@ class ModelRunner:
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
             return StepHandle([], [], None, {})
-        with set_forward_context(ForwardContext(None, self.config.numerics)):
+        with set_forward_context(ForwardContext(None, self.config.numerics, self.config.kernels)):
             # a decode step where every request samples needs every row, in order: no gather
             # (nor the index copy) on the hot path; a copy would not change a bit anyway
             picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
@@ -339,7 +339,7 @@ class ModelRunner:
                                    max_query_len=1, max_seq_len=self.max_model_len)
             self.g_seq_lens[:bs].fill_(1)
             self.attn.metadata = md
-            ctx = ForwardContext(self.attn, self.config.numerics)
+            ctx = ForwardContext(self.attn, self.config.numerics, self.config.kernels)
             with set_forward_context(ctx):
                 for _ in range(2):  # warm up: Triton autotuning/compilation happens outside capture
                     self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
