@@ -68,7 +68,7 @@ setup(
     version="0.1.0",
     description="Rollout engine and trainer sharing one model class and one set of kernels, bit for bit",
     packages=find_packages(include=["vllm", "vllm.*", "training", "training.*"]),
-    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json"]},
+    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json", "testing/data/*.txt"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

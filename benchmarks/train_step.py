@@ -19,7 +19,7 @@ from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.model_loader.loader import load_model
 from vllm.training import Policy
-from vllm.training.plain import FlashVarlenBackend
+from vllm.training.flash_varlen import FlashVarlenBackend
 
 
 def plain_step(model, seqs, plens, opt):

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vllm.config import EngineConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -1,4 +1,4 @@
-"""Paged KV-cache block manager with automatic prefix caching.
+"""The KV-cache manager (`KVCacheManager`): paged blocks with automatic prefix caching.
 
 The KV cache is a pool of ``num_blocks`` fixed-size blocks, each holding the
 keys/values of ``block_size`` consecutive tokens of one sequence. A request owns

@@ -1,11 +1,11 @@
-"""Tests for the paged KV-cache block manager (vllm/core/block_manager.py)."""
+"""Tests for the paged KV-cache manager (vllm/core/kv_cache_manager.py)."""
 
 import random
 
 import pytest
 
-from vllm.core import block_manager as bm
-from vllm.core.block_manager import KVCacheManager
+from vllm.core import kv_cache_manager as bm
+from vllm.core.kv_cache_manager import KVCacheManager
 
 BS = 4
 
