@@ -4,8 +4,8 @@
 // csrc/ is the home of compiled ops. An op lives here when a measurement (benchmarks/NOTES.md)
 // shows it beats its Triton form, or when it does what Triton cannot, e.g. choosing a
 // cuBLASLt algorithm beyond torch's first heuristic. No op qualifies today (the paged KV
-// write once here was never measured faster than the Triton write in
-// vllm/kernels/cache_write.py), so the module registers nothing. To add an op:
+// write runs in Triton, vllm/kernels/cache_write.py, and no measurement shows a compiled
+// form faster), so the module registers nothing. To add an op:
 //   * implement it in csrc/<op>.cu and register it with TORCH_LIBRARY(vllm_parity, m) /
 //     TORCH_LIBRARY_IMPL(vllm_parity, CUDA, m) (importing vllm._C then registers
 //     torch.ops.vllm_parity.<op>);

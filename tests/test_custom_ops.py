@@ -6,8 +6,8 @@ import torch
 def test_csrc_compiles_with_nvcc(tmp_path):
     """The CUDA sources compile for sm_90a wherever nvcc exists (the CI machine has one, the
     GPU machine builds through CMake). A CPU build of torch lacks one generated CUDA header
-    (c10/cuda/impl/cuda_cmake_macros.h); a stub stands in for it. Catches the errors that
-    stopped the first H200 builds (a missing include, a bad flag) without a GPU."""
+    (c10/cuda/impl/cuda_cmake_macros.h); a stub stands in for it. Catches compile errors (a
+    missing include, an invalid flag) without a GPU."""
     import os
     import shutil
     import subprocess
