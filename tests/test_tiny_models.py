@@ -311,12 +311,6 @@ def test_default_model(default_model_dir):
         assert tok.decode(tok.encode(text)) == text
 
 
-@pytest.mark.gpu
-def test_gpu_marker_skips_without_cuda():
-    """Runs only on CUDA machines; conftest skips it elsewhere."""
-    assert torch.cuda.is_available()
-
-
 def test_corpus_is_a_data_file_shipped_with_the_package():
     """The tokenizer corpus is read from vllm/testing/data/corpus.txt, which setup.py's
     package_data ships (a wheel without it could not build the test tokenizer)."""
