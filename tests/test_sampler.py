@@ -657,7 +657,7 @@ def test_fused_gumbel_argmax_matches_its_reference():
 
 @pytest.mark.gpu
 def test_gpu_fused_gumbel_scores_bits():
-    """Gate for FUSED_GUMBEL: the fused kernel's scores must equal the unfused path's
+    """Gate for KernelConfig.fused_gumbel: the fused kernel's scores must equal the unfused path's
     (uniform_noise, log_, neg_, log_, sub) bit for bit on this GPU, at the real vocab."""
     from vllm.sample.rng import gumbel_argmax
     torch.manual_seed(0)
