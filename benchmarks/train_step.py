@@ -15,9 +15,8 @@ import time
 
 import torch
 
-from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.model_loader.loader import load_model
+from vllm.model_loader.build import build_model, resolve_model
 from vllm.training import Policy
 from vllm.training.flash_varlen import FlashVarlenBackend
 
@@ -69,14 +68,15 @@ def main() -> None:
     args = ap.parse_args()
     d = tempfile.mkdtemp(prefix="train_bench_")
     shutil.copy(args.config, os.path.join(d, "config.json"))
-    mc = ModelConfig.from_pretrained(d)
+    mc, _ = resolve_model(d, dtype="bfloat16", device="cuda")
     g = torch.Generator().manual_seed(0)
     n = args.tokens // args.seq_len
     seqs = torch.randint(100, mc.vocab_size - 100, (n, args.seq_len), generator=g).tolist()
     plens = [args.prompt_len] * n
     results = {}
     for name in ("plain", "invariant"):
-        model = load_model(mc, torch.bfloat16, "cuda", load_format="dummy")
+        model, _ = build_model(mc, torch.bfloat16, "cuda", numerics="invariant" if name == "invariant" else "fast",
+                               load_format="dummy")
         for p in model.parameters():
             p.requires_grad_(True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)

@@ -17,9 +17,11 @@ when the semantic or numerical digests differ (`check_compatible`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -40,7 +42,7 @@ def device_kind(device: str | torch.device) -> dict:
     return {"type": dev.type, "threads": torch.get_num_threads()}
 
 
-def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype, block_size: int,
+def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype,
                      kernels: KernelConfig | None = None) -> dict:
     import triton
 
@@ -141,24 +143,19 @@ def weights_layout_digest(model: torch.nn.Module) -> str:
     return _digest(sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()))
 
 
-def build_contract(config, model: torch.nn.Module) -> ExecutionContract:
-    mc = config.model
+def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str, device: str | torch.device,
+                   deployment: Mapping[str, Any] | None = None, kernels: KernelConfig | None = None) -> ExecutionContract:
+    """The contract of `model` (its own parsed config, `model.config`, a dataclass, is the
+    semantic part, so a new architecture's fields enter it without changes here) run in
+    `dtype` under `numerics` on `device` with the kernel options `kernels` (defaults:
+    KernelConfig()). `deployment`: the caller's settings that must not change bits (the
+    engine's batch limits, block size, bit-neutral kernel options, ...; the trainer's block size)."""
+    if not dataclasses.is_dataclass(getattr(model, "config", None)):
+        raise ValueError(f"{type(model).__name__}.config must be the model's config dataclass")
     semantic = {
-        "architecture": mc.architecture, "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
-        "intermediate_size": mc.intermediate_size, "num_hidden_layers": mc.num_hidden_layers,
-        "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-        "head_dim": mc.head_dim, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
-        "rope_scaling": vars(mc.rope_scaling), "tie_word_embeddings": mc.tie_word_embeddings,
-        "qkv_bias": mc.qkv_bias, "qk_norm": mc.qk_norm, "dtype": str(config.dtype).replace("torch.", ""),
+        **dataclasses.asdict(model.config),
+        "dtype": str(dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
-    numerical = numerical_policy(config.numerics, config.device, config.dtype, config.cache.block_size, config.kernels)
-    deployment = {
-        "max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-        "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,
-        "gpu_memory_utilization": config.cache.gpu_memory_utilization,
-        "enable_prefix_caching": config.cache.enable_prefix_caching, "enforce_eager": config.enforce_eager,
-        "cuda_graph_batch_sizes": config.cuda_graph_batch_sizes, "max_model_len": config.model.max_model_len,
-        "seed": config.seed, "fused_gumbel": config.kernels.fused_gumbel,
-    }
-    return ExecutionContract(semantic, numerical, deployment)
+    numerical = numerical_policy(numerics, device, dtype, kernels)
+    return ExecutionContract(semantic, numerical, dict(deployment or {}))
