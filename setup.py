@@ -68,7 +68,7 @@ setup(
     version="0.1.0",
     description="Rollout engine and trainer sharing one model class and one set of kernels, bit for bit",
     packages=find_packages(include=["vllm", "vllm.*", "training", "training.*"]),
-    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json"], "training": ["*.yaml"]},
+    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json", "testing/data/*.txt"], "training": ["*.yaml"]},
     include_package_data=True,
     python_requires=">=3.10",
     # torch / triton: the range actually tested (tests/test_packaging.py fails outside it):

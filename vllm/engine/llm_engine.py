@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vllm.config import EngineConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -212,10 +212,10 @@ class LLMEngine:
             "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
             "enable_sleep_mode": c.cache.enable_sleep_mode,
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
-            "seed": c.seed,
+            "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel,
         }
         return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
-                              deployment=deployment)
+                              deployment=deployment, kernels=c.kernels)
 
     # ---- sleep mode ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:
