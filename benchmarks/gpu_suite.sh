@@ -23,6 +23,13 @@ echo "== install"
 VLLM_PARITY_SKIP_CSRC="${VLLM_PARITY_SKIP_CSRC:-1}" python -m pip install -q --no-build-isolation --no-deps -e . \
   >"$OUT/install.log" 2>&1 && echo "pip install -e . ok" || { echo "pip install failed (see install.log)"; tail -3 "$OUT/install.log"; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Packages the offline GPU machine lacks (fastapi, uvicorn, openai, ...) travel as wheels in
+# .whl/ (docs/serving.md says how to fetch them); they go to a private site folder.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" && echo "wheels from .whl installed" \
+    || { echo "wheel install failed"; tail -3 "$OUT/wheels.log"; }
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -69,6 +76,26 @@ if has attention; then
   timeout 200 python benchmarks/kernels/attention.py >"$OUT/attention.log" 2>&1
   tail -20 "$OUT/attention.log"
 fi
+if has digest; then
+  # the same rollout on this tree and, with OLD_TREE=archive.tar, on an older one: equal
+  # digests mean a change left tokens and logprob bits untouched
+  echo "== rollout digest ($SECONDS s)"
+  python benchmarks/rollout_digest.py --make-model /tmp/digest_model >"$OUT/digest.log" 2>&1
+  if [[ -n "${OLD_TREE:-}" ]]; then
+    mkdir -p /tmp/old_tree && tar -xf "$OLD_TREE" -C /tmp/old_tree
+    (cd /tmp && PYTHONPATH="/tmp/old_tree:/tmp/site" timeout 300 python "$OLDPWD/benchmarks/rollout_digest.py" \
+      --model /tmp/digest_model) 2>&1 | grep digest | sed 's/^/old tree /' | tee -a "$OUT/digest.log"
+  fi
+  timeout 300 python benchmarks/rollout_digest.py --model /tmp/digest_model 2>&1 | grep digest | sed 's/^/this tree /' \
+    | tee -a "$OUT/digest.log"
+fi
+if has serve; then
+  echo "== serve ($SECONDS s)"
+  timeout "${SERVE_TIMEOUT:-480}" python benchmarks/serve.py --config "$THROUGHPUT_CONFIG" --numerics invariant \
+    --no-enable-prefix-caching --num-clients "${SERVE_CLIENTS:-256}" --input-len "${INPUT_LEN:-512}" \
+    --output-len "${OUTPUT_LEN:-256}" ${SERVE_ARGS:-} >"$OUT/serve.log" 2>&1
+  tail -12 "$OUT/serve.log"
+fi
 if has battery; then
   echo "== parity battery ($SECONDS s)"
   timeout "${BATTERY_TIMEOUT:-400}" python benchmarks/parity_battery.py ${BATTERY_ARGS:-} --json-out "$OUT/battery.json" >"$OUT/battery.log" 2>&1
@@ -101,6 +128,8 @@ has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
 has nosplit && grep -E "bits:" "$OUT/nosplit.log"
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
+has digest && grep digest "$OUT/digest.log"
+has serve && grep -iE "tok/s|ratio" "$OUT/serve.log" | tail -6
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
