@@ -100,3 +100,73 @@ def test_packed_attention_with_rollout_kernel_forward():
     assert (out.double() - ref).abs().max().item() < 1e-5
     for a, b in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
+
+
+# ---- the GPU backward kernels (Triton), run here through TRITON_INTERPRET=1 ------------------
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("layout", ["rows", "heads_view", "residual"])
+def test_rms_norm_backward_kernel_vs_float64(layout):
+    """dx, dw of the Triton backward against float64 autograd of the unrounded formula, for a
+    plain [R, H] input, a strided [T, heads, D] view (the per-head q/k norm reads the fused
+    qkv output in place) and the fused residual add (dres added to dx)."""
+    from vllm.kernels.norm_backward import rms_norm_backward
+    torch.manual_seed(0)
+    if layout == "heads_view":
+        qkv = torch.randn(7, 3 * 4 * 16)                  # [T, (q|k|v) heads * D]
+        x = qkv[:, :4 * 16].reshape(7, 4, 16)             # a view: strides (192, 16, 1)
+        assert not x.is_contiguous()
+        H = 16
+    else:
+        x = torch.randn(9, 40) * 3
+        H = 40
+    w = torch.randn(H)
+    dy = torch.randn(x.shape)
+    dres = torch.randn(x.shape) if layout == "residual" else None
+    dx, dw = rms_norm_backward(x, w, dy, 1e-6, dres=dres)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    _rms(xd, wd, 1e-6).backward(dy.double())
+    ref_dx = xd.grad + (dres.double() if dres is not None else 0)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert _rel(dx, ref_dx) < 1e-5 and _rel(dw, wd.grad) < 1e-5
+
+
+def test_rms_norm_backward_kernel_many_row_ranges():
+    """More rows than one dw program takes: the float32 partials of several row ranges are summed."""
+    from vllm.kernels.norm_backward import rms_norm_backward
+    torch.manual_seed(1)
+    x, w, dy = torch.randn(300, 8), torch.randn(8), torch.randn(300, 8)
+    dx, dw = rms_norm_backward(x, w, dy, 1e-5)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    _rms(xd, wd, 1e-5).backward(dy.double())
+    assert _rel(dx, xd.grad) < 1e-5 and _rel(dw, wd.grad) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp(120)
+def test_silu_and_mul_backward_kernel_vs_float64():
+    from vllm.kernels.elementwise_backward import silu_and_mul_backward
+    torch.manual_seed(0)
+    x = torch.randn(5, 2 * 24) * 4
+    x[0, 0], x[0, 1] = -120.0, 120.0  # exp overflow on one side: the gradient stays finite
+    dy = torch.randn(5, 24)
+    dx = silu_and_mul_backward(x, dy)
+    xd = x.double().requires_grad_()
+    (F.silu(xd[:, :24]) * xd[:, 24:]).backward(dy.double())
+    assert torch.isfinite(dx).all() and _rel(dx, xd.grad) < 1e-5
+
+
+def test_rope_backward_kernel_vs_float64():
+    from vllm.kernels.elementwise_backward import rope_backward
+    torch.manual_seed(0)
+    T, D = 6, 16
+    ang = torch.randn(T, D // 2) * 3
+    cos, sin = ang.cos(), ang.sin()
+    dq, dk = torch.randn(T, 4, D), torch.randn(T, 2, D)
+    gq, gk = rope_backward(dq, dk, cos, sin)
+    qd, kd = torch.randn(T, 4, D, dtype=D64, requires_grad=True), torch.randn(T, 2, D, dtype=D64, requires_grad=True)
+    oq, ok = _rope(qd, kd, cos.double(), sin.double())
+    torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
+    assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
+    assert rope_backward(None, dk, cos, sin)[0] is None
