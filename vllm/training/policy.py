@@ -22,6 +22,16 @@ from vllm.training.attention import PackedAttentionBackend
 from vllm.training.logprob_head import token_logprobs_head
 
 
+def _lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The weight of the model's one LMHead: `compute_logits(h)` is `h @ weight.T` in float32
+    (docs/architecture.md), which the fused logprob head differentiates by hand."""
+    from vllm.layers.embedding import LMHead
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    if len(heads) != 1:
+        raise ValueError(f"the trainer needs a model with exactly one LMHead (compute_logits), found {len(heads)}")
+    return heads[0].weight
+
+
 class Policy:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
@@ -41,6 +51,7 @@ class Policy:
         self.block_size = block_size
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
+        self.lm_head_weight = _lm_head_weight(model)
         for p in self.model.parameters():
             p.requires_grad_(True)
 
@@ -161,12 +172,11 @@ class Policy:
             # the model's own lm_head (the rollout's kernel) on chunks of rows, fused with the
             # sampler's tempered log-softmax at the target column: the same bits as
             # tempered_logprobs(compute_logits(rows)).gather(targets)
-            picked = token_logprobs_head(hidden.index_select(0, rows_t), self.model.lm_head.weight, targets_t,
+            picked = token_logprobs_head(hidden.index_select(0, rows_t), self.lm_head_weight, targets_t,
                                          temp_t, temp, self.model.compute_logits, self.logprob_chunk_rows)
-        start = 0
-        for i, n in zip(idx, n_resp.tolist()):
-            results[i] = picked[start:start + n]
-            start += n
+        # one split (one autograd node, a single concatenation in backward), not a slice per sequence
+        for i, part in zip(idx, picked.split(n_resp.tolist())):
+            results[i] = part
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_pretrained(self, save_dir: str) -> None:
