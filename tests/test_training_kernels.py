@@ -90,7 +90,7 @@ def test_packed_attention_with_rollout_kernel_forward():
     q = torch.randn(sum(lens), 4, 16, requires_grad=True)
     k = torch.randn(sum(lens), 2, 16, requires_grad=True)
     v = torch.randn(sum(lens), 2, 16, requires_grad=True)
-    be = PackedAttentionBackend(lens, torch.device("cpu"), block_size=4)
+    be = PackedAttentionBackend(lens, torch.device("cpu"))
     out = be.forward(0, q, k, v, 0.25)
     go = torch.randn_like(out)
     out.backward(go)
@@ -170,3 +170,35 @@ def test_rope_backward_kernel_vs_float64():
     torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
     assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
     assert rope_backward(None, dk, cos, sin)[0] is None
+
+
+def test_trainer_kv_in_place_equals_a_paged_copy():
+    """The trainer hands its K/V to the rollout's Triton kernel in place (block size 1, v a
+    strided view of the fused qkv output); the kernel gives the bits it gives on a paged
+    copy with block size 16 (run here through TRITON_INTERPRET=1)."""
+    from vllm.kernels.attention import paged_attention_triton
+    from vllm.training.attention import PackedAttentionBackend
+    torch.manual_seed(0)
+    lens = [5, 19, 1, 70]
+    T, Hq, Hk, D = sum(lens), 4, 2, 16
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D)
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D).contiguous()
+    v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)  # strided, as the model passes it
+    be = PackedAttentionBackend(lens, torch.device("cpu"))
+    got = paged_attention_triton(q, k.unsqueeze(1), v.unsqueeze(1), be.block_table, be.cu_seqlens, be.seq_lens_t,
+                                 0.25, max_query_len=be.max_len, max_seq_len=be.max_len)
+    bs = 16
+    blocks = [-(-n // bs) for n in lens]
+    kc = torch.zeros(1 + sum(blocks), bs, Hk, D)
+    vc = torch.zeros_like(kc)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    nxt = 1
+    for i, (a, n, b) in enumerate(zip(be.cu[:-1], lens, blocks)):
+        table[i, :b] = torch.arange(nxt, nxt + b, dtype=torch.int32)
+        kc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = k[a:a + n]
+        vc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = v[a:a + n]
+        nxt += b
+    ref = paged_attention_triton(q, kc, vc, table, be.cu_seqlens, be.seq_lens_t, 0.25, max_query_len=be.max_len,
+                                 max_seq_len=be.max_len)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))

@@ -1,7 +1,7 @@
 """Policy: the engine's model class in training mode.
 
 `token_logprobs` runs the rollout's forward kernels (through the op shim and a
-private-cache attention backend) under autograd, so for the same weights and
+packed-sequence attention backend) under autograd, so for the same weights and
 token prefix it returns the logprobs the rollout reported, bit for bit, and is
 differentiable w.r.t. the parameters.
 """
@@ -48,7 +48,7 @@ class Policy:
         self.numerics = numerics
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
-        self.block_size = block_size
+        self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
         self.lm_head_weight = _lm_head_weight(model)
@@ -166,7 +166,7 @@ class Policy:
         # one pinned, asynchronous host -> device copy for all of it
         dev = to_device(np.concatenate((ids, positions, rows, ids[rows + 1])), torch.int64, self.device)
         ids_t, pos_t, rows_t, targets_t = dev[:T], dev[T:2 * T], dev[2 * T:2 * T + R], dev[2 * T + R:]
-        backend = PackedAttentionBackend(lens.tolist(), self.device, self.block_size)
+        backend = PackedAttentionBackend(lens.tolist(), self.device)
         with set_forward_context(ForwardContext(backend, self.numerics)):
             hidden = self.model(ids_t, pos_t, activation_checkpointing=self.activation_checkpointing)
             # the model's own lm_head (the rollout's kernel) on chunks of rows, fused with the
