@@ -71,7 +71,7 @@ def test_head_forward_chunks_keep_bits(chunk_rows):
 @pytest.mark.parametrize("need", ["both", "hidden", "weight"])
 def test_head_backward_vs_float64(chunk_rows, need):
     """Gradients w.r.t. hidden and lm_head weight against float64 autograd of
-    log_softmax(h W^T / T)[target], weighted per row; chunk_rows=3 walks the vocab in 8
+    log_softmax(h W^T / T)[target], weighted per row; chunk_rows=3 walks the vocab in 3
     column blocks in backward."""
     torch.manual_seed(1)
     h, w = torch.randn(37, 24), torch.randn(300, 24) * 0.5

@@ -59,10 +59,20 @@ def _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows):
     R = hidden.shape[0]
     lp = torch.empty(R, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(R, dtype=torch.float32, device=hidden.device)
+    chunk_rows = _even_split(R, chunk_rows)
     for a in range(0, R, chunk_rows):
         b = min(R, a + chunk_rows)
         lp[a:b], lse[a:b] = tempered_target_logprobs(logits_fn(hidden[a:b]), temperature, targets[a:b])
     return lp, lse
+
+
+def _even_split(n: int, most: int, multiple: int = 1) -> int:
+    """The size of equal parts (a multiple of `multiple` where that does not exceed n)
+    covering n with as few parts of at most `most` as possible: no small remainder part."""
+    parts = -(-n // max(most, 1))
+    size = -(-n // max(parts, 1))
+    size = -(-size // multiple) * multiple
+    return max(1, min(size, n))
 
 
 def _mm_float(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -96,9 +106,8 @@ class LogprobHeadFn(torch.autograd.Function):
         dh = torch.zeros((R, H), dtype=acc, device=hidden.device) if need_h else None
         dw = torch.empty_like(weight) if need_w else None
         h_op = hidden.to(d_dtype)
-        # vocab columns per block: the same float32 budget as the forward's row chunks
-        cols = max(1, (ctx.chunk_rows * V) // max(R, 1))
-        cols = min(V, cols - cols % 128 if cols >= 128 else cols)
+        # vocab columns per block: about the float32 budget of the forward's row chunks
+        cols = _even_split(V, max(1, (ctx.chunk_rows * V) // max(R, 1)), 128)
         for v0 in range(0, V, cols):
             v1 = min(V, v0 + cols)
             w_blk = weight[v0:v1]
