@@ -1,4 +1,6 @@
 """csrc ops against their torch fallbacks (GPU; skipped where the extension is not built)."""
+import os
+
 import pytest
 import torch
 
@@ -95,6 +97,22 @@ def test_gpu_triton_cache_write_equals_reference():
         assert torch.equal(_bits(kc), _bits(rk)) and torch.equal(_bits(vc), _bits(rv))
 
 
+def _cmake_cxx_standard(root: str) -> str:
+    """The C++ standard CMakeLists.txt builds csrc/ with (CUDA and host code must agree)."""
+    import re
+    text = open(os.path.join(root, "CMakeLists.txt")).read()
+    cuda = re.search(r"set\(CMAKE_CUDA_STANDARD (\d+)\)", text)
+    cxx = re.search(r"set\(CMAKE_CXX_STANDARD (\d+)\)", text)
+    assert cuda and cxx and cuda.group(1) == cxx.group(1), "CMakeLists.txt must set one C++ standard for CUDA and C++"
+    return cuda.group(1)
+
+
+def test_cmake_builds_csrc_as_cxx20():
+    """torch 2.14's headers need C++20 (std::strong_ordering): the extension build must ask for it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert int(_cmake_cxx_standard(root)) >= 20
+
+
 def test_csrc_compiles_with_nvcc(tmp_path):
     """The CUDA sources compile for sm_90a wherever nvcc exists (the CI machine has one, the
     GPU machine builds through CMake). A CPU build of torch lacks one generated CUDA header
@@ -115,7 +133,7 @@ def test_csrc_compiles_with_nvcc(tmp_path):
     if not os.path.exists(os.path.join(tdir, "include", "c10", "cuda", "impl", "cuda_cmake_macros.h")):
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     for src in ("cache_kernels.cu", "module.cpp"):
-        cmd = [nvcc, "-std=c++17", "-O0", "-c", os.path.join(root, "csrc", src), "-o", str(tmp_path / f"{src}.o"),
+        cmd = [nvcc, f"-std=c++{_cmake_cxx_standard(root)}", "-O0", "-c", os.path.join(root, "csrc", src), "-o", str(tmp_path / f"{src}.o"),
                f"-I{tmp_path / 'stub'}", f"-I{tdir}/include", f"-I{tdir}/include/torch/csrc/api/include",
                f"-I{sysconfig.get_paths()['include']}", "-gencode", "arch=compute_90a,code=sm_90a"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -131,7 +131,9 @@ class EngineConfig:
     dtype: torch.dtype
     seed: int = 0
     enforce_eager: bool = False
-    numerics: str = "fast"
+    # "invariant": logprobs match the trainer's bit for bit (the product); "fast": the
+    # measured plain-speed baseline (docs/numerics.md)
+    numerics: str = "invariant"
     tokenizer: str | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)

@@ -1,6 +1,7 @@
 """The offline API, with upstream vLLM's names: LLM, generate, chat."""
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -27,7 +28,7 @@ class LLM:
                  device: str | None = None, seed: int = 0, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, block_size: int = 16,
-                 num_gpu_blocks_override: int | None = None, numerics: str = "fast", cuda_graph_batch_sizes: list[int] | None = None,
+                 num_gpu_blocks_override: int | None = None, numerics: str = "invariant", cuda_graph_batch_sizes: list[int] | None = None,
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
                  load_format: str = "safetensors", async_scheduling: bool | None = None):
         device = device or _default_device()
@@ -50,6 +51,7 @@ class LLM:
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling)
         self.llm_engine = LLMEngine(config)
+        self._warned_fast_policy = False
 
     @property
     def config(self) -> EngineConfig:
@@ -59,6 +61,11 @@ class LLM:
         """The colocated training view of this engine's model: same parameter storage,
         so an optimizer step is immediately the engine's new weights."""
         from vllm.training import Policy
+        if self.config.numerics != "invariant" and not self._warned_fast_policy:
+            self._warned_fast_policy = True
+            warnings.warn(f"this engine runs numerics={self.config.numerics!r}: the Policy's logprobs will not match "
+                          "the rollout's bit for bit; build the LLM with numerics='invariant' (the default) for parity",
+                          stacklevel=2)
         runner = self.llm_engine.runner
         return Policy(runner.model, self.config.model, self.config.dtype, runner.device, self.config.numerics,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,

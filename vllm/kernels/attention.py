@@ -208,8 +208,9 @@ if HAS_TRITON:
         # The softmax denominator is a dot with a ones tile rather than
         # tl.sum(p, 1): tl.sum's cross-thread order follows the register
         # layout, which changes with BLOCK_M / num_warps; the dot's per-row
-        # bits do not.
-        ones = tl.full([KV_TILE, 16], 1.0, v_ptr.dtype.element_ty)
+        # bits do not. Built in fp32 and cast (1.0 is exact in every dtype):
+        # a bf16 tl.full has no constant builder in some Triton interpreters.
+        ones = tl.full([KV_TILE, 16], 1.0, tl.float32).to(v_ptr.dtype.element_ty)
 
         if WRITE_PARTIALS:
             split_lo = pid0 * SPLIT

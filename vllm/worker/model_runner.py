@@ -22,7 +22,7 @@ from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
-from vllm.sample.sampler import Sampler, SamplingBatch
+from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -243,14 +243,45 @@ class ModelRunner:
             picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
             logits = self.model.compute_logits(picked)
         self._mark("logits")
-        handle = self._sample_launch(logits, sampled_reqs)
+        handle = self._sample_launch(logits, sampled_reqs, prev)
         self._mark("sample")
         return handle
 
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
 
-    def _sample_launch(self, logits: torch.Tensor, reqs) -> "StepHandle":
+    def _penalties(self, reqs, prev: "StepHandle | None") -> Penalties | None:
+        """The Penalties of a sampler call over `reqs` (None when none has any). An output
+        token still on the device (PLACEHOLDER, async scheduling) is read from `prev`."""
+        rows = [j for j, r in enumerate(reqs) if r.penalties is not None]
+        if not rows:
+            return None
+        out_ids, out_slot, prompt_ids, prompt_slot, fill_slot, fill_src = [], [], [], [], [], []
+        for slot, j in enumerate(rows):
+            r = reqs[j]
+            _, _, rep, prompt, output = r.penalties
+            for t in output:
+                if t == PLACEHOLDER:
+                    fill_slot.append(slot)
+                    fill_src.append(prev.row_of[r.req_id])
+                else:
+                    out_ids.append(t)
+                    out_slot.append(slot)
+            if rep != 1.0:
+                prompt_ids += prompt
+                prompt_slot += [slot] * len(prompt)
+        ids, slots = self._h2d(out_ids, torch.long), self._h2d(out_slot, torch.long)
+        if fill_slot:
+            ids = torch.cat([ids, prev.token_ids[self._h2d(fill_src, torch.long)]])
+            slots = torch.cat([slots, self._h2d(fill_slot, torch.long)])
+        return Penalties(rows=self._h2d(rows, torch.long),
+                         presence=self._h2d([reqs[j].penalties[0] for j in rows], torch.float32),
+                         frequency=self._h2d([reqs[j].penalties[1] for j in rows], torch.float32),
+                         repetition=self._h2d([reqs[j].penalties[2] for j in rows], torch.float32),
+                         output_ids=ids, output_slot=slots,
+                         prompt_ids=self._h2d(prompt_ids, torch.long), prompt_slot=self._h2d(prompt_slot, torch.long))
+
+    def _sample_launch(self, logits: torch.Tensor, reqs, prev: "StepHandle | None" = None) -> "StepHandle":
         eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
         if eos_rows:
             eos_cols = [t for r in reqs for t in r.allowed_eos_ids]
@@ -268,6 +299,7 @@ class ModelRunner:
                 min_p=[r.min_p for r in sub], seeds=[r.seed for r in sub], positions=[r.output_index for r in sub],
                 device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
                 logprobs_mode=mode or "tempered_logprobs")
+            batch.penalties = self._penalties(sub, prev)
             so = self.sampler(logits if len(by_mode) == 1 else logits.index_select(0, self._h2d(idx, torch.long)), batch)
             if len(by_mode) == 1:
                 token_ids = so.token_ids

@@ -49,7 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as err:
+        # Bad input (a missing model directory, an unknown dtype, ...) is reported by a
+        # ValueError whose message says what to change: print that, not a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
