@@ -101,15 +101,16 @@ def test_head_bad_input():
 
 
 def test_logprob_grad_kernel_matches_torch_formula():
-    """The Triton kernel (through TRITON_INTERPRET=1) against the CPU formula, for a block of
-    columns with targets inside and outside it."""
-    from vllm.kernels.logprob_grad import logprob_grad_block, logprob_grad_block_triton
+    """The Triton kernel (on CPU through TRITON_INTERPRET=1) against the torch formula, for a
+    block of columns with targets inside and outside it."""
+    from vllm.kernels.logprob_grad import logprob_grad_block_torch, logprob_grad_block_triton
     torch.manual_seed(0)
-    logits = torch.randn(5, 70) * 4
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(5, 70, device=dev) * 4
     lse = torch.logsumexp(logits / 0.8, -1) + 0.3    # any per-row value: the formula is what is checked
-    targets = torch.tensor([100, 103, 169, 99, 170])  # the block holds columns 100..169
-    scale = torch.randn(5)
-    ref = logprob_grad_block(logits, lse, targets, scale, 100, 0.8, torch.float32)
+    targets = torch.tensor([100, 103, 169, 99, 170], device=dev)  # the block holds columns 100..169
+    scale = torch.randn(5, device=dev)
+    ref = logprob_grad_block_torch(logits, lse, targets, scale, 100, 0.8, torch.float32)
     got = logprob_grad_block_triton(logits, lse, targets, scale, 100, 0.8, torch.float32)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7)
     p = torch.exp(logits[1] / 0.8 - lse[1])

@@ -102,7 +102,10 @@ def test_packed_attention_with_rollout_kernel_forward():
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
 
 
-# ---- the GPU backward kernels (Triton), run here through TRITON_INTERPRET=1 ------------------
+# ---- the GPU backward kernels (Triton): on CPU tensors through TRITON_INTERPRET=1 ------------
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -115,16 +118,16 @@ def test_rms_norm_backward_kernel_vs_float64(layout):
     from vllm.kernels.norm_backward import rms_norm_backward
     torch.manual_seed(0)
     if layout == "heads_view":
-        qkv = torch.randn(7, 3 * 4 * 16)                  # [T, (q|k|v) heads * D]
+        qkv = torch.randn(7, 3 * 4 * 16, device=DEV)      # [T, (q|k|v) heads * D]
         x = qkv[:, :4 * 16].reshape(7, 4, 16)             # a view: strides (192, 16, 1)
         assert not x.is_contiguous()
         H = 16
     else:
-        x = torch.randn(9, 40) * 3
+        x = torch.randn(9, 40, device=DEV) * 3
         H = 40
-    w = torch.randn(H)
-    dy = torch.randn(x.shape)
-    dres = torch.randn(x.shape) if layout == "residual" else None
+    w = torch.randn(H, device=DEV)
+    dy = torch.randn(x.shape, device=DEV)
+    dres = torch.randn(x.shape, device=DEV) if layout == "residual" else None
     dx, dw = rms_norm_backward(x, w, dy, 1e-6, dres=dres)
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     _rms(xd, wd, 1e-6).backward(dy.double())
@@ -137,7 +140,7 @@ def test_rms_norm_backward_kernel_many_row_ranges():
     """More rows than one dw program takes: the float32 partials of several row ranges are summed."""
     from vllm.kernels.norm_backward import rms_norm_backward
     torch.manual_seed(1)
-    x, w, dy = torch.randn(300, 8), torch.randn(8), torch.randn(300, 8)
+    x, w, dy = torch.randn(300, 8, device=DEV), torch.randn(8, device=DEV), torch.randn(300, 8, device=DEV)
     dx, dw = rms_norm_backward(x, w, dy, 1e-5)
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     _rms(xd, wd, 1e-5).backward(dy.double())
@@ -148,9 +151,9 @@ def test_rms_norm_backward_kernel_many_row_ranges():
 def test_silu_and_mul_backward_kernel_vs_float64():
     from vllm.kernels.elementwise_backward import silu_and_mul_backward
     torch.manual_seed(0)
-    x = torch.randn(5, 2 * 24) * 4
+    x = torch.randn(5, 2 * 24, device=DEV) * 4
     x[0, 0], x[0, 1] = -120.0, 120.0  # exp overflow on one side: the gradient stays finite
-    dy = torch.randn(5, 24)
+    dy = torch.randn(5, 24, device=DEV)
     dx = silu_and_mul_backward(x, dy)
     xd = x.double().requires_grad_()
     (F.silu(xd[:, :24]) * xd[:, 24:]).backward(dy.double())
@@ -161,11 +164,12 @@ def test_rope_backward_kernel_vs_float64():
     from vllm.kernels.elementwise_backward import rope_backward
     torch.manual_seed(0)
     T, D = 6, 16
-    ang = torch.randn(T, D // 2) * 3
+    ang = torch.randn(T, D // 2, device=DEV) * 3
     cos, sin = ang.cos(), ang.sin()
-    dq, dk = torch.randn(T, 4, D), torch.randn(T, 2, D)
+    dq, dk = torch.randn(T, 4, D, device=DEV), torch.randn(T, 2, D, device=DEV)
     gq, gk = rope_backward(dq, dk, cos, sin)
-    qd, kd = torch.randn(T, 4, D, dtype=D64, requires_grad=True), torch.randn(T, 2, D, dtype=D64, requires_grad=True)
+    qd = torch.randn(T, 4, D, dtype=D64, device=DEV, requires_grad=True)
+    kd = torch.randn(T, 2, D, dtype=D64, device=DEV, requires_grad=True)
     oq, ok = _rope(qd, kd, cos.double(), sin.double())
     torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
     assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
@@ -181,21 +185,21 @@ def test_trainer_kv_in_place_equals_a_paged_copy():
     torch.manual_seed(0)
     lens = [5, 19, 1, 70]
     T, Hq, Hk, D = sum(lens), 4, 2, 16
-    qkv = torch.randn(T, (Hq + 2 * Hk) * D)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=DEV)
     q = qkv[:, :Hq * D].reshape(T, Hq, D)
     k = qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D).contiguous()
     v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)  # strided, as the model passes it
-    be = PackedAttentionBackend(lens, torch.device("cpu"))
+    be = PackedAttentionBackend(lens, torch.device(DEV))
     got = paged_attention_triton(q, k.unsqueeze(1), v.unsqueeze(1), be.block_table, be.cu_seqlens, be.seq_lens_t,
                                  0.25, max_query_len=be.max_len, max_seq_len=be.max_len)
     bs = 16
     blocks = [-(-n // bs) for n in lens]
-    kc = torch.zeros(1 + sum(blocks), bs, Hk, D)
+    kc = torch.zeros(1 + sum(blocks), bs, Hk, D, device=DEV)
     vc = torch.zeros_like(kc)
-    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=DEV)
     nxt = 1
     for i, (a, n, b) in enumerate(zip(be.cu[:-1], lens, blocks)):
-        table[i, :b] = torch.arange(nxt, nxt + b, dtype=torch.int32)
+        table[i, :b] = torch.arange(nxt, nxt + b, dtype=torch.int32, device=DEV)
         kc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = k[a:a + n]
         vc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = v[a:a + n]
         nxt += b

@@ -43,6 +43,10 @@ def logprob_grad_block(logits: torch.Tensor, lse: torch.Tensor, targets: torch.T
     TRITON_INTERPRET=1 via logprob_grad_block_triton); other CPU tensors the torch formula."""
     if logits.is_cuda:
         return logprob_grad_block_triton(logits, lse, targets, row_scale, col0, temperature, out_dtype)
+    return logprob_grad_block_torch(logits, lse, targets, row_scale, col0, temperature, out_dtype)
+
+
+def logprob_grad_block_torch(logits, lse, targets, row_scale, col0, temperature, out_dtype):
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     d = torch.exp(logits.to(acc) / temperature - lse.to(acc)[:, None]).neg_()
     rows = torch.arange(logits.shape[0], device=logits.device)
