@@ -68,7 +68,7 @@ setup(
     version="0.1.0",
     description="Rollout engine and trainer sharing one model class and one set of kernels, bit for bit",
     packages=find_packages(include=["vllm", "vllm.*", "training", "training.*"]),
-    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json"]},
+    package_data={"vllm": ["default_model/*", "kernels/tuned/*.json", "testing/data/*.txt"], "training": ["*.yaml"]},
     include_package_data=True,
     python_requires=">=3.10",
     # torch / triton: the range actually tested (tests/test_packaging.py fails outside it):
@@ -87,7 +87,14 @@ setup(
     ],
     extras_require={
         "serve": ["fastapi", "starlette", "uvicorn", "prometheus-client"],
-        "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai"],
+        # gguf + accelerate: transformers dequantizes the registry's SmolLM2 GGUF with them
+        # (vllm/testing/smollm2.py builds the real-model test fixture from it)
+        "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
+                 "gguf", "accelerate"],
+        # sleep mode's CUDA driver virtual-memory path (vllm/worker/cuda_vmm.py)
+        "gpu": ["cuda-bindings"],
+        # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)
+        "train": ["tensorboard", "matplotlib", "pyarrow"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
     ext_modules=ext_modules,

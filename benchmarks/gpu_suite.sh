@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
-# short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead
-# and kernels), e.g.
+# short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
+# kernels and rlstep), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -86,6 +86,13 @@ if has train; then
   timeout "${TRAIN_TIMEOUT:-1200}" python benchmarks/train_step.py ${TRAIN_ARGS:-} --json-out "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
   sed -n "/== train step/,\$p" "$OUT/train_step.log"
 fi
+if has rlstep; then
+  # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
+  echo "== RL step ($SECONDS s)"
+  timeout "${RLSTEP_TIMEOUT:-540}" python benchmarks/rl_step.py ${RLSTEP_ARGS:-} --json-out "$OUT/rl_step.json" \
+    >"$OUT/rl_step.log" 2>&1
+  tail -12 "$OUT/rl_step.log"
+fi
 
 echo
 echo "================ summary (${SECONDS} s) ================"
@@ -97,4 +104,5 @@ has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
+has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 exit 0

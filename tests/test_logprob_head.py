@@ -8,9 +8,9 @@ import torch
 
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.kernels import ops
-from vllm.sample.sampler import tempered_logprobs
+from vllm.sample.sampler import tempered_logprobs, tempered_target_logprobs
 from vllm.training import Policy
-from vllm.training.logprob_head import rows_per_chunk, tempered_target_logprobs, token_logprobs_head
+from vllm.training.logprob_head import rows_per_chunk, token_logprobs_head
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

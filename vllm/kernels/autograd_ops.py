@@ -64,14 +64,19 @@ class RMSNormFn(torch.autograd.Function):
             dx, dw = rms_norm_backward(x, weight, dy, ctx.eps, need_dx=ctx.needs_input_grad[0],
                                        need_dw=ctx.needs_input_grad[1])
             return dx, dw, None, None
-        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
-        xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        xhat = xf * rstd
-        g = dyf * wf
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None
+        dx, dw = _rms_norm_backward(x, weight, ctx.eps, dy)
+        return dx, dw, None, None
+
+
+def _rms_norm_backward(x, weight, eps: float, dy):
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    g = dyf * wf
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 class AddRMSNormFn(torch.autograd.Function):
@@ -87,12 +92,13 @@ class AddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dres):
+        # saved tensors are unpacked once: activation checkpointing forbids a second unpack
         res, weight = ctx.saved_tensors
         if res.is_cuda:  # one kernel: the norm's input gradient plus dres
             from vllm.kernels.norm_backward import rms_norm_backward
             d, dw = rms_norm_backward(res, weight, dy, ctx.eps, dres=dres, need_dw=ctx.needs_input_grad[2])
             return d, d, dw, None, None
-        dnorm, dw, _, _ = RMSNormFn.backward(ctx, dy)
+        dnorm, dw = _rms_norm_backward(res, weight, ctx.eps, dy)
         d = dnorm if dres is None else dnorm + dres.to(dnorm.dtype)
         return d, d, dw, None, None
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.elementwise import rope_one_triton
+
 
 @triton.jit
 def _silu_mul_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_cols, stride_x, stride_dy, stride_dx, BLOCK: tl.constexpr):
@@ -53,8 +55,6 @@ def silu_and_mul_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 def rope_backward(dq: torch.Tensor | None, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
     """(dq_in, dk_in): the adjoint of the neox rotation, i.e. the forward rotation with -sin.
     dq [T, Hq, D], dk [T, Hk, D]; cos/sin [T, D/2] float32 as in the forward."""
-    from vllm.kernels.elementwise import _rope_one
-
     cos, neg_sin = cos.contiguous(), (-sin).contiguous()
 
     def one(d):
@@ -62,5 +62,5 @@ def rope_backward(dq: torch.Tensor | None, dk: torch.Tensor | None, cos: torch.T
             return None
         if d.stride(-1) != 1:
             d = d.contiguous()
-        return _rope_one(d, cos, neg_sin)
+        return rope_one_triton(d, cos, neg_sin)
     return one(dq), one(dk)

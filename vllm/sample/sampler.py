@@ -24,7 +24,6 @@ Randomness comes from :mod:`vllm.sample.rng`, a counter-based hash of
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,11 +42,6 @@ LOGPROBS_MODES = (
 )
 
 _NEG_INF = float("-inf")
-# Fused noise + argmax for untruncated sampling on CUDA (rng.gumbel_argmax). The two paths
-# must never disagree, since which one runs depends on the other rows of the batch:
-# test_gpu_fused_gumbel_scores_bits proves the scores equal bit for bit on the H200 (passed
-# 2026-11-29); VLLM_PARITY_FUSED_GUMBEL=0 turns the fused path off.
-FUSED_GUMBEL = os.environ.get("VLLM_PARITY_FUSED_GUMBEL", "1") == "1"
 
 
 # --------------------------------------------------------------------------- #
@@ -140,6 +134,24 @@ def tempered_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float) -
     whenever the logits themselves match.
     """
     return batch_invariant_log_softmax(apply_temperature(logits, temperature))
+
+
+def tempered_target_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float,
+                             targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tempered_logprobs`` at one column per row, without the ``[B, V]`` output: (lp, lse)
+    with ``lp[r] == tempered_logprobs(logits, temperature)[r, targets[r]]`` bit for bit and
+    ``lse[r]`` the log-sum-exp of row r of ``logits / T`` (what a backward needs).
+
+    The same operations in the same order on the same values (``apply_temperature``'s
+    division, the exact row max, the pairwise sum of exp, one subtraction); the
+    intermediates are updated in place. ``targets`` is ``[B]`` int64. The trainer's chunked
+    logprob head (vllm/training/logprob_head.py) calls it without autograd."""
+    z = apply_temperature(logits, temperature)
+    m = _finite_row_max(z)
+    z = z.sub_(m)                              # x - max
+    z_t = z.gather(-1, targets[:, None])       # the target column of x - max
+    log_s = _pairwise_sum(z.exp_()).log_()     # log(sum(exp(x - max))), the same pairwise tree
+    return (z_t - log_s)[:, 0], (m + log_s)[:, 0]
 
 
 def _stable_topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,7 +480,16 @@ class Sampler(torch.nn.Module):
     """temperature -> top-k -> top-p -> min-p -> Gumbel-max, plus logprobs.
 
     Stateless: all randomness is keyed by ``(seed, position, token id)``.
+
+    ``fused_gumbel`` (KernelConfig.fused_gumbel): on CUDA, batches without truncation take
+    one fused noise + argmax kernel (rng.gumbel_argmax) instead of six passes over [B, V].
+    The two paths must never disagree, since which one runs depends on the other rows of
+    the batch: test_gpu_fused_gumbel_scores_bits proves their scores equal bit for bit.
     """
+
+    def __init__(self, fused_gumbel: bool = True):
+        super().__init__()
+        self.fused_gumbel = fused_gumbel
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2:
@@ -542,7 +563,7 @@ class Sampler(torch.nn.Module):
         else:
             # scores = scaled + g with g = -log(-log(u)), computed in place as
             # scaled - log(-log(u)) (a - b is a + (-b) exactly): one pass fewer.
-            if keep is None and FUSED_GUMBEL and device.type == "cuda":
+            if keep is None and self.fused_gumbel and device.type == "cuda":
                 # one pass instead of six over [B, V]; its scores equal the unfused path's
                 # bit for bit (tests/test_sampler.py::test_gpu_fused_gumbel_scores_bits)
                 sampled = gumbel_argmax(scaled, batch.seeds, batch.positions)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from vllm.host_copy import to_device
-from vllm.kernels.attention import paged_attention
+from vllm.kernels import ops
 from vllm.kernels.autograd_ops import PackedAttentionFn
 
 
@@ -38,10 +38,12 @@ class PackedAttentionBackend:
         self.block_table = self.cu_seqlens[:-1, None] + torch.arange(width, dtype=torch.int32, device=self.device)
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # [T, Hk, D] -> a cache of T blocks of one token (any strides with D contiguous)
-        return paged_attention(q.detach(), k.detach().unsqueeze(1), v.detach().unsqueeze(1), self.block_table,
-                               self.cu_seqlens, self.seq_lens_t, scale, max_query_len=self.max_len,
-                               max_seq_len=self.max_len)
+        # [T, Hk, D] -> a cache of T blocks of one token (any strides with D contiguous). No
+        # fresh_kv: the paged kernel on this cache is what reproduces the rollout's bits in
+        # invariant mode (fast mode runs the same kernel; it promises nothing)
+        return ops.attention(q.detach(), k.detach().unsqueeze(1), v.detach().unsqueeze(1), self.block_table,
+                             self.cu_seqlens, self.seq_lens_t, scale, max_query_len=self.max_len,
+                             max_seq_len=self.max_len)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -2,10 +2,10 @@
 chunked so the [rows, vocab] float32 logits are never all held at once.
 
 Forward, `rows_per_chunk` rows at a time: the model's own `compute_logits` (the
-rollout's lm_head kernel, float32 out) on those rows, then `tempered_target_logprobs`,
-which is `vllm.sample.tempered_logprobs` evaluated at the target column only, with the
-same operations in the same order on the same values (apply_temperature's division,
-the exact row max, the pairwise sum of exp, one subtraction). Both the GEMM and the
+rollout's lm_head kernel, float32 out) on those rows, then the sampler's
+`tempered_target_logprobs`: `tempered_logprobs` evaluated at the target column only,
+with the same operations in the same order on the same values (apply_temperature's
+division, the exact row max, the pairwise sum of exp, one subtraction). Both the GEMM and the
 log-softmax compute each row from that row alone (the GEMM's rows do not depend on how
 many rows it is given: the invariance the engine is built on), so cutting the rows into
 chunks cannot change a bit; tests/test_logprob_head.py compares bit patterns against
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from vllm.kernels.logprob_grad import logprob_grad_block
-from vllm.sample.sampler import _effective_temperature, _finite_row_max, _pairwise_sum
+from vllm.sample.sampler import tempered_target_logprobs
 
 # float32 logits held at once, forward (per row chunk) and backward (per vocab block)
 LOGITS_CHUNK_BYTES = 1 << 29
@@ -38,21 +38,6 @@ def rows_per_chunk(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> i
     """Rows whose float32 logits fit in the budget (a multiple of 128 when that many fit)."""
     rows = max(1, budget_bytes // (4 * vocab_size))
     return rows - rows % 128 if rows >= 128 else rows
-
-
-def tempered_target_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float,
-                             targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lp, lse): lp[r] == tempered_logprobs(logits, temperature)[r, targets[r]] bit for bit,
-    and lse[r] = log-sum-exp of row r of logits / T (for the backward). Only the target
-    column of the log-softmax is formed; the other intermediates are updated in place.
-    Call without autograd (it is the forward of LogprobHeadFn, or a no-grad pass)."""
-    # -- the operations of sampler.apply_temperature + batch_invariant_log_softmax, in order --
-    x = logits.float() / _effective_temperature(temperature, logits)
-    m = _finite_row_max(x)
-    z = x.sub_(m)                              # z = x - max
-    z_t = z.gather(-1, targets[:, None])       # the target column of z
-    log_s = _pairwise_sum(z.exp_()).log_()     # log(sum(exp(z))), the same pairwise tree
-    return (z_t - log_s)[:, 0], (m + log_s)[:, 0]
 
 
 def _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows):

@@ -46,6 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="enqueue step N+1 before waiting for step N's tokens (overlaps host and GPU work; "
                         "default: on for CUDA, off for CPU)")
+    p.add_argument("--gemm-cublaslt", action=argparse.BooleanOptionalAction, default=True,
+                   help="invariant GEMMs on CUDA: run the M buckets the tuned table assigns to cuBLASLt there, with "
+                        "split-K forbidden (same bits as the Triton kernel, checked at start-up; the execution "
+                        "contract names cuBLASLt's version); --no-gemm-cublaslt runs them in Triton")
+    p.add_argument("--fused-gumbel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sampling on CUDA: one fused noise + argmax kernel for batches without top-k/top-p/min-p "
+                        "(same bits as the unfused path)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
+                        "throughput)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,4 +65,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 load_format=getattr(args, "load_format", "safetensors"),
-                async_scheduling=getattr(args, "async_scheduling", None))
+                async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
+                fused_gumbel=args.fused_gumbel, step_profile=args.step_profile)

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("vllm.entrypoints.cli.generate", "offline generation (defaults to the embedded model)"),
     "serve": ("vllm.entrypoints.cli.serve", "OpenAI-compatible rollout server"),
     "parity": ("vllm.parity", "find the first op where rollout and training bits differ"),
+    "train": ("vllm.entrypoints.cli.train", "on-policy GRPO/DAPO training with zero rollout-training mismatch"),
 }
 
 
