@@ -110,8 +110,8 @@ if has throughput; then
 fi
 if has train; then
   echo "== train step ($SECONDS s)"
-  timeout "${TRAIN_TIMEOUT:-300}" python benchmarks/train_step.py ${TRAIN_ARGS:-} --json-out "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
-  tail -8 "$OUT/train_step.log"
+  timeout "${TRAIN_TIMEOUT:-1200}" python benchmarks/train_step.py ${TRAIN_ARGS:-} --json-out "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
+  sed -n "/== train step/,\$p" "$OUT/train_step.log"
 fi
 if has rlstep; then
   # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights

@@ -90,7 +90,7 @@ def test_packed_attention_with_rollout_kernel_forward():
     q = torch.randn(sum(lens), 4, 16, requires_grad=True)
     k = torch.randn(sum(lens), 2, 16, requires_grad=True)
     v = torch.randn(sum(lens), 2, 16, requires_grad=True)
-    be = PackedAttentionBackend(lens, torch.device("cpu"), block_size=4)
+    be = PackedAttentionBackend(lens, torch.device("cpu"))
     out = be.forward(0, q, k, v, 0.25)
     go = torch.randn_like(out)
     out.backward(go)
@@ -100,3 +100,109 @@ def test_packed_attention_with_rollout_kernel_forward():
     assert (out.double() - ref).abs().max().item() < 1e-5
     for a, b in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
+
+
+# ---- the GPU backward kernels (Triton): on CPU tensors through TRITON_INTERPRET=1 ------------
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("layout", ["rows", "heads_view", "residual"])
+def test_rms_norm_backward_kernel_vs_float64(layout):
+    """dx, dw of the Triton backward against float64 autograd of the unrounded formula, for a
+    plain [R, H] input, a strided [T, heads, D] view (the per-head q/k norm reads the fused
+    qkv output in place) and the fused residual add (dres added to dx)."""
+    from vllm.kernels.norm_backward import rms_norm_backward
+    torch.manual_seed(0)
+    if layout == "heads_view":
+        qkv = torch.randn(7, 3 * 4 * 16, device=DEV)      # [T, (q|k|v) heads * D]
+        x = qkv[:, :4 * 16].reshape(7, 4, 16)             # a view: strides (192, 16, 1)
+        assert not x.is_contiguous()
+        H = 16
+    else:
+        x = torch.randn(9, 40, device=DEV) * 3
+        H = 40
+    w = torch.randn(H, device=DEV)
+    dy = torch.randn(x.shape, device=DEV)
+    dres = torch.randn(x.shape, device=DEV) if layout == "residual" else None
+    dx, dw = rms_norm_backward(x, w, dy, 1e-6, dres=dres)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    _rms(xd, wd, 1e-6).backward(dy.double())
+    ref_dx = xd.grad + (dres.double() if dres is not None else 0)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert _rel(dx, ref_dx) < 1e-5 and _rel(dw, wd.grad) < 1e-5
+
+
+def test_rms_norm_backward_kernel_many_row_ranges():
+    """More rows than one dw program takes: the float32 partials of several row ranges are summed."""
+    from vllm.kernels.norm_backward import rms_norm_backward
+    torch.manual_seed(1)
+    x, w, dy = torch.randn(300, 8, device=DEV), torch.randn(8, device=DEV), torch.randn(300, 8, device=DEV)
+    dx, dw = rms_norm_backward(x, w, dy, 1e-5)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    _rms(xd, wd, 1e-5).backward(dy.double())
+    assert _rel(dx, xd.grad) < 1e-5 and _rel(dw, wd.grad) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp(120)
+def test_silu_and_mul_backward_kernel_vs_float64():
+    from vllm.kernels.elementwise_backward import silu_and_mul_backward
+    torch.manual_seed(0)
+    x = torch.randn(5, 2 * 24, device=DEV) * 4
+    x[0, 0], x[0, 1] = -120.0, 120.0  # exp overflow on one side: the gradient stays finite
+    dy = torch.randn(5, 24, device=DEV)
+    dx = silu_and_mul_backward(x, dy)
+    xd = x.double().requires_grad_()
+    (F.silu(xd[:, :24]) * xd[:, 24:]).backward(dy.double())
+    assert torch.isfinite(dx).all() and _rel(dx, xd.grad) < 1e-5
+
+
+def test_rope_backward_kernel_vs_float64():
+    from vllm.kernels.elementwise_backward import rope_backward
+    torch.manual_seed(0)
+    T, D = 6, 16
+    ang = torch.randn(T, D // 2, device=DEV) * 3
+    cos, sin = ang.cos(), ang.sin()
+    dq, dk = torch.randn(T, 4, D, device=DEV), torch.randn(T, 2, D, device=DEV)
+    gq, gk = rope_backward(dq, dk, cos, sin)
+    qd = torch.randn(T, 4, D, dtype=D64, device=DEV, requires_grad=True)
+    kd = torch.randn(T, 2, D, dtype=D64, device=DEV, requires_grad=True)
+    oq, ok = _rope(qd, kd, cos.double(), sin.double())
+    torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
+    assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
+    assert rope_backward(None, dk, cos, sin)[0] is None
+
+
+def test_trainer_kv_in_place_equals_a_paged_copy():
+    """The trainer hands its K/V to the rollout's Triton kernel in place (block size 1, v a
+    strided view of the fused qkv output); the kernel gives the bits it gives on a paged
+    copy with block size 16 (run here through TRITON_INTERPRET=1)."""
+    from vllm.kernels.attention import paged_attention_triton
+    from vllm.training.attention import PackedAttentionBackend
+    torch.manual_seed(0)
+    lens = [5, 19, 1, 70]
+    T, Hq, Hk, D = sum(lens), 4, 2, 16
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=DEV)
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D).contiguous()
+    v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)  # strided, as the model passes it
+    be = PackedAttentionBackend(lens, torch.device(DEV))
+    got = paged_attention_triton(q, k.unsqueeze(1), v.unsqueeze(1), be.block_table, be.cu_seqlens, be.seq_lens_t,
+                                 0.25, max_query_len=be.max_len, max_seq_len=be.max_len)
+    bs = 16
+    blocks = [-(-n // bs) for n in lens]
+    kc = torch.zeros(1 + sum(blocks), bs, Hk, D, device=DEV)
+    vc = torch.zeros_like(kc)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=DEV)
+    nxt = 1
+    for i, (a, n, b) in enumerate(zip(be.cu[:-1], lens, blocks)):
+        table[i, :b] = torch.arange(nxt, nxt + b, dtype=torch.int32, device=DEV)
+        kc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = k[a:a + n]
+        vc.view(-1, Hk, D)[nxt * bs:nxt * bs + n] = v[a:a + n]
+        nxt += b
+    ref = paged_attention_triton(q, kc, vc, table, be.cu_seqlens, be.seq_lens_t, 0.25, max_query_len=be.max_len,
+                                 max_seq_len=be.max_len)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))

@@ -3,10 +3,14 @@ with a separately written backward.
 
 The forward of every Function here calls exactly the kernel the engine calls
 (passed in as `fwd`), so a training forward produces the rollout's bits. The
-backward is a separate implementation (torch formulas in float32 on the GPU,
-float64 in the gradcheck tests): gradients only have to be right, not
-batch-invariant. Each backward is verified by `torch.autograd.gradcheck` in
-float64 (tests/test_training_kernels.py) with a float64 reference forward.
+backward is a separate implementation: on the GPU, Triton kernels for RMSNorm
+(vllm/kernels/norm_backward.py), RoPE and SiLU-and-mul
+(vllm/kernels/elementwise_backward.py), cuBLAS for linear layers, flash for
+attention; elsewhere torch formulas (float64 in the gradcheck tests). Gradients only
+have to be right, not batch-invariant. Each torch backward is verified by
+`torch.autograd.gradcheck` in float64 (tests/test_training_kernels.py) with a float64
+reference forward, each Triton backward against float64 autograd (the same file through
+TRITON_INTERPRET=1, and tests/test_gpu_training.py).
 """
 from __future__ import annotations
 
@@ -55,6 +59,11 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        if x.is_cuda:
+            from vllm.kernels.norm_backward import rms_norm_backward
+            dx, dw = rms_norm_backward(x, weight, dy, ctx.eps, need_dx=ctx.needs_input_grad[0],
+                                       need_dw=ctx.needs_input_grad[1])
+            return dx, dw, None, None
         dx, dw = _rms_norm_backward(x, weight, ctx.eps, dy)
         return dx, dw, None, None
 
@@ -85,6 +94,10 @@ class AddRMSNormFn(torch.autograd.Function):
     def backward(ctx, dy, dres):
         # saved tensors are unpacked once: activation checkpointing forbids a second unpack
         res, weight = ctx.saved_tensors
+        if res.is_cuda:  # one kernel: the norm's input gradient plus dres
+            from vllm.kernels.norm_backward import rms_norm_backward
+            d, dw = rms_norm_backward(res, weight, dy, ctx.eps, dres=dres, need_dw=ctx.needs_input_grad[2])
+            return d, d, dw, None, None
         dnorm, dw = _rms_norm_backward(res, weight, ctx.eps, dy)
         d = dnorm if dres is None else dnorm + dres.to(dnorm.dtype)
         return d, d, dw, None, None
@@ -101,6 +114,9 @@ class RopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
+        if cos.is_cuda:
+            from vllm.kernels.elementwise_backward import rope_backward
+            return (*rope_backward(dq, dk, cos, sin), None, None, None)
 
         def adjoint(d):
             if d is None:
@@ -125,6 +141,9 @@ class SiluAndMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
+        if x.is_cuda:
+            from vllm.kernels.elementwise_backward import silu_and_mul_backward
+            return silu_and_mul_backward(x, dy), None
         acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
         g, u = x.to(acc).chunk(2, dim=-1)
         dyf = dy.to(acc)
@@ -142,9 +161,12 @@ class PackedAttentionFn(torch.autograd.Function):
     dK = dS^T Q * scale (summed over each KV head's query group)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, fwd):
+    def forward(ctx, q, k, v, cu_seqlens, scale, fwd, cu_seqlens_device=None):
+        # cu_seqlens_device: the same boundaries already on q's device (int32), so the
+        # backward does not copy them from the host (a blocking copy) once per layer
         ctx.save_for_backward(q, k, v)
         ctx.cu = [int(c) for c in cu_seqlens]
+        ctx.cu_device = cu_seqlens_device
         ctx.scale = scale
         return fwd(q, k, v)
 
@@ -152,9 +174,9 @@ class PackedAttentionFn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v = ctx.saved_tensors
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-            grads = _flash_varlen_backward(q, k, v, do, ctx.cu, ctx.scale)
+            grads = _flash_varlen_backward(q, k, v, do, ctx.cu, ctx.scale, ctx.cu_device)
             if grads is not None:
-                return (*grads, None, None, None)
+                return (*grads, None, None, None, None)
         acc = torch.float64 if do.dtype == torch.float64 else torch.float32
         G = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
@@ -178,10 +200,10 @@ class PackedAttentionFn(torch.autograd.Function):
             dq[a:b] = dqs.transpose(0, 1)
             dk[a:b] = dks.view(Hk, G, L, -1).sum(1).transpose(0, 1)
             dv[a:b] = dvs.view(Hk, G, L, -1).sum(1).transpose(0, 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _flash_varlen_backward(q, k, v, do, cu, scale):
+def _flash_varlen_backward(q, k, v, do, cu, scale, cu_t=None):
     """GPU bf16/fp16: the adjoint through torch's flash varlen attention (its own
     fused backward kernels, tensor cores). The forward bits came from our kernel;
     the gradient of causal softmax attention is the same function, so flash's
@@ -191,7 +213,9 @@ def _flash_varlen_backward(q, k, v, do, cu, scale):
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    if cu_t is None:
+        from vllm.host_copy import to_device
+        cu_t = to_device(cu, torch.int32, q.device)
     max_len = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     with torch.enable_grad():
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))

@@ -31,7 +31,9 @@ def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_heads, stride_xt, stride_xh
     tl.store(obase + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_one_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One tensor's rotation: x [T, H, D] (last dim contiguous), cos/sin [T, D/2] float32
+    contiguous. The backward calls it with -sin (the adjoint rotation)."""
     T, H, D = x.shape
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T == 0:
@@ -45,7 +47,7 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hk, D] (last dim contiguous), cos/sin [T, D/2] float32."""
     cos, sin = cos.contiguous(), sin.contiguous()
-    return _rope_launch(q, cos, sin), _rope_launch(k, cos, sin)
+    return rope_one_triton(q, cos, sin), rope_one_triton(k, cos, sin)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

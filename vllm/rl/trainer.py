@@ -213,7 +213,8 @@ class Trainer:
 
         model = copy.deepcopy(self.policy.model)
         ref = Policy(model, self.policy.model_config, self.policy.dtype, self.policy.device, self.policy.numerics,
-                     self.policy.tokenizer, block_size=self.policy.block_size)
+                     self.policy.tokenizer, block_size=self.policy.block_size, kernels=self.policy.kernels,
+                     logprob_chunk_rows=self.policy.logprob_chunk_rows)
         for p in model.parameters():
             p.requires_grad_(False)
         return ref

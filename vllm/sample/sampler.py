@@ -136,6 +136,24 @@ def tempered_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float) -
     return batch_invariant_log_softmax(apply_temperature(logits, temperature))
 
 
+def tempered_target_logprobs(logits: torch.Tensor, temperature: torch.Tensor | float,
+                             targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tempered_logprobs`` at one column per row, without the ``[B, V]`` output: (lp, lse)
+    with ``lp[r] == tempered_logprobs(logits, temperature)[r, targets[r]]`` bit for bit and
+    ``lse[r]`` the log-sum-exp of row r of ``logits / T`` (what a backward needs).
+
+    The same operations in the same order on the same values (``apply_temperature``'s
+    division, the exact row max, the pairwise sum of exp, one subtraction); the
+    intermediates are updated in place. ``targets`` is ``[B]`` int64. The trainer's chunked
+    logprob head (vllm/training/logprob_head.py) calls it without autograd."""
+    z = apply_temperature(logits, temperature)
+    m = _finite_row_max(z)
+    z = z.sub_(m)                              # x - max
+    z_t = z.gather(-1, targets[:, None])       # the target column of x - max
+    log_s = _pairwise_sum(z.exp_()).log_()     # log(sum(exp(x - max))), the same pairwise tree
+    return (z_t - log_s)[:, 0], (m + log_s)[:, 0]
+
+
 def _stable_topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`stable_topk` for rows where ties straddle the k-th value (0 < k < N).
 

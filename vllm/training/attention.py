@@ -1,56 +1,52 @@
 """The trainer's attention backend: packed variable-length sequences, causal,
-through the rollout's own paged attention kernel on a PRIVATE cache.
+through the rollout's own paged attention kernel.
 
-Each micro-batch writes its K/V into its own contiguous paged buffer (it never
-reads the engine's cache) and calls the same kernel the engine calls with every
-sequence as a full prefill. The kernel's output bits do not depend on physical
-blocks, block size or prefill-vs-decode (docs/attention.md), so this gives the
-rollout's bits; the backward is PackedAttentionFn's separate implementation.
-Later features that change what the engine stores (an FP8 KV cache) apply here
-through this private copy.
+The K/V of a micro-batch are the kernel's cache as they are: viewed as a paged cache
+of block size 1 (token t is block t, each sequence's block table row the identity on
+its token range), so nothing is copied and the engine's cache is never read. The
+kernel's output bits do not depend on physical blocks, block size or
+prefill-vs-decode (docs/attention.md: K/V are gathered per token position), so every
+sequence computed as a full prefill gives the rollout's bits; the backward is
+PackedAttentionFn's separate implementation. A later feature that changes what the
+engine stores (an FP8 KV cache) would store the trainer's K/V the same way here.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from vllm.host_copy import to_device
 from vllm.kernels import ops
 from vllm.kernels.autograd_ops import PackedAttentionFn
 
 
 class PackedAttentionBackend:
-    def __init__(self, seq_lens: list[int], device: torch.device, block_size: int = 16):
-        self.seq_lens = list(seq_lens)
+    def __init__(self, seq_lens: list[int], device: torch.device):
+        self.seq_lens = [int(n) for n in seq_lens]
         self.device = torch.device(device)
-        self.block_size = block_size
-        cu = [0]
-        for n in self.seq_lens:
-            cu.append(cu[-1] + n)
-        self.cu = cu
-        blocks = [-(-n // block_size) for n in self.seq_lens]
-        self.num_blocks = sum(blocks) + 1  # block 0 stays unused, as in the engine
-        table = torch.zeros(len(self.seq_lens), max(blocks), dtype=torch.int32)
-        slots = []
-        nxt = 1
-        for i, (n, b) in enumerate(zip(self.seq_lens, blocks)):
-            table[i, :b] = torch.arange(nxt, nxt + b, dtype=torch.int32)
-            slots.append(torch.arange(nxt * block_size, nxt * block_size + n))
-            nxt += b
-        self.block_table = table.to(self.device)
-        self.slots = torch.cat(slots).to(self.device)
-        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
-        self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
+        lens = np.asarray(self.seq_lens, dtype=np.int64)
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        self.cu = cu.tolist()
+        self.max_len = int(lens.max()) if len(lens) else 0
+        # one small pinned, asynchronous host -> device copy (the host never waits for the GPU)
+        meta = to_device(np.concatenate((cu, lens)), torch.int64, self.device).to(torch.int32)
+        self.cu_seqlens, self.seq_lens_t = meta[:len(cu)], meta[len(cu):]
+        # block table row s: blocks cu[s], cu[s] + 1, ... (entries past a sequence's
+        # length are never read); built on the device
+        width = max(self.max_len, 1)
+        self.block_table = self.cu_seqlens[:-1, None] + torch.arange(width, dtype=torch.int32, device=self.device)
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        shape = (self.num_blocks * self.block_size, k.shape[1], k.shape[2])
-        kc = torch.zeros(shape, dtype=k.dtype, device=k.device).index_copy_(0, self.slots, k.detach())
-        vc = torch.zeros(shape, dtype=v.dtype, device=v.device).index_copy_(0, self.slots, v.detach())
-        view = (self.num_blocks, self.block_size, k.shape[1], k.shape[2])
-        # no fresh_kv: the paged kernel on this private cache is what reproduces the rollout's
-        # bits in invariant mode (fast mode runs the same kernel; it promises nothing)
-        return ops.attention(q.detach(), kc.view(view), vc.view(view), self.block_table, self.cu_seqlens,
-                             self.seq_lens_t, scale, max_query_len=max(self.seq_lens), max_seq_len=max(self.seq_lens))
+        # [T, Hk, D] -> a cache of T blocks of one token (any strides with D contiguous). No
+        # fresh_kv: the paged kernel on this cache is what reproduces the rollout's bits in
+        # invariant mode (fast mode runs the same kernel; it promises nothing)
+        return ops.attention(q.detach(), k.detach().unsqueeze(1), v.detach().unsqueeze(1), self.block_table,
+                             self.cu_seqlens, self.seq_lens_t, scale, max_query_len=self.max_len,
+                             max_seq_len=self.max_len)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return PackedAttentionFn.apply(q, k, v, self.cu, scale, lambda q_, k_, v_: self._paged(q_, k_, v_, scale))
+            return PackedAttentionFn.apply(q, k, v, self.cu, scale, lambda q_, k_, v_: self._paged(q_, k_, v_, scale),
+                                           self.cu_seqlens)
         return self._paged(q, k, v, scale)

@@ -1,7 +1,7 @@
 """Policy: the engine's model class in training mode.
 
 `token_logprobs` runs the rollout's forward kernels (through the op shim and a
-private-cache attention backend) under autograd, so for the same weights and
+packed-sequence attention backend) under autograd, so for the same weights and
 token prefix it returns the logprobs the rollout reported, bit for bit, and is
 differentiable w.r.t. the parameters.
 """
@@ -12,18 +12,36 @@ import os
 import shutil
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from vllm.config import KernelConfig, ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.sample.sampler import tempered_logprobs
+from vllm.host_copy import to_device
 from vllm.training.attention import PackedAttentionBackend
+from vllm.training.logprob_head import token_logprobs_head
+
+
+def _lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The weight of the model's one LMHead: `compute_logits(h)` is `h @ weight.T` in float32
+    (docs/architecture.md), which the fused logprob head differentiates by hand."""
+    from vllm.layers.embedding import LMHead
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    if len(heads) != 1:
+        raise ValueError(f"the trainer needs a model with exactly one LMHead (compute_logits), found {len(heads)}")
+    return heads[0].weight
 
 
 class Policy:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16, kernels: KernelConfig | None = None):
+                 block_size: int = 16, logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None):
+        """`logprob_chunk_rows`: response rows whose float32 logits are formed at once by the
+        logprob head (default: as many as fit 512 MiB; vllm/training/logprob_head.py). Memory
+        only: it never changes a bit of the logprobs. `kernels`: the engine's kernel options
+        when colocated (they travel in the forward context, as in the engine)."""
+        if logprob_chunk_rows is not None and logprob_chunk_rows < 1:
+            raise ValueError(f"logprob_chunk_rows must be >= 1, got {logprob_chunk_rows}")
         self.model = model
         self.model_config = model_config
         self.dtype = dtype
@@ -31,28 +49,33 @@ class Policy:
         self.numerics = numerics
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
-        self.block_size = block_size
+        self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
         self.kernels = kernels or KernelConfig()  # the engine's, when colocated
         self.activation_checkpointing = activation_checkpointing
+        self.logprob_chunk_rows = logprob_chunk_rows
+        self.lm_head_weight = _lm_head_weight(model)
         for p in self.model.parameters():
             p.requires_grad_(True)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
-                        numerics: str = "invariant", activation_checkpointing: bool = False) -> "Policy":
-        """A standalone trainer's model, built by the engine's own path (vllm.model_loader.build)."""
+                        numerics: str = "invariant", activation_checkpointing: bool = False,
+                        logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None) -> "Policy":
+        """A standalone trainer's model, built by the engine's own path (vllm.model_loader.build);
+        `kernels`: the kernel options of the engine whose rollouts it scores."""
         from vllm.model_loader.build import build_model, resolve_model
         from vllm.tokenizer import load_tokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         mc, dt = resolve_model(path, dtype=dtype, device=device)
-        model, _ = build_model(mc, dt, device, numerics=numerics)
+        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels)
         try:
             tok = load_tokenizer(path)
         except ValueError:
             tok = None
-        return cls(model, mc, dt, torch.device(device), numerics, tok, activation_checkpointing=activation_checkpointing)
+        return cls(model, mc, dt, torch.device(device), numerics, tok, activation_checkpointing=activation_checkpointing,
+                   logprob_chunk_rows=logprob_chunk_rows, kernels=kernels)
 
     def parameters(self):
         return self.model.parameters()
@@ -72,19 +95,31 @@ class Policy:
         optimizer.register_step_post_hook(lambda *_: self.notify_weights_updated())
 
     # ---- the trainer's logprobs -----------------------------------------------------------
-    def _validate(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
+    def _validate(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[np.ndarray]:
+        """The sequences as int64 arrays (vectorised checks: no Python loop over tokens)."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"got {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         vocab, ctx = self.model_config.vocab_size, self.model_config.max_model_len
+        arrays = []
         for i, (seq, pl) in enumerate(zip(sequences, prompt_lens)):
-            if len(seq) > ctx:
-                raise ValueError(f"sequence {i} has {len(seq)} tokens, longer than the model's context {ctx}")
-            if not isinstance(pl, int) or pl < 1 or pl > len(seq):
-                raise ValueError(f"sequence {i}: prompt_len {pl!r} out of range [1, {len(seq)}]")
-            if pl == len(seq):
-                raise ValueError(f"sequence {i} has an empty response (prompt_len == len(sequence) == {pl})")
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in seq):
+            if isinstance(seq, torch.Tensor):
+                seq = seq.tolist()
+            try:
+                arr = np.asarray(seq)
+            except (ValueError, TypeError, OverflowError):
+                arr = None
+            if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
                 raise ValueError(f"sequence {i} has token ids outside the vocabulary [0, {vocab})")
+            if len(arr) > ctx:
+                raise ValueError(f"sequence {i} has {len(arr)} tokens, longer than the model's context {ctx}")
+            if not isinstance(pl, int) or pl < 1 or pl > len(arr):
+                raise ValueError(f"sequence {i}: prompt_len {pl!r} out of range [1, {len(arr)}]")
+            if pl == len(arr):
+                raise ValueError(f"sequence {i} has an empty response (prompt_len == len(sequence) == {pl})")
+            if int(arr.min()) < 0 or int(arr.max()) >= vocab:
+                raise ValueError(f"sequence {i} has token ids outside the vocabulary [0, {vocab})")
+            arrays.append(arr.astype(np.int64, copy=False))
+        return arrays
 
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float = 1.0,
                        max_tokens_per_micro_batch: int | None = None) -> list[torch.Tensor]:
@@ -93,50 +128,58 @@ class Policy:
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
         most `max_tokens_per_micro_batch` tokens (default: all in one); packing, order and
         micro-batch size do not change the bits."""
-        sequences = [list(s) for s in sequences]
         prompt_lens = list(prompt_lens)
-        self._validate(sequences, prompt_lens)
+        arrays = self._validate(sequences, prompt_lens)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        budget = max_tokens_per_micro_batch or sum(len(s) for s in sequences)
-        results: list[torch.Tensor | None] = [None] * len(sequences)
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+        temp = float(temperature) if temperature > 0 else 1.0
+        # the sampler divides by a float32 device tensor (an exact IEEE division): the same
+        # value, copied once per call without making the host wait for the GPU
+        temp_t = to_device(np.float32(temp), torch.float32, self.device)
+        budget = max_tokens_per_micro_batch or sum(len(a) for a in arrays)
+        results: list[torch.Tensor | None] = [None] * len(arrays)
         batch: list[int] = []
         used = 0
-        for i, s in enumerate(sequences):
-            if batch and used + len(s) > budget:
-                self._micro_batch(batch, sequences, prompt_lens, temperature, results)
+        for i, a in enumerate(arrays):
+            if batch and used + len(a) > budget:
+                self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results)
                 batch, used = [], 0
             batch.append(i)
-            used += len(s)
+            used += len(a)
         if batch:
-            self._micro_batch(batch, sequences, prompt_lens, temperature, results)
+            self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results)
         return results  # type: ignore[return-value]
 
-    def _micro_batch(self, idx: list[int], sequences, prompt_lens, temperature: float, results) -> None:
-        dev = self.device
-        seqs = [sequences[i] for i in idx]
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(dev)
-        backend = PackedAttentionBackend([len(s) for s in seqs], dev, self.block_size)
-        # rows whose next token is a response token: positions prompt_len-1 .. len-2
-        rows, targets, offset = [], [], 0
-        for i, s in zip(idx, seqs):
-            pl = prompt_lens[i]
-            rows.append(torch.arange(offset + pl - 1, offset + len(s) - 1))
-            targets.extend(s[pl:])
-            offset += len(s)
-        rows_t = torch.cat(rows).to(dev)
+    def _micro_batch(self, idx: list[int], arrays: list[np.ndarray], prompt_lens, temp: float, temp_t: torch.Tensor,
+                     results) -> None:
+        lens = np.array([len(arrays[i]) for i in idx], dtype=np.int64)
+        plens = np.array([prompt_lens[i] for i in idx], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        n_resp = lens - plens
+        # rows whose next token is a response token: positions prompt_len-1 .. len-2 of each
+        # sequence; their targets are the response tokens
+        resp_seq = np.repeat(np.arange(len(idx)), n_resp)
+        resp_off = np.arange(int(n_resp.sum())) - np.repeat(np.cumsum(n_resp) - n_resp, n_resp)
+        rows = starts[resp_seq] + plens[resp_seq] - 1 + resp_off
+        ids = np.concatenate([arrays[i] for i in idx])
+        positions = np.arange(int(lens.sum())) - np.repeat(starts, lens)
+        T, R = len(ids), len(rows)
+        # one pinned, asynchronous host -> device copy for all of it
+        dev = to_device(np.concatenate((ids, positions, rows, ids[rows + 1])), torch.int64, self.device)
+        ids_t, pos_t, rows_t, targets_t = dev[:T], dev[T:2 * T], dev[2 * T:2 * T + R], dev[2 * T + R:]
+        backend = PackedAttentionBackend(lens.tolist(), self.device)
         with set_forward_context(ForwardContext(backend, self.numerics, self.kernels)):
-            hidden = self.model(ids, positions, activation_checkpointing=self.activation_checkpointing)
-            logits = self.model.compute_logits(hidden.index_select(0, rows_t))
-        temp = temperature if temperature > 0 else 1.0
-        lp = tempered_logprobs(logits, temp)
-        picked = lp.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0]
-        start = 0
-        for i, s in zip(idx, seqs):
-            n = len(s) - prompt_lens[i]
-            results[i] = picked[start:start + n]
-            start += n
+            hidden = self.model(ids_t, pos_t, activation_checkpointing=self.activation_checkpointing)
+            # the model's own lm_head (the rollout's kernel) on chunks of rows, fused with the
+            # sampler's tempered log-softmax at the target column: the same bits as
+            # tempered_logprobs(compute_logits(rows)).gather(targets)
+            picked = token_logprobs_head(hidden.index_select(0, rows_t), self.lm_head_weight, targets_t,
+                                         temp_t, temp, self.model.compute_logits, self.logprob_chunk_rows)
+        # one split (one autograd node, a single concatenation in backward), not a slice per sequence
+        for i, part in zip(idx, picked.split(n_resp.tolist())):
+            results[i] = part
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_pretrained(self, save_dir: str) -> None:
