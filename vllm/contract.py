@@ -150,6 +150,12 @@ def build_contract(config, model: torch.nn.Module) -> ExecutionContract:
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
     numerical = numerical_policy(config.numerics, config.device, config.dtype, config.cache.block_size)
+    # architecture-specific entries (e.g. MoE routing fields and kernels), named by the model
+    contract_extra = getattr(model, "contract_extra", None)
+    if contract_extra is not None:
+        extra_semantic, extra_numerical = contract_extra(config.numerics, config.device)
+        semantic.update(extra_semantic)
+        numerical.update(extra_numerical)
     deployment = {
         "max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,

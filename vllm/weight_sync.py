@@ -43,10 +43,11 @@ def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
         mod = modules[name.rsplit(".", 1)[0]]
         if shard is None:
             dest = param.data
-        else:
-            assert isinstance(mod, FusedLinear)
+        elif isinstance(mod, FusedLinear):
             off, size = mod.shard_offsets[shard]
             dest = param.data.narrow(0, off, size)
+        else:  # other fused layouts (MoE experts) name their own slices
+            dest = mod.shard_view(param.data, shard)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
         if tensor.dtype != dest.dtype:
@@ -60,7 +61,7 @@ def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
         if tied and name == "model.embed_tokens.weight":
             embed = tensor
         # a fused parameter given whole (our own name) covers every shard
-        keys = [(name, sid) for sid in mod.shard_offsets] if (shard is None and isinstance(mod, FusedLinear)) else [(name, shard)]
+        keys = _param_keys(name, mod) if shard is None else [(name, shard)]
         if covered.intersection(keys):
             raise ValueError(f"weight {hf_name!r} overlaps another tensor of this update")
         covered.update(keys)
@@ -75,15 +76,20 @@ def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
     return plan, covered
 
 
+def _param_keys(name: str, mod: torch.nn.Module) -> list:
+    """(parameter name, shard id) keys that one whole parameter covers."""
+    if isinstance(mod, FusedLinear):
+        return [(name, sid) for sid in mod.shard_offsets]
+    if hasattr(mod, "shard_ids"):  # MoE experts: one shard per (expert, projection)
+        return [(name, sid) for sid in mod.shard_ids(name.rsplit(".", 1)[1])]
+    return [(name, None)]
+
+
 def _all_keys(model: torch.nn.Module) -> set:
     keys = set()
     modules = dict(model.named_modules())
     for name, _ in model.named_parameters():
-        mod = modules[name.rsplit(".", 1)[0]]
-        if isinstance(mod, FusedLinear):
-            keys.update((name, sid) for sid in mod.shard_offsets)
-        else:
-            keys.add((name, None))
+        keys.update(_param_keys(name, modules[name.rsplit(".", 1)[0]]))
     return keys
 
 

@@ -9,6 +9,8 @@ _MODELS: dict[str, tuple[str, str, dict]] = {
     "Qwen3ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": True, "qkv_bias": False}),
     "Qwen2ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": False, "qkv_bias": True}),
     "LlamaForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": False, "qkv_bias": False}),
+    # MoE fields are parsed by the model class itself (Qwen3MoeArgs.from_hf)
+    "Qwen3MoeForCausalLM": ("vllm.models.qwen3_moe", "Qwen3MoeForCausalLM", {"qk_norm": True, "qkv_bias": False}),
 }
 
 
