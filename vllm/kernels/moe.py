@@ -76,7 +76,8 @@ def _slot_sum(x: torch.Tensor) -> torch.Tensor:
 def route_invariant(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
     """logits [T, E] float32 -> Routing. Every op is exact or elementwise, or a reduction
     in a fixed order over the token's own row."""
-    probs = _fixed_softmax(logits.float())
+    # float32 (float64 stays float64: the gradient tests run this forward in float64)
+    probs = _fixed_softmax(logits if logits.dtype == torch.float64 else logits.float())
     vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties -> lower id
     top, ids = vals[:, :top_k], idx[:, :top_k]
     weights = top / _slot_sum(top) if norm_topk_prob else top
@@ -273,6 +274,12 @@ def _gemm_tiles(plan: ExpertPlan, config: tuple | None) -> tuple:
     return cfg
 
 
+def _check_kernel_dtypes(*tensors: torch.Tensor) -> None:
+    if any(t.dtype not in (torch.bfloat16, torch.float16, torch.float32) for t in tensors):
+        raise ValueError(f"the grouped GEMM kernels take bfloat16/float16/float32, got "
+                         f"{[str(t.dtype) for t in tensors]} (float64: use the references)")
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, *, a_indexed: bool, a_div: int = 1,
                  c_indexed: bool, num_c_rows: int | None = None, out_dtype: torch.dtype | None = None,
                  transpose_w: bool = False, zero_padding: bool = False, config: tuple | None = None) -> torch.Tensor:
@@ -288,6 +295,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, *, a_indexe
         s_be, s_bn, s_bk = w.stride(0), w.stride(1), w.stride(2)
     if a.shape[-1] != K:
         raise ValueError(f"grouped_gemm: a has K={a.shape[-1]}, weights K={K}")
+    _check_kernel_dtypes(a, w)
     out_dtype = out_dtype or a.dtype
     rows = num_c_rows if c_indexed else plan.num_rows
     c = (torch.zeros if (c_indexed or zero_padding) else torch.empty)((rows, N), dtype=out_dtype, device=a.device)
@@ -307,6 +315,7 @@ def grouped_wgrad(dc: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, *, a_inde
                   c_indexed: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dw[e] = sum over expert e's pair rows of dc[crow]^T a[arow] -> [E, N, K]."""
     N, K = dc.shape[-1], a.shape[-1]
+    _check_kernel_dtypes(dc, a)
     dw = torch.empty((plan.num_experts, N, K), dtype=out_dtype, device=a.device)
     bm = plan.block_m
     if _interpreting():
@@ -432,6 +441,8 @@ def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torc
 
 
 def experts_fast(x, w13, w2, ids):
+    if ids.shape[0] == 0:
+        return x.new_zeros((0, ids.shape[1], w2.shape[1]))
     if x.is_cuda:
         if _grouped_mm_ok(x, w13):
             try:
@@ -453,9 +464,11 @@ def experts_invariant(x, w13, w2, ids):
 # ============================================================================ merge
 def merge_slots_torch(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out[t] = round(((y[t,0] w[t,0]) + y[t,1] w[t,1]) + ...), float32, slot order, one rounding.
-    Elementwise mul and add only (each correctly rounded, no fusion across torch ops)."""
-    yf = y.float()
-    wf = w.float()
+    Elementwise mul and add only (each correctly rounded, no fusion across torch ops).
+    (float64 inputs stay float64: the gradient tests run this forward in float64.)"""
+    acc_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
+    yf = y.to(acc_dtype)
+    wf = w.to(acc_dtype)
     acc = yf[:, 0] * wf[:, 0:1]
     for s in range(1, y.shape[1]):
         acc = acc + yf[:, s] * wf[:, s:s + 1]
@@ -558,3 +571,53 @@ def moe_numerical_policy(numerics: str, device: str | torch.device) -> dict:
                     if gpu else {"kernel": "torch F.linear one (token, slot) row at a time", "down_output": "float32"}),
         "merge": "float32, slot order (k-rank), acc = y0*w0; acc = acc + ys*ws; no fma; one cast",
     }
+
+
+# ============================================================================ start-up self-check (GPU)
+SELF_CHECK_MS = (1, 2, 3, 17, 64, 129, 256, 1024)
+
+
+@torch.inference_mode()
+def moe_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None) -> dict:
+    """For each distinct expert-layer shape of the loaded model: a token's expert outputs
+    (float32, unrounded) computed in batches of M in SELF_CHECK_MS (each M picks its own
+    block size and tiles) and with every token routed to the same k experts must equal the
+    same rows computed in the largest batch, bit for bit; and the Triton merge must equal
+    the torch formula. Raises SelfCheckError naming the layer and M."""
+    from vllm.kernels.selfcheck import SelfCheckError
+
+    report, seen = {}, set()
+    gen = torch.Generator(device=device).manual_seed(4321)
+    for name, mod in model.named_modules():
+        experts = getattr(mod, "experts", None)
+        if not getattr(experts, "is_moe_experts", False) or not hasattr(mod, "top_k"):
+            continue
+        w13, w2, k = experts.gate_up_proj, experts.down_proj, mod.top_k
+        key = (tuple(w13.shape), tuple(w2.shape), k)
+        if key in seen:
+            continue
+        seen.add(key)
+        E, H = w13.shape[0], w13.shape[2]
+        top = max(m for m in SELF_CHECK_MS if m <= max(1, min(max_tokens or 1024, 1024)))
+        ms = [m for m in SELF_CHECK_MS if m <= top]
+        x = torch.randn(top, H, generator=gen, device=device).to(dtype)
+        ids = torch.argsort(torch.rand(top, E, generator=gen, device=device), dim=-1)[:, :k].contiguous()
+        full = experts_grouped_triton(x, w13, w2, ids)
+        for m in ms:
+            part = experts_grouped_triton(x[:m].clone(), w13, w2, ids[:m].clone())
+            if not torch.equal(part.view(torch.int32), full[:m].view(torch.int32)):
+                raise SelfCheckError(f"MoE self-check failed for {name}: expert rows at M={m} differ from the same "
+                                     f"rows computed at M={top}")
+        # every token on the same k experts (one expert gets all rows): the last row alone
+        skew = torch.arange(k, device=device).expand(top, k).contiguous()
+        crowded = experts_grouped_triton(x, w13, w2, skew)
+        alone = experts_grouped_triton(x[-1:].clone(), w13, w2, skew[-1:].clone())
+        if not torch.equal(alone.view(torch.int32), crowded[-1:].view(torch.int32)):
+            raise SelfCheckError(f"MoE self-check failed for {name}: a row routed with {top - 1} others to the same "
+                                 "experts differs from the row alone")
+        w = torch.rand(top, k, generator=gen, device=device)
+        if not torch.equal(merge_slots_triton(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           merge_slots_torch(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32)):
+            raise SelfCheckError(f"MoE self-check failed for {name}: the Triton merge differs from its formula")
+        report[name] = {"experts": E, "top_k": k, "H": H, "Ms": ms}
+    return report

@@ -87,6 +87,9 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
         if not torch.equal(last.view(view), full[-1:].view(view)):
             raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}): row position changes bits")
         report[name] = {"K": K, "N": N, "Ms": ms}
+    # MoE layers: the grouped expert GEMM and the slot merge (kernels/moe.py)
+    from vllm.kernels.moe import moe_self_check
+    report.update(moe_self_check(model, device, dtype, max_tokens))
     return report
 
 
