@@ -1,0 +1,174 @@
+"""Qwen3-MoE against transformers' Qwen3MoeForCausalLM (random weights, CPU): logits within
+float32 tolerance and equal greedy tokens in both numerics modes; its config parsing
+(num_experts, top-k, norm_topk_prob, decoder_sparse_step, mlp_only_layers), its HF-name
+mapping (per-expert checkpoint tensors onto the fused layout, and back), bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm import LLM, SamplingParams
+from vllm.config import ModelConfig
+from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.layers.moe import SparseMoeBlock
+from vllm.model_loader.loader import load_model
+from vllm.models.qwen3_moe import Qwen3MoeArgs
+from vllm.testing.tiny_models import load_hf_model, make_tiny_checkpoint
+from vllm.training.attention import PackedAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def sparse_step_moe(tmp_path_factory):
+    """decoder_sparse_step=2 (layers 1 and 3 sparse, 0 and 2 dense), no norm_topk_prob, top-3 of 6."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe_step2"), "qwen3_moe", num_hidden_layers=4, seed=11,
+                                config_overrides={"decoder_sparse_step": 2, "norm_topk_prob": False,
+                                                  "num_experts": 6, "num_experts_per_tok": 3})
+
+
+def _our_logits(path, numerics, ids):
+    model = load_model(ModelConfig.from_pretrained(path), torch.float32, "cpu")
+    backend = PackedAttentionBackend([len(ids)], torch.device("cpu"))
+    with torch.no_grad(), set_forward_context(ForwardContext(backend, numerics)):
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))), model
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "sparse_step_moe"])
+def test_logits_match_transformers(request, fixture, numerics):
+    path = request.getfixturevalue(fixture)
+    ids = torch.randint(3, 500, (33,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, model = _our_logits(path, numerics, ids)
+    hf = load_hf_model(path, torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    # the layer plan is transformers' plan
+    for i, (a, b) in enumerate(zip(model.model.layers, hf.model.layers)):
+        assert isinstance(a.mlp, SparseMoeBlock) == hasattr(b.mlp, "experts"), i
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "sparse_step_moe"])
+def test_greedy_tokens_match_transformers(request, fixture):
+    path = request.getfixturevalue(fixture)
+    hf = load_hf_model(path, torch.float32)
+    prompts = [list(range(10, 30)), [7, 300, 12, 5]]
+    for numerics in ("invariant", "fast"):
+        llm = LLM(path, device="cpu", numerics=numerics)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10), (numerics, p)
+
+
+def _hf_greedy(hf, prompt, n):
+    """argmax decoding with transformers' forward (generate would stop at, or with
+    min_new_tokens suppress, the eos token; the engine runs with ignore_eos)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_config_parsing():
+    base = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    args = Qwen3MoeArgs.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert [args.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert args.norm_topk_prob
+    # transformers 5 writes num_local_experts
+    assert Qwen3MoeArgs.from_hf({"num_local_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 8}).num_experts == 4
+    assert Qwen3MoeArgs.from_hf({**base, "decoder_sparse_step": None}).decoder_sparse_step == 1
+    bad = [({"num_experts_per_tok": 2, "moe_intermediate_size": 16}, "num_experts"),
+           ({**base, "num_experts_per_tok": 9}, "num_experts_per_tok"),
+           ({**base, "num_experts_per_tok": 0}, "num_experts_per_tok"),
+           ({**base, "decoder_sparse_step": -1}, "decoder_sparse_step"),
+           ({**base, "use_sliding_window": True}, "sliding_window")]
+    for hf, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            Qwen3MoeArgs.from_hf(hf)
+
+
+def test_bad_config_is_refused_by_the_engine(tiny_qwen3_moe, tmp_path):
+    d = tmp_path / "bad"
+    shutil.copytree(tiny_qwen3_moe, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 99
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        LLM(str(d), device="cpu")
+
+
+def test_hf_names_round_trip(tiny_qwen3_moe):
+    """hf_state_dict gives back the checkpoint's own names (one tensor per expert and
+    projection) and bits; loading checked every expected shard."""
+    model = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    ckpt = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
+    ours = model.hf_state_dict()
+    assert set(ours) == set(ckpt)
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in ours and "model.layers.1.mlp.gate_proj.weight" in ours
+    for name, t in ckpt.items():
+        assert torch.equal(ours[name].contiguous().view(torch.int32), t.view(torch.int32)), name
+    assert model.resolve_hf_name("model.layers.0.mlp.experts.3.up_proj.weight") == \
+        ("model.layers.0.mlp.experts.gate_up_proj", (3, "up"))
+    assert model.resolve_hf_name("model.layers.1.mlp.up_proj.weight") == ("model.layers.1.mlp.gate_up_proj.weight", 1)
+    assert len([k for k in model.expected_weight_keys() if ".experts." in k]) == 2 * 8 * 3
+
+
+def _rewrite(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return str(dst)
+
+
+def test_loader_refuses_incomplete_or_misshapen_experts(tiny_qwen3_moe, tmp_path):
+    missing = _rewrite(tiny_qwen3_moe, tmp_path / "missing",
+                       lambda t: t.pop("model.layers.2.mlp.experts.5.gate_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks weights for.*layers\.2\.mlp\.experts\.gate_up_proj\[\(5, 'gate'\)\]"):
+        LLM(missing, device="cpu")
+
+    def shrink(t):
+        t["model.layers.0.mlp.experts.1.down_proj.weight"] = t["model.layers.0.mlp.experts.1.down_proj.weight"][:, :-1].clone()
+    with pytest.raises(ValueError, match="experts.1.down_proj.weight.*shape mismatch"):
+        LLM(_rewrite(tiny_qwen3_moe, tmp_path / "shape", shrink), device="cpu")
+
+    def extra(t):
+        t["model.layers.1.mlp.experts.0.gate_proj.weight"] = t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()
+    with pytest.raises(ValueError, match="no matching parameter"):
+        LLM(_rewrite(tiny_qwen3_moe, tmp_path / "dense_layer_expert", extra), device="cpu")
+
+    def too_many(t):
+        t["model.layers.0.mlp.experts.8.gate_proj.weight"] = t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()
+    with pytest.raises(ValueError, match="expert 8 is not held"):
+        LLM(_rewrite(tiny_qwen3_moe, tmp_path / "too_many", too_many), device="cpu")
+
+
+def test_transformers_fused_names_load_too(tiny_qwen3_moe, tmp_path):
+    """transformers' in-memory fused expert tensors (mlp.experts.gate_up_proj [E, 2I, H]) load whole."""
+    hf = load_hf_model(tiny_qwen3_moe, torch.float32)
+    d = tmp_path / "fused"
+    shutil.copytree(tiny_qwen3_moe, d)
+    os.remove(d / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(d / "model.safetensors"))
+    a = load_model(ModelConfig.from_pretrained(str(d)), torch.float32, "cpu")
+    b = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa.view(torch.int32), pb.view(torch.int32)), na
+
+
+def test_execution_contract_names_moe(tiny_qwen3_moe):
+    inv = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant").execution_contract()
+    fast = LLM(tiny_qwen3_moe, device="cpu", numerics="fast").execution_contract()
+    assert inv.semantic["moe"] == {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    assert inv.semantic == fast.semantic
+    assert "lower expert id" in inv.numerical["moe"]["routing"]
+    assert "slot order" in inv.numerical["moe"]["merge"]
+    with pytest.raises(ValueError, match="numerical"):
+        inv.check_compatible(fast)
