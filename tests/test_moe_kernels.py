@@ -323,3 +323,19 @@ def test_gpu_grouped_backward_and_fast_path_match_reference():
     for ours, theirs in ((xa, x64), (w13a, w1364), (w2a, w264)):
         err = ((ours.grad.double() - theirs.grad).norm() / theirs.grad.norm()).item()
         assert err < 2e-2, err
+
+
+# ---------------------------------------------------------------------------- start-up self-check
+def test_moe_self_check_passes_and_catches_a_batch_dependent_kernel(tiny_qwen3_moe, monkeypatch):
+    from vllm.config import ModelConfig
+    from vllm.kernels.selfcheck import SelfCheckError
+    from vllm.model_loader.loader import load_model
+
+    model = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    monkeypatch.setattr(K, "SELF_CHECK_MS", (1, 3, 9))
+    report = K.moe_self_check(model, torch.device("cpu"), torch.float32, max_tokens=9)
+    assert report == {"model.layers.0.mlp": {"experts": 8, "top_k": 2, "H": 64, "Ms": [1, 3, 9]}}  # layer 2: same shape
+    real = K.experts_grouped_triton
+    monkeypatch.setattr(K, "experts_grouped_triton", lambda x, *a: real(x, *a) * (1 + 1e-3 * (x.shape[0] > 3)))
+    with pytest.raises(SelfCheckError, match="at M=1 differ"):
+        K.moe_self_check(model, torch.device("cpu"), torch.float32, max_tokens=9)

@@ -165,3 +165,23 @@ def test_activation_checkpointing_same_bits_and_grads(tiny_qwen3_moe, prompts):
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(*outs))
     for k in grads[0]:
         assert torch.equal(bits(grads[0][k]), bits(grads[1][k])), k
+
+
+def test_save_pretrained_writes_hf_expert_names(tiny_qwen3_moe, tmp_path):
+    """The trainer's checkpoint has the hub layout (one tensor per expert and projection)
+    and transformers loads it to our values."""
+    from safetensors import safe_open
+    policy = Policy.from_pretrained(tiny_qwen3_moe, device="cpu", numerics="invariant")
+    with torch.no_grad():
+        policy.model.model.layers[2].mlp.experts.down_proj[5].mul_(1.5)  # a change only this expert has
+    policy.save_pretrained(str(tmp_path / "saved"))
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    with safe_open(f"{tiny_qwen3_moe}/model.safetensors", "pt") as f:
+        assert names == set(f.keys())
+    hf = load_hf_model(str(tmp_path / "saved"), torch.float32)
+    ours = dict(policy.model.named_parameters())
+    for layer in (0, 2):
+        for p in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{p}"
+            assert torch.equal(dict(hf.named_parameters())[name].view(torch.int32), ours[name].detach().view(torch.int32))

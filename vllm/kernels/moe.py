@@ -582,8 +582,8 @@ def moe_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     """For each distinct expert-layer shape of the loaded model: a token's expert outputs
     (float32, unrounded) computed in batches of M in SELF_CHECK_MS (each M picks its own
     block size and tiles) and with every token routed to the same k experts must equal the
-    same rows computed in the largest batch, bit for bit; and the Triton merge must equal
-    the torch formula. Raises SelfCheckError naming the layer and M."""
+    same rows computed in the largest batch, bit for bit; so must the router's logits; and
+    the Triton merge must equal the torch formula. Raises SelfCheckError naming the layer and M."""
     from vllm.kernels.selfcheck import SelfCheckError
 
     report, seen = {}, set()
@@ -615,6 +615,14 @@ def moe_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dt
         if not torch.equal(alone.view(torch.int32), crowded[-1:].view(torch.int32)):
             raise SelfCheckError(f"MoE self-check failed for {name}: a row routed with {top - 1} others to the same "
                                  "experts differs from the row alone")
+        # the router's float32-output GEMM (not a Linear: the dense self-check does not see it)
+        from vllm.kernels.matmul import invariant_matmul
+        router = invariant_matmul(x, mod.gate.weight, out_dtype=torch.float32)
+        for m in ms:
+            if not torch.equal(invariant_matmul(x[:m].clone(), mod.gate.weight, out_dtype=torch.float32).view(torch.int32),
+                               router[:m].view(torch.int32)):
+                raise SelfCheckError(f"MoE self-check failed for {name}.gate (K={H}, N={E}) at M={m}: router logits "
+                                     f"differ from the same rows computed at M={top}")
         w = torch.rand(top, k, generator=gen, device=device)
         if not torch.equal(merge_slots_triton(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32),
                            merge_slots_torch(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32)):
