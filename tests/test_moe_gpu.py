@@ -68,7 +68,9 @@ def test_gpu_moe_gradients_vs_transformers(gpu_moe_model):
         ref_lps.append(lp[pl - 1:len(s) - 1].gather(1, torch.tensor(s[pl:], device="cuda")[:, None])[:, 0])
     sum(lp.sum() for lp in ref_lps).backward()
     ref = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None and p.grad.norm() > 0}
-    for numerics, dtype, tol in (("fast", "float32", 2e-2), ("invariant", "bfloat16", 0.1)):
+    # fast bf16 runs torch._grouped_mm under torch's own autograd; fast float32 and invariant
+    # run the grouped Triton kernels under GroupedGemmFn
+    for numerics, dtype, tol in (("fast", "float32", 2e-2), ("fast", "bfloat16", 0.1), ("invariant", "bfloat16", 0.1)):
         pol = Policy.from_pretrained(gpu_moe_model, device="cuda", dtype=dtype, numerics=numerics)
         sum(lp.sum() for lp in pol.token_logprobs(seqs, plens)).backward()
         ours = pol.model.hf_state_dict(grads=True)
@@ -108,3 +110,26 @@ def test_gpu_moe_fast_mode_uses_grouped_mm_and_captures_graphs(gpu_moe_model):
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     if hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability()[0] >= 9:
         assert not K._GROUPED_MM_BROKEN, "torch._grouped_mm refused: fast mode measured the Triton kernel instead"
+
+
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+def test_gpu_moe_async_launch_never_waits_for_the_gpu(gpu_moe_model, numerics):
+    """The MoE step (routing, the expert plan, grouped GEMMs, merge) uses device ops only:
+    launching a step under torch's sync debug mode set to raise must not synchronise."""
+    llm = _llm(gpu_moe_model, numerics=numerics, async_scheduling=True, cuda_graph_batch_sizes=[1, 2, 4, 8])
+    runner = llm.llm_engine.runner
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70)]
+    llm.generate(prompts, sp, use_tqdm=False)  # warm: compile, pinned-memory pool
+    launch, checked = runner.launch, []
+
+    def strict_launch(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(1)
+    runner.launch = strict_launch
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert len(checked) >= 12 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
