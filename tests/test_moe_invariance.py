@@ -1,5 +1,5 @@
-"""The invariance battery on a tiny Qwen3-MoE in numerics='invariant' (CPU here, bf16 with
-CUDA graphs on the GPU), and the crowded-expert case: tokens that all route to the same
+"""The invariance battery on a tiny Qwen3-MoE in numerics='invariant' (CPU here; bf16 with
+CUDA graphs on the GPU in test_moe_gpu.py), and the crowded-expert case: tokens that all route to the same
 experts (router weights zeroed: every probability ties, the lower-id rule sends every
 token to experts 0..k-1) keep the bits they have alone. Bit patterns, never allclose."""
 from __future__ import annotations
@@ -26,13 +26,15 @@ def battery(tiny_qwen3_moe):
     return _battery(tiny_qwen3_moe)
 
 
-@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache"])
+@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
 def test_moe_invariant_battery(battery, check):
     res = getattr(battery, check)()
     assert res.comparisons > 0
     assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
     if check == "prefix_cache":
         assert res.detail.startswith("3 ")
+    if check == "preemption":
+        assert not res.detail.startswith("0 ")
 
 
 def test_moe_identical_requests(battery):

@@ -172,3 +172,31 @@ def test_execution_contract_names_moe(tiny_qwen3_moe):
     assert "slot order" in inv.numerical["moe"]["merge"]
     with pytest.raises(ValueError, match="numerical"):
         inv.check_compatible(fast)
+
+
+def test_benchmark_config_builds_and_loads_dummy_weights(tmp_path):
+    """benchmarks/configs/qwen3-30b-a3b.json: Qwen3-30B-A3B's 30.5B parameters (built on the
+    meta device), and the dummy-weight path throughput.py takes, on the same config shrunk."""
+    from vllm.models.registry import model_class
+    from vllm.testing.tiny_models import build_tokenizer
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "configs",
+                       "qwen3-30b-a3b.json")
+    (tmp_path / "full").mkdir()
+    shutil.copy(src, tmp_path / "full" / "config.json")
+    mc = ModelConfig.from_pretrained(str(tmp_path / "full"))
+    with torch.device("meta"):
+        model = model_class(mc.architecture)(mc, torch.bfloat16)
+    assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
+    assert sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers) == 48
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (128, 1536, 2048)
+
+    cfg = json.loads(open(src).read())
+    cfg.update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_experts=16, vocab_size=512, max_position_embeddings=256)
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(cfg))
+    build_tokenizer(tmp_path / "small")
+    for numerics in ("fast", "invariant"):
+        llm = LLM(str(tmp_path / "small"), device="cpu", load_format="dummy", numerics=numerics)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
