@@ -29,6 +29,7 @@ The autograd wrappers live in `kernels/moe_autograd.py`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -403,9 +404,15 @@ def experts_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: 
 _GROUPED_MM_BROKEN: set = set()
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _grouped_mm_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """torch's grouped GEMM takes bf16 on Hopper and newer (sm90+)."""
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w13.dtype == x.dtype
-            and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and _capability_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
             and (x.device, x.dtype) not in _GROUPED_MM_BROKEN)
 
 
