@@ -84,8 +84,8 @@ setup(
         "pydantic>=2",
     ],
     extras_require={
-        "serve": ["fastapi", "uvicorn", "httpx"],
-        "test": ["pytest", "httpx", "fastapi", "uvicorn"],
+        "serve": ["fastapi", "uvicorn", "httpx", "prometheus-client"],
+        "test": ["pytest", "httpx", "fastapi", "uvicorn", "prometheus-client", "openai"],
         "gpu": ["cupy-cuda12x"],
         "ray": ["ray"],
     },

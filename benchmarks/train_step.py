@@ -20,9 +20,8 @@ import time
 
 import torch
 
-from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.model_loader.loader import load_model
+from vllm.model_loader.build import build_model, resolve_model
 from vllm.training import Policy
 from vllm.training.plain import FlashVarlenBackend
 
@@ -99,17 +98,17 @@ def main() -> None:
         cfg = json.load(f)
     if args.num_hidden_layers:
         cfg["num_hidden_layers"] = args.num_hidden_layers
-        cfg["mlp_only_layers"] = [i for i in cfg.get("mlp_only_layers") or [] if i < args.num_hidden_layers]
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
-    mc = ModelConfig.from_pretrained(d)
+    mc, _ = resolve_model(d, dtype="bfloat16", device="cuda")
     g = torch.Generator().manual_seed(0)
     n = args.tokens // args.seq_len
     seqs = torch.randint(100, mc.vocab_size - 100, (n, args.seq_len), generator=g).tolist()
     plens = [args.prompt_len] * n
     results = {}
     for name in ("plain", "invariant"):
-        model = load_model(mc, torch.bfloat16, "cuda", load_format="dummy")
+        model, _ = build_model(mc, torch.bfloat16, "cuda", numerics="invariant" if name == "invariant" else "fast",
+                               load_format="dummy")
         for p in model.parameters():
             p.requires_grad_(True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)

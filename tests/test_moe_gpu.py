@@ -85,7 +85,7 @@ def test_gpu_moe_selfcheck_contract_and_crowded_experts(gpu_moe_model):
     llm = _llm(gpu_moe_model)
     report = llm.llm_engine.runner.self_check_report
     assert "model.layers.0.mlp" in report and report["model.layers.0.mlp"]["experts"] == 16
-    assert llm.execution_contract().numerical["moe"]["experts"]["kernel"].startswith("triton grouped gemm")
+    assert llm.execution_contract().numerical["layer_kernels"]["moe"]["experts"]["kernel"].startswith("triton grouped gemm")
     model = llm.llm_engine.runner.model
     llm.update_weights({n: torch.zeros_like(t) for n, t in model.hf_state_dict().items() if n.endswith("mlp.gate.weight")})
     sp = SamplingParams(temperature=1.0, seed=5, max_tokens=20, logprobs=0, ignore_eos=True)

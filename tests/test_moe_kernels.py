@@ -158,7 +158,7 @@ def test_grouped_gemm_backward_matches_float64():
     plan = K.make_plan(ids, w.shape[0], 16)
     # up projection: rows gathered from tokens, output in the padded layout
     xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    c = GroupedGemmFn.apply(xa, wa, plan, True, k, False, None, None, None)
+    c = GroupedGemmFn.apply(xa, wa, plan, True, k, False, None, None, None, K.grouped_gemm, K.grouped_wgrad)
     gc = torch.randn_like(c)
     c.backward(gc)
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
@@ -170,7 +170,7 @@ def test_grouped_gemm_backward_matches_float64():
     # down projection: rows read in the padded layout, output scattered to (token, slot)
     a = torch.randn(plan.num_rows, 20).requires_grad_(True)
     wd = w.clone().requires_grad_(True)
-    y = GroupedGemmFn.apply(a, wd, plan, False, 1, True, T * k, torch.float32, None)
+    y = GroupedGemmFn.apply(a, wd, plan, False, 1, True, T * k, torch.float32, None, K.grouped_gemm, K.grouped_wgrad)
     gy = torch.randn_like(y)
     y.backward(gy)
     a64, wd64 = a.detach().double().requires_grad_(True), w.double().requires_grad_(True)
@@ -327,15 +327,17 @@ def test_gpu_grouped_backward_and_fast_path_match_reference():
 
 # ---------------------------------------------------------------------------- start-up self-check
 def test_moe_self_check_passes_and_catches_a_batch_dependent_kernel(tiny_qwen3_moe, monkeypatch):
-    from vllm.config import ModelConfig
-    from vllm.kernels.selfcheck import SelfCheckError
-    from vllm.model_loader.loader import load_model
+    """Reached through the self-check's generic layer hook (the MoE block's
+    `invariant_self_check`), as the engine's start-up check reaches it."""
+    from vllm.kernels.selfcheck import SelfCheckError, layer_self_checks
+    from vllm.model_loader.build import build_model, resolve_model
 
-    model = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    mc, dtype = resolve_model(tiny_qwen3_moe, dtype="float32", device="cpu")
+    model = build_model(mc, dtype, "cpu", numerics="fast")[0]
     monkeypatch.setattr(K, "SELF_CHECK_MS", (1, 3, 9))
-    report = K.moe_self_check(model, torch.device("cpu"), torch.float32, max_tokens=9)
+    report = layer_self_checks(model, torch.device("cpu"), torch.float32, max_tokens=9)
     assert report == {"model.layers.0.mlp": {"experts": 8, "top_k": 2, "H": 64, "Ms": [1, 3, 9]}}  # layer 2: same shape
     real = K.experts_grouped_triton
     monkeypatch.setattr(K, "experts_grouped_triton", lambda x, *a: real(x, *a) * (1 + 1e-3 * (x.shape[0] > 3)))
     with pytest.raises(SelfCheckError, match="at M=1 differ"):
-        K.moe_self_check(model, torch.device("cpu"), torch.float32, max_tokens=9)
+        layer_self_checks(model, torch.device("cpu"), torch.float32, max_tokens=9)

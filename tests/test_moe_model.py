@@ -13,13 +13,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm import LLM, SamplingParams
-from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.layers.moe import SparseMoeBlock
-from vllm.model_loader.loader import load_model
-from vllm.models.qwen3_moe import Qwen3MoeArgs
+from vllm.model_loader.build import build_model, resolve_model
+from vllm.models.qwen3_moe import Qwen3MoeConfig
 from vllm.testing.tiny_models import load_hf_model, make_tiny_checkpoint
 from vllm.training.attention import PackedAttentionBackend
+
+BENCH_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "configs",
+                            "qwen3-30b-a3b.json")
+
+
+def _model(path):
+    mc, dtype = resolve_model(path, dtype="float32", device="cpu")
+    return build_model(mc, dtype, "cpu", numerics="fast")[0]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +38,7 @@ def sparse_step_moe(tmp_path_factory):
 
 
 def _our_logits(path, numerics, ids):
-    model = load_model(ModelConfig.from_pretrained(path), torch.float32, "cpu")
+    model = _model(path)
     backend = PackedAttentionBackend([len(ids)], torch.device("cpu"))
     with torch.no_grad(), set_forward_context(ForwardContext(backend, numerics)):
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))), model
@@ -76,21 +83,32 @@ def _hf_greedy(hf, prompt, n):
 
 
 def test_config_parsing():
-    base = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-    args = Qwen3MoeArgs.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
-    assert [args.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
-    assert args.norm_topk_prob
+    """The model parses its own config.json: Qwen3's fields and the MoE ones, from the
+    dict alone (nothing read again from disk)."""
+    with open(BENCH_CONFIG) as f:
+        full = json.load(f)
+    base = {**full, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    cfg = Qwen3MoeConfig.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert [cfg.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert cfg.norm_topk_prob and cfg.qk_norm and not cfg.qkv_bias
+    assert (cfg.architecture, cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size) == ("Qwen3MoeForCausalLM", 2048, 128, 16)
     # transformers 5 writes num_local_experts
-    assert Qwen3MoeArgs.from_hf({"num_local_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 8}).num_experts == 4
-    assert Qwen3MoeArgs.from_hf({**base, "decoder_sparse_step": None}).decoder_sparse_step == 1
-    bad = [({"num_experts_per_tok": 2, "moe_intermediate_size": 16}, "num_experts"),
+    no_experts = {k: v for k, v in base.items() if k != "num_experts"}
+    assert Qwen3MoeConfig.from_hf({**no_experts, "num_local_experts": 4}).num_experts == 4
+    assert Qwen3MoeConfig.from_hf({**base, "decoder_sparse_step": None}).decoder_sparse_step == 1
+    no_hidden = {k: v for k, v in base.items() if k != "hidden_size"}
+    bad = [(no_experts, "num_experts"),
            ({**base, "num_experts_per_tok": 9}, "num_experts_per_tok"),
            ({**base, "num_experts_per_tok": 0}, "num_experts_per_tok"),
            ({**base, "decoder_sparse_step": -1}, "decoder_sparse_step"),
-           ({**base, "use_sliding_window": True}, "sliding_window")]
+           ({**base, "use_sliding_window": True}, "sliding_window"),
+           ({**base, "attention_bias": True}, "attention_bias"),
+           ({**base, "hidden_act": "gelu"}, "hidden_act"),
+           (no_hidden, "config.json of a Qwen3MoeForCausalLM lacks 'hidden_size'"),
+           ({**base, "architectures": ["Qwen3ForCausalLM"]}, "is not Qwen3MoeForCausalLM")]
     for hf, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            Qwen3MoeArgs.from_hf(hf)
+            Qwen3MoeConfig.from_hf(hf)
 
 
 def test_bad_config_is_refused_by_the_engine(tiny_qwen3_moe, tmp_path):
@@ -106,17 +124,25 @@ def test_bad_config_is_refused_by_the_engine(tiny_qwen3_moe, tmp_path):
 def test_hf_names_round_trip(tiny_qwen3_moe):
     """hf_state_dict gives back the checkpoint's own names (one tensor per expert and
     projection) and bits; loading checked every expected shard."""
-    model = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    model = _model(tiny_qwen3_moe)
     ckpt = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
     ours = model.hf_state_dict()
     assert set(ours) == set(ckpt)
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in ours and "model.layers.1.mlp.gate_proj.weight" in ours
     for name, t in ckpt.items():
         assert torch.equal(ours[name].contiguous().view(torch.int32), t.view(torch.int32)), name
-    assert model.resolve_hf_name("model.layers.0.mlp.experts.3.up_proj.weight") == \
-        ("model.layers.0.mlp.experts.gate_up_proj", (3, "up"))
-    assert model.resolve_hf_name("model.layers.1.mlp.up_proj.weight") == ("model.layers.1.mlp.gate_up_proj.weight", 1)
-    assert len([k for k in model.expected_weight_keys() if ".experts." in k]) == 2 * 8 * 3
+    mapping = model.weight_mapping()
+    slot = mapping.slot("model.layers.0.mlp.experts.3.up_proj.weight")
+    assert (slot.param, slot.shard) == ("model.layers.0.mlp.experts.gate_up_proj", (3, "up"))
+    experts = model.model.layers[0].mlp.experts
+    assert torch.equal(bits(mapping.destination(slot)), bits(experts.gate_up_proj[3, 32:]))  # I = 32: the up rows
+    slot = mapping.slot("model.layers.1.mlp.up_proj.weight")
+    assert (slot.param, slot.shard) == ("model.layers.1.mlp.gate_up_proj.weight", 1)
+    assert len([k for k in mapping.keys() if ".experts." in k[0]]) == 2 * 8 * 3
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.int32)
 
 
 def _rewrite(src, dst, edit):
@@ -135,17 +161,17 @@ def test_loader_refuses_incomplete_or_misshapen_experts(tiny_qwen3_moe, tmp_path
 
     def shrink(t):
         t["model.layers.0.mlp.experts.1.down_proj.weight"] = t["model.layers.0.mlp.experts.1.down_proj.weight"][:, :-1].clone()
-    with pytest.raises(ValueError, match="experts.1.down_proj.weight.*shape mismatch"):
+    with pytest.raises(ValueError, match=r"experts.1.down_proj.weight': shape \(64, 31\) != expected \(64, 32\)"):
         LLM(_rewrite(tiny_qwen3_moe, tmp_path / "shape", shrink), device="cpu")
 
     def extra(t):
         t["model.layers.1.mlp.experts.0.gate_proj.weight"] = t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()
-    with pytest.raises(ValueError, match="no matching parameter"):
+    with pytest.raises(ValueError, match="unknown weight 'model.layers.1.mlp.experts.0.gate_proj.weight'"):
         LLM(_rewrite(tiny_qwen3_moe, tmp_path / "dense_layer_expert", extra), device="cpu")
 
     def too_many(t):
         t["model.layers.0.mlp.experts.8.gate_proj.weight"] = t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()
-    with pytest.raises(ValueError, match="expert 8 is not held"):
+    with pytest.raises(ValueError, match="unknown weight 'model.layers.0.mlp.experts.8.gate_proj.weight'"):
         LLM(_rewrite(tiny_qwen3_moe, tmp_path / "too_many", too_many), device="cpu")
 
 
@@ -156,36 +182,43 @@ def test_transformers_fused_names_load_too(tiny_qwen3_moe, tmp_path):
     shutil.copytree(tiny_qwen3_moe, d)
     os.remove(d / "model.safetensors")
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(d / "model.safetensors"))
-    a = load_model(ModelConfig.from_pretrained(str(d)), torch.float32, "cpu")
-    b = load_model(ModelConfig.from_pretrained(tiny_qwen3_moe), torch.float32, "cpu")
+    a = _model(str(d))
+    b = _model(tiny_qwen3_moe)
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and torch.equal(pa.view(torch.int32), pb.view(torch.int32)), na
 
 
-def test_execution_contract_names_moe(tiny_qwen3_moe):
+def test_execution_contract_names_moe(tiny_qwen3_moe, tiny_qwen3):
     inv = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant").execution_contract()
     fast = LLM(tiny_qwen3_moe, device="cpu", numerics="fast").execution_contract()
-    assert inv.semantic["moe"] == {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    # semantic: the model's own config dataclass, MoE fields included
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    assert {k: inv.semantic[k] for k in moe} == moe
+    assert inv.semantic["architecture"] == "Qwen3MoeForCausalLM" and "router_aux_loss_coef" not in inv.semantic
     assert inv.semantic == fast.semantic
-    assert "lower expert id" in inv.numerical["moe"]["routing"]
-    assert "slot order" in inv.numerical["moe"]["merge"]
+    # numerical: the MoE block names its kernels (the generic layer hook of vllm.contract)
+    assert "lower expert id" in inv.numerical["layer_kernels"]["moe"]["routing"]
+    assert "slot order" in inv.numerical["layer_kernels"]["moe"]["merge"]
+    assert inv.numerical["layer_kernels"] != fast.numerical["layer_kernels"]
     with pytest.raises(ValueError, match="numerical"):
         inv.check_compatible(fast)
+    # a dense model's contract has no such entry
+    assert "layer_kernels" not in LLM(tiny_qwen3, device="cpu").execution_contract().numerical
 
 
 def test_benchmark_config_builds_and_loads_dummy_weights(tmp_path):
     """benchmarks/configs/qwen3-30b-a3b.json: Qwen3-30B-A3B's 30.5B parameters (built on the
     meta device), and the dummy-weight path throughput.py takes, on the same config shrunk."""
+    from vllm.model_loader.build import parse_model_config
     from vllm.models.registry import model_class
     from vllm.testing.tiny_models import build_tokenizer
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "configs",
-                       "qwen3-30b-a3b.json")
+    src = BENCH_CONFIG
     (tmp_path / "full").mkdir()
     shutil.copy(src, tmp_path / "full" / "config.json")
-    mc = ModelConfig.from_pretrained(str(tmp_path / "full"))
+    mc, _ = resolve_model(str(tmp_path / "full"), dtype="bfloat16", device="cpu")
     with torch.device("meta"):
-        model = model_class(mc.architecture)(mc, torch.bfloat16)
+        model = model_class(mc.architecture)(parse_model_config(mc), torch.bfloat16)
     assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
     assert sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers) == 48
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (128, 1536, 2048)

@@ -683,3 +683,112 @@ def test_uniform_kernel_equals_torch_hash():
     rng._uniform_kernel[(7, 3)](out, seeds, positions, 3001, out.stride(0), rng._MUL1, rng._MUL2,
                                 rng._KEY_INIT_A, rng._KEY_INIT_B, BLOCK=1024)
     assert torch.equal(bits(out), bits(ref))
+
+
+# --------------------------------------------------------------------------- #
+# Presence / frequency / repetition penalties
+# --------------------------------------------------------------------------- #
+def _penalties(rows_hist, device):
+    """rows_hist: {batch row: (presence, frequency, repetition, prompt ids, output ids)}."""
+    from vllm.sample.sampler import Penalties
+    rows = sorted(rows_hist)
+    out_ids, out_slot, pr_ids, pr_slot = [], [], [], []
+    for slot, r in enumerate(rows):
+        _, _, _, prompt, output = rows_hist[r]
+        out_ids += output
+        out_slot += [slot] * len(output)
+        pr_ids += prompt
+        pr_slot += [slot] * len(prompt)
+    t = lambda v, dt: torch.tensor(v, dtype=dt, device=device)
+    return Penalties(rows=t(rows, torch.long), presence=t([rows_hist[r][0] for r in rows], torch.float32),
+                     frequency=t([rows_hist[r][1] for r in rows], torch.float32),
+                     repetition=t([rows_hist[r][2] for r in rows], torch.float32),
+                     output_ids=t(out_ids, torch.long), output_slot=t(out_slot, torch.long),
+                     prompt_ids=t(pr_ids, torch.long), prompt_slot=t(pr_slot, torch.long))
+
+
+def _penalised_float64(logits_row, hist):
+    presence, frequency, repetition, prompt, output = hist
+    x = logits_row.double().cpu().clone()
+    counts = torch.zeros_like(x)
+    for t in output:
+        counts[t] += 1
+    seen = counts > 0
+    seen[list(prompt)] = True
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * (counts > 0).double()
+
+
+def _random_history(rng, V):
+    return (rng.choice([0.0, 0.5, -0.7, 2.0]), rng.choice([0.0, 0.3, 1.1, -0.4]), rng.choice([1.0, 1.3, 0.8, 2.0]),
+            [rng.randrange(V) for _ in range(rng.randrange(1, 20))],
+            [rng.randrange(V) for _ in range(rng.randrange(0, 30))])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["tempered_logprobs", "processed_logprobs", "raw_logprobs"])
+def test_penalised_logprobs_against_float64(device, mode):
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    V = 300
+    logits = torch.randn(6, V, device=device) * 2
+    rows = [dict(t=t, k=0, p=1.0, m=0.0, seed=i, pos=i) for i, t in enumerate([0.0, 0.7, 1.0, 1.3, 1.0, 0.9])]
+    hist = {i: _random_history(rng, V) for i in (0, 1, 3, 5)}
+    hist[3] = (0.0, 1.5, 1.0, [1, 2], [4, 4, 4, 9])       # frequency only: counts matter
+    batch = make_batch(rows, device, max_num_logprobs=5, mode=mode)
+    batch.penalties = _penalties(hist, device)
+    out = SAMPLER(logits, batch)
+    for i, r in enumerate(rows):
+        base = logits[i].double().cpu()
+        pen = _penalised_float64(logits[i], hist[i]) if i in hist else base
+        t = r["t"] if r["t"] > 0 else 1.0
+        # raw_logprobs report the model's own distribution, before penalties and temperature
+        ref = torch.log_softmax(base, -1) if mode == "raw_logprobs" else torch.log_softmax(pen / t, -1)
+        tok = out.token_ids[i].item()
+        assert_close(out.logprobs[i:i + 1].double().cpu(), ref[tok:tok + 1], rtol=0, atol=2e-5)
+        if r["t"] == 0.0:  # greedy picks the argmax of the penalised logits
+            assert tok == int(torch.argmax(pen))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_batch_invariance_bits(device):
+    """A penalised row's token and logprob bits do not depend on the rest of the batch."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    V = 1001
+    pool = torch.randn(16, V, device=device) * 3
+    params = [random_row_params(rng) for _ in range(16)]
+    hists = {i: _random_history(rng, V) for i in range(16) if i % 3 != 1}
+
+    def run(order):
+        batch = make_batch([params[j] for j in order], device, max_num_logprobs=4)
+        batch.penalties = _penalties({pos: hists[j] for pos, j in enumerate(order) if j in hists}, device)
+        return SAMPLER(pool[order], batch)
+
+    for i in (0, 2, 5, 9):
+        alone = run([i])
+        for size in (3, 8, 16):
+            others = rng.sample([j for j in range(16) if j != i], size - 1)
+            for where in (0, size - 1):
+                order = others[:where] + [i] + others[where:]
+                out = run(order)
+                assert out.token_ids[where].item() == alone.token_ids[0].item()
+                assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
+                assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
+
+
+def test_penalties_in_the_engine_sync_equals_async(tiny_qwen3):
+    """Through the engine: penalties change greedy output, and the async-scheduling loop
+    (whose last output token is still on the device at launch) gives the same tokens."""
+    from vllm import LLM, SamplingParams
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    results = {}
+    for a in (False, True):
+        llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", async_scheduling=a)
+        plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        pen = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0,
+                                                  presence_penalty=1.0, repetition_penalty=1.5, logprobs=0), use_tqdm=False)
+        results[a] = (plain[0].outputs[0].token_ids, pen[0].outputs[0].token_ids,
+                      [d[t].logprob for d, t in zip(pen[0].outputs[0].logprobs, pen[0].outputs[0].token_ids)])
+    assert results[False][0] != results[False][1]
+    assert results[False] == results[True]

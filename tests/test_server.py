@@ -1,10 +1,11 @@
 """The OpenAI-compatible server on CPU with the embedded default model.
 
 Most tests drive the FastAPI app in-process through httpx's ASGI transport
-(one event loop per test, via asyncio.run); the engine thread behind it lives
-for the whole module. Reference outputs come from a *separate* LLM: the served
-engine belongs to its AsyncLLM thread and must not be called from here.
-The last test runs the real `vllm serve` CLI as a subprocess on loopback.
+(one event loop per test, via asyncio.run); the engine-core loop behind it runs
+on a thread for the whole module. Reference outputs come from a *separate* LLM:
+the served engine belongs to that thread and must not be called from here.
+The last tests run the real `vllm serve` CLI (engine in its own process) as a
+subprocess on loopback.
 """
 from __future__ import annotations
 
@@ -266,7 +267,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "gpt-4"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [5] * 10, "max_tokens": 4090}, "maximum context length"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1000}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 1 << 70}, "seed"),
     ("/v1/completions", {"prompt": []}, "empty"),
@@ -298,6 +302,7 @@ def test_bad_requests_get_400_while_good_ones_succeed(served):
         assert err["type"] == "invalid_request_error" and err["code"] == 400
         assert needle in err["message"], (needle, err["message"])
     assert raw.status_code == 400 and raw.json()["error"]["code"] == 400
+    assert raw.json()["error"]["param"] is None and "not valid JSON" in raw.json()["error"]["message"]
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert all(r.status_code == 200 for r in good)
     assert len({tuple(r.json()["choices"][0]["token_ids"]) for r in good}) == 1
@@ -326,7 +331,7 @@ def test_engine_failure_is_500_and_server_recovers(served, ref_llm):
     assert ok.status_code == 200
     ref = _ref(ref_llm, {"prompt_token_ids": PROMPT_IDS}, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert ok.json()["choices"][0]["token_ids"] == ref.outputs[0].token_ids
-    assert _run(app.state.serving.llm.call(lambda eng: eng.has_unfinished_requests())) is False
+    assert _run(app.state.serving.llm.engine_stats())["has_unfinished"] is False
 
 
 def test_abandoned_stream_is_aborted(served):
@@ -344,7 +349,7 @@ def test_abandoned_stream_is_aborted(served):
                 assert not out.finished
                 if seen == 3:
                     break
-        return await async_llm.call(lambda eng: eng.has_unfinished_requests())
+        return (await async_llm.engine_stats())["has_unfinished"]
     assert _run(go()) is False
 
     async def invalid():

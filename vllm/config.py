@@ -32,7 +32,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str, hf_dtype: str | 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        # Checkpoint dtype on GPU (bf16 for all Qwen/Llama releases); float32 on CPU,
+        # Checkpoint dtype on GPU (bf16 when the checkpoint names none); float32 on CPU,
         # where bf16 matmuls are slow and tests want tight agreement with transformers.
         if device == "cpu":
             return torch.float32
@@ -43,35 +43,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str, hf_dtype: str | 
 
 
 @dataclass
-class RopeScaling:
-    rope_type: str = "default"  # "default" | "llama3" | "linear"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass
 class ModelConfig:
-    """The logical model: everything the model class needs to build itself."""
+    """The checkpoint as the engine sees it: where it is, which model class reads it, and
+    the fields every causal LM has (vocabulary, context, dtype, eos and generation defaults).
+
+    Architecture-specific fields (dims, norms, rope, biases, experts ...) are not read
+    here: the model class parses `hf_config` itself (its `config_class.from_hf`, see
+    `vllm.model_loader.build`), so adding an architecture changes nothing in this file.
+    """
     path: str
     architecture: str
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    hidden_act: str
     torch_dtype: str | None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)  # config.json as read
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
@@ -79,8 +64,6 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str, max_model_len: int | None = None) -> "ModelConfig":
-        from vllm.models.registry import architecture_traits
-
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable: pass a local HF checkpoint directory)")
@@ -91,12 +74,8 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_path} names no 'architectures'")
-        arch = archs[0]
-        traits = architecture_traits(arch)  # raises ValueError for unsupported ones
-
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        rope_theta, scaling = _read_rope(hf)
+        if "vocab_size" not in hf:
+            raise ValueError(f"{cfg_path} has no 'vocab_size'")
         eos = hf.get("eos_token_id")
         gen_defaults: dict[str, Any] = {}
         gen_path = os.path.join(path, "generation_config.json")
@@ -112,59 +91,18 @@ class ModelConfig:
         max_pos = hf.get("max_position_embeddings", 4096)
         if max_model_len is not None and max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         return cls(
             path=path,
-            architecture=arch,
+            architecture=archs[0],
             vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads", heads),
-            head_dim=head_dim,
             max_position_embeddings=max_pos,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=traits["qkv_bias"] or bool(hf.get("attention_bias", False)),
-            qk_norm=traits["qk_norm"],
-            hidden_act=act,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            hf_config=hf,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             generation_defaults=gen_defaults,
             max_model_len=max_model_len or max_pos,
         )
-
-    @property
-    def num_params(self) -> int:
-        h, i, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
-        o = self.num_attention_heads * self.head_dim * h
-        per_layer = qkv + o + 3 * h * i + 2 * h
-        return l * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
-
-
-def _read_rope(hf: dict) -> tuple[float, RopeScaling]:
-    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`.
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    src = scaling or params
-    rope_type = src.get("rope_type", src.get("type", "default")) if src else "default"
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
-    rs = RopeScaling(rope_type=rope_type)
-    if rope_type != "default":
-        rs.factor = float(src.get("factor", 1.0))
-        rs.low_freq_factor = float(src.get("low_freq_factor", 1.0))
-        rs.high_freq_factor = float(src.get("high_freq_factor", 4.0))
-        rs.original_max_position_embeddings = int(src.get("original_max_position_embeddings", 8192))
-    return float(theta), rs
 
 
 @dataclass

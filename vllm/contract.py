@@ -7,7 +7,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
 - numerical: everything that changes bits (numerics mode, device kind and
   compute capability, torch/triton versions, each kernel and its version, tile
   and split sizes, accumulation dtypes, quantization rule, sampler rules and
-  tie-breaking, logprobs definition);
+  tie-breaking, logprobs definition; under `layer_kernels`, what layers with kernels
+  of their own name, e.g. an MoE block's routing and grouped GEMM);
 - deployment: everything that must NOT change bits in invariant mode (batch
   limits, block size, memory fraction, prefix caching, CUDA graph sizes).
 
@@ -16,9 +17,11 @@ when the semantic or numerical digests differ (`check_compatible`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -37,7 +40,7 @@ def device_kind(device: str | torch.device) -> dict:
     return {"type": dev.type, "threads": torch.get_num_threads()}
 
 
-def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype, block_size: int) -> dict:
+def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype) -> dict:
     import triton
 
     from vllm.kernels import attention as attn
@@ -138,30 +141,34 @@ def weights_layout_digest(model: torch.nn.Module) -> str:
     return _digest(sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()))
 
 
-def build_contract(config, model: torch.nn.Module) -> ExecutionContract:
-    mc = config.model
+def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str, device: str | torch.device,
+                   deployment: Mapping[str, Any] | None = None) -> ExecutionContract:
+    """The contract of `model` (its own parsed config, `model.config`, a dataclass, is the
+    semantic part, so a new architecture's fields enter it without changes here) run in
+    `dtype` under `numerics` on `device`. `deployment`: the caller's settings that must not
+    change bits (the engine's batch limits, block size, ...; the trainer's block size)."""
+    if not dataclasses.is_dataclass(getattr(model, "config", None)):
+        raise ValueError(f"{type(model).__name__}.config must be the model's config dataclass")
     semantic = {
-        "architecture": mc.architecture, "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
-        "intermediate_size": mc.intermediate_size, "num_hidden_layers": mc.num_hidden_layers,
-        "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-        "head_dim": mc.head_dim, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
-        "rope_scaling": vars(mc.rope_scaling), "tie_word_embeddings": mc.tie_word_embeddings,
-        "qkv_bias": mc.qkv_bias, "qk_norm": mc.qk_norm, "dtype": str(config.dtype).replace("torch.", ""),
+        **dataclasses.asdict(model.config),
+        "dtype": str(dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
-    numerical = numerical_policy(config.numerics, config.device, config.dtype, config.cache.block_size)
-    # architecture-specific entries (e.g. MoE routing fields and kernels), named by the model
-    contract_extra = getattr(model, "contract_extra", None)
-    if contract_extra is not None:
-        extra_semantic, extra_numerical = contract_extra(config.numerics, config.device)
-        semantic.update(extra_semantic)
-        numerical.update(extra_numerical)
-    deployment = {
-        "max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-        "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,
-        "gpu_memory_utilization": config.cache.gpu_memory_utilization,
-        "enable_prefix_caching": config.cache.enable_prefix_caching, "enforce_eager": config.enforce_eager,
-        "cuda_graph_batch_sizes": config.cuda_graph_batch_sizes, "max_model_len": config.model.max_model_len,
-        "seed": config.seed,
-    }
-    return ExecutionContract(semantic, numerical, deployment)
+    numerical = numerical_policy(numerics, device, dtype)
+    layer_kernels = layer_kernel_policies(model, numerics, device)
+    if layer_kernels:
+        numerical["layer_kernels"] = layer_kernels
+    return ExecutionContract(semantic, numerical, dict(deployment or {}))
+
+
+def layer_kernel_policies(model: torch.nn.Module, numerics: str, device: str | torch.device) -> dict:
+    """Numerical entries for kernels that a layer runs outside the op shim (a grouped expert
+    GEMM, say): every layer class of `model` that defines `kernel_policy(numerics, device)`
+    names its own, once per class. They change bits as the GEMM's tiles do, and only the
+    layer knows them; the model's config (the semantic part) cannot say how it is computed."""
+    out: dict = {}
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        policy = getattr(cls, "kernel_policy", None)
+        if policy is not None:
+            out.update(policy(numerics, device))
+    return out

@@ -20,6 +20,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # The engine's weight versions this sample was computed under (more than one when a
+    # weight update happened while it ran).
+    weight_versions: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -13,84 +13,28 @@ from typing import Iterable, Mapping
 
 import torch
 
-from vllm.layers.linear import FusedLinear
+
+def plan_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], require_complete: bool = False):
+    """Validate HF-named tensors against the model's own mapping (`model.weight_mapping()`,
+    the one loading uses) and return the (destination view, source) pairs to copy.
+    Raises ValueError on any problem; nothing is written here."""
+    planner = model.weight_mapping().planner(exact_dtype=True, check_finite=True)
+    plan = [w for name, tensor in weights if (w := planner.add(name, tensor)) is not None]
+    plan += planner.finish()
+    if require_complete:
+        missing = planner.missing()
+        if missing:
+            raise ValueError(f"incomplete update: missing {missing[:6]}")
+    return plan
 
 
-def _plan(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
-    """Map HF-named tensors to (destination view, source) pairs; raise ValueError on any problem.
-
-    Returns (plan, covered) where covered holds (parameter name, shard id or None) keys."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    plan, covered, names = [], set(), set()
-    tied_head = embed = None
-    for hf_name, tensor in weights:
-        if hf_name in names:
-            raise ValueError(f"weight {hf_name!r} given twice")
-        names.add(hf_name)
-        if not torch.is_tensor(tensor):
-            raise ValueError(f"weight {hf_name!r} is not a tensor")
-        if "rotary_emb.inv_freq" in hf_name:
-            continue  # derived from the config, as in load_weights
-        name, shard = model.resolve_hf_name(hf_name)
-        if tied and hf_name == "lm_head.weight":
-            # one tensor in our model: validated like any other, written as the embedding
-            name = "model.embed_tokens.weight"
-        if name not in params:
-            raise ValueError(f"unknown weight {hf_name!r}")
-        param = params[name]
-        mod = modules[name.rsplit(".", 1)[0]]
-        if shard is None:
-            dest = param.data
-        elif isinstance(mod, FusedLinear):
-            off, size = mod.shard_offsets[shard]
-            dest = param.data.narrow(0, off, size)
-        else:  # other fused layouts (MoE experts) name their own slices
-            dest = mod.shard_view(param.data, shard)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-        if tensor.dtype != dest.dtype:
-            raise ValueError(f"weight {hf_name!r}: dtype {tensor.dtype} != the engine's {dest.dtype} "
-                             "(sync the exact bits the trainer's forward used)")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"weight {hf_name!r} has non-finite values")
-        if tied and hf_name == "lm_head.weight":
-            tied_head = tensor
-            continue
-        if tied and name == "model.embed_tokens.weight":
-            embed = tensor
-        # a fused parameter given whole (our own name) covers every shard
-        keys = _param_keys(name, mod) if shard is None else [(name, shard)]
-        if covered.intersection(keys):
-            raise ValueError(f"weight {hf_name!r} overlaps another tensor of this update")
-        covered.update(keys)
-        plan.append((dest, tensor))
-    if tied_head is not None:
-        if embed is None:
-            plan.append((params["model.embed_tokens.weight"].data, tied_head))
-            covered.add(("model.embed_tokens.weight", None))
-        elif not torch.equal(tied_head.detach().cpu().contiguous().view(torch.uint8),
-                             embed.detach().cpu().contiguous().view(torch.uint8)):  # bit patterns
-            raise ValueError("tied embeddings: 'lm_head.weight' differs from 'model.embed_tokens.weight'")
-    return plan, covered
-
-
-def _param_keys(name: str, mod: torch.nn.Module) -> list:
-    """(parameter name, shard id) keys that one whole parameter covers."""
-    if isinstance(mod, FusedLinear):
-        return [(name, sid) for sid in mod.shard_offsets]
-    if hasattr(mod, "shard_ids"):  # MoE experts: one shard per (expert, projection)
-        return [(name, sid) for sid in mod.shard_ids(name.rsplit(".", 1)[1])]
-    return [(name, None)]
-
-
-def _all_keys(model: torch.nn.Module) -> set:
-    keys = set()
-    modules = dict(model.named_modules())
-    for name, _ in model.named_parameters():
-        keys.update(_param_keys(name, modules[name.rsplit(".", 1)[0]]))
-    return keys
+def _pairs(weights) -> list[tuple[str, torch.Tensor]]:
+    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    for item in pairs:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError("weights must be a dict {name: tensor} or an iterable of (name, tensor) pairs, "
+                             f"got an item of type {type(item).__name__}")
+    return [tuple(item) for item in pairs]
 
 
 def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -99,23 +43,17 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
 
     `contract`: the trainer's ExecutionContract; refused unless compatible with the
     engine's. `require_complete`: every parameter (every fused shard) must be given.
-    Must be called while no request is running (the engine refuses otherwise).
+    Must be called while no request is running, or while the engine is paused (the
+    paused requests then continue under the new weights); the engine refuses otherwise.
     """
-    from vllm.contract import build_contract
-
     engine.drain()
-    if engine.has_unfinished_requests():
-        raise ValueError("weights can only be updated while no request is running")
-    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    if engine.has_unfinished_requests() and not engine.paused:
+        raise ValueError("weights can only be updated while no request is running (or the engine is paused)")
+    pairs = _pairs(weights)
     model = engine.runner.model
     if contract is not None:
-        ours = build_contract(engine.config, model)
-        ours.check_compatible(contract)  # ValueError names the differing keys
-    plan, seen = _plan(model, pairs)
-    if require_complete:
-        missing = _all_keys(model) - seen
-        if missing:
-            raise ValueError(f"incomplete update: missing {sorted(f'{n}[{k}]' if k is not None else n for n, k in missing)[:6]}")
+        engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys
+    plan = plan_update(model, pairs, require_complete)
     if any(src.is_cuda for _, src in plan):
         torch.cuda.synchronize()  # the trainer may have written the sources on another stream
     with torch.no_grad():
@@ -125,4 +63,3 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
         torch.cuda.synchronize(engine.runner.device)
     engine.on_weights_updated()
     return engine.weight_version
-

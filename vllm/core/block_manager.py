@@ -268,15 +268,20 @@ class KVCacheManager:
             req.parent_serial = serial
             req.num_cached_blocks = k + 1
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, allow_in_use: bool = False) -> bool:
         """Forget every cached prefix (e.g. after a weight update).
 
-        Refused while any block is in use: in-flight requests hold registered
-        blocks and their chain state, and wiping those under them would leave
-        the metadata inconsistent.
+        Refused while any block is in use, unless ``allow_in_use``: then the
+        requests holding blocks keep them (and their KV) but register nothing
+        more, since their later blocks chain onto prefixes that are no longer
+        cached (after a weight update their KV also mixes two weight versions,
+        which no other request may reuse).
         """
         if self.num_used_blocks > 0:
-            return False
+            if not allow_in_use:
+                return False
+            for req in self._requests.values():
+                req.chain_broken = True
         for block_id in self._hash_to_block.values():
             self._blocks[block_id].clear_hash()
         self._hash_to_block.clear()

@@ -139,7 +139,9 @@ class Scheduler:
                 req.req_id, req.all_token_ids[start:start + n], start, get_table(req.req_id),
                 start + n == req.num_tokens, p.temperature, p.top_k, p.top_p, p.min_p, req.seed,
                 len(req.output_token_ids), -1 if p.logprobs is None else p.logprobs, p.logprobs_mode,
-                req.banned_token_ids() if p.min_tokens else ()))
+                req.banned_token_ids() if p.min_tokens else (),
+                (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt_token_ids,
+                 req.output_token_ids) if p.has_penalties else None))
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
                                preempted=preempted, owners=[req for req, _ in scheduled])
 

@@ -19,7 +19,7 @@ from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+from vllm.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
 from vllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,34 @@ class _Group:
     # Per child, the logprob dicts already built: a streamed request's output is
     # rebuilt every step, and re-decoding every past token each time would be quadratic.
     lp_cache: list[list[dict[int, Logprob]]] | None = None
+    # Per child, the weight versions its tokens (prompt KV included) were computed
+    # under: one entry unless weights changed while it was running (paused update).
+    weight_versions: list[list[int]] | None = None
+
+
+def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
+    """Checks every request gets before it is queued (the engine's and the server's)."""
+    if len(token_ids) == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if len(token_ids) >= max_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens but the model's context is {max_len}: no room to generate")
+    if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab})")
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """A max_tokens that cannot fit in the context left is an error, as upstream's server
+    answers it (400). The offline LLM does not call this: there a request stops at the
+    context length with finish_reason "length", as upstream's LLM does."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in "
+                         f"the completion). Please reduce the length of the prompt or of max_tokens.")
 
 
 class LLMEngine:
@@ -68,6 +96,12 @@ class LLMEngine:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.step_count = 0
         self.weight_version = 0
+        # pause(): step() runs nothing until resume(); requests stay queued with their KV
+        # (a weight update in between continues them under the new weights).
+        self.paused = False
+        # (group, finished) -> output object; None builds RequestOutputs. The engine core
+        # process sets it to emit token-id deltas (its client detokenizes).
+        self.output_builder = None
         self._inflight = None   # async scheduling: (SchedulerOutput, StepHandle) of the step on the GPU
 
     # ---- input ------------------------------------------------------------------------
@@ -81,19 +115,7 @@ class LLMEngine:
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.config.model.vocab_size
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        max_len = self.config.model.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens but the model's context is {max_len}: no room to generate")
-        if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
                     stream: bool = False) -> str:
@@ -115,7 +137,7 @@ class LLMEngine:
         group = _Group(request_id, text, ids, params, children,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None for _ in children],
                        ["" for _ in children], [None for _ in children], stream=stream,
-                       lp_cache=[[] for _ in children])
+                       lp_cache=[[] for _ in children], weight_versions=[[self.weight_version] for _ in children])
         self._groups[request_id] = group
         for req in children:
             self._child_to_group[req.req_id] = request_id
@@ -125,10 +147,71 @@ class LLMEngine:
     def on_weights_updated(self) -> None:
         """The parameters changed in place (colocated trainer step or weight sync):
         count the version and drop cached prefixes computed with the old weights."""
-        self.weight_version += 1
-        if not self.kv.reset_prefix_cache():
+        if self.has_unfinished_requests() and not self.paused:
             raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
-                               "versions; update weights only between generate calls")
+                               "versions; update weights between generate calls, or pause() first")
+        self.weight_version += 1
+        # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
+        # request keeps its own KV (it continues under the new weights and reports both versions).
+        self.kv.reset_prefix_cache(allow_in_use=self.paused)
+        for group in self._groups.values():
+            for req, versions in zip(group.children, group.weight_versions):
+                if req.status.finished:
+                    continue
+                if req.num_computed_tokens == 0 and not req.output_token_ids:
+                    versions[:] = [self.weight_version]   # nothing computed yet: all of it is new
+                elif versions[-1] != self.weight_version:
+                    versions.append(self.weight_version)
+
+    def pause(self) -> list[RequestOutput]:
+        """Stop stepping, keeping every request and its KV; finishes the step still on the GPU
+        (async scheduling) and returns its outputs. resume() continues where it stopped."""
+        self.paused = True
+        return self._finish_inflight()
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        if self._inflight is None:
+            return []
+        sched, handle = self._inflight
+        self._inflight = None
+        self.scheduler.advance(sched)
+        outs = self._process(*self.scheduler.finalize(sched, self.runner.collect(handle)))
+        self.step_count += 1
+        return outs
+
+    def stop_child(self, request_id: str, index: int, stop_reason: str) -> None:
+        """Finish one sample of a request as stopped (a stop string found by a frontend that
+        detokenizes outside the engine); the request ends when all its samples have."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        req = group.children[index]
+        if not req.status.finished:
+            req.stop_reason = stop_reason
+            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+        if group.finish[index] is None:
+            group.finish[index] = RequestStatus.FINISHED_STOPPED.value
+        if all(f is not None for f in group.finish):
+            self.abort_request(request_id)
+
+    def execution_contract(self):
+        """This engine's ExecutionContract (vllm/contract.py): its model, numerics, and the
+        settings that must not change bits."""
+        from vllm.contract import build_contract
+        c = self.config
+        deployment = {
+            "max_num_seqs": c.scheduler.max_num_seqs, "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": c.scheduler.enable_chunked_prefill, "block_size": c.cache.block_size,
+            "gpu_memory_utilization": c.cache.gpu_memory_utilization,
+            "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
+            "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
+            "seed": c.seed,
+        }
+        return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
+                              deployment=deployment)
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
@@ -148,6 +231,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step. Returns the outputs of the requests that finished in it,
         plus (finished=False) the outputs so far of stream=True requests it advanced."""
+        if self.paused:
+            return []
         if self.config.async_scheduling:
             return self._step_async()
         prof = self.runner.profile
@@ -223,15 +308,16 @@ class LLMEngine:
             if group.finish[req.index] is None:
                 group.finish[req.index] = req.status.value
         outs = []
+        make_output = self.output_builder or self._make_output
         for gid, group in touched.items():
             done = all(f is not None for f in group.finish)
             if done:
-                outs.append(self._make_output(group, True))
+                outs.append(make_output(group, True))
                 del self._groups[gid]
                 for c in group.children:
                     self._child_to_group.pop(c.req_id, None)
             elif group.stream:
-                outs.append(self._make_output(group, False))
+                outs.append(make_output(group, False))
         return outs
 
     def _detokenize(self, group: _Group, req: Request) -> str | None:
@@ -244,14 +330,11 @@ class LLMEngine:
         stops = group.params.stop_strings
         if not stops:
             return None
-        text = detok.text
-        # Only a match that ends in the new text is new: start one stop-string length before it.
-        window_start = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [(pos, s) for s in stops if (pos := text.find(s, window_start)) >= 0]
-        if not hits:
+        hit = find_stop_string(detok.text, before, stops)
+        if hit is None:
             return None
-        pos, s = min(hits)  # the earliest stop string in the text wins
-        detok.text = text[:pos + len(s)] if group.params.include_stop_str_in_output else text[:pos]
+        pos, s = hit
+        detok.text = detok.text[:pos + len(s)] if group.params.include_stop_str_in_output else detok.text[:pos]
         return s
 
     def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
@@ -273,7 +356,8 @@ class LLMEngine:
             outs.append(CompletionOutput(
                 index=i, text=detok.text if detok is not None else "", token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if group.params.logprobs is not None else None,
-                logprobs=lps, finish_reason=group.finish[i], stop_reason=req.stop_reason))
+                logprobs=lps, finish_reason=group.finish[i], stop_reason=req.stop_reason,
+                weight_versions=list(group.weight_versions[i])))
         cached = max(0, group.children[0].num_cached_tokens)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, num_cached_tokens=cached)
 

@@ -5,8 +5,9 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_model_path, resolve_dtype
+from vllm.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
 from vllm.engine.llm_engine import LLMEngine
+from vllm.model_loader.build import resolve_model
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ class LLM:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
-        mc = ModelConfig.from_pretrained(model or default_model_path(), max_model_len=max_model_len)
+        mc, model_dtype = resolve_model(model or default_model_path(), dtype=dtype, device=device, max_model_len=max_model_len)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if device != "cpu" else 2048
         config = EngineConfig(
@@ -45,7 +46,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
-            device=device, dtype=resolve_dtype(dtype, device, mc.torch_dtype), seed=seed, enforce_eager=enforce_eager,
+            device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling)
         self.llm_engine = LLMEngine(config)
@@ -75,8 +76,7 @@ class LLM:
 
     def execution_contract(self):
         """The content-hashed description of every choice that can change bits (vllm/contract.py)."""
-        from vllm.contract import build_contract
-        return build_contract(self.config, self.llm_engine.runner.model)
+        return self.llm_engine.execution_contract()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

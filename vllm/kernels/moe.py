@@ -24,13 +24,15 @@ Where MoE usually breaks batch invariance, and what these kernels do instead:
 `fast` mode keeps the plain baseline: torch softmax + topk, `torch._grouped_mm` (or a
 per-expert loop) in the model dtype, a torch sum over slots.
 
-Ops are dispatched on the numerics mode through `MOE_OPS` = {op: (fast, invariant)}.
-The autograd wrappers live in `kernels/moe_autograd.py`.
+Ops are dispatched on the numerics mode of the forward context through `MOE_OPS` =
+{op: (fast, invariant)}. The autograd Functions live in `kernels/moe_autograd.py`, which
+imports nothing from here: the kernels they wrap are passed in.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +40,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vllm.forward_context import get_forward_context
 from vllm.kernels import ops
-from vllm.kernels.matmul import _interpreting
+from vllm.kernels.moe_autograd import GroupedGemmFn, MergeFn, RouterFn
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +260,12 @@ MOE_GPU_CONFIGS: list[tuple] = [
 MOE_INTERPRET_CONFIG = (16, 16, 16, 1, 1)
 
 
+def _interpreting() -> bool:
+    """Triton's own switch (TRITON_INTERPRET=1: kernels run in its CPU interpreter), read
+    here to pick the interpreter's tile shape."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def pick_moe_config(num_pairs: int, num_experts: int) -> tuple:
     """(BM, BN, BK, warps, stages) for a layer step with `num_pairs` rows over `num_experts`."""
     if _interpreting():
@@ -332,6 +341,18 @@ def grouped_wgrad(dc: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, *, a_inde
     return dw
 
 
+def grouped_linear(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, *, a_indexed: bool, a_div: int = 1,
+                   c_indexed: bool, num_c_rows: int | None = None, out_dtype: torch.dtype | None = None,
+                   config: tuple | None = None) -> torch.Tensor:
+    """grouped_gemm, under autograd (GroupedGemmFn: dgrad and wgrad by the grouped kernels)
+    when a gradient is asked for."""
+    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        return GroupedGemmFn.apply(a, w, plan, a_indexed, a_div, c_indexed, num_c_rows, out_dtype, config,
+                                   grouped_gemm, grouped_wgrad)
+    return grouped_gemm(a, w, plan, a_indexed=a_indexed, a_div=a_div, c_indexed=c_indexed, num_c_rows=num_c_rows,
+                        out_dtype=out_dtype, config=config)
+
+
 def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float64 reference of the two expert GEMMs' shape: pair p = (t, s) -> a[t] @ w[ids[t, s]]^T, [T, k, N]."""
     T, k = ids.shape
@@ -363,8 +384,6 @@ def experts_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            config: tuple | None = None) -> torch.Tensor:
     """Invariant expert MLPs on the grouped Triton GEMM -> y [T, k, H] float32 (the down
     GEMM's accumulator, unrounded: the merge rounds once)."""
-    from vllm.kernels.moe_autograd import grouped_linear
-
     T, k = ids.shape
     E, H = w13.shape[0], w2.shape[1]
     if T == 0:
@@ -532,8 +551,17 @@ MOE_OPS = {
 }
 
 
+def _numerics() -> str:
+    """The numerics mode of the model call in progress ("fast" outside any forward
+    context, as for every op: a kernel called directly, as tests and benchmarks do)."""
+    try:
+        return get_forward_context().numerics
+    except RuntimeError:
+        return "fast"
+
+
 def _impl(name: str):
-    return MOE_OPS[name][1 if ops._mode() == "invariant" else 0]
+    return MOE_OPS[name][1 if _numerics() == "invariant" else 0]
 
 
 def _grad_needed(*tensors) -> bool:
@@ -543,7 +571,6 @@ def _grad_needed(*tensors) -> bool:
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
     fn = _impl("moe_route")
     if _grad_needed(logits):
-        from vllm.kernels.moe_autograd import RouterFn
         weights, probs, ids = RouterFn.apply(logits, top_k, norm_topk_prob, fn)
         return Routing(ids, weights, probs)
     return fn(logits, top_k, norm_topk_prob)
@@ -557,7 +584,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
 def moe_merge(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     fn = _impl("moe_merge")
     if _grad_needed(y, w):
-        from vllm.kernels.moe_autograd import MergeFn
         return MergeFn.apply(y, w, out_dtype, fn)
     return fn(y, w, out_dtype)
 
@@ -585,20 +611,20 @@ SELF_CHECK_MS = (1, 2, 3, 17, 64, 129, 256, 1024)
 
 
 @torch.inference_mode()
-def moe_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None) -> dict:
-    """For each distinct expert-layer shape of the loaded model: a token's expert outputs
-    (float32, unrounded) computed in batches of M in SELF_CHECK_MS (each M picks its own
-    block size and tiles) and with every token routed to the same k experts must equal the
-    same rows computed in the largest batch, bit for bit; so must the router's logits; and
-    the Triton merge must equal the torch formula. Raises SelfCheckError naming the layer and M."""
+def moe_self_check(blocks, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None) -> dict:
+    """`blocks`: (name, MoE block) pairs of a loaded model (a block has `top_k`, a router
+    `gate.weight` [E, H] and `experts.gate_up_proj` / `experts.down_proj`). For each
+    distinct expert-layer shape: a token's expert outputs (float32, unrounded) computed in
+    batches of M in SELF_CHECK_MS (each M picks its own block size and tiles) and with
+    every token routed to the same k experts must equal the same rows computed in the
+    largest batch, bit for bit; so must the router's logits; and the Triton merge must
+    equal the torch formula. Raises SelfCheckError naming the layer and M."""
     from vllm.kernels.selfcheck import SelfCheckError
 
     report, seen = {}, set()
     gen = torch.Generator(device=device).manual_seed(4321)
-    for name, mod in model.named_modules():
-        experts = getattr(mod, "experts", None)
-        if not getattr(experts, "is_moe_experts", False) or not hasattr(mod, "top_k"):
-            continue
+    for name, mod in blocks:
+        experts = mod.experts
         w13, w2, k = experts.gate_up_proj, experts.down_proj, mod.top_k
         key = (tuple(w13.shape), tuple(w2.shape), k)
         if key in seen:

@@ -10,13 +10,12 @@ bits; each backward is a separate implementation that only has to be right:
   kernel summing each expert's rows.
 * MergeFn: d y[t, s] = w[t, s] * d out[t], d w[t, s] = <d out[t], y[t, s]>.
 
-Each is checked against float64 references in tests/test_moe_kernels.py.
+Each is checked against float64 references in tests/test_moe_kernels.py. The kernels
+come in as arguments (this module imports none: `kernels/moe.py` imports it).
 """
 from __future__ import annotations
 
 import torch
-
-from vllm.kernels import moe as K
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -74,14 +73,16 @@ class MergeFn(torch.autograd.Function):
 
 
 class GroupedGemmFn(torch.autograd.Function):
-    """c = grouped_gemm(a, w, plan, ...) (see kernels/moe.py for the row maps)."""
+    """c = gemm(a, w, plan, ...): kernels/moe.py's grouped_gemm (see there for the row maps),
+    with `wgrad` its grouped_wgrad."""
 
     @staticmethod
-    def forward(ctx, a, w, plan, a_indexed, a_div, c_indexed, num_c_rows, out_dtype, config):
+    def forward(ctx, a, w, plan, a_indexed, a_div, c_indexed, num_c_rows, out_dtype, config, gemm, wgrad):
         ctx.save_for_backward(a, w)
         ctx.plan, ctx.a_indexed, ctx.a_div, ctx.c_indexed, ctx.config = plan, a_indexed, a_div, c_indexed, config
-        return K.grouped_gemm(a, w, plan, a_indexed=a_indexed, a_div=a_div, c_indexed=c_indexed,
-                              num_c_rows=num_c_rows, out_dtype=out_dtype, config=config)
+        ctx.gemm, ctx.wgrad = gemm, wgrad
+        return gemm(a, w, plan, a_indexed=a_indexed, a_div=a_div, c_indexed=c_indexed,
+                    num_c_rows=num_c_rows, out_dtype=out_dtype, config=config)
 
     @staticmethod
     def backward(ctx, dc):
@@ -94,8 +95,8 @@ class GroupedGemmFn(torch.autograd.Function):
         da = dw = None
         if ctx.needs_input_grad[0]:
             # per pair row p: d a_row(p) = d c_row(p) @ w[e]
-            da_pad = K.grouped_gemm(dcg, w.to(gemm_dtype), plan, a_indexed=ctx.c_indexed, a_div=1, c_indexed=False,
-                                    out_dtype=acc, transpose_w=True, zero_padding=True, config=ctx.config)
+            da_pad = ctx.gemm(dcg, w.to(gemm_dtype), plan, a_indexed=ctx.c_indexed, a_div=1, c_indexed=False,
+                              out_dtype=acc, transpose_w=True, zero_padding=True, config=ctx.config)
             if not ctx.a_indexed:
                 da = da_pad
             else:
@@ -109,16 +110,7 @@ class GroupedGemmFn(torch.autograd.Function):
                         da = da + g[:, s]
             da = da.to(a.dtype)
         if ctx.needs_input_grad[1]:
-            dw = K.grouped_wgrad(dcg, a.to(gemm_dtype).contiguous(), plan, a_indexed=ctx.a_indexed, a_div=ctx.a_div,
-                                 c_indexed=ctx.c_indexed, out_dtype=acc).to(w.dtype)
-        return da, dw, None, None, None, None, None, None, None
+            dw = ctx.wgrad(dcg, a.to(gemm_dtype).contiguous(), plan, a_indexed=ctx.a_indexed, a_div=ctx.a_div,
+                           c_indexed=ctx.c_indexed, out_dtype=acc).to(w.dtype)
+        return da, dw, None, None, None, None, None, None, None, None, None
 
-
-def grouped_linear(a: torch.Tensor, w: torch.Tensor, plan, *, a_indexed: bool, a_div: int = 1, c_indexed: bool,
-                   num_c_rows: int | None = None, out_dtype: torch.dtype | None = None,
-                   config: tuple | None = None) -> torch.Tensor:
-    """grouped_gemm, under autograd when a gradient is asked for."""
-    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
-        return GroupedGemmFn.apply(a, w, plan, a_indexed, a_div, c_indexed, num_c_rows, out_dtype, config)
-    return K.grouped_gemm(a, w, plan, a_indexed=a_indexed, a_div=a_div, c_indexed=c_indexed, num_c_rows=num_c_rows,
-                          out_dtype=out_dtype, config=config)

@@ -87,9 +87,23 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
         if not torch.equal(last.view(view), full[-1:].view(view)):
             raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}): row position changes bits")
         report[name] = {"K": K, "N": N, "Ms": ms}
-    # MoE layers: the grouped expert GEMM and the slot merge (kernels/moe.py)
-    from vllm.kernels.moe import moe_self_check
-    report.update(moe_self_check(model, device, dtype, max_tokens))
+    report.update(layer_self_checks(model, device, dtype, max_tokens))
+    return report
+
+
+def layer_self_checks(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                      max_tokens: int | None = None) -> dict:
+    """Layers with kernels of their own (outside the GEMM table: an MoE block's grouped
+    expert GEMM, say) check them too: every layer class defining
+    `invariant_self_check(modules, device, dtype, max_tokens)` is called once, with all of
+    the model's (name, module) pairs of that class; it raises SelfCheckError."""
+    by_class: dict[type, list] = {}
+    for name, mod in model.named_modules():
+        if hasattr(type(mod), "invariant_self_check"):
+            by_class.setdefault(type(mod), []).append((name, mod))
+    report = {}
+    for cls, mods in by_class.items():
+        report.update(cls.invariant_self_check(mods, device, dtype, max_tokens))
     return report
 
 

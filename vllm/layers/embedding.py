@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from vllm.kernels import ops
-from vllm.layers.linear import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -13,7 +12,6 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ops.embedding(ids, self.weight)
@@ -28,7 +26,6 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return ops.logits(hidden, self.weight)

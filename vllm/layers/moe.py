@@ -8,7 +8,12 @@ by attaching a dispatcher that replaces the local expert computation.
 Expert weights live in two stacked parameters (transformers' in-memory layout):
 `gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `down_proj`
 [E, H, I]. HF checkpoints store one tensor per expert and projection
-(`experts.{e}.gate_proj.weight`, ...): the loader writes each into its slice.
+(`experts.{e}.gate_proj.weight`, ...): `FusedExperts.shard` is the one definition of
+where each lives, read by the model's HF-name mapping (`vllm.models.weights`).
+
+The block's kernels are not in the op shim's table, so the block names them itself:
+`kernel_policy` (the execution contract's numerical entries) and `invariant_self_check`
+(the GPU start-up check), both asked generically of any layer that defines them.
 """
 from __future__ import annotations
 
@@ -21,15 +26,12 @@ from torch import nn
 
 from vllm.kernels import moe as moe_ops
 from vllm.kernels import ops
-from vllm.layers.linear import default_weight_loader
 
 # shard ids of FusedExperts parameters: (expert id, projection)
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
 
 class FusedExperts(nn.Module):
-    is_moe_experts = True  # the GPU self-check finds expert layers by this
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_experts = num_experts
@@ -41,17 +43,18 @@ class FusedExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
-        self.gate_up_proj.weight_loader = self._load
-        self.down_proj.weight_loader = self._load
 
     def shard_ids(self, param_name: str) -> list[tuple[int, str]]:
-        """Every HF tensor that one of our parameters is made of, as (expert, projection)."""
+        """The shards parameter `param_name` ("gate_up_proj" or "down_proj") is made of, as
+        (global expert id, projection): one HF checkpoint tensor each."""
         kinds = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
         return [(self.first_expert + e, kind) for e in range(self.num_experts) for kind in kinds]
 
-    def shard_view(self, tensor: torch.Tensor, shard: tuple[int, str]) -> torch.Tensor:
-        """The slice of `tensor` (one of our parameters or its gradient) holding HF shard `shard`."""
-        expert, kind = shard
+    def shard(self, tensor: torch.Tensor, shard_id: tuple[int, str]) -> torch.Tensor:
+        """The slice of `tensor` (one of our parameters, its data or its gradient) holding
+        shard `shard_id` = (global expert id, "gate" | "up" | "down"): a view, so writing
+        into it writes the parameter."""
+        expert, kind = shard_id
         local = expert - self.first_expert
         if kind not in EXPERT_PROJECTIONS:
             raise ValueError(f"unknown expert projection {kind!r}; expected one of {EXPERT_PROJECTIONS}")
@@ -65,19 +68,6 @@ class FusedExperts(nn.Module):
             return tensor[local, inter:]
         return tensor[local]
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
-        if shard is None:  # the whole stacked tensor (transformers' fused names)
-            default_weight_loader(param, loaded)
-            return
-        target = self.shard_view(param, shard)
-        if param is self.gate_up_proj and shard[1] == "down" or param is self.down_proj and shard[1] != "down":
-            raise ValueError(f"shard {shard!r} does not belong to this parameter")
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape mismatch for expert shard {shard!r}: expected {tuple(target.shape)}, "
-                             f"got {tuple(loaded.shape)}")
-        with torch.no_grad():
-            target.copy_(loaded)
-
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids [T, k] (local expert ids) -> y [T, k, H], unweighted."""
         return moe_ops.moe_experts(x, self.gate_up_proj, self.down_proj, ids)
@@ -90,7 +80,6 @@ class Router(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.logits(x, self.weight)
@@ -153,3 +142,17 @@ class SparseMoeBlock(nn.Module):
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, routing)
         return moe_ops.moe_merge(self.experts(x, routing.ids), routing.weights, x.dtype)
+
+    # ---- what the generic code asks of a layer with kernels of its own -------------------
+    @staticmethod
+    def kernel_policy(numerics: str, device) -> dict:
+        """Entries for the execution contract's numerical part (`vllm.contract`): routing,
+        the grouped expert GEMM and the merge, as `numerics` runs them on `device`."""
+        return {"moe": moe_ops.moe_numerical_policy(numerics, device)}
+
+    @staticmethod
+    def invariant_self_check(blocks: list, device: torch.device, dtype: torch.dtype,
+                             max_tokens: int | None = None) -> dict:
+        """The start-up check of these kernels on this machine (`vllm.kernels.selfcheck`),
+        for the model's (name, block) pairs; raises SelfCheckError."""
+        return moe_ops.moe_self_check(blocks, device, dtype, max_tokens)

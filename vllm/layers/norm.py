@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from vllm.kernels import ops
-from vllm.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +12,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

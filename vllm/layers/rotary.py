@@ -6,12 +6,40 @@ whatever dtype the model runs in); lookups by absolute position are gathers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vllm.config import RopeScaling
 from vllm.kernels import ops
+
+
+@dataclass
+class RopeScaling:
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_from_hf(hf: dict) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from an HF config.json. transformers 4.x writes `rope_theta` +
+    `rope_scaling`; 5.x folds both into `rope_parameters`: both spellings are read."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    src = scaling or params
+    rope_type = src.get("rope_type", src.get("type", "default")) if src else "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    rs = RopeScaling(rope_type=rope_type)
+    if rope_type != "default":
+        rs.factor = float(src.get("factor", 1.0))
+        rs.low_freq_factor = float(src.get("low_freq_factor", 1.0))
+        rs.high_freq_factor = float(src.get("high_freq_factor", 4.0))
+        rs.original_max_position_embeddings = int(src.get("original_max_position_embeddings", 8192))
+    return float(theta), rs
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

@@ -1,16 +1,14 @@
-"""Load an HF checkpoint directory (one or many safetensors files) into our model class."""
+"""Read an HF checkpoint directory (one or many safetensors files) into a built model,
+through the model's own HF-name mapping (`model.weight_mapping()`)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-
-from vllm.config import ModelConfig
-from vllm.models.registry import model_class
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -29,8 +27,8 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in checkpoint_files(path):
+def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -53,18 +51,18 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02)
                 flat[i:i + n].copy_(vals)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, load_format: str = "safetensors") -> torch.nn.Module:
-    cls = model_class(cfg.architecture)
-    with torch.device(device):
-        model = cls(cfg, dtype=dtype)
-    if load_format == "dummy":
-        init_dummy_weights(model)
-        return model.eval()
-    if load_format != "safetensors":
-        raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    loaded = model.load_weights(iterate_weights(cfg.path))
-    missing = model.expected_weight_keys() - loaded
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of `model` from HF-named tensors, converted to the parameter's
+    dtype and written as they come (a checkpoint is streamed, never held whole).
+    ValueError for unknown names, wrong shapes, tied tensors that differ, or anything missing."""
+    planner = model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+    with torch.no_grad():
+        for name, tensor in weights:
+            write = planner.add(name, tensor)
+            if write is not None:
+                write[0].copy_(write[1])
+        for dest, src in planner.finish():
+            dest.copy_(src)
+    missing = planner.missing()
     if missing:
-        raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
-    model.eval()
-    return model
+        raise ValueError(f"lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -7,22 +7,85 @@ it contains no inference-only state and no parallelism.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
-from vllm.config import ModelConfig
 from vllm.layers.activation import SiluAndMul
 from vllm.layers.attention import Attention
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RotaryEmbedding
+from vllm.layers.rotary import RopeScaling, RotaryEmbedding, rope_from_hf
+from vllm.models.checkpointing import checkpointed
+from vllm.models.weights import WeightMapping, WeightSlot
+
+# What distinguishes the members of the family (config.json does not say it).
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": {"qk_norm": True, "qkv_bias": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
+    "LlamaForCausalLM": {"qk_norm": False, "qkv_bias": False},
+}
+
+
+@dataclass
+class LlamaFamilyConfig:
+    """The fields of config.json this model reads. Every field is part of the execution
+    contract's semantic digest, so it holds exactly what decides the model's function."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaFamilyConfig":
+        """Parse an HF config.json dict; ValueError for what this model does not implement."""
+        arch = (hf.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not a member of the Llama family ({', '.join(ARCHITECTURES)})")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        try:
+            heads = hf["num_attention_heads"]
+            rope_theta, scaling = rope_from_hf(hf)
+            traits = ARCHITECTURES[arch]
+            return cls(
+                architecture=arch,
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"],
+                num_hidden_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads", heads),
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=rope_theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=traits["qkv_bias"] or bool(hf.get("attention_bias", False)),
+                qk_norm=traits["qk_norm"],
+            )
+        except KeyError as err:
+            raise ValueError(f"config.json of a {arch} lacks {err.args[0]!r}") from None
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -51,7 +114,7 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, dtype=dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
@@ -62,7 +125,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
         self.self_attn = SelfAttention(cfg, layer_idx, rotary, dtype)
         self.mlp = MLP(cfg, dtype)
@@ -81,25 +144,29 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            if activation_checkpointing:
+                x, residual = checkpointed(layer, positions, x, residual)
+            else:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    # HF checkpoint name fragment -> (our fused parameter fragment, shard id)
-    packed_modules = {
+    config_class = LlamaFamilyConfig
+    # HF projection -> (our fused projection, shard id)
+    hf_fused = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -107,88 +174,40 @@ class LlamaFamilyForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token ids [T] and absolute positions [T] of a packed step -> final hidden states [T, H]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
+        """Token ids [T] and absolute positions [T] of a packed step -> final hidden states [T, H].
+        `activation_checkpointing`: under autograd, recompute each decoder layer in backward
+        (same bits, less memory)."""
+        return self.model(input_ids, positions, activation_checkpointing)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     # ---- checkpoint names -------------------------------------------------------------
-    def resolve_hf_name(self, hf_name: str) -> tuple[str, object]:
-        """HF tensor name -> (our parameter name, shard id within a fused parameter or None)."""
-        for frag, (fused, shard_id) in self.packed_modules.items():
-            if f".{frag}." in hf_name:
-                return hf_name.replace(f".{frag}.", f".{fused}."), shard_id
-        return hf_name, None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the set of our parameter names that were filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue  # derived from the config
-            if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
-                continue  # tied: the embedding is the single source of truth
-            name, shard = self.resolve_hf_name(hf_name)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__} ({self.config.architecture})")
-            param = params[name]
-            try:
-                if shard is None:
-                    param.weight_loader(param, tensor.to(param.dtype))
-                else:
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
-            except ValueError as err:
-                raise ValueError(f"while loading {hf_name!r}: {err}") from None
-            loaded.add(name if shard is None else f"{name}[{shard}]")
-        return loaded
-
-    def expected_weight_keys(self) -> set[str]:
-        keys = set()
-        for name, module in self.named_modules():
-            if isinstance(module, FusedLinear):
-                for sid in module.shard_offsets:
-                    keys.add(f"{name}.weight[{sid}]")
-                    if module.bias is not None:
-                        keys.add(f"{name}.bias[{sid}]")
+    def weight_mapping(self) -> WeightMapping:
+        """Every HF tensor name of this architecture -> the parameter (shard) it fills."""
+        to_hf = {ours: hf for hf, ours in self.hf_fused.items()}
+        slots: dict[str, WeightSlot] = {}
         for name, _ in self.named_parameters():
-            mod = name.rsplit(".", 1)[0]
-            if isinstance(self.get_submodule(mod), FusedLinear):
-                continue
-            keys.add(name)
-        return keys
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, FusedLinear):
+                parent, fused = module_name.rsplit(".", 1)
+                for sid in module.shard_offsets:
+                    slots[f"{parent}.{to_hf[(fused, sid)]}.{kind}"] = WeightSlot(name, sid, partial(module.shard, shard_id=sid))
+            else:
+                slots[name] = WeightSlot(name)
+        # tied: one tensor, the embedding; a checkpoint's lm_head.weight must equal it
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+        return WeightMapping(self, slots, aliases=tied, derived=("rotary_emb.inv_freq",))
 
     def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Our parameters (or their .grad with grads=True) under HF names, fused
         projections split back: for save_pretrained and for comparing with transformers."""
-        out: dict[str, torch.Tensor] = {}
-        inverse = {}
-        for frag, (fused, sid) in self.packed_modules.items():
-            inverse[(fused, sid)] = frag
-        for name, module in self.named_modules():
-            if isinstance(module, FusedLinear):
-                fused = name.rsplit(".", 1)[-1]
-                for pname in ("weight", "bias"):
-                    p = getattr(module, pname)
-                    if p is None or (grads and p.grad is None):
-                        continue
-                    for sid, part in module.split_shards((p.grad if grads else p).detach()).items():
-                        out[f"{name.rsplit('.', 1)[0]}.{inverse[(fused, sid)]}.{pname}"] = part
-        for name, p in self.named_parameters():
-            mod = name.rsplit(".", 1)[0]
-            if isinstance(self.get_submodule(mod), FusedLinear):
-                continue
-            if grads and p.grad is None:
-                continue
-            out[name] = (p.grad if grads else p).detach()
-        if self.config.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self.weight_mapping().state_dict(grads)

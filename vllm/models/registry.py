@@ -1,16 +1,19 @@
-"""Architecture name (from config.json) -> model class and its traits."""
+"""Architecture name (config.json's `architectures[0]`) -> model class, imported lazily.
+
+A model class provides what the rest of the engine asks of it (docs/architecture.md,
+"Adding a model"): `config_class.from_hf`, `weight_mapping`, `hf_state_dict`,
+`forward(ids, positions, activation_checkpointing=False)` and `compute_logits`.
+"""
 from __future__ import annotations
 
 import importlib
 
-# name -> (module, class, traits). Traits are what distinguishes the members of
-# one model family; the class itself reads them from ModelConfig.
-_MODELS: dict[str, tuple[str, str, dict]] = {
-    "Qwen3ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": True, "qkv_bias": False}),
-    "Qwen2ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": False, "qkv_bias": True}),
-    "LlamaForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM", {"qk_norm": False, "qkv_bias": False}),
-    # MoE fields are parsed by the model class itself (Qwen3MoeArgs.from_hf)
-    "Qwen3MoeForCausalLM": ("vllm.models.qwen3_moe", "Qwen3MoeForCausalLM", {"qk_norm": True, "qkv_bias": False}),
+# name -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
+    "Qwen2ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
+    "LlamaForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
+    "Qwen3MoeForCausalLM": ("vllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -18,13 +21,8 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def architecture_traits(arch: str) -> dict:
+def model_class(arch: str):
     if arch not in _MODELS:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}")
-    return dict(_MODELS[arch][2])
-
-
-def model_class(arch: str):
-    architecture_traits(arch)
-    module, cls, _ = _MODELS[arch]
+    module, cls = _MODELS[arch]
     return getattr(importlib.import_module(module), cls)

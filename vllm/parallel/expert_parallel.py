@@ -142,7 +142,6 @@ def apply_expert_parallel(model: nn.Module, num_partitions: int | None = None, g
         for pname in ("gate_up_proj", "down_proj"):
             old = getattr(experts, pname)
             new = nn.Parameter(old.data[lo:lo + per].clone(), requires_grad=old.requires_grad)
-            new.weight_loader = experts._load
             setattr(experts, pname, new)
         experts.num_experts = per
         experts.first_expert = lo

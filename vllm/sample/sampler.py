@@ -209,6 +209,55 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 # Public dataclasses
 # --------------------------------------------------------------------------- #
 @dataclass
+class Penalties:
+    """Presence / frequency / repetition penalties of the rows that use them.
+
+    A row's penalties depend on its own token history only: counts are built per
+    row by an integer scatter (exact), and the penalised logits by elementwise
+    ops, so a row's bits never depend on the other rows of the batch.
+    """
+
+    rows: torch.Tensor          # [P] int64: which batch rows have penalties
+    presence: torch.Tensor      # [P] float32
+    frequency: torch.Tensor     # [P] float32
+    repetition: torch.Tensor    # [P] float32
+    output_ids: torch.Tensor    # [N] int64: every output token of every penalised row ...
+    output_slot: torch.Tensor   # [N] int64: ... and which of the P rows it belongs to
+    prompt_ids: torch.Tensor    # [M] int64: prompt tokens (repetition penalty only) ...
+    prompt_slot: torch.Tensor   # [M] int64
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """Penalised float32 logits (a new tensor; rows without penalties are copied bit for bit).
+
+    Upstream vLLM's definitions, in its order, on the raw logits:
+    * repetition r: a token seen in the prompt or the output has its logit divided
+      by r when positive, multiplied by r otherwise;
+    * frequency f: minus f x (the token's count in the output);
+    * presence p: minus p when the token occurs in the output at all.
+    """
+    num_pen = int(pen.rows.shape[0])
+    out = logits.float().clone()
+    if num_pen == 0:
+        return out
+    vocab = out.shape[1]
+    device = out.device
+    counts = torch.zeros((num_pen, vocab), dtype=torch.int32, device=device)
+    counts.index_put_((pen.output_slot, pen.output_ids),
+                      torch.ones(pen.output_ids.shape, dtype=torch.int32, device=device), accumulate=True)
+    in_output = counts > 0
+    seen = in_output.clone()
+    seen.index_put_((pen.prompt_slot, pen.prompt_ids), torch.ones(pen.prompt_ids.shape, dtype=torch.bool, device=device))
+    x = out.index_select(0, pen.rows)
+    rep = pen.repetition.to(device=device, dtype=torch.float32).unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - pen.frequency.to(device=device, dtype=torch.float32).unsqueeze(1) * counts.float()
+    x = x - pen.presence.to(device=device, dtype=torch.float32).unsqueeze(1) * in_output.float()
+    out.index_copy_(0, pen.rows, x)
+    return out
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters; one row per request sampled this step.
 
@@ -233,6 +282,8 @@ class SamplingBatch:
     # decides which stages to run without reading device tensors back (a host sync).
     # Drop it (host_params=None) when replacing the tensors after construction.
     host_params: "_HostParams | None" = None
+    # Rows with presence / frequency / repetition penalties (None: no row has any).
+    penalties: Penalties | None = None
 
     @property
     def batch_size(self) -> int:
@@ -433,6 +484,11 @@ class Sampler(torch.nn.Module):
             return self._empty_output(device, want_logprobs, num_top)
 
         logits = logits.float()
+        # raw_* logprob modes report the model's logits; every other use (greedy, sampling,
+        # tempered and processed logprobs) sees the penalised ones, as upstream does.
+        raw_logits = logits
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
         temperature = batch.temperature.to(device=device, dtype=torch.float32)
         greedy = temperature <= 0
         top_k = batch.top_k.to(device=device, dtype=torch.int64)
@@ -505,9 +561,9 @@ class Sampler(torch.nn.Module):
 
         # ---- logprobs -------------------------------------------------------
         if mode == "raw_logits":
-            dist = logits
+            dist = raw_logits
         elif mode == "raw_logprobs":
-            dist = batch_invariant_log_softmax(logits)
+            dist = batch_invariant_log_softmax(raw_logits)
         elif mode == "tempered_logprobs":
             dist = batch_invariant_log_softmax(scaled)
         else:

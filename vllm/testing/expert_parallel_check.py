@@ -18,8 +18,7 @@ def _worker(rank: int, world: int, init_file: str, path: str, sequences, prompt_
             out_dir: str) -> None:
     import torch.distributed as dist
 
-    from vllm.config import ModelConfig, resolve_dtype
-    from vllm.model_loader.loader import load_model
+    from vllm.model_loader.build import build_model, resolve_model
     from vllm.parallel.expert_parallel import apply_expert_parallel
     from vllm.training import Policy
 
@@ -30,9 +29,8 @@ def _worker(rank: int, world: int, init_file: str, path: str, sequences, prompt_
                             world_size=world)
     try:
         # no tokenizer (scoring token ids only): keeps transformers out of the workers' start-up
-        mc = ModelConfig.from_pretrained(path)
-        dtype = resolve_dtype("auto", dev, mc.torch_dtype)
-        policy = Policy(load_model(mc, dtype, dev), mc, dtype, torch.device(dev), numerics)
+        mc, dtype = resolve_model(path, dtype="auto", device=dev)
+        policy = Policy(build_model(mc, dtype, dev, numerics=numerics)[0], mc, dtype, torch.device(dev), numerics)
         apply_expert_parallel(policy.model, group=dist.group.WORLD)
         with torch.no_grad():
             lps = policy.token_logprobs(sequences[rank], prompt_lens[rank])

@@ -7,7 +7,6 @@ differentiable w.r.t. the parameters.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import ModelConfig, resolve_dtype
+from vllm.config import ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.sample.sampler import tempered_logprobs
 from vllm.training.attention import PackedAttentionBackend
@@ -41,16 +40,13 @@ class Policy:
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
                         numerics: str = "invariant", activation_checkpointing: bool = False) -> "Policy":
-        from vllm.kernels.selfcheck import check_supported
-        from vllm.model_loader.loader import load_model
+        """A standalone trainer's model, built by the engine's own path (vllm.model_loader.build)."""
+        from vllm.model_loader.build import build_model, resolve_model
         from vllm.tokenizer import load_tokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        mc = ModelConfig.from_pretrained(path)
-        dt = resolve_dtype(dtype, device, mc.torch_dtype)
-        if numerics == "invariant":
-            check_supported(torch.device(device), dt)
-        model = load_model(mc, dt, device)
+        mc, dt = resolve_model(path, dtype=dtype, device=device)
+        model, _ = build_model(mc, dt, device, numerics=numerics)
         try:
             tok = load_tokenizer(path)
         except ValueError:
@@ -130,7 +126,7 @@ class Policy:
             offset += len(s)
         rows_t = torch.cat(rows).to(dev)
         with set_forward_context(ForwardContext(backend, self.numerics)):
-            hidden = self._forward(ids, positions)
+            hidden = self.model(ids, positions, activation_checkpointing=self.activation_checkpointing)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         temp = temperature if temperature > 0 else 1.0
         lp = tempered_logprobs(logits, temp)
@@ -140,27 +136,6 @@ class Policy:
             n = len(s) - prompt_lens[i]
             results[i] = picked[start:start + n]
             start += n
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not (self.activation_checkpointing and torch.is_grad_enabled()):
-            return self.model(ids, positions)
-        from torch.utils.checkpoint import checkpoint
-
-        from vllm import forward_context
-
-        inner = self.model.model
-        ctx = forward_context.get_forward_context()
-
-        def recompute_context():
-            # the recomputation runs during backward, outside our `with` block
-            return set_forward_context(ctx)
-        x = inner.embed_tokens(ids)
-        residual = None
-        for layer in inner.layers:
-            x, residual = checkpoint(layer, positions, x, residual, use_reentrant=False,
-                                     context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
-        x, _ = inner.norm(x, residual)
-        return x
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_pretrained(self, save_dir: str) -> None:
@@ -183,11 +158,8 @@ class Policy:
                 shutil.copy(os.path.join(src, name), os.path.join(save_dir, name))
 
     def execution_contract(self):
-        from types import SimpleNamespace
-
-        from vllm.config import CacheConfig, SchedulerConfig
+        """The same contract as the engine's for the same model, dtype, numerics and device
+        (deployment settings aside, which must not change bits)."""
         from vllm.contract import build_contract
-        cfg = SimpleNamespace(model=self.model_config, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
-                              cache=CacheConfig(block_size=self.block_size), scheduler=SchedulerConfig(),
-                              enforce_eager=True, cuda_graph_batch_sizes=[], seed=0)
-        return build_contract(cfg, self.model)
+        return build_contract(self.model, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
+                              deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len})

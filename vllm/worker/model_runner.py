@@ -21,8 +21,8 @@ from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
-from vllm.model_loader.loader import load_model
-from vllm.sample.sampler import Sampler, SamplingBatch
+from vllm.model_loader.build import build_model
+from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -57,31 +57,25 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if config.numerics == "invariant":
-            from vllm.kernels.selfcheck import check_supported
-            check_supported(self.device, self.dtype)
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mem_before_load = torch.cuda.memory_allocated(self.device)
-        self.model = load_model(mc, self.dtype, self.device, config.load_format)
+        self.model, self.self_check_report = build_model(mc, self.dtype, self.device, numerics=config.numerics,
+                                                         load_format=config.load_format,
+                                                         self_check_tokens=config.scheduler.max_num_batched_tokens)
         self.load_time = time.perf_counter() - t0
-        self.self_check_report = None
-        if config.numerics == "invariant" and self.device.type == "cuda":
-            from vllm.kernels.selfcheck import gemm_self_check
-            t0 = time.perf_counter()
-            self.self_check_report = gemm_self_check(self.model, self.device, self.dtype,
-                                                     max_tokens=config.scheduler.max_num_batched_tokens)
-            logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
+        if self.self_check_report is not None:
             # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler = Sampler()
         self.num_blocks = self._decide_num_blocks()
-        self.k_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
-        self.v_caches = [self._new_cache(mc) for _ in range(mc.num_hidden_layers)]
+        arch = self.model.config  # the model's own config: its layers, kv heads and head_dim size the cache
+        self.k_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
+        self.v_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
         # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
         # per phase (benchmarks print it; off by default because syncs cost time).
@@ -95,7 +89,7 @@ class ModelRunner:
 
     # ---- memory ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model
+        mc = self.model.config
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
 
@@ -116,7 +110,7 @@ class ModelRunner:
         # Peak activation memory of the largest step the scheduler may build, measured
         # by running it once against a tiny dummy cache.
         torch.cuda.synchronize()
-        mc = self.config.model
+        mc = self.model.config
         n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         dummy_shape = (1 + -(-n_tok // self.block_size), self.block_size, mc.num_key_value_heads, mc.head_dim)
         kc = [torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
@@ -249,14 +243,45 @@ class ModelRunner:
             picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
             logits = self.model.compute_logits(picked)
         self._mark("logits")
-        handle = self._sample_launch(logits, sampled_reqs)
+        handle = self._sample_launch(logits, sampled_reqs, prev)
         self._mark("sample")
         return handle
 
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
 
-    def _sample_launch(self, logits: torch.Tensor, reqs) -> "StepHandle":
+    def _penalties(self, reqs, prev: "StepHandle | None") -> Penalties | None:
+        """The Penalties of a sampler call over `reqs` (None when none has any). An output
+        token still on the device (PLACEHOLDER, async scheduling) is read from `prev`."""
+        rows = [j for j, r in enumerate(reqs) if r.penalties is not None]
+        if not rows:
+            return None
+        out_ids, out_slot, prompt_ids, prompt_slot, fill_slot, fill_src = [], [], [], [], [], []
+        for slot, j in enumerate(rows):
+            r = reqs[j]
+            _, _, rep, prompt, output = r.penalties
+            for t in output:
+                if t == PLACEHOLDER:
+                    fill_slot.append(slot)
+                    fill_src.append(prev.row_of[r.req_id])
+                else:
+                    out_ids.append(t)
+                    out_slot.append(slot)
+            if rep != 1.0:
+                prompt_ids += prompt
+                prompt_slot += [slot] * len(prompt)
+        ids, slots = self._h2d(out_ids, torch.long), self._h2d(out_slot, torch.long)
+        if fill_slot:
+            ids = torch.cat([ids, prev.token_ids[self._h2d(fill_src, torch.long)]])
+            slots = torch.cat([slots, self._h2d(fill_slot, torch.long)])
+        return Penalties(rows=self._h2d(rows, torch.long),
+                         presence=self._h2d([reqs[j].penalties[0] for j in rows], torch.float32),
+                         frequency=self._h2d([reqs[j].penalties[1] for j in rows], torch.float32),
+                         repetition=self._h2d([reqs[j].penalties[2] for j in rows], torch.float32),
+                         output_ids=ids, output_slot=slots,
+                         prompt_ids=self._h2d(prompt_ids, torch.long), prompt_slot=self._h2d(prompt_slot, torch.long))
+
+    def _sample_launch(self, logits: torch.Tensor, reqs, prev: "StepHandle | None" = None) -> "StepHandle":
         eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
         if eos_rows:
             eos_cols = [t for r in reqs for t in r.allowed_eos_ids]
@@ -274,6 +299,7 @@ class ModelRunner:
                 min_p=[r.min_p for r in sub], seeds=[r.seed for r in sub], positions=[r.output_index for r in sub],
                 device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
                 logprobs_mode=mode or "tempered_logprobs")
+            batch.penalties = self._penalties(sub, prev)
             so = self.sampler(logits if len(by_mode) == 1 else logits.index_select(0, self._h2d(idx, torch.long)), batch)
             if len(by_mode) == 1:
                 token_ids = so.token_ids
@@ -341,7 +367,7 @@ class ModelRunner:
         self.g_table = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.g_hidden = torch.zeros(max_bs, self.config.model.hidden_size, dtype=self.dtype, device=dev)
+        self.g_hidden = torch.zeros(max_bs, self.model.config.hidden_size, dtype=self.dtype, device=dev)
         pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         for bs in sorted(sizes, reverse=True):

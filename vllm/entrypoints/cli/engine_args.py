@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="enqueue step N+1 before waiting for step N's tokens (overlaps host and GPU work; "
                         "default: on for CUDA, off for CPU)")
@@ -30,4 +32,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
+                load_format=getattr(args, "load_format", "safetensors"),
                 async_scheduling=getattr(args, "async_scheduling", None))

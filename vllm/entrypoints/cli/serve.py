@@ -1,4 +1,8 @@
-"""`vllm serve`: the OpenAI-compatible rollout server (docs/serving.md)."""
+"""`vllm serve [MODEL]`: the OpenAI-compatible rollout server (docs/serving.md).
+
+The engine runs in its own process (vllm/engine/core.py); this process runs the
+HTTP server, tokenization and detokenization.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +14,23 @@ from vllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible rollout server",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="local HF checkpoint directory to serve (same as --model; default: the embedded model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; the default accepts local connections only (use 0.0.0.0 to expose it)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses "
-                        "(default: the --model path, or 'default' for the embedded model)")
+                        "(default: the model path, or 'default' for the embedded model)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1/ endpoint")
+    p.add_argument("--admin-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/pause, /v1/resume and /v1/weights/* updates "
+                        "(without it those need the --api-key, or nothing: keep the server on 127.0.0.1 then)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="sequences (prompts x n) allowed to wait beyond --max-num-seqs; more get HTTP 429 "
+                        "(default: no limit)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest number of logprobs (completions) / top_logprobs (chat) a request may ask for")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
@@ -29,16 +43,26 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"vllm serve: the model is given twice ({args.model_tag!r} and --model {args.model!r})")
+        args.model = args.model_tag
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise SystemExit("vllm serve: --max-queued-requests must be >= 0")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise SystemExit(f"vllm serve needs fastapi and uvicorn: pip install 'vllm-parity[serve]' ({err})")
-    from vllm import LLM
+    from vllm.engine.core_client import EngineStartError
     from vllm.entrypoints.openai.api_server import run_server
 
-    llm = LLM(**engine_kwargs(args))
-    run_server(llm, host=args.host, port=args.port, served_model_names=args.served_model_name,
-               max_logprobs=args.max_logprobs, generation_config=args.generation_config,
-               log_level=args.uvicorn_log_level)
+    try:
+        run_server(engine_kwargs(args), host=args.host, port=args.port, served_model_names=args.served_model_name,
+                   max_logprobs=args.max_logprobs, generation_config=args.generation_config,
+                   log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
+                   api_key=args.api_key, admin_key=args.admin_key)
+    except EngineStartError as err:
+        logging.getLogger(__name__).error("%s", err)
+        return 1
     return 0

@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server (FastAPI) in front of an AsyncLLM.
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (see docs/serving.md for the schema and extensions).
+Endpoints (docs/serving.md has the schema and extensions): GET /health,
+/version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
+/tokenize, /detokenize; admin: POST /v1/pause, /v1/resume, /v1/weights/update,
+/v1/weights/init_group, /v1/weights/update_from_group, GET /v1/weights/version.
 
 Every request goes through the same three stages, and each stage maps its
 failures to one HTTP status:
   1. parse + validate (pydantic types, SamplingParams values, model name)  -> 400
-  2. add to the engine (prompt tokenization and validation on the engine
-     thread; a multi-prompt request is added atomically)                   -> 400
+  2. add to the engine (prompt tokenization and validation in this process;
+     a multi-prompt request is added atomically)                           -> 400
+     (a full queue: 429; the engine process gone: 503)
   3. wait for outputs (non-streaming) or stream them as SSE                -> 500 if the engine fails
 Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 A streamed response has already sent its 200 when stage 3 fails, so the
@@ -19,6 +22,7 @@ stop taking batch slots and KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -34,12 +38,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm.config import default_model_path
-from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, EngineError, QueueFullError, RequestStream
 from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-    OpenAIBaseModel, TopLogprob, UsageInfo, json_logprob,
+    CompletionResponse, CompletionStreamResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+    ErrorResponse, ModelCard, ModelList, OpenAIBaseModel, TokenizeRequest, TokenizeResponse, TopLogprob, UsageInfo,
+    WeightsUpdateRequest, WeightsVersionResponse, json_logprob,
 )
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -51,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 def error_response(message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> JSONResponse:
     if err_type is None:
-        err_type = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+        err_type = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    429: "rate_limit_error", 501: "not_implemented", 503: "service_unavailable"}.get(
             status, "internal_server_error" if status >= 500 else "invalid_request_error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status)
@@ -61,6 +67,12 @@ def _exception_response(err: BaseException) -> JSONResponse:
     """The one place that maps an exception from stages 1-3 to an HTTP error."""
     if isinstance(err, ValueError):
         return error_response(str(err), 400)
+    if isinstance(err, QueueFullError):
+        resp = error_response(str(err), 429)
+        resp.headers["Retry-After"] = "1"
+        return resp
+    if isinstance(err, NotImplementedError):
+        return error_response(str(err), 501)
     if isinstance(err, EngineDeadError):
         return error_response(str(err), 503)
     if isinstance(err, EngineError):
@@ -72,6 +84,11 @@ def _exception_response(err: BaseException) -> JSONResponse:
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            # its loc is ("body", character offset): an offset, not a parameter
+            pos = e.get("loc", (None, None))[-1]
+            reason = (e.get("ctx") or {}).get("error", "invalid JSON")
+            return f"the request body is not valid JSON: {reason} (at character {pos})", None
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if loc and param is None:
             param = ".".join(loc)
@@ -326,28 +343,32 @@ class OpenAIServing:
             rid = f"cmpl-{uuid.uuid4().hex}"
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
-        except Exception as err:  # noqa: BLE001 -- mapped to 400/500/503
+        except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
             return _exception_response(err)
         created = int(time.time())
         if req.stream:
             return _SSEResponse(self._completion_events(streams, params, rid, model, created, req), streams)
-        return await _unless_disconnected(raw, self._completion_full(streams, params, rid, model, created), streams)
+        return await _unless_disconnected(raw, self._completion_full(streams, params, rid, model, created, req), streams)
 
-    async def _completion_full(self, streams, params: SamplingParams, rid: str, model: str, created: int):
+    async def _completion_full(self, streams, params: SamplingParams, rid: str, model: str, created: int,
+                               req: CompletionRequest):
         try:
             finals = await _final_outputs(streams)
         except Exception as err:  # noqa: BLE001
             return _exception_response(err)
-        choices, n_prompt, n_gen = [], 0, 0
+        ids = req.want_token_ids
+        choices, n_prompt, n_gen, version = [], 0, 0, 0
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
             for c in out.outputs:
                 n_gen += len(c.token_ids)
+                version = max([version, *c.weight_versions])
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0) if c.logprobs is not None else None,
-                    token_ids=list(c.token_ids), prompt_token_ids=list(out.prompt_token_ids)))
-        return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                    token_ids=list(c.token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                    weight_versions=c.weight_versions))
+        return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                         usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
 
     async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
@@ -356,9 +377,13 @@ class OpenAIServing:
         cursors: dict[tuple[int, int], _ChoiceCursor] = {}
         n_prompt: dict[int, int] = {}
         n_gen = 0
+        want_ids = req.want_token_ids
+        # The chunk envelope is the same for every event: built once, choices spliced in.
+        head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model})[:-1]
         try:
             async for i, out in _merge(streams):
                 n_prompt[i] = len(out.prompt_token_ids)
+                choices, version = [], None
                 for c in out.outputs:
                     cur = cursors.setdefault((i, c.index), _ChoiceCursor())
                     if cur.done:
@@ -368,15 +393,23 @@ class OpenAIServing:
                         continue
                     text, ids, lps = delta
                     n_gen += len(ids)
-                    logprobs = None
+                    choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     if lps is not None:
-                        logprobs = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset)
-                        cur.text_offset += sum(len(t) for t in logprobs.tokens)
-                    choice = CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids,
-                                              prompt_token_ids=list(out.prompt_token_ids) if cur.first else None)
+                        lp = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset)
+                        cur.text_offset += sum(len(t) for t in lp.tokens)
+                        choice["logprobs"] = lp.model_dump()
+                    if want_ids:
+                        choice["token_ids"] = ids
+                        if cur.first:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                    if c.finish_reason is not None:
+                        choice["weight_versions"] = c.weight_versions
                     cur.first = False
-                    yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+                    version = c.weight_versions[-1] if c.weight_versions else version
+                    choices.append(choice)
+                if choices:
+                    yield f'data: {head}, "choices": {json.dumps(choices)}, "weight_version": {json.dumps(version)}}}\n\n'
             if req.stream_options is not None and req.stream_options.include_usage:
                 p = sum(n_prompt.values())
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
@@ -386,19 +419,21 @@ class OpenAIServing:
         yield _DONE_EVENT
 
     # -- /v1/chat/completions --------------------------------------------------------------
+    def _chat_prompt_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                         chat_template_kwargs: dict | None, tools=None) -> list[int]:
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        return apply_chat_template(self.llm.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
+
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         try:
             self._log_ignored(req)
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
             messages = req.template_messages()
-            kwargs = dict(req.chat_template_kwargs or {})
-            if req.tools:
-                kwargs["tools"] = req.tools
-            # The tokenizer belongs to the engine thread (HF fast tokenizers are not
-            # safe to share across threads), so the template is applied there.
-            prompt_ids = await self.llm.call(lambda eng: apply_chat_template(
-                eng.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs))
+            prompt_ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
+                                               req.chat_template_kwargs, req.tools)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
         except Exception as err:  # noqa: BLE001
@@ -414,14 +449,17 @@ class OpenAIServing:
         except Exception as err:  # noqa: BLE001
             return _exception_response(err)
         top_k = params.logprobs or 0
+        ids = req.want_token_ids
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason, token_ids=list(c.token_ids),
+                              stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
+                              weight_versions=c.weight_versions,
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k) if req.logprobs and c.logprobs is not None else None)
                    for c in out.outputs]
         n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-        return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+        version = max(v for c in out.outputs for v in (c.weight_versions or [0]))
+        return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                             usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
-                                            prompt_token_ids=list(out.prompt_token_ids)))
+                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None))
 
     async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
                            req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:
@@ -429,10 +467,13 @@ class OpenAIServing:
         top_k = params.logprobs or 0
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         n_gen = 0
+        want_ids = req.want_token_ids
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
         yield _sse(ChatCompletionStreamResponse(
-            id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids),
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")) for j in range(params.n)]))
+            id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
+            weight_version=self.llm.weight_version,
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+                                      token_ids=[] if want_ids else None) for j in range(params.n)]))
         try:
             async for _, out in _merge([stream]):
                 for c in out.outputs:
@@ -446,8 +487,11 @@ class OpenAIServing:
                     n_gen += len(ids)
                     logprobs = _chat_logprobs(ids, lps, top_k) if req.logprobs and lps is not None else None
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
-                    yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                              token_ids=ids if want_ids else None,
+                                              weight_versions=c.weight_versions if c.finish_reason is not None else None)
+                    yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
+                                                            weight_version=c.weight_versions[-1] if c.weight_versions else None))
             if req.stream_options is not None and req.stream_options.include_usage:
                 p = len(prompt_ids)
                 yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
@@ -455,6 +499,28 @@ class OpenAIServing:
         except Exception as err:  # noqa: BLE001
             yield _sse(_exception_response_body(err))
         yield _DONE_EVENT
+
+    # -- /tokenize, /detokenize ------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self._model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if req.prompt is not None:
+            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            if req.continue_final_message and req.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            ids = self._chat_prompt_ids([m.to_template_dict() for m in req.messages], req.add_generation_prompt,
+                                        req.continue_final_message, req.chat_template_kwargs)
+        return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._model_name(req.model)
+        vocab = self.llm.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return DetokenizeResponse(prompt=self.llm.tokenizer.decode(req.tokens))
 
 
 def _exception_response_body(err: BaseException) -> dict:
@@ -477,20 +543,118 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     return list(ids)
 
 
+# ---- auth ---------------------------------------------------------------------------------
+
+ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group")
+
+
+class _AuthMiddleware:
+    """Bearer-key checks as plain ASGI (no per-chunk cost on streamed responses).
+    Admin paths need the admin key when one is set; other /v1/ paths the API key."""
+
+    def __init__(self, app, api_key: str | None, admin_key: str | None):
+        self.app = app
+        self.api_key = api_key
+        self.admin_key = admin_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            need = None
+            if self.admin_key and path in ADMIN_PATHS:
+                need, what = self.admin_key, "the admin key"
+            elif self.api_key and path.startswith("/v1/"):
+                need, what = self.api_key, "the API key"
+            if need is not None and not _key_ok(_bearer(scope), need):
+                resp = error_response(f"invalid or missing credentials: this endpoint needs {what} "
+                                      "(Authorization: Bearer <key>)", 401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _bearer(scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            auth = value.decode("latin-1")
+            return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+    return None
+
+
+def _key_ok(given: str | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+def _metrics_registry(serving: OpenAIServing):
+    """A Prometheus registry whose collector reads the AsyncLLM's counters at scrape time
+    (nothing is counted on the hot path beyond plain integer additions)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    llm = serving.llm
+    model = serving.names[0]
+
+    class _Collector:
+        def collect(self):
+            st = llm.stats
+            labels = ["model_name"]
+
+            def gauge(name, doc, value):
+                g = GaugeMetricFamily(name, doc, labels=labels)
+                g.add_metric([model], value)
+                return g
+
+            def counter(name, doc, value):
+                c = CounterMetricFamily(name, doc, labels=labels)
+                c.add_metric([model], value)
+                return c
+            yield gauge("vllm:num_requests_running", "Sequences running in the engine (last step).", st.num_running)
+            yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled (last step).", st.num_waiting)
+            yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).", st.kv_usage)
+            yield gauge("vllm:kv_cache_free_blocks", "KV-cache blocks free to allocate.", st.num_free_blocks)
+            yield gauge("vllm:weight_version", "Weight version the engine is serving.", llm.weight_version)
+            yield gauge("vllm:engine_paused", "1 while generation is paused (POST /v1/pause).", int(st.paused))
+            yield gauge("vllm:engine_alive", "1 while the engine process runs.", int(llm.is_running))
+            yield counter("vllm:request_received", "Requests (prompts) accepted.", llm.num_requests_received)
+            yield counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", llm.num_prompt_tokens)
+            yield counter("vllm:generation_tokens", "Tokens generated.", llm.num_generation_tokens)
+            yield counter("vllm:num_preemptions", "Sequences preempted (KV cache full).", st.num_preemptions)
+            c = CounterMetricFamily("vllm:request_success", "Finished sequences by finish reason.",
+                                    labels=["model_name", "finished_reason"])
+            for reason, n in sorted(llm.finished_by_reason.items()):
+                c.add_metric([model, reason], n)
+            yield c
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return registry
+
+
 # ---- the app ------------------------------------------------------------------------------
 
-def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True) -> FastAPI:
-    """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn."""
+def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, api_key: str | None = None,
+              admin_key: str | None = None) -> FastAPI:
+    """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn.
+
+    api_key: every /v1/ endpoint requires `Authorization: Bearer <api_key>`.
+    admin_key: pause/resume and weight updates require it (else they need the api key, if any).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if shutdown_engine_on_exit:
-            # Blocking join of the engine thread: off the event loop.
+            # Blocking join of the engine: off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, serving.llm.shutdown)
 
     app = FastAPI(title="vllm-parity OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
+    llm = serving.llm
+
+    if api_key or admin_key:
+        app.add_middleware(_AuthMiddleware, api_key=api_key, admin_key=admin_key)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(_request: Request, exc: RequestValidationError):
@@ -508,9 +672,26 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True) -
 
     @app.get("/health")
     async def health():
-        if serving.llm.is_running:
+        if llm.is_running:
             return {"status": "ok"}
-        return error_response("the engine is not running", 503)
+        return error_response(f"the engine is not running: {llm.client.dead_reason}", 503)
+
+    @app.get("/version")
+    async def version():
+        from vllm import __version__
+        return {"version": __version__}
+
+    try:
+        registry = _metrics_registry(serving)
+    except ImportError:  # prometheus-client is in the [serve] extra
+        registry = None
+
+    @app.get("/metrics")
+    async def metrics():
+        if registry is None:
+            return error_response("/metrics needs prometheus-client: pip install 'vllm-parity[serve]'", 501)
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -524,21 +705,85 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True) -
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        try:
+            return serving.tokenize(req)
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        try:
+            return serving.detokenize(req)
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+
+    async def _admin(coro):
+        try:
+            return await coro
+        except Exception as err:  # noqa: BLE001
+            return _exception_response(err)
+
+    @app.get("/v1/weights/version")
+    async def weights_version():
+        return WeightsVersionResponse(weight_version=llm.weight_version)
+
+    @app.post("/v1/weights/update")
+    async def weights_update(req: WeightsUpdateRequest):
+        return await _admin(llm.update_weights_from_path(req.path))
+
+    @app.post("/v1/weights/init_group")
+    async def weights_init_group(raw: Request):
+        return await _admin(_utility_with_body(llm, "init_weight_group", raw))
+
+    @app.post("/v1/weights/update_from_group")
+    async def weights_update_from_group(raw: Request):
+        return await _admin(_utility_with_body(llm, "update_weights_from_group", raw))
+
+    @app.post("/v1/pause")
+    async def pause():
+        return await _admin(llm.pause())
+
+    @app.post("/v1/resume")
+    async def resume():
+        return await _admin(llm.resume())
+
     return app
 
 
-def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, max_logprobs: int = 20,
-                       generation_config: str = "auto") -> FastAPI:
-    """An app serving an existing `vllm.LLM` (its engine is driven by a new AsyncLLM thread).
+async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
+    """Forward a JSON object body to EngineCore.utility_<method>(body)."""
+    try:
+        body = await raw.json()
+    except ValueError as err:
+        raise ValueError(f"the request body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    result = await llm.utility(method, body)
+    if isinstance(result, dict) and "weight_version" in result:
+        llm.weight_version = max(llm.weight_version, result["weight_version"])
+    return result
 
-    Once the app runs, only the AsyncLLM may touch `llm.llm_engine`.
-    """
-    cfg = llm.config
-    names = list(served_model_names or [default_served_name(cfg.model.path)])
-    serving = OpenAIServing(AsyncLLM(llm.llm_engine), names, max_logprobs=max_logprobs,
-                            generation_defaults=cfg.model.generation_defaults if generation_config == "auto" else {},
-                            model_path=cfg.model.path, max_model_len=cfg.model.max_model_len)
-    return build_app(serving)
+
+def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, max_logprobs: int,
+             generation_config: str) -> OpenAIServing:
+    info = async_llm.info
+    names = list(served_model_names or [default_served_name(info.model_path)])
+    return OpenAIServing(async_llm, names, max_logprobs=max_logprobs,
+                         generation_defaults=info.generation_defaults if generation_config == "auto" else {},
+                         model_path=info.model_path, max_model_len=info.max_model_len)
+
+
+def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, max_logprobs: int = 20,
+                       generation_config: str = "auto", max_queued_requests: int | None = None,
+                       api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
+    """An app serving an existing `vllm.LLM`, its engine driven by the engine-core loop on a
+    thread of this process (tests, notebooks). Once the app runs, only that thread may touch
+    `llm.llm_engine`. `vllm serve` runs the engine in its own process instead."""
+    async_llm = AsyncLLM.from_engine(llm.llm_engine, max_queued_requests=max_queued_requests)
+    return build_app(_serving(async_llm, served_model_names, max_logprobs, generation_config),
+                     api_key=api_key, admin_key=admin_key)
 
 
 def default_served_name(model_path: str) -> str:
@@ -549,13 +794,20 @@ def default_served_name(model_path: str) -> str:
     return model_path
 
 
-def run_server(llm, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
-               max_logprobs: int = 20, generation_config: str = "auto", log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; uvicorn's graceful shutdown then stops the engine thread."""
+def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
+               max_logprobs: int = 20, generation_config: str = "auto", log_level: str = "info",
+               max_queued_requests: int | None = None, api_key: str | None = None, admin_key: str | None = None) -> None:
+    """Start the engine core process, then serve until SIGINT/SIGTERM; uvicorn's graceful
+    shutdown then stops the engine process (which also exits by itself if this one dies)."""
     import uvicorn
 
-    app = build_app_from_llm(llm, served_model_names, max_logprobs=max_logprobs, generation_config=generation_config)
-    names = app.state.serving.names
-    logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
-    # Bounded graceful shutdown: an open stream must not keep the process alive forever.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
+    try:
+        app = build_app(_serving(async_llm, served_model_names, max_logprobs, generation_config),
+                        api_key=api_key, admin_key=admin_key)
+        names = app.state.serving.names
+        logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
+        # Bounded graceful shutdown: an open stream must not keep the process alive forever.
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        async_llm.shutdown()

@@ -1,122 +1,113 @@
-"""AsyncLLM: an asyncio front for one LLMEngine driven by one background thread.
+"""AsyncLLM: an asyncio front for an engine core running in another process (or thread).
 
-The engine is not thread-safe, so exactly one thread -- the engine thread --
-ever touches it (and its tokenizer). Everyone else talks to that thread
-through a thread-safe command queue:
+    API server process                                   engine core process
+    ------------------                                   -------------------
+    add_requests: tokenize, validate --AddRequest------>  LLMEngine.add_request
+    abort / stop string        --AbortRequest/StopChild->  abort / finish one sample
+    pause, weights, stats      --UtilityCall----------->  EngineCore.utility_*
+    receiver thread  <--one EngineCoreOutputs per step---  step(): every request's new token ids
+      detokenize, stop strings (RequestState)
+      -> each request's RequestStream, on its event loop
 
-    caller (any event loop / thread)           engine thread
-    --------------------------------           -------------
-    add_requests  --("add", ..., Future)-->    engine.add_request(...)  -> Future result / ValueError
-    abort         --("abort", rid)------->     engine.abort_request(rid)
-    call(fn)      --("call", fn, Future)-->    fn(engine)               -> Future result
-                  <--loop.call_soon_threadsafe-- RequestOutputs of each step()
+Prompts are tokenized, validated and later detokenized here, so the engine
+process spends its host time on scheduling and the model only.
 
-Each request owns a RequestStream: an asyncio.Queue living on the caller's
-event loop, fed with loop.call_soon_threadsafe so the engine thread never
-blocks on a slow consumer. Between steps the engine thread drains every
-pending command, so new requests join the running batch at the next step
-(continuous batching), and it sleeps on the queue when there is no work.
+A RequestStream holds the request's latest output. Outputs are cumulative (text
+and token ids so far), so a consumer that falls behind the engine skips to the
+newest one instead of working through a backlog: a slow HTTP writer gets fewer,
+larger chunks and never slows the engine down.
 
 Failure isolation:
-  * add_request validates before queueing, so a ValueError there (bad prompt,
-    bad params) reaches only its caller, as a ValueError, and nothing else.
-    A batch of prompts (one HTTP request) is added atomically: if one prompt is
-    invalid, the ones already added in that batch are aborted before any step.
-  * An unexpected exception inside step() cannot be attributed to one request,
-    so every in-flight request fails with EngineError (HTTP 500), all of them
-    are aborted to free their KV blocks, the traceback is logged, and the loop
-    carries on serving new requests.
+  * Bad input raises ValueError from add_requests before anything reaches the
+    engine; a multi-prompt request is validated as a whole.
+  * A failed engine step fails every request in flight with EngineError (500);
+    the engine carries on.
+  * If the engine process dies, every request fails with EngineDeadError (503),
+    and is_running turns False (health checks fail).
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
+import dataclasses
 import itertools
 import logging
-import queue
 import threading
-import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
+from vllm.engine.core_client import EngineCoreClient, EngineDeadError
+from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
+from vllm.engine.llm_engine import check_max_tokens, validate_prompt
+from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineError", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (not the request's fault: HTTP 500)."""
 
 
-class EngineDeadError(EngineError):
-    """The engine thread is not running (shut down or crashed): HTTP 503."""
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server accepts (--max-queued-requests): HTTP 429."""
 
 
-# Markers pushed into a RequestStream besides RequestOutputs.
 _ABORTED = object()
-
-
-@dataclass
-class _Add:
-    items: list[tuple[str, Any, SamplingParams]]
-    stream: bool
-    streams: list["RequestStream"]
-    done: concurrent.futures.Future
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[Any], Any]
-    done: concurrent.futures.Future
-
-
-@dataclass
-class _Shutdown:
-    pass
+_CHANGED = object()   # the request advanced: build its output when the consumer reads
 
 
 class RequestStream:
     """The outputs of one request, consumed on the event loop that created it.
 
-    An async iterator of RequestOutputs: partial ones when added with
-    stream=True, then exactly one with finished=True, after which it stops. If
-    the request is aborted by someone else it just stops; if the engine fails,
-    EngineError is raised. A consumer that stops early must call abort() (the
-    HTTP layer does so whenever a response ends) to free the engine's slot.
+    An async iterator of RequestOutputs: partial ones (when added with stream=True),
+    then exactly one with finished=True, after which it stops. Outputs are
+    cumulative: when several arrive before the consumer reads, it gets only the
+    newest. If the request is aborted by someone else it just stops; if the engine
+    fails, EngineError (or EngineDeadError) is raised.
     """
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop, stream: bool):
         self.owner = owner
         self.request_id = request_id
         self.loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.stream = stream
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.finished = False  # True once the final output, an error or an abort was seen
+        self.state: RequestState | None = None
+        # A _CHANGED marker is queued and unread: the receiver need not queue another.
+        self.notified = False
 
-    # -- engine-thread side ----------------------------------------------------------------
-    def _put(self, item: Any) -> bool:
-        """Hand an item to the consumer's loop; False if that loop is gone."""
-        try:
-            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
-            return True
-        except RuntimeError:  # the consumer's event loop is closed: nobody will read this
-            return False
+    # -- loop side: called through loop.call_soon_threadsafe ------------------------------
+    def _put(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
-    # -- consumer side ---------------------------------------------------------------------
+    # -- consumer side ----------------------------------------------------------------------
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        # A plain iterator, not an async generator: nothing here depends on the
-        # iterator being closed, so the owner's abort() is the one cleanup path.
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if item is _CHANGED:
+            # Outputs are cumulative: one snapshot covers every step since the last read.
+            with self.owner._lock:
+                self.notified = False
+                item = self.state.output()
         if item is _ABORTED:
             self.finished = True
             raise StopAsyncIteration
@@ -134,245 +125,255 @@ class RequestStream:
             self.owner.abort(self.request_id)
 
 
-class AsyncLLM:
-    """Runs `engine` (an LLMEngine) on a dedicated thread; every method is safe to call from any thread.
+@dataclasses.dataclass
+class _Entry:
+    state: RequestState
+    stream: RequestStream
 
-    >>> llm = LLM(device="cpu")
-    >>> async_llm = AsyncLLM(llm.llm_engine)
+
+class AsyncLLM:
+    """Requests in, RequestStreams out; every method is safe to call from any thread.
+
+    >>> async_llm = AsyncLLM.from_engine_args({"device": "cpu"})   # engine in its own process
     >>> async for out in async_llm.generate("Hello", SamplingParams(max_tokens=8)):
     ...     final = out
     >>> async_llm.shutdown()
     """
 
-    def __init__(self, engine, *, start: bool = True):
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        # request id -> stream; touched only by the engine thread once the thread runs.
-        self._streams: dict[str, RequestStream] = {}
+    def __init__(self, client: EngineCoreClient, *, max_queued_requests: int | None = None):
+        info = client.info
+        self.client = client
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_queued_requests = max_queued_requests
+        # Two tokenizers: HF fast tokenizers must not be used by two threads at once, and
+        # the receiver thread detokenizes while handlers tokenize on the event loop.
+        self.tokenizer = load_tokenizer(info.tokenizer_path)
+        self._detok_tokenizer = load_tokenizer(info.tokenizer_path)
+        self._decode_one = TokenTextCache(self._detok_tokenizer)
+        self._requests: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
-        self._error: BaseException | None = None
-        self.num_step_failures = 0
-        if start:
-            self.start()
+        self._outstanding = 0          # samples (prompts x n) added and not finished
+        self.weight_version = info.weight_version
+        self.stats = EngineStats(0, 0, 0.0, info.num_kv_blocks - 1, 0, 0, False)
+        # counters for /metrics
+        self.num_requests_received = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.finished_by_reason: collections.Counter = collections.Counter()
+        self._dead_error: EngineDeadError | None = None
+        client.on_outputs = self._on_outputs
+        client.on_dead = self._on_dead
 
-    # ---- lifecycle ---------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        # daemon: a step stuck in a kernel must not keep the process alive at exit.
-        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
-        self._thread.start()
+    @classmethod
+    def from_engine_args(cls, engine_kwargs: dict, *, max_queued_requests: int | None = None,
+                         startup_timeout: float | None = None) -> "AsyncLLM":
+        """Start the engine core in its own process (what `vllm serve` does)."""
+        return cls(EngineCoreClient.start_process(engine_kwargs, startup_timeout=startup_timeout),
+                   max_queued_requests=max_queued_requests)
 
+    @classmethod
+    def from_engine(cls, engine, *, max_queued_requests: int | None = None) -> "AsyncLLM":
+        """Drive an LLMEngine you built, on a thread of this process (tests, notebooks).
+        From then on only that thread may touch the engine."""
+        return cls(EngineCoreClient.start_thread(engine), max_queued_requests=max_queued_requests)
+
+    # ---- lifecycle ------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+        return self.client.is_alive
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Fail the in-flight requests, stop the engine thread and wait for it (at most `timeout` s)."""
-        if self._thread is None or self._stopped.is_set():
-            self._stopped.set()
-            return
-        self._commands.put(_Shutdown())
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("engine thread did not stop within %.0f s (a step is still running)", timeout or 0)
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine core (process or thread) and fail what is still in flight with 503."""
+        self.client.shutdown(timeout)
 
     def _check_alive(self) -> None:
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
+        if not self.client.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.client.dead_reason}")
 
-    # ---- public API (any thread) -------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
 
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
                            stream: bool = False) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
 
-        Raises ValueError (nothing added) if any prompt or params is invalid, and
-        EngineDeadError if the engine is not running.
+        Raises ValueError (nothing added) if any prompt or params is invalid -- including a
+        max_tokens that does not fit in the context left --, QueueFullError when the queue
+        is full, and EngineDeadError if the engine is not running.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(self, rid, loop) for rid, _, _ in items]
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Add(list(items), stream, streams, done))
+        prepared = []
+        for rid, prompt, params in items:
+            text, ids = self.tokenize_prompt(prompt)
+            validate_prompt(ids, params, self.vocab_size, self.max_model_len)
+            check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+            prepared.append((rid, text, ids, params))
+        n_samples = sum(p.n for *_, p in prepared)
+        msgs, streams = [], []
+        with self._lock:
+            if self.max_queued_requests is not None:
+                queued = self._outstanding + n_samples - self.info.max_num_seqs
+                if queued > self.max_queued_requests:
+                    raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
+                                         f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
+            for rid, text, ids, params in prepared:
+                if rid in self._requests:
+                    raise ValueError(f"request id {rid!r} is already in use")
+            for rid, text, ids, params in prepared:
+                s = RequestStream(self, rid, loop, stream)
+                s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
+                self._requests[rid] = _Entry(s.state, s)
+                streams.append(s)
+                # the engine works on token ids only: stop strings and text are ours
+                msgs.append(AddRequest(rid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
+            self._outstanding += n_samples
+            self.num_requests_received += len(prepared)
+            self.num_prompt_tokens += sum(len(ids) for _, _, ids, _ in prepared)
         try:
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            # The caller went away while the add was queued: whatever got added must go.
-            for s in streams:
-                self.abort(s.request_id)
+            self.client.send(msgs)
+        except EngineDeadError:
+            with self._lock:
+                for rid, *_ in prepared:
+                    self._forget(rid)
             raise
         return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, *,
                        stream: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs: with stream=True one per step it advances, the last one finished.
+        """Yield the request's outputs: with stream=True as they arrive, the last one finished.
 
-        The ValueError of an invalid request is raised from the first iteration.
-        To stop early, leave the loop inside `contextlib.aclosing(...)` (or call
-        abort(request_id)): a plain `break` only aborts once the abandoned
-        generator is garbage-collected.
+        The ValueError of an invalid request is raised from the first iteration. To stop
+        early, leave the loop inside `contextlib.aclosing(...)` (or call abort(request_id)).
         """
         rid = request_id or self.new_request_id()
         (s,) = await self.add_requests([(rid, prompt, params)], stream=stream)
         try:
             async for out in s:
                 yield out
-        finally:  # closed early (break + aclose, cancellation): stop the request
+        finally:
             s.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if unknown or finished). Never blocks."""
-        if not self._stopped.is_set():
-            self._commands.put(_Abort(request_id))
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(engine) on the engine thread (e.g. tokenizer work) and return its result."""
-        self._check_alive()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(fn, done))
-        return await asyncio.wrap_future(done)
-
-    def _submit(self, cmd) -> None:
-        self._commands.put(cmd)
-        # The engine thread sets _stopped *before* its last drain of the queue, so a
-        # command put before this check is either drained (and answered) by it, or
-        # the check sees the thread stopped: no caller can wait forever.
-        if self._stopped.is_set():
-            _set_exception(cmd.done, EngineDeadError("the engine is not running"))
-
-    # ---- engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        backoff = 0.0
-        try:
-            while True:
-                # Block only when there is nothing to step; otherwise take what is pending.
-                busy = engine.has_unfinished_requests()
-                cmds = self._drain(block=not busy)
-                for i, cmd in enumerate(cmds):
-                    if isinstance(cmd, _Shutdown):
-                        self._fail_all(EngineDeadError("the server is shutting down"))
-                        for later in cmds[i + 1:]:  # drained already: answer them here
-                            if isinstance(later, (_Add, _Call)):
-                                _set_exception(later.done, EngineDeadError("the server is shutting down"))
-                        return
-                    try:
-                        self._handle(cmd)
-                    except Exception:  # noqa: BLE001 -- one bad command must not stop the engine thread
-                        logger.exception("engine command %s failed", type(cmd).__name__)
-                if not engine.has_unfinished_requests():
-                    continue
-                try:
-                    outputs = engine.step()
-                except Exception as err:  # noqa: BLE001 -- any failure here must not kill the thread
-                    self.num_step_failures += 1
-                    logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
-                    self._fail_all(EngineError(f"engine step failed: {type(err).__name__}: {err}"))
-                    # If the engine still reports work nobody owns, do not spin on a broken step.
-                    backoff = min(max(backoff * 2, 0.01), 1.0)
-                    if engine.has_unfinished_requests():
-                        time.sleep(backoff)
-                    continue
-                backoff = 0.0
-                for out in outputs:
-                    try:
-                        self._deliver(out)
-                    except Exception:  # noqa: BLE001 -- keep delivering the others
-                        logger.exception("delivering the output of %s failed", out.request_id)
-        except BaseException as err:  # a bug in this loop itself: record it so /health reports it
-            self._error = err
-            logger.exception("engine thread crashed")
-            self._fail_all(EngineDeadError(f"engine thread crashed: {err!r}"))
-        finally:
-            self._stopped.set()
-            self._reject_pending()
-
-    def _drain(self, block: bool) -> list:
-        cmds = []
-        if block:
-            cmds.append(self._commands.get())
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
-
-    def _handle(self, cmd) -> None:
-        engine = self.engine
-        if isinstance(cmd, _Add):
-            # False when the caller was cancelled while the command was queued: add nothing.
-            if not cmd.done.set_running_or_notify_cancel():
-                return
-            added: list[str] = []
-            try:
-                for (rid, prompt, params), s in zip(cmd.items, cmd.streams):
-                    if rid in self._streams:
-                        raise ValueError(f"request id {rid!r} is already in use")
-                    engine.add_request(rid, prompt, params, stream=cmd.stream)
-                    added.append(rid)
-                    self._streams[rid] = s
-            except Exception as err:  # noqa: BLE001 -- reported to the caller, nothing else changes
-                for rid in added:
-                    engine.abort_request(rid)
-                    self._streams.pop(rid, None)
-                if not isinstance(err, ValueError):
-                    logger.exception("add_request failed unexpectedly")
-                    err = EngineError(f"add_request failed: {type(err).__name__}: {err}")
-                cmd.done.set_exception(err)
-                return
-            cmd.done.set_result(None)
-        elif isinstance(cmd, _Abort):
-            s = self._streams.pop(cmd.request_id, None)
-            engine.abort_request(cmd.request_id)
-            if s is not None and not s.finished:
-                s._put(_ABORTED)  # an abort by someone else than the consumer: end its iteration
-        elif isinstance(cmd, _Call):
-            if cmd.done.set_running_or_notify_cancel():
-                try:
-                    cmd.done.set_result(cmd.fn(engine))
-                except BaseException as err:  # noqa: BLE001 -- belongs to the caller
-                    cmd.done.set_exception(err)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        s = self._streams.get(out.request_id)
-        if s is None:  # aborted after this step was scheduled
+        """Abort a request (no-op if unknown or finished). Never blocks on the engine."""
+        with self._lock:
+            entry = self._forget(request_id)
+        if entry is None:
             return
-        if out.finished:
-            del self._streams[out.request_id]
-        if not s._put(out) and not out.finished:
-            # The consumer's loop is gone: stop spending compute on this request.
-            del self._streams[out.request_id]
-            self.engine.abort_request(out.request_id)
-
-    def _fail_all(self, err: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for rid, s in streams.items():
+        if not entry.stream.finished:  # aborted by someone else than its consumer: end its iteration
             try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 -- keep failing the others
-                logger.exception("abort of %s failed", rid)
-            s._put(err)
+                entry.stream.loop.call_soon_threadsafe(_deliver, [(entry.stream, _ABORTED)])
+            except RuntimeError:
+                pass
+        try:
+            self.client.send([AbortRequest(request_id)])
+        except EngineDeadError:
+            pass
 
-    def _reject_pending(self) -> None:
-        """After the loop ends, answer commands still queued so no caller waits forever."""
-        while True:
+    def _forget(self, request_id: str) -> _Entry | None:
+        """Drop a request's bookkeeping (caller holds the lock)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self._outstanding -= sum(1 for f in entry.state.finish if f is None)
+        return entry
+
+    # ---- engine utilities -----------------------------------------------------------------
+    async def utility(self, method: str, *args: Any) -> Any:
+        """Run EngineCore.utility_<method>(*args) in the engine between two steps."""
+        self._check_alive()
+        return await asyncio.wrap_future(self.client.utility(method, *args))
+
+    async def pause(self) -> dict:
+        return await self.utility("pause")
+
+    async def resume(self) -> dict:
+        return await self.utility("resume")
+
+    async def update_weights_from_path(self, path: str) -> dict:
+        res = await self.utility("update_weights_from_path", path)
+        self.weight_version = max(self.weight_version, res["weight_version"])
+        return res
+
+    async def engine_stats(self) -> dict:
+        return await self.utility("stats")
+
+    # ---- receiver thread ------------------------------------------------------------------
+    def _on_outputs(self, out: EngineCoreOutputs) -> None:
+        self.weight_version = out.weight_version
+        self.stats = out.stats
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        stops, gen = [], 0
+        with self._lock:
+            for t in out.deltas:
+                d = RequestDelta._make(t)
+                entry = self._requests.get(d.request_id)
+                if entry is None:
+                    continue  # aborted while this step ran
+                state = entry.state
+                was_done = state.finish[d.index] is not None
+                stop = state.apply(d)
+                gen += len(d.new_token_ids)
+                if stop is not None:
+                    stops.append(StopChild(d.request_id, d.index, stop))
+                if not was_done and state.finish[d.index] is not None:
+                    self._outstanding -= 1
+                    self.finished_by_reason[state.finish[d.index]] += 1
+                s = entry.stream
+                if state.finished:
+                    del self._requests[d.request_id]
+                    deliveries.setdefault(s.loop, []).append((s, state.output()))
+                elif s.stream and not s.notified:  # non-streaming consumers need the final output only
+                    s.notified = True
+                    deliveries.setdefault(s.loop, []).append((s, _CHANGED))
+            for f in out.failures:
+                err = ValueError(f.message) if f.invalid else EngineError(f.message)
+                for rid in f.request_ids:
+                    entry = self._forget(rid)
+                    if entry is not None:
+                        deliveries.setdefault(entry.stream.loop, []).append((entry.stream, err))
+            self.num_generation_tokens += gen
+        if stops:
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, (_Add, _Call)):
-                _set_exception(cmd.done, EngineDeadError("the engine is not running"))
+                self.client.send(stops)
+            except EngineDeadError:
+                pass
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody will read these
+                for s, item in items:
+                    if not (isinstance(item, RequestOutput) and item.finished):
+                        self.abort(s.request_id)
+
+    def _on_dead(self, reason: str) -> None:
+        err = EngineDeadError(f"the engine is not running: {reason}")
+        with self._lock:
+            entries = list(self._requests.values())
+            self._requests.clear()
+            self._outstanding = 0
+        deliveries: dict = {}
+        for e in entries:
+            deliveries.setdefault(e.stream.loop, []).append((e.stream, err))
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass
 
 
-def _set_exception(fut: concurrent.futures.Future, err: BaseException) -> None:
-    """Fail a future unless it is already settled (or cancelled) -- never raises."""
-    try:
-        if fut.set_running_or_notify_cancel():
-            fut.set_exception(err)
-    except (RuntimeError, concurrent.futures.InvalidStateError):
-        pass  # already running or done: its owner answers it
+def _deliver(items: list) -> None:
+    for stream, item in items:
+        stream._put(item)

@@ -6,15 +6,16 @@ negative temperature, top_p outside (0, 1]) so the server and the offline API
 share one set of rules and one set of messages. Both failures become HTTP 400.
 
 OpenAI fields this engine does not implement are accepted only at their no-op
-default: silently ignoring `presence_penalty: 1.5` would sample from a
-different distribution than the caller asked for, which is exactly what an RL
-framework must never get without knowing.
+default: silently ignoring `logit_bias` would sample from a different
+distribution than the caller asked for, which is exactly what an RL framework
+must never get without knowing.
 
 Extensions over the OpenAI schema (documented in docs/serving.md):
 `token_ids` per choice, `prompt_token_ids` (per choice for completions, top
-level for chat), `stop_reason`, and the vLLM sampling fields top_k, min_p,
-min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output,
-skip_special_tokens, logprobs_mode.
+level for chat), `stop_reason`, `weight_version` / `weight_versions`, and the
+vLLM sampling fields top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, skip_special_tokens, logprobs_mode,
+repetition_penalty, return_token_ids.
 """
 from __future__ import annotations
 
@@ -79,18 +80,16 @@ class _SamplingRequest(OpenAIBaseModel):
     logprobs_mode: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[FiniteFloat] = None
+    frequency_penalty: Optional[FiniteFloat] = None
+    repetition_penalty: Optional[FiniteFloat] = None
+    # None: the token ids are returned (this server's default, for RL); false: left out.
+    return_token_ids: Optional[bool] = None
     # OpenAI fields accepted only at their no-op value (see module docstring).
-    presence_penalty: Optional[FiniteFloat] = 0.0
-    frequency_penalty: Optional[FiniteFloat] = 0.0
-    repetition_penalty: Optional[FiniteFloat] = 1.0
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
 
     def _check_unsupported(self) -> None:
-        if self.presence_penalty not in (None, 0.0) or self.frequency_penalty not in (None, 0.0):
-            raise ValueError("presence_penalty and frequency_penalty are not supported (must be 0)")
-        if self.repetition_penalty not in (None, 1.0):
-            raise ValueError("repetition_penalty is not supported (must be 1)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
@@ -100,13 +99,18 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
+    @property
+    def want_token_ids(self) -> bool:
+        return self.return_token_ids is not False
+
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
                          max_logprobs: int) -> SamplingParams:
         self._check_unsupported()
         if logprobs is not None and logprobs > max_logprobs:
             raise ValueError(f"at most {max_logprobs} logprobs per token may be requested (server --max-logprobs), got {logprobs}")
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(self, k) is not None}
-        kw = {**{k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")}, **given}
+        keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        kw = {**{k: v for k, v in defaults.items() if k in keys}, **given}
         # SamplingParams raises ValueError with a readable message for every bad value.
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
@@ -239,8 +243,9 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: list[int] = Field(default_factory=list)             # extension
+    token_ids: Optional[list[int]] = None                          # extension
     prompt_token_ids: Optional[list[int]] = None                   # extension
+    weight_versions: Optional[list[int]] = None                    # extension
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -250,6 +255,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    weight_version: Optional[int] = None                           # extension
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -259,6 +265,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    weight_version: Optional[int] = None                           # extension
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -289,7 +296,8 @@ class ChatChoice(OpenAIBaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: list[int] = Field(default_factory=list)             # extension
+    token_ids: Optional[list[int]] = None                          # extension
+    weight_versions: Optional[list[int]] = None                    # extension
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -300,6 +308,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: Optional[list[int]] = None                   # extension
+    weight_version: Optional[int] = None                           # extension
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -318,7 +327,8 @@ class ChatStreamChoice(OpenAIBaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: list[int] = Field(default_factory=list)             # extension: this chunk's new token ids
+    token_ids: Optional[list[int]] = None                          # extension: this chunk's new token ids
+    weight_versions: Optional[list[int]] = None                    # extension: on a choice's last chunk
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -329,6 +339,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = None                   # extension: on the first chunk only
+    weight_version: Optional[int] = None                           # extension
 
 
 class ModelCard(OpenAIBaseModel):
@@ -354,3 +365,38 @@ class ErrorInfo(OpenAIBaseModel):
 
 class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
+
+
+# ---- tokenizer and admin endpoints ----------------------------------------------------------
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+class WeightsUpdateRequest(OpenAIBaseModel):
+    path: str
+
+
+class WeightsVersionResponse(OpenAIBaseModel):
+    weight_version: int

@@ -1,0 +1,235 @@
+"""The server's RL and operator surface, in-process on a tiny model (engine-core loop on a
+thread), driven by the official `openai` client where it covers the endpoint:
+weight updates from a checkpoint (equal to a fresh engine loaded from it; a bad one
+changes nothing), pause/resume, weight versions in responses, penalties, token ids,
+/metrics, /tokenize, /detokenize, /version, API and admin keys, a full queue (429).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from vllm import LLM, SamplingParams
+from vllm.entrypoints.openai.api_server import build_app_from_llm
+
+API_KEY, ADMIN_KEY = "sk-test", "admin-test"
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("new_weights"), "qwen3", head_dim=32,
+                                tie_word_embeddings=False, seed=5)
+
+
+@pytest.fixture(scope="module")
+def app(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    app = build_app_from_llm(llm, ["tiny"], max_queued_requests=2, api_key=API_KEY, admin_key=ADMIN_KEY)
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _http(app, key=API_KEY) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver", timeout=60,
+                             headers=headers)
+
+
+def _openai(http: httpx.AsyncClient) -> "openai.AsyncOpenAI":
+    return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=http, max_retries=0)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _greedy(client, **kw):
+    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True, **kw})
+
+
+def test_weight_update_from_path_equals_fresh_engine(app, new_weights, tiny_qwen3, tmp_path):
+    ref_new = LLM(new_weights, device="cpu").generate({"prompt_token_ids": PROMPT},
+                                                      SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                                      use_tqdm=False)[0].outputs[0].token_ids
+
+    async def go():
+        async with _http(app) as http:
+            client = _openai(http)
+            before = await _greedy(client)
+            v0 = (await http.get("/v1/weights/version")).json()["weight_version"]
+            # without the admin key: refused, nothing changes
+            denied = await http.post("/v1/weights/update", json={"path": new_weights})
+            async with _http(app, ADMIN_KEY) as admin:
+                bad = await admin.post("/v1/weights/update", json={"path": str(tmp_path)})   # no weights there
+                after_bad = await _greedy(client)
+                ok = await admin.post("/v1/weights/update", json={"path": new_weights})
+            after = await _greedy(client)
+            v1 = (await http.get("/v1/weights/version")).json()["weight_version"]
+            return before, v0, denied, bad, after_bad, ok, after, v1
+    before, v0, denied, bad, after_bad, ok, after, v1 = _run(go())
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
+    assert after_bad.choices[0].token_ids == before.choices[0].token_ids        # the old weights still serve
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["weight_version"] == v1 == v0 + 1
+    assert after.choices[0].token_ids == ref_new                                 # == a fresh engine on the checkpoint
+    assert before.weight_version == v0 and after.weight_version == v1
+    assert after.choices[0].weight_versions == [v1]
+
+
+def test_pause_holds_requests_until_resume(app):
+    async def go():
+        async with _http(app) as http, _http(app, ADMIN_KEY) as admin:
+            client = _openai(http)
+            assert (await admin.post("/v1/pause")).json()["paused"] is True
+            task = asyncio.ensure_future(_greedy(client))
+            await asyncio.sleep(0.5)
+            waiting = not task.done()
+            stats = await app.state.serving.llm.engine_stats()
+            assert (await admin.post("/v1/resume")).json()["paused"] is False
+            return waiting, stats, await asyncio.wait_for(task, 60)
+    waiting, stats, res = _run(go())
+    assert waiting and stats["paused"] and stats["num_unfinished"] == 1
+    assert len(res.choices[0].token_ids) == 6
+
+
+def test_group_endpoints_are_501_until_a_transport_exists(app):
+    async def go():
+        async with _http(app, ADMIN_KEY) as admin:
+            return (await admin.post("/v1/weights/init_group", json={"master_address": "127.0.0.1"}),
+                    await admin.post("/v1/weights/update_from_group", json={}))
+    for r in _run(go()):
+        assert r.status_code == 501 and "not implemented" in r.json()["error"]["message"]
+
+
+def test_penalties_and_token_ids_match_offline(app, tiny_qwen3, new_weights):
+    pen = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+
+    async def go():
+        async with _http(app) as http:
+            client = _openai(http)
+            r = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                                frequency_penalty=1.5, presence_penalty=0.5,
+                                                extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+            plain = await _greedy(client)
+            no_ids = (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                               "return_token_ids": False})).json()
+            return r, plain, no_ids
+    r, plain, no_ids = _run(go())
+    # the offline reference runs the weights the server holds (another test updates them once)
+    ckpt = {0: tiny_qwen3, 1: new_weights}[r.weight_version]
+    ref = LLM(ckpt, device="cpu").generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, **pen),
+        use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].token_ids == ref.token_ids
+    assert r.choices[0].logprobs.token_logprobs == [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
+    assert r.choices[0].token_ids != plain.choices[0].token_ids
+    assert no_ids["choices"][0]["token_ids"] is None and no_ids["choices"][0]["prompt_token_ids"] is None
+
+
+def test_chat_with_openai_client_streaming(app):
+    async def go():
+        async with _http(app) as http:
+            client = _openai(http)
+            full = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+            stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=5, temperature=0, stream=True,
+                                                          extra_body={"ignore_eos": True})
+            chunks = [c async for c in stream]
+            return full, chunks
+    full, chunks = _run(go())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert sum((c.choices[0].token_ids or [] for c in chunks if c.choices), []) == full.choices[0].token_ids
+    assert full.weight_version is not None and chunks[-1].choices[0].weight_versions
+
+
+def test_full_queue_is_429(app):
+    async def go():
+        async with _http(app) as http:
+            return await http.post("/v1/completions", json={"prompt": PROMPT, "n": 8, "max_tokens": 2})
+    r = _run(go())
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert r.headers["retry-after"] == "1"
+
+
+def test_keys_tokenize_detokenize_version_metrics(app):
+    async def go():
+        async with _http(app, key=None) as anon, _http(app) as http:
+            return (await anon.get("/v1/models"), await anon.get("/health"), await http.get("/v1/models"),
+                    await http.post("/tokenize", json={"prompt": "Hello world"}),
+                    await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}),
+                    await http.post("/detokenize", json={"tokens": [5, 6, 7]}),
+                    await http.post("/detokenize", json={"tokens": [10 ** 6]}),
+                    await http.get("/version"), await http.get("/metrics"))
+    (anon_models, anon_health, models, tok, tok_chat, detok, bad_detok, version, metrics) = _run(go())
+    assert anon_models.status_code == 401 and anon_health.status_code == 200 and models.status_code == 200
+    tokenizer = app.state.serving.llm.tokenizer
+    assert tok.json()["tokens"] == tokenizer.encode("Hello world") and tok.json()["count"] == len(tok.json()["tokens"])
+    assert tok_chat.json()["count"] > 0
+    assert detok.json()["prompt"] == tokenizer.decode([5, 6, 7])
+    assert bad_detok.status_code == 400
+    assert version.json()["version"]
+    text = metrics.text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:weight_version", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                 "vllm:request_success_total"):
+        assert name in text, name
+
+
+def test_fast_decoder_equals_tokenizer_decode(tokenizer_dir):
+    import random
+
+    from vllm.tokenizer import fast_decoder, load_tokenizer
+    tok = load_tokenizer(tokenizer_dir)
+    dec = fast_decoder(tok)
+    assert dec is not tok.decode  # the fast path is taken for this tokenizer
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert dec(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_process_logprob_bits_equal_offline(gpu_model):
+    """On the GPU: the engine core process (invariant numerics, async scheduling, CUDA
+    graphs) serves 32 concurrent requests whose token ids and logprob bits equal the
+    offline engine's, penalties included."""
+    from vllm.entrypoints.openai.api_server import _serving, build_app
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    kw = dict(model=gpu_model, device="cuda", numerics="invariant", seed=0, gpu_memory_utilization=0.3)
+    prompts = [[5 + i, 6 + i, 7 + i, 8 + i] * (1 + i % 5) for i in range(32)]
+    bodies = [dict(prompt=p, max_tokens=16, temperature=1.0, seed=i, logprobs=1, ignore_eos=True,
+                   **({"frequency_penalty": 0.5} if i % 3 == 0 else {})) for i, p in enumerate(prompts)]
+    llm = LLM(**kw)
+    refs = [llm.generate({"prompt_token_ids": b["prompt"]},
+                         SamplingParams(max_tokens=16, temperature=1.0, seed=b["seed"], logprobs=1, ignore_eos=True,
+                                        frequency_penalty=b.get("frequency_penalty", 0.0)), use_tqdm=False)[0].outputs[0]
+            for b in bodies]
+    del llm
+    import torch
+    torch.cuda.empty_cache()
+    async_llm = AsyncLLM.from_engine_args(kw, startup_timeout=600)
+    app = build_app(_serving(async_llm, ["gpu"], 20, "vllm"), shutdown_engine_on_exit=False)
+    try:
+        async def go():
+            async with _http(app, key=None) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+        rs = _run(go())
+    finally:
+        async_llm.shutdown()
+    for r, ref in zip(rs, refs):
+        c = r.json()["choices"][0]
+        assert c["token_ids"] == ref.token_ids
+        assert c["logprobs"]["token_logprobs"] == [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]

@@ -1,0 +1,333 @@
+"""EngineCore: the engine's busy loop behind `vllm serve`, in its own process.
+
+The API server and the engine used to share one process and one GIL, so every
+HTTP chunk the server wrote was time the engine could not schedule. Now the
+engine runs here, alone: it drains the commands the API server sent (typed
+messages, vllm/engine/core_messages.py), runs one engine step, and sends ONE
+message with every request's new token ids for that step. It never touches text:
+the client (vllm/engine/core_client.py) detokenizes and applies stop strings, so
+the engine's host time goes to scheduling and the model only.
+
+The loop runs in a child process (`vllm serve`, run_engine_core_process) or in a
+thread of the caller's process (build_app_from_llm: tests and notebooks that
+want to reach into the engine). Both use the same pipes and messages.
+
+Lifetime: the process exits when its parent does (its command pipe reaches EOF,
+its parent pid changes, or the kernel's parent-death signal fires), so it is
+never orphaned; the client sees it die as EOF on its output pipe.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from vllm.core.request import RequestStatus
+from vllm.engine.core_messages import (
+    AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestFailure, StopChild,
+    UtilityCall, UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop wakes this often to check that its parent is still alive.
+_IDLE_POLL_S = 1.0
+
+
+class EngineCore:
+    """Drives one LLMEngine from a command pipe; see the module docstring."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._deltas: list[tuple] = []   # RequestDelta fields
+        # request id -> tokens already reported, per sample
+        self._sent: dict[str, list[int]] = {}
+        self._utility: list[UtilityResult] = []
+        self._failures: list[RequestFailure] = []
+        self._stop = False
+        engine.output_builder = self._build_deltas
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _build_deltas(self, group, finished: bool) -> None:
+        """LLMEngine output builder: the new token ids (and logprobs) of each sample."""
+        sent = self._sent.setdefault(group.request_id, [0] * len(group.children))
+        for i, req in enumerate(group.children):
+            n = len(req.output_token_ids)
+            fin = group.finish[i]
+            start = sent[i]
+            if start < 0 or (n == start and fin is None):
+                continue  # its finish was already reported, or nothing new
+            lps = req.logprobs[start:n] if group.params.logprobs is not None else None
+            # a plain tuple in RequestDelta's field order (see core_messages)
+            self._deltas.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
+                                 req.stop_reason if fin is not None else None,
+                                 list(group.weight_versions[i]), max(0, req.num_cached_tokens)))
+            sent[i] = -1 if fin is not None else n
+        if finished:
+            self._sent.pop(group.request_id, None)
+
+    def _stats(self) -> EngineStats:
+        eng = self.engine
+        sched = eng.scheduler
+        return EngineStats(len(sched.running), len(sched.waiting), eng.kv.usage, eng.kv.num_free_blocks,
+                           sched.num_preemptions, eng.step_count, eng.paused)
+
+    def take_outputs(self) -> EngineCoreOutputs | None:
+        """The outputs gathered since the last call (None when there are none)."""
+        if not (self._deltas or self._utility or self._failures):
+            return None
+        out = EngineCoreOutputs(self._deltas, self.engine.weight_version, self._stats(), self._utility, self._failures)
+        self._deltas, self._utility, self._failures = [], [], []
+        return out
+
+    # ---- commands -----------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        eng = self.engine
+        if isinstance(msg, AddRequest):
+            try:
+                eng.add_request(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids}, msg.params, stream=True)
+            except ValueError as err:
+                self._failures.append(RequestFailure([msg.request_id], str(err), True))
+        elif isinstance(msg, AbortRequest):
+            eng.abort_request(msg.request_id)
+            self._sent.pop(msg.request_id, None)
+        elif isinstance(msg, StopChild):
+            eng.stop_child(msg.request_id, msg.index, msg.stop_reason)
+            if msg.request_id not in eng._groups:
+                self._sent.pop(msg.request_id, None)
+        elif isinstance(msg, UtilityCall):
+            try:
+                fn = getattr(self, f"utility_{msg.method}", None)
+                if fn is None:
+                    raise NotImplementedError(f"the engine has no utility method {msg.method!r}")
+                self._utility.append(UtilityResult(msg.call_id, True, fn(*msg.args)))
+            except Exception as err:  # noqa: BLE001 -- the caller gets it
+                if not isinstance(err, (ValueError, NotImplementedError)):
+                    logger.exception("engine utility %s failed", msg.method)
+                self._utility.append(UtilityResult(msg.call_id, False, (type(err).__name__, str(err))))
+        else:
+            logger.error("engine core: unknown message %r", type(msg).__name__)
+
+    def step(self) -> None:
+        """One engine step; a failure fails (and aborts) every request in flight."""
+        eng = self.engine
+        try:
+            eng.step()
+        except Exception as err:  # noqa: BLE001 -- the loop must survive a failed step
+            logger.exception("engine step failed; failing every request in flight")
+            ids = list(eng._groups)
+            for rid in ids:
+                try:
+                    eng.abort_request(rid)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort of %s failed", rid)
+                self._sent.pop(rid, None)
+            eng._inflight = None
+            self._failures.append(RequestFailure(ids, f"engine step failed: {type(err).__name__}: {err}", False))
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests() and not self.engine.paused
+
+    # ---- utility methods (UtilityCall.method = the name after "utility_") ---------------
+    def utility_pause(self) -> dict:
+        self.engine.pause()
+        return {"paused": True, "weight_version": self.engine.weight_version}
+
+    def utility_resume(self) -> dict:
+        self.engine.resume()
+        return {"paused": False, "weight_version": self.engine.weight_version}
+
+    def utility_stats(self) -> dict:
+        eng = self.engine
+        return {**self._stats()._asdict(), "num_unfinished": eng.scheduler.num_unfinished,
+                "num_usable_blocks": eng.kv.num_usable_blocks, "weight_version": eng.weight_version,
+                "has_unfinished": eng.has_unfinished_requests()}
+
+    def utility_weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def utility_reset_prefix_cache(self) -> bool:
+        return self.engine.kv.reset_prefix_cache()
+
+    def utility_update_weights_from_path(self, path: str) -> dict:
+        """In-place update from a checkpoint directory. Running requests are paused across
+        it and continue under the new weights; a rejected checkpoint changes nothing."""
+        import torch
+
+        from vllm.model_loader.loader import checkpoint_files, iterate_weights
+        from vllm.weight_sync import update_weights
+
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise ValueError(f"weights path {path!r} is not a directory")
+        files = checkpoint_files(path)  # ValueError for a directory without weights, before pausing anything
+        eng = self.engine
+        was_paused = eng.paused
+        eng.pause()
+        try:
+            dtype = eng.config.dtype
+            # Cast by the load rule (what loading this checkpoint into a fresh engine does).
+            weights = ((name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+                       for name, t in iterate_weights(files))
+            t0 = time.perf_counter()
+            version = update_weights(eng, weights)
+            logger.info("weights updated from %s in %.2f s: version %d", path, time.perf_counter() - t0, version)
+        except Exception as err:
+            if isinstance(err, ValueError):
+                raise
+            raise ValueError(f"could not read the checkpoint {path!r}: {type(err).__name__}: {err}") from err
+        finally:
+            if not was_paused:
+                eng.resume()
+        return {"weight_version": version}
+
+    def utility_init_weight_group(self, spec: dict) -> dict:
+        return self.init_weight_group(**spec)
+
+    def utility_update_weights_from_group(self, spec: dict) -> dict:
+        eng = self.engine
+        was_paused = eng.paused
+        eng.pause()
+        try:
+            return self.update_weights_from_group(**spec)
+        finally:
+            if not was_paused:
+                eng.resume()
+
+    def init_weight_group(self, **spec) -> dict:
+        """Join the trainer's weight-broadcast group (NCCL). Provided by the weight-sync
+        transports; until then the server answers 501."""
+        raise NotImplementedError("weight updates over a process group are not implemented yet "
+                                  "(use POST /v1/weights/update with a checkpoint path)")
+
+    def update_weights_from_group(self, **spec) -> dict:
+        """Receive one update broadcast by the trainer over the group made by init_weight_group,
+        while the engine is paused (the caller pauses and resumes around it); returns
+        {"weight_version": int}. Provided by the weight-sync transports; until then 501."""
+        raise NotImplementedError("weight updates over a process group are not implemented yet "
+                                  "(use POST /v1/weights/update with a checkpoint path)")
+
+    def utility_shutdown(self) -> None:
+        self._stop = True
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self, inbox: Connection, outbox: Connection, parent_pid: int | None = None) -> None:
+        """Serve commands from `inbox` and write outputs to `outbox` until shut down or orphaned."""
+        sender = _Sender(outbox)
+        try:
+            while not self._stop:
+                msgs = _receive(inbox, 0.0 if self.busy else _IDLE_POLL_S)
+                if msgs is None:
+                    return  # the client is gone
+                for m in msgs:
+                    self.handle(m)
+                if self._stop:
+                    break
+                if not msgs and not self.busy and parent_pid is not None and os.getppid() != parent_pid:
+                    logger.warning("engine core: parent process %d is gone; exiting", parent_pid)
+                    return
+                if self.busy:
+                    self.step()
+                out = self.take_outputs()
+                if out is not None:
+                    sender.send(out)
+            # answer the shutdown call (and anything before it)
+            out = self.take_outputs()
+            if out is not None:
+                sender.send(out)
+        finally:
+            sender.close()
+
+
+def _receive(inbox: Connection, timeout: float) -> list | None:
+    """Every message waiting (after up to `timeout` s for the first); None once the pipe is closed."""
+    msgs: list = []
+    try:
+        if not inbox.poll(timeout):
+            return msgs
+        while True:
+            msgs.extend(pickle.loads(inbox.recv_bytes()))
+            if not inbox.poll(0):
+                return msgs
+    except (EOFError, OSError):
+        return None
+
+
+class _Sender:
+    """Writes pickled outputs on a thread: a reader that lags never stalls the engine loop
+    (the pipe write, which may block, releases the GIL)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken = False
+        self.thread = threading.Thread(target=self._run, name="vllm-engine-sender", daemon=True)
+        self.thread.start()
+
+    def send(self, obj) -> None:
+        self.q.put(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _run(self) -> None:
+        while True:
+            data = self.q.get()
+            if data is None:
+                return
+            if self.broken:
+                continue
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                self.broken = True  # the client is gone; the loop notices on its own pipe
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
+def ready_info(engine) -> ReadyInfo:
+    cfg = engine.config
+    return ReadyInfo(model_path=cfg.model.path, tokenizer_path=cfg.tokenizer or cfg.model.path,
+                     max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
+                     generation_defaults=dict(cfg.model.generation_defaults), weight_version=engine.weight_version,
+                     num_kv_blocks=engine.runner.num_blocks, block_size=cfg.cache.block_size,
+                     max_num_seqs=cfg.scheduler.max_num_seqs)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_engine_core_process(engine_kwargs: dict, inbox: Connection, outbox: Connection, parent_pid: int,
+                            log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process: build the engine, report ready (or the error), serve."""
+    _set_parent_death_signal()
+    # Ctrl-C reaches the whole process group: the API server shuts the engine down itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    if os.getppid() != parent_pid:
+        return
+    try:
+        from vllm import LLM
+        engine = LLM(**engine_kwargs).llm_engine
+    except BaseException as err:  # noqa: BLE001 -- reported to the API server, which exits with it
+        try:
+            outbox.send_bytes(pickle.dumps(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
+        except OSError:
+            pass
+        return
+    core = EngineCore(engine)
+    outbox.send_bytes(pickle.dumps(("ready", ready_info(engine))))
+    core.run(inbox, outbox, parent_pid)

@@ -1,0 +1,99 @@
+"""Typed messages between the API server process and the engine core process.
+
+Both directions carry pickled lists of these NamedTuples over a pipe, except the
+per-step RequestDeltas, which travel as plain tuples (RequestDelta._make on
+arrival): for 256 requests a step's outputs then pickle in about 0.13 ms and
+unpickle in 0.23 ms, against 0.77 / 0.45 ms as NamedTuples and several times that
+as dataclasses (measured on the CPU dev box). The engine never waits on a slow
+reader: a sender thread does the writing.
+
+client -> core: AddRequest, AbortRequest, StopChild, UtilityCall
+core -> client: ReadyInfo (once), then one EngineCoreOutputs per engine step (and
+one after each batch of commands that produced results).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from vllm.sampling_params import SamplingParams
+
+
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams       # stop strings removed and detokenize=False: the client does text
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+
+
+class StopChild(NamedTuple):
+    """Sample `index` of a request hit a stop string (found by the client's detokenizer)."""
+    request_id: str
+    index: int
+    stop_reason: str
+
+
+class UtilityCall(NamedTuple):
+    """Run EngineCore.utility_<method>(*args) between steps; answered by a UtilityResult."""
+    call_id: int
+    method: str
+    args: tuple
+
+
+class RequestDelta(NamedTuple):
+    """What one sample of one request gained in one step."""
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    # per new token (logprob, rank, [(token id, logprob), ...] top alternatives), or None
+    new_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None
+    finish_reason: str | None    # set on the sample's last delta
+    stop_reason: int | str | None
+    weight_versions: list[int]   # the versions the sample has been computed under so far
+    num_cached_tokens: int
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    kv_usage: float              # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_preemptions: int
+    step_count: int
+    paused: bool
+
+
+class UtilityResult(NamedTuple):
+    call_id: int
+    ok: bool
+    value: Any                   # the result, or (exception class name, message)
+
+
+class RequestFailure(NamedTuple):
+    """The engine could not run these requests (a failed step, or an add the engine refused)."""
+    request_ids: list[str]
+    message: str
+    invalid: bool                # True: the request's own fault (HTTP 400), else the engine's (500)
+
+
+class EngineCoreOutputs(NamedTuple):
+    deltas: list[tuple]          # RequestDelta fields as plain tuples (cheaper to pickle)
+    weight_version: int
+    stats: EngineStats
+    utility_results: list[UtilityResult]
+    failures: list[RequestFailure]
+
+
+class ReadyInfo(NamedTuple):
+    """Sent once the engine is built: what the API server needs to validate and detokenize."""
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict
+    weight_version: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int

@@ -1,0 +1,120 @@
+"""The client's side of a request: token-id deltas from the engine core -> RequestOutputs.
+
+The engine core sends only token ids (and raw logprobs). Here, in the API server
+process, each sample is detokenized incrementally, stop strings are applied, and
+logprob entries get their decoded text: exactly what LLMEngine does offline (same
+IncrementalDetokenizer, same stop-string search, same logprob entries, same
+summation order of cumulative_logprob), so a served request's text, token ids and
+finish reason equal the offline engine's.
+
+A stop string found here ends the sample: its token ids stop at the token that
+completed the string, and the caller tells the engine (StopChild). Tokens the
+engine sampled before that message arrived are dropped.
+"""
+from __future__ import annotations
+
+from vllm.engine.core_messages import RequestDelta
+from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import IncrementalDetokenizer, find_stop_string
+
+
+class TokenTextCache:
+    """Decoded text of single tokens (logprob entries), shared by all requests."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class RequestState:
+    """All samples of one request as the client sees them."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "token_ids", "detoks", "logprobs",
+                 "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer, decode_one: TokenTextCache):
+        n = params.n
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.detoks = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                       if params.detokenize else None for _ in range(n)]
+        self.logprobs: list[list[dict[int, Logprob]]] | None = [[] for _ in range(n)] if params.logprobs is not None else None
+        self.cumulative = [0.0] * n
+        self.finish: list[str | None] = [None] * n
+        self.stop_reason: list[int | str | None] = [None] * n
+        self.weight_versions: list[list[int]] = [[] for _ in range(n)]
+        self.num_cached_tokens = 0
+        self._decode = decode_one
+
+    @property
+    def finished(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def apply(self, d: RequestDelta) -> str | None:
+        """Add one delta. Returns the stop string that just ended the sample, if any (the
+        caller must tell the engine to stop it)."""
+        i = d.index
+        if self.finish[i] is not None:
+            return None  # sampled after a stop string, before the engine heard of it
+        self.weight_versions[i] = d.weight_versions
+        self.num_cached_tokens = d.num_cached_tokens
+        ids = self.token_ids[i]
+        detok = self.detoks[i]
+        stops = self.params.stop_strings
+        last = len(d.new_token_ids) - 1
+        for k, tok in enumerate(d.new_token_ids):
+            ids.append(tok)
+            if self.logprobs is not None and d.new_logprobs is not None:
+                lp, rank, top = d.new_logprobs[k]
+                entry = {tok: Logprob(lp, rank, self._decode(tok))}
+                for r, (tid, tlp) in enumerate(top, start=1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(tlp, r, self._decode(tid))
+                self.logprobs[i].append(entry)
+                self.cumulative[i] += lp
+            if detok is None:
+                continue
+            before = len(detok.text)
+            detok.append(tok)
+            if not stops:
+                continue
+            hit = find_stop_string(detok.text, before, stops)
+            if hit is None:
+                continue
+            pos, s = hit
+            detok.text = detok.text[:pos + len(s)] if self.params.include_stop_str_in_output else detok.text[:pos]
+            if k == last and d.finish_reason is not None:
+                break  # a token rule ended it in the same step: that reason stands (as offline)
+            self.finish[i] = "stop"
+            self.stop_reason[i] = s
+            return s
+        if d.finish_reason is not None:
+            self.finish[i] = d.finish_reason
+            self.stop_reason[i] = d.stop_reason
+        return None
+
+    def fail(self) -> None:
+        self.finish = [f or "abort" for f in self.finish]
+
+    def output(self) -> RequestOutput:
+        lps = self.logprobs
+        outs = [CompletionOutput(index=i, text=self.detoks[i].text if self.detoks[i] is not None else "",
+                                 token_ids=list(self.token_ids[i]),
+                                 cumulative_logprob=self.cumulative[i] if lps is not None else None,
+                                 logprobs=list(lps[i]) if lps is not None else None,
+                                 finish_reason=self.finish[i], stop_reason=self.stop_reason[i],
+                                 weight_versions=list(self.weight_versions[i]))
+                for i in range(len(self.finish))]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             num_cached_tokens=self.num_cached_tokens)

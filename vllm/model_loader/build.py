@@ -1,0 +1,67 @@
+"""The one path from a checkpoint directory to a ready model, shared by the engine
+(`LLM` -> `LLMEngine` -> `ModelRunner`) and the trainer (`Policy.from_pretrained`):
+config.json -> `ModelConfig` + the model class's own config -> dtype -> model
+class -> weights -> (invariant numerics) the kernels' support check and self-check.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vllm.config import ModelConfig, resolve_dtype
+from vllm.model_loader.loader import checkpoint_files, init_dummy_weights, iterate_weights, load_weights
+from vllm.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
+def parse_model_config(model_config: ModelConfig):
+    """The model class's own config (e.g. `LlamaFamilyConfig`) parsed from config.json;
+    ValueError for an unsupported architecture or option."""
+    return model_class(model_config.architecture).config_class.from_hf(model_config.hf_config)
+
+
+def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | torch.device,
+                  max_model_len: int | None = None) -> tuple[ModelConfig, torch.dtype]:
+    """Read and validate a checkpoint's config (architecture-specific fields included, so an
+    unsupported model fails here, before anything is loaded) and resolve the dtype."""
+    mc = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
+    parse_model_config(mc)
+    return mc, resolve_dtype(dtype, torch.device(device).type, mc.torch_dtype)
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
+                load_format: str = "safetensors", self_check_tokens: int | None = None) -> tuple[torch.nn.Module, dict | None]:
+    """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
+    refuse unverified devices and run the GEMM self-check on CUDA (`self_check_tokens`: the
+    largest step the caller runs). Returns (model in eval mode, self-check report or None)."""
+    device = torch.device(device)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if numerics == "invariant":
+        from vllm.kernels.selfcheck import check_supported
+        check_supported(device, dtype)
+    cls = model_class(model_config.architecture)
+    arch_config = cls.config_class.from_hf(model_config.hf_config)
+    with torch.device(device):
+        model = cls(arch_config, dtype=dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        files = checkpoint_files(model_config.path)
+        try:
+            load_weights(model, iterate_weights(files))
+        except ValueError as err:
+            raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
+    model.eval()
+    report = None
+    if numerics == "invariant" and device.type == "cuda":
+        from vllm.kernels.selfcheck import gemm_self_check
+        t0 = time.perf_counter()
+        report = gemm_self_check(model, device, dtype, max_tokens=self_check_tokens)
+        logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
+    return model, report

@@ -1,0 +1,24 @@
+"""Activation checkpointing for a model's layer loop.
+
+The recomputation runs during backward, outside the `set_forward_context` block
+of the forward, so it re-enters the context the layer first ran under: the same
+attention backend and numerics mode, hence the same bits as the first pass.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from vllm.forward_context import get_forward_context, set_forward_context
+
+
+def checkpointed(layer, *args):
+    """`layer(*args)`, its activations recomputed in backward instead of kept; a plain
+    call when autograd is off (inference, CUDA graph capture)."""
+    if not torch.is_grad_enabled():
+        return layer(*args)
+    ctx = get_forward_context()
+    return checkpoint(layer, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), set_forward_context(ctx)))
