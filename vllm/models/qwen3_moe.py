@@ -63,13 +63,13 @@ class Qwen3MoeConfig(LlamaFamilyConfig):
                                   ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
         if missing:
             raise ValueError(f"Qwen3-MoE config lacks {missing}")
-        cfg = cls(**{f.name: getattr(dense, f.name) for f in fields(dense)},
+        qwen3_fields = {f.name: getattr(dense, f.name) for f in fields(dense)}
+        cfg = cls(**{**qwen3_fields, "architecture": arch},
                   num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
                   mlp_only_layers=[int(i) for i in (hf.get("mlp_only_layers") or [])])
-        cfg.architecture = arch
         if cfg.num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {cfg.num_experts}")
         if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
