@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels and moe), e.g.
+# kernels, rlstep and moe), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -105,6 +105,13 @@ if has moe; then
     >"$OUT/moe_train_step.log" 2>&1
   tail -6 "$OUT/moe_train_step.log"
 fi
+if has rlstep; then
+  # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
+  echo "== RL step ($SECONDS s)"
+  timeout "${RLSTEP_TIMEOUT:-540}" python benchmarks/rl_step.py ${RLSTEP_ARGS:-} --json-out "$OUT/rl_step.json" \
+    >"$OUT/rl_step.log" 2>&1
+  tail -12 "$OUT/rl_step.log"
+fi
 
 echo
 echo "================ summary (${SECONDS} s) ================"
@@ -117,4 +124,5 @@ has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; }
+has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 exit 0

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, SampledToken
 from vllm.core.request import Request
 from vllm.core.scheduler import Scheduler

@@ -5,7 +5,10 @@ padded batched `generate` on the same architecture and dims, and the floor that
 the H200's memory bandwidth (decode) and matrix rate (prefill) allow.
 
     python benchmarks/throughput.py --config benchmarks/configs/qwen3-8b.json \
-        --num-prompts 256 --input-len 512 --output-len 256 --numerics fast --hf
+        --num-prompts 256 --input-len 512 --output-len 256 --hf
+
+By default it compares the product (numerics="invariant") with the plain-speed
+baseline (numerics="fast"), both with async scheduling as the engine runs on CUDA.
 
 MoE configs (benchmarks/configs/qwen3-30b-a3b.json) work the same way; their floor counts
 the top-k experts per token for prefill and every expert a decode step touches.
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-# Ceilings measured on our H200 (../shared/NOTES.md); override on other machines.
+# Ceilings measured on the H200 (copy bandwidth and bf16 matrix rate); override on other machines.
 COPY_BW = float(os.environ.get("BENCH_COPY_BW", 4.24e12))        # bytes/s, read + write
 MATMUL_RATE = float(os.environ.get("BENCH_MATMUL_RATE", 755e12))  # bf16 FLOP/s
 
@@ -74,27 +77,14 @@ def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tupl
 def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm.sample import sampler as sampler_mod
-
     numerics, *variants = mode.split("+")
-    unknown = set(variants) - {"async", "sync", "gumbel", "unfused", "headkv", "tokkv", "axis0", "axis2"}
+    unknown = set(variants) - {"async", "sync", "unfused", "nocublaslt"}
     if unknown:
         raise ValueError(f"unknown mode variant(s) {sorted(unknown)} in {mode!r}")
-    # "+gumbel" / "+unfused" force the fused Gumbel-max sampler on / off for this mode
-    from vllm.kernels import attention as attn_mod
-    from vllm.worker import model_runner as runner_mod
-
-    # speed-only switches, restored after this mode: "+headkv"/"+tokkv" KV cache layout,
-    # "+axis0"/"+axis2" decode attention grid order (kv heads first or last)
-    saved = (sampler_mod.FUSED_GUMBEL, runner_mod.KV_CACHE_LAYOUT, attn_mod.DECODE_KVH_AXIS0)
-    if "gumbel" in variants or "unfused" in variants:
-        sampler_mod.FUSED_GUMBEL = "gumbel" in variants
-    if "headkv" in variants or "tokkv" in variants:
-        runner_mod.KV_CACHE_LAYOUT = "head" if "headkv" in variants else "token"
-    if "axis0" in variants or "axis2" in variants:
-        attn_mod.DECODE_KVH_AXIS0 = "axis0" in variants
+    # "+unfused": the unfused Gumbel-max sampler; "+nocublaslt": invariant GEMMs all in Triton
     llm = LLM(model=model_dir, dtype="bfloat16", load_format="dummy", numerics=numerics, seed=0,
-              async_scheduling="async" in variants,
+              async_scheduling="async" in variants, fused_gumbel="unfused" not in variants,
+              gemm_cublaslt="nocublaslt" not in variants,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               max_model_len=args.input_len + args.output_len + 16)
@@ -126,7 +116,6 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
         runner.profile = False
         print(f"[{mode}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timings.items(), key=lambda kv: -kv[1])), flush=True)
-    sampler_mod.FUSED_GUMBEL, runner_mod.KV_CACHE_LAYOUT, attn_mod.DECODE_KVH_AXIS0 = saved
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()
@@ -165,9 +154,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--numerics", default="fast", help="comma-separated: fast,invariant; append +async (async scheduling) and/or +gumbel / +unfused "
-                    "(fused Gumbel-max sampler on / off) to a mode "
-                    "e.g. fast,fast+async,fast+async+gumbel,invariant+async")
+    ap.add_argument("--numerics", default="invariant+async,fast+async", help="comma-separated: fast,invariant; append +async (async scheduling), "
+                    "+unfused (unfused Gumbel-max sampler) and/or +nocublaslt (invariant GEMMs without cuBLASLt) "
+                    "to a mode, e.g. fast,fast+async,invariant+async,invariant+async+nocublaslt")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -205,8 +194,10 @@ def main() -> None:
     if "invariant" in digests and "invariant+async" in digests:
         # same weights, same seeds: async scheduling must not change a single token
         print(f"invariant vs invariant+async: same tokens = {digests['invariant'] == digests['invariant+async']}")
-    if args.hf and "fast" in ours:
-        print(f"fast / transformers = {ours['fast'] / results[-1]['tok_s']:.2f}")
+    if args.hf:
+        for mode in ("invariant+async", "invariant", "fast+async", "fast"):
+            if mode in ours:
+                print(f"{mode} / transformers = {ours[mode] / results[-1]['tok_s']:.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"config": name, "floor_tok_s": floor_tok_s, "results": results}, f, indent=1)

@@ -23,7 +23,7 @@ import torch
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.model_loader.build import build_model, resolve_model
 from vllm.training import Policy
-from vllm.training.plain import FlashVarlenBackend
+from vllm.training.flash_varlen import FlashVarlenBackend
 
 
 def _with_aux_loss(loss_fn, coef: float) -> float | None:

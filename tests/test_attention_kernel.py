@@ -1,9 +1,9 @@
 """Paged attention: correctness vs a float64 reference and bit-invariance.
 
 Two implementations are tested:
-  * "triton": vllm.kernels.attention.paged_attention (Triton; on CPU through
+  * "triton": vllm.kernels.attention.paged_attention_triton (on CPU through
     TRITON_INTERPRET=1 with tiny sizes, on CUDA compiled),
-  * "torch":  vllm.kernels.attention_ref.paged_attention_torch (CPU fallback).
+  * "torch":  vllm.kernels.attention_cpu.paged_attention_cpu (the CPU engine's).
 
 Invariance is checked on bit patterns (int views), never with allclose: the
 output for one (sequence, position, head) must be identical whatever the
@@ -14,6 +14,7 @@ Every call builds a fresh NaN-filled cache holding only positions < seq_len of
 each batch entry (block 0, the null block, stays NaN too), so any read past a
 context or through an unused block-table entry shows up as NaN.
 """
+import functools
 import importlib
 import os
 
@@ -32,10 +33,10 @@ if not HAS_CUDA and not attn._INTERPRET:
     # Imported earlier by another test without the interpreter: re-decorate.
     attn = importlib.reload(attn)
 
-from vllm.kernels.attention_ref import (  # noqa: E402
+from vllm.kernels.attention_cpu import (  # noqa: E402
     _exp_det,
+    paged_attention_cpu,
     paged_attention_ref,
-    paged_attention_torch,
 )
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -62,12 +63,13 @@ class Problem:
         self.scale = 1.5 / head_dim ** 0.5  # a bit sharper than usual softmax
 
     def call(self, impl, items, block_size, *, seed=0, split=SPLIT, decode_parallel=None,
-             max_seq_len=None, extra_blocks=5, share_blocks=False, device=DEV, head_major=False):
+             max_seq_len=None, extra_blocks=5, share_blocks=False, device=DEV, mode="fast"):
         """Run one batch. items: (seq index or None for padding, seq_len, q_len);
         the entry's queries are positions seq_len - q_len .. seq_len - 1.
         Each entry gets its own physical blocks holding only positions
         < seq_len (the rest of the cache is NaN), unless share_blocks (GPU
         sizes: entries of one sequence then share blocks holding all of it).
+        impl "dispatch" is the op shim in numerics `mode`.
         Returns the per-entry outputs [q_len, Hq, D] (on CPU)."""
         g = torch.Generator().manual_seed(1000 + seed)
         # Allocation units: one per entry, or one per sequence when sharing.
@@ -80,13 +82,8 @@ class Problem:
         phys = torch.randperm(num_blocks - 1, generator=g) + 1  # never block 0
         width = max(list(nblk_unit.values()) + [1]) + 2
         shape = (num_blocks, block_size, self.hkv, self.d)
-        if head_major:  # stored [blocks, heads, block_size, D], passed as the permuted view
-            phys_shape = (num_blocks, self.hkv, block_size, self.d)
-            k_cache = torch.full(phys_shape, float("nan"), dtype=self.dtype).permute(0, 2, 1, 3)
-            v_cache = torch.full(phys_shape, float("nan"), dtype=self.dtype).permute(0, 2, 1, 3)
-        else:
-            k_cache = torch.full(shape, float("nan"), dtype=self.dtype)
-            v_cache = torch.full(shape, float("nan"), dtype=self.dtype)
+        k_cache = torch.full(shape, float("nan"), dtype=self.dtype)
+        v_cache = torch.full(shape, float("nan"), dtype=self.dtype)
         unit_ids, used = {}, 0
         for key, L in units.items():
             ids = phys[used:used + nblk_unit[key]]
@@ -116,8 +113,8 @@ class Problem:
         seq_lens = torch.tensor([L for _, L, _ in items], dtype=torch.int32)
         dev = "cpu" if impl in ("torch", "dispatch") else device
         args = [t.to(dev) for t in (q, k_cache, v_cache, block_table, cu, seq_lens)]
-        fn = {"torch": paged_attention_torch, "triton": attn.paged_attention_triton,
-              "dispatch": attn.paged_attention}[impl]
+        fn = {"torch": paged_attention_cpu, "triton": attn.paged_attention_triton,
+              "dispatch": functools.partial(_ops_attention, mode)}[impl]
         out = fn(*args, self.scale, max_query_len=max(qlens),
                  max_seq_len=max_seq_len if max_seq_len is not None else max(seq_lens.tolist()),
                  kv_split_size=split, decode_parallel_splits=decode_parallel).cpu()
@@ -220,8 +217,8 @@ def test_out_argument_and_untouched_rows():
     k_cache, v_cache = k[:, None].contiguous(), v[:, None].contiguous()
     bt = torch.arange(40, dtype=torch.int32)[None]
     qq = torch.cat([q[30:40], torch.randn(3, 4, 16)])
-    for fn in (attn.paged_attention_triton, paged_attention_torch):
-        dev = "cpu" if fn is paged_attention_torch else DEV
+    for fn in (attn.paged_attention_triton, paged_attention_cpu):
+        dev = "cpu" if fn is paged_attention_cpu else DEV
         out = torch.full((13, 4, 16), 7.0, device=dev)
         args = [t.to(dev) for t in (qq, k_cache, v_cache, bt, torch.tensor([0, 10], dtype=torch.int32),
                                     torch.tensor([40], dtype=torch.int32))]
@@ -313,50 +310,6 @@ def test_block_size_does_not_change_bits(impl):
         assert_same_bits(P.call(impl, items, bs)[0], base, f"block_size {bs}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_cache_layout_and_grid_order_do_not_change_bits(impl, monkeypatch):
-    """Head-major caches (a permuted view) and the kv-heads-first grid are speed choices:
-    prefill, chunked and decode outputs keep their bits."""
-    p = Problem([70, 33], 8, 2, 16, torch.bfloat16, seed=5)
-    items = [(0, 70, 70), (1, 33, 5), (None, 0, 2)]
-    dec = [(0, 70, 1), (1, 33, 1)]
-    base = p.call(impl, items, 4) + p.call(impl, dec, 4) + p.call(impl, dec, 4, decode_parallel=True)
-    monkeypatch.setattr(attn, "DECODE_KVH_AXIS0", True)
-    monkeypatch.setattr(attn, "PREFILL_KVH_AXIS0", True)
-    for head_major in (False, True):
-        got = (p.call(impl, items, 4, head_major=head_major) + p.call(impl, dec, 4, head_major=head_major)
-               + p.call(impl, dec, 4, decode_parallel=True, head_major=head_major))
-        for i, (a, b) in enumerate(zip(base, got)):
-            if a.numel():
-                assert_same_bits(a, b, f"head_major={head_major} entry {i}")
-
-
-@pytest.mark.parametrize("max_query_len,decode_parallel", [(1 << 22, None), (1, True)])
-def test_kvh_axis0_grid_stays_within_launch_limits(monkeypatch, max_query_len, decode_parallel):
-    """Grid axes 1 and 2 hold at most 65535 programs on CUDA: the kv-heads-first order must
-    not move a long q-tile / split axis there (it falls back to the default order, which
-    computes the same bits). Only the launch grid is checked; the kernel is not run."""
-    grids = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return lambda *a, **k: None
-
-    monkeypatch.setattr(attn, "_paged_attn_kernel", _Recorder())
-    monkeypatch.setattr(attn, "_merge_splits_kernel", _Recorder())
-    monkeypatch.setattr(attn, "DECODE_KVH_AXIS0", True)
-    monkeypatch.setattr(attn, "PREFILL_KVH_AXIS0", True)
-    q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
-    kc = torch.zeros(2, 16, 1, 16, dtype=torch.bfloat16)
-    i32 = dict(dtype=torch.int32)
-    max_seq_len = max_query_len if decode_parallel is None else (1 << 16) * SPLIT + 1
-    attn.paged_attention_triton(q, kc, kc, torch.zeros(1, 1, **i32), torch.tensor([0, 1], **i32),
-                                torch.tensor([1], **i32), 1.0, max_query_len=max_query_len,
-                                max_seq_len=max_seq_len, kv_split_size=SPLIT, decode_parallel_splits=decode_parallel)
-    assert grids and all(max(g[1:]) <= 65535 for g in grids), grids
-
-
 def test_decode_parallel_vs_sequential_vs_prefill():
     """Parallel split decode (partials + merge kernel) == sequential split
     decode == prefill, for a batch with mixed lengths and padding rows, and
@@ -386,13 +339,26 @@ def test_empty_batch_and_all_padding():
     assert all((bits(o) == 0).all() for o in outs)
 
 
-def test_cpu_dispatch_is_the_torch_version():
-    """paged_attention on CPU tensors is paged_attention_torch (the CPU
-    engine and a CPU trainer therefore share one implementation)."""
-    P = Problem([30, 70], 4, 2, 16, torch.float32, seed=9)
-    items = [(0, 30, 30), (1, 70, 1), (None, 0, 0)]
-    for a, b in zip(P.call("dispatch", items, 4), P.call("torch", items, 4)):
-        assert_same_bits(a, b, "dispatch vs torch")
+def _ops_attention(mode, q, k_cache, v_cache, block_table, cu, seq_lens, scale, *, max_query_len, max_seq_len,
+                   kv_split_size, decode_parallel_splits):
+    """The op shim (what the engine and the trainer call) in numerics `mode`."""
+    from vllm.forward_context import ForwardContext, set_forward_context
+    from vllm.kernels import ops
+    assert kv_split_size == attn.KV_SPLIT_SIZE and decode_parallel_splits is None
+    with set_forward_context(ForwardContext(None, mode)):
+        return ops.attention(q, k_cache, v_cache, block_table, cu, seq_lens, scale, max_query_len=max_query_len,
+                             max_seq_len=max_seq_len)
+
+
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+def test_cpu_dispatch_is_the_cpu_version(mode):
+    """The op shim on CPU tensors runs paged_attention_cpu in both modes (the CPU engine
+    and a CPU trainer therefore share one implementation), prefill and decode."""
+    P = Problem([30, 70, 600], 4, 2, 16, torch.float32, seed=9)
+    for items in ([(0, 30, 30), (1, 70, 1), (None, 0, 0), (2, 600, 3)], [(0, 30, 1), (2, 600, 1)]):
+        for a, b in zip(P.call("dispatch", items, 4, split=attn.KV_SPLIT_SIZE, mode=mode),
+                        P.call("torch", items, 4, split=attn.KV_SPLIT_SIZE)):
+            assert_same_bits(a, b, f"{mode}: dispatch vs torch")
 
 
 def test_rejects_bad_split_size():
@@ -491,16 +457,16 @@ def test_gpu_cuda_graph_decode():
     seq_lens = torch.tensor([4000, 100, 2048, 0], dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     kw = dict(max_query_len=1, max_seq_len=width * bs, decode_parallel_splits=True)
-    attn.paged_attention(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale, out, **kw)  # warm up
+    attn.paged_attention_triton(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale, out, **kw)  # warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attn.paged_attention(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale, out, **kw)
+        attn.paged_attention_triton(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale, out, **kw)
     for new_lens in ([4000, 100, 2048, 0], [17, 4096, 1, 0], [1, 2, 3, 0]):
         seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        eager = attn.paged_attention(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale,
+        eager = attn.paged_attention_triton(q, k_cache, v_cache, block_table, cu, seq_lens, P.scale,
                                      max_query_len=1, max_seq_len=width * bs,
                                      decode_parallel_splits=False)
         assert_same_bits(out, eager, f"graph replay {new_lens}")

@@ -89,3 +89,31 @@ def test_gpu_async_launch_never_waits_for_the_gpu(gpu_model, numerics):
     runner.launch = strict_launch
     outs = llm.generate(prompts, sps, use_tqdm=False)
     assert len(checked) >= 12 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+def test_gpu_kernel_options_are_bit_neutral(gpu_model):
+    """gemm_cublaslt and fused_gumbel change which kernels compute, never a bit: the same
+    tokens and logprob bits with both off, in invariant mode (this model's GEMM shapes take
+    the generic tables, which have no cuBLASLt bucket: the GEMM half of the claim is
+    test_invariant_kernels.py::test_gpu_cublaslt_nosplit_equals_triton at Qwen3-8B shapes);
+    the contract records cuBLASLt's use in its numerical part and the sampler path in its
+    deployment part."""
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, logprobs=0)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70, 300)]
+    outs, contracts = [], []
+    for opts in ({}, {"gemm_cublaslt": False, "fused_gumbel": False}):
+        llm = LLM(gpu_model, device="cuda", numerics="invariant", gpu_memory_utilization=0.2,
+                  max_num_batched_tokens=1024, **opts)
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        outs.append([(o.outputs[0].token_ids, [o.outputs[0].logprobs[i][t].logprob
+                                                for i, t in enumerate(o.outputs[0].token_ids)]) for o in res])
+        contracts.append(llm.execution_contract())
+        del llm
+        torch.cuda.empty_cache()
+    for (ta, la), (tb, lb) in zip(*outs):
+        assert ta == tb
+        assert torch.equal(torch.tensor(la).view(torch.int32), torch.tensor(lb).view(torch.int32))
+    on, off = contracts
+    assert off.numerical["kernels"]["linear"].endswith("(allow_cublaslt=False)")
+    assert off.numerical["gemm"]["cublaslt"] is None
+    assert on.deployment["fused_gumbel"] is True and off.deployment["fused_gumbel"] is False

@@ -72,12 +72,12 @@ def test_invariant_refuses_unverified_device():
         check_supported(torch.device("meta"), torch.float32)
 
 
-def test_invariant_ops_refuse_unknown_op():
+def test_ops_refuse_an_unknown_numerics_mode():
     from vllm.forward_context import ForwardContext, set_forward_context
     from vllm.kernels import ops
-    with set_forward_context(ForwardContext(None, "invariant")):
-        with pytest.raises(RuntimeError, match="no verified kernel"):
-            ops._dispatch("no_such_op")
+    with set_forward_context(ForwardContext(None, "fastest")):
+        with pytest.raises(ValueError, match="numerics must be one of"):
+            ops.linear(torch.ones(2, 3), torch.ones(4, 3))
 
 
 def test_n_samples_equal_separate_requests(tiny_qwen3):

@@ -49,21 +49,30 @@ def test_matmul_rows_independent_of_M_and_config():
     for M in (1, 2, 3, 16, 17, 33, 40):
         part = invariant_matmul(x[:M].clone(), w)
         assert torch.equal(bits(part), bits(full[:M])), f"M={M}"
-    # every tile configuration gives the same bits, and a row alone == that row inside a batch
+    # every tile configuration gives the same bits
     for _, *cfg in configs:
         out = invariant_matmul(x, w, config=tuple(cfg))
         assert torch.equal(bits(out), bits(full)), cfg
-    if DEV == "cpu":
-        # numpy's matmul (what the interpreter runs for tl.dot) rounds a row differently
-        # depending on its position inside the tile, so position-independence is
-        # checked on the GPU; CPU engines use the row-wise torch path checked below.
-        return
+
+
+@pytest.mark.gpu
+def test_gpu_matmul_row_alone_equals_row_in_batch():
+    """A row computed alone (row 0 of its tile) == the same row inside a batch, at any
+    position in its tile. GPU only: numpy's matmul, which the Triton interpreter runs for
+    tl.dot, rounds a row differently depending on its position inside the tile (CPU
+    engines use the row-wise torch path: test_cpu_rowwise_linear_is_position_independent)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 80, generator=g).to("cuda")
+    w = torch.randn(48, 80, generator=g).to("cuda")
+    full = invariant_matmul(x, w)
     for i in (0, 7, 39):
-        assert torch.equal(bits(invariant_matmul(x[i:i + 1].clone(), w)), bits(full[i:i + 1]))
+        assert torch.equal(bits(invariant_matmul(x[i:i + 1].clone(), w)), bits(full[i:i + 1])), i
 
 
 def test_cpu_rowwise_linear_is_position_independent():
-    from vllm.kernels.invariant import _linear_cpu, _logits_cpu, _rms_norm_cpu
+    from vllm.kernels.torch_ops import linear_rows as _linear_cpu
+    from vllm.kernels.torch_ops import logits_rows as _logits_cpu
+    from vllm.kernels.torch_ops import rms_norm_rows as _rms_norm_cpu
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 64, generator=g)
     w = torch.randn(96, 64, generator=g)
@@ -110,42 +119,22 @@ QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 245
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
-def test_gpu_matmul_invariant_over_M(name, split_size=-1):
+def test_gpu_matmul_invariant_over_M(name):
     K, N = QWEN3_8B_SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    full = invariant_matmul(x, w, split_size=split_size)
+    full = invariant_matmul(x, w)
     ref = x.double() @ w.double().T
     assert rel_err(full, ref) < 1e-2
     for M in (1, 2, 3, 8, 15, 16, 17, 31, 64, 100, 128, 255, 256, 257, 511, 1024, 2047):
-        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w, split_size=split_size)), bits(full[:M])), \
-            f"{name} M={M}"
+        assert torch.equal(bits(invariant_matmul(x[:M].clone(), w)), bits(full[:M])), f"{name} M={M}"
     for impl in ("plain", "tma", "tmaf"):  # every impl the tables use, at a decode and a prefill size
         for M in (7, 300):
-            out = invariant_matmul(x[:M].clone(), w, impl=impl, split_size=split_size)
+            out = invariant_matmul(x[:M].clone(), w, impl=impl)
             assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} M={M}"
     cublas_row0 = torch.nn.functional.linear(x[:1], w)
     assert rel_err(full[:1], cublas_row0.double()) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["o", "down"])
-def test_gpu_split_impls_agree(name):
-    """Under a fixed K split, every impl -- in particular "fixup", whose merge runs in
-    whichever program of a tile finishes last -- gives the same bits at every M, many
-    times over (arrival order changes between launches on the GPU)."""
-    K, N = QWEN3_8B_SHAPES[name]
-    torch.manual_seed(1)
-    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    full = invariant_matmul(x, w, split_size=2048, impl="partial", config=("partial", 128, 128, 64, 4, 4))
-    for M in (1, 7, 128, 256, 300, 2048):
-        for impl, cfg in (("plain", None), ("tma", None), ("fixup", ("fixup", 64, 64, 128, 4, 4)),
-                          ("fixup", ("fixup", 128, 128, 64, 8, 3))):
-            for _ in range(5 if impl == "fixup" else 1):
-                out = invariant_matmul(x[:M].clone(), w, split_size=2048, impl=impl, config=cfg)
-                assert torch.equal(bits(out), bits(full[:M])), f"{name} {impl} {cfg} M={M}"
 
 
 @pytest.mark.gpu
@@ -246,8 +235,8 @@ def test_gpu_rowwise_invariant():
 
 def test_fused_elementwise_match_torch():
     """rope and silu-and-mul kernels vs the torch formulas they replace: equal bits."""
-    from vllm.kernels import ops
     from vllm.kernels.elementwise import rope_triton, silu_and_mul_triton
+    from vllm.kernels.torch_ops import rope_one
     g = torch.Generator().manual_seed(3)
     # (the interpreter casts float32 -> bf16 by truncation, so bf16 bits are checked on the GPU only)
     for dtype in (torch.float32, torch.bfloat16) if DEV == "cuda" else (torch.float32,):
@@ -256,8 +245,8 @@ def test_fused_elementwise_match_torch():
         ang = torch.randn(7, 8, generator=g).to(DEV)
         cos, sin = ang.cos(), ang.sin()
         rq, rk = rope_triton(q, k, cos, sin)
-        assert torch.equal(bits(rq), bits(ops._rope_one(q, cos, sin)))
-        assert torch.equal(bits(rk), bits(ops._rope_one(k, cos, sin)))
+        assert torch.equal(bits(rq), bits(rope_one(q, cos, sin)))
+        assert torch.equal(bits(rk), bits(rope_one(k, cos, sin)))
         x = torch.randn(5, 2 * 24, generator=g).to(DEV, dtype)
         gate, up = x.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
@@ -268,20 +257,21 @@ def test_fused_elementwise_match_torch():
             assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6 * ref.float().abs().max().item()
 
 
-@pytest.mark.parametrize("split_size", [None, 32, 48])
-def test_every_impl_gives_the_same_bits(split_size):
-    """plain (splits inside one program), tma (persistent) and partial (one program per
-    split + ordered merge) compute one reduction order, for any fixed K split."""
+def test_every_impl_gives_the_same_bits():
+    """plain (one program per tile), tma / tmaf (persistent, TMA descriptors) and cublaslt
+    (off CUDA: its Triton fallback) compute one reduction order."""
     g = torch.Generator().manual_seed(7)
     for M, K, N, bias in ((37, 72, 48, False), (5, 64, 40, True), (3, 96, 24, True)):
         x = torch.randn(M, K, generator=g).to(DEV)
         w = torch.randn(N, K, generator=g).to(DEV)
         b = torch.randn(N, generator=g).to(DEV) if bias else None
-        plain = invariant_matmul(x, w, b, split_size=split_size)
-        for impl in ("plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt"):
-            other = invariant_matmul(x, w, b, impl=impl, split_size=split_size)
+        plain = invariant_matmul(x, w, b, impl="plain")
+        for impl in ("tma", "tmaf", "cublaslt"):
+            other = invariant_matmul(x, w, b, impl=impl)
             assert torch.equal(bits(plain), bits(other)), (impl, M, K, N)
         assert rel_err(plain, x.double() @ w.double().T + (b.double() if bias else 0)) < (1e-5 if DEV == "cpu" else 5e-3)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        invariant_matmul(x, w, impl="partial")
 
 
 def _blas_state():
@@ -349,6 +339,23 @@ def test_cublaslt_impl_falls_back_and_restores_global_state(monkeypatch):
     assert _blas_state()[1:] == before[1:]
 
 
+def test_cublaslt_can_be_turned_off(monkeypatch):
+    """allow_cublaslt=False (KernelConfig.gemm_cublaslt) never calls cuBLASLt, even where it
+    would take the problem: the entry's Triton fallback runs (same bits)."""
+    from vllm.kernels import matmul as mm
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 48, generator=g).to(DEV)
+    w = torch.randn(20, 48, generator=g).to(DEV)
+    calls = []
+    monkeypatch.setattr(mm, "_cublaslt_takes", lambda *args: True)
+    monkeypatch.setattr(mm, "_cublaslt_matmul", lambda a, w_, out_dtype: calls.append(1) or torch.mm(a, w_.t()))
+    monkeypatch.setattr(mm, "_LT_REFUSED", set())
+    off = mm.invariant_matmul(x, w, impl="cublaslt", allow_cublaslt=False)
+    assert not calls and torch.equal(bits(off), bits(invariant_matmul(x, w, impl="plain")))
+    mm.invariant_matmul(x, w, impl="cublaslt")
+    assert calls == [1]  # the stand-ins are live: turned on, cuBLASLt is called
+
+
 def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
     """Buckets served by cuBLASLt pick their kernel by cuBLAS's heuristic per M: the
     start-up self-check visits every LT_STRIDE-th M of them and both ends."""
@@ -373,43 +380,8 @@ def test_selfcheck_covers_cublaslt_buckets_densely(monkeypatch):
     assert max(selfcheck._check_ms(4096, 4096, False, 1024)) == 1024
 
 
-def test_fixup_counters_reset_and_repeat():
-    """ "fixup" merges in whichever program of a tile arrives last: its tile counters must
-    be back at zero after every launch (CUDA-graph replays reuse them), and repeated
-    launches give the same bits as the merge-kernel impl."""
-    from vllm.kernels import matmul as mm
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(21, 80, generator=g).to(DEV)
-    w = torch.randn(40, 80, generator=g).to(DEV)
-    b = torch.randn(40, generator=g).to(DEV)
-    ref = invariant_matmul(x, w, b, impl="partial", split_size=32)
-    for _ in range(3):
-        out = invariant_matmul(x, w, b, impl="fixup", split_size=32)
-        assert torch.equal(bits(out), bits(ref))
-        assert int(mm._FIXUP_LOCKS[x.device].abs().sum()) == 0
-
-
-def test_k_split_merge_order():
-    """A split GEMM equals the unsplit GEMMs of its K ranges merged in ascending order
-    (p0 + p1) + p2 in float32, then + bias: the order the contract names."""
-    g = torch.Generator().manual_seed(8)
-    M, K, N = 9, 80, 24
-    x = torch.randn(M, K, generator=g).to(DEV)
-    w = torch.randn(N, K, generator=g).to(DEV)
-    b = torch.randn(N, generator=g).to(DEV)
-    out = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=32)
-    parts = [invariant_matmul(x[:, lo:lo + 32].contiguous(), w[:, lo:lo + 32].contiguous(), out_dtype=torch.float32,
-                              split_size=None) for lo in (0, 32, 64)]
-    assert torch.equal(bits(out), bits(((parts[0] + parts[1]) + parts[2]) + b))
-    unsplit = invariant_matmul(x, w, b, out_dtype=torch.float32, split_size=None)
-    assert rel_err(out, unsplit.double()) < 1e-5
-    with pytest.raises(ValueError, match="multiple of the K tile"):
-        invariant_matmul(x, w, split_size=24)
-
-
 def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
-    """A sweep result becomes a per-shape table; the loader uses it only under the
-    K-split policy it was measured with."""
+    """A sweep result becomes a per-shape table that the loader reads back."""
     import importlib.util
     import json
 
@@ -419,35 +391,13 @@ def test_tuned_config_tables_roundtrip(tmp_path, monkeypatch):
     derive = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(derive)
     rows = [{"K": 64, "N": 32, "M": m, "cublas_us": 1.0,
-             "policies": {"None": [[2.0, ["plain", 16, 32, 64, 4, 3]], [3.0, ["tma", 64, 32, 64, 4, 3]]]}}
+             "timings": [[2.0, ["plain", 16, 32, 64, 4, 3]], [3.0, ["tma", 64, 32, 64, 4, 3]]]}
             for m in (1, 16, 256)]
-    table = derive.derive(rows, None)
+    table = derive.derive(rows)
     assert table == {"64,32": [[1, "plain", 16, 32, 64, 4, 3], [16, "plain", 16, 32, 64, 4, 3],
                                [1 << 62, "plain", 16, 32, 64, 4, 3]]}
-    (tmp_path / "gemm_fake.json").write_text(json.dumps({"k_split_size": None, "shapes": table}))
+    (tmp_path / "gemm_fake.json").write_text(json.dumps({"shapes": table}))
     monkeypatch.setattr(matmul, "_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(matmul, "_tuned_cache", {})
-    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", None)
-    matmul._gpu_config_table.cache_clear()
     assert matmul.pick_config(20, configs=matmul.tuned_tables("fake")["64,32"]) == ("plain", 16, 32, 64, 4, 3)
-    monkeypatch.setattr(matmul, "_tuned_cache", {})
-    monkeypatch.setattr(matmul, "K_SPLIT_SIZE", 2048)
-    assert matmul.tuned_tables("fake") == {}
-
-
-def test_table_k_tile_adapts_to_the_split(monkeypatch):
-    """A table config whose K tile does not divide the split size takes the largest tile
-    that does (same bits as asking for that tile); an explicit config is refused."""
-    from vllm.kernels import matmul
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(5, 96, generator=g).to(DEV)
-    w = torch.randn(24, 96, generator=g).to(DEV)
-    if DEV == "cpu":
-        monkeypatch.setattr(matmul, "INTERPRET_CONFIGS", [(1 << 62, "plain", 16, 16, 32, 1, 1)])
-    else:
-        monkeypatch.setattr(matmul, "_gpu_config_table", lambda *a: [(1 << 62, "plain", 16, 16, 32, 4, 2)])
-    adapted = invariant_matmul(x, w, split_size=48)  # gcd(32, 48) = 16
-    explicit = invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 16, 1, 1))
-    assert torch.equal(bits(adapted), bits(explicit))
-    with pytest.raises(ValueError, match="multiple of the K tile"):
-        invariant_matmul(x, w, split_size=48, config=("plain", 16, 16, 32, 1, 1))
+    assert matmul.tuned_tables("absent") == {}

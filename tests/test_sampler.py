@@ -6,6 +6,7 @@ Every test runs on CPU and, when one is present, on CUDA.
 """
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -324,10 +325,13 @@ def test_batch_invariance_fast_path_flags(device):
     logits = torch.randn(3, 777, device=device)
     plain = [dict(t=0.0, k=0, p=1.0, m=0.0, seed=i, pos=0) for i in range(3)]
     for mode in LOGPROBS_MODES:
-        fast = SAMPLER(logits, make_batch(plain, device, 3, mode))
-        assert fast is not None
-        slow_batch = make_batch(plain, device, 3, mode)
-        slow_batch.all_greedy = slow_batch.no_truncation = False
+        fast_batch = make_batch(plain, device, 3, mode)
+        # the fast path really is taken: the batch promises both, with host values
+        assert fast_batch.all_greedy and fast_batch.no_truncation and fast_batch.host_params is not None
+        fast = SAMPLER(logits, fast_batch)
+        # the general path: no promises and no host values, so the sampler probes the device
+        slow_batch = replace(make_batch(plain, device, 3, mode), all_greedy=False, no_truncation=False,
+                             host_params=None)
         slow = SAMPLER(logits, slow_batch)
         assert torch.equal(fast.token_ids.cpu(), slow.token_ids.cpu())
         assert torch.equal(bits(fast.logprobs), bits(slow.logprobs))
@@ -653,7 +657,7 @@ def test_fused_gumbel_argmax_matches_its_reference():
 
 @pytest.mark.gpu
 def test_gpu_fused_gumbel_scores_bits():
-    """Gate for FUSED_GUMBEL: the fused kernel's scores must equal the unfused path's
+    """Gate for KernelConfig.fused_gumbel: the fused kernel's scores must equal the unfused path's
     (uniform_noise, log_, neg_, log_, sub) bit for bit on this GPU, at the real vocab."""
     from vllm.sample.rng import gumbel_argmax
     torch.manual_seed(0)

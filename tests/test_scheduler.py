@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, SampledToken
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler

@@ -311,7 +311,18 @@ def test_default_model(default_model_dir):
         assert tok.decode(tok.encode(text)) == text
 
 
-@pytest.mark.gpu
-def test_gpu_marker_skips_without_cuda():
-    """Runs only on CUDA machines; conftest skips it elsewhere."""
-    assert torch.cuda.is_available()
+def test_corpus_is_a_data_file_shipped_with_the_package():
+    """The tokenizer corpus is read from vllm/testing/data/corpus.txt, which setup.py's
+    package_data ships (a wheel without it could not build the test tokenizer)."""
+    import ast
+    import fnmatch
+
+    from vllm.testing.corpus import CORPUS_PATH, get_corpus
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.relpath(CORPUS_PATH, root) == os.path.join("vllm", "testing", "data", "corpus.txt")
+    assert len(get_corpus()) > 30000 and "<|im_start|>" in get_corpus()
+    with open(os.path.join(root, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    kw = next(k for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "package_data")
+    patterns = ast.literal_eval(kw.value)["vllm"]
+    assert any(fnmatch.fnmatch("testing/data/corpus.txt", p) for p in patterns), patterns

@@ -207,3 +207,35 @@ def test_divergence_finder_locates_injected_ulp(tiny_qwen3):
     # everything before it in execution order is bit-identical
     names = [o.module for o in report.ops]
     assert all(o.differing_rows == 0 for o in report.ops[:names.index(first.module)])
+
+
+def test_default_engine_policy_matches_rollout_bits(tiny_qwen3, prompts):
+    """Parity needs no opt-in: a default LLM's colocated Policy recomputes the rollout's
+    logprobs bit for bit, with the sequences packed differently from the rollout's batch."""
+    import warnings
+
+    llm = LLM(tiny_qwen3, device="cpu")
+    assert llm.config.numerics == "invariant"
+    seqs, roll = _rollout(llm, prompts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default engine has nothing to warn about
+        policy = llm.policy()
+    plens = [len(p) for p in prompts]
+    order = [2, 0, 3, 1]
+    with torch.no_grad():
+        got = policy.token_logprobs([seqs[i] for i in order], [plens[i] for i in order], temperature=0.8,
+                                    max_tokens_per_micro_batch=40)
+    for j, i in enumerate(order):
+        assert torch.equal(bits(got[j]), bits(roll[i])), f"seq {i}"
+
+
+def test_fast_engine_policy_warns_once(tiny_qwen3):
+    import warnings
+
+    llm = LLM(tiny_qwen3, device="cpu", numerics="fast")
+    with pytest.warns(UserWarning, match="will not match the rollout's"):
+        llm.policy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm.policy()
+    assert not [w for w in caught if "will not match" in str(w.message)]

@@ -141,6 +141,6 @@ def test_bf16_checkpoint_converts_on_load_but_sync_wants_exact_dtype(tiny_qwen3)
 def test_update_weights_names_a_list_of_tensors(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu")
     tensors = list(llm.llm_engine.runner.model.hf_state_dict().values())
-    with pytest.raises(ValueError, match=r"\(name, tensor\) pairs"):
+    with pytest.raises(ValueError, match=r"\(HF name, tensor\) pairs"):
         llm.update_weights(tensors)
     assert llm.weight_version == 0

@@ -105,3 +105,15 @@ def test_async_engine_aborted_then_updated(tiny_qwen3):
     assert not eng.has_unfinished_requests()
     good = Policy.from_pretrained(tiny_qwen3, device="cpu").model.hf_state_dict()
     assert llm.update_weights(good) == 1
+
+
+def test_update_weights_without_names_says_so(tiny_qwen3):
+    """A list of tensors (no names) is refused with a message saying what is expected,
+    before anything is written."""
+    llm = LLM(tiny_qwen3, device="cpu", numerics="fast")
+    tensors = [p.detach().clone() for p in llm.llm_engine.runner.model.parameters()]
+    for bad, match in ((tensors, r"item 0 is a Tensor.*no names"), (tensors[0], "got a Tensor"),
+                       (7, "got int"), ([("a.weight", tensors[0], 1)], "item 0 is a tuple")):
+        with pytest.raises(ValueError, match=match):
+            llm.update_weights(bad)
+    assert llm.weight_version == 0

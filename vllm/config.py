@@ -112,6 +112,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = None     # override the memory-derived size (tests use it to force preemption)
     cpu_kv_cache_bytes: int = 512 << 20   # KV budget on CPU
     enable_prefix_caching: bool = True
+    # sleep()/wake_up(): release the KV cache's memory while a colocated trainer runs.
+    # On CUDA the cache then lives in a driver VMM region (same address after wake).
+    enable_sleep_mode: bool = False
 
 
 @dataclass
@@ -120,6 +123,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap below the step budget
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel options a user may change. None changes a bit in invariant mode (each is
+    measured and tested to compute the same bits); the execution contract still names the
+    ones that change which library computes (numerical part) and lists the rest with the
+    deployment choices."""
+    # Invariant GEMM on CUDA: the M buckets the tuned table assigns to cuBLASLt run there with
+    # split-K forbidden (bit-equal to the Triton kernel, re-checked at start-up); off: those
+    # buckets run their Triton fallback. Numerical part of the contract (cuBLASLt's version).
+    gemm_cublaslt: bool = True
+    # Sampling on CUDA: rows without top-k/top-p/min-p take one fused noise + argmax kernel
+    # (its scores equal the unfused path's bit for bit). Deployment part of the contract.
+    fused_gumbel: bool = True
 
 
 @dataclass
@@ -131,7 +149,9 @@ class EngineConfig:
     dtype: torch.dtype
     seed: int = 0
     enforce_eager: bool = False
-    numerics: str = "fast"
+    # "invariant": logprobs match the trainer's bit for bit (the product); "fast": the
+    # measured plain-speed baseline (docs/numerics.md)
+    numerics: str = "invariant"
     tokenizer: str | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)
@@ -139,6 +159,10 @@ class EngineConfig:
     # tokens and bits as the synchronous loop, ~10% more throughput on the H200), off
     # on CPU, where there is no device queue to overlap with.
     async_scheduling: bool | None = None
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    # Synchronise at every step phase and accumulate wall time per phase in the runner's
+    # `timings` (diagnostics for benchmarks: the syncs cost throughput).
+    step_profile: bool = False
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:

@@ -10,7 +10,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
   tie-breaking, logprobs definition; under `layer_kernels`, what layers with kernels
   of their own name, e.g. an MoE block's routing and grouped GEMM);
 - deployment: everything that must NOT change bits in invariant mode (batch
-  limits, block size, memory fraction, prefix caching, CUDA graph sizes).
+  limits, block size, memory fraction, prefix caching, CUDA graph sizes, kernel
+  options measured bit-neutral such as the fused Gumbel sampler).
 
 Rollout and trainer exchange contracts before a weight sync and refuse to go on
 when the semantic or numerical digests differ (`check_compatible`).
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+
+from vllm.config import KernelConfig
 
 
 def _digest(obj) -> str:
@@ -40,15 +43,17 @@ def device_kind(device: str | torch.device) -> dict:
     return {"type": dev.type, "threads": torch.get_num_threads()}
 
 
-def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype) -> dict:
+def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype,
+                     kernels: KernelConfig | None = None) -> dict:
     import triton
 
     from vllm.kernels import attention as attn
     from vllm.kernels import matmul
-    from vllm.kernels.invariant import KERNEL_VERSION
+    from vllm.kernels.numerics_table import KERNEL_VERSION, describe
 
     dev = torch.device(device)
     gpu = dev.type == "cuda"
+    kernels = kernels or KernelConfig()
     policy = {
         "numerics": numerics,
         "device": device_kind(dev),
@@ -56,6 +61,7 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "torch": torch.__version__.split("+")[0],
         "triton": triton.__version__,
         "kernel_version": KERNEL_VERSION,
+        "kernels": describe(numerics, dev, kernels),
         "quantization": None,
         "kv_cache_dtype": str(dtype).replace("torch.", ""),
         "sampler": {"rng": "counter-hash(seed, position, token_id) -> gumbel-max",
@@ -63,25 +69,22 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
                     "float_reductions": "fixed pairwise order over the row"},
         "logprobs": "float32 log_softmax(logits / T) over the full vocabulary (T=0 -> 1), before truncation",
     }
+    # what runs is named by policy["kernels"] (the numerics table); below, the rules inside them
     if numerics == "invariant":
-        policy["gemm"] = ({"kernel": "triton invariant_matmul", "form": "acc = tl.dot(a, b, acc)",
-                           "k_split_size": matmul.K_SPLIT_SIZE, "split_merge": "float32, ascending, p0 first",
+        policy["gemm"] = ({"form": "acc = tl.dot(a, b, acc)", "k_split": "none: one float32 accumulation over all of K",
                            "accumulate": "float32", "k_order": "ascending",
                            "tiles_by_M": matmul.GPU_CONFIGS, "tiles_by_M_wide": matmul.GPU_CONFIGS_WIDE,
                            "tuned_tables_sha256": matmul.tuned_tables_digest(),
-                           "cublaslt": _cublaslt_policy(matmul)}
-                          if gpu else {"kernel": "torch F.linear one row at a time", "accumulate": "backend"})
-        policy["norm"] = "triton one row per program, BLOCK by hidden size" if gpu else "torch one row at a time"
+                           "cublaslt": _cublaslt_policy(matmul) if kernels.gemm_cublaslt else None}
+                          if gpu else {"form": "torch F.linear one row at a time", "accumulate": "backend"})
+        policy["norm"] = "one program per row, BLOCK by hidden size" if gpu else "torch one row at a time"
         policy["lm_head"] = "invariant gemm, float32 output"
     else:
-        policy["gemm"] = {"kernel": "torch F.linear (cuBLAS / CPU BLAS)", "batch_invariant": False}
-        policy["norm"] = "torch"
+        policy["gemm"] = {"batch_invariant": False}
         policy["lm_head"] = "F.linear in model dtype, then float32"
     policy["attention"] = {
-        "kernel": "triton paged_attention" if gpu else "torch paged_attention_torch",
-        "kv_tile": getattr(attn, "KV_TILE", None), "kv_split_size": getattr(attn, "KV_SPLIT_SIZE", None),
+        "kv_tile": attn.KV_TILE, "kv_split_size": attn.KV_SPLIT_SIZE,
         "merge": "ascending splits, fixed formula", "accumulate": "float32",
-        "fast_prefill": "torch varlen flash attention" if (gpu and numerics == "fast") else None,
     }
     policy["block_size_affects_bits"] = False
     return policy
@@ -142,11 +145,12 @@ def weights_layout_digest(model: torch.nn.Module) -> str:
 
 
 def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str, device: str | torch.device,
-                   deployment: Mapping[str, Any] | None = None) -> ExecutionContract:
+                   deployment: Mapping[str, Any] | None = None, kernels: KernelConfig | None = None) -> ExecutionContract:
     """The contract of `model` (its own parsed config, `model.config`, a dataclass, is the
     semantic part, so a new architecture's fields enter it without changes here) run in
-    `dtype` under `numerics` on `device`. `deployment`: the caller's settings that must not
-    change bits (the engine's batch limits, block size, ...; the trainer's block size)."""
+    `dtype` under `numerics` on `device` with the kernel options `kernels` (defaults:
+    KernelConfig()). `deployment`: the caller's settings that must not change bits (the
+    engine's batch limits, block size, bit-neutral kernel options, ...; the trainer's block size)."""
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ValueError(f"{type(model).__name__}.config must be the model's config dataclass")
     semantic = {
@@ -154,7 +158,7 @@ def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str,
         "dtype": str(dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
-    numerical = numerical_policy(numerics, device, dtype)
+    numerical = numerical_policy(numerics, device, dtype, kernels)
     layer_kernels = layer_kernel_policies(model, numerics, device)
     if layer_kernels:
         numerical["layer_kernels"] = layer_kernels

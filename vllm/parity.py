@@ -179,12 +179,14 @@ def find_divergence(llm, prompt: list[int], max_tokens: int = 16, temperature: f
 
 
 def add_parser(sub) -> None:
-    from vllm.entrypoints.cli.engine_args import add_engine_args
-    p = sub.add_parser("parity", help="find the first op where rollout and training bits differ")
+    from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args
+    p = sub.add_parser("parity", help="find the first op where rollout and training bits differ",
+                       formatter_class=HelpFormatter)
     add_engine_args(p)
-    p.add_argument("--prompt-len", type=int, default=24)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--prompt-len", type=int, default=24, help="tokens in the random prompt (drawn with --seed)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens the rollout generates before the comparison")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout and the "
+                                                                 "recomputed logprobs")
 
 
 def run(args) -> int:

@@ -28,13 +28,24 @@ def plan_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return plan
 
 
-def _pairs(weights) -> list[tuple[str, torch.Tensor]]:
-    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    for item in pairs:
+def _as_pairs(weights) -> list[tuple[str, torch.Tensor]]:
+    """A mapping or an iterable of (name, tensor) pairs, as a list; anything else is a
+    ValueError that says what was given (not an unpacking error from deep inside)."""
+    if isinstance(weights, Mapping):
+        return list(weights.items())
+    expected = "weights must be a mapping {HF name: tensor} or an iterable of (HF name, tensor) pairs"
+    if torch.is_tensor(weights) or isinstance(weights, (str, bytes)):
+        raise ValueError(f"{expected}, got a {type(weights).__name__}")
+    try:
+        items = list(weights)
+    except TypeError:
+        raise ValueError(f"{expected}, got {type(weights).__name__}") from None
+    for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-            raise ValueError("weights must be a dict {name: tensor} or an iterable of (name, tensor) pairs, "
-                             f"got an item of type {type(item).__name__}")
-    return [tuple(item) for item in pairs]
+            raise ValueError(f"{expected}; item {i} is a {type(item).__name__}"
+                             + (" (a list of tensors has no names: pass model.hf_state_dict() or zip(names, tensors))"
+                                if torch.is_tensor(item) else ""))
+    return [(name, tensor) for name, tensor in items]
 
 
 def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -49,7 +60,7 @@ def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[
     engine.drain()
     if engine.has_unfinished_requests() and not engine.paused:
         raise ValueError("weights can only be updated while no request is running (or the engine is paused)")
-    pairs = _pairs(weights)
+    pairs = _as_pairs(weights)
     model = engine.runner.model
     if contract is not None:
         engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys

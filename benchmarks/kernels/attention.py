@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from vllm.kernels.attention import paged_attention
+from vllm.kernels.attention import paged_attention_triton as paged_attention
 
 H, HKV, D, BS = 32, 8, 128, 16
 

@@ -6,7 +6,7 @@ contexts that are whole splits (512, 2048). This script separates the suspects:
 context length (a partial last split), the size of the cache the blocks are scattered over
 (TLB reach: the engine's cache is ~100 GB), launch parameters (warps/stages; speed only),
 and parallel splits (same bits). Every variant's output is compared bit for bit with the
-default launch.
+shipped launch.
 
     python benchmarks/kernels/decode_attention.py [--cache-gib 80] [--contexts 512,2048,mixed]
 """
@@ -26,19 +26,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
-def make_inputs(lens, cache_blocks: int, layout: str, q_len: int = 1, seed: int = 0):
-    """Caches of logical shape [blocks, BS, HKV, D]; layout "tok" stores them that way, "head"
-    stores [blocks, HKV, BS, D] (each head's slice of a block contiguous) and passes the
-    permuted view. Same seed -> same logical contents in both layouts."""
+def make_inputs(lens, cache_blocks: int, q_len: int = 1, seed: int = 0):
+    """Caches [blocks, BS, HKV, D] as the engine allocates them, each sequence's blocks
+    scattered over the whole cache."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [-(-n // BS) for n in lens]
     need = sum(blocks) + 1
     cache_blocks = max(cache_blocks, need)
-    shape = (cache_blocks, BS, HKV, D) if layout == "tok" else (cache_blocks, HKV, BS, D)
+    shape = (cache_blocks, BS, HKV, D)
     kc = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
     vc = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
-    if layout == "head":
-        kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
     # random blocks anywhere in the cache (the engine's free list after some churn)
     chosen = torch.randperm(cache_blocks - 1, device="cuda", generator=g)[: need - 1] + 1
     kc[chosen] = torch.randn(len(chosen), BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -54,27 +51,23 @@ def make_inputs(lens, cache_blocks: int, layout: str, q_len: int = 1, seed: int 
     return q, kc, vc, table, cu, sl
 
 
-def run(q, kc, vc, table, cu, sl, max_q, max_seq_len, warps=4, stages=3, splits=None, axis0=False):
-    old = A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0
-    A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0 = warps, stages, axis0, axis0
+def run(q, kc, vc, table, cu, sl, max_q, max_seq_len, warps=4, stages=3, splits=None):
+    old = A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES
+    A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = warps, stages
     try:
-        return A.paged_attention(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=max_q, max_seq_len=max_seq_len,
+        return A.paged_attention_triton(q, kc, vc, table, cu, sl, D ** -0.5, max_query_len=max_q, max_seq_len=max_seq_len,
                                  decode_parallel_splits=splits)
     finally:
-        A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, A.DECODE_KVH_AXIS0, A.PREFILL_KVH_AXIS0 = old
+        A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES = old
 
 
-# (label, layout, run kwargs)
+# (label, run kwargs): launch parameters and parallel splits, all speed only
 VARIANTS = [
-    ("tok w4s3", "tok", {}),
-    ("tok w4s4", "tok", {"stages": 4}),
-    ("tok axis0", "tok", {"axis0": True}),
-    ("head", "head", {}),
-    ("head axis0", "head", {"axis0": True}),
-    ("head axis0 s4", "head", {"axis0": True, "stages": 4}),
-    ("head axis0 w8", "head", {"axis0": True, "warps": 8}),
-    ("head axis0 w2", "head", {"axis0": True, "warps": 2}),
-    ("head ax0 split", "head", {"axis0": True, "splits": True}),
+    ("w4s3 (shipped)", {}),
+    ("w4s4", {"stages": 4}),
+    ("w8s3", {"warps": 8}),
+    ("w2s3", {"warps": 2}),
+    ("parallel splits", {"splits": True}),
 ]
 
 
@@ -98,34 +91,16 @@ def main() -> None:
         # must bound every context, or parallel splits past it are never merged
         msl = max(784, max(lens))
         cells, ref = [], None
-        for layout in ("tok", "head"):
-            q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks, layout)
-            for label, lay, kw in VARIANTS:
-                if lay != layout:
-                    continue
-                out = run(q, kc, vc, table, cu, sl, 1, msl, **kw)
-                ref = out if ref is None else ref
-                same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-                t = bench(lambda: run(q, kc, vc, table, cu, sl, 1, msl, **kw))
-                cells.append(f"{t:7.1f} ({kv_bytes / t / 1e6:4.2f}){'' if same else '!'}")
-            del q, kc, vc, table
-            torch.cuda.empty_cache()
-        print(f"{ctx:>8} " + " ".join(f"{c:>16}" for c in cells), flush=True)
-    # prefill (32 x 512, one engine prefill chunk): layout and grid order must not cost here
-    print("\n== prefill 32 x 512 (us; TF/s)")
-    lens = [512] * 32
-    flops = 4 * 32 * 512 * 512 / 2 * H * D
-    ref = None
-    for layout in ("tok", "head"):
-        q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks, layout, q_len=512)
-        for axis0 in (False, True):
-            out = run(q, kc, vc, table, cu, sl, 512, 512, axis0=axis0)
+        q, kc, vc, table, cu, sl = make_inputs(lens, cache_blocks)
+        for label, kw in VARIANTS:
+            out = run(q, kc, vc, table, cu, sl, 1, msl, **kw)
             ref = out if ref is None else ref
             same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-            t = bench(lambda: run(q, kc, vc, table, cu, sl, 512, 512, axis0=axis0))
-            print(f"  {layout:>4} axis0={axis0!s:5} {t:8.1f} us {flops / t / 1e6:6.0f} TF/s{'' if same else '  BITS DIFFER'}")
+            t = bench(lambda: run(q, kc, vc, table, cu, sl, 1, msl, **kw))
+            cells.append(f"{t:7.1f} ({kv_bytes / t / 1e6:4.2f}){'' if same else '!'}")
         del q, kc, vc, table
         torch.cuda.empty_cache()
+        print(f"{ctx:>8} " + " ".join(f"{c:>16}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """Turn a `gemm.py --sweep --json-out` result into the per-shape config table that
 `vllm.kernels.matmul` loads for this device (vllm/kernels/tuned/gemm_<device>.json).
 
-For every swept (K, N) and M it keeps the fastest candidate measured under the
-given K-split policy; an M between two swept values uses the next larger one's
-choice. Tile choices never change bits (the sweep verified every candidate against
-the others), so this file is about speed only.
+For every swept (K, N) and M it keeps the fastest candidate; an M between two swept
+values uses the next larger one's choice. Tile choices never change bits (the sweep
+verified every candidate against the others), so this file is about speed only.
 
-    python benchmarks/kernels/derive_gemm_configs.py sweep.json --device h200 [--split-size 2048]
+    python benchmarks/kernels/derive_gemm_configs.py sweep.json --device h200
 """
 from __future__ import annotations
 
@@ -23,24 +22,22 @@ def merge(runs: list[list[dict]]) -> list[dict]:
         for row in rows:
             key = (row["K"], row["N"], row["M"])
             if key not in merged:
-                merged[key] = {**row, "policies": {p: list(t) for p, t in row.get("policies", {}).items()}}
+                merged[key] = {**row, "timings": list(row.get("timings", []))}
                 continue
             into = merged[key]
             into["cublas_us"] = min(into["cublas_us"], row["cublas_us"])
-            for policy, timings in row.get("policies", {}).items():
-                best = {json.dumps(cfg): t for t, cfg in into["policies"].get(policy, [])}
-                for t, cfg in timings:
-                    k = json.dumps(cfg)
-                    best[k] = min(t, best.get(k, t))
-                into["policies"][policy] = sorted((t, json.loads(k)) for k, t in best.items())
+            best = {json.dumps(cfg): t for t, cfg in into["timings"]}
+            for t, cfg in row.get("timings", []):
+                k = json.dumps(cfg)
+                best[k] = min(t, best.get(k, t))
+            into["timings"] = sorted((t, json.loads(k)) for k, t in best.items())
     return list(merged.values())
 
 
-def derive(rows: list[dict], split_size) -> dict[str, list]:
-    key = str(split_size)
+def derive(rows: list[dict]) -> dict[str, list]:
     shapes: dict[str, list] = {}
     for row in sorted(rows, key=lambda r: (r["K"], r["N"], r["M"])):
-        timings = row.get("policies", {}).get(key)
+        timings = row.get("timings")
         if not timings:
             continue
         best_us, cfg = timings[0]
@@ -57,7 +54,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("sweep_json", nargs="+", help="one or more sweep results (merged: fastest time per candidate)")
     ap.add_argument("--device", required=True, help="file suffix, e.g. h200 (torch device name, lower case)")
-    ap.add_argument("--split-size", default="None", help="the K-split policy whose timings to use (None = unsplit)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "vllm", "kernels", "tuned"))
     args = ap.parse_args()
     runs = []
@@ -65,11 +61,10 @@ def main() -> None:
         with open(path) as f:
             runs.append(json.load(f))
     rows = merge(runs)
-    split = None if args.split_size == "None" else int(args.split_size)
-    shapes = derive(rows, split)
+    shapes = derive(rows)
     path = os.path.join(args.out_dir, f"gemm_{args.device}.json")
     with open(path, "w") as f:
-        json.dump({"device": args.device, "k_split_size": split, "source": [os.path.basename(p) for p in args.sweep_json],
+        json.dump({"device": args.device, "source": [os.path.basename(p) for p in args.sweep_json],
                    "shapes": shapes}, f, indent=1)
     print(f"wrote {path}: {len(shapes)} shapes")
 

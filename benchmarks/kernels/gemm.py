@@ -2,12 +2,10 @@
 
 For every (shape, M) it times cuBLAS (F.linear) and our kernel with the shipped
 config table. With --sweep it also times candidate tile configs in every impl
-("plain", persistent "tma", and for split policies "partial") under each K-split
-policy (unsplit, split size 2048, split size 4096), checking that within one policy
-every candidate gives the same bits as the first (neither tile shape nor impl may
-change bits; the split size may, which is why it is a policy fixed by K alone).
-Prints ratios (cuBLAS time / ours: > 1 means faster) and writes every timing to
---json-out, from which the per-shape config table is derived.
+("plain", persistent "tma" / "tmaf", "cublaslt"), checking that every candidate gives
+the same bits as the first (neither tile shape nor impl may change bits). Prints
+ratios (cuBLAS time / ours: > 1 means faster) and writes every timing to --json-out,
+from which the per-shape config table is derived (derive_gemm_configs.py).
 
     python benchmarks/kernels/gemm.py [--sweep] [--shapes qkv,o,gate_up,down,lm_head]
 """
@@ -22,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from vllm.kernels.matmul import invariant_matmul, k_split_size, pick_config
+from vllm.kernels.matmul import invariant_matmul, pick_config
 
 SHAPES = {  # name: (K, N)
     "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096), "lm_head": (4096, 151936),
@@ -35,65 +33,34 @@ def _cfgs(impls, tiles):
     return [(impl, *t) for t in tiles for impl in impls]
 
 
-# bucket upper M -> candidate (impl, BM, BN, BK, warps, stages) for the unsplit policy
+# bucket upper M -> candidate (impl, BM, BN, BK, warps, stages)
 CANDIDATES = {
     16: _cfgs(("plain",), [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 4, 5),
                            (16, 128, 128, 4, 4)]) + _cfgs(("tma",), [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4)]),
     64: _cfgs(("plain", "tma"), [(64, 32, 256, 4, 4), (64, 64, 256, 4, 3), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4),
                                  (64, 128, 128, 4, 4)]),
     128: _cfgs(("plain", "tma"), [(64, 64, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 64, 4, 3),
-                                  (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)])
-    + _cfgs(("tma2",), [(128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3)])
-    + _cfgs(("plainc",), [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3)]),
+                                  (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]),
     256: _cfgs(("plain", "tma"), [(128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                                   (256, 128, 64, 8, 3), (256, 64, 64, 8, 3), (128, 256, 64, 8, 3)])
-    + _cfgs(("tma2",), [(128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)])
-    + _cfgs(("tmaf",), [(128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)])
-    + _cfgs(("plainc",), [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]),
+    + _cfgs(("tmaf",), [(128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]),
     512: _cfgs(("tma", "tmaf"), [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)])
-    + _cfgs(("tma2",), [(128, 128, 64, 4, 3)]) + _cfgs(("plain",), [(128, 128, 64, 4, 4)]),
-    1 << 62: _cfgs(("tma", "tmaf"), [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)])
-    + _cfgs(("tma2",), [(128, 128, 64, 4, 3)]),
+    + _cfgs(("plain",), [(128, 128, 64, 4, 4)]),
+    1 << 62: _cfgs(("tma", "tmaf"), [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)]),
 }
-# candidate tiles for split policies (each in plain, tma and partial)
-SPLIT_TILES = {
-    16: [(16, 32, 512, 4, 3), (16, 64, 256, 4, 4), (16, 64, 128, 4, 5)],
-    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 8, 3)],
-    512: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-          (128, 256, 64, 8, 3)],
-    1 << 62: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)],
-}
+def bucket(m: int) -> int:
+    return min(b for b in CANDIDATES if m <= b)
 
 
-def bucket(m: int, table=None) -> int:
-    return min(b for b in (CANDIDATES if table is None else table) if m <= b)
+def candidates(M: int) -> list[tuple]:
+    # cuBLASLt-nosplit (same bits; its tiles are only the Triton fallback's) competes too,
+    # so a re-derived table keeps it where it wins
+    first = CANDIDATES[bucket(M)][0]
+    return list(CANDIDATES[bucket(M)]) + [("cublaslt", *first[1:])]
 
 
-def policies_for(K: int, policies) -> list:
-    seen, out = set(), []
-    for p in policies:
-        ks = k_split_size(K, p)
-        if ks not in seen:
-            seen.add(ks)
-            out.append(p if ks < K else None)
-    return out
-
-
-def candidates(M: int, policy) -> list[tuple]:
-    if policy is None:
-        # cuBLASLt-nosplit (same bits; its tiles are only the Triton fallback's) competes too,
-        # so a re-derived table keeps it where it wins
-        first = CANDIDATES[bucket(M)][0]
-        return list(CANDIDATES[bucket(M)]) + [("cublaslt", *first[1:])]
-    # workspace impls (fixup, partial) only where their float32 partials are small
-    impls = ("plain", "tma", "fixup", "partial") if M <= 512 else ("plain", "tma", "fixup") if M <= 1024 \
-        else ("plain", "tma", "tmaf")
-    return [(impl, *tiles) for tiles in SPLIT_TILES[bucket(M, SPLIT_TILES)] for impl in impls]
-
-
-def sweep_jobs(shapes, ms, policies) -> list[tuple]:
-    return [(name, M, policy, cfg) for name in shapes for M in ms if M <= MAX_M.get(name, 1 << 62)
-            for policy in policies_for(SHAPES[name][0], policies) for cfg in candidates(M, policy)]
+def sweep_jobs(shapes, ms) -> list[tuple]:
+    return [(name, M, cfg) for name in shapes for M in ms if M <= MAX_M.get(name, 1 << 62) for cfg in candidates(M)]
 
 
 def _prewarm(jobs: list[tuple]) -> int:
@@ -102,15 +69,14 @@ def _prewarm(jobs: list[tuple]) -> int:
     torch.manual_seed(0)
     cache: dict = {}
     ok = 0
-    for name, M, policy, cfg in jobs:
+    for name, M, cfg in jobs:
         K, N = SHAPES[name]
         if name not in cache:
             cache.clear()
             cache[name] = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         try:
-            invariant_matmul(x, cache[name], out_dtype=torch.float32 if name == "lm_head" else None,
-                             config=cfg, split_size=policy)
+            invariant_matmul(x, cache[name], out_dtype=torch.float32 if name == "lm_head" else None, config=cfg)
             ok += 1
         except Exception:
             pass
@@ -155,16 +121,14 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=None)
     ap.add_argument("--prewarm-workers", type=int, default=8)
-    ap.add_argument("--policies", default="None", help="K split sizes to sweep, e.g. None,2048,4096 (None = unsplit)")
     ap.add_argument("--graph", action="store_true",
                     help="sweep: time candidates (and cuBLAS) inside CUDA graphs, no host time (as decode runs them)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     names = args.shapes.split(",")
     ms = list(map(int, args.ms.split(","))) if args.ms else (SWEEP_MS if args.sweep else MS)
-    policies = [None if p == "None" else int(p) for p in args.policies.split(",")]
     if args.sweep and args.prewarm_workers > 0:
-        prewarm(sweep_jobs(names, ms, policies), args.prewarm_workers)
+        prewarm(sweep_jobs(names, ms), args.prewarm_workers)
         settle = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         bench_eager(lambda: settle @ settle)  # let the workers' contexts go and the clocks settle
         del settle
@@ -192,8 +156,7 @@ def main() -> None:
                 t_cublas = bench(lambda: F.linear(x, w))
                 t_ours = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype))
             row = {"shape": name, "M": M, "K": K, "N": N, "cublas_us": t_cublas, "ours_us": t_ours,
-                   "config": pick_config(M, N, K, fp32_out=out_dtype == torch.float32), "ratio": t_cublas / t_ours,
-                   "policies": {}}
+                   "config": pick_config(M, N, K, fp32_out=out_dtype == torch.float32), "ratio": t_cublas / t_ours}
             if not args.sweep:
                 # in CUDA graphs (no host time), cycling through weight copies that together
                 # exceed the 60 MB L2 so no call finds its weights cached by the previous one
@@ -210,38 +173,35 @@ def main() -> None:
                     row["fastpath_graph_ratio"] = row["fastpath_graph_us"] / row["ours_graph_us"]
                 del ws
             if args.sweep:
-                for policy in policies_for(K, policies):
-                    ref, timings = None, []
-                    for cfg in candidates(M, policy):
-                        try:
-                            out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, split_size=policy)
-                        except Exception as err:  # e.g. out of shared memory
-                            print(f"  {name} M={M} split={policy} {cfg}: {type(err).__name__}: {str(err)[:80]}")
-                            continue
-                        if ref is None:
-                            ref = out
-                        elif not torch.equal(out.view(view), ref.view(view)):
-                            print(f"  !! {name} M={M} split={policy} {cfg} CHANGES BITS")
-                            row.setdefault("bit_mismatch", []).append((policy, cfg))
-                            continue
-                        if args.graph:
-                            t = bench(lambda wi: invariant_matmul(x, wi, out_dtype=out_dtype, config=cfg, split_size=policy))
-                        else:
-                            t = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg, split_size=policy))
-                        timings.append((t, cfg))
-                    timings.sort()
-                    # timings drift by up to ~25% over a sweep (clocks, placement): re-time
-                    # the three best after the others and keep each one's faster median
-                    for i, (t, cfg) in enumerate(timings[:3]):
-                        if args.graph:
-                            again = bench(lambda wi: invariant_matmul(x, wi, out_dtype=out_dtype, config=cfg,
-                                                                      split_size=policy))
-                        else:
-                            again = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg,
-                                                                   split_size=policy))
-                        timings[i] = (min(t, again), cfg)
-                    timings.sort()
-                    row["policies"][str(policy)] = timings
+                ref, timings = None, []
+                for cfg in candidates(M):
+                    try:
+                        out = invariant_matmul(x, w, out_dtype=out_dtype, config=cfg)
+                    except Exception as err:  # e.g. out of shared memory
+                        print(f"  {name} M={M} {cfg}: {type(err).__name__}: {str(err)[:80]}")
+                        continue
+                    if ref is None:
+                        ref = out
+                    elif not torch.equal(out.view(view), ref.view(view)):
+                        print(f"  !! {name} M={M} {cfg} CHANGES BITS")
+                        row.setdefault("bit_mismatch", []).append(cfg)
+                        continue
+                    if args.graph:
+                        t = bench(lambda wi: invariant_matmul(x, wi, out_dtype=out_dtype, config=cfg))
+                    else:
+                        t = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg))
+                    timings.append((t, cfg))
+                timings.sort()
+                # timings drift by up to ~25% over a sweep (clocks, placement): re-time
+                # the three best after the others and keep each one's faster median
+                for i, (t, cfg) in enumerate(timings[:3]):
+                    if args.graph:
+                        again = bench(lambda wi: invariant_matmul(x, wi, out_dtype=out_dtype, config=cfg))
+                    else:
+                        again = bench(lambda: invariant_matmul(x, w, out_dtype=out_dtype, config=cfg))
+                    timings[i] = (min(t, again), cfg)
+                timings.sort()
+                row["timings"] = timings
             rows.append(row)
             if args.json_out:  # after every row: a timed-out sweep still leaves its numbers
                 with open(args.json_out, "w") as f:
@@ -251,9 +211,8 @@ def main() -> None:
                     f"{(N * K * 2 + M * K * 2) / tb / 1e12:4.2f} TB/s) table {t_ours:8.1f} x{row['ratio']:.2f}")
             if "graph_ratio" in row:
                 line += f" | in graphs: cublas {row['cublas_graph_us']:8.1f} ours {row['ours_graph_us']:8.1f} x{row['graph_ratio']:.2f}"
-            for policy, timings in row["policies"].items():
-                if timings:
-                    line += f" | {policy}: x{t_cublas / timings[0][0]:.2f} {timings[0][1]}"
+            if row.get("timings"):
+                line += f" | best: x{t_cublas / row['timings'][0][0]:.2f} {row['timings'][0][1]}"
             print(line, flush=True)
     def print_table(title: str, cell) -> None:
         """One ratio table, rows M, columns shapes; cell(row) -> ratio or None."""
@@ -272,9 +231,8 @@ def main() -> None:
                     lambda r: r.get("fastpath_graph_ratio"))
     print_table(f"{head}, eager launches (host time included, as in prefill and training)", lambda r: r["ratio"])
     if args.sweep:
-        for policy in map(str, policies):
-            print_table(f"best candidate per (shape, M), K split size {policy} (same ratio)",
-                        lambda r: r["cublas_us"] / r["policies"][policy][0][0] if r["policies"].get(policy) else None)
+        print_table("best candidate per (shape, M) (same ratio)",
+                    lambda r: r["cublas_us"] / r["timings"][0][0] if r.get("timings") else None)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

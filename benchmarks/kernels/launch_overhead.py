@@ -1,7 +1,7 @@
 """Host time per GEMM launch (us), with the GPU kept busy so the host never waits.
 
 Eager invariant GEMMs at small M measured 20-60 us slower than inside CUDA graphs
-(benchmarks/NOTES.md, session 2) while cuBLAS lost ~4 us: this splits our launch into
+(benchmarks/NOTES.md) while cuBLAS lost ~4 us: this splits our launch into
 its parts -- the `invariant_matmul` wrapper, the Triton launcher of the plain kernel, and
 the TMA path (host tensor descriptors) -- next to `F.linear`.
 

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Iterable
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from vllm.core.request import PLACEHOLDER, Request, RequestStatus
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vllm.config import EngineConfig
-from vllm.core.block_manager import KVCacheManager
+from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -102,6 +102,7 @@ class LLMEngine:
         # (group, finished) -> output object; None builds RequestOutputs. The engine core
         # process sets it to emit token-id deltas (its client detokenizes).
         self.output_builder = None
+        self._sleeping = False
         self._inflight = None   # async scheduling: (SchedulerOutput, StepHandle) of the step on the GPU
 
     # ---- input ------------------------------------------------------------------------
@@ -121,6 +122,8 @@ class LLMEngine:
                     stream: bool = False) -> str:
         """Validate and queue one request; `stream=True` makes step() also report its progress."""
         params = params or SamplingParams()
+        if self._sleeping:
+            raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         request_id = request_id if request_id is not None else str(next(self._counter))
@@ -207,11 +210,50 @@ class LLMEngine:
             "enable_chunked_prefill": c.scheduler.enable_chunked_prefill, "block_size": c.cache.block_size,
             "gpu_memory_utilization": c.cache.gpu_memory_utilization,
             "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
+            "enable_sleep_mode": c.cache.enable_sleep_mode,
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
-            "seed": c.seed,
+            "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel,
         }
         return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
-                              deployment=deployment)
+                              deployment=deployment, kernels=c.kernels)
+
+    # ---- sleep mode ---------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> int:
+        """Release the KV cache's memory (upstream's level 1, except that the weights stay
+        where they are: a colocated trainer computes with the very same parameters).
+        Returns the bytes released. Refused while requests are running."""
+        if not self.config.cache.enable_sleep_mode:
+            raise ValueError("sleep mode is off: build the engine with enable_sleep_mode=True")
+        if level != 1:
+            raise ValueError(f"sleep level {level} is not supported: level 1 releases the KV cache; the weights "
+                             "stay on the device because the colocated trainer shares them")
+        self.drain()
+        if self.has_unfinished_requests():
+            raise ValueError("cannot sleep while requests are running")
+        if self._sleeping:
+            return 0
+        # the cached prefixes' KV is about to be lost
+        if not self.kv.reset_prefix_cache():
+            raise ValueError("cannot sleep while KV blocks are in use")
+        freed = self.runner.sleep()
+        self._sleeping = True
+        logger.info("sleep: released %.2f GiB of KV cache", freed / 2**30)
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the KV cache's memory back. `tags` (upstream's names) may list "kv_cache"
+        and "weights"; the weights are never released, so only "kv_cache" does anything."""
+        unknown = set(tags or []) - {"kv_cache", "weights"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; choose from ['kv_cache', 'weights']")
+        if tags is not None and "kv_cache" not in tags:
+            return
+        if self._sleeping:
+            self.runner.wake_up()
+            self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)

@@ -1,11 +1,12 @@
 """The offline API, with upstream vLLM's names: LLM, generate, chat."""
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
 
-from vllm.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
+from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.engine.llm_engine import LLMEngine
 from vllm.model_loader.build import resolve_model
 from vllm.outputs import RequestOutput
@@ -27,9 +28,10 @@ class LLM:
                  device: str | None = None, seed: int = 0, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, block_size: int = 16,
-                 num_gpu_blocks_override: int | None = None, numerics: str = "fast", cuda_graph_batch_sizes: list[int] | None = None,
+                 num_gpu_blocks_override: int | None = None, numerics: str = "invariant", cuda_graph_batch_sizes: list[int] | None = None,
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
-                 load_format: str = "safetensors", async_scheduling: bool | None = None):
+                 load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
+                 gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -42,14 +44,16 @@ class LLM:
             model=mc,
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
+            step_profile=step_profile)
         self.llm_engine = LLMEngine(config)
+        self._warned_fast_policy = False
 
     @property
     def config(self) -> EngineConfig:
@@ -59,10 +63,15 @@ class LLM:
         """The colocated training view of this engine's model: same parameter storage,
         so an optimizer step is immediately the engine's new weights."""
         from vllm.training import Policy
+        if self.config.numerics != "invariant" and not self._warned_fast_policy:
+            self._warned_fast_policy = True
+            warnings.warn(f"this engine runs numerics={self.config.numerics!r}: the Policy's logprobs will not match "
+                          "the rollout's bit for bit; build the LLM with numerics='invariant' (the default) for parity",
+                          stacklevel=2)
         runner = self.llm_engine.runner
         return Policy(runner.model, self.config.model, self.config.dtype, runner.device, self.config.numerics,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size)
+                      block_size=self.config.cache.block_size, kernels=self.config.kernels)
 
     def update_weights(self, weights, contract=None, require_complete: bool = False) -> int:
         """In-place weight sync from a trainer (HF names -> tensors); see vllm/weight_sync.py.
@@ -77,6 +86,16 @@ class LLM:
     def execution_contract(self):
         """The content-hashed description of every choice that can change bits (vllm/contract.py)."""
         return self.llm_engine.execution_contract()
+
+    def sleep(self, level: int = 1) -> int:
+        """Release the KV cache's memory while a colocated trainer runs (needs
+        `enable_sleep_mode=True`); returns the bytes released. The weights stay: the
+        trainer shares them. Captured CUDA graphs remain valid across sleep/wake_up."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the KV cache's memory back; generation gives the same bits as before sleep."""
+        self.llm_engine.wake_up(tags)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

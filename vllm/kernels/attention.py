@@ -64,9 +64,6 @@ MERGE_NUM_WARPS = 4
 # Decode runs KV splits as parallel programs when (sequences x kv heads) would
 # otherwise leave the GPU idle (H200: 132 SMs) and contexts span >= 2 splits.
 DECODE_PARALLEL_MAX_PROGRAMS = 264
-# Decode grid order: kv heads fastest (True) or the q-tile/split axis fastest (False).
-DECODE_KVH_AXIS0 = False
-PREFILL_KVH_AXIS0 = False
 # Under TRITON_INTERPRET (CPU tests) smaller prefill tiles keep numpy fast.
 INTERPRET_PREFILL_BLOCK_M = 32
 
@@ -144,7 +141,7 @@ if HAS_TRITON:
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr, KVH_AXIS0: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program per (q tile | split, sequence, kv head).
 
@@ -158,17 +155,9 @@ if HAS_TRITON:
         the split partial (m, l, acc) goes to the fp32 workspace and
         _merge_splits_kernel finishes.
         """
-        if KVH_AXIS0:
-            # grid (kv heads, sequences, q tiles | splits): the kv heads of one sequence
-            # are adjacent programs, so they run together and read the same KV blocks'
-            # memory pages together (speed only; every program computes the same thing)
-            kvh = tl.program_id(0)
-            seq = tl.program_id(1)
-            pid0 = tl.program_id(2)
-        else:
-            pid0 = tl.program_id(0)
-            seq = tl.program_id(1)
-            kvh = tl.program_id(2)
+        pid0 = tl.program_id(0)
+        seq = tl.program_id(1)
+        kvh = tl.program_id(2)
 
         q_start = tl.load(cu_ptr + seq)
         q_len = tl.load(cu_ptr + seq + 1) - q_start
@@ -208,8 +197,9 @@ if HAS_TRITON:
         # The softmax denominator is a dot with a ones tile rather than
         # tl.sum(p, 1): tl.sum's cross-thread order follows the register
         # layout, which changes with BLOCK_M / num_warps; the dot's per-row
-        # bits do not.
-        ones = tl.full([KV_TILE, 16], 1.0, v_ptr.dtype.element_ty)
+        # bits do not. Built in fp32 and cast (1.0 is exact in every dtype):
+        # a bf16 tl.full has no constant builder in some Triton interpreters.
+        ones = tl.full([KV_TILE, 16], 1.0, tl.float32).to(v_ptr.dtype.element_ty)
 
         if WRITE_PARTIALS:
             split_lo = pid0 * SPLIT
@@ -383,7 +373,7 @@ def use_decode_parallel_splits(num_seqs: int, num_kv_heads: int, max_seq_len: in
     return num_seqs * num_kv_heads < DECODE_PARALLEL_MAX_PROGRAMS
 
 
-def paged_attention(
+def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -411,42 +401,12 @@ def paged_attention(
     not written; rows of sequences with no KV (seq_len 0) are zero; when
     ``out`` is None, rows past cu_seqlens_q[-1] are zero.
 
-    CUDA tensors run the Triton kernel (paged_attention_triton). Anything
-    else runs vllm.kernels.attention_ref.paged_attention_torch: same
-    tile/split/merge order and invariances, but not the GPU kernel's bits --
-    so an engine and a trainer on the same device type always agree. (The
-    Triton kernel on CPU, through TRITON_INTERPRET=1, is for tests only and
-    is reached by calling paged_attention_triton directly.)
-    """
-    kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len,
-                  kv_split_size=kv_split_size, decode_parallel_splits=decode_parallel_splits)
-    if HAS_TRITON and q.is_cuda:
-        return paged_attention_triton(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
-    from vllm.kernels.attention_ref import paged_attention_torch
-
-    return paged_attention_torch(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, **kwargs)
-
-
-def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    max_query_len: int,
-    max_seq_len: int | None = None,
-    kv_split_size: int = KV_SPLIT_SIZE,
-    decode_parallel_splits: bool | None = None,
-) -> torch.Tensor:
-    """The Triton kernel behind paged_attention (same arguments). Needs CUDA
-    tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton was
-    imported (tests)."""
+    Needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before
+    triton was imported (tests). The CPU engine runs
+    vllm.kernels.attention_cpu.paged_attention_cpu instead (same tile / split /
+    merge order and invariances, not this kernel's bits): the numerics table
+    (vllm/kernels/numerics_table.py) picks by device, so an engine and a trainer
+    on the same device type always agree."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     if not q.is_cuda and not _INTERPRET:
@@ -511,11 +471,6 @@ def paged_attention_triton(
         max_splits = 1
         ws_acc = ws_ml = out  # unused placeholders (never dereferenced)
         grid = (_cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    # Grid axes 1 and 2 hold at most 65535 programs (axis 0: 2**31 - 1): a q-tile / split
-    # axis too long for axis 2 keeps the default order (same bits, only speed differs).
-    kvh_axis0 = (DECODE_KVH_AXIS0 if is_decode else PREFILL_KVH_AXIS0) and grid[0] <= 65535
-    if kvh_axis0:
-        grid = (grid[2], grid[1], grid[0])
 
     _paged_attn_kernel[grid](
         out, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
@@ -528,7 +483,7 @@ def paged_attention_triton(
         num_kv_heads, max_splits,
         BLOCK_Q=block_q, KV_TILE=KV_TILE, SPLIT=kv_split_size, BLOCK_SIZE=block_size,
         WRITE_PARTIALS=bool(decode_parallel_splits), EMULATE=emulate, PRECISION=precision,
-        KVH_AXIS0=kvh_axis0, **common, **launch,
+        **common, **launch,
     )
     if decode_parallel_splits:
         _merge_splits_kernel[(num_seqs, num_kv_heads)](

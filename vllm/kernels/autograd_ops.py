@@ -55,14 +55,19 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
-        xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        xhat = xf * rstd
-        g = dyf * wf
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None
+        dx, dw = _rms_norm_backward(x, weight, ctx.eps, dy)
+        return dx, dw, None, None
+
+
+def _rms_norm_backward(x, weight, eps: float, dy):
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    g = dyf * wf
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 class AddRMSNormFn(torch.autograd.Function):
@@ -78,8 +83,9 @@ class AddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dres):
+        # saved tensors are unpacked once: activation checkpointing forbids a second unpack
         res, weight = ctx.saved_tensors
-        dnorm, dw, _, _ = RMSNormFn.backward(ctx, dy)
+        dnorm, dw = _rms_norm_backward(res, weight, ctx.eps, dy)
         d = dnorm if dres is None else dnorm + dres.to(dnorm.dtype)
         return d, d, dw, None, None
 

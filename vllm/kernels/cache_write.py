@@ -1,14 +1,14 @@
 """Paged KV-cache write: this step's K and V rows scattered into their cache slots.
 
-One Triton launch per layer writes both K and V (the torch reference is two indexed
-copies, which on the H200 cost ~350 us per layer for a 16k-token prefill chunk because
-the strided K/V views are first made contiguous). A pure copy: no arithmetic, so it
-cannot change a bit in any numerics mode; it only has to put every element where the
-reference puts it, which the tests check element for element.
+On CUDA one Triton launch per layer writes both K and V (the torch reference is two
+indexed copies, which on the H200 cost ~350 us per layer for a 16k-token prefill chunk
+because the strided K/V views are first made contiguous). Elsewhere, and for shapes the
+kernel does not take, the torch reference runs. A pure copy: no arithmetic, so it cannot
+change a bit in any numerics mode; it only has to put every element where the reference
+puts it, which the tests check element for element.
 
-Caches have the logical shape [num_blocks, block_size, num_kv_heads, head_dim] and may
-be any strided view of it (e.g. a head-major [blocks, heads, block_size, D] buffer passed
-permuted); only head_dim must be contiguous.
+Caches are contiguous [num_blocks, block_size, num_kv_heads, head_dim]; K and V may be
+strided views (e.g. slices of a fused qkv output) contiguous in head_dim.
 """
 from __future__ import annotations
 
@@ -25,18 +25,14 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 def cache_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-    """Reference: slot s = block * block_size + offset; row t goes to cache[block, offset].
-    Slots are >= 0 (the engine sends padding rows to the null block 0; the Triton kernel
-    also skips negative slots, a guard the reference does not need). No host sync."""
-    bs = k_cache.shape[1]
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
-        # token-major and contiguous: one index_copy_ per cache
-        k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1]).index_copy_(0, slots, v.to(v_cache.dtype))
-        return
-    blk, off = slots // bs, slots % bs
-    k_cache[blk, off] = k.to(k_cache.dtype)
-    v_cache[blk, off] = v.to(v_cache.dtype)
+    """Reference: slot s = block * block_size + offset; row t goes to cache[block, offset],
+    one index_copy_ per cache. Slots are >= 0 (the engine sends padding rows to the null
+    block 0; the Triton kernel also skips negative slots, a guard the reference does not
+    need). No host sync."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cache_kv_ref: the caches must be contiguous [blocks, block_size, heads, head_dim]")
+    k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 if HAS_TRITON:
@@ -87,3 +83,13 @@ def cache_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         k_cache.shape[1],
         NUM_HEADS=H, HEADS_POW2=triton.next_power_of_2(H), HEAD_DIM=D,
         num_warps=4 if H * D >= 1024 else 1)
+
+
+def cache_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into their paged-cache slots (in place): the Triton
+    write on CUDA where it takes the shapes, the reference otherwise (same bytes)."""
+    if k.is_cuda and triton_supports(k, v, k_cache, v_cache):
+        cache_kv_triton(k, v, k_cache, v_cache, slots)
+    else:
+        cache_kv_ref(k, v, k_cache, v_cache, slots)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels import torch_ops
+
 
 @triton.jit
 def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_heads, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
@@ -24,12 +26,12 @@ def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_heads, stride_xt, stride_xh
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    # same arithmetic as ops._rope_one: x1*c - x2*s, x2*c + x1*s in float32, one rounding
+    # same arithmetic as torch_ops.rope_one: x1*c - x2*s, x2*c + x1*s in float32, one rounding
     tl.store(obase, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(obase + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     T, H, D = x.shape
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T == 0:
@@ -43,7 +45,15 @@ def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hk, D] (last dim contiguous), cos/sin [T, D/2] float32."""
     cos, sin = cos.contiguous(), sin.contiguous()
-    return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+    return _rope_launch(q, cos, sin), _rope_launch(k, cos, sin)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The Triton rotation where q and k are contiguous in head_dim (always, for the
+    models' q/k views), the torch formula with the same arithmetic otherwise."""
+    if q.stride(-1) == 1 and k.stride(-1) == 1:
+        return rope_triton(q, k, cos, sin)
+    return torch_ops.rope(q, k, cos, sin)
 
 
 @triton.jit

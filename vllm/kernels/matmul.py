@@ -1,38 +1,28 @@
 """Batch-invariant GEMM: y = x @ W^T (+ b), one fixed reduction order along K.
 
-The reduction order of every output element (m, n) is a function of K alone:
-
-* K is cut into splits of a fixed size (`k_split_size(K)`, never a function of M);
-* inside a split, one program walks K upward and accumulates in float32 with the
-  `acc = tl.dot(a, b, acc)` form, starting from zero;
-* the split partials are merged in ascending order, `total = p0; total = total + p1; ...`,
-  then the bias is added and the result cast once.
-
-The shipped policy is one split (K_SPLIT_SIZE = None): fixed splits were measured
-on the H200 and were not faster (benchmarks/NOTES.md, session 2).
+The reduction order of every output element (m, n) is a function of K alone: one
+program walks K upward from zero and accumulates in float32 with the
+`acc = tl.dot(a, b, acc)` form, then the bias is added and the result cast once. K is
+never split (a fixed split merged in ascending order was measured on the H200 and was
+not faster: benchmarks/NOTES.md, "Removed options").
 
 Several implementations compute exactly that order and are chosen by M only for
-speed (see IMPLS): "plain" (one program per output tile, all splits inside the
-program with a second register accumulator), the persistent Hopper TMA variants
-"tma" / "tma2" / "tmaf", "plainc" (plain in a 2-CTA cluster), "partial" (one
-program per (tile, split) writing a float32 partial, then a merge kernel summing
-the partials in ascending order) and "fixup" (the same programs, the merge done by
-whichever program of a tile finishes last, in the same ascending order), and "cublaslt":
-cuBLASLt with every reduction scheme forbidden (no split-K, so one sequence of MMA steps
-along K per output), which on the H200 gives exactly the Triton kernels' bits at every M
-(benchmarks/kernels/cublas_nosplit.py; checked again at start-up and in the GPU tests)
-and is faster at mid M, where cuBLAS's own tiles beat ours. Tile shapes (BM, BN, BK, warps, stages) may
-follow M: on the H200 the `acc = tl.dot(a, b, acc)` form gives bit-identical
-results for every tile shape and impl tried (../shared/NOTES.md, two sweeps of
-~1,500 candidates), and the start-up self-check (`vllm/kernels/selfcheck.py`)
-plus benchmarks/kernels/gemm.py --sweep re-verify table entries against each
-other. Which config runs comes from a per-device, per-(K, N) table
-(`tuned/gemm_<device>.json`) or the generic tables below.
+speed (see IMPLS): "plain" (one program per output tile), "tma" / "tmaf" (persistent
+programs with Hopper TMA loads; "tmaf" flattens the tile loop into the K loop), and
+"cublaslt": cuBLASLt with every reduction scheme forbidden (no split-K, so one sequence
+of MMA steps along K per output), which on the H200 gives exactly the Triton kernels'
+bits at every M (benchmarks/kernels/cublas_nosplit.py; checked again at start-up and in
+the GPU tests) and is faster at mid M, where cuBLAS's own tiles beat ours. Tile shapes
+(BM, BN, BK, warps, stages) may follow M: on the H200 the `acc = tl.dot(a, b, acc)` form
+gives bit-identical results for every tile shape and impl tried (benchmarks/NOTES.md, two
+sweeps of ~1,500 candidates), and the start-up self-check (`vllm/kernels/selfcheck.py`)
+plus benchmarks/kernels/gemm.py --sweep re-verify table entries against each other.
+Which config runs comes from a per-device, per-(K, N) table (`tuned/gemm_<device>.json`)
+or the generic tables below.
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 
@@ -56,15 +46,15 @@ def _tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.con
 
 
 @triton.jit
-def _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bn, stride_bk,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """float32 sum over k in [k_lo*BK, k_hi*BK) of a[rm, k] * b[rn, k], ascending, from zero."""
+def _dot_k(a_ptr, b_ptr, rm, rn, rk, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """float32 sum over all of K of a[rm, k] * b[rn, k], ascending, from zero."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_lo * BK + rk[None, :]) * stride_ak
-    b_ptrs = b_ptr + rn[None, :] * stride_bn + (k_lo * BK + rk[:, None]) * stride_bk
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
-    for k in range(k_lo, k_hi):
+    for k in range(0, tl.cdiv(K, BK)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_ok, other=0.0)
             b = tl.load(b_ptrs, mask=n_ok, other=0.0)
@@ -84,25 +74,14 @@ def _invariant_matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BM, BN, GROUP_M)
     # int64 offsets: lm_head outputs exceed 2^31 elements at large M
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    k_tiles = tl.cdiv(K, BK)
-    if SPLITS == 1:
-        total = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, 0, k_tiles, stride_am, stride_ak, stride_bn, stride_bk,
-                           BM, BN, BK, EVEN_K)
-    else:
-        total = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, 0, SPLIT_STEPS, stride_am, stride_ak, stride_bn,
-                           stride_bk, BM, BN, BK, EVEN_K)
-        for s in tl.static_range(1, SPLITS):
-            hi = min((s + 1) * SPLIT_STEPS, k_tiles)
-            part = _dot_range(a_ptr, b_ptr, rm, rn, rk, M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak,
-                              stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-            total = total + part
+    total = _dot_k(a_ptr, b_ptr, rm, rn, rk, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         total = total + bias[None, :]
@@ -111,95 +90,9 @@ def _invariant_matmul_kernel(
 
 
 @triton.jit
-def _split_part(a_ptr, b_ptr, tile, s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, SPLIT_STEPS: tl.constexpr):
-    """Rows, columns and float32 partial of output tile `tile` over K split `s`."""
-    pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    hi = min((s + 1) * SPLIT_STEPS, tl.cdiv(K, BK))
-    part = _dot_range(a_ptr, b_ptr, rm, rn, tl.arange(0, BK), M, N, K, s * SPLIT_STEPS, hi, stride_am, stride_ak,
-                      stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-    return rm, rn, part
-
-
-@triton.jit
-def _split_partial_kernel(
-    a_ptr, b_ptr, ws_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT_STEPS: tl.constexpr,
-):
-    """Program (tile, s) writes split s's float32 partial of its tile to ws[s]."""
-    s = tl.program_id(1)
-    rm, rn, part = _split_part(a_ptr, b_ptr, tl.program_id(0), s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                               BM, BN, BK, GROUP_M, EVEN_K, SPLIT_STEPS)
-    ws_ptrs = ws_ptr + s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(ws_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def _merge_splits_kernel(ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
-                         HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """c[m, :] = ((ws[0] + ws[1]) + ...) + bias, ascending split order, one row block per program."""
-    m = tl.program_id(0).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rn < N
-    total = tl.load(ws_ptr + m * N + rn, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        # (s * M + m) is int64 because m is: s * M * N in int32 wraps for lm_head-sized outputs
-        total = total + tl.load(ws_ptr + (s * M + m) * N + rn, mask=ok, other=0.0)
-    if HAS_BIAS:
-        total = total + tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
-    tl.store(c_ptr + m * stride_cm + rn * stride_cn, total.to(c_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _split_fixup_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, lock_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr,
-):
-    """Program (tile, s) computes split s's float32 partial into the tile's workspace; the
-    LAST of the tile's SPLITS programs to finish (an atomic count) merges all partials in
-    ascending order -- the order of every other impl, whoever arrives last -- adds the bias,
-    writes c and resets the tile's counter to 0 for the next launch. One launch, and the
-    partials are read back soon after they are written (mostly from L2)."""
-    tile = tl.program_id(0)
-    s = tl.program_id(1)
-    rm, rn, part = _split_part(a_ptr, b_ptr, tile, s, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                               BM, BN, BK, GROUP_M, EVEN_K, SPLIT_STEPS)
-    # workspace [tiles, SPLITS, BM, BN], dense (edge tiles store their zero rows/cols too)
-    offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    tile_ws = ws_ptr + tile.to(tl.int64) * (SPLITS * BM * BN)
-    tl.store(tile_ws + s * (BM * BN) + offs, part)
-    # The count is one thread's atomic: a CTA barrier first makes every thread's part of the
-    # partial performed before it; its release then publishes them GPU-wide, and its acquire
-    # (result shared with the CTA through another barrier) shows the last arriver every
-    # other program's partial -- the classic semaphore pattern (barrier, one-thread
-    # release; one-thread acquire, barrier).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:
-        total = tl.load(tile_ws + offs, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
-        for j in tl.static_range(1, SPLITS):
-            total = total + tl.load(tile_ws + j * (BM * BN) + offs, cache_modifier=".cg")
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            total = total + bias[None, :]
-        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _tma_dot_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _tma_dot_k(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(k_lo, k_hi):
+    for ki in range(0, tl.cdiv(K, BK)):
         a = a_desc.load([off_m, ki * BK])
         b = b_desc.load([off_n, ki * BK])
         acc = tl.dot(a, b.T, acc)  # TMA zero-fills the K tail: exact zeros added
@@ -208,17 +101,9 @@ def _tma_dot_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, B
 
 @triton.jit
 def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K,
-              HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-              SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr):
+              HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
-    k_tiles = tl.cdiv(K, BK)
-    if SPLITS == 1:
-        total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, k_tiles, BM, BN, BK)
-    else:
-        total = _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, 0, SPLIT_STEPS, BM, BN, BK)
-        for s in tl.static_range(1, SPLITS):
-            hi = min((s + 1) * SPLIT_STEPS, k_tiles)
-            total = total + _tma_dot_range(a_desc, b_desc, pid_m * BM, pid_n * BN, s * SPLIT_STEPS, hi, BM, BN, BK)
+    total = _tma_dot_k(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK)
     if HAS_BIAS:
         rn = pid_n * BN + tl.arange(0, BN)
         total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -229,33 +114,17 @@ def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K,
 def _invariant_matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_STEPS: tl.constexpr, FLATTEN: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """Persistent variant (Hopper TMA loads/stores, NUM_PROGRAMS programs walking output
     tiles). Per output tile it is the same computation as _invariant_matmul_kernel."""
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     if FLATTEN:  # only compiled when asked for (older Triton lacks the keyword)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M, SPLITS,
-                      SPLIT_STEPS)
+            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M)
     else:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M, SPLITS,
-                      SPLIT_STEPS)
-
-
-# ---- the K-split policy (part of the numerical contract) -------------------------------------
-# Split size along K. None = never split (one accumulator over all of K). A function
-# of K only, so every M, every path (rollout, training forward, self-check) uses it.
-K_SPLIT_SIZE: int | None = None
-
-
-def k_split_size(K: int, split_size: int | None = -1) -> int:
-    """The split size used for a reduction of length K (== K when unsplit)."""
-    size = K_SPLIT_SIZE if split_size == -1 else split_size
-    if size is None or size >= K:
-        return K
-    return size
+            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP_M)
 
 
 # ---- config tables ----------------------------------------------------------------------------
@@ -287,18 +156,12 @@ WIDE_N = 65536
 INTERPRET_CONFIGS: list[tuple] = [
     (1 << 62, "plain", 16, 16, 16, 1, 1),
 ]
-# "tma2": the persistent kernel with two programs per SM (when two fit, one's epilogue
-# overlaps the other's main loop); "tmaf": one program per SM with the tile loop
-# flattened into the K loop (the pipeline keeps loading across tile boundaries);
-# "plainc": the plain kernel compiled for a cluster of 2 CTAs (Triton's num_ctas=2, which
-# splits each tile over the pair; a sweep candidate for decode-sized M).
-# "fixup": one program per (tile, split) like "partial", but the last program of a tile
-# to finish merges the partials (same ascending order) in the same launch: no merge
-# kernel, partials read back mostly from L2 (a sweep candidate for split policies).
+# "tmaf": one program per SM with the tile loop flattened into the K loop (the pipeline
+# keeps loading across tile boundaries).
 # "cublaslt": cuBLASLt with split-K forbidden (see _cublaslt_matmul); "cublaslt+tma" etc.
 # names the Triton impl that runs, with the entry's tiles, the inputs it does not take
 # (bias, fp16, unaligned, non-CUDA, old torch); bare "cublaslt" falls back to tma / plain.
-IMPLS = ("plain", "plainc", "tma", "tma2", "tmaf", "partial", "fixup", "cublaslt")
+IMPLS = ("plain", "tma", "tmaf", "cublaslt")
 
 
 def _interpreting() -> bool:
@@ -309,7 +172,7 @@ def _interpreting() -> bool:
 # `benchmarks/kernels/derive_gemm_configs.py`: {"K,N": [[max M, impl, BM, BN, BK, warps,
 # stages], ...]} for the shapes that were swept. Speed only: bits never depend on them.
 _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
-_tuned_cache: dict[tuple, dict] = {}  # (device key, K_SPLIT_SIZE) -> tables
+_tuned_cache: dict[str, dict] = {}  # device key -> tables
 
 
 @functools.lru_cache(maxsize=None)
@@ -321,19 +184,16 @@ def _device_key() -> str:
 
 def tuned_tables(device_key: str | None = None) -> dict:
     dev = _device_key() if device_key is None else device_key
-    key = (dev, K_SPLIT_SIZE)
-    if key not in _tuned_cache:
+    if dev not in _tuned_cache:
         path = os.path.join(_TUNED_DIR, f"gemm_{dev}.json")
         table = {}
         if dev and os.path.exists(path):
             import json
             with open(path) as f:
                 data = json.load(f)
-            # measured under one K-split policy: timings under another do not carry over
-            if data.get("k_split_size") == K_SPLIT_SIZE:
-                table = {k: [tuple(e) for e in v] for k, v in data["shapes"].items()}
-        _tuned_cache[key] = table
-    return _tuned_cache[key]
+            table = {k: [tuple(e) for e in v] for k, v in data["shapes"].items()}
+        _tuned_cache[dev] = table
+    return _tuned_cache[dev]
 
 
 def tuned_tables_digest() -> str | None:
@@ -350,13 +210,13 @@ def tuned_tables_digest() -> str | None:
 def config_table(N: int = 0, K: int = 0, fp32_out: bool = False) -> list[tuple]:
     if _interpreting():
         return INTERPRET_CONFIGS
-    return _gpu_config_table(N, K, fp32_out, K_SPLIT_SIZE)
+    return _gpu_config_table(N, K, fp32_out)
 
 
 # Cached: this runs on every eager GEMM launch, where a few device queries per call
 # cost more host time (~90 us measured) than a decode-sized GEMM takes on the GPU.
 @functools.lru_cache(maxsize=None)
-def _gpu_config_table(N: int, K: int, fp32_out: bool, split_policy) -> list[tuple]:  # policy: cache key only
+def _gpu_config_table(N: int, K: int, fp32_out: bool) -> list[tuple]:
     tuned = tuned_tables().get(f"{K},{N}")
     if tuned:
         return tuned
@@ -403,26 +263,6 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Per-device tile counters for "fixup": all zero between launches (each tile's last program
-# resets its own). Kernels on one stream never overlap, so one buffer serves every call.
-_FIXUP_LOCKS: dict = {}
-_FIXUP_LOCKS_RETIRED: list = []
-
-
-def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
-    buf = _FIXUP_LOCKS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # allocated inside a CUDA graph: zeroed by every replay, never cached
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
-        if buf is not None:
-            # a captured CUDA graph may still point at the smaller buffer: keep it alive
-            _FIXUP_LOCKS_RETIRED.append(buf)
-        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _FIXUP_LOCKS[device] = buf
-    return buf
-
-
 # ---- cuBLASLt without split-K ------------------------------------------------------------------
 # torch >= 2.10 lets a caller forbid cuBLASLt every split-K reduction scheme
 # (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False) sets
@@ -437,8 +277,6 @@ def _fixup_locks(device: torch.device, tiles: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def cublaslt_nosplit_supported() -> bool:
     """Whether this torch can forbid cuBLASLt's split-K (the setter takes allow_splitk)."""
-    if os.environ.get("VLLM_PARITY_CUBLASLT", "1") == "0":
-        return False
     try:
         state = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
         if not isinstance(state, tuple) or len(state) != 2:
@@ -516,11 +354,12 @@ def _normalize(config: tuple, impl: str | None) -> tuple:
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None, config: tuple | None = None,
-                     impl: str | None = None, split_size: int | None = -1) -> torch.Tensor:
+                     impl: str | None = None, allow_cublaslt: bool = True) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in out_dtype (default x.dtype).
 
-    `config` / `impl` override the table (speed only: they never change bits);
-    `split_size` overrides the K-split policy (this DOES change bits; benchmarks only)."""
+    `config` / `impl` override the table (speed only: they never change bits).
+    `allow_cublaslt=False` (KernelConfig.gemm_cublaslt) runs "cublaslt" entries in their
+    Triton fallback (same bits)."""
     K = x.shape[-1]
     N, Kw = weight.shape
     if Kw != K:
@@ -533,14 +372,12 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
     impl, bm, bn, bk, warps, stages = _normalize(config or pick_config(M, N, K, fp32_out=out_dtype == torch.float32),
                                                  impl)
-    ks = k_split_size(K, split_size)
-    splits = triton.cdiv(K, ks)
     if impl.startswith("cublaslt"):
         lt_fallback = impl.partition("+")[2] or "tma"
         if lt_fallback.startswith("tma") and not _is_hopper_or_newer(a.device):
             lt_fallback = "plain"  # TMA needs Hopper; same bits
         refused_key = (M, N, K, a.dtype, out_dtype)
-        if splits == 1 and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
+        if allow_cublaslt and refused_key not in _LT_REFUSED and _cublaslt_takes(a, weight, bias, out_dtype):
             try:
                 return _cublaslt_matmul(a, weight, out_dtype).reshape(*lead, N)
             except RuntimeError as err:
@@ -552,52 +389,32 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 _LT_REFUSED.add(refused_key)
         impl = lt_fallback  # the entry's Triton impl and tiles: same bits
     c = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if splits > 1 and ks % bk:
-        if config is not None or math.gcd(bk, ks) < 16:
-            raise ValueError(f"K split size {ks} must be a multiple of the K tile {bk}")
-        bk = math.gcd(bk, ks)  # a table's K tile that does not divide the split: a smaller one (same bits)
-    steps = ks // bk
     even_k = K % bk == 0
     bias_arg = bias if bias is not None else c
     too_big_key = (impl, bm, bn, bk, warps, stages, a.dtype, c.dtype)
     if impl.startswith("tma") and _tma_ok(a, weight, c) and too_big_key not in _TMA_TOO_BIG:
         from triton.runtime.errors import OutOfResources
         from triton.tools.tensor_descriptor import TensorDescriptor
-        per_sm = 2 if impl == "tma2" else 1
-        programs = min(per_sm * _num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+        programs = min(_num_programs(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
         try:
             _invariant_matmul_tma_kernel[(programs,)](
                 TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
                 TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
                 HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-                SPLITS=splits, SPLIT_STEPS=steps, FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
+                FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
             return c.reshape(*lead, N)
         except OutOfResources:
             # e.g. an fp32 epilogue tile too large for shared memory: the plain kernel
             # computes the same bits (raised before anything ran, so nothing is half-written)
             _TMA_TOO_BIG.add(too_big_key)
-    if impl == "fixup" and splits > 1:
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        ws = torch.empty((tiles, splits, bm, bn), dtype=torch.float32, device=x.device)
-        _split_fixup_kernel[(tiles, splits)](
-            a, weight, c, bias_arg, ws, _fixup_locks(x.device, tiles), M, N, K,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k, SPLITS=splits,
-            SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
-    elif impl == "partial" and splits > 1:
-        ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-        _split_partial_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
-            a, weight, ws, M, N, K, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
-            BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages)
-        block_n = min(1024, triton.next_power_of_2(N))
-        _merge_splits_kernel[(M, triton.cdiv(N, block_n))](
-            ws, c, bias_arg, M, N, c.stride(0), c.stride(1),
-            HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_N=block_n, num_warps=4)
-    else:
-        _invariant_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-            a, weight, c, bias_arg, M, N, K,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
-            SPLITS=splits, SPLIT_STEPS=steps, num_warps=warps, num_stages=stages,
-            **({"num_ctas": 2} if impl == "plainc" else {}))
+    _invariant_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        a, weight, c, bias_arg, M, N, K,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
+        num_warps=warps, num_stages=stages)
     return c.reshape(*lead, N)
+
+
+def invariant_logits(hidden: torch.Tensor, weight: torch.Tensor, allow_cublaslt: bool = True) -> torch.Tensor:
+    """The lm_head: the same GEMM with a float32 output (logits are never rounded to bf16)."""
+    return invariant_matmul(hidden, weight, out_dtype=torch.float32, allow_cublaslt=allow_cublaslt)

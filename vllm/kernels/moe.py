@@ -15,7 +15,7 @@ Where MoE usually breaks batch invariance, and what these kernels do instead:
   row's position in its tile), so a row's result depends on its own row and its
   expert's weights only: not on how many rows chose that expert or where they sit. On
   CPU each pair is computed on its own, as a fresh [1, K] row (the CPU invariant
-  path's rule, `kernels/invariant.py`).
+  path's rule, `kernels/torch_ops.py`).
 * merge: a token's k expert outputs (float32 straight from the down GEMM's accumulator)
   are combined as `acc = y0 * w0; acc = acc + y1 * w1; ...` in slot order (the k-rank of
   the expert for that token), never in arrival order, and rounded once to the model
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import current_numerics
 from vllm.kernels import ops
 from vllm.kernels.moe_autograd import GroupedGemmFn, MergeFn, RouterFn
 
@@ -400,7 +400,8 @@ def experts_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def experts_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Invariant expert MLPs on CPU: every (token, slot) pair on its own, as fresh [1, K]
     rows of identical shape, so the library takes the same code path whatever the batch
-    (the rule of kernels/invariant.py). Down projection in float32 -> y [T, k, H] float32."""
+    (the rule of the row forms in kernels/torch_ops.py). Down projection in float32 ->
+    y [T, k, H] float32."""
     T, k = ids.shape
     H = w2.shape[1]
     if T == 0:
@@ -551,17 +552,8 @@ MOE_OPS = {
 }
 
 
-def _numerics() -> str:
-    """The numerics mode of the model call in progress ("fast" outside any forward
-    context, as for every op: a kernel called directly, as tests and benchmarks do)."""
-    try:
-        return get_forward_context().numerics
-    except RuntimeError:
-        return "fast"
-
-
 def _impl(name: str):
-    return MOE_OPS[name][1 if _numerics() == "invariant" else 0]
+    return MOE_OPS[name][1 if current_numerics() == "invariant" else 0]
 
 
 def _grad_needed(*tensors) -> bool:
@@ -611,15 +603,21 @@ SELF_CHECK_MS = (1, 2, 3, 17, 64, 129, 256, 1024)
 
 
 @torch.inference_mode()
-def moe_self_check(blocks, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None) -> dict:
+def moe_self_check(blocks, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None,
+                   kernels=None) -> dict:
     """`blocks`: (name, MoE block) pairs of a loaded model (a block has `top_k`, a router
     `gate.weight` [E, H] and `experts.gate_up_proj` / `experts.down_proj`). For each
     distinct expert-layer shape: a token's expert outputs (float32, unrounded) computed in
     batches of M in SELF_CHECK_MS (each M picks its own block size and tiles) and with
     every token routed to the same k experts must equal the same rows computed in the
     largest batch, bit for bit; so must the router's logits; and the Triton merge must
-    equal the torch formula. Raises SelfCheckError naming the layer and M."""
+    equal the torch formula. `kernels`: the engine's kernel options (KernelConfig), with
+    which the router's logits GEMM is taken from the numerics table as the engine runs it.
+    Raises SelfCheckError naming the layer and M."""
+    from vllm.kernels.numerics_table import kernel_for
     from vllm.kernels.selfcheck import SelfCheckError
+
+    router_gemm = kernel_for("logits", "invariant", device, kernels)
 
     report, seen = {}, set()
     gen = torch.Generator(device=device).manual_seed(4321)
@@ -649,11 +647,9 @@ def moe_self_check(blocks, device: torch.device, dtype: torch.dtype, max_tokens:
             raise SelfCheckError(f"MoE self-check failed for {name}: a row routed with {top - 1} others to the same "
                                  "experts differs from the row alone")
         # the router's float32-output GEMM (not a Linear: the dense self-check does not see it)
-        from vllm.kernels.matmul import invariant_matmul
-        router = invariant_matmul(x, mod.gate.weight, out_dtype=torch.float32)
+        router = router_gemm(x, mod.gate.weight)
         for m in ms:
-            if not torch.equal(invariant_matmul(x[:m].clone(), mod.gate.weight, out_dtype=torch.float32).view(torch.int32),
-                               router[:m].view(torch.int32)):
+            if not torch.equal(router_gemm(x[:m].clone(), mod.gate.weight).view(torch.int32), router[:m].view(torch.int32)):
                 raise SelfCheckError(f"MoE self-check failed for {name}.gate (K={H}, N={E}) at M={m}: router logits "
                                      f"differ from the same rows computed at M={top}")
         w = torch.rand(top, k, generator=gen, device=device)

@@ -1,109 +1,74 @@
-"""Kernel shim: every op the model calls, dispatched on the numerics mode.
+"""Op shim: every op the model and the attention backends call, dispatched through the
+numerics table (vllm/kernels/numerics_table.py) with the mode of the forward context.
 
-`fast` uses the fastest library kernels (cuBLAS through F.linear, torch's
-fused ops). `invariant` kernels (fixed reduction order) register themselves
-here from their own modules; until a verified invariant kernel exists for an
-op, asking for it is an error rather than a silent fallback.
+On CUDA a kernel torch cannot differentiate (Triton, cuBLASLt) runs inside its autograd
+Function (vllm/kernels/autograd_ops.py) when a gradient is asked for, so the training
+forward computes the rollout's bits and still has a backward.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from vllm.forward_context import current_kernel_config, current_numerics
+from vllm.kernels.autograd_ops import AddRMSNormFn, LinearFn, RMSNormFn, RopeFn, SiluAndMulFn
+from vllm.kernels.numerics_table import NUMERICS_TABLE
 
 
-_INVARIANT: dict[str, Callable] = {}
-
-
-def register_invariant(name: str, fn: Callable) -> None:
-    _INVARIANT[name] = fn
-
-
-def _ensure_registered() -> None:
-    if not _INVARIANT:
-        import vllm.kernels.invariant  # noqa: F401  (registers on import)
-
-
-def _mode() -> str:
-    from vllm import forward_context
-
-    ctx = forward_context._CURRENT
-    return ctx.numerics if ctx is not None else "fast"
-
-
-def _dispatch(name: str) -> Callable | None:
-    if _mode() == "invariant":
-        _ensure_registered()
-        fn = _INVARIANT.get(name)
-        if fn is None:
-            raise RuntimeError(f"numerics='invariant' has no verified kernel for op {name!r}")
-        return fn
-    return None
+def _kernel(op: str, x: torch.Tensor) -> tuple[Callable | None, bool]:
+    """(implementation for x's device in the current mode, with the kernel options it takes
+    bound; whether it needs its autograd Function)."""
+    impl = NUMERICS_TABLE[op].mode(current_numerics())
+    fn = impl.on(x.device, current_kernel_config())
+    return fn, (impl.cuda_autograd_fn if x.is_cuda else impl.cpu_autograd_fn)
 
 
 def _needs_autograd(*tensors) -> bool:
-    """True when a Triton kernel (not differentiable by itself) is asked for gradients."""
+    """True when an invariant kernel is asked for gradients. It runs inside an autograd
+    Function with a separately verified backward: Triton kernels are not differentiable
+    by themselves, and autograd through the CPU kernels' one-row-at-a-time ops builds a
+    graph of thousands of nodes per layer (a backward ~30x slower than the forward)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    fn = _dispatch("linear")
-    if fn is not None:
-        if x.is_cuda and _needs_autograd(x, weight, bias):
-            from vllm.kernels.autograd_ops import LinearFn
-            return LinearFn.apply(x, weight, bias, fn)
-        return fn(x, weight, bias)
-    return F.linear(x, weight, bias)
+    fn, wrap = _kernel("linear", x)
+    if wrap and _needs_autograd(x, weight, bias):
+        return LinearFn.apply(x, weight, bias, fn)
+    return fn(x, weight, bias)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
+    fn, wrap = _kernel("logits", hidden)
+    if wrap and _needs_autograd(hidden, weight):
+        return LinearFn.apply(hidden, weight, None, lambda x_, w_, b_: fn(x_, w_))
+    return fn(hidden, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
-    fn = _dispatch("rms_norm")
-    if fn is None and x.is_cuda:
-        # one fused row kernel instead of ~6 torch kernels (also the invariant one)
-        from vllm.kernels.rowwise import rms_norm_triton
-        fn = rms_norm_triton
-    if fn is not None:
-        if x.is_cuda and _needs_autograd(x, weight):
-            from vllm.kernels.autograd_ops import RMSNormFn
-            return RMSNormFn.apply(x, weight, eps, fn)
-        return fn(x, weight, eps)
-    xf = x.float()
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    fn, wrap = _kernel("rms_norm", x)
+    if wrap and _needs_autograd(x, weight):
+        return RMSNormFn.apply(x, weight, eps, fn)
+    return fn(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual (in the model dtype); returns (rms_norm(residual'), residual')."""
-    fn = _dispatch("add_rms_norm")
-    if fn is None and x.is_cuda:
-        from vllm.kernels.rowwise import rms_norm_triton
-        fn = lambda x_, r_, w_, e_: rms_norm_triton(x_, w_, e_, residual=r_)  # noqa: E731
-    if fn is not None:
-        if x.is_cuda and _needs_autograd(x, residual, weight):
-            from vllm.kernels.autograd_ops import AddRMSNormFn
-            return AddRMSNormFn.apply(x, residual, weight, eps, fn)
-        return fn(x, residual, weight, eps)
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    fn, wrap = _kernel("add_rms_norm", x)
+    if wrap and _needs_autograd(x, residual, weight):
+        return AddRMSNormFn.apply(x, residual, weight, eps, fn)
+    return fn(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
-    fn = _dispatch("silu_and_mul") or _silu_and_mul_fast
-    if x.is_cuda and _needs_autograd(x):
-        from vllm.kernels.autograd_ops import SiluAndMulFn
+    fn, wrap = _kernel("silu_and_mul", x)
+    if wrap and _needs_autograd(x):
         return SiluAndMulFn.apply(x, fn)
     return fn(x)
-
-
-def _silu_and_mul_fast(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        from vllm.kernels.elementwise import silu_and_mul_triton
-        return silu_and_mul_triton(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,39 +76,37 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
     Computed in float32 and rounded once to the model dtype.
     """
-    fn = _dispatch("rope") or _rope_fast
-    if q.is_cuda and _needs_autograd(q, k):
-        from vllm.kernels.autograd_ops import RopeFn
+    fn, wrap = _kernel("rope", q)
+    if wrap and _needs_autograd(q, k):
         return RopeFn.apply(q, k, cos, sin, fn)
     return fn(q, k, cos, sin)
 
 
-def _rope_fast(q, k, cos, sin):
-    if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
-        from vllm.kernels.elementwise import rope_triton
-        return rope_triton(q, k, cos, sin)
-    return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
-
-
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # A gather: no reduction, identical in every mode.
-    return F.embedding(ids, weight)
+    fn, _ = _kernel("embedding", weight)
+    return fn(ids, weight)
 
 
-def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
-    fn = _dispatch("logits")
-    if fn is not None:
-        if hidden.is_cuda and _needs_autograd(hidden, weight):
-            from vllm.kernels.autograd_ops import LinearFn
-            return LinearFn.apply(hidden, weight, None, lambda x_, w_, b_: fn(x_, w_))
-        return fn(hidden, weight)
-    return F.linear(hidden, weight).float()
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Scatter this step's K/V rows [T, Hkv, D] into their paged-cache slots, in place."""
+    fn, _ = _kernel("kv_cache_write", k)
+    fn(k, v, k_cache, v_cache, slots)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int,
+              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal paged attention for this step's queries, whose K/V are already in the cache
+    (arguments as in vllm.kernels.attention.paged_attention_triton).
+
+    `fresh_kv`: the step's own (k, v), passed when every sequence starts at position 0 (no
+    cached context), so a mode may use a kernel on the step's own tensors instead."""
+    if fresh_kv is not None and max_query_len > 1:
+        fn, _ = _kernel("fresh_prefill_attention", q)
+        out = fn(q, *fresh_kv, cu_seqlens_q, max_query_len, scale) if fn is not None else None
+        if out is not None:
+            return out
+    fn, _ = _kernel("decode_attention" if max_query_len == 1 else "prefill_attention", q)
+    return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
+              max_query_len=max_query_len, max_seq_len=max_seq_len)

@@ -68,3 +68,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if residual is not None:
         return out.reshape(shape), res_out.reshape(shape)
     return out.reshape(shape)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual) in one launch; the sum is rounded to the
+    model dtype first, as in torch."""
+    return rms_norm_triton(x, weight, eps, residual=residual)

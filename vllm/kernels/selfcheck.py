@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.config import KernelConfig
 from vllm.kernels import matmul
 from vllm.kernels.matmul import invariant_matmul
 
@@ -56,9 +57,10 @@ def model_gemm_shapes(model: torch.nn.Module) -> list[tuple[str, int, int, bool]
 
 @torch.inference_mode()
 def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_m: int = 1024,
-                    max_tokens: int | None = None) -> dict:
+                    max_tokens: int | None = None, allow_cublaslt: bool = True) -> dict:
     """max_tokens: the largest M the engine runs (its token budget per step); cuBLASLt
-    buckets of the linear layers are checked up to it (logits rows stay within max_m)."""
+    buckets of the linear layers are checked up to it (logits rows stay within max_m).
+    allow_cublaslt: as the engine will run its GEMMs (KernelConfig.gemm_cublaslt)."""
     gen = torch.Generator(device=device).manual_seed(1234)
     report = {}
     for name, K, N, fp32_out in model_gemm_shapes(model):
@@ -66,7 +68,7 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
         w = dict(model.named_modules())[name].weight
         x = torch.randn(max(ms), K, generator=gen, device=device).to(dtype)
         out_dtype = torch.float32 if fp32_out else dtype
-        full = invariant_matmul(x, w, out_dtype=out_dtype)
+        full = invariant_matmul(x, w, out_dtype=out_dtype, allow_cublaslt=allow_cublaslt)
         view = torch.int32 if out_dtype == torch.float32 else torch.int16
         if device.type == "cuda":
             # every impl the table may use computes the same bits: the Triton kernel, with
@@ -78,33 +80,47 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
                 raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}) at M={max(ms)}: "
                                      "the table's kernel and the Triton kernel give different bits")
         for m in ms:
-            part = invariant_matmul(x[:m].clone(), w, out_dtype=out_dtype)
+            part = invariant_matmul(x[:m].clone(), w, out_dtype=out_dtype, allow_cublaslt=allow_cublaslt)
             if not torch.equal(part.view(view), full[:m].view(view)):
                 raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}) at M={m}: "
                                      f"rows differ from the same rows computed at M={max(ms)}")
         # the last row alone, i.e. at another position inside its tile
-        last = invariant_matmul(x[-1:].clone(), w, out_dtype=out_dtype)
+        last = invariant_matmul(x[-1:].clone(), w, out_dtype=out_dtype, allow_cublaslt=allow_cublaslt)
         if not torch.equal(last.view(view), full[-1:].view(view)):
             raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}): row position changes bits")
         report[name] = {"K": K, "N": N, "Ms": ms}
-    report.update(layer_self_checks(model, device, dtype, max_tokens))
     return report
 
 
 def layer_self_checks(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                      max_tokens: int | None = None) -> dict:
-    """Layers with kernels of their own (outside the GEMM table: an MoE block's grouped
+                      max_tokens: int | None = None, kernels: KernelConfig | None = None) -> dict:
+    """Layers with kernels of their own (outside the numerics table: an MoE block's grouped
     expert GEMM, say) check them too: every layer class defining
-    `invariant_self_check(modules, device, dtype, max_tokens)` is called once, with all of
-    the model's (name, module) pairs of that class; it raises SelfCheckError."""
+    `invariant_self_check(modules, device, dtype, max_tokens, kernels)` is called once, with
+    all of the model's (name, module) pairs of that class; it raises SelfCheckError."""
     by_class: dict[type, list] = {}
     for name, mod in model.named_modules():
         if hasattr(type(mod), "invariant_self_check"):
             by_class.setdefault(type(mod), []).append((name, mod))
     report = {}
     for cls, mods in by_class.items():
-        report.update(cls.invariant_self_check(mods, device, dtype, max_tokens))
+        report.update(cls.invariant_self_check(mods, device, dtype, max_tokens, kernels or KernelConfig()))
     return report
+
+
+def start_up_check(model: torch.nn.Module, numerics: str, device: torch.device, dtype: torch.dtype,
+                   max_tokens: int | None = None, kernels: KernelConfig | None = None) -> dict | None:
+    """The check a numerics mode needs on this device before an engine serves: invariant
+    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`) and the
+    kernels of layers that bring their own (`layer_self_checks`). Nothing else needs one
+    (the CPU's invariant kernels are row-at-a-time torch; fast mode promises nothing).
+    Returns the check's report, or None when none ran."""
+    if numerics == "invariant" and device.type == "cuda":
+        kernels = kernels or KernelConfig()
+        report = gemm_self_check(model, device, dtype, max_tokens=max_tokens, allow_cublaslt=kernels.gemm_cublaslt)
+        report.update(layer_self_checks(model, device, dtype, max_tokens, kernels))
+        return report
+    return None
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:

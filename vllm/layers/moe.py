@@ -152,7 +152,8 @@ class SparseMoeBlock(nn.Module):
 
     @staticmethod
     def invariant_self_check(blocks: list, device: torch.device, dtype: torch.dtype,
-                             max_tokens: int | None = None) -> dict:
+                             max_tokens: int | None = None, kernels=None) -> dict:
         """The start-up check of these kernels on this machine (`vllm.kernels.selfcheck`),
-        for the model's (name, block) pairs; raises SelfCheckError."""
-        return moe_ops.moe_self_check(blocks, device, dtype, max_tokens)
+        for the model's (name, block) pairs, with the engine's kernel options; raises
+        SelfCheckError."""
+        return moe_ops.moe_self_check(blocks, device, dtype, max_tokens, kernels)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from vllm.config import ModelConfig, resolve_dtype
+from vllm.config import KernelConfig, ModelConfig, resolve_dtype
 from vllm.model_loader.loader import checkpoint_files, init_dummy_weights, iterate_weights, load_weights
 from vllm.models.registry import model_class
 
@@ -35,10 +35,13 @@ def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | t
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
-                load_format: str = "safetensors", self_check_tokens: int | None = None) -> tuple[torch.nn.Module, dict | None]:
+                load_format: str = "safetensors", self_check_tokens: int | None = None,
+                kernels: KernelConfig | None = None) -> tuple[torch.nn.Module, dict | None]:
     """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
-    refuse unverified devices and run the GEMM self-check on CUDA (`self_check_tokens`: the
-    largest step the caller runs). Returns (model in eval mode, self-check report or None)."""
+    refuse unverified devices; then run the start-up check the mode needs on this device
+    (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
+    with the kernel options `kernels`; `self_check_tokens`: the largest step the caller
+    runs). Returns (model in eval mode, self-check report or None)."""
     device = torch.device(device)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -58,10 +61,9 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
         except ValueError as err:
             raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
     model.eval()
-    report = None
-    if numerics == "invariant" and device.type == "cuda":
-        from vllm.kernels.selfcheck import gemm_self_check
-        t0 = time.perf_counter()
-        report = gemm_self_check(model, device, dtype, max_tokens=self_check_tokens)
-        logger.info("invariant GEMM self-check passed in %.2f s", time.perf_counter() - t0)
+    from vllm.kernels.selfcheck import start_up_check
+    t0 = time.perf_counter()
+    report = start_up_check(model, numerics, device, dtype, max_tokens=self_check_tokens, kernels=kernels)
+    if report is not None:
+        logger.info("%s numerics self-check passed in %.2f s", numerics, time.perf_counter() - t0)
     return model, report

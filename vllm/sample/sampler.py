@@ -24,7 +24,6 @@ Randomness comes from :mod:`vllm.sample.rng`, a counter-based hash of
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,11 +42,6 @@ LOGPROBS_MODES = (
 )
 
 _NEG_INF = float("-inf")
-# Fused noise + argmax for untruncated sampling on CUDA (rng.gumbel_argmax). The two paths
-# must never disagree, since which one runs depends on the other rows of the batch:
-# test_gpu_fused_gumbel_scores_bits proves the scores equal bit for bit on the H200 (passed
-# 2026-11-29); VLLM_PARITY_FUSED_GUMBEL=0 turns the fused path off.
-FUSED_GUMBEL = os.environ.get("VLLM_PARITY_FUSED_GUMBEL", "1") == "1"
 
 
 # --------------------------------------------------------------------------- #
@@ -468,7 +462,16 @@ class Sampler(torch.nn.Module):
     """temperature -> top-k -> top-p -> min-p -> Gumbel-max, plus logprobs.
 
     Stateless: all randomness is keyed by ``(seed, position, token id)``.
+
+    ``fused_gumbel`` (KernelConfig.fused_gumbel): on CUDA, batches without truncation take
+    one fused noise + argmax kernel (rng.gumbel_argmax) instead of six passes over [B, V].
+    The two paths must never disagree, since which one runs depends on the other rows of
+    the batch: test_gpu_fused_gumbel_scores_bits proves their scores equal bit for bit.
     """
+
+    def __init__(self, fused_gumbel: bool = True):
+        super().__init__()
+        self.fused_gumbel = fused_gumbel
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2:
@@ -542,7 +545,7 @@ class Sampler(torch.nn.Module):
         else:
             # scores = scaled + g with g = -log(-log(u)), computed in place as
             # scaled - log(-log(u)) (a - b is a + (-b) exactly): one pass fewer.
-            if keep is None and FUSED_GUMBEL and device.type == "cuda":
+            if keep is None and self.fused_gumbel and device.type == "cuda":
                 # one pass instead of six over [B, V]; its scores equal the unfused path's
                 # bit for bit (tests/test_sampler.py::test_gpu_fused_gumbel_scores_bits)
                 sampled = gumbel_argmax(scaled, batch.seeds, batch.positions)

@@ -1,7 +1,7 @@
 """Tiny, fully local test checkpoints and the project's byte-level BPE tokenizer.
 
 Nothing here touches the network: the tokenizer is trained on the small corpus
-shipped in :mod:`vllm.testing.corpus`, and checkpoints are random-weight
+shipped in `vllm/testing/data/corpus.txt`, and checkpoints are random-weight
 HuggingFace models written with ``save_pretrained``.  Everything is
 deterministic: the same arguments give the same files, byte for byte (for a
 fixed torch / transformers / tokenizers version).
@@ -159,7 +159,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     if got != vocab_size:
         raise ValueError(
             f"the corpus only supports a vocabulary of {got} tokens (asked for {vocab_size}); "
-            "use a smaller vocab_size or extend vllm/testing/corpus.py"
+            "use a smaller vocab_size or extend vllm/testing/data/corpus.txt"
         )
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))

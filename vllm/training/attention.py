@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.kernels.attention import paged_attention
+from vllm.kernels import ops
 from vllm.kernels.autograd_ops import PackedAttentionFn
 
 
@@ -45,8 +45,10 @@ class PackedAttentionBackend:
         kc = torch.zeros(shape, dtype=k.dtype, device=k.device).index_copy_(0, self.slots, k.detach())
         vc = torch.zeros(shape, dtype=v.dtype, device=v.device).index_copy_(0, self.slots, v.detach())
         view = (self.num_blocks, self.block_size, k.shape[1], k.shape[2])
-        return paged_attention(q.detach(), kc.view(view), vc.view(view), self.block_table, self.cu_seqlens, self.seq_lens_t,
-                           scale, max_query_len=max(self.seq_lens), max_seq_len=max(self.seq_lens))
+        # no fresh_kv: the paged kernel on this private cache is what reproduces the rollout's
+        # bits in invariant mode (fast mode runs the same kernel; it promises nothing)
+        return ops.attention(q.detach(), kc.view(view), vc.view(view), self.block_table, self.cu_seqlens,
+                             self.seq_lens_t, scale, max_query_len=max(self.seq_lens), max_seq_len=max(self.seq_lens))
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import ModelConfig
+from vllm.config import KernelConfig, ModelConfig
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.sample.sampler import tempered_logprobs
 from vllm.training.attention import PackedAttentionBackend
@@ -23,7 +23,7 @@ from vllm.training.attention import PackedAttentionBackend
 class Policy:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16):
+                 block_size: int = 16, kernels: KernelConfig | None = None):
         self.model = model
         self.model_config = model_config
         self.dtype = dtype
@@ -32,6 +32,7 @@ class Policy:
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
         self.block_size = block_size
+        self.kernels = kernels or KernelConfig()  # the engine's, when colocated
         self.activation_checkpointing = activation_checkpointing
         for p in self.model.parameters():
             p.requires_grad_(True)
@@ -125,7 +126,7 @@ class Policy:
             targets.extend(s[pl:])
             offset += len(s)
         rows_t = torch.cat(rows).to(dev)
-        with set_forward_context(ForwardContext(backend, self.numerics)):
+        with set_forward_context(ForwardContext(backend, self.numerics, self.kernels)):
             hidden = self.model(ids, positions, activation_checkpointing=self.activation_checkpointing)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         temp = temperature if temperature > 0 else 1.0
@@ -162,4 +163,5 @@ class Policy:
         (deployment settings aside, which must not change bits)."""
         from vllm.contract import build_contract
         return build_contract(self.model, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
-                              deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len})
+                              deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len},
+                              kernels=self.kernels)

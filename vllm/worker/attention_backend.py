@@ -3,6 +3,8 @@
 It owns all step-specific state (slot mapping, block tables, sequence bounds),
 so the model's Attention layer stays a plain module. The same tensors serve
 eager steps and CUDA-graph replays (the runner copies step metadata into them).
+Which kernels run is the numerics table's choice (vllm/kernels/numerics_table.py),
+reached through the op shim.
 """
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm._custom_ops import cache_kv
-from vllm.forward_context import get_forward_context
-from vllm.kernels.attention import paged_attention
+from vllm.kernels import ops
 
 
 @dataclass
@@ -23,37 +23,20 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # [S] int32: context length including this step's tokens
     max_query_len: int
     max_seq_len: int
-    # every sequence's slice starts at position 0 (no cached context): fast mode may
-    # then use torch's flash varlen attention on the step's own q/k/v
+    # every sequence's slice starts at position 0 (no cached context): a mode may then
+    # compute attention on the step's own q/k/v
     fresh_prefill: bool = False
-
-
-def _flash_varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-        return varlen_attn
-    except ImportError:
-        return None
 
 
 class PagedAttentionBackend:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         self.k_caches, self.v_caches = k_caches, v_caches
         self.metadata: AttentionMetadata | None = None
-        self.varlen = _flash_varlen() if k_caches[0].is_cuda else None
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         md = self.metadata
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        # KV write: a scatter with no reduction, so identical in every numerics mode
-        # (`_custom_ops.cache_kv`: the Triton write on CUDA, index_copy_ elsewhere).
-        cache_kv(k, v, kc, vc, md.slot_mapping)
-        if (self.varlen is not None and md.fresh_prefill and q.dtype in (torch.bfloat16, torch.float16)
-                and get_forward_context().numerics == "fast"):
-            # The baseline's fastest prefill. Its bits differ from single-query decode
-            # (measured on the H200), which is why invariant mode never takes this path.
-            return self.varlen(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, md.max_query_len, md.max_query_len,
-                               scale=scale, window_size=(-1, 0))
-        # paged_attention picks the kernel by device; the trainer calls the same function.
-        return paged_attention(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
-                         max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+        ops.kv_cache_write(k, v, kc, vc, md.slot_mapping)
+        return ops.attention(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
+                             max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+                             fresh_kv=(k, v) if md.fresh_prefill else None)

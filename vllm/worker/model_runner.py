@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,10 +25,6 @@ from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
 
 logger = logging.getLogger(__name__)
-
-# Physical KV cache layout: "token" ([blocks, block_size, heads, D]) or "head" (head-major,
-# see _new_cache). Speed only; benchmarks/kernels/decode_attention.py measures both.
-KV_CACHE_LAYOUT = os.environ.get("VLLM_PARITY_KV_LAYOUT", "token")
 
 
 @dataclass
@@ -64,22 +59,25 @@ class ModelRunner:
             self._mem_before_load = torch.cuda.memory_allocated(self.device)
         self.model, self.self_check_report = build_model(mc, self.dtype, self.device, numerics=config.numerics,
                                                          load_format=config.load_format,
-                                                         self_check_tokens=config.scheduler.max_num_batched_tokens)
+                                                         self_check_tokens=config.scheduler.max_num_batched_tokens,
+                                                         kernels=config.kernels)
         self.load_time = time.perf_counter() - t0
         if self.self_check_report is not None:
             # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_gumbel=config.kernels.fused_gumbel)
         self.num_blocks = self._decide_num_blocks()
-        arch = self.model.config  # the model's own config: its layers, kv heads and head_dim size the cache
-        self.k_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
-        self.v_caches = [self._new_cache(arch) for _ in range(arch.num_hidden_layers)]
+        # sleep mode on CUDA: the caches live in one driver VMM region, so waking maps new
+        # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
+        self._kv_region = None
+        self.sleeping = False
+        self.k_caches, self.v_caches = self._allocate_kv_caches(self.model.config)
         self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
-        # VLLM_STEP_PROFILE=1: synchronise at phase boundaries and accumulate wall time
-        # per phase (benchmarks print it; off by default because syncs cost time).
-        self.profile = os.environ.get("VLLM_STEP_PROFILE") == "1"
+        # synchronise at phase boundaries and accumulate wall time per phase (benchmarks
+        # print it; off by default because syncs cost time)
+        self.profile = config.step_profile
         self.timings: dict[str, float] = defaultdict(float)
         self._t = 0.0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -124,7 +122,7 @@ class ModelRunner:
             seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=self.device),
             max_query_len=n_tok, max_seq_len=n_tok)
         ids = torch.zeros(n_tok, dtype=torch.long, device=self.device)
-        with set_forward_context(ForwardContext(backend, self.config.numerics)):
+        with set_forward_context(ForwardContext(backend, self.config.numerics, self.config.kernels)):
             h = self.model(ids, torch.arange(n_tok, device=self.device))
             self.model.compute_logits(h[-self.config.scheduler.max_num_seqs:])
         torch.cuda.synchronize()
@@ -141,15 +139,80 @@ class ModelRunner:
         budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
 
-    def _new_cache(self, mc) -> torch.Tensor:
-        """One layer's K or V cache, logical shape [blocks, block_size, kv heads, head_dim].
-        KV_CACHE_LAYOUT "head" stores it head-major ([blocks, heads, block_size, D], each
-        head's slice of a block contiguous) behind a permuted view. Kernels take strides,
-        so the layout changes where bytes live, never a computed bit."""
+    def _allocate_kv_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n = mc.num_hidden_layers
+        if self.config.cache.enable_sleep_mode and self.device.type == "cuda":
+            try:
+                return self._vmm_caches(mc)
+            except (ImportError, RuntimeError, OSError) as err:
+                # still correct, only slower to wake: the caches come back at new addresses
+                # and wake_up re-captures the CUDA graphs
+                logger.warning("sleep mode: driver VMM unavailable (%s); waking will re-capture CUDA graphs", err)
+                self._kv_region = None
+        return [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
+
+    def _vmm_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from vllm.worker.cuda_vmm import VirtualMemoryRegion
+
         nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
-        if KV_CACHE_LAYOUT == "head":
-            return torch.zeros((nb, h, bs, d), dtype=self.dtype, device=self.device).permute(0, 2, 1, 3)
-        return torch.zeros((nb, bs, h, d), dtype=self.dtype, device=self.device)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        layer_bytes = -(-(nb * bs * h * d * elem) // 256) * 256  # each cache 256-byte aligned
+        self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes, self.device)
+        raw = self._kv_region.as_tensor()
+        caches = []
+        for i in range(2 * mc.num_hidden_layers):
+            flat = raw[i * layer_bytes:i * layer_bytes + nb * bs * h * d * elem].view(self.dtype)
+            caches.append(flat.view(nb, bs, h, d))
+        raw.zero_()
+        return caches[0::2], caches[1::2]
+
+    # ---- sleep mode -------------------------------------------------------------------
+    def kv_cache_bytes(self) -> int:
+        if self._kv_region is not None:
+            return self._kv_region.size
+        return sum(c.untyped_storage().nbytes() for c in self.k_caches + self.v_caches)
+
+    def sleep(self) -> int:
+        """Release the KV cache's memory; returns the bytes released. The cache tensors
+        keep their shapes; their contents are gone (the engine drops its prefix cache)."""
+        if self.sleeping:
+            return 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        freed = self.kv_cache_bytes()
+        if self._kv_region is not None:
+            self._kv_region.unmap()
+        else:
+            for c in self.k_caches + self.v_caches:
+                c.untyped_storage().resize_(0)
+        self.sleeping = True
+        return freed
+
+    def wake_up(self) -> None:
+        """Take the KV cache's memory back, zero-filled as at start-up. With the VMM region
+        the addresses are unchanged, so the captured graphs are replayed as they are."""
+        if not self.sleeping:
+            return
+        if self._kv_region is not None:
+            torch.cuda.empty_cache()  # blocks the trainer freed go back to the driver first
+            self._kv_region.map()
+            self._kv_region.as_tensor().zero_()
+        else:
+            mc = self.model.config
+            nbytes = self.num_blocks * self.block_size * mc.num_key_value_heads * mc.head_dim \
+                * torch.empty((), dtype=self.dtype).element_size()
+            for c in self.k_caches + self.v_caches:
+                c.untyped_storage().resize_(nbytes)
+                c.zero_()
+            if self.graphs:
+                self.graphs.clear()
+                self._capture_graphs()  # the old graphs point at the freed addresses
+        self.sleeping = False
+
+    def _new_cache(self, mc) -> torch.Tensor:
+        """One layer's K or V cache: [blocks, block_size, kv heads, head_dim], contiguous."""
+        return torch.zeros((self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim),
+                           dtype=self.dtype, device=self.device)
 
     def _mark(self, phase: str | None) -> None:
         if not self.profile:
@@ -229,7 +292,7 @@ class ModelRunner:
             self.attn.metadata = md
             ids_dev = self._h2d(input_ids)
             fill(ids_dev)
-            with set_forward_context(ForwardContext(self.attn, self.config.numerics)):
+            with set_forward_context(ForwardContext(self.attn, self.config.numerics, self.config.kernels)):
                 hidden = self.model(ids_dev, self._h2d(positions))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
@@ -237,7 +300,7 @@ class ModelRunner:
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
             return StepHandle([], [], None, {})
-        with set_forward_context(ForwardContext(None, self.config.numerics)):
+        with set_forward_context(ForwardContext(None, self.config.numerics, self.config.kernels)):
             # a decode step where every request samples needs every row, in order: no gather
             # (nor the index copy) on the hot path; a copy would not change a bit anyway
             picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
@@ -375,7 +438,7 @@ class ModelRunner:
                                    max_query_len=1, max_seq_len=self.max_model_len)
             self.g_seq_lens[:bs].fill_(1)
             self.attn.metadata = md
-            ctx = ForwardContext(self.attn, self.config.numerics)
+            ctx = ForwardContext(self.attn, self.config.numerics, self.config.kernels)
             with set_forward_context(ctx):
                 for _ in range(2):  # warm up: Triton autotuning/compilation happens outside capture
                     self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])

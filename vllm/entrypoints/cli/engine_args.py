@@ -4,26 +4,58 @@ from __future__ import annotations
 import argparse
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says what the
+    default is (in words, where None means "decided later") or the option is a switch
+    (store_true / store_false / --x/--no-x), whose default the help's wording implies:
+    each default is printed once."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.nargs == 0 or action.default is None
+                or action.default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF checkpoint directory (default: the embedded model)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the --model directory)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16; auto: the checkpoint's dtype on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--numerics", default="fast", choices=["fast", "invariant"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler's counter-based randomness")
+    p.add_argument("--numerics", default="invariant", choices=["fast", "invariant"],
+                   help="invariant: logprobs match the trainer's (llm.policy()) bit for bit, whatever the batch; "
+                        "fast: the plain-speed baseline, batch-dependent bits (docs/numerics.md)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences scheduled in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens scheduled in one step (default: 8192 on CUDA, 2048 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use (weights, activations and KV cache)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step instead of splitting it across steps")
+    p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="enqueue step N+1 before waiting for step N's tokens (overlaps host and GPU work; "
                         "default: on for CUDA, off for CPU)")
+    p.add_argument("--gemm-cublaslt", action=argparse.BooleanOptionalAction, default=True,
+                   help="invariant GEMMs on CUDA: run the M buckets the tuned table assigns to cuBLASLt there, with "
+                        "split-K forbidden (same bits as the Triton kernel, checked at start-up; the execution "
+                        "contract names cuBLASLt's version); --no-gemm-cublaslt runs them in Triton")
+    p.add_argument("--fused-gumbel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sampling on CUDA: one fused noise + argmax kernel for batches without top-k/top-p/min-p "
+                        "(same bits as the unfused path)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
+                        "throughput)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,4 +65,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 load_format=getattr(args, "load_format", "safetensors"),
-                async_scheduling=getattr(args, "async_scheduling", None))
+                async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
+                fused_gumbel=args.fused_gumbel, step_profile=args.step_profile)

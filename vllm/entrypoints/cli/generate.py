@@ -1,11 +1,10 @@
 """`vllm generate`: offline generation from the command line (the README's main job)."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
-from vllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
+from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 
 DEFAULT_PROMPTS = [
     "The quick brown fox",
@@ -16,17 +15,19 @@ DEFAULT_PROMPTS = [
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="offline generation", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="offline generation", formatter_class=HelpFormatter)
     add_engine_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: a few built-in prompts")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per completion")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose "
+                                                             "probability adds up to top-p; 1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="return the logprobs of the N most likely tokens and of the sampled one at each step "
+                        "(printed with --json; default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-
 
 def run(args) -> int:
     from vllm import LLM, SamplingParams

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("vllm.entrypoints.cli.generate", "offline generation (defaults to the embedded model)"),
     "serve": ("vllm.entrypoints.cli.serve", "OpenAI-compatible rollout server"),
     "parity": ("vllm.parity", "find the first op where rollout and training bits differ"),
+    "train": ("vllm.entrypoints.cli.train", "on-policy GRPO/DAPO training with zero rollout-training mismatch"),
 }
 
 
@@ -49,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as err:
+        # Bad input (a missing model directory, an unknown dtype, ...) is reported by a
+        # ValueError whose message says what to change: print that, not a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,21 +5,19 @@ HTTP server, tokenization and detokenization.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 
-from vllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
+from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible rollout server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("serve", help="OpenAI-compatible rollout server", formatter_class=HelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="local HF checkpoint directory to serve (same as --model; default: the embedded model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; the default accepts local connections only (use 0.0.0.0 to expose it)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses "
                         "(default: the model path, or 'default' for the embedded model)")
@@ -37,7 +35,8 @@ def add_parser(sub) -> None:
                    help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p) take the "
                         "model's generation_config.json values; vllm: SamplingParams defaults")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server (uvicorn)")
 
 
 def run(args) -> int:

@@ -1,0 +1,66 @@
+"""The `vllm` console script as a newcomer meets it: every flag explained, each default
+printed once, parity (numerics="invariant") by default, bad input as one line."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from vllm.entrypoints.cli import main as cli
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser(name)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
+def test_every_flag_has_help_and_one_default(name):
+    p = _subparser(name)
+    undocumented = [a.option_strings[0] for a in p._actions
+                    if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert not undocumented, f"vllm {name}: flags without help: {undocumented}"
+    text = p.format_help()
+    # one paragraph per option: from its flag to the next flag
+    blocks = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    twice = [b.split()[0] for b in blocks if b.count("default:") > 1]
+    assert not twice, f"vllm {name}: default printed twice for {twice}"
+    none_printed = [b.split()[0] for b in blocks if "default: None" in b or "default: False" in b]
+    assert not none_printed, f"vllm {name}: a meaningless default is printed for {none_printed}"
+
+
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
+def test_every_subcommand_defaults_to_invariant_numerics(name):
+    args = _subparser(name).parse_args([])
+    assert args.numerics == "invariant"
+
+
+def test_engine_config_and_llm_default_to_invariant():
+    import dataclasses
+    import inspect
+
+    from vllm.config import EngineConfig
+    from vllm.entrypoints.llm import LLM
+    from vllm.training import Policy
+
+    assert inspect.signature(Policy.from_pretrained).parameters["numerics"].default == "invariant"
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "numerics")
+    assert field.default == "invariant"
+    assert inspect.signature(LLM.__init__).parameters["numerics"].default == "invariant"
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path, capsys):
+    rc = cli.main(["generate", "--model", str(tmp_path / "nonexistent"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nonexistent" in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_unknown_dtype_is_one_line(capsys):
+    rc = cli.main(["generate", "--dtype", "int7", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.startswith("error: unknown dtype 'int7'") and len(err.splitlines()) == 1, err

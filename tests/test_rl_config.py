@@ -1,0 +1,167 @@
+"""`vllm train` configuration: recipes, overrides, --help, and clear errors before any compute."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from vllm.entrypoints.cli.main import build_parser, main
+from vllm.rl.config import TrainConfig, field_index
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if anything builds an engine: errors must come before any compute."""
+    import vllm
+
+    def forbidden(*a, **k):
+        raise AssertionError("an engine was built before the configuration error was reported")
+    monkeypatch.setattr(vllm, "LLM", forbidden)
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def test_help_lists_every_knob(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in field_index():
+        assert f"--{name.replace('_', '-')}" in text, name
+    for flag in ("--model", "--data", "--reward", "--algorithm", "--group-size", "--prompts-per-step", "--lr",
+                 "--lr-schedule", "--clip-eps-low", "--clip-eps-high", "--max-response-tokens", "--micro-batch-tokens",
+                 "--numerics", "--seed", "--steps", "--eval-interval", "--checkpoint-interval", "--output-dir",
+                 "--resume", "--recipe"):
+        assert flag in text
+    assert "train" in build_parser(None).format_help()
+
+
+def test_recipes_parse_and_validate():
+    for name in ("arithmetic_grpo", "qwen3_dims_grpo"):
+        cfg = TrainConfig.from_yaml(os.path.join(REPO, "training", f"{name}.yaml")).validate()
+        assert cfg.model.numerics == "invariant"
+    dims = TrainConfig.from_yaml(os.path.join(REPO, "training", "qwen3_dims_grpo.yaml"))
+    assert os.path.isfile(dims.model.model) and dims.model.load_format == "dummy"  # resolved from the recipe's repo
+
+
+def test_algorithm_defaults_and_overrides():
+    g = TrainConfig.from_dict({"task": "arithmetic"}).validate()
+    assert (g.algorithm.clip_eps_high, g.algorithm.loss_agg, g.algorithm.overlong_buffer,
+            g.algorithm.dynamic_sampling) == (0.2, "seq-mean-token-mean", 0, False)
+    d = TrainConfig.from_dict({"task": "arithmetic", "algorithm": {"algorithm": "dapo", "max_response_tokens": 100}})
+    d = d.validate()
+    assert (d.algorithm.clip_eps_high, d.algorithm.loss_agg, d.algorithm.overlong_buffer,
+            d.algorithm.dynamic_sampling) == (0.28, "token-mean", 25, True)
+    d2 = TrainConfig.from_dict({"task": "arithmetic", "algorithm": "dapo", "clip_eps_high": 0.3,
+                                "dynamic_sampling": False}).validate()
+    assert (d2.algorithm.clip_eps_high, d2.algorithm.dynamic_sampling) == (0.3, False)
+    # flat and nested spellings, and string values from the command line
+    c = TrainConfig.from_dict({"optim": {"lr": "3e-4"}, "group_size": "4", "shuffle": "false", "max_model_len": "none"})
+    assert (c.optim.lr, c.algorithm.group_size, c.data.shuffle, c.model.max_model_len) == (3e-4, 4, False, None)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"group_size": 1}, "group_size"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"numerics": "exact"}, "numerics"),
+    ({"algorithm": "ppo"}, "algorithm"),
+    ({"lr": -1.0}, "lr"),
+    ({"lr_schedule": "step"}, "lr_schedule"),
+    ({"clip_eps_low": 1.5}, "clip_eps_low"),
+    ({"updates_per_step": 9, "prompts_per_step": 4}, "updates_per_step"),
+    ({"overlong_buffer": 100, "max_response_tokens": 10}, "overlong_buffer"),
+    ({"tis_cap": 0.5}, "tis_cap"),
+    ({"reward": "rouge"}, "reward"),
+    ({"steps": 0}, "steps"),
+    ({"data": "train.csv"}, "data"),
+    ({"task": None, "data": None}, "no data"),
+    ({"model": "cfg.json"}, "load_format"),
+])
+def test_bad_values_are_clear_errors(bad, message):
+    cfg = TrainConfig.from_dict({"task": "arithmetic"})
+    cfg.update(bad)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+
+
+def test_bad_types_and_unknown_knobs(tmp_path):
+    with pytest.raises(ValueError, match="group_size: expected an integer"):
+        TrainConfig.from_dict({"group_size": "eight"})
+    with pytest.raises(ValueError, match="shuffle: expected true or false"):
+        TrainConfig.from_dict({"shuffle": "maybe"})
+    with pytest.raises(ValueError, match="unknown knob or section 'grup_size'"):
+        TrainConfig.from_dict({"grup_size": 4})
+    with pytest.raises(ValueError, match="unknown knob 'lr' in section 'model'"):
+        TrainConfig.from_dict({"model": {"lr": 1.0}})
+    r = tmp_path / "r.yaml"
+    r.write_text("algorithm:\n  group_size: [1, 2]\n")
+    with pytest.raises(ValueError, match="recipe .*group_size"):
+        TrainConfig.from_yaml(str(r))
+    r.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        TrainConfig.from_yaml(str(r))
+    with pytest.raises(ValueError, match="does not exist"):
+        TrainConfig.from_yaml(str(tmp_path / "missing.yaml"))
+
+
+def _cli(tmp_path, tiny_qwen3, data, *extra):
+    return main(["train", "--model", tiny_qwen3, "--device", "cpu", "--data", data, "--output-dir",
+                 str(tmp_path / "out"), "--no-progress", *extra])
+
+
+@pytest.mark.parametrize("rows,extra,message", [
+    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}], (), "record 2 has no field 'answer'"),
+    ([{"question": "1+1=", "answer": "2"}], (), "record 1 has no field 'prompt'"),
+    ([{"question": "1+1=", "solution": "2"}], ("--prompt-field", "question"), "no field 'answer'.*solution"),
+    ([{"prompt": 5, "answer": "2"}], (), "must be a non-empty string or chat messages"),
+    ([{"prompt": [{"content": "hi"}], "answer": "2"}], (), "'role' and 'content'"),
+    ([{"prompt": "1+1=", "answer": ["2"]}], (), "must be a string or a number"),
+    ([{"prompt": "x " * 2000, "answer": "2"}], (), "the prompt has .* tokens"),
+    ([{"prompt": "1+1=", "answer": "2"}], ("--reward", "no_such_mod_q:fn"), "cannot import"),
+    ([{"prompt": "1+1=", "answer": "2"}], ("--group-size", "1"), "group_size"),
+    ([{"prompt": "1+1=", "answer": "2"}], ("--resume",), "no checkpoint"),
+    ([{"prompt": "1+1=", "answer": "2"}], ("--eval-interval", "2", "--eval-data", "nope.jsonl"), "does not exist"),
+])
+def test_cli_errors_before_any_compute(tmp_path, tiny_qwen3, capsys, no_engine, rows, extra, message):
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    assert _cli(tmp_path, tiny_qwen3, data, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm train: error:")
+    import re
+    assert re.search(message, err), err
+
+
+def test_cli_data_file_errors(tmp_path, tiny_qwen3, capsys, no_engine):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{not json}\n')
+    assert _cli(tmp_path, tiny_qwen3, str(bad)) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert _cli(tmp_path, tiny_qwen3, str(tmp_path / "none.jsonl")) == 2
+    assert "does not exist" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _cli(tmp_path, tiny_qwen3, str(empty)) == 2
+    assert "no records" in capsys.readouterr().err
+
+
+def test_cli_refuses_to_overwrite_a_run(tmp_path, tiny_qwen3, capsys, no_engine):
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    os.makedirs(tmp_path / "out" / "checkpoints" / "step_000001")
+    assert _cli(tmp_path, tiny_qwen3, data) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_print_config(tmp_path, capsys):
+    assert main(["train", "--print-config", "--group-size", "16", "--algorithm", "dapo", "--no-shuffle"]) == 0
+    import yaml
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["algorithm"]["group_size"] == 16 and cfg["algorithm"]["clip_eps_high"] == 0.28
+    assert cfg["data"]["shuffle"] is False and cfg["data"]["task"] == "arithmetic"  # the default recipe

@@ -1,0 +1,128 @@
+"""`vllm train`: on-policy GRPO/DAPO with zero rollout-training mismatch (docs/training.md).
+
+    vllm train                                   # the default recipe: the embedded model on arithmetic
+    vllm train --recipe training/qwen3_dims_grpo.yaml --numerics fast --steps 5
+    vllm train --data my.jsonl --prompt-field question --answer-field solution --group-size 16
+    vllm train --resume --output-dir runs/arithmetic_grpo --steps 40
+
+Precedence: the knobs' defaults < the recipe (YAML) < command-line flags. With --resume
+the base is the checkpoint's own configuration instead of a recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_RECIPE = "arithmetic_grpo"
+
+
+def _recipe_dirs() -> list[str]:
+    dirs = []
+    import importlib.util
+    spec = importlib.util.find_spec("training")
+    if spec is not None and spec.submodule_search_locations:
+        dirs += list(spec.submodule_search_locations)
+    # a source checkout: <repo>/training next to <repo>/vllm
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    dirs.append(os.path.join(repo, "training"))
+    return dirs
+
+
+def find_recipe(name: str) -> str:
+    """A recipe path, or the name of one in the top-level training/ folder."""
+    if os.path.isfile(name):
+        return name
+    for d in _recipe_dirs():
+        for cand in (os.path.join(d, name), os.path.join(d, name + ".yaml")):
+            if os.path.isfile(cand):
+                return cand
+    raise ValueError(f"recipe {name!r} not found (a YAML path, or a name in training/: "
+                     f"{', '.join(sorted(available_recipes())) or 'none'})")
+
+
+def available_recipes() -> set[str]:
+    out = set()
+    for d in _recipe_dirs():
+        if os.path.isdir(d):
+            out.update(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
+    return out
+
+
+def _type_name(tp) -> str:
+    import typing
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return getattr(args[0], "__name__", str(args[0])).upper()
+
+
+def add_parser(sub) -> None:
+    from vllm.rl.config import SECTIONS, _base_type, field_index
+
+    p = sub.add_parser(
+        "train", help="on-policy GRPO/DAPO training with zero rollout-training mismatch",
+        description="Reinforcement learning on the engine and its colocated training view. Every knob can be set "
+                    "in a YAML recipe (--recipe) and overridden here; see docs/training.md. The defaults below are "
+                    f"the knobs' own: the default recipe (training/{DEFAULT_RECIPE}.yaml) sets several of them; "
+                    "--print-config shows the resolved values.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=None,
+                   help=f"YAML recipe: a path or a name in training/ (default: {DEFAULT_RECIPE}; with --resume: the "
+                        "checkpoint's own configuration)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    index = field_index()
+    groups = {sec: p.add_argument_group(f"{sec} knobs") for sec in SECTIONS}
+    for name, (sec, f, tp) in index.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        g = groups[sec]
+        choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
+        if name == "resume":
+            g.add_argument(flag, nargs="?", const="latest", default=argparse.SUPPRESS, metavar="PATH",
+                           help=help_text + "; without PATH: the latest checkpoint in --output-dir")
+        elif _base_type(tp)[0] is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            g.add_argument(flag, default=argparse.SUPPRESS, help=help_text,
+                           metavar="{" + ",".join(choices) + "}" if choices else _type_name(tp))
+
+
+def build_config(args):
+    """The configuration these arguments ask for (ValueError on anything wrong)."""
+    from vllm.rl.checkpoint import Checkpoint, find_checkpoint
+    from vllm.rl.config import TrainConfig, field_index
+
+    overrides = {k: v for k, v in vars(args).items() if k in field_index()}
+    if "resume" in overrides and args.recipe is None:
+        # continue the checkpoint's own run: its configuration, then these flags
+        output_dir = overrides.get("output_dir") or TrainConfig.from_yaml(find_recipe(DEFAULT_RECIPE)).run.output_dir
+        path = find_checkpoint(overrides["resume"], output_dir)
+        import yaml
+        cfg = TrainConfig.from_dict(yaml.safe_load(Checkpoint.open(path).config_yaml))
+        cfg.update({"overwrite": False})
+        overrides["resume"] = path
+    else:
+        cfg = TrainConfig.from_yaml(find_recipe(args.recipe or DEFAULT_RECIPE))
+    cfg.update(overrides)
+    return cfg
+
+
+def run(args) -> int:
+    from vllm.rl.trainer import MismatchError, Trainer
+
+    try:
+        cfg = build_config(args)
+        if args.print_config:
+            print(cfg.validate().to_yaml(), end="")
+            return 0
+        trainer = Trainer(cfg)
+    except ValueError as err:
+        print(f"vllm train: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer.run()
+    except MismatchError as err:
+        print(f"vllm train: {err}", file=sys.stderr)
+        return 1
+    return 0

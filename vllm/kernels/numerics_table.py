@@ -1,0 +1,152 @@
+"""Which implementation runs each op, per numerics mode and device: the one place.
+
+`NUMERICS_TABLE[op]` holds the op's `fast` and `invariant` implementations, each
+split by device (CUDA, CPU). The op shim (`vllm/kernels/ops.py`) dispatches through
+it with the mode of the forward context; the execution contract names the entries
+that run (`describe`), and docs/numerics.md shows the table (`markdown`, kept equal
+by tests/test_numerics_table.py).
+
+- `fast` is the measured baseline: the fastest kernels available, with no promise
+  across batch layouts.
+- `invariant` runs kernels whose reduction order is fixed by the problem (K, head
+  dim, row length, absolute KV position) and by nothing else; docs/numerics.md says
+  why each axis of a schedule cannot reach its bits.
+
+An op whose entries are the same object in both modes has no reduction a batch can
+reach (elementwise ops, gathers, copies) or is batch-invariant by construction in both
+(attention off fresh prefills, sampling).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vllm.config import NUMERICS_MODES, KernelConfig
+from vllm.kernels import attention, attention_cpu, cache_write, elementwise, flash_varlen, matmul, rowwise, torch_ops
+from vllm.sample import sampler
+
+# Part of the execution contract: bump when an invariant kernel's arithmetic changes.
+KERNEL_VERSION = "invariant-v1"
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One mode's implementation of an op on each device (None: no specialised kernel,
+    see the op's entry in ops.py)."""
+    cuda: Callable | None
+    cpu: Callable | None
+    # The CUDA entry is a kernel torch cannot differentiate (Triton, or cuBLASLt behind the
+    # invariant GEMM): when a gradient is asked for, the op shim runs it inside its autograd
+    # Function (vllm/kernels/autograd_ops.py), whose backward is written separately.
+    cuda_autograd_fn: bool = True
+    # The CPU entry computes one row at a time: autograd through it builds thousands of
+    # nodes per layer (a backward ~30x slower than the forward), so it also trains through
+    # the autograd Function and its batched backward.
+    cpu_autograd_fn: bool = False
+    # Keyword arguments the CUDA entry takes from the kernel options (vllm.config.KernelConfig).
+    cuda_options: Callable[[KernelConfig], dict] | None = None
+
+    def on(self, device: torch.device, kernels: KernelConfig | None = None) -> Callable | None:
+        if device.type != "cuda":
+            return self.cpu
+        if self.cuda_options is None or self.cuda is None:
+            return self.cuda
+        return functools.partial(self.cuda, **self.cuda_options(kernels or KernelConfig()))
+
+
+@dataclass(frozen=True)
+class OpNumerics:
+    fast: Impl
+    invariant: Impl
+
+    def mode(self, numerics: str) -> Impl:
+        if numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+        return self.invariant if numerics == "invariant" else self.fast
+
+
+def _torch(fn: Callable) -> Impl:
+    """A torch function on both devices (torch differentiates it itself)."""
+    return Impl(cuda=fn, cpu=fn, cuda_autograd_fn=False)
+
+
+def _gemm_options(kernels: KernelConfig) -> dict:
+    return {"allow_cublaslt": kernels.gemm_cublaslt}
+
+
+_ROPE = Impl(cuda=elementwise.rope, cpu=torch_ops.rope)
+_SILU = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul)
+_EMBEDDING = _torch(torch_ops.embedding)
+_PAGED_ATTENTION = Impl(cuda=attention.paged_attention_triton, cpu=attention_cpu.paged_attention_cpu)
+_KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
+_LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
+_SAMPLER = _torch(sampler.Sampler)
+
+NUMERICS_TABLE: dict[str, OpNumerics] = {
+    # GEMMs: cuBLAS picks split-K / tiles by M; the invariant GEMM fixes the order by K.
+    "linear": OpNumerics(
+        fast=_torch(torch_ops.linear),
+        invariant=Impl(cuda=matmul.invariant_matmul, cpu=torch_ops.linear_rows, cuda_options=_gemm_options,
+                       cpu_autograd_fn=True)),
+    "logits": OpNumerics(
+        fast=_torch(torch_ops.logits),
+        invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows, cuda_options=_gemm_options,
+                       cpu_autograd_fn=True)),
+    # Norms: one Triton program per row on CUDA in both modes; torch on CPU.
+    "rms_norm": OpNumerics(
+        fast=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm),
+        invariant=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm_rows, cpu_autograd_fn=True)),
+    "add_rms_norm": OpNumerics(
+        fast=Impl(cuda=rowwise.add_rms_norm_triton, cpu=torch_ops.add_rms_norm),
+        invariant=Impl(cuda=rowwise.add_rms_norm_triton, cpu=torch_ops.add_rms_norm_rows, cpu_autograd_fn=True)),
+    # Elementwise and gathers: each element depends on its own inputs only.
+    "rope": OpNumerics(fast=_ROPE, invariant=_ROPE),
+    "silu_and_mul": OpNumerics(fast=_SILU, invariant=_SILU),
+    "embedding": OpNumerics(fast=_EMBEDDING, invariant=_EMBEDDING),
+    # Attention. A prefill step whose sequences all start at position 0 may take a kernel on
+    # the step's own q/k/v (None: prefill_attention runs); every other step reads the cache.
+    "fresh_prefill_attention": OpNumerics(
+        fast=Impl(cuda=flash_varlen.flash_prefill_attention, cpu=None),
+        invariant=Impl(cuda=None, cpu=None)),
+    "prefill_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
+    "decode_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
+    "kv_cache_write": OpNumerics(fast=_KV_WRITE, invariant=_KV_WRITE),
+    # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
+    # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
+    "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),
+    "sampling": OpNumerics(fast=_SAMPLER, invariant=_SAMPLER),
+}
+
+
+def kernel_for(op: str, numerics: str, device: torch.device | str, kernels: KernelConfig | None = None) -> Callable | None:
+    """The implementation of `op` that runs in `numerics` mode on `device` (with the kernel
+    options it takes bound)."""
+    return NUMERICS_TABLE[op].mode(numerics).on(torch.device(device), kernels)
+
+
+def _name(fn: Callable | None) -> str | None:
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        args = ", ".join(f"{k}={v}" for k, v in fn.keywords.items())
+        return f"{_name(fn.func)}({args})"
+    return f"{fn.__module__.removeprefix('vllm.')}.{fn.__qualname__}"
+
+
+def describe(numerics: str, device: torch.device | str, kernels: KernelConfig | None = None) -> dict[str, str | None]:
+    """{op: implementation} for one mode, device and set of kernel options, as the
+    execution contract records it."""
+    return {op: _name(kernel_for(op, numerics, device, kernels)) for op in NUMERICS_TABLE}
+
+
+def markdown() -> str:
+    """The table as docs/numerics.md shows it."""
+    lines = ["| op | fast, CUDA | fast, CPU | invariant, CUDA | invariant, CPU |",
+             "| --- | --- | --- | --- | --- |"]
+    for op, entry in NUMERICS_TABLE.items():
+        cells = [_name(fn) for impl in (entry.fast, entry.invariant) for fn in (impl.cuda, impl.cpu)]
+        lines.append(f"| {op} | " + " | ".join(f"`{c}`" if c else "-" for c in cells) + " |")
+    return "\n".join(lines) + "\n"

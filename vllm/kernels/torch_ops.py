@@ -1,0 +1,91 @@
+"""Ops written in torch.
+
+Fast mode runs these where no fused kernel serves the device: `F.linear` is cuBLAS on
+CUDA and the CPU BLAS elsewhere, and the CPU takes every formula below. Invariant mode
+on CPU runs the `*_rows` forms: every reduction on one row at a time, on a fresh
+contiguous copy of one shape, so the library picks the same code path and order
+whatever the batch looked like. That is slow but exact; CPU is for tests and tiny models.
+Which function runs where is decided in one place: `vllm/kernels/numerics_table.py`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- whole batch (fast mode; CPU, and F.linear on CUDA) ------------------------------------
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """lm_head in the model dtype, then float32."""
+    return F.linear(hidden, weight).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual  # elementwise, in the model dtype
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, H, D] by cos/sin [T, D/2], in float32, rounded once."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_one(q, cos, sin), rope_one(k, cos, sin)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # A gather: no reduction, identical in every mode.
+    return F.embedding(ids, weight)
+
+
+# ---- one row at a time (invariant mode on CPU) -----------------------------------------------
+def _rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    """Apply fn to each row of x ([..., D]) separately, each as a fresh [1, D] tensor."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        probe = fn(x2[:0].clone(), *args)
+        return probe.reshape(*lead, probe.shape[-1])
+    outs = [fn(x2[i:i + 1].clone(), *args) for i in range(x2.shape[0])]
+    out = torch.cat(outs, dim=0)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _rows(lambda r: F.linear(r, weight, bias), x)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rows(lambda r: rms_norm(r, weight, eps), x)
+
+
+def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual  # elementwise: invariant
+    return rms_norm_rows(residual, weight, eps), residual
+
+
+def logits_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """lm_head computed in float32 (logits are never rounded to the model dtype)."""
+    return _rows(lambda r: F.linear(r.float(), weight.float()), hidden)

@@ -1,0 +1,162 @@
+"""What the user sees: a progress bar, one line per step, OUTPUT_DIR/metrics.jsonl,
+TensorBoard scalars (if tensorboard is installed) and PNG plots at the end (if
+matplotlib is installed). The optional parts say what they skipped and why."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+# Keys every training-step record carries (tests and plots rely on them).
+STEP_KEYS = ("step", "reward_mean", "response_length_mean", "logprob_diff_max", "logprob_diff_mean",
+             "logprob_diff_std", "k3_kl", "clip_fraction", "grad_norm", "time_generate_s", "time_train_s",
+             "time_sync_s", "tokens_per_s")
+
+
+def _g(v, spec: str = ".3g") -> str:
+    if isinstance(v, float) and v == 0.0:
+        return "0"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def format_line(r: dict, total_steps: int) -> str:
+    if r.get("kind") == "eval":
+        return f"eval  @ step {r['step']}: reward {r['eval_reward_mean']:.3f} over {r['eval_problems']} problems, " \
+               f"response length {r['eval_response_length_mean']:.1f}"
+    parts = [
+        f"step {r['step']}/{total_steps}",
+        f"reward {r['reward_mean']:.3f}",
+        f"len {r['response_length_mean']:.1f}",
+        f"diff max {_g(r['logprob_diff_max'])} mean {_g(r['logprob_diff_mean'])} std {_g(r['logprob_diff_std'])}",
+        f"k3 {_g(r['k3_kl'])}",
+        f"clip {r['clip_fraction']:.3f}",
+        f"gnorm {_g(r['grad_norm'])}",
+        f"gen {r['time_generate_s']:.2f}s train {r['time_train_s']:.2f}s sync {r['time_sync_s']:.2f}s",
+        f"{r['tokens_per_s']:.0f} tok/s",
+    ]
+    if r.get("groups_kept") is not None and r.get("dynamic_sampling"):
+        parts.insert(3, f"groups {r['groups_kept']}/{r['groups_sampled']}")
+    if r.get("ref_kl") is not None:
+        parts.insert(-3, f"ref_kl {_g(r['ref_kl'])}")
+    return " | ".join(parts)
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 progress: bool = True, stream=None):
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self.skipped: list[str] = []
+        # a resumed run rewrites the steps after its checkpoint
+        kept = [r for r in read_metrics(self.path) if r["step"] <= start_step] if start_step > 0 else []
+        with open(self.path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                        purge_step=start_step + 1 if start_step > 0 else None)
+            except ImportError:
+                self.skipped.append("TensorBoard logs (pip install tensorboard)")
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="vllm train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(prefix + k, v, record["step"])
+            self.tb.flush()
+        self.write(format_line(record, self.total_steps))
+        if self.bar is not None and record.get("kind") != "eval":
+            self.bar.update(1)
+
+    def close(self, plots: bool = True) -> list[str]:
+        """Finish the bar and the logs, draw the plots; returns the files written."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        written = []
+        if plots:
+            try:
+                written = make_plots(self.path, self.output_dir)
+            except ImportError:
+                self.skipped.append("PNG plots (pip install matplotlib)")
+        for what in self.skipped:
+            print(f"skipped: {what}", file=self.stream)
+        return written
+
+
+def make_plots(metrics_path: str, out_dir: str) -> list[str]:
+    """reward.png (train reward, eval reward) and mismatch.png (rollout vs trainer logprob
+    difference and k3 KL per step)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("kind") != "eval"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    if not train:
+        return []
+    steps = [r["step"] for r in train]
+    out = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward_mean"] for r in train], label="train reward (mean over rollouts)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_reward_mean"] for r in evals], "o-", label="eval reward (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = os.path.join(out_dir, "reward.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    out.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("logprob_diff_max", "|logp_train - logp_rollout| max"),
+                       ("logprob_diff_mean", "|logp_train - logp_rollout| mean"), ("k3_kl", "k3 KL(rollout || train)")):
+        ax.plot(steps, [r[key] for r in train], label=label)
+    if all(r["logprob_diff_max"] == 0.0 for r in train):
+        ax.set_title("rollout vs trainer logprobs: identical bits at every step")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mismatch")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = os.path.join(out_dir, "mismatch.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    out.append(path)
+    return out

@@ -1,0 +1,559 @@
+"""The RL loop: sample prompts -> roll out `group_size` responses each -> score ->
+recompute logprobs with the Policy -> update(s) -> sync weights in place.
+
+With one update per rollout batch the PPO ratio is exp(logp - logp.detach()) = 1, and
+in invariant mode the trainer's logprobs equal the rollout's bit for bit; every step
+measures |logp_train - logp_rollout| over all response tokens (same weight version) and,
+in invariant mode, stops the run if any bit differs (`require_zero_mismatch`).
+
+Everything a step consumes is a function of the saved state: the data order of
+(seed, consumed count), each group's sampling seed of (seed, step, batch, index), the
+learning rate of the step number, the weights, the optimizer state. A checkpoint holds
+all of it, so a resumed run continues bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.rl import losses
+from vllm.rl.checkpoint import Checkpoint, checkpoint_path, find_checkpoint, save_checkpoint, set_rng_state
+from vllm.rl.config import SECTIONS, TrainConfig
+from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
+from vllm.rl.metrics import MetricsLogger
+from vllm.rl.rewards import build_reward
+from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
+
+# knobs that may differ between a run and its resumption without changing its bits
+RESUME_FREE_KNOBS = {"steps", "eval_interval", "checkpoint_interval", "output_dir", "resume", "overwrite",
+                     "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch"}
+
+
+class MismatchError(RuntimeError):
+    """Invariant mode: a rollout logprob differs from the trainer's under the same weights."""
+
+
+def rollout_seed(seed: int, step: int, batch: int, index: int) -> int:
+    """Sampling seed of one group: a fixed function of (run seed, step, rollout batch, prompt index)."""
+    h = hashlib.sha256(f"rollout:{seed}:{step}:{batch}:{index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of 0-based step `step`: linear warmup, then constant / linear / cosine decay."""
+    o, total = cfg.optim, cfg.run.steps
+    if o.warmup_steps > 0 and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.lr_schedule == "constant":
+        return o.lr
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    if o.lr_schedule == "linear":
+        factor = 1.0 - (1.0 - o.min_lr_ratio) * progress
+    else:
+        factor = o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return o.lr * factor
+
+
+@dataclass
+class ScoredGroup:
+    example: Example
+    prompt_ids: list[int]
+    completions: list[Completion]
+    scores: list[float]        # task reward of each response
+    rewards: list[float]       # score + overlong penalty: what the advantages see
+
+
+@dataclass
+class StepResult:
+    metrics: dict
+    sequences: list[list[int]]            # prompt + response of every trained response
+    prompt_lens: list[int]
+    rollout_logprobs: list[torch.Tensor]  # as the engine reported them
+    train_logprobs: list[torch.Tensor]    # as the Policy recomputed them (same weights)
+
+
+def _default_model_dir() -> str:
+    from vllm.config import default_model_path
+    return default_model_path()
+
+
+class Trainer:
+    """`Trainer(config)` checks the configuration, the data and the reward function,
+    then builds the engine and the Policy (and restores a checkpoint with
+    `resume`); `run()` trains. `rollout` replaces the colocated engine (tests, or
+    a client of a separate rollout server)."""
+
+    def __init__(self, config: TrainConfig, rollout: RolloutClient | None = None, stream=None):
+        self.raw_config = config
+        self.cfg = cfg = config.validate()
+        self.stream = stream
+        self.device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is cuda but no CUDA device is available")
+        self.output_dir = cfg.run.output_dir
+        # ---- everything that can be wrong is checked before any model is loaded -------------
+        self.model_dir = self._model_dir()
+        self._prepare_data()
+        self.resume_from = None
+        if cfg.run.resume is not None:
+            self.resume_from = Checkpoint.open(find_checkpoint(cfg.run.resume, self.output_dir))
+        elif not cfg.run.overwrite and os.path.isdir(os.path.join(self.output_dir, "checkpoints")) \
+                and os.listdir(os.path.join(self.output_dir, "checkpoints")):
+            raise ValueError(f"{self.output_dir!r} holds checkpoints of an earlier run: continue it with --resume, "
+                             "start over with --overwrite, or choose another --output-dir")
+        # ---- engine, policy, optimizer ---------------------------------------------------
+        self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
+        self.client = rollout if rollout is not None else self._build_colocated()
+        self.policy = self.client.policy(activation_checkpointing=cfg.model.activation_checkpointing)
+        self.params = [p for p in self.policy.parameters()]
+        dtype = self.params[0].dtype
+        use_master = cfg.optim.master_weights if cfg.optim.master_weights is not None else dtype != torch.float32
+        self.master = [p.detach().to(torch.float32).clone() for p in self.params] if use_master else None
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.master if self.master is not None else self.params, lr=o.lr,
+                                           betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                           weight_decay=o.weight_decay)
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0:
+            self.reference = self._frozen_copy()
+        self.step_count = 0           # completed steps
+        self.weight_version = 0       # optimizer updates synced to the rollout
+        self.sampler = PromptSampler(len(self.train_examples), cfg.run.seed, cfg.data.shuffle)
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _model_dir(self) -> str:
+        m = self.cfg.model
+        path = m.model or _default_model_dir()
+        if path.endswith(".json"):
+            # random weights of the dims in this config.json, with the embedded model's tokenizer
+            if not os.path.isfile(path):
+                raise ValueError(f"model config {path!r} does not exist")
+            with open(path) as f:
+                hf = json.load(f)
+            if "architectures" not in hf:
+                raise ValueError(f"{path!r} is not an HF config.json (no 'architectures')")
+            out = os.path.join(self.cfg.run.output_dir, "model_config")
+            os.makedirs(out, exist_ok=True)
+            shutil.copy(path, os.path.join(out, "config.json"))
+            src = _default_model_dir()
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if os.path.isfile(os.path.join(src, name)):
+                    shutil.copy(os.path.join(src, name), os.path.join(out, name))
+            return out
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model {path!r} is not a checkpoint directory with a config.json")
+        return path
+
+    def _prepare_data(self) -> None:
+        cfg = self.cfg
+        d = cfg.data
+        self.reward_fn = build_reward(cfg.reward.reward, cfg.reward.correct_reward, cfg.reward.wrong_reward)
+        self.train_examples = load_examples(d.data, d.task, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                            size=d.train_size, seed=cfg.run.seed, split="train")
+        self.eval_examples: list[Example] = []
+        # evaluation data: --eval-data, else the test split of the task the run trains on
+        eval_task = d.task if d.data is None else None
+        self.eval_note = None
+        if cfg.run.eval_interval > 0 and d.eval_data is None and eval_task is None:
+            self.eval_note = "no evaluation: --data without --eval-data"
+        elif cfg.run.eval_interval > 0:
+            self.eval_examples = load_examples(d.eval_data, None if d.eval_data else eval_task,
+                                               prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                               size=d.eval_size, seed=cfg.run.seed, split="test")
+        from vllm.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(self.model_dir)
+        render = PromptRenderer(self.tokenizer, d.chat_template, d.system_prompt)
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            hf = json.load(f)
+        max_pos, vocab = hf.get("max_position_embeddings", 4096), hf.get("vocab_size")
+        max_len = cfg.model.max_model_len or max_pos
+        if max_len > max_pos:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_pos}")
+        budget = max_len - cfg.algorithm.max_response_tokens
+        self.train_prompt_ids, self.eval_prompt_ids = [], []
+        for examples, out, what in ((self.train_examples, self.train_prompt_ids, "training"),
+                                    (self.eval_examples, self.eval_prompt_ids, "evaluation")):
+            for ex in examples:
+                ids = render(ex.prompt)
+                if len(ids) > budget:
+                    raise ValueError(f"{what} record {ex.index + 1}: the prompt has {len(ids)} tokens; with "
+                                     f"max_response_tokens={cfg.algorithm.max_response_tokens} the context "
+                                     f"({max_len}) allows at most {budget}")
+                if not ids:
+                    raise ValueError(f"{what} record {ex.index + 1}: the prompt renders to no tokens")
+                if vocab is not None and max(ids) >= vocab:
+                    raise ValueError(f"{what} record {ex.index + 1}: the tokenizer gives token id {max(ids)}, outside "
+                                     f"the model's vocabulary of {vocab}")
+                out.append(ids)
+
+    def _build_colocated(self) -> ColocatedRollout:
+        from vllm import LLM
+
+        m, a = self.cfg.model, self.cfg.algorithm
+        llm = LLM(self.model_dir, dtype=m.dtype, device=self.device, seed=self.cfg.run.seed, numerics=m.numerics,
+                  max_model_len=m.max_model_len, gpu_memory_utilization=m.gpu_memory_utilization,
+                  enforce_eager=m.enforce_eager, load_format=m.load_format, enable_sleep_mode=self.sleep,
+                  max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)))
+        return ColocatedRollout(llm, sleep=self.sleep)
+
+    def _frozen_copy(self):
+        from vllm.training import Policy
+
+        model = copy.deepcopy(self.policy.model)
+        ref = Policy(model, self.policy.model_config, self.policy.dtype, self.policy.device, self.policy.numerics,
+                     self.policy.tokenizer, block_size=self.policy.block_size)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _score(self, example: Example, group) -> ScoredGroup:
+        a = self.cfg.algorithm
+        scores = [self.reward_fn(c.text, example.answer, example.record) for c in group.completions]
+        lengths = torch.tensor([len(c.token_ids) for c in group.completions])
+        pen = losses.overlong_penalty(lengths, a.max_response_tokens, a.overlong_buffer, a.overlong_penalty)
+        rewards = [s + float(p) for s, p in zip(scores, pen)]
+        return ScoredGroup(example, group.prompt_token_ids, group.completions, scores, rewards)
+
+    def _rollout(self, step: int) -> tuple[list[ScoredGroup], list[ScoredGroup], int]:
+        """(kept groups, every sampled group, rollout batches) of one step."""
+        a = self.cfg.algorithm
+        settings = RolloutSettings(a.temperature, a.top_p, a.max_response_tokens)
+        kept, sampled, batches = [], [], 0
+        for b in range(a.max_gen_batches if a.dynamic_sampling else 1):
+            idx = self.sampler.take(a.prompts_per_step)
+            reqs = [RolloutRequest(self.train_prompt_ids[i], a.group_size, rollout_seed(self.cfg.run.seed, step, b, j))
+                    for j, i in enumerate(idx)]
+            groups = [self._score(self.train_examples[i], g) for i, g in zip(idx, self.client.generate(reqs, settings))]
+            sampled += groups
+            batches += 1
+            if not a.dynamic_sampling:
+                kept = groups
+                break
+            informative = losses.informative_groups(torch.tensor([g.scores for g in groups]))
+            kept += [g for g, keep in zip(groups, informative.tolist()) if keep]
+            if len(kept) >= a.prompts_per_step:
+                break
+        return kept[:a.prompts_per_step], sampled, batches
+
+    def _micro_batches(self, order: list[int], lengths: list[int]) -> list[list[int]]:
+        budget = self.cfg.optim.micro_batch_tokens
+        if budget is None:
+            return [order]
+        out, cur, used = [], [], 0
+        for i in order:
+            if cur and used + lengths[i] > budget:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += lengths[i]
+        if cur:
+            out.append(cur)
+        return out
+
+    def _logprobs(self, policy, seqs, plens, idx: list[int]) -> list[torch.Tensor]:
+        return policy.token_logprobs([seqs[i] for i in idx], [plens[i] for i in idx],
+                                     temperature=self.cfg.algorithm.temperature)
+
+    def _accumulate_master_grads(self) -> None:
+        """Move the bf16 parameter gradients of one micro-batch into the float32 master
+        gradients, so micro-batches accumulate in float32."""
+        for p, m in zip(self.params, self.master):
+            if p.grad is not None:
+                g = p.grad.to(torch.float32)
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
+    def _optimizer_step(self, step: int) -> tuple[float, bool]:
+        lr = lr_at(step, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.master is not None:
+            self._accumulate_master_grads()
+            for m in self.master:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+        targets = self.master if self.master is not None else self.params
+        max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(targets, max_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params:
+                p.grad = None
+            return norm, False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)  # the bf16 bits the rollout and the forward will use
+        return norm, True
+
+    def _train(self, step: int, groups: list[ScoredGroup]) -> tuple[dict, list, list, list, list]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        seqs, plens, roll, adv, group_of = [], [], [], [], []
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        advantages = losses.group_advantages(rewards, a.norm_adv_by_std)
+        for gi, g in enumerate(groups):
+            for ci, c in enumerate(g.completions):
+                seqs.append(g.prompt_ids + c.token_ids)
+                plens.append(len(g.prompt_ids))
+                roll.append(c.logprobs)
+                adv.append(float(advantages[gi, ci]))
+                group_of.append(gi)
+        n = len(seqs)
+        resp_len = [len(s) - p for s, p in zip(seqs, plens)]
+        seq_len = [len(s) for s in seqs]
+        dev = self.policy.device
+        train_lps: list[torch.Tensor | None] = [None] * n
+        chunks = [c.tolist() for c in np.array_split(np.arange(len(groups)), a.updates_per_step)]
+        old: list[torch.Tensor | None] = [None] * n
+        if a.updates_per_step > 1:
+            # the logprobs of the rollout's weights, before the first of several updates
+            with torch.no_grad():
+                for mb in self._micro_batches(list(range(n)), seq_len):
+                    for i, lp in zip(mb, self._logprobs(self.policy, seqs, plens, mb)):
+                        old[i] = lp.detach()
+                        train_lps[i] = old[i]
+        low = high = tokens = 0
+        kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False
+        for chunk in chunks:
+            in_chunk = set(chunk)
+            members = [i for i in range(n) if group_of[i] in in_chunk]
+            if not members:
+                continue
+            total_tokens = sum(resp_len[i] for i in members)
+            for mb in self._micro_batches(members, seq_len):
+                lps = self._logprobs(self.policy, seqs, plens, mb)
+                lp = torch.cat(lps)
+                if a.updates_per_step == 1:
+                    for i, x in zip(mb, lps):
+                        old[i] = x.detach()
+                        train_lps[i] = old[i]
+                old_t = torch.cat([old[i] for i in mb])
+                roll_t = torch.cat([roll[i] for i in mb]).to(dev)
+                adv_t = torch.cat([torch.full((resp_len[i],), adv[i]) for i in mb]).to(dev)
+                w = losses.aggregation_weights([resp_len[i] for i in mb], a.loss_agg, total_tokens, len(members)).to(dev)
+                tis = losses.truncated_is_weight(old_t, roll_t, a.tis_cap) if a.tis_cap > 0 else None
+                ref_t = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_t = torch.cat(self._logprobs(self.reference, seqs, plens, mb))
+                loss, st = losses.policy_loss(lp, old_t, adv_t, w, eps_low=a.clip_eps_low, eps_high=a.clip_eps_high,
+                                              tis_weight=tis, ref_logp=ref_t, kl_coef=a.kl_coef)
+                loss.backward()
+                if self.master is not None:
+                    self._accumulate_master_grads()
+                loss_sum += float(loss.detach())
+                low, high, tokens, kl_sum = low + st.clipped_low, high + st.clipped_high, tokens + st.tokens, \
+                    kl_sum + st.kl_sum
+            norm, ok = self._optimizer_step(step)
+            norms.append(norm)
+            updated = updated or ok
+        mism = losses.mismatch_stats(torch.cat([t.cpu() for t in train_lps]), torch.cat(roll))
+        metrics = {**mism, "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
+                   "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(chunks)),
+                   "grad_norm": max(norms) if norms else 0.0, "updated": updated, "lr": lr_at(step, cfg),
+                   "train_tokens": sum(seq_len)}
+        if self.reference is not None:
+            metrics["ref_kl"] = kl_sum / max(1, tokens)
+        return metrics, seqs, plens, roll, train_lps
+
+    def _check_only(self, groups: list[ScoredGroup]) -> tuple[dict, list, list, list, list]:
+        """No group survived dynamic sampling: no update, but the parity check still runs."""
+        seqs = [g.prompt_ids + c.token_ids for g in groups for c in g.completions]
+        plens = [len(g.prompt_ids) for g in groups for _ in g.completions]
+        roll = [c.logprobs for g in groups for c in g.completions]
+        with torch.no_grad():
+            lps = [x.detach().cpu() for mb in self._micro_batches(list(range(len(seqs))), [len(s) for s in seqs])
+                   for x in self._logprobs(self.policy, seqs, plens, mb)]
+        metrics = {**losses.mismatch_stats(torch.cat(lps), torch.cat(roll)), "clip_fraction": 0.0,
+                   "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "loss": 0.0, "grad_norm": 0.0,
+                   "updated": False, "lr": lr_at(self.step_count, self.cfg), "train_tokens": 0}
+        return metrics, seqs, plens, roll, lps
+
+    def step(self) -> StepResult:
+        """Run one training step; returns its metrics and the exact tokens and logprobs it used."""
+        a = self.cfg.algorithm
+        step = self.step_count
+        t0 = time.perf_counter()
+        kept, sampled, batches = self._rollout(step)
+        t1 = time.perf_counter()
+        freed = self.client.release_memory()
+        if kept:
+            metrics, seqs, plens, roll, train_lps = self._train(step, kept)
+        else:
+            metrics, seqs, plens, roll, train_lps = self._check_only(sampled)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if metrics["updated"]:
+            self.client.sync_weights(self.policy)
+            self.weight_version += 1
+        self.client.resume_memory()
+        t3 = time.perf_counter()
+        self.step_count += 1
+        all_comps = [c for g in sampled for c in g.completions]
+        scores = [s for g in sampled for s in g.scores]
+        lengths = [len(c.token_ids) for c in all_comps]
+        gen_tokens = sum(lengths)
+        record = {
+            "step": self.step_count, "weight_version": self.weight_version,
+            "reward_mean": float(np.mean(scores)), "reward_std": float(np.std(scores)),
+            "reward_kept_mean": float(np.mean([r for g in kept for r in g.rewards])) if kept else None,
+            "response_length_mean": float(np.mean(lengths)), "response_length_max": int(max(lengths)),
+            "response_clip_ratio": float(np.mean([c.finish_reason == "length" for c in all_comps])),
+            "overlong_penalty_mean": float(np.mean([r - s for g in sampled for r, s in zip(g.rewards, g.scores)])),
+            **metrics,
+            "groups_sampled": len(sampled), "groups_kept": len(kept), "gen_batches": batches,
+            "dynamic_sampling": a.dynamic_sampling,
+            "time_generate_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2, "time_step_s": t3 - t0,
+            "tokens_per_s": gen_tokens / max(t3 - t0, 1e-9), "kv_freed_gib": freed / 2**30,
+            "data_consumed": self.sampler.consumed,
+        }
+        return StepResult(record, seqs, plens, roll, train_lps)
+
+    def mismatch_error(self, record: dict) -> str | None:
+        if self.cfg.model.numerics != "invariant" or not self.cfg.run.require_zero_mismatch:
+            return None
+        if record["logprob_diff_max"] == 0.0:
+            return None
+        return (f"step {record['step']}: in invariant mode the trainer's logprobs differ from the rollout's "
+                f"(max |diff| {record['logprob_diff_max']:.3g}, mean {record['logprob_diff_mean']:.3g}); "
+                "`vllm parity --numerics invariant` finds the first op that differs")
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy responses to the evaluation problems; mean reward. Changes no training state."""
+        reqs = [RolloutRequest(ids, 1, 0) for ids in self.eval_prompt_ids]
+        groups = self.client.generate(reqs, RolloutSettings(0.0, 1.0, self.cfg.algorithm.max_response_tokens))
+        scores = [self.reward_fn(g.completions[0].text, ex.answer, ex.record)
+                  for g, ex in zip(groups, self.eval_examples)]
+        lengths = [len(g.completions[0].token_ids) for g in groups]
+        return {"kind": "eval", "step": self.step_count, "eval_reward_mean": float(np.mean(scores)),
+                "eval_problems": len(scores), "eval_response_length_mean": float(np.mean(lengths))}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self) -> str:
+        cfg = self.cfg
+        state = {
+            "step": self.step_count, "weight_version": self.weight_version, "data": self.sampler.state_dict(),
+            "seed": cfg.run.seed, "rollout_seed": "sha256('rollout:{seed}:{step}:{batch}:{index}')[:8] & (2**62 - 1)",
+            "numerics": cfg.model.numerics,
+        }
+        reference = self.reference.model.state_dict() if self.reference is not None else None
+        return save_checkpoint(checkpoint_path(self.output_dir, self.step_count), trainer_state=state,
+                               policy=self.policy, optimizer=self.optimizer, master_weights=self.master,
+                               reference=reference, config_yaml=self.raw_config.to_yaml(),
+                               contract_json=self.client.execution_contract().to_json())
+
+    def config_changes_since(self, ckpt: Checkpoint) -> list[str]:
+        saved = TrainConfig.from_dict(_yaml_load(ckpt.config_yaml)).resolved().flat()
+        now = self.cfg.flat()
+        return sorted(k for k in now if k not in RESUME_FREE_KNOBS and now[k] != saved.get(k))
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        from vllm.contract import ExecutionContract
+
+        state = ckpt.trainer_state
+        if state["seed"] != self.cfg.run.seed:
+            raise ValueError(f"--resume: the checkpoint was made with seed {state['seed']}, this run has "
+                             f"seed {self.cfg.run.seed}")
+        self.sampler.load_state_dict(state["data"])
+        contract = ExecutionContract.from_json(ckpt.contract_json)
+        try:
+            self.client.load_weights(ckpt.hf_weights(), contract)
+        except ValueError as err:
+            raise ValueError(f"--resume {ckpt.path}: {err}") from None
+        ts = ckpt.training_state()
+        if (ts["master_weights"] is None) != (self.master is None):
+            raise ValueError("--resume: the checkpoint and this run disagree on master_weights")
+        if self.master is not None:
+            with torch.no_grad():
+                for m, saved in zip(self.master, ts["master_weights"]):
+                    m.copy_(saved)
+        self.optimizer.load_state_dict(ts["optimizer"])
+        if (ts["reference"] is None) != (self.reference is None):
+            raise ValueError("--resume: the checkpoint and this run disagree on kl_coef > 0 (the frozen reference)")
+        if self.reference is not None:
+            self.reference.model.load_state_dict(ts["reference"])
+        set_rng_state(ckpt.rng_state())
+        self.step_count = int(state["step"])
+        self.weight_version = int(state["weight_version"])
+
+    # ---- the whole run --------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        changes = self.config_changes_since(self.resume_from) if self.resume_from is not None else []
+        log = MetricsLogger(self.output_dir, cfg.run.steps, self.step_count, cfg.run.tensorboard, cfg.run.progress,
+                            stream=self.stream)
+        with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
+            f.write(self.raw_config.to_yaml())
+        records = []
+        try:
+            log.write(self._banner())
+            if changes:
+                log.write(f"warning: resuming with changed knobs {changes}: the run will not continue bit-exactly")
+            if self.step_count >= cfg.run.steps:
+                log.write(f"already at step {self.step_count} of {cfg.run.steps}: nothing to do (raise --steps)")
+            if self.eval_note:
+                log.write(self.eval_note)
+            if self.eval_examples and self.step_count == 0:
+                records.append(self.evaluate())
+                log.log(records[-1])
+            while self.step_count < cfg.run.steps:
+                result = self.step()
+                log.log(result.metrics)
+                records.append(result.metrics)
+                err = self.mismatch_error(result.metrics)
+                if err is not None:
+                    raise MismatchError(err)
+                s = self.step_count
+                if self.eval_examples and (s % cfg.run.eval_interval == 0 or s == cfg.run.steps):
+                    records.append(self.evaluate())
+                    log.log(records[-1])
+                if (cfg.run.checkpoint_interval > 0 and s % cfg.run.checkpoint_interval == 0) or s == cfg.run.steps:
+                    path = self.save()
+                    log.write(f"checkpoint: {path}")
+        finally:
+            plots = log.close(plots=cfg.run.plots)
+        for p in plots:
+            print(f"plot: {p}", file=self.stream or sys.stdout)
+        return records
+
+    def _banner(self) -> str:
+        cfg = self.cfg
+        a, m = cfg.algorithm, cfg.model
+        src = cfg.data.data or f"task {cfg.data.task}"
+        where = f"resumed at step {self.step_count}" if self.resume_from is not None else "from scratch"
+        return (f"vllm train: {a.algorithm} on {src} ({len(self.train_examples)} problems), model {self.model_dir}, "
+                f"{self.device} {str(self.policy.dtype).replace('torch.', '')}, numerics={m.numerics}, "
+                f"{a.prompts_per_step} prompts x {a.group_size} responses/step, {cfg.run.steps} steps, {where}; "
+                f"sleep mode {'on' if self.sleep else 'off'}; output {self.output_dir}")
+
+
+def _yaml_load(text: str) -> dict:
+    import yaml
+    return yaml.safe_load(text) or {}
+
+
+def train(config: TrainConfig | dict, **kwargs) -> list[dict]:
+    """Run a whole training job; returns the metrics records."""
+    if isinstance(config, dict):
+        config = TrainConfig.from_dict(config)
+    return Trainer(config, **kwargs).run()
+
+
+__all__ = ["Trainer", "StepResult", "MismatchError", "train", "lr_at", "rollout_seed", "SECTIONS"]
