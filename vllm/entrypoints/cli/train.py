@@ -74,7 +74,9 @@ def add_parser(sub) -> None:
     for name, (sec, f, tp) in index.items():
         flag = "--" + name.replace("_", "-")
         help_text = f.metadata["help"]
-        if "default" not in help_text:
+        if "default" not in help_text and f.default is not None and _base_type(tp)[0] is not bool:
+            # a None default means "decided later" (the help says how), and a switch's
+            # wording says what its default is: print a default only where it informs
             help_text += f" (default: {f.default})"
         g = groups[sec]
         choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
