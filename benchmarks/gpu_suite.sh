@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels and rlstep), e.g.
+# kernels, rlstep and moe), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -113,6 +113,25 @@ if has train; then
   timeout "${TRAIN_TIMEOUT:-1200}" python benchmarks/train_step.py ${TRAIN_ARGS:-} --json-out "$OUT/train_step.json" >"$OUT/train_step.log" 2>&1
   sed -n "/== train step/,\$p" "$OUT/train_step.log"
 fi
+if has moe; then
+  # Qwen3-30B-A3B dims: MoE tests, the grouped expert GEMM vs torch._grouped_mm / per-expert
+  # cuBLAS, end-to-end throughput (invariant vs fast) and the train step (12 of 48 layers)
+  echo "== MoE ($SECONDS s)"
+  timeout "${MOE_TESTS_TIMEOUT:-600}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py \
+    tests/test_moe_gpu.py tests/test_moe_parallel.py >"$OUT/moe_tests.log" 2>&1
+  tail -3 "$OUT/moe_tests.log"
+  timeout "${MOE_GEMM_TIMEOUT:-600}" python benchmarks/kernels/moe_gemm.py ${MOE_GEMM_ARGS:-} --json-out "$OUT/moe_gemm.json" \
+    >"$OUT/moe_gemm.log" 2>&1
+  tail -40 "$OUT/moe_gemm.log"
+  timeout "${MOE_THROUGHPUT_TIMEOUT:-900}" python benchmarks/throughput.py --config benchmarks/configs/qwen3-30b-a3b.json \
+    --num-prompts "${NUM_PROMPTS:-256}" --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" \
+    --numerics "${MOE_NUMERICS:-fast+async,invariant+async}" --json-out "$OUT/moe_throughput.json" >"$OUT/moe_throughput.log" 2>&1
+  tail -8 "$OUT/moe_throughput.log"
+  timeout "${MOE_TRAIN_TIMEOUT:-600}" python benchmarks/train_step.py --config benchmarks/configs/qwen3-30b-a3b.json \
+    --num-hidden-layers "${MOE_TRAIN_LAYERS:-12}" --layouts 4x1024 --rows transformers,invariant,fast --json-out "$OUT/moe_train_step.json" \
+    >"$OUT/moe_train_step.log" 2>&1
+  tail -6 "$OUT/moe_train_step.log"
+fi
 if has rlstep; then
   # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
   echo "== RL step ($SECONDS s)"
@@ -133,5 +152,6 @@ has serve && grep -iE "tok/s|ratio" "$OUT/serve.log" | tail -6
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
+has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; }
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 exit 0

@@ -9,6 +9,9 @@ the H200's memory bandwidth (decode) and matrix rate (prefill) allow.
 
 By default it compares the product (numerics="invariant") with the plain-speed
 baseline (numerics="fast"), both with async scheduling as the engine runs on CUDA.
+
+MoE configs (benchmarks/configs/qwen3-30b-a3b.json) work the same way; their floor counts
+the top-k experts per token for prefill and every expert a decode step touches.
 """
 from __future__ import annotations
 
@@ -37,17 +40,33 @@ def make_model_dir(config_path: str) -> str:
     return d
 
 
-def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tuple[float, float]:
-    h, inter, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+def body_params(cfg: dict, n: int) -> tuple[float, float]:
+    """(weights each token multiplies, weights one decode step of n sequences reads).
+    Dense: both are every layer's weights. MoE (Qwen3-MoE fields): a token uses its top-k
+    experts; a step reads every expert some sequence chose (expected E * (1 - (1 - k/E)^n))."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", h // cfg["num_attention_heads"])
-    per_layer = h * (hq + 2 * hk) * d + hq * d * h + 3 * h * inter
-    body = layers * per_layer
+    attn = h * (hq + 2 * hk) * d + hq * d * h
+    if not cfg.get("num_experts"):
+        return layers * (attn + 3 * h * inter), layers * (attn + 3 * h * inter)
+    E, k, im = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    step, dense_only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+    sparse = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    dense = layers * attn + (layers - sparse) * 3 * h * inter + sparse * h * E  # + the routers
+    touched = E * (1 - (1 - k / E) ** n)
+    return dense + sparse * k * 3 * h * im, dense + sparse * touched * 3 * h * im
+
+
+def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tuple[float, float]:
+    h, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", h // cfg["num_attention_heads"])
+    body, step_body = body_params(cfg, n)
     lm = v * h
     # prefill: 2 FLOP per weight per token + causal attention (QK^T and PV: 2 * 2 * L^2/2 * hq * d per layer)
     prefill_flops = n * (2 * body * lin + 2 * lm + layers * 2 * lin * lin * hq * d)
     prefill = prefill_flops / MATMUL_RATE
     # decode: every step reads all weights once plus every sequence's KV so far
-    weight_bytes = (body + lm + (0 if cfg.get("tie_word_embeddings") else 0)) * elem
+    weight_bytes = (step_body + lm + (0 if cfg.get("tie_word_embeddings") else 0)) * elem
     kv_per_token = 2 * layers * hk * d * elem
     decode = 0.0
     for step in range(1, lout):

@@ -10,6 +10,7 @@ flash-attention-2 varlen path when the `flash_attn` package is installed.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -54,10 +55,19 @@ def make_layout(spec: str, vocab_size: int, prompt_len: int = 256, mix_tokens: i
     return Layout(spec, seqs, plens)
 
 
-def model_dir(config_path: str) -> str:
-    """A directory holding only this config.json (what resolve_model / AutoConfig read)."""
+def model_dir(config_path: str, num_hidden_layers: int | None = None) -> str:
+    """A directory holding only this config.json (what resolve_model / AutoConfig read);
+    `num_hidden_layers` overrides the depth (a large MoE's dims on one GPU)."""
     d = tempfile.mkdtemp(prefix="train_bench_")
-    shutil.copy(config_path, os.path.join(d, "config.json"))
+    if num_hidden_layers is None:
+        shutil.copy(config_path, os.path.join(d, "config.json"))
+    else:
+        with open(config_path) as f:
+            cfg = json.load(f)
+        cfg["num_hidden_layers"] = num_hidden_layers
+        cfg.pop("mlp_only_layers", None)  # indices into the original depth
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
     return d
 
 

@@ -4,6 +4,8 @@ checkpointing), same weights, same tokens, measured in one run.
 
     python benchmarks/train_step.py --config benchmarks/configs/qwen3-4b.json \
         --layouts 4x1024,2x8192,mix --reps 5 --json-out train_step.json
+    python benchmarks/train_step.py --config benchmarks/configs/qwen3-30b-a3b.json --num-hidden-layers 12 \
+        --layouts 4x1024 --rows transformers,invariant,fast
 
 Layouts: NxLEN (N sequences of LEN tokens, --prompt-len of them prompt) and "mix"
 (lengths 100-4000 until --mix-tokens tokens, a quarter prompt each). transformers runs
@@ -141,6 +143,8 @@ def main() -> None:
     ap.add_argument("--config", default="benchmarks/configs/qwen3-4b.json", help="HF config.json of the dims")
     ap.add_argument("--layouts", default="4x1024,2x8192,mix", help="comma-separated: NxLEN or mix")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence of NxLEN layouts")
+    ap.add_argument("--num-hidden-layers", type=int, default=None,
+                    help="override the config's depth, e.g. Qwen3-30B-A3B's dims with 12 layers to fit one GPU")
     ap.add_argument("--mix-tokens", type=int, default=8192, help="total tokens of the mix layout")
     ap.add_argument("--rows", default=",".join(TRAIN_ROWS + FORWARD_ROWS), help="which rows to run")
     ap.add_argument("--hf-varlen", choices=("auto", "on", "off"), default="auto",
@@ -151,7 +155,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",")]
-    path = tc.model_dir(args.config)
+    path = tc.model_dir(args.config, args.num_hidden_layers)
     from vllm.model_loader.build import resolve_model
     mc, _ = resolve_model(path, dtype="bfloat16", device=args.device)
     layouts = [tc.make_layout(s.strip(), mc.vocab_size, args.prompt_len, args.mix_tokens) for s in args.layouts.split(",")]

@@ -10,6 +10,7 @@
   ``tiny_qwen2``      Qwen2ForCausalLM (qkv bias), sharded into several
                       safetensors files + model.safetensors.index.json
   ``tiny_llama``      LlamaForCausalLM, llama3 rope scaling, tied embeddings
+  ``tiny_qwen3_moe``  Qwen3MoeForCausalLM, 8 experts top-2, layer 1 dense
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
   ``smollm2_dir``     SmolLM2-135M-Instruct, a real trained model, converted from
@@ -125,3 +126,13 @@ def gpu_model(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu_model"), "qwen3", hidden_size=512, num_hidden_layers=3,
                                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
                                 dtype=torch.bfloat16, max_position_embeddings=2048, init_std=0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tiny_models_root) -> str:
+    """Qwen3MoeForCausalLM: 3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2,
+    norm_topk_prob, head_dim 32."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tiny_models_root / "qwen3_moe", "qwen3_moe", head_dim=32, num_hidden_layers=3, seed=3,
+                                config_overrides={"mlp_only_layers": [1]})

@@ -43,11 +43,12 @@ def _empty_like(model):
     return fresh
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen2", "tiny_llama"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen2", "tiny_llama", "tiny_qwen3_moe"])
 def test_checkpoint_round_trips_through_the_mapping(request, fixture):
     """load -> hf_state_dict gives the checkpoint's tensors back, bit for bit and under the
-    same names (fused q/k/v and gate/up split back, a tied lm_head left out); loading that
-    dict into a fresh model reproduces every parameter."""
+    same names (fused q/k/v and gate/up split back, stacked MoE experts split into one
+    tensor per expert and projection, a tied lm_head left out); loading that dict into a
+    fresh model reproduces every parameter."""
     path = request.getfixturevalue(fixture)
     model = _model(path)
     sd = model.hf_state_dict()

@@ -7,7 +7,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
 - numerical: everything that changes bits (numerics mode, device kind and
   compute capability, torch/triton versions, each kernel and its version, tile
   and split sizes, accumulation dtypes, quantization rule, sampler rules and
-  tie-breaking, logprobs definition);
+  tie-breaking, logprobs definition; under `layer_kernels`, what layers with kernels
+  of their own name, e.g. an MoE block's routing and grouped GEMM);
 - deployment: everything that must NOT change bits in invariant mode (batch
   limits, block size, memory fraction, prefix caching, CUDA graph sizes, kernel
   options measured bit-neutral such as the fused Gumbel sampler).
@@ -158,4 +159,20 @@ def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str,
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
     numerical = numerical_policy(numerics, device, dtype, kernels)
+    layer_kernels = layer_kernel_policies(model, numerics, device)
+    if layer_kernels:
+        numerical["layer_kernels"] = layer_kernels
     return ExecutionContract(semantic, numerical, dict(deployment or {}))
+
+
+def layer_kernel_policies(model: torch.nn.Module, numerics: str, device: str | torch.device) -> dict:
+    """Numerical entries for kernels that a layer runs outside the op shim (a grouped expert
+    GEMM, say): every layer class of `model` that defines `kernel_policy(numerics, device)`
+    names its own, once per class. They change bits as the GEMM's tiles do, and only the
+    layer knows them; the model's config (the semantic part) cannot say how it is computed."""
+    out: dict = {}
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        policy = getattr(cls, "kernel_policy", None)
+        if policy is not None:
+            out.update(policy(numerics, device))
+    return out

@@ -92,15 +92,34 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
     return report
 
 
+def layer_self_checks(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                      max_tokens: int | None = None, kernels: KernelConfig | None = None) -> dict:
+    """Layers with kernels of their own (outside the numerics table: an MoE block's grouped
+    expert GEMM, say) check them too: every layer class defining
+    `invariant_self_check(modules, device, dtype, max_tokens, kernels)` is called once, with
+    all of the model's (name, module) pairs of that class; it raises SelfCheckError."""
+    by_class: dict[type, list] = {}
+    for name, mod in model.named_modules():
+        if hasattr(type(mod), "invariant_self_check"):
+            by_class.setdefault(type(mod), []).append((name, mod))
+    report = {}
+    for cls, mods in by_class.items():
+        report.update(cls.invariant_self_check(mods, device, dtype, max_tokens, kernels or KernelConfig()))
+    return report
+
+
 def start_up_check(model: torch.nn.Module, numerics: str, device: torch.device, dtype: torch.dtype,
                    max_tokens: int | None = None, kernels: KernelConfig | None = None) -> dict | None:
     """The check a numerics mode needs on this device before an engine serves: invariant
-    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`). Nothing
-    else needs one (the CPU's invariant kernels are row-at-a-time torch; fast mode promises
-    nothing). Returns the check's report, or None when none ran."""
+    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`) and the
+    kernels of layers that bring their own (`layer_self_checks`). Nothing else needs one
+    (the CPU's invariant kernels are row-at-a-time torch; fast mode promises nothing).
+    Returns the check's report, or None when none ran."""
     if numerics == "invariant" and device.type == "cuda":
-        return gemm_self_check(model, device, dtype, max_tokens=max_tokens,
-                               allow_cublaslt=(kernels or KernelConfig()).gemm_cublaslt)
+        kernels = kernels or KernelConfig()
+        report = gemm_self_check(model, device, dtype, max_tokens=max_tokens, allow_cublaslt=kernels.gemm_cublaslt)
+        report.update(layer_self_checks(model, device, dtype, max_tokens, kernels))
+        return report
     return None
 
 

@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
     "Qwen2ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
     "LlamaForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
+    "Qwen3MoeForCausalLM": ("vllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -13,7 +13,7 @@ Public API
     ``tokenizer_config.json`` (ChatML chat template) into ``save_dir``.
 ``make_tiny_checkpoint(path, arch="qwen3", ...)``
     Write a random-weight ``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM`` /
-    ``LlamaForCausalLM`` checkpoint (+ tokenizer, generation config) to
+    ``LlamaForCausalLM`` / ``Qwen3MoeForCausalLM`` checkpoint (+ tokenizer, generation config) to
     ``path`` and return ``path``.
 ``load_hf_model(path, dtype)``
     Load a checkpoint with transformers (eval mode), as the reference model.
@@ -268,6 +268,21 @@ ARCH_CONFIGS: dict = {
         "notes": "Llama 2/3: no biases, no q/k norm; optional 'llama3' rope scaling "
         "(factor, low/high_freq_factor, original_max_position_embeddings).",
     },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "hf_class": "Qwen3MoeForCausalLM",
+        "config_class": "Qwen3MoeConfig",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "free_head_dim": True,
+        # MoE defaults of the tiny checkpoints; override with make_tiny_checkpoint(config_overrides=...)
+        "config_extra": {"attention_bias": False, "use_sliding_window": False, "num_experts": 8,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                         "decoder_sparse_step": 1, "mlp_only_layers": []},
+        "notes": "Qwen3-MoE: Qwen3 attention; a router + experts block (experts.{e}.gate/up/down_proj "
+        "in the checkpoint) on every decoder_sparse_step-th layer not in mlp_only_layers, which keep a "
+        "dense MLP of intermediate_size (Qwen3-30B-A3B: 128 experts, top 8, moe_intermediate_size 768).",
+    },
 }
 
 
@@ -288,12 +303,12 @@ def normalize_rope_scaling(rope_scaling: Optional[Mapping[str, Any]]) -> Optiona
     return rs
 
 
-def _build_config(arch: str, **kw):
+def _build_config(arch: str, overrides: Optional[Mapping[str, Any]] = None, **kw):
     import transformers
 
     spec = ARCH_CONFIGS[arch]
     cls = getattr(transformers, spec["config_class"])
-    return cls(**spec["config_extra"], **kw)
+    return cls(**{**spec["config_extra"], **(overrides or {})}, **kw)
 
 
 @torch.no_grad()
@@ -367,10 +382,11 @@ def make_tiny_checkpoint(
     with_tokenizer: bool = True,
     tokenizer_vocab_size: int = DEFAULT_TOKENIZER_VOCAB_SIZE,
     eos_token_id: Optional[Union[int, Sequence[int]]] = None,
+    config_overrides: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Write a random-weight HF checkpoint of architecture ``arch`` to ``path``; return ``path``.
 
-    ``arch``: "qwen3" | "qwen2" | "llama" (see ``ARCH_CONFIGS``).
+    ``arch``: "qwen3" | "qwen2" | "llama" | "qwen3_moe" (see ``ARCH_CONFIGS``).
     ``head_dim``: None => hidden_size // num_attention_heads (qwen2 allows nothing else).
     ``vocab_size``: None => tokenizer size rounded up to a multiple of 64 (512 -> 512).
     ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -382,6 +398,8 @@ def make_tiny_checkpoint(
     ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``).
     ``eos_token_id``: None => id of ``<|im_end|>`` (2).  bos/pad ids are ``<|endoftext|>`` (0)
     in config.json, as Qwen does; the tokenizer itself never adds a BOS.
+    ``config_overrides``: values replacing the architecture's ``config_extra`` (e.g. for
+    "qwen3_moe": ``{"num_experts": 4, "mlp_only_layers": [1], "norm_topk_prob": False}``).
     Also writes ``generation_config.json`` and (``with_tokenizer``) the tokenizer files.
     """
     import transformers
@@ -436,7 +454,7 @@ def make_tiny_checkpoint(
     )
     if spec["free_head_dim"]:
         config_kwargs["head_dim"] = head_dim
-    config = _build_config(arch, **config_kwargs)
+    config = _build_config(arch, config_overrides, **config_kwargs)
     config.architectures = [spec["hf_class"]]
 
     # Build in fp32 (the generator draws fp32 values), then cast.  transformers'

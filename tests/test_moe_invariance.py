@@ -1,0 +1,69 @@
+"""The invariance battery on a tiny Qwen3-MoE in numerics='invariant' (CPU here; bf16 with
+CUDA graphs on the GPU in test_moe_gpu.py), and the crowded-expert case: tokens that all route to the same
+experts (router weights zeroed: every probability ties, the lower-id rule sends every
+token to experts 0..k-1) keep the bits they have alone. Bit patterns, never allclose."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.layers.moe import collect_router_stats
+from vllm.testing.parity_battery import Battery, signature
+
+
+def _battery(path, **base):
+    def make(**kw):
+        opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512)
+        opts.update(base)
+        opts.update(kw)
+        return LLM(path, **opts)
+    return Battery(make, vocab=512, max_tokens=5, batch_sizes=(2, 4), long_len=30)
+
+
+@pytest.fixture(scope="module")
+def battery(tiny_qwen3_moe):
+    return _battery(tiny_qwen3_moe)
+
+
+@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
+def test_moe_invariant_battery(battery, check):
+    res = getattr(battery, check)()
+    assert res.comparisons > 0
+    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    if check == "prefix_cache":
+        assert res.detail.startswith("3 ")
+    if check == "preemption":
+        assert not res.detail.startswith("0 ")
+
+
+def test_moe_identical_requests(battery):
+    res = battery.identical_requests(n=24, n_seeds=4)
+    assert res.differing == 0, res
+
+
+def _zero_router(llm):
+    model = llm.llm_engine.runner.model
+    zeros = {name: torch.zeros_like(t) for name, t in model.hf_state_dict().items() if name.endswith(".mlp.gate.weight")}
+    assert len(zeros) == 2
+    llm.update_weights(zeros)
+
+
+def test_crowded_experts_keep_bits(tiny_qwen3_moe):
+    """Router weights synced to zero (an MoE weight sync): all router probabilities tie, so
+    every token goes to experts (0, 1) of every MoE layer; a request alone and the same
+    request among 11 others crowding the same two experts give the same bits."""
+    llm = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant", block_size=4)
+    _zero_router(llm)
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=5, logprobs=0, ignore_eos=True)
+    target = {"prompt_token_ids": list(range(40, 61))}
+    with collect_router_stats() as stats:
+        alone = signature(llm.generate(target, sp, use_tqdm=False)[0].outputs[0])
+    assert all(torch.equal(ids, torch.tensor([[0, 1]]).expand_as(ids)) for _, ids in stats.calls)
+    g = torch.Generator().manual_seed(0)
+    others = [{"prompt_token_ids": torch.randint(3, 500, (int(n),), generator=g).tolist()} for n in torch.randint(1, 30, (11,), generator=g)]
+    outs = llm.generate(others[:6] + [target] + others[6:], [SamplingParams(temperature=1.0, seed=i, max_tokens=5, logprobs=0,
+                                                                            ignore_eos=True) for i in range(6)] + [sp] +
+                        [SamplingParams(temperature=1.0, seed=i, max_tokens=5, logprobs=0, ignore_eos=True) for i in range(6, 11)],
+                        use_tqdm=False)
+    assert signature(outs[6].outputs[0]) == alone

@@ -1,0 +1,1 @@
+"""Parallelism applied to a built model (models themselves contain none)."""
