@@ -84,6 +84,7 @@ setup(
         "jinja2",  # chat templates (LLM.chat, /v1/chat/completions)
         "tqdm",
         "pydantic>=2",
+        "pyyaml",  # `vllm train` recipes (training/*.yaml)
     ],
     extras_require={
         "serve": ["fastapi", "starlette", "uvicorn", "prometheus-client"],

@@ -95,11 +95,12 @@ def test_converted_directory(smollm2_dir, llm, tok):
         cfg = json.load(f)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
     assert "quantization_config" not in cfg
-    mc = llm.config.model
+    model = llm.llm_engine.runner.model
+    mc = model.config  # the model's own parse of config.json
     assert (mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size) == \
         (30, 576, 9, 3, 49152)
-    assert mc.num_params == 134_515_008
-    assert mc.eos_token_ids == [tok.convert_tokens_to_ids(IM_END)] == [2]
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert llm.llm_engine.config.model.eos_token_ids == [tok.convert_tokens_to_ids(IM_END)] == [2]
     # ChatML through the model's own template (with its default system prompt)
     text = tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith(
