@@ -157,13 +157,17 @@ def make_plan(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
 
 
 # ============================================================================ grouped GEMM (Triton)
+# tl.sum's combine function: under the interpreter tl.reduce with it maps straight to numpy
+_SUM_COMBINE = tl.standard._sum_combine
+
+
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, pair_at_ptr, block_expert_ptr,
     N, K,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     A_INDEXED: tl.constexpr, A_DIV: tl.constexpr, C_INDEXED: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Block b of padded rows p (all of expert e): c[crow(p), n] = sum_k a[arow(p), k] * b[e, n, k].
 
@@ -195,7 +199,14 @@ def _grouped_gemm_kernel(
                 k_left = K - k * BK
                 a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
                 b = tl.load(b_ptrs, mask=n_ok & (rk[:, None] < k_left), other=0.0)
-            acc = tl.dot(a, b, acc)  # this form keeps bits independent of the tile shape
+            if EMULATE:
+                # the interpreter's tl.dot is np.matmul, whose per-element bits depend on
+                # the row's position in the tile (BLAS kernel choice, e.g. AVX-512 edge
+                # kernels): exact fp32 products summed in a fixed order instead
+                acc = acc + tl.reduce(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1,
+                                      _SUM_COMBINE)
+            else:
+                acc = tl.dot(a, b, acc)  # this form keeps bits independent of the tile shape
             a_ptrs += BK * stride_ak
             b_ptrs += BK * stride_bk
         if C_INDEXED:
@@ -317,7 +328,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, *, a_indexe
         a, w, c, plan.pair_at, plan.block_expert, N, K,
         a.stride(0), a.stride(1), s_be, s_bn, s_bk, c.stride(0), c.stride(1),
         A_INDEXED=a_indexed, A_DIV=a_div, C_INDEXED=c_indexed, BM=bm, BN=bn, BK=bk, EVEN_K=K % bk == 0,
-        num_warps=warps, num_stages=stages)
+        EMULATE=_interpreting(), num_warps=warps, num_stages=stages)
     return c
 
 
