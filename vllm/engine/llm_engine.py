@@ -215,7 +215,8 @@ class LLMEngine:
             "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel,
         }
         return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
-                              deployment=deployment, kernels=c.kernels)
+                              deployment=deployment, kernels=c.kernels, kv_cache_dtype=c.cache.kv_cache_dtype,
+                              quantization=c.quantization)
 
     # ---- sleep mode ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:

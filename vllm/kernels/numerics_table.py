@@ -82,6 +82,7 @@ _SILU = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul)
 _EMBEDDING = _torch(torch_ops.embedding)
 _PAGED_ATTENTION = Impl(cuda=attention.paged_attention_triton, cpu=attention_cpu.paged_attention_cpu)
 _KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
+_KV_WRITE_FP8 = Impl(cuda=cache_write.cache_kv_fp8, cpu=cache_write.cache_kv_fp8, cuda_autograd_fn=False)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -114,6 +115,8 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "prefill_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
     "decode_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
     "kv_cache_write": OpNumerics(fast=_KV_WRITE, invariant=_KV_WRITE),
+    # FP8 KV cache (kv_cache_dtype="fp8"): quantize per token per kv head, then the same copy
+    "kv_cache_write_fp8": OpNumerics(fast=_KV_WRITE_FP8, invariant=_KV_WRITE_FP8),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

@@ -94,19 +94,31 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     fn(k, v, k_cache, v_cache, slots)
 
 
+def kv_cache_write_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantize this step's K/V rows by the FP8 KV rule and scatter payload and scales."""
+    fn, _ = _kernel("kv_cache_write_fp8", k)
+    fn(k, v, k_cache, v_cache, k_scale, v_scale, slots)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int,
-              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal paged attention for this step's queries, whose K/V are already in the cache
     (arguments as in vllm.kernels.attention.paged_attention_triton).
 
     `fresh_kv`: the step's own (k, v), passed when every sequence starts at position 0 (no
-    cached context), so a mode may use a kernel on the step's own tensors instead."""
+    cached context), so a mode may use a kernel on the step's own tensors instead (for an
+    FP8 cache: their round trip through it). `kv_scales`: an FP8 cache's (k, v) scales."""
     if fresh_kv is not None and max_query_len > 1:
         fn, _ = _kernel("fresh_prefill_attention", q)
         out = fn(q, *fresh_kv, cu_seqlens_q, max_query_len, scale) if fn is not None else None
         if out is not None:
             return out
     fn, _ = _kernel("decode_attention" if max_query_len == 1 else "prefill_attention", q)
+    if kv_scales is not None:
+        return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                  max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=kv_scales[0], v_scale=kv_scales[1])
     return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
               max_query_len=max_query_len, max_seq_len=max_seq_len)

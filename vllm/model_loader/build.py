@@ -36,7 +36,7 @@ def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | t
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
                 load_format: str = "safetensors", self_check_tokens: int | None = None,
-                kernels: KernelConfig | None = None) -> tuple[torch.nn.Module, dict | None]:
+                kernels: KernelConfig | None = None, quantization: str | None = None) -> tuple[torch.nn.Module, dict | None]:
     """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
     refuse unverified devices; then run the start-up check the mode needs on this device
     (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
@@ -60,6 +60,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
             load_weights(model, iterate_weights(files))
         except ValueError as err:
             raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
+    if quantization is not None:
+        raise ValueError("quantization='fp8' is not available yet")
     model.eval()
     from vllm.kernels.selfcheck import start_up_check
     t0 = time.perf_counter()
