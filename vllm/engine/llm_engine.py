@@ -154,6 +154,10 @@ class LLMEngine:
             raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
                                "versions; update weights between generate calls, or pause() first")
         self.weight_version += 1
+        # FP8 linear layers: quantized once per weight version, here (in place, so captured
+        # CUDA graphs multiply the new fp8 weights)
+        from vllm.layers.linear import requantize_fp8
+        requantize_fp8(self.runner.model)
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).
         self.kv.reset_prefix_cache(allow_in_use=self.paused)

@@ -39,6 +39,8 @@ class LLM:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         mc, model_dtype = resolve_model(model or default_model_path(), dtype=dtype, device=device, max_model_len=max_model_len)
+        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
+        quantization = quantization or checkpoint_quantization(mc.hf_config)  # an FP8 checkpoint runs FP8
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if device != "cpu" else 2048
         config = EngineConfig(

@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
-from vllm.kernels import attention, attention_cpu, cache_write, elementwise, flash_varlen, matmul, rowwise, torch_ops
+from vllm.kernels import (attention, attention_cpu, cache_write, elementwise, flash_varlen, fp8_gemm, matmul, rowwise,
+                          torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -96,6 +97,11 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
         fast=_torch(torch_ops.logits),
         invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows, cuda_options=_gemm_options,
                        cpu_autograd_fn=True)),
+    # FP8 linear layers (quantization="fp8"): the fixed-tile Triton FP8 GEMM on CUDA in both
+    # modes; on CPU the per-block tree-sum kernel (invariant) or dequantize + BLAS (fast).
+    "fp8_linear": OpNumerics(
+        fast=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_dequant),
+        invariant=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_rows)),
     # Norms: one Triton program per row on CUDA in both modes; torch on CPU.
     "rms_norm": OpNumerics(
         fast=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm),

@@ -39,6 +39,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return fn(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled FP8 linear (vllm/kernels/fp8_gemm.py): x quantized per token per 128
+    channels, times the fp8 weight copy. `weight` (the master) only receives the gradient
+    (straight-through estimator, FP8LinearFn) when one is asked for."""
+    fn, _ = _kernel("fp8_linear", x)
+    if _needs_autograd(x, weight, bias):
+        from vllm.kernels.fp8_gemm import FP8LinearFn
+        return FP8LinearFn.apply(x, weight, weight_fp8, weight_scale_inv, bias, fn)
+    return fn(x, weight_fp8, weight_scale_inv, bias)
+
+
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
     fn, wrap = _kernel("logits", hidden)

@@ -75,6 +75,8 @@ class Policy:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         mc, dt = resolve_model(path, dtype=dtype, device=device)
+        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
+        quantization = quantization or checkpoint_quantization(mc.hf_config)
         model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels, quantization=quantization)
         try:
             tok = load_tokenizer(path)
