@@ -113,6 +113,12 @@ def kv_cache_write_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     fn(k, v, k_cache, v_cache, k_scale, v_scale, slots)
 
 
+def kv_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an FP8 KV cache returns for K/V rows x (quantize + dequantize, vllm/kernels/fp8.py)."""
+    from vllm.kernels.fp8 import kv_round_trip as round_trip
+    return round_trip(x)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int,
               max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kernels import ops
-from vllm.kernels.fp8 import kv_round_trip
 
 
 @dataclass
@@ -52,7 +51,7 @@ class PagedAttentionBackend:
         ks, vs = self.k_scales[layer_idx], self.v_scales[layer_idx]
         ops.kv_cache_write_fp8(k, v, kc, vc, ks, vs, md.slot_mapping)
         # a kernel on the step's own K/V must see what the cache returns: the round trip
-        fresh = (kv_round_trip(k), kv_round_trip(v)) if md.fresh_prefill else None
+        fresh = (ops.kv_round_trip(k), ops.kv_round_trip(v)) if md.fresh_prefill else None
         return ops.attention(q, kc, vc, md.block_table, md.cu_seqlens_q, md.seq_lens, scale,
                              max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
                              fresh_kv=fresh, kv_scales=(ks, vs))
