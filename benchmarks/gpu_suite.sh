@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels, rlstep and moe), e.g.
+# kernels, rlstep, moe and fp8), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -132,6 +132,24 @@ if has moe; then
     >"$OUT/moe_train_step.log" 2>&1
   tail -6 "$OUT/moe_train_step.log"
 fi
+if has fp8; then
+  # FP8: the FP8 tests, the FP8 GEMM vs bf16 invariant vs cuBLAS at Qwen3-8B shapes, decode
+  # attention with the FP8 cache vs bf16, rollout throughput FP8 KV / FP8 linears vs bf16
+  echo "== FP8 ($SECONDS s)"
+  timeout "${FP8_TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv.py \
+    tests/test_fp8_linear.py >"$OUT/fp8_tests.log" 2>&1
+  tail -3 "$OUT/fp8_tests.log"
+  timeout "${FP8_GEMM_TIMEOUT:-300}" python benchmarks/kernels/fp8_gemm.py ${FP8_GEMM_ARGS:-} --json-out "$OUT/fp8_gemm.json" \
+    >"$OUT/fp8_gemm.log" 2>&1
+  tail -40 "$OUT/fp8_gemm.log"
+  timeout 200 python benchmarks/kernels/fp8_decode_attention.py >"$OUT/fp8_attention.log" 2>&1
+  tail -8 "$OUT/fp8_attention.log"
+  timeout "${FP8_THROUGHPUT_TIMEOUT:-900}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" \
+    --num-prompts "${NUM_PROMPTS:-256}" --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" \
+    --numerics "${FP8_NUMERICS:-invariant+async}" --kv-cache-dtype auto,fp8 --quantization none,fp8 \
+    --json-out "$OUT/fp8_throughput.json" >"$OUT/fp8_throughput.log" 2>&1
+  tail -12 "$OUT/fp8_throughput.log"
+fi
 if has rlstep; then
   # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
   echo "== RL step ($SECONDS s)"
@@ -154,4 +172,6 @@ has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; }
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
+has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \
+  grep -E "^fp8 decode" "$OUT/fp8_attention.log"; grep -E "^\[fp8\]|^invariant" "$OUT/fp8_throughput.log"; }
 exit 0

@@ -10,6 +10,10 @@ the H200's memory bandwidth (decode) and matrix rate (prefill) allow.
 By default it compares the product (numerics="invariant") with the plain-speed
 baseline (numerics="fast"), both with async scheduling as the engine runs on CUDA.
 
+FP8: `--kv-cache-dtype auto,fp8` and `--quantization none,fp8` run every numerics mode
+with each combination (labels `mode kv=fp8 q=fp8`) and print each one's ratio to the
+mode's model-dtype run (`auto`/`none`), side by side in the same run.
+
 MoE configs (benchmarks/configs/qwen3-30b-a3b.json) work the same way; their floor counts
 the top-k experts per token for prefill and every expert a decode step touches.
 """
@@ -74,7 +78,8 @@ def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tupl
     return prefill, decode
 
 
-def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
+def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str, kv_cache_dtype: str = "auto",
+             quantization: str | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
     numerics, *variants = mode.split("+")
@@ -87,7 +92,8 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
               gemm_cublaslt="nocublaslt" not in variants,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              max_model_len=args.input_len + args.output_len + 16)
+              max_model_len=args.input_len + args.output_len + 16,
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, detokenize=False)
     # Warm-up: the whole workload once on OTHER prompts of the same shapes, so every
     # Triton specialization and graph bucket is compiled before timing, and nothing
@@ -101,7 +107,9 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     digest = hashlib.sha256(json.dumps([c.token_ids for o in outs for c in o.outputs]).encode()).hexdigest()[:16]
-    res = {"numerics": mode, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "tokens_sha256": digest,
+    label = mode + (f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + (f" q={quantization}" if quantization else "")
+    res = {"numerics": label, "mode": mode, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+           "kv_capacity_tokens": llm.llm_engine.runner.kv_capacity_tokens, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "tokens_sha256": digest,
            "kv_blocks": llm.llm_engine.runner.num_blocks, "steps": llm.llm_engine.step_count}
     if args.profile:
         # a second, synchronised run (fresh cache) that splits the step time into phases
@@ -157,6 +165,8 @@ def main() -> None:
     ap.add_argument("--numerics", default="invariant+async,fast+async", help="comma-separated: fast,invariant; append +async (async scheduling), "
                     "+unfused (unfused Gumbel-max sampler) and/or +nocublaslt (invariant GEMMs without cuBLASLt) "
                     "to a mode, e.g. fast,fast+async,invariant+async,invariant+async+nocublaslt")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto,fp8 (each numerics mode runs each)")
+    ap.add_argument("--quantization", default="none", help="comma-separated: none,fp8 (each numerics mode runs each)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -175,7 +185,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, cfg["vocab_size"] - 100, (args.num_prompts, args.input_len), generator=g).tolist()
     warm_prompts = torch.randint(100, cfg["vocab_size"] - 100, (args.num_prompts, args.input_len), generator=g).tolist()
-    results = [run_ours(model_dir, prompts, warm_prompts, args, m) for m in args.numerics.split(",")]
+    kvs = args.kv_cache_dtype.split(",")
+    quants = [None if q == "none" else q for q in args.quantization.split(",")]
+    results = [run_ours(model_dir, prompts, warm_prompts, args, m, kv, q) for m in args.numerics.split(",")
+               for q in quants for kv in kvs]
     if args.hf:
         results.append(run_hf(os.path.join(model_dir, "config.json"), prompts, args))
     pf, dc = floor_seconds(cfg, args.num_prompts, args.input_len, args.output_len)
@@ -187,6 +200,14 @@ def main() -> None:
     for r in results:
         print(f"{r['numerics']:<34}{r['seconds']:>9.2f}{r['tok_s']:>12,.0f}{r['tok_s'] / floor_tok_s:>9.2f}")
     ours = {r["numerics"]: r["tok_s"] for r in results}
+    if len(kvs) > 1 or len(quants) > 1:
+        base = {r["mode"]: r for r in results if r.get("kv_cache_dtype") == "auto" and r.get("quantization") is None}
+        print(f"{'fp8 vs model dtype':<34}{'tok/s ratio':>12}{'KV tokens':>12}{'KV ratio':>9}")
+        for r in results:
+            b = base.get(r.get("mode"))
+            if b is not None and r is not b:
+                print(f"[fp8] {r['numerics']:<28}{r['tok_s'] / b['tok_s']:>12.3f}{r['kv_capacity_tokens']:>12,}"
+                      f"{r['kv_capacity_tokens'] / b['kv_capacity_tokens']:>9.2f}")
     for suffix in ("", "+async"):
         if "fast" + suffix in ours and "invariant" + suffix in ours:
             print(f"invariant{suffix} / fast{suffix} = {ours['invariant' + suffix] / ours['fast' + suffix]:.3f}")

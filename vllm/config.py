@@ -21,6 +21,23 @@ _DTYPES = {
 }
 
 NUMERICS_MODES = ("fast", "invariant")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = (None, "fp8")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """'auto' (the model dtype) or 'fp8' (float8_e4m3fn with a per-token-per-head scale,
+    vllm/kernels/fp8.py); 'fp8_e4m3' is accepted as an alias. Returns the canonical name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return "fp8" if kv_cache_dtype.startswith("fp8") else "auto"
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """None (linear layers in the model dtype) or 'fp8' (block-scaled FP8 GEMMs, docs/fp8.md)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    return quantization
 
 
 def default_model_path() -> str:
@@ -115,6 +132,12 @@ class CacheConfig:
     # sleep()/wake_up(): release the KV cache's memory while a colocated trainer runs.
     # On CUDA the cache then lives in a driver VMM region (same address after wake).
     enable_sleep_mode: bool = False
+    # "auto": K/V stored in the model dtype; "fp8": float8_e4m3fn + a float32 scale per token
+    # per kv head (vllm/kernels/fp8.py), dequantized on every read (docs/fp8.md)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass
@@ -163,8 +186,12 @@ class EngineConfig:
     # Synchronise at every step phase and accumulate wall time per phase in the runner's
     # `timings` (diagnostics for benchmarks: the syncs cost throughput).
     step_profile: bool = False
+    # None or "fp8": block-scaled FP8 linear layers (docs/fp8.md); changes bits, so the
+    # execution contract names it
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        self.quantization = check_quantization(self.quantization)
         if self.async_scheduling is None:
             self.async_scheduling = str(self.device).startswith("cuda")
         if self.numerics not in NUMERICS_MODES:

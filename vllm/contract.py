@@ -44,10 +44,12 @@ def device_kind(device: str | torch.device) -> dict:
 
 
 def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype,
-                     kernels: KernelConfig | None = None) -> dict:
+                     kernels: KernelConfig | None = None, kv_cache_dtype: str = "auto",
+                     quantization: str | None = None) -> dict:
     import triton
 
     from vllm.kernels import attention as attn
+    from vllm.kernels import fp8
     from vllm.kernels import matmul
     from vllm.kernels.numerics_table import KERNEL_VERSION, describe
 
@@ -62,8 +64,11 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "triton": triton.__version__,
         "kernel_version": KERNEL_VERSION,
         "kernels": describe(numerics, dev, kernels),
-        "quantization": None,
-        "kv_cache_dtype": str(dtype).replace("torch.", ""),
+        # linear layers: None (model dtype) or the block-scaled FP8 rule (scales, rounding, GEMM order)
+        "quantization": None if quantization is None else {"method": quantization, **fp8.LINEAR_RULE},
+        # the KV cache: the model dtype, or float8_e4m3fn with its scale granularity and rounding
+        "kv_cache_dtype": (str(dtype).replace("torch.", "") if kv_cache_dtype == "auto"
+                           else {"dtype": "float8_e4m3fn", **fp8.KV_RULE}),
         "sampler": {"rng": "counter-hash(seed, position, token_id) -> gumbel-max",
                     "ties": "lowest token id", "sort": "stable descending",
                     "float_reductions": "fixed pairwise order over the row"},
@@ -145,7 +150,8 @@ def weights_layout_digest(model: torch.nn.Module) -> str:
 
 
 def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str, device: str | torch.device,
-                   deployment: Mapping[str, Any] | None = None, kernels: KernelConfig | None = None) -> ExecutionContract:
+                   deployment: Mapping[str, Any] | None = None, kernels: KernelConfig | None = None,
+                   kv_cache_dtype: str = "auto", quantization: str | None = None) -> ExecutionContract:
     """The contract of `model` (its own parsed config, `model.config`, a dataclass, is the
     semantic part, so a new architecture's fields enter it without changes here) run in
     `dtype` under `numerics` on `device` with the kernel options `kernels` (defaults:
@@ -158,7 +164,7 @@ def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str,
         "dtype": str(dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
     }
-    numerical = numerical_policy(numerics, device, dtype, kernels)
+    numerical = numerical_policy(numerics, device, dtype, kernels, kv_cache_dtype, quantization)
     layer_kernels = layer_kernel_policies(model, numerics, device)
     if layer_kernels:
         numerical["layer_kernels"] = layer_kernels

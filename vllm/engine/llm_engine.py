@@ -154,6 +154,10 @@ class LLMEngine:
             raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
                                "versions; update weights between generate calls, or pause() first")
         self.weight_version += 1
+        # FP8 linear layers: quantized once per weight version, here (in place, so captured
+        # CUDA graphs multiply the new fp8 weights)
+        from vllm.layers.linear import requantize_fp8
+        requantize_fp8(self.runner.model)
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).
         self.kv.reset_prefix_cache(allow_in_use=self.paused)
@@ -215,7 +219,8 @@ class LLMEngine:
             "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel,
         }
         return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
-                              deployment=deployment, kernels=c.kernels)
+                              deployment=deployment, kernels=c.kernels, kv_cache_dtype=c.cache.kv_cache_dtype,
+                              quantization=c.quantization)
 
     # ---- sleep mode ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:

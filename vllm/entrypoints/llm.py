@@ -31,27 +31,31 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, numerics: str = "invariant", cuda_graph_batch_sizes: list[int] | None = None,
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
                  load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
-                 gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False):
+                 gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
+                 kv_cache_dtype: str = "auto", quantization: str | None = None):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         mc, model_dtype = resolve_model(model or default_model_path(), dtype=dtype, device=device, max_model_len=max_model_len)
+        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
+        quantization = quantization or checkpoint_quantization(mc.hf_config)  # an FP8 checkpoint runs FP8
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if device != "cpu" else 2048
         config = EngineConfig(
             model=mc,
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode),
+                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
-            step_profile=step_profile)
+            step_profile=step_profile, quantization=quantization)
         self.llm_engine = LLMEngine(config)
         self._warned_fast_policy = False
 
@@ -71,7 +75,8 @@ class LLM:
         runner = self.llm_engine.runner
         return Policy(runner.model, self.config.model, self.config.dtype, runner.device, self.config.numerics,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size, kernels=self.config.kernels)
+                      block_size=self.config.cache.block_size, kernels=self.config.kernels,
+                      kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)
 
     def update_weights(self, weights, contract=None, require_complete: bool = False) -> int:
         """In-place weight sync from a trainer (HF names -> tensors); see vllm/weight_sync.py.

@@ -71,12 +71,20 @@ def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def _gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """Tokens [0, length) of one sequence: [length, num_kv_heads, head_dim]."""
+def _gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int,
+                    scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Tokens [0, length) of one sequence: [length, num_kv_heads, head_dim]. An FP8 cache
+    (`scale`: its [blocks, block_size, heads] float32 scales) is dequantized to `dtype`
+    by vllm.kernels.fp8.dequantize_kv, the formula every reader of the cache uses."""
     block_size = cache.shape[1]
     nblk = -(-length // block_size)
     blocks = block_table_row[:nblk].long()
-    return cache[blocks].reshape(nblk * block_size, *cache.shape[2:])[:length]
+    out = cache[blocks].reshape(nblk * block_size, *cache.shape[2:])[:length]
+    if scale is None:
+        return out
+    from vllm.kernels.fp8 import dequantize_kv
+    s = scale[blocks].reshape(nblk * block_size, *scale.shape[2:])[:length]
+    return dequantize_kv(out, s, dtype)
 
 
 def _seq_bounds(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
@@ -88,8 +96,10 @@ def paged_attention_ref(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None, *,
     max_query_len: int, max_seq_len: int | None = None,
     kv_split_size: int = KV_SPLIT_SIZE, decode_parallel_splits: bool | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float64 causal attention over the gathered context (the reference).
+    """float64 causal attention over the gathered context (the reference); an FP8 cache is
+    dequantized to q's dtype first.
 
     Query rows with no KV position to attend to (seq_len 0) give zeros.
     """
@@ -106,8 +116,8 @@ def paged_attention_ref(
             out[start:end] = 0
             continue
         pos = torch.arange(L - n, L, device=q.device)  # absolute query positions
-        k = _gather_context(k_cache, block_table[s], L).double().repeat_interleave(G, dim=1)
-        v = _gather_context(v_cache, block_table[s], L).double().repeat_interleave(G, dim=1)
+        k = _gather_context(k_cache, block_table[s], L, k_scale, q.dtype).double().repeat_interleave(G, dim=1)
+        v = _gather_context(v_cache, block_table[s], L, v_scale, q.dtype).double().repeat_interleave(G, dim=1)
         qq = q[start:end].double()  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", qq, k) * scale
         causal = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [n, L]
@@ -123,8 +133,10 @@ def paged_attention_cpu(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None, *,
     max_query_len: int, max_seq_len: int | None = None,
     kv_split_size: int = KV_SPLIT_SIZE, decode_parallel_splits: bool | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 paged attention in the Triton kernel's tile/split/merge order.
+    """float32 paged attention in the Triton kernel's tile/split/merge order (an FP8 cache,
+    `k_scale`/`v_scale` given, is dequantized to q's dtype as it is gathered).
 
     Same signature and semantics as vllm.kernels.attention.paged_attention_triton.
     max_query_len / max_seq_len / decode_parallel_splits are accepted for
@@ -176,8 +188,8 @@ def paged_attention_cpu(
     Vt = torch.zeros(len(live), ctx, num_kv_heads, head_dim, dtype=f32, device=dev)
     q_rows, row_pos, row_seq = [], [], []
     for i, (s, start, n, L) in enumerate(live):
-        Kt[i, :head_dim, :, :L] = _gather_context(k_cache, block_table[s], L).to(f32).permute(2, 1, 0)
-        Vt[i, :L] = _gather_context(v_cache, block_table[s], L).to(f32)
+        Kt[i, :head_dim, :, :L] = _gather_context(k_cache, block_table[s], L, k_scale, q.dtype).to(f32).permute(2, 1, 0)
+        Vt[i, :L] = _gather_context(v_cache, block_table[s], L, v_scale, q.dtype).to(f32)
         # Row r = token * G + g: the kernel's GQA packing.
         q_rows.append(q[start:start + n].to(f32).view(n, num_kv_heads, G, head_dim)
                       .permute(3, 1, 0, 2).reshape(head_dim, num_kv_heads, n * G))

@@ -93,3 +93,17 @@ def cache_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         cache_kv_triton(k, v, k_cache, v_cache, slots)
     else:
         cache_kv_ref(k, v, k_cache, v_cache, slots)
+
+
+def cache_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor) -> None:
+    """FP8 cache write: quantize K/V by the KV rule (vllm/kernels/fp8.py: one float32 scale per
+    token per kv head), then copy the payload bytes (as uint8, the same copy as `cache_kv`)
+    and the scales [blocks, block_size, heads] into their slots."""
+    from vllm.kernels.fp8 import quantize_kv
+
+    kq, ks = quantize_kv(k)
+    vq, vs = quantize_kv(v)
+    cache_kv(kq.view(torch.uint8), vq.view(torch.uint8), k_cache.view(torch.uint8), v_cache.view(torch.uint8), slots)
+    k_scale.view(-1, k_scale.shape[-1]).index_copy_(0, slots, ks)
+    v_scale.view(-1, v_scale.shape[-1]).index_copy_(0, slots, vs)

@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
-from vllm.kernels import attention, attention_cpu, cache_write, elementwise, flash_varlen, matmul, rowwise, torch_ops
+from vllm.kernels import (attention, attention_cpu, cache_write, elementwise, flash_varlen, fp8_gemm, matmul, rowwise,
+                          torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -82,6 +83,7 @@ _SILU = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul)
 _EMBEDDING = _torch(torch_ops.embedding)
 _PAGED_ATTENTION = Impl(cuda=attention.paged_attention_triton, cpu=attention_cpu.paged_attention_cpu)
 _KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
+_KV_WRITE_FP8 = Impl(cuda=cache_write.cache_kv_fp8, cpu=cache_write.cache_kv_fp8, cuda_autograd_fn=False)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -95,6 +97,11 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
         fast=_torch(torch_ops.logits),
         invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows, cuda_options=_gemm_options,
                        cpu_autograd_fn=True)),
+    # FP8 linear layers (quantization="fp8"): the fixed-tile Triton FP8 GEMM on CUDA in both
+    # modes; on CPU the per-block tree-sum kernel (invariant) or dequantize + BLAS (fast).
+    "fp8_linear": OpNumerics(
+        fast=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_dequant),
+        invariant=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_rows)),
     # Norms: one Triton program per row on CUDA in both modes; torch on CPU.
     "rms_norm": OpNumerics(
         fast=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm),
@@ -114,6 +121,8 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "prefill_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
     "decode_attention": OpNumerics(fast=_PAGED_ATTENTION, invariant=_PAGED_ATTENTION),
     "kv_cache_write": OpNumerics(fast=_KV_WRITE, invariant=_KV_WRITE),
+    # FP8 KV cache (kv_cache_dtype="fp8"): quantize per token per kv head, then the same copy
+    "kv_cache_write_fp8": OpNumerics(fast=_KV_WRITE_FP8, invariant=_KV_WRITE_FP8),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

@@ -39,6 +39,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return fn(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled FP8 linear (vllm/kernels/fp8_gemm.py): x quantized per token per 128
+    channels, times the fp8 weight copy. `weight` (the master) only receives the gradient
+    (straight-through estimator, FP8LinearFn) when one is asked for."""
+    fn, _ = _kernel("fp8_linear", x)
+    if _needs_autograd(x, weight, bias):
+        from vllm.kernels.fp8_gemm import FP8LinearFn
+        return FP8LinearFn.apply(x, weight, weight_fp8, weight_scale_inv, bias, fn)
+    return fn(x, weight_fp8, weight_scale_inv, bias)
+
+
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """lm_head in float32 output: logits feed sampling and logprobs, both computed in float32."""
     fn, wrap = _kernel("logits", hidden)
@@ -94,19 +106,37 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     fn(k, v, k_cache, v_cache, slots)
 
 
+def kv_cache_write_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantize this step's K/V rows by the FP8 KV rule and scatter payload and scales."""
+    fn, _ = _kernel("kv_cache_write_fp8", k)
+    fn(k, v, k_cache, v_cache, k_scale, v_scale, slots)
+
+
+def kv_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an FP8 KV cache returns for K/V rows x (quantize + dequantize, vllm/kernels/fp8.py)."""
+    from vllm.kernels.fp8 import kv_round_trip as round_trip
+    return round_trip(x)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int,
-              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal paged attention for this step's queries, whose K/V are already in the cache
     (arguments as in vllm.kernels.attention.paged_attention_triton).
 
     `fresh_kv`: the step's own (k, v), passed when every sequence starts at position 0 (no
-    cached context), so a mode may use a kernel on the step's own tensors instead."""
+    cached context), so a mode may use a kernel on the step's own tensors instead (for an
+    FP8 cache: their round trip through it). `kv_scales`: an FP8 cache's (k, v) scales."""
     if fresh_kv is not None and max_query_len > 1:
         fn, _ = _kernel("fresh_prefill_attention", q)
         out = fn(q, *fresh_kv, cu_seqlens_q, max_query_len, scale) if fn is not None else None
         if out is not None:
             return out
     fn, _ = _kernel("decode_attention" if max_query_len == 1 else "prefill_attention", q)
+    if kv_scales is not None:
+        return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                  max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=kv_scales[0], v_scale=kv_scales[1])
     return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
               max_query_len=max_query_len, max_seq_len=max_seq_len)

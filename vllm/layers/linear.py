@@ -3,6 +3,12 @@
 `FusedLinear.shard` is the one definition of where each shard's rows live: the
 model's HF-name mapping (`vllm.models.weights`) reads and writes through it.
 Models contain no parallelism: tensor parallelism would be applied after build.
+
+FP8 (`enable_fp8`, quantization="fp8"): `weight` stays the master copy (model dtype, what
+the trainer updates and save_pretrained writes); the buffers `weight_fp8` (float8_e4m3fn)
+and `weight_scale_inv` (float32 per 128 x 128 block) are what the forward multiplies,
+quantized once per weight version (`requantize`, called at weight sync; the forward also
+notices an in-place change of `weight` through its version counter).
 """
 from __future__ import annotations
 
@@ -22,8 +28,57 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+        self.fp8 = False
+
+    def enable_fp8(self) -> None:
+        """Switch this layer to block-scaled FP8 GEMMs, quantizing the current weight."""
+        from vllm.kernels.fp8 import BLOCK, FP8_DTYPE
+        n, k = self.out_features, self.in_features
+        dev = self.weight.device
+        self.register_buffer("weight_fp8", torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), persistent=False)
+        self.register_buffer("weight_scale_inv", torch.ones(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32,
+                                                            device=dev), persistent=False)
+        self.fp8 = True
+        self.requantize()
+
+    @torch.no_grad()
+    def requantize(self) -> None:
+        """Quantize the master weight into the fp8 buffers (in place: captured CUDA graphs
+        read the new values)."""
+        from vllm.kernels.fp8 import quantize_weight
+        wq, ws = quantize_weight(self.weight.detach())
+        self.weight_fp8.copy_(wq)
+        self.weight_scale_inv.copy_(ws)
+        self._fp8_version = self.weight._version
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            if self.weight._version != self._fp8_version:
+                self.requantize()
+            return ops.fp8_linear(x, self.weight, self.weight_fp8, self.weight_scale_inv, self.bias)
         return ops.linear(x, self.weight, self.bias)
+
+
+def requantize_fp8(model: nn.Module) -> int:
+    """Re-quantize every FP8 linear layer of `model` from its master weight (a new weight
+    version: weight sync, optimizer step). Returns the number of layers."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.fp8:
+            m.requantize()
+            n += 1
+    return n
+
+
+def enable_fp8(model: nn.Module) -> int:
+    """quantization="fp8": every Linear of `model` (attention and dense MLP projections; the
+    embedding, lm_head and MoE expert stacks stay in the model dtype). Returns the count."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and not m.fp8:
+            m.enable_fp8()
+            n += 1
+    return n
 
 
 class FusedLinear(Linear):

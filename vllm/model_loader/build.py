@@ -36,7 +36,7 @@ def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | t
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
                 load_format: str = "safetensors", self_check_tokens: int | None = None,
-                kernels: KernelConfig | None = None) -> tuple[torch.nn.Module, dict | None]:
+                kernels: KernelConfig | None = None, quantization: str | None = None) -> tuple[torch.nn.Module, dict | None]:
     """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
     refuse unverified devices; then run the start-up check the mode needs on this device
     (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
@@ -52,14 +52,24 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
     arch_config = cls.config_class.from_hf(model_config.hf_config)
     with torch.device(device):
         model = cls(arch_config, dtype=dtype)
+    reader = None
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
+        from vllm.model_loader.fp8_checkpoint import FP8CheckpointReader, checkpoint_quantization
         files = checkpoint_files(model_config.path)
         try:
-            load_weights(model, iterate_weights(files))
+            ckpt_quant = checkpoint_quantization(model_config.hf_config)
+            reader = FP8CheckpointReader(iterate_weights(files)) if ckpt_quant else None
+            load_weights(model, reader if reader is not None else iterate_weights(files))
         except ValueError as err:
             raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
+    if quantization is not None:
+        from vllm.layers.linear import enable_fp8
+        n = enable_fp8(model)  # quantized from the master weights at load ...
+        if load_format != "dummy" and reader is not None:
+            taken = reader.apply(model)  # ... or the FP8 checkpoint's own bits where they line up
+            logger.info("fp8 linear layers: %d, %d weight tensors taken from the fp8 checkpoint as they are", n, taken)
     model.eval()
     from vllm.kernels.selfcheck import start_up_check
     t0 = time.perf_counter()

@@ -7,8 +7,12 @@ its token range), so nothing is copied and the engine's cache is never read. The
 kernel's output bits do not depend on physical blocks, block size or
 prefill-vs-decode (docs/attention.md: K/V are gathered per token position), so every
 sequence computed as a full prefill gives the rollout's bits; the backward is
-PackedAttentionFn's separate implementation. A later feature that changes what the
-engine stores (an FP8 KV cache) would store the trainer's K/V the same way here.
+PackedAttentionFn's separate implementation.
+
+With an FP8 KV cache (kv_cache_dtype="fp8") the trainer keeps its private FP8 copy: K/V
+go through the cache's round trip (quantize per token per head, dequantize to the model
+dtype: vllm.kernels.fp8) before attention, with a straight-through gradient, so the
+kernel reads exactly the values the engine's cache returns.
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ import torch
 from vllm.host_copy import to_device
 from vllm.kernels import ops
 from vllm.kernels.autograd_ops import PackedAttentionFn
+from vllm.kernels.fp8 import kv_round_trip_ste
 
 
 class PackedAttentionBackend:
-    def __init__(self, seq_lens: list[int], device: torch.device):
+    def __init__(self, seq_lens: list[int], device: torch.device, kv_cache_dtype: str = "auto"):
+        self.fp8_kv = kv_cache_dtype == "fp8"
         self.seq_lens = [int(n) for n in seq_lens]
         self.device = torch.device(device)
         lens = np.asarray(self.seq_lens, dtype=np.int64)
@@ -46,6 +52,8 @@ class PackedAttentionBackend:
                              max_seq_len=self.max_len)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fp8_kv:
+            k, v = kv_round_trip_ste(k), kv_round_trip_ste(v)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return PackedAttentionFn.apply(q, k, v, self.cu, scale, lambda q_, k_, v_: self._paged(q_, k_, v_, scale),
                                            self.cu_seqlens)

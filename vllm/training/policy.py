@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm.config import KernelConfig, ModelConfig
+from vllm.config import KernelConfig, ModelConfig, check_kv_cache_dtype, check_quantization
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
 from vllm.training.attention import PackedAttentionBackend
@@ -35,8 +35,11 @@ def _lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
 class Policy:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16, logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None):
-        """`logprob_chunk_rows`: response rows whose float32 logits are formed at once by the
+                 block_size: int = 16, logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None,
+                 kv_cache_dtype: str = "auto", quantization: str | None = None):
+        """`kv_cache_dtype`: the rollout engine's ("fp8": the trainer runs K/V through the same
+        FP8 round trip). `quantization`: the model's linear-layer quantization (set at build;
+        recorded here for the contract). `logprob_chunk_rows`: response rows whose float32 logits are formed at once by the
         logprob head (default: as many as fit 512 MiB; vllm/training/logprob_head.py). Memory
         only: it never changes a bit of the logprobs. `kernels`: the engine's kernel options
         when colocated (they travel in the forward context, as in the engine)."""
@@ -47,6 +50,8 @@ class Policy:
         self.dtype = dtype
         self.device = torch.device(device)
         self.numerics = numerics
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.quantization = check_quantization(quantization)
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
         self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
@@ -61,7 +66,8 @@ class Policy:
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
                         numerics: str = "invariant", activation_checkpointing: bool = False,
-                        logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None) -> "Policy":
+                        logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None,
+                        kv_cache_dtype: str = "auto", quantization: str | None = None) -> "Policy":
         """A standalone trainer's model, built by the engine's own path (vllm.model_loader.build);
         `kernels`: the kernel options of the engine whose rollouts it scores."""
         from vllm.model_loader.build import build_model, resolve_model
@@ -69,13 +75,16 @@ class Policy:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         mc, dt = resolve_model(path, dtype=dtype, device=device)
-        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels)
+        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
+        quantization = quantization or checkpoint_quantization(mc.hf_config)
+        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels, quantization=quantization)
         try:
             tok = load_tokenizer(path)
         except ValueError:
             tok = None
         return cls(model, mc, dt, torch.device(device), numerics, tok, activation_checkpointing=activation_checkpointing,
-                   logprob_chunk_rows=logprob_chunk_rows, kernels=kernels)
+                   logprob_chunk_rows=logprob_chunk_rows, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
+                   quantization=quantization)
 
     def parameters(self):
         return self.model.parameters()
@@ -169,7 +178,7 @@ class Policy:
         # one pinned, asynchronous host -> device copy for all of it
         dev = to_device(np.concatenate((ids, positions, rows, ids[rows + 1])), torch.int64, self.device)
         ids_t, pos_t, rows_t, targets_t = dev[:T], dev[T:2 * T], dev[2 * T:2 * T + R], dev[2 * T + R:]
-        backend = PackedAttentionBackend(lens.tolist(), self.device)
+        backend = PackedAttentionBackend(lens.tolist(), self.device, self.kv_cache_dtype)
         with set_forward_context(ForwardContext(backend, self.numerics, self.kernels)):
             hidden = self.model(ids_t, pos_t, activation_checkpointing=self.activation_checkpointing)
             # the model's own lm_head (the rollout's kernel) on chunks of rows, fused with the
@@ -207,4 +216,5 @@ class Policy:
         from vllm.contract import build_contract
         return build_contract(self.model, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
                               deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len},
-                              kernels=self.kernels)
+                              kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
+                              quantization=self.quantization)

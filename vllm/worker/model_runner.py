@@ -23,6 +23,7 @@ from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
 from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
+from vllm.worker.kv_format import KVFormat
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.dtype
+        self.kv_format = KVFormat(config.dtype, config.cache.kv_cache_dtype)
         mc = config.model
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
@@ -60,7 +62,7 @@ class ModelRunner:
         self.model, self.self_check_report = build_model(mc, self.dtype, self.device, numerics=config.numerics,
                                                          load_format=config.load_format,
                                                          self_check_tokens=config.scheduler.max_num_batched_tokens,
-                                                         kernels=config.kernels)
+                                                         kernels=config.kernels, quantization=config.quantization)
         self.load_time = time.perf_counter() - t0
         if self.self_check_report is not None:
             # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
@@ -73,8 +75,12 @@ class ModelRunner:
         # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
         self._kv_region = None
         self.sleeping = False
-        self.k_caches, self.v_caches = self._allocate_kv_caches(self.model.config)
-        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches)
+        self.k_caches, self.v_caches, self.k_scales, self.v_scales = self._allocate_kv_caches(self.model.config)
+        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches, self.k_scales, self.v_scales)
+        logger.info("KV cache: %s, %d blocks x %d = %d tokens (%.1f KiB per token over all layers)",
+                    "fp8 e4m3 + fp32 scale per token per head" if self.kv_format.fp8 else str(self.dtype),
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    self.kv_bytes_per_block() / self.block_size / 1024)
         # synchronise at phase boundaries and accumulate wall time per phase (benchmarks
         # print it; off by default because syncs cost time)
         self.profile = config.step_profile
@@ -88,8 +94,12 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         mc = self.model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        return self.kv_format.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
+                                              mc.head_dim)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     def _decide_num_blocks(self) -> int:
         cc = self.config.cache
@@ -111,9 +121,14 @@ class ModelRunner:
         mc = self.model.config
         n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         dummy_shape = (1 + -(-n_tok // self.block_size), self.block_size, mc.num_key_value_heads, mc.head_dim)
-        kc = [torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
-        vc = [torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
-        backend = PagedAttentionBackend(kc, vc)
+        kvd = self.kv_format.dtype
+        kc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
+        vc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
+        ks = vs = None
+        if self.kv_format.fp8:
+            ks = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
+            vs = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
+        backend = PagedAttentionBackend(kc, vc, ks, vs)
         nb = dummy_shape[0] - 1
         backend.metadata = AttentionMetadata(
             slot_mapping=torch.arange(self.block_size, self.block_size + n_tok, device=self.device),
@@ -129,7 +144,7 @@ class ModelRunner:
         # This engine's own peak: weights + the largest step's activations (other
         # engines in the process, e.g. a trainer, are not ours to count).
         own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load
-        del kc, vc, backend, h
+        del kc, vc, ks, vs, backend, h
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         weights = torch.cuda.memory_allocated() - self._mem_before_load
@@ -139,7 +154,8 @@ class ModelRunner:
         budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
 
-    def _allocate_kv_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _allocate_kv_caches(self, mc):
+        """(k caches, v caches, k scales, v scales); the scale lists are None unless the cache is FP8."""
         n = mc.num_hidden_layers
         if self.config.cache.enable_sleep_mode and self.device.type == "cuda":
             try:
@@ -149,28 +165,44 @@ class ModelRunner:
                 # and wake_up re-captures the CUDA graphs
                 logger.warning("sleep mode: driver VMM unavailable (%s); waking will re-capture CUDA graphs", err)
                 self._kv_region = None
-        return [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
+        kc, vc = [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
+        if not self.kv_format.fp8:
+            return kc, vc, None, None
+        return kc, vc, [self._new_scales(mc) for _ in range(n)], [self._new_scales(mc) for _ in range(n)]
 
-    def _vmm_caches(self, mc) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _vmm_caches(self, mc):
         from vllm.worker.cuda_vmm import VirtualMemoryRegion
 
         nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        layer_bytes = -(-(nb * bs * h * d * elem) // 256) * 256  # each cache 256-byte aligned
+        fmt = self.kv_format
+        align = lambda x: -(-x // 256) * 256  # each tensor 256-byte aligned
+        pieces = [(fmt.payload_bytes(nb, bs, h, d), fmt.dtype, (nb, bs, h, d))]
+        if fmt.fp8:
+            pieces.append((fmt.scale_bytes(nb, bs, h), torch.float32, (nb, bs, h)))
+        layer_bytes = sum(align(b) for b, _, _ in pieces)
         self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes, self.device)
         raw = self._kv_region.as_tensor()
-        caches = []
+        caches, scales = [], []
         for i in range(2 * mc.num_hidden_layers):
-            flat = raw[i * layer_bytes:i * layer_bytes + nb * bs * h * d * elem].view(self.dtype)
-            caches.append(flat.view(nb, bs, h, d))
+            off = i * layer_bytes
+            for j, (nbytes, dt, shape) in enumerate(pieces):
+                (caches if j == 0 else scales).append(raw[off:off + nbytes].view(dt).view(shape))
+                off += align(nbytes)
         raw.zero_()
-        return caches[0::2], caches[1::2]
+        if fmt.fp8:
+            for s in scales:
+                s.fill_(1.0)
+            return caches[0::2], caches[1::2], scales[0::2], scales[1::2]
+        return caches[0::2], caches[1::2], None, None
+
+    def _all_kv_tensors(self) -> list[torch.Tensor]:
+        return self.k_caches + self.v_caches + (self.k_scales or []) + (self.v_scales or [])
 
     # ---- sleep mode -------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
         if self._kv_region is not None:
             return self._kv_region.size
-        return sum(c.untyped_storage().nbytes() for c in self.k_caches + self.v_caches)
+        return sum(c.untyped_storage().nbytes() for c in self._all_kv_tensors())
 
     def sleep(self) -> int:
         """Release the KV cache's memory; returns the bytes released. The cache tensors
@@ -183,7 +215,7 @@ class ModelRunner:
         if self._kv_region is not None:
             self._kv_region.unmap()
         else:
-            for c in self.k_caches + self.v_caches:
+            for c in self._all_kv_tensors():
                 c.untyped_storage().resize_(0)
         self.sleeping = True
         return freed
@@ -197,13 +229,15 @@ class ModelRunner:
             torch.cuda.empty_cache()  # blocks the trainer freed go back to the driver first
             self._kv_region.map()
             self._kv_region.as_tensor().zero_()
+            for s in (self.k_scales or []) + (self.v_scales or []):
+                s.fill_(1.0)
         else:
-            mc = self.model.config
-            nbytes = self.num_blocks * self.block_size * mc.num_key_value_heads * mc.head_dim \
-                * torch.empty((), dtype=self.dtype).element_size()
+            for c in self._all_kv_tensors():
+                c.untyped_storage().resize_(c.numel() * c.element_size())
             for c in self.k_caches + self.v_caches:
-                c.untyped_storage().resize_(nbytes)
                 c.zero_()
+            for s in (self.k_scales or []) + (self.v_scales or []):
+                s.fill_(1.0)
             if self.graphs:
                 self.graphs.clear()
                 self._capture_graphs()  # the old graphs point at the freed addresses
@@ -212,7 +246,13 @@ class ModelRunner:
     def _new_cache(self, mc) -> torch.Tensor:
         """One layer's K or V cache: [blocks, block_size, kv heads, head_dim], contiguous."""
         return torch.zeros((self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim),
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.kv_format.dtype, device=self.device)
+
+    def _new_scales(self, mc) -> torch.Tensor:
+        """One layer's K or V scales of an FP8 cache: [blocks, block_size, kv heads] float32
+        (1.0 where nothing was written: unwritten slots dequantize to 0, never NaN)."""
+        return torch.ones((self.num_blocks, self.block_size, mc.num_key_value_heads),
+                          dtype=torch.float32, device=self.device)
 
     def _mark(self, phase: str | None) -> None:
         if not self.profile:

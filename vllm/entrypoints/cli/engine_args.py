@@ -53,6 +53,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-gumbel", action=argparse.BooleanOptionalAction, default=True,
                    help="sampling on CUDA: one fused noise + argmax kernel for batches without top-k/top-p/min-p "
                         "(same bits as the unfused path)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: K/V in the model dtype; fp8: float8_e4m3fn with a float32 scale per token per kv head "
+                        "(about half the bytes; the trainer's logprobs use the same round trip, docs/fp8.md)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: block-scaled FP8 linear layers (activations per token x 128, weights per 128x128; "
+                        "FP8 checkpoints load as they are, others are quantized at load; docs/fp8.md)")
     p.add_argument("--step-profile", action="store_true",
                    help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
                         "throughput)")
@@ -66,4 +72,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 load_format=getattr(args, "load_format", "safetensors"),
                 async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
-                fused_gumbel=args.fused_gumbel, step_profile=args.step_profile)
+                fused_gumbel=args.fused_gumbel, step_profile=args.step_profile,
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None))

@@ -1,0 +1,233 @@
+"""FP8 linear layers (quantization="fp8"): quantize/dequantize vs float64, the GEMMs vs the
+float64 reference, batch invariance of the CPU kernel, the straight-through backward, FP8
+checkpoints, rollout == training bits and the invariance battery under FP8 GEMMs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.kernels import fp8
+from vllm.kernels.fp8_gemm import (FP8LinearFn, fp8_gemm_rows, fp8_gemm_triton, fp8_linear_rows,
+                                   fp8_linear_triton)
+from vllm.testing.parity_battery import Battery
+from vllm.training import Policy
+
+
+def bits(t):
+    t = t.detach().contiguous()
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def test_quantize_act_and_weight_against_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 300, generator=g) * torch.logspace(-2, 2, 300)
+    q, s = fp8.quantize_act(x)
+    assert q.shape == x.shape and s.shape == (7, 3)
+    for b in range(3):
+        blk = x[:, b * 128:(b + 1) * 128].double()
+        sr = blk.abs().amax(1) / 448
+        assert torch.allclose(s[:, b].double(), sr, rtol=2 ** -23, atol=0)
+        qr = fp8.fp8_round_ref((blk / s[:, b, None].double()).clamp(-448, 448))
+        assert (q[:, b * 128:(b + 1) * 128].double() != qr).float().mean() < 1e-3
+    w = torch.randn(200, 300, generator=g)
+    wq, ws = fp8.quantize_weight(w)
+    assert ws.shape == (2, 3)
+    assert torch.allclose(ws[1, 2].double(), w[128:, 256:].double().abs().amax() / 448, rtol=2 ** -23, atol=0)
+    deq = fp8.dequantize_weight(wq, ws, torch.float64)
+    rel = (deq - w.double()).abs().amax() / w.abs().amax()
+    assert rel <= 2 ** -4
+    # a row's activation quantization does not depend on the others
+    q1, s1 = fp8.quantize_act(x[3:4])
+    assert torch.equal(q1.view(torch.uint8), q[3:4].view(torch.uint8)) and torch.equal(s1, s[3:4])
+
+
+@pytest.mark.parametrize("M,K,N", [(5, 64, 96), (9, 300, 260)])
+def test_cpu_gemm_matches_float64_and_is_batch_invariant(M, K, N):
+    g = torch.Generator().manual_seed(M)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g)
+    y = fp8_linear_rows(x, *fp8.quantize_weight(w), b)
+    ref = fp8.fp8_linear_ref(x, w, b)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # the FP8 error itself (vs the unquantized product) is a few percent, stated in docs/fp8.md
+    exact = x.double() @ w.double().T + b.double()
+    assert ((y.double() - exact).abs().amax() / exact.abs().amax()) < 0.08
+    for m in (1, 2, M - 1):
+        part = fp8_linear_rows(x[:m], *fp8.quantize_weight(w), b)
+        assert torch.equal(bits(part), bits(y[:m]))
+
+
+def test_triton_gemm_interpreter_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(20, 200, generator=g), torch.randn(130, 200, generator=g)
+    xq, xs = fp8.quantize_act(x)
+    wq, ws = fp8.quantize_weight(w)
+    y = fp8_gemm_triton(xq, xs, wq, ws, None, torch.float32)
+    assert torch.allclose(y.double(), fp8.fp8_linear_ref(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_straight_through_gradients():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 200, generator=g, dtype=torch.float64).requires_grad_(True)
+    w = torch.randn(70, 200, generator=g, dtype=torch.float64).requires_grad_(True)
+    b = torch.randn(70, generator=g, dtype=torch.float64).requires_grad_(True)
+    wq, ws = fp8.quantize_weight(w.detach())
+    y = FP8LinearFn.apply(x, w, wq, ws, b, fp8_linear_rows)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # STE: gradients of the matmul of the dequantized operands, exactly
+    xd = fp8.dequantize_act(*fp8.quantize_act(x.detach()), torch.float64).requires_grad_(True)
+    wd = fp8.dequantize_weight(wq, ws, torch.float64).requires_grad_(True)
+    torch.nn.functional.linear(xd, wd, b.detach()).backward(dy)
+    assert torch.allclose(x.grad, xd.grad, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(w.grad, wd.grad, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(b.grad, dy.sum(0))
+    # and within the FP8 error of the unquantized (bf16-style) reference: stated tolerance 8%
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x2, w2, b.detach()).backward(dy)
+    for got, ref in ((x.grad, x2.grad), (w.grad, w2.grad)):
+        assert ((got - ref).abs().amax() / ref.abs().amax()) < 0.08
+
+
+def _make(path, **kw):
+    opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512,
+                quantization="fp8")
+    opts.update(kw)
+    return LLM(path, **opts)
+
+
+@pytest.fixture(scope="module")
+def battery(tiny_qwen3):
+    return Battery(lambda **kw: _make(tiny_qwen3, **kw), vocab=512, max_tokens=5)
+
+
+@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache"])
+def test_fp8_gemm_invariance_battery(battery, check):
+    res = getattr(battery, check)()
+    assert res.comparisons > 0
+    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+
+
+def _rollout(llm, prompts):
+    sp = SamplingParams(temperature=0.8, max_tokens=5, seed=3, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    seqs, lps = [], []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        seqs.append(p + c.token_ids)
+        lps.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
+    return seqs, lps
+
+
+def test_fp8_rollout_equals_training_bits_and_sync_requantizes(tiny_qwen3):
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 17, 30)]
+    llm = _make(tiny_qwen3, kv_cache_dtype="fp8")
+    seqs, roll = _rollout(llm, prompts)
+    plens = [len(p) for p in prompts]
+    pol = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="float32", quantization="fp8", kv_cache_dtype="fp8")
+    got = pol.token_logprobs(seqs, plens, temperature=0.8, max_tokens_per_micro_batch=25)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll))
+    pol.execution_contract().check_compatible(llm.execution_contract())
+    assert llm.execution_contract().numerical["quantization"]["weights"].startswith("per 128 x 128")
+    plain = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    other = plain.token_logprobs(seqs, plens, temperature=0.8)
+    assert not all(torch.equal(bits(a), bits(b)) for a, b in zip(other, roll))
+    # a training step on the master weights, then weight sync: the engine re-quantizes and the
+    # rollout again equals the trainer (which re-quantized at its own forward) bit for bit
+    opt = torch.optim.SGD(pol.parameters(), lr=0.05)
+    loss = -sum(lp.sum() for lp in pol.token_logprobs(seqs, plens, temperature=0.8))
+    loss.backward()
+    assert all(p.grad is not None for n, p in pol.named_parameters() if "proj" in n)
+    opt.step()
+    llm.update_weights(pol.model.hf_state_dict())
+    seqs2, roll2 = _rollout(llm, prompts)
+    got2 = pol.token_logprobs(seqs2, plens, temperature=0.8)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got2, roll2))
+    assert not all(torch.equal(bits(a), bits(b)) for a, b in zip(got2, got))
+
+
+def _write_fp8_checkpoint(src: str, dst: str) -> None:
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    files = [f for f in os.listdir(dst) if f.endswith(".safetensors")]
+    for f in files:
+        sd = load_file(os.path.join(dst, f))
+        out = {}
+        for name, t in sd.items():
+            if name.endswith("proj.weight") and t.dim() == 2:
+                q, s = fp8.quantize_weight(t)
+                out[name], out[name + "_scale_inv"] = q, s
+            else:
+                out[name] = t
+        save_file(out, os.path.join(dst, f), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic", "fmt": "e4m3"}
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+
+
+def test_fp8_checkpoint_loads(tiny_qwen3, tmp_path):
+    dst = str(tmp_path / "fp8")
+    _write_fp8_checkpoint(tiny_qwen3, dst)
+    llm = LLM(dst, device="cpu", dtype="float32", block_size=4)  # quantization detected from the config
+    assert llm.config.quantization == "fp8"
+    model = llm.llm_engine.runner.model
+    from safetensors.torch import load_file
+    sd = {}
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(dst, f)))
+    # an unfused projection keeps the checkpoint's fp8 bits and scales as they are
+    o_name = next(n for n in sd if n.endswith("o_proj.weight"))
+    mods = dict(model.named_modules())
+    slot = model.weight_mapping().slot(o_name)
+    mod = mods[slot.param.rsplit(".", 1)[0]]
+    assert torch.equal(mod.weight_fp8.view(torch.uint8), sd[o_name].view(torch.uint8))
+    assert torch.equal(mod.weight_scale_inv, sd[o_name + "_scale_inv"])
+    # master weight = the dequantized checkpoint
+    assert torch.equal(mod.weight, fp8.dequantize_weight(sd[o_name], sd[o_name + "_scale_inv"], torch.float32))
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    bad = str(tmp_path / "bad")
+    shutil.copytree(dst, bad)
+    cfg = json.load(open(os.path.join(bad, "config.json")))
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        LLM(bad, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 12288), (12288, 4096)])
+def test_gpu_fp8_gemm_vs_float64_and_batch_invariant(K, N):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2048, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    wq, ws = fp8.quantize_weight(w)
+    y = fp8_linear_triton(x, wq, ws, None)
+    ref = fp8.fp8_linear_ref(x[:64], w)
+    assert ((y[:64].double() - ref).abs().amax() / ref.abs().amax()) < 1e-2  # bf16 output rounding
+    for m in (1, 3, 16, 64, 129, 1000):
+        assert torch.equal(bits(fp8_linear_triton(x[:m], wq, ws, None)), bits(y[:m])), m
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_battery_and_training_parity(tiny_qwen3):
+    mk = lambda **kw: LLM(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8",
+                          gpu_memory_utilization=0.3, **kw)
+    b = Battery(mk, vocab=512, max_tokens=8)
+    for res in b.run_all(gpu=True):
+        assert res.differing == 0, res
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 300)]
+    seqs, roll = _rollout(b.base, prompts)
+    pol = Policy.from_pretrained(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8")
+    got = pol.token_logprobs(seqs, [len(p) for p in prompts], temperature=0.8)
+    assert all(torch.equal(bits(a.cpu()), bits(b_.cpu())) for a, b_ in zip(got, roll))

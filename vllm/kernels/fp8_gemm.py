@@ -1,0 +1,202 @@
+"""Block-scaled FP8 GEMM: y = x @ w.T with x quantized per token per 128 channels and w per
+128 x 128 block (vllm/kernels/fp8.py), float32 scales.
+
+One arithmetic, two devices (docs/fp8.md):
+
+    acc = 0 (float32)
+    for each 128-wide K block kb, ascending:
+        part = dot(xq[m, kb], wq[n, kb])           # fp8 products, float32 sum, fresh per block
+        acc  = acc + (part * xs[m, kb]) * ws[n // 128, kb]
+    y = round_to_out_dtype(acc (+ bias in float32))
+
+* CUDA: `fp8_gemm_triton`, tl.dot on fp8 operands (Hopper wgmma), one K block per loop step,
+  the block's partial promoted to the float32 accumulator with both scales (no long fp8
+  accumulation inside the tensor core). Tiles are FIXED (`GEMM_CONFIG`), never chosen by M,
+  and K is never split: a row's bits cannot depend on the batch.
+* CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
+  exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
+  It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
+* `fp8_gemm_dequant`: fast mode on CPU (dequantize, then a BLAS matmul; no promise).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.kernels.fp8 import BLOCK, dequantize_act, dequantize_weight, quantize_act
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Fixed tiles: independent of M (batch invariance), K block = the quantization block.
+# BLOCK_N = 128 keeps one weight-scale row per tile. Changing them is a speed choice on the
+# kernel's own terms but is recorded in the contract (LINEAR_RULE + this dict).
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
+
+
+def _pad_k(t: torch.Tensor, kb: int) -> torch.Tensor:
+    pad = kb * BLOCK - t.shape[-1]
+    return t if pad == 0 else torch.nn.functional.pad(t, (0, pad))
+
+
+def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    while n > 1:
+        n //= 2
+        x = x[..., :n] + x[..., n:2 * n]
+    return x[..., 0]
+
+
+def fp8_gemm_rows(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The CPU kernel (see module docstring); rows are processed in chunks only to bound
+    the [rows, N, 128] temporary: chunking is invisible in the bits."""
+    M, K = xq.shape
+    N = wq.shape[0]
+    kb = -(-K // BLOCK)
+    wf = _pad_k(wq.float(), kb).view(N, kb, BLOCK)
+    wsn = ws.float().repeat_interleave(BLOCK, 0)[:N]  # [N, kb]
+    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    rows = max(1, (1 << 24) // max(1, N * BLOCK))
+    bias_f = bias.float() if bias is not None else None
+    for r0 in range(0, M, rows):
+        xf = _pad_k(xq[r0:r0 + rows].float(), kb).view(-1, kb, BLOCK)
+        acc = torch.zeros(xf.shape[0], N, dtype=torch.float32, device=xq.device)
+        for b in range(kb):
+            part = _tree_sum_last(xf[:, None, b, :] * wf[None, :, b, :])  # [m, N]
+            acc = acc + (part * xs[r0:r0 + rows, b, None]) * wsn[None, :, b]
+        if bias_f is not None:
+            acc = acc + bias_f
+        out[r0:r0 + rows] = acc.to(out_dtype)
+    return out
+
+
+def fp8_gemm_dequant(xq, xs, wq, ws, bias, out_dtype):
+    """Fast mode on CPU: float32 dequantized operands through the BLAS (batch-dependent bits)."""
+    y = torch.nn.functional.linear(dequantize_act(xq, xs, torch.float32), dequantize_weight(wq, ws, torch.float32),
+                                   None if bias is None else bias.float())
+    return y.to(out_dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+                         M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+        b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        n_blocks = tl.cdiv(K, BLOCK_K)
+        for kb in range(0, n_blocks):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if EMULATE:
+                part = tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
+            else:
+                part = tl.dot(a, tl.trans(b))
+            sa = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + kb, mask=m_ok, other=0.0)
+            sb = tl.load(bs_ptr + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=n_ok, other=0.0)
+            acc = acc + (part * sa[:, None]) * sb[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """The CUDA kernel (CPU tensors under TRITON_INTERPRET=1 in tests). `config`: tile
+    override for the benchmark's sweep; the engine always runs GEMM_CONFIG."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    M, K = xq.shape
+    N = wq.shape[0]
+    if wq.shape[1] != K or xs.shape != (M, -(-K // BLOCK)) or ws.shape != (-(-N // BLOCK), -(-K // BLOCK)):
+        raise ValueError("fp8_gemm: xq [M, K], xs [M, K/128], wq [N, K], ws [N/128, K/128]")
+    xq, wq = xq.contiguous(), wq.contiguous()
+    xs, ws = xs.float().contiguous(), ws.float().contiguous()
+    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M == 0:
+        return out
+    emulate = _INTERPRET or not xq.is_cuda
+    cfg = dict(config or (INTERPRET_CONFIG if emulate else GEMM_CONFIG))
+    if cfg["BLOCK_N"] % BLOCK:
+        raise ValueError("BLOCK_N must be a multiple of 128 (one weight-scale row per 128 columns)")
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _fp8_gemm_kernel[grid](xq, xs, wq, ws, bias if bias is not None else xs, out,
+                           M, N, K, xq.stride(0), xs.stride(0), wq.stride(0), ws.stride(0), out.stride(0),
+                           HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+                           GROUP_M=cfg.pop("GROUP_M"), EMULATE=emulate, **cfg)
+    return out
+
+
+# ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
+def _linear(gemm):
+    def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_act(x2)
+        return gemm(xq, xs, wq, ws, bias, x.dtype).reshape(*x.shape[:-1], wq.shape[0])
+    fp8_linear.__name__ = fp8_linear.__qualname__ = f"fp8_linear[{gemm.__name__}]"
+    fp8_linear.gemm = gemm
+    return fp8_linear
+
+
+fp8_linear_triton = _linear(fp8_gemm_triton)
+fp8_linear_rows = _linear(fp8_gemm_rows)
+fp8_linear_dequant = _linear(fp8_gemm_dequant)
+
+
+class FP8LinearFn(torch.autograd.Function):
+    """Forward: the deployment kernel on the quantized operands. Backward: the straight-
+    through estimator, gradients of the model-dtype matmul of the DEQUANTIZED operands:
+    dx = dy @ deq(w), dw = dy^T deq(x), db = sum(dy). `weight` (the master) only receives
+    dw; the fp8 copy (wq, ws) is what the forward used."""
+
+    @staticmethod
+    def forward(ctx, x, weight, wq, ws, bias, fwd):
+        ctx.save_for_backward(x, wq, ws)
+        ctx.has_bias = bias is not None
+        ctx.w_dtype = weight.dtype
+        return fwd(x, wq, ws, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wq, ws = ctx.saved_tensors
+        acc = dy.dtype if dy.dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(acc)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ dequantize_weight(wq, ws, acc)).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            xq, xs = quantize_act(x2)
+            dw = (dy2.t() @ dequantize_act(xq, xs, acc)).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            db = dy2.sum(0).to(ctx.w_dtype)
+        return dx, dw, None, None, db, None
