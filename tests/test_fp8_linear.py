@@ -221,7 +221,8 @@ def test_gpu_fp8_gemm_vs_float64_and_batch_invariant(K, N):
 @pytest.mark.gpu
 def test_gpu_fp8_battery_and_training_parity(tiny_qwen3):
     mk = lambda **kw: LLM(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8",
-                          gpu_memory_utilization=0.3, **kw)
+                          gpu_memory_utilization=0.3,
+                          **{"max_num_batched_tokens": 1024, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16, 32, 64], **kw})
     b = Battery(mk, vocab=512, max_tokens=8)
     for res in b.run_all(gpu=True):
         assert res.differing == 0, res
