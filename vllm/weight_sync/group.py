@@ -59,7 +59,9 @@ class WeightGroup:
     """One member of a weight-broadcast group; `device` is where its buffers live
     (CUDA with nccl; CPU with gloo)."""
 
-    def __init__(self, spec: GroupSpec, device: torch.device | str | None = None):
+    def __init__(self, spec: GroupSpec, device: torch.device | str | None = None, store=None):
+        """`store`: the TCPStore already made by `host_store` (the trainer makes it first,
+        to learn its port before asking the engine to join)."""
         import torch.distributed as dist
 
         self.spec = spec.validate()
@@ -70,8 +72,9 @@ class WeightGroup:
             self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        store = dist.TCPStore(spec.host, spec.port, spec.world_size, spec.rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(spec.host, spec.port, spec.world_size, spec.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
         self.store = store
         prefixed = dist.PrefixStore(spec.group_name, store)
         if spec.backend == "nccl":
@@ -108,6 +111,13 @@ class WeightGroup:
         self.pg = None
 
 
+def host_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
+    """The trainer's TCPStore (rank 0 hosts it); port 0 picks a free port (`store.port`)."""
+    import torch.distributed as dist
+    return dist.TCPStore(host, port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 # ---- the engine's side ------------------------------------------------------------------
 def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, backup: str = "device",
                    require_complete: bool = False, contract=None) -> int:
@@ -117,7 +127,14 @@ def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, b
 
     update = None
     try:
-        layouts = plan_buckets([(str(n), str(d), tuple(s)) for n, d, s in manifest], bucket_bytes)
+        if not isinstance(manifest, list) or not manifest:
+            raise ValueError("manifest must be a non-empty list of [name, dtype, shape]")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        try:
+            layouts = plan_buckets([(str(n), str(d), tuple(s)) for n, d, s in manifest], bucket_bytes)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"malformed manifest: {err}") from None
         _check_manifest(engine.runner.model, layouts)
         update = WeightUpdate(engine, contract=contract, require_complete=require_complete, backup=backup)
     except Exception:
