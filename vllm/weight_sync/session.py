@@ -180,9 +180,11 @@ class WeightUpdate:
                 if w is not None:
                     plan.append(w)
                     names.append(name)
+            # a source that is the parameter's own memory is already live: nothing to check or copy
+            keep = [i for i, (d, s) in enumerate(plan) if not _same_memory(d, s)]
+            plan, names = [plan[i] for i in keep], [names[i] for i in keep]
             check_finite(plan, names)
             self.num_buckets += 1
-            plan = [(d, s) for d, s in plan if not _same_memory(d, s)]
             if retain:
                 self._staged += plan
             else:
