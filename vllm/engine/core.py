@@ -202,6 +202,8 @@ class EngineCore:
         return self.init_weight_group(**_spec(spec, self.init_weight_group))
 
     def utility_update_weights_from_group(self, spec: dict) -> dict:
+        if self.weight_group is None:
+            raise ValueError("no weight group: POST /v1/weights/init_group first")
         try:
             kwargs = _spec(spec, self.update_weights_from_group)
         except ValueError:
