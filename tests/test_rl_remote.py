@@ -35,7 +35,7 @@ def data(tmp_path_factory):
 def server(tiny_qwen3):
     from vllm.testing.rollout_server import ServerProcess
     srv = ServerProcess(tiny_qwen3, "--device", "cpu", "--admin-key", ADMIN, "--max-num-seqs", "16",
-                        env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+                        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     yield srv
     srv.stop()
 

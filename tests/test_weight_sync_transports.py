@@ -70,7 +70,7 @@ def test_shared_memory_buckets_across_processes(tiny_qwen3, new_weights):
 def server(tiny_qwen3):
     from vllm.testing.rollout_server import ServerProcess
     srv = ServerProcess(tiny_qwen3, "--device", "cpu", "--admin-key", ADMIN, "--max-num-seqs", "8",
-                        env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+                        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     yield srv
     srv.stop()
 

@@ -19,11 +19,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict | None = None, startup_timeout_s: float = 180.0):
+        """`env`: the server's whole environment (None: this process's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--uvicorn-log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + startup_timeout_s
         while True:
