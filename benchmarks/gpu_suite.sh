@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels, rlstep, moe and fp8), e.g.
+# kernels, rlstep, moe, fp8, serve, digest and wsync), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -96,6 +96,13 @@ if has serve; then
     --output-len "${OUTPUT_LEN:-256}" ${SERVE_ARGS:-} >"$OUT/serve.log" 2>&1
   tail -12 "$OUT/serve.log"
 fi
+if has wsync; then
+  # weight sync: same-process / IPC vs the device-copy floor, group vs the broadcast floor
+  echo "== weight sync ($SECONDS s)"
+  timeout "${WSYNC_TIMEOUT:-400}" python benchmarks/weight_sync.py --config "${WSYNC_CONFIG:-benchmarks/configs/qwen3-8b.json}" \
+    ${WSYNC_ARGS:-} --json-out "$OUT/weight_sync.json" >"$OUT/weight_sync.log" 2>&1
+  tail -10 "$OUT/weight_sync.log"
+fi
 if has battery; then
   echo "== parity battery ($SECONDS s)"
   timeout "${BATTERY_TIMEOUT:-400}" python benchmarks/parity_battery.py ${BATTERY_ARGS:-} --json-out "$OUT/battery.json" >"$OUT/battery.log" 2>&1
@@ -167,6 +174,7 @@ has nosplit && grep -E "bits:" "$OUT/nosplit.log"
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has digest && grep digest "$OUT/digest.log"
 has serve && grep -iE "tok/s|ratio" "$OUT/serve.log" | tail -6
+has wsync && sed -n '/^path /,$p' "$OUT/weight_sync.log"
 has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"

@@ -102,13 +102,18 @@ def test_pause_holds_requests_until_resume(app):
     assert len(res.choices[0].token_ids) == 6
 
 
-def test_group_endpoints_are_501_until_a_transport_exists(app):
+def test_group_endpoints_refuse_bad_bodies_with_400(app):
+    """Malformed bodies are 400s naming the problem (the working transport:
+    tests/test_weight_sync_transports.py)."""
     async def go():
         async with _http(app, ADMIN_KEY) as admin:
             return (await admin.post("/v1/weights/init_group", json={"master_address": "127.0.0.1"}),
-                    await admin.post("/v1/weights/update_from_group", json={}))
-    for r in _run(go()):
-        assert r.status_code == 501 and "not implemented" in r.json()["error"]["message"]
+                    await admin.post("/v1/weights/update_from_group", json={}),
+                    await admin.post("/v1/weights/update_from_ipc", json={"buckets": "x"}))
+    init, update, ipc = _run(go())
+    assert init.status_code == 400 and "invalid request body" in init.json()["error"]["message"]
+    assert update.status_code == 400 and "init_group" in update.json()["error"]["message"]
+    assert ipc.status_code == 400 and "buckets" in ipc.json()["error"]["message"]
 
 
 def test_penalties_and_token_ids_match_offline(app, tiny_qwen3, new_weights):

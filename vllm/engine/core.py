@@ -51,6 +51,8 @@ class EngineCore:
         self._utility: list[UtilityResult] = []
         self._failures: list[RequestFailure] = []
         self._stop = False
+        self.weight_group = None      # vllm.weight_sync.group.WeightGroup once init_weight_group ran
+        self.group_contract = None    # the trainer's ExecutionContract given at init
         engine.output_builder = self._build_deltas
 
     # ---- outputs ------------------------------------------------------------------------
@@ -156,62 +158,118 @@ class EngineCore:
     def utility_reset_prefix_cache(self) -> bool:
         return self.engine.kv.reset_prefix_cache()
 
-    def utility_update_weights_from_path(self, path: str) -> dict:
-        """In-place update from a checkpoint directory. Running requests are paused across
-        it and continue under the new weights; a rejected checkpoint changes nothing."""
-        import torch
+    def utility_execution_contract(self) -> dict:
+        return self.engine.execution_contract().to_dict()
 
+    def utility_update_weights_from_path(self, path: str) -> dict:
+        """In-place update from a checkpoint directory, one bucket per safetensors file
+        (the load rule casts each tensor as a fresh load would). Running requests are
+        paused across it and continue under the new weights; a rejected checkpoint
+        changes nothing."""
         from vllm.model_loader.loader import checkpoint_files, iterate_weights
-        from vllm.weight_sync import update_weights
+        from vllm.weight_sync import WeightUpdate
 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise ValueError(f"weights path {path!r} is not a directory")
         files = checkpoint_files(path)  # ValueError for a directory without weights, before pausing anything
-        eng = self.engine
-        was_paused = eng.paused
-        eng.pause()
-        try:
-            dtype = eng.config.dtype
-            # Cast by the load rule (what loading this checkpoint into a fresh engine does).
-            weights = ((name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
-                       for name, t in iterate_weights(files))
-            t0 = time.perf_counter()
-            version = update_weights(eng, weights)
-            logger.info("weights updated from %s in %.2f s: version %d", path, time.perf_counter() - t0, version)
-        except Exception as err:
-            if isinstance(err, ValueError):
-                raise
-            raise ValueError(f"could not read the checkpoint {path!r}: {type(err).__name__}: {err}") from err
-        finally:
-            if not was_paused:
-                eng.resume()
+        t0 = time.perf_counter()
+        with self._paused():
+            update = WeightUpdate(self.engine)
+            try:
+                for f in files:
+                    update.load(list(iterate_weights([f])))
+            except Exception as err:
+                update.abort(f"{type(err).__name__}: {err}")
+                if isinstance(err, ValueError):
+                    raise
+                raise ValueError(f"could not read the checkpoint {path!r}: {type(err).__name__}: {err}") from err
+            version = update.finish()
+        logger.info("weights updated from %s in %.2f s: version %d", path, time.perf_counter() - t0, version)
+        return {"weight_version": version}
+
+    def utility_update_weights_from_ipc(self, spec: dict) -> dict:
+        """Buckets another process on this node exported (vllm/weight_sync/ipc.py), as one update."""
+        from vllm.weight_sync.ipc import apply_ipc_update
+
+        if not isinstance(spec, dict) or not isinstance(spec.get("buckets"), list):
+            raise ValueError("update_from_ipc takes {'buckets': [...]} as exported by vllm.weight_sync.ipc")
+        contract = _contract_of(spec.get("contract"))
+        with self._paused():
+            version = apply_ipc_update(self.engine, spec["buckets"], contract=contract)
         return {"weight_version": version}
 
     def utility_init_weight_group(self, spec: dict) -> dict:
-        return self.init_weight_group(**spec)
+        return self.init_weight_group(**_spec(spec, self.init_weight_group))
 
     def utility_update_weights_from_group(self, spec: dict) -> dict:
-        eng = self.engine
-        was_paused = eng.paused
-        eng.pause()
+        if self.weight_group is None:
+            raise ValueError("no weight group: POST /v1/weights/init_group first")
         try:
-            return self.update_weights_from_group(**spec)
-        finally:
-            if not was_paused:
-                eng.resume()
+            kwargs = _spec(spec, self.update_weights_from_group)
+        except ValueError:
+            if self.weight_group is not None:
+                self.weight_group.flag(0, src=self.weight_group.rank)  # the trainer waits for the handshake
+            raise
+        with self._paused():
+            return self.update_weights_from_group(**kwargs)
 
-    def init_weight_group(self, **spec) -> dict:
-        """Join the trainer's weight-broadcast group (NCCL). Provided by the weight-sync
-        transports; until then the server answers 501."""
-        raise NotImplementedError("weight updates over a process group are not implemented yet "
-                                  "(use POST /v1/weights/update with a checkpoint path)")
+    def _paused(self):
+        """Pause stepping for the duration (requests keep their KV and continue after)."""
+        import contextlib
 
-    def update_weights_from_group(self, **spec) -> dict:
-        """Receive one update broadcast by the trainer over the group made by init_weight_group,
-        while the engine is paused (the caller pauses and resumes around it); returns
-        {"weight_version": int}. Provided by the weight-sync transports; until then 501."""
-        raise NotImplementedError("weight updates over a process group are not implemented yet "
-                                  "(use POST /v1/weights/update with a checkpoint path)")
+        @contextlib.contextmanager
+        def paused():
+            eng = self.engine
+            was = eng.paused
+            eng.pause()
+            try:
+                yield
+            finally:
+                if not was and not eng.weights_torn:
+                    eng.resume()
+        return paused()
+
+    def init_weight_group(self, *, host: str, port: int, contract: dict | None = None, backend: str = "nccl",
+                          rank: int = 1, world_size: int = 2, timeout_s: float = 300.0,
+                          group_name: str = "vllm-weights") -> dict:
+        """Join the trainer's weight-broadcast group (vllm/weight_sync/group.py) after
+        checking its execution contract against the engine's (ValueError naming the
+        fields that differ). Blocks until the trainer joins too (or `timeout_s`)."""
+        from vllm.weight_sync.group import GroupSpec, WeightGroup
+
+        theirs = _contract_of(contract)
+        if theirs is None:
+            raise ValueError("init_group needs the trainer's execution contract ('contract': ExecutionContract.to_dict())")
+        self.engine.execution_contract().check_compatible(theirs)
+        spec = GroupSpec(str(host), port, rank, world_size, backend, float(timeout_s), str(group_name)).validate()
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
+        try:
+            self.weight_group = WeightGroup(spec, device=self.engine.runner.device if backend == "nccl" else None)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- a rendezvous that failed is the caller's 400
+            raise ValueError(f"could not join the weight group at {host}:{port} ({backend}): "
+                             f"{type(err).__name__}: {err}") from err
+        self.group_contract = theirs
+        return {"joined": True, "rank": rank, "world_size": world_size, "backend": backend,
+                "weight_version": self.engine.weight_version}
+
+    def update_weights_from_group(self, *, manifest: list, bucket_bytes: int, backup: str = "device",
+                                  require_complete: bool = False) -> dict:
+        """Receive one update broadcast by the trainer over the group made by
+        init_weight_group, while the engine is paused (the caller pauses and resumes
+        around it); returns {"weight_version": int}."""
+        from vllm.weight_sync.group import receive_update
+
+        if self.weight_group is None:
+            raise ValueError("no weight group: POST /v1/weights/init_group first")
+        t0 = time.perf_counter()
+        version = receive_update(self.engine, self.weight_group, manifest, bucket_bytes, backup=backup,
+                                 require_complete=require_complete, contract=self.group_contract)
+        logger.info("weights updated from the group in %.2f s: version %d", time.perf_counter() - t0, version)
+        return {"weight_version": version}
 
     def utility_shutdown(self) -> None:
         self._stop = True
@@ -243,6 +301,30 @@ class EngineCore:
                 sender.send(out)
         finally:
             sender.close()
+
+
+def _spec(spec, fn) -> dict:
+    """A request body as keyword arguments of `fn`; ValueError naming unknown or missing fields."""
+    import inspect
+
+    if not isinstance(spec, dict):
+        raise ValueError("the request body must be a JSON object")
+    try:
+        inspect.signature(fn).bind(**spec)
+    except TypeError as err:
+        raise ValueError(f"invalid request body: {err}") from None
+    return spec
+
+
+def _contract_of(d):
+    """The ExecutionContract in a request body (None if absent); ValueError if malformed."""
+    if d is None:
+        return None
+    from vllm.contract import ExecutionContract
+    try:
+        return ExecutionContract.from_dict(d)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"'contract' is not an execution contract (ExecutionContract.to_dict()): {err}") from None
 
 
 def _receive(inbox: Connection, timeout: float) -> list | None:

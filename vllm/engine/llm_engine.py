@@ -99,6 +99,12 @@ class LLMEngine:
         # pause(): step() runs nothing until resume(); requests stay queued with their KV
         # (a weight update in between continues them under the new weights).
         self.paused = False
+        # weight sync (vllm/weight_sync/session.py): the open update, the last failure's
+        # message, and whether a failed update left parameters it could not restore (then
+        # nothing runs until a complete update finishes)
+        self.weight_update = None
+        self.weight_error: str | None = None
+        self.weights_torn = False
         # (group, finished) -> output object; None builds RequestOutputs. The engine core
         # process sets it to emit token-id deltas (its client detokenizes).
         self.output_builder = None
@@ -122,6 +128,8 @@ class LLMEngine:
                     stream: bool = False) -> str:
         """Validate and queue one request; `stream=True` makes step() also report its progress."""
         params = params or SamplingParams()
+        if self.weights_torn:
+            raise ValueError(f"the engine is not serving: {self.weight_error}")
         if self._sleeping:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt)
@@ -158,6 +166,7 @@ class LLMEngine:
         # CUDA graphs multiply the new fp8 weights)
         from vllm.layers.linear import requantize_fp8
         requantize_fp8(self.runner.model)
+        self.runner.weights_changed()  # the next graph replay first checks the captured pointers
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).
         self.kv.reset_prefix_cache(allow_in_use=self.paused)
@@ -177,6 +186,10 @@ class LLMEngine:
         return self._finish_inflight()
 
     def resume(self) -> None:
+        if self.weights_torn:
+            raise ValueError(f"cannot resume: {self.weight_error}")
+        if self.weight_update is not None:
+            raise ValueError("cannot resume while a weight update is open: finish or abort it")
         self.paused = False
 
     def _finish_inflight(self) -> list[RequestOutput]:

@@ -79,10 +79,39 @@ class LLM:
                       kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)
 
     def update_weights(self, weights, contract=None, require_complete: bool = False) -> int:
-        """In-place weight sync from a trainer (HF names -> tensors); see vllm/weight_sync.py.
-        A rejected update raises ValueError and leaves the old weights serving."""
+        """In-place weight sync from a trainer (HF names -> tensors of any float dtype, cast
+        as loading casts); one bucket, validated whole before anything is written. A rejected
+        update raises ValueError and leaves the old weights serving. Returns the new version.
+        See vllm/weight_sync/session.py; `weight_update()` takes the weights in buckets."""
         from vllm.weight_sync import update_weights
         return update_weights(self.llm_engine, weights, contract=contract, require_complete=require_complete)
+
+    def weight_update(self, contract=None, require_complete: bool = False, backup: str = "device"):
+        """Open a bucketed weight update (a context manager):
+
+        >>> with llm.weight_update(contract=policy.execution_contract()) as u:
+        ...     for bucket in buckets:     # dicts / (name, tensor) pairs / FlatBuckets
+        ...         u.load(bucket)
+        >>> # finished here: one new weight version; an exception aborts (old weights kept)
+
+        Requests pause from here to finish. See vllm/weight_sync/session.py."""
+        from vllm.weight_sync import WeightUpdate
+        return WeightUpdate(self.llm_engine, contract=contract, require_complete=require_complete, backup=backup)
+
+    def update_weights_from_ipc(self, buckets) -> int:
+        """Apply buckets exported by another process on this node (vllm.weight_sync.ipc:
+        CUDA IPC handles, or shared memory on CPU) as one update; returns the new version."""
+        from vllm.weight_sync.ipc import apply_ipc_update
+        return apply_ipc_update(self.llm_engine, buckets)
+
+    @property
+    def weight_error(self) -> str | None:
+        """Why the last weight update failed (None after a successful one)."""
+        return self.llm_engine.weight_error
+
+    def check_graph_pointers(self) -> None:
+        """Raise if a parameter or workspace the captured CUDA graphs read has moved."""
+        self.llm_engine.runner.verify_graph_pointers()
 
     @property
     def weight_version(self) -> int:
@@ -125,6 +154,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
+        if engine.weight_update is not None:
+            raise ValueError("a weight update is open (llm.weight_update()): finish it before generating")
         # Validate everything before anything is queued: a bad prompt loses nothing.
         for p, sp in zip(prompts, params):
             _, ids = engine.tokenize(p)

@@ -35,6 +35,13 @@ class ModelSection:
     enforce_eager: bool = _knob(False, "no CUDA graphs for decode")
     activation_checkpointing: bool = _knob(False, "recompute each decoder layer in backward (less memory, same bits)")
     sleep_mode: bool | None = _knob(None, "release the KV cache while the trainer runs (default: on for CUDA)")
+    rollout_url: str | None = _knob(None, "roll out on running `vllm serve` servers (URLs, comma-separated in YAML) "
+                                          "instead of an in-process engine")
+    weight_sync: str = _knob("group", "with rollout_url: how weights reach the servers: group (broadcast: NCCL on "
+                                      "GPUs, gloo on CPU) | path (a checkpoint the servers read)", ("group", "path"))
+    sync_host: str = _knob("127.0.0.1", "with rollout_url: this trainer's address as the servers reach it (the "
+                                        "broadcast group's store)")
+    rollout_admin_key: str | None = _knob(None, "with rollout_url: the servers' --admin-key")
 
 
 @dataclass
@@ -331,6 +338,9 @@ class TrainConfig:
         check(m.device is None or m.device == "cpu" or m.device.startswith("cuda"),
               f"device: cpu or cuda, got {m.device!r}")
         check(m.max_model_len is None or m.max_model_len > 1, "max_model_len: must be > 1")
+        check(m.rollout_url is None or all(u.strip().startswith(("http://", "https://"))
+                                          for u in m.rollout_url.split(",")),
+              f"rollout_url: http(s):// URLs, comma-separated, got {m.rollout_url!r}")
         check(0.0 < m.gpu_memory_utilization <= 1.0, "gpu_memory_utilization: must be in (0, 1]")
         check(d.task is not None or d.data is not None, "no data: give --data FILE (.jsonl/.parquet) or --task NAME")
         check(d.task is None or d.task.isidentifier(), f"task: a module name under vllm.rl.tasks, got {d.task!r}")

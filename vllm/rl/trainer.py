@@ -35,7 +35,7 @@ from vllm.rl.rewards import build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
 
 # knobs that may differ between a run and its resumption without changing its bits
-RESUME_FREE_KNOBS = {"steps", "eval_interval", "checkpoint_interval", "output_dir", "resume", "overwrite",
+RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval", "output_dir", "resume", "overwrite",
                      "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch"}
 
 
@@ -113,7 +113,9 @@ class Trainer:
                              "start over with --overwrite, or choose another --output-dir")
         # ---- engine, policy, optimizer ---------------------------------------------------
         self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
-        self.client = rollout if rollout is not None else self._build_colocated()
+        if rollout is None:
+            rollout = self._build_server_rollout() if cfg.model.rollout_url else self._build_colocated()
+        self.client = rollout
         self.policy = self.client.policy(activation_checkpointing=cfg.model.activation_checkpointing)
         self.params = [p for p in self.policy.parameters()]
         dtype = self.params[0].dtype
@@ -207,6 +209,15 @@ class Trainer:
                   enforce_eager=m.enforce_eager, load_format=m.load_format, enable_sleep_mode=self.sleep,
                   max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)))
         return ColocatedRollout(llm, sleep=self.sleep)
+
+    def _build_server_rollout(self):
+        from vllm.rl.server_rollout import ServerRollout
+
+        m = self.cfg.model
+        self.sleep = False
+        return ServerRollout([u.strip() for u in m.rollout_url.split(",") if u.strip()], self.model_dir, dtype=m.dtype,
+                             device=self.device, numerics=m.numerics, weight_sync=m.weight_sync, sync_host=m.sync_host,
+                             admin_key=m.rollout_admin_key, checkpoint_dir=self.output_dir)
 
     def _frozen_copy(self):
         from vllm.training import Policy
@@ -530,6 +541,8 @@ class Trainer:
                     log.write(f"checkpoint: {path}")
         finally:
             plots = log.close(plots=cfg.run.plots)
+            if hasattr(self.client, "close"):
+                self.client.close()
         for p in plots:
             print(f"plot: {p}", file=self.stream or sys.stdout)
         return records
@@ -542,7 +555,8 @@ class Trainer:
         return (f"vllm train: {a.algorithm} on {src} ({len(self.train_examples)} problems), model {self.model_dir}, "
                 f"{self.device} {str(self.policy.dtype).replace('torch.', '')}, numerics={m.numerics}, "
                 f"{a.prompts_per_step} prompts x {a.group_size} responses/step, {cfg.run.steps} steps, {where}; "
-                f"sleep mode {'on' if self.sleep else 'off'}; output {self.output_dir}")
+                f"sleep mode {'on' if self.sleep else 'off'}; output {self.output_dir}"
+                + (f"; rollouts on {m.rollout_url} (weights by {m.weight_sync})" if m.rollout_url else ""))
 
 
 def _yaml_load(text: str) -> dict:

@@ -24,6 +24,7 @@ from vllm.model_loader.build import build_model
 from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
 from vllm.worker.kv_format import KVFormat
+from vllm.worker.graph_pointers import GraphPointerTable
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ class ModelRunner:
         self._t = 0.0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_batch_sizes: list[int] = []
+        # addresses the graphs read, taken at capture; checked before the first replay
+        # after the weights change (vllm/worker/graph_pointers.py)
+        self.graph_pointers: GraphPointerTable | None = None
+        self._pointers_unverified = False
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
@@ -453,6 +458,31 @@ class ModelRunner:
         return ModelRunnerOutput(sampled=result)
 
     # ---- CUDA graphs ------------------------------------------------------------------
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured graph reads: parameters, KV caches, input/output workspaces."""
+        out = {f"param:{n}": p for n, p in self.model.named_parameters()}
+        out.update({f"kv:k{i}": c for i, c in enumerate(self.k_caches)})
+        out.update({f"kv:v{i}": c for i, c in enumerate(self.v_caches)})
+        for name in ("g_input_ids", "g_positions", "g_slots", "g_table", "g_cu", "g_seq_lens", "g_hidden"):
+            t = getattr(self, name, None)
+            if t is not None:
+                out[f"workspace:{name}"] = t
+        return out
+
+    def record_graph_pointers(self) -> None:
+        self.graph_pointers = GraphPointerTable(self.graph_tensors())
+        self._pointers_unverified = False
+
+    def weights_changed(self) -> None:
+        """The parameters were written (weight sync, optimizer step): verify before the next replay."""
+        self._pointers_unverified = True
+
+    def verify_graph_pointers(self) -> None:
+        """Raise StaleGraphPointers if any tensor the graphs read moved (no-op without graphs)."""
+        if self.graph_pointers is not None:
+            self.graph_pointers.check(self.graph_tensors())
+        self._pointers_unverified = False
+
     def _graph_size(self, n: int) -> int | None:
         for s in self.graph_batch_sizes:
             if s >= n:
@@ -490,6 +520,7 @@ class ModelRunner:
         self.g_seq_lens.zero_()
         torch.cuda.synchronize()
         self.graph_batch_sizes = sorted(sizes)
+        self.record_graph_pointers()
         logger.info("captured %d CUDA graphs in %.1f s", len(sizes), time.perf_counter() - t0)
 
     def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens, fill=None) -> torch.Tensor:
@@ -509,5 +540,7 @@ class ModelRunner:
             self.g_positions[n:bs].zero_()
         if fill is not None:
             fill(self.g_input_ids)
+        if self._pointers_unverified:
+            self.verify_graph_pointers()
         self.graphs[bs].replay()
         return self.g_hidden[:n]

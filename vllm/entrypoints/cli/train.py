@@ -80,7 +80,10 @@ def add_parser(sub) -> None:
             help_text += f" (default: {f.default})"
         g = groups[sec]
         choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
-        if name == "resume":
+        if name == "rollout_url":
+            g.add_argument(flag, nargs="+", default=argparse.SUPPRESS, metavar="URL",
+                           help=help_text + "; several URLs share the rollouts")
+        elif name == "resume":
             g.add_argument(flag, nargs="?", const="latest", default=argparse.SUPPRESS, metavar="PATH",
                            help=help_text + "; without PATH: the latest checkpoint in --output-dir")
         elif _base_type(tp)[0] is bool:
@@ -96,6 +99,8 @@ def build_config(args):
     from vllm.rl.config import TrainConfig, field_index
 
     overrides = {k: v for k, v in vars(args).items() if k in field_index()}
+    if isinstance(overrides.get("rollout_url"), list):
+        overrides["rollout_url"] = ",".join(overrides["rollout_url"])
     if "resume" in overrides and args.recipe is None:
         # continue the checkpoint's own run: its configuration, then these flags
         output_dir = overrides.get("output_dir") or TrainConfig.from_yaml(find_recipe(DEFAULT_RECIPE)).run.output_dir

@@ -3,7 +3,8 @@
 Endpoints (docs/serving.md has the schema and extensions): GET /health,
 /version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
 /tokenize, /detokenize; admin: POST /v1/pause, /v1/resume, /v1/weights/update,
-/v1/weights/init_group, /v1/weights/update_from_group, GET /v1/weights/version.
+/v1/weights/init_group, /v1/weights/update_from_group, /v1/weights/update_from_ipc,
+GET /v1/weights/version, GET /v1/weights/contract.
 
 Every request goes through the same three stages, and each stage maps its
 failures to one HTTP status:
@@ -545,7 +546,8 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
 
 # ---- auth ---------------------------------------------------------------------------------
 
-ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group")
+ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group",
+               "/v1/weights/update_from_ipc")
 
 
 class _AuthMiddleware:
@@ -728,6 +730,15 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     @app.get("/v1/weights/version")
     async def weights_version():
         return WeightsVersionResponse(weight_version=llm.weight_version)
+
+    @app.get("/v1/weights/contract")
+    async def weights_contract():
+        # the engine's execution contract: a trainer compares it with its own before any sync
+        return await _admin(llm.utility("execution_contract"))
+
+    @app.post("/v1/weights/update_from_ipc")
+    async def weights_update_from_ipc(raw: Request):
+        return await _admin(_utility_with_body(llm, "update_weights_from_ipc", raw))
 
     @app.post("/v1/weights/update")
     async def weights_update(req: WeightsUpdateRequest):

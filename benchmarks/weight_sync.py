@@ -1,0 +1,251 @@
+"""Weight-sync latency against the hardware floors, measured side by side in one run.
+
+    python benchmarks/weight_sync.py --config benchmarks/configs/qwen3-8b.json
+    python benchmarks/weight_sync.py --num-hidden-layers 4          # shallower, same widths
+    python benchmarks/weight_sync.py --device cpu --config <tiny>   # smoke test (shm + gloo)
+
+Random bf16 weights of the config's dims in an engine (LLM, load_format="dummy"); a
+trainer's copy of the same names and shapes holds other values. Rows (median of --reps):
+
+  floor: device copy   one flat `dst.copy_(src)` of the same bytes: the copy-bandwidth floor
+  same process         llm.update_weights(trainer tensors): validate + write in place
+  colocated            llm.update_weights(llm.policy() tensors): shared storage, no copy
+  IPC                  a trainer process exports flat buckets (CUDA IPC handles; shared
+                       memory on CPU), the engine applies them (open + validate + write)
+  floor: broadcast     one broadcast of the same bytes in the trainer/engine group
+  group                the trainer broadcasts buckets, the engine validates and writes them
+                       (vllm.weight_sync.group: handshake, buckets, outcome)
+
+The group rows need a second process. With one GPU both processes share it; NCCL
+refuses two ranks on one device, so those rows then say so (the two-GPU run belongs on
+the 2-GPU machine). Target: same-process and IPC <= 2x the device-copy floor; group
+<= 2x the broadcast floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_model_dir(config_path: str, num_hidden_layers: int | None) -> str:
+    from vllm.testing.tiny_models import build_tokenizer
+
+    d = tempfile.mkdtemp(prefix="wsync_model_")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if num_hidden_layers is not None:
+        cfg["num_hidden_layers"] = num_hidden_layers
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    build_tokenizer(d)
+    return d
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def random_tensors(manifest, device, seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for name, dtype, shape in manifest:
+        t = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).mul_(0.02)
+        out.append((name, t.to(getattr(torch, dtype))))
+    return out
+
+
+# ---- the trainer process -------------------------------------------------------------------
+def trainer_main(conn, manifest, device_str: str, bucket_bytes: int, group_spec: dict | None, reps: int) -> None:
+    try:
+        device = torch.device(device_str)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        named = random_tensors(manifest, device, seed=1)
+        from vllm.weight_sync.ipc import IpcExport
+        t0 = time.perf_counter()
+        export = IpcExport(named, bucket_bytes=bucket_bytes)
+        sync(device)
+        conn.send(("ipc", export.message(), time.perf_counter() - t0))
+        conn.recv()                      # the engine is done with the buckets
+        export.release()
+        if group_spec is None:
+            conn.send(("done", None, 0.0))
+            return
+        import datetime
+
+        import torch.distributed as dist
+
+        from vllm.weight_sync.group import GroupSpec, WeightGroup, send_update
+        try:
+            # the engine's process hosts the store here (it picked the free port); the
+            # trainer joins it as a client
+            store = dist.TCPStore(group_spec["host"], group_spec["port"], 2, False,
+                                  timeout=datetime.timedelta(seconds=group_spec["timeout_s"]))
+            group = WeightGroup(GroupSpec(**group_spec), device=device if group_spec["backend"] == "nccl" else None,
+                                store=store)
+        except Exception as err:  # noqa: BLE001 -- reported by the engine side as a row note
+            conn.send(("group_error", f"{type(err).__name__}: {err}", 0.0))
+            return
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        flat = torch.empty(total, dtype=torch.uint8, device=group.device)
+        for _ in range(reps + 1):        # the broadcast floor
+            group.broadcast(flat, src=0)
+        for _ in range(reps + 1):        # the update
+            send_update(group, named, bucket_bytes)
+        group.close()
+        conn.send(("done", None, 0.0))
+    except Exception:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc(), 0.0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-8b.json")
+    ap.add_argument("--num-hidden-layers", type=int, default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backend", default=None, help="group backend (default: nccl on cuda, gloo on cpu)")
+    ap.add_argument("--no-group", action="store_true", help="skip the process-group rows")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    from vllm import LLM
+    from vllm.weight_sync.bucket import manifest_of
+
+    device = torch.device(args.device)
+    path = make_model_dir(args.config, args.num_hidden_layers)
+    llm = LLM(path, device=args.device, dtype="bfloat16", load_format="dummy", numerics="invariant",
+              gpu_memory_utilization=0.3, max_num_seqs=8, cuda_graph_batch_sizes=[1, 8],
+              num_gpu_blocks_override=64 if args.device == "cpu" else None)
+    model = llm.llm_engine.runner.model
+    engine_named = list(model.hf_state_dict().items())
+    manifest = manifest_of(engine_named)
+    nbytes = sum(t.numel() * t.element_size() for _, t in engine_named)
+    bucket_bytes = args.bucket_mb << 20
+    print(f"weights: {len(manifest)} tensors, {nbytes / 2**30:.2f} GiB bf16 on {args.device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}); buckets of {args.bucket_mb} MiB")
+    rows: list[tuple[str, float | None, str]] = []
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    floor_copy = timed(lambda: dst.copy_(src), device, args.reps)
+    rows.append(("floor: device copy", floor_copy, "one flat copy of the same bytes"))
+    del src, dst
+
+    trainer = random_tensors(manifest, device, seed=2)
+    rows.append(("same process", timed(lambda: llm.update_weights(trainer), device, args.reps),
+                 "validate + in-place write"))
+    del trainer
+    policy_named = llm.policy().model.hf_state_dict()
+    rows.append(("colocated (shared storage)", timed(lambda: llm.update_weights(policy_named), device, args.reps),
+                 "no bytes move"))
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    # ---- the trainer process: IPC, then the group --------------------------------------
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    group_spec = None
+    if not args.no_group:
+        from vllm.weight_sync.group import host_store
+        store = host_store("127.0.0.1", 0)
+        group_spec = {"host": "127.0.0.1", "port": store.port, "rank": 0, "world_size": 2, "backend": backend,
+                      "timeout_s": 120.0}
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    # one GPU: the trainer shares it (IPC is same-device by nature; the group is same-GPU)
+    proc = ctx.Process(target=trainer_main, args=(child, manifest, args.device, bucket_bytes,
+                                                   None if group_spec is None else {**group_spec}, args.reps))
+    proc.start()
+    kind, payload, pack_s = parent.recv()
+    if kind == "error":
+        raise RuntimeError(payload)
+    message = payload
+    rows.append(("IPC", timed(lambda: llm.update_weights_from_ipc(message), device, args.reps),
+                 f"trainer-side pack {pack_s * 1e3:.1f} ms (not included)"))
+    parent.send("release")
+    if group_spec is not None:
+        from vllm.weight_sync.group import GroupSpec, WeightGroup, receive_update
+        try:
+            group = WeightGroup(GroupSpec(**{**group_spec, "rank": 1}),
+                                device=device if backend == "nccl" else None, store=store)
+        except Exception as err:  # noqa: BLE001
+            group = None
+            note = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            if device.type == "cuda" and torch.cuda.device_count() < 2:
+                note = "NCCL refuses two ranks on one GPU; run on the 2-GPU machine. " + note
+            rows.append(("floor: broadcast", None, note))
+            rows.append(("group", None, note))
+        if group is not None:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+            times = []
+            for i in range(args.reps + 1):
+                sync(device)
+                t0 = time.perf_counter()
+                group.broadcast(flat, src=0)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            floor_bc = statistics.median(times[1:])
+            same = " (both ranks on one GPU)" if device.type == "cuda" and torch.cuda.device_count() < 2 else ""
+            rows.append((f"floor: broadcast ({backend})", floor_bc, "one broadcast of the same bytes" + same))
+            del flat
+            times = []
+            for i in range(args.reps + 1):
+                t0 = time.perf_counter()
+                receive_update(llm.llm_engine, group, [list(m) for m in manifest], bucket_bytes)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            rows.append((f"group ({backend})", statistics.median(times[1:]), "handshake + buckets + outcome" + same))
+            group.close()
+    kind, payload, _ = parent.recv()
+    proc.join(60)
+    if kind in ("error", "group_error") and group_spec is not None:
+        print(f"trainer process: {payload}")
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs, "an update moved a parameter"
+    llm.check_graph_pointers()
+
+    floors = {"floor: device copy": floor_copy}
+    bc = next((t for name, t, _ in rows if name.startswith("floor: broadcast") and t), None)
+    print()
+    print(f"{'path':<30} {'ms':>9} {'GB/s':>8} {'x floor':>8}  note")
+    result = {}
+    for name, t, note in rows:
+        if t is None:
+            print(f"{name:<30} {'-':>9} {'-':>8} {'-':>8}  {note}")
+            continue
+        floor = bc if name.startswith("group") else floors["floor: device copy"]
+        ratio = "" if name.startswith("floor") or not floor else f"{t / floor:.2f}"
+        print(f"{name:<30} {t * 1e3:9.2f} {nbytes / t / 1e9:8.1f} {ratio:>8}  {note}")
+        result[name] = {"ms": t * 1e3, "ratio": (t / floor) if floor and not name.startswith("floor") else None}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"bytes": nbytes, "rows": result, "device": args.device}, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

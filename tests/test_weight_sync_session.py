@@ -1,0 +1,162 @@
+"""The weight-update session: the load-rule cast (an update from a checkpoint's tensors
+equals a fresh engine loaded from it, bit for bit), buckets closed by finish, a failed
+bucket leaving the previous weights (bits), zero-copy for shared storage, the request's
+weight versions, the CUDA-graph pointer check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.model_loader.loader import checkpoint_files, iterate_weights
+from vllm.weight_sync import pack
+from vllm.worker.graph_pointers import StaleGraphPointers
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("new_weights"), "qwen3", head_dim=32,
+                                tie_word_embeddings=False, seed=5)
+
+
+def checkpoint_tensors(path):
+    return list(iterate_weights(checkpoint_files(path)))
+
+
+def param_bits(llm):
+    return {n: p.detach().clone().view(torch.int16 if p.element_size() == 2 else torch.int32)
+            for n, p in llm.llm_engine.runner.model.named_parameters()}
+
+
+def same_bits(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_float32_update_into_bf16_engine_equals_fresh_load(tiny_qwen3, new_weights):
+    llm = LLM(tiny_qwen3, device="cpu", dtype="bfloat16", numerics="fast")
+    tensors = checkpoint_tensors(new_weights)
+    assert all(t.dtype == torch.float32 for _, t in tensors)
+    ptrs = {n: p.data_ptr() for n, p in llm.llm_engine.runner.model.named_parameters()}
+    assert llm.update_weights(tensors, require_complete=True) == 1
+    fresh = LLM(new_weights, device="cpu", dtype="bfloat16", numerics="fast")
+    assert same_bits(param_bits(llm), param_bits(fresh))
+    assert {n: p.data_ptr() for n, p in llm.llm_engine.runner.model.named_parameters()} == ptrs
+    # float64 too: cast by the same rule
+    llm.update_weights([(n, t.double()) for n, t in tensors])
+    assert same_bits(param_bits(llm), param_bits(fresh))
+
+
+def test_buckets_then_finish_make_one_version(tiny_qwen3, new_weights):
+    llm = LLM(tiny_qwen3, device="cpu")
+    fresh = LLM(new_weights, device="cpu")
+    tensors = checkpoint_tensors(new_weights)
+    buckets = pack(tensors, bucket_bytes=64 << 10)
+    assert len(buckets) > 3
+    eng = llm.llm_engine
+    with llm.weight_update(require_complete=True) as u:
+        for b in buckets:
+            u.load(b)
+            assert eng.paused and llm.weight_version == 0   # nothing visible before finish
+        with pytest.raises(ValueError, match="weight update is open"):
+            llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
+    assert llm.weight_version == 1 and not eng.paused and eng.weight_update is None
+    assert same_bits(param_bits(llm), param_bits(fresh))
+    # incomplete buckets are refused at finish, nothing written
+    before = param_bits(llm)
+    with pytest.raises(ValueError, match="incomplete"):
+        with llm.weight_update(require_complete=True) as u:
+            u.load(dict(tensors[:3]))
+    assert llm.weight_version == 1 and same_bits(param_bits(llm), before)
+    assert "incomplete" in llm.weight_error
+
+
+@pytest.mark.parametrize("retain,backup", [(True, "device"), (False, "device"), (False, "host")])
+def test_failing_middle_bucket_leaves_old_weights(tiny_qwen3, new_weights, retain, backup):
+    llm = LLM(tiny_qwen3, device="cpu")
+    before = param_bits(llm)
+    out0 = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    tensors = checkpoint_tensors(new_weights)
+    third = len(tensors) // 3
+    bad = dict(tensors[third:2 * third])
+    bad[next(iter(bad))] = torch.full_like(next(iter(bad.values())), float("nan"))
+    u = llm.weight_update(backup=backup)
+    u.load(dict(tensors[:third]), retain=retain)
+    with pytest.raises(ValueError, match="non-finite"):
+        u.load(bad, retain=retain)
+    assert u.closed and llm.weight_version == 0 and "non-finite" in llm.weight_error
+    assert same_bits(param_bits(llm), before)
+    out1 = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert out1[0].outputs[0].token_ids == out0[0].outputs[0].token_ids
+
+
+def test_failure_without_backup_refuses_service(tiny_qwen3, new_weights):
+    llm = LLM(tiny_qwen3, device="cpu")
+    tensors = checkpoint_tensors(new_weights)
+    u = llm.weight_update(backup="none")
+    u.load(dict(tensors[:4]), retain=False)
+    u.abort("the sender died")
+    assert llm.llm_engine.weights_torn
+    with pytest.raises(ValueError, match="not serving"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
+    llm.update_weights(tensors, require_complete=True)   # a complete update brings service back
+    assert not llm.llm_engine.weights_torn
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_colocated_policy_update_is_zero_copy(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cpu")
+    policy = llm.policy()
+    calls = []
+    import vllm.weight_sync.session as session
+    orig = session.copy_all
+    session.copy_all = lambda d, s: (calls.append(len(d)), orig(d, s))
+    try:
+        assert llm.update_weights(policy.model.hf_state_dict(), contract=policy.execution_contract()) == 1
+    finally:
+        session.copy_all = orig
+    assert sum(calls) == 0
+
+
+def test_paused_request_reports_both_versions(tiny_qwen3, new_weights):
+    llm = LLM(tiny_qwen3, device="cpu")
+    eng = llm.llm_engine
+    eng.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    eng.step()
+    eng.pause()
+    llm.update_weights(checkpoint_tensors(new_weights))
+    eng.resume()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].outputs[0].weight_versions == [0, 1]
+
+
+def test_graph_pointer_check_fires_on_new_storage(tiny_qwen3):
+    """On CPU there are no graphs: the pointer table is recorded by hand, as capture does."""
+    llm = LLM(tiny_qwen3, device="cpu")
+    runner = llm.llm_engine.runner
+    runner.record_graph_pointers()
+    llm.check_graph_pointers()                      # nothing moved
+    llm.update_weights(llm.policy().model.hf_state_dict())
+    llm.check_graph_pointers()                      # in place: still the captured addresses
+    p = next(runner.model.parameters())
+    p.data = p.data.clone()                         # new storage behind the graphs' back
+    with pytest.raises(StaleGraphPointers, match="moved since capture"):
+        llm.check_graph_pointers()
+    runner.weights_changed()
+    assert runner._pointers_unverified
+
+
+@pytest.mark.gpu
+def test_graph_pointer_check_fires_before_replay_on_gpu(gpu_model):
+    llm = LLM(gpu_model, device="cuda", max_num_seqs=4, cuda_graph_batch_sizes=[1, 2, 4])
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    ref = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    llm.update_weights(llm.policy().model.hf_state_dict())  # in place: graphs replay as before
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
+    p = next(llm.llm_engine.runner.model.parameters())
+    p.data = p.data.clone()
+    llm.llm_engine.on_weights_updated()
+    with pytest.raises(StaleGraphPointers):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)

@@ -1,0 +1,296 @@
+"""One weight update of a running engine: begin -> load(bucket)... -> finish.
+
+    with llm.weight_update(contract=trainer_contract) as update:   # begin: requests pause
+        for bucket in buckets:                                      # partial updates
+            update.load(bucket)                                     # validated on arrival
+    # finish on leaving the block: written, new weight version, requests resume
+    # (an exception inside the block aborts: the previous weights stay, bit for bit)
+
+`llm.update_weights(named_tensors)` is the one-bucket case.
+
+Rules, whatever the transport:
+- Names, shapes, dtypes and coverage go through the model's own weight mapping (the one
+  the checkpoint loader uses). Another float dtype is cast by the load rule
+  (`tensor.to(param.dtype)`), so an update from a checkpoint's tensors equals a fresh
+  engine loaded from that checkpoint. Non-finite values are refused.
+- A bucket is validated whole before any of its bytes are written; with the default
+  `load(bucket)` (the bucket's tensors stay valid until finish) nothing is written before
+  `finish`, so a bucket that fails leaves the previous weights untouched. A transport that
+  reuses its receive buffer loads with `retain=False`: the bucket is written at once and
+  the bytes it overwrote are kept (`backup`: "device", "host") to be put back if the
+  update fails later; `backup="none"` saves that memory and leaves the engine refusing
+  requests after such a failure (never serving a mix of two versions).
+- Writes are copies INTO the existing parameters (storage addresses unchanged: captured
+  CUDA graphs stay valid); a source that already is the parameter's memory (a colocated
+  `llm.policy()`) is not copied at all.
+- Requests are paused from begin to finish and continue under the new weights; each
+  reports the versions it was computed under (`CompletionOutput.weight_versions`).
+- Finiteness is checked on the device with one host synchronisation per bucket, and
+  copies go out as multi-tensor kernels: no per-tensor host syncs.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Mapping
+
+import torch
+
+from vllm.weight_sync.bucket import FlatBucket, copy_all
+
+logger = logging.getLogger(__name__)
+
+BACKUPS = ("device", "host", "none")
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed after it had started writing and could not be undone
+    (`backup="none"`): the engine refuses requests until a complete update finishes."""
+
+
+def plan_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], require_complete: bool = False):
+    """Validate HF-named tensors against the model's own mapping (`model.weight_mapping()`)
+    and return the (destination view, source) pairs to copy, sources cast to the
+    parameter's dtype by the load rule. Raises ValueError on any problem; writes nothing."""
+    planner = model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+    plan, names = [], []
+    for name, tensor in weights:
+        if (w := _add(planner, name, tensor)) is not None:
+            plan.append(w)
+            names.append(name)
+    plan += planner.finish()
+    check_finite(plan, names + [""] * (len(plan) - len(names)))
+    if require_complete:
+        missing = planner.missing()
+        if missing:
+            raise ValueError(f"incomplete update: missing {missing[:6]}")
+    return plan
+
+
+def _add(planner, name: str, tensor):
+    if torch.is_tensor(tensor) and not (tensor.is_floating_point() or tensor.dtype == torch.bool):
+        dest_dtype = _dest_dtype(planner, name)
+        if dest_dtype is not None and dest_dtype.is_floating_point:
+            raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a float dtype; the model's is {dest_dtype}")
+    return planner.add(name, tensor)
+
+
+def _dest_dtype(planner, name: str) -> torch.dtype | None:
+    try:
+        m = planner.mapping
+        return m.destination(m.slot(name)).dtype
+    except ValueError:
+        return None
+
+
+def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> None:
+    """ValueError if any source holds NaN or Inf. Max-abs norms per tensor, computed as
+    multi-tensor kernels per (device, dtype), and ONE host synchronisation."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, src) in enumerate(plan):
+        if src.is_floating_point() and src.numel():
+            groups.setdefault((src.device, src.dtype), []).append(i)
+    flags, order = [], []
+    for idx in groups.values():
+        norms = torch._foreach_norm([plan[i][1] for i in idx], float("inf"))
+        flags.append(torch.isfinite(torch.stack(norms)))
+        order += idx
+    if not flags:
+        return
+    ok = torch.cat([f.cpu() for f in flags])
+    if bool(ok.all()):
+        return
+    bad = [order[j] for j in torch.nonzero(~ok).flatten().tolist()]
+    label = [names[i] if names and names[i] else f"tensor {i}" for i in bad]
+    raise ValueError(f"weight {label[0]!r} has non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def _as_pairs(weights) -> list[tuple[str, torch.Tensor]]:
+    """A mapping, a FlatBucket, or an iterable of (name, tensor) pairs, as a list; anything
+    else is a ValueError that says what was given."""
+    if isinstance(weights, FlatBucket):
+        return weights.tensors()
+    if isinstance(weights, Mapping):
+        return list(weights.items())
+    expected = "weights must be a mapping {HF name: tensor} or an iterable of (HF name, tensor) pairs"
+    if torch.is_tensor(weights) or isinstance(weights, (str, bytes)):
+        raise ValueError(f"{expected}, got a {type(weights).__name__}")
+    try:
+        items = list(weights)
+    except TypeError:
+        raise ValueError(f"{expected}, got {type(weights).__name__}") from None
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"{expected}; item {i} is a {type(item).__name__}"
+                             + (" (a list of tensors has no names: pass model.hf_state_dict() or zip(names, tensors))"
+                                if torch.is_tensor(item) else ""))
+    return [(name, tensor) for name, tensor in items]
+
+
+def _same_memory(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    """src already is dest's memory (colocated Policy): the copy would be a no-op."""
+    return (src.device == dest.device and src.dtype == dest.dtype and src.data_ptr() == dest.data_ptr()
+            and src.shape == dest.shape and src.stride() == dest.stride())
+
+
+class WeightUpdate:
+    """An open weight update of `engine` (an LLMEngine); see the module docstring.
+
+    `contract`: the sender's ExecutionContract, refused unless compatible with the
+    engine's (the error names the differing fields). `require_complete`: every parameter
+    (every fused shard) must be given before finish. `backup`: where buckets loaded with
+    retain=False keep the bytes they overwrite ("device", "host", or "none")."""
+
+    def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "device"):
+        if backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
+        if getattr(engine, "weight_update", None) is not None:
+            raise ValueError("another weight update is open on this engine: finish or abort it first")
+        engine.drain()
+        if engine.has_unfinished_requests() and not engine.paused:
+            raise ValueError("weights can only be updated while no request is running (or the engine is paused)")
+        if contract is not None:
+            engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys
+        self.engine = engine
+        self.model = engine.runner.model
+        self.require_complete = require_complete
+        self.backup = backup
+        self.planner = self.model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []     # validated, written at finish
+        self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []       # (destination, its previous bytes)
+        self._written = False
+        self.closed = False
+        self.num_buckets = 0
+        self._was_paused = engine.paused
+        engine.paused = True  # from the first bucket to finish nothing steps
+        engine.weight_update = self
+
+    # ---- buckets ------------------------------------------------------------------------
+    def load(self, weights, *, retain: bool = True) -> None:
+        """Validate one bucket (a mapping, (name, tensor) pairs, or a FlatBucket). With
+        `retain=True` its tensors must stay valid and unchanged until finish (they are
+        written then); `retain=False` writes it now (the caller reuses its memory), keeping
+        the overwritten bytes per `backup`. A bucket that fails validation writes nothing
+        and aborts the update (the previous weights stay)."""
+        self._check_open()
+        try:
+            pairs = _as_pairs(weights)
+            plan, names = [], []
+            for name, tensor in pairs:
+                w = _add(self.planner, name, tensor)
+                if w is not None:
+                    plan.append(w)
+                    names.append(name)
+            # a source that is the parameter's own memory is already live: nothing to check or copy
+            keep = [i for i, (d, s) in enumerate(plan) if not _same_memory(d, s)]
+            plan, names = [plan[i] for i in keep], [names[i] for i in keep]
+            check_finite(plan, names)
+            self.num_buckets += 1
+            if retain:
+                self._staged += plan
+            else:
+                self._write_through(plan)
+        except BaseException as err:
+            self.abort(f"{type(err).__name__}: {err}")
+            raise
+
+    def _write_through(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not plan:
+            return
+        if self.backup != "none":
+            where = "cpu" if self.backup == "host" else None
+            with torch.no_grad():
+                self._undo += [(d, d.detach().to(where, copy=True) if where else d.detach().clone()) for d, _ in plan]
+        self._written = True
+        self._copy(plan)
+
+    def _copy(self, plan) -> None:
+        if not plan:
+            return
+        dev = self.engine.runner.device
+        if any(s.is_cuda and s.device != dev for _, s in plan) or (dev.type == "cuda" and any(s.is_cuda for _, s in plan)):
+            torch.cuda.synchronize()  # the sender may have written the sources on another stream
+        with torch.no_grad():
+            copy_all([d for d, _ in plan], [s for _, s in plan])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    # ---- closing ------------------------------------------------------------------------
+    def finish(self) -> int:
+        """Close the version: check coverage, write what was staged, bump the engine's
+        weight version (dropping prefix-cache entries of the old weights), verify the
+        CUDA-graph pointers, resume requests. Returns the new version."""
+        self._check_open()
+        try:
+            tail = self.planner.finish()      # aliases given without their target (tied weights)
+            check_finite(tail)
+            if self.require_complete:
+                missing = self.planner.missing()
+                if missing:
+                    raise ValueError(f"incomplete update: missing {missing[:6]}")
+            self._copy(self._staged + [(d, s) for d, s in tail if not _same_memory(d, s)])
+        except BaseException as err:
+            self.abort(f"{type(err).__name__}: {err}")
+            raise
+        eng = self.engine
+        self._close()
+        eng.on_weights_updated()
+        eng.weight_error = None
+        eng.weights_torn = False
+        eng.runner.verify_graph_pointers()
+        if not self._was_paused:
+            eng.resume()
+        return eng.weight_version
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Give up: put back what was written (the previous weights, bit for bit), record
+        `reason` as the engine's `weight_error`, resume requests. With backup="none" and
+        bytes already written, the engine instead refuses requests (WeightUpdateError)."""
+        if self.closed:
+            return
+        eng = self.engine
+        undo = self._undo
+        self._close()
+        if self._written and self.backup == "none":
+            eng.weights_torn = True
+            eng.weight_error = (f"weight update failed after writing ({reason}); the engine refuses requests "
+                                "until a complete update finishes")
+            logger.error(eng.weight_error)
+            return
+        if undo:
+            with torch.no_grad():
+                copy_all([d for d, _ in undo], [b.to(d.device) for d, b in undo])
+            if eng.runner.device.type == "cuda":
+                torch.cuda.synchronize(eng.runner.device)
+        eng.weight_error = f"weight update failed, previous weights kept (version {eng.weight_version}): {reason}"
+        logger.warning(eng.weight_error)
+        if not self._was_paused and not getattr(eng, "weights_torn", False):
+            eng.resume()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._staged, self._undo = [], []
+        self.engine.weight_update = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this weight update is already finished or aborted")
+
+    def __enter__(self) -> "WeightUpdate":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort(f"{exc_type.__name__}: {exc}")
+
+
+def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                   contract=None, require_complete: bool = False) -> int:
+    """Copy `weights` (HF names; any float dtype, cast by the load rule) into the engine's
+    model in place: one bucket, validated whole before anything is written. Returns the
+    new weight version."""
+    pairs = _as_pairs(weights)  # a malformed argument is refused before the engine pauses
+    update = WeightUpdate(engine, contract=contract, require_complete=require_complete)
+    update.load(pairs)
+    return update.finish()
