@@ -1,7 +1,7 @@
 """Multi-digit addition and subtraction, asked in chat format: the default RL task.
 
-A problem is one user turn, "What is 347 + 58?", and its answer the result as a
-decimal integer ("405"). Each operand has 1 to `MAX_DIGITS` digits (the digit count
+A problem is one user turn, "What is 47 + 58?", and its answer the result as a
+decimal integer ("105"). Each operand has 1 to `MAX_DIGITS` digits (the digit count
 drawn uniformly, then the value uniformly among numbers of that many digits), the
 operator is + or -, and a subtraction never goes below zero (the larger operand comes
 first), so every answer is a non-negative integer the math verifier
@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-MAX_DIGITS = 3
+MAX_DIGITS = 2
 OPERATORS = ("+", "-")
 TEST_EVERY = 16  # 1/16 of all problems are held out for evaluation
 QUESTION = "What is {a} {op} {b}?"
@@ -49,8 +49,10 @@ def _operand(rng: random.Random, max_digits: int) -> int:
 
 
 def _space(max_digits: int, split: str) -> int:
-    """A bound on the number of distinct problems of a split (for the size check)."""
-    total = len(OPERATORS) * (10 ** max_digits) ** 2
+    """Half the expected number of distinct problems of a split (the size check: rejection
+    sampling stays quick below it)."""
+    n = 10 ** max_digits
+    total = n * n + n * (n + 1) // 2  # a + b ordered, a - b with a >= b
     return total // TEST_EVERY // 2 if split == "test" else total // 2
 
 
