@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from statistics import fmean
 
 # Keys every training-step record carries (tests and plots rely on them).
 STEP_KEYS = ("step", "reward_mean", "response_length_mean", "logprob_diff_max", "logprob_diff_mean",
@@ -40,6 +41,25 @@ def format_line(r: dict, total_steps: int) -> str:
     if r.get("ref_kl") is not None:
         parts.insert(-3, f"ref_kl {_g(r['ref_kl'])}")
     return " | ".join(parts)
+
+
+def summary_line(records: list[dict], seconds: float | None = None, window: int = 5) -> str | None:
+    """The run in one line: mean reward of the first and last `window` steps, greedy eval
+    reward before and after, the largest logprob difference of any step, the time."""
+    steps = [r for r in records if r.get("kind") != "eval"]
+    if not steps:
+        return None
+    first, last = steps[:window], steps[-window:]
+    parts = [f"reward {fmean([r['reward_mean'] for r in first]):.3f} (first {len(first)} steps) -> "
+             f"{fmean([r['reward_mean'] for r in last]):.3f} (last {len(last)})"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if len(evals) >= 2:
+        parts.append(f"eval {evals[0]['eval_reward_mean']:.3f} @ step {evals[0]['step']} -> "
+                     f"{evals[-1]['eval_reward_mean']:.3f} @ step {evals[-1]['step']}")
+    parts.append(f"logprob diff max {_g(max(r['logprob_diff_max'] for r in steps))} over {len(steps)} steps")
+    if seconds is not None:
+        parts.append(f"{seconds:.0f} s")
+    return "done: " + " | ".join(parts)
 
 
 def read_metrics(path: str) -> list[dict]:

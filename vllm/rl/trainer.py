@@ -30,7 +30,7 @@ from vllm.rl import losses
 from vllm.rl.checkpoint import Checkpoint, checkpoint_path, find_checkpoint, save_checkpoint, set_rng_state
 from vllm.rl.config import SECTIONS, TrainConfig
 from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
-from vllm.rl.metrics import MetricsLogger
+from vllm.rl.metrics import MetricsLogger, summary_line
 from vllm.rl.rewards import build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
 
@@ -514,6 +514,7 @@ class Trainer:
         with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
             f.write(self.raw_config.to_yaml())
         records = []
+        t_start = time.perf_counter()
         try:
             log.write(self._banner())
             if changes:
@@ -539,6 +540,9 @@ class Trainer:
                 if (cfg.run.checkpoint_interval > 0 and s % cfg.run.checkpoint_interval == 0) or s == cfg.run.steps:
                     path = self.save()
                     log.write(f"checkpoint: {path}")
+            done = summary_line(records, time.perf_counter() - t_start)
+            if done is not None:
+                log.write(done)
         finally:
             plots = log.close(plots=cfg.run.plots)
             if hasattr(self.client, "close"):

@@ -6,18 +6,22 @@ import time
 
 from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 
-DEFAULT_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "In a distant future, rollout and training",
-    "1, 2, 3, 4,",
-]
+# Without --prompt: held-out problems of the task the embedded model is trained on
+# (vllm/rl/tasks/arithmetic.py), asked in chat format and checked against their answers.
+NUM_BUILTIN_PROBLEMS = 6
+
+
+def builtin_problems() -> list[dict]:
+    from vllm.rl.tasks.arithmetic import generate_problems
+    return generate_problems(NUM_BUILTIN_PROBLEMS, 0, "test")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="offline generation", formatter_class=HelpFormatter)
     add_engine_args(p)
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: a few built-in prompts")
+    p.add_argument("--prompt", action="append",
+                   help="prompt text, used as it is (repeatable); default: a few arithmetic problems in chat format, "
+                        "each printed with the model's answer and whether it is right")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose "
@@ -33,23 +37,47 @@ def run(args) -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
-    prompts = args.prompt or DEFAULT_PROMPTS
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         n=args.n, logprobs=args.logprobs, seed=args.seed)
+    problems = None
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    if args.prompt:
+        outs = llm.generate(args.prompt, sp)
+    else:
+        problems = builtin_problems()
+        if getattr(llm.get_tokenizer(), "chat_template", None) is not None:
+            outs = llm.chat([p["prompt"] for p in problems], sp)
+        else:  # a model without a chat template gets the bare questions
+            outs = llm.generate([p["prompt"][-1]["content"] for p in problems], sp)
     dt = time.perf_counter() - t0
-    n_tok = 0
-    for o in outs:
+    n_tok = right = 0
+    reward = None
+    if problems is not None:
+        from vllm.rl.rewards import build_reward
+        reward = build_reward("math", 1.0, 0.0)
+    for i, o in enumerate(outs):
+        question = problems[i]["prompt"][-1]["content"] if problems is not None else o.prompt
         for c in o.outputs:
             n_tok += len(c.token_ids)
+            verdict = None
+            if problems is not None:
+                ok = reward(c.text, problems[i]["answer"], problems[i]) > 0
+                right += ok
+                verdict = "right" if ok else f"wrong, {problems[i]['answer']}"
             if args.json:
-                print(json.dumps({"prompt": o.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                  "finish_reason": c.finish_reason,
-                                  "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None}))
+                rec = {"prompt": question, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                       "finish_reason": c.finish_reason,
+                       "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None}
+                if problems is not None:
+                    rec.update(answer=problems[i]["answer"], correct=verdict == "right")
+                print(json.dumps(rec))
+            elif problems is not None:
+                print(f"{question:<24} -> {c.text.strip()!r:<10} ({verdict})")
             else:
-                print(f"--- {o.prompt!r} [{c.index}] ({c.finish_reason})\n{c.text}")
+                print(f"--- {question!r} [{c.index}] ({c.finish_reason})\n{c.text}")
     cfg = llm.config
+    score = f"; {right} of {sum(len(o.outputs) for o in outs)} right" if problems is not None else ""
     print(f"\n{len(outs)} prompts, {n_tok} tokens in {dt:.2f} s ({n_tok / max(dt, 1e-9):.1f} tok/s) "
-          f"on {cfg.device} {str(cfg.dtype).replace('torch.', '')}, numerics={cfg.numerics}, model={cfg.model.path}")
+          f"on {cfg.device} {str(cfg.dtype).replace('torch.', '')}, numerics={cfg.numerics}, model={cfg.model.path}"
+          f"{score}")
     return 0
