@@ -70,6 +70,11 @@ def bench(fn, rep: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=max(2, rep // 5), rep=rep, return_mode="median") * 1e3
 
 
+def _short(cfg: dict) -> str:
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}"
+            f"{' tma' if cfg.get('TMA') else ''}")
+
+
 def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
@@ -192,8 +197,11 @@ def sweep(args, shp, tinv_of) -> dict:
                     continue
                 ratios[k][(name, M)] = tinv / t
                 times[k] += t
-                print(f"    sweep {name:<8}{M:>6} {cfg}: {t:8.1f} us  {tinv / t:.2f}x bf16 inv  "
-                      f"{2 * M * N * K / t / 1e6:.0f} TFLOP/s", flush=True)
+    # one compact line per config: bf16 inv / fp8 per shape at each SWEEP_MS, then min and sum
+    print(f"sweep (bf16 inv / fp8 gemm at M = {SWEEP_MS}):")
+    for k, cfg in ok.items():
+        cells = "  ".join(f"{n} " + "/".join(f"{ratios[k][(n, M)]:.2f}" for M in SWEEP_MS) for n in shp)
+        print(f"  {_short(cfg):<26} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us")
     if not ok:
         print("fp8 sweep best: {}")
         return {}
