@@ -19,9 +19,16 @@ M-independent and its output matches the default's, and print one line
 whose "overall" dict goes into GEMM_CONFIG (vllm/kernels/fp8_gemm.py) and whose
 "GEMM_CONFIG_BY_SHAPE" (optional) into GEMM_CONFIG_BY_SHAPE there.
 
-The lead's one command (H200, well under 90 s):
+The lead's one command (H200, about 60 s for the table + sweep, then the fast GPU FP8 tests):
 
-    python benchmarks/kernels/fp8_gemm.py --sweep --jobs 12 --json-out /tmp/fp8_gemm.json
+    export PYTHONPATH=$PWD; timeout 80 python benchmarks/kernels/fp8_gemm.py --sweep --jobs 12 \
+      --json-out $OUT/fp8_gemm.json > $OUT/fp8_gemm.log 2>&1; tail -c 9000 $OUT/fp8_gemm.log; \
+      timeout 40 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_quant.py \
+      tests/test_fp8_linear.py -k "quant or gemm_vs_float64" 2>&1 | tail -3
+
+Read: the table's "inv/fp8" column and "fp8 summary" (target >= 1.5 at M >= 1024), the
+"fp8 bits: ... = True; fused quant == torch quant = True" lines, the per-config sweep lines
+and "fp8 sweep best: {...}" (its "overall" -> GEMM_CONFIG).
 
     python benchmarks/kernels/fp8_gemm.py [--ms 1,16,...] [--sweep] [--jobs N]
 """
