@@ -31,7 +31,7 @@ KV_RULE = {"format": "float8_e4m3fn", "scale": "per token per kv head over head_
 LINEAR_RULE = {"format": "float8_e4m3fn", "activations": "per token per 128 input channels, float32 scale",
                "weights": "per 128 x 128 block, float32 scale", "scale_formula": "amax(|x|) / 448 (1 for all-zero)",
                "rounding": "round-to-nearest-even cast after clamp to +-448",
-               "gemm": "per 128-wide K block: fp32 dot of fp8 operands, * act scale * weight scale, "
+               "gemm": "per 128-wide K block: fp32 dot of fp8 operands, * (act scale * weight scale), "
                        "added to one fp32 accumulator in ascending K blocks; output rounded once",
                "backward": "straight-through: gradients of the bf16 matmul of the dequantized operands"}
 

@@ -6,13 +6,17 @@ One arithmetic, two devices (docs/fp8.md):
     acc = 0 (float32)
     for each 128-wide K block kb, ascending:
         part = dot(xq[m, kb], wq[n, kb])           # fp8 products, float32 sum, fresh per block
-        acc  = acc + (part * xs[m, kb]) * ws[n // 128, kb]
+        acc  = acc + part * (xs[m, kb] * ws[n // 128, kb])   # one scale product per (m, kb)
     y = round_to_out_dtype(acc (+ bias in float32))
 
-* CUDA: `fp8_gemm_triton`, tl.dot on fp8 operands (Hopper wgmma), one K block per loop step,
-  the block's partial promoted to the float32 accumulator with both scales (no long fp8
-  accumulation inside the tensor core). Tiles are FIXED (`GEMM_CONFIG`), never chosen by M,
-  and K is never split: a row's bits cannot depend on the batch.
+* CUDA: `fp8_gemm_triton`, tl.dot on fp8 operands (Hopper wgmma, both operands K-major),
+  one K block per loop step, the block's partial promoted to the float32 accumulator with
+  the combined scale (no long fp8 accumulation inside the tensor core; on the GPU the
+  multiply-add is one fused FMA). Tiles are FIXED (`gemm_config(N, K)`: `GEMM_CONFIG` or a
+  per-weight-shape entry, never chosen by M), K is never split, loads are unmasked when
+  K % 128 == 0 (rows/columns past M/N re-read a valid row and are never stored): a row's bits
+  cannot depend on the batch. Activations are quantized by one fused kernel
+  (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
 * CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
   exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
   It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
@@ -25,6 +29,7 @@ import os
 import torch
 
 from vllm.kernels.fp8 import BLOCK, dequantize_act, dequantize_weight, quantize_act
+from vllm.kernels.fp8_quant import quantize_act_triton
 
 try:
     import triton
@@ -39,7 +44,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Fixed tiles: independent of M (batch invariance), K block = the quantization block.
 # BLOCK_N = 128 keeps one weight-scale row per tile. Changing them is a speed choice on the
 # kernel's own terms but is recorded in the contract (LINEAR_RULE + this dict).
-GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+# TMA: operand tiles through host-side tensor descriptors (Hopper TMA) instead of pointer loads;
+# the same arithmetic. `benchmarks/kernels/fp8_gemm.py --sweep` prints the best dict to put here.
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": False}
+# Optional per-weight-shape tiles {(N, K): config}: selected by the weight's shape, never by M.
+GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
 
 
@@ -73,7 +82,7 @@ def fp8_gemm_rows(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torc
         acc = torch.zeros(xf.shape[0], N, dtype=torch.float32, device=xq.device)
         for b in range(kb):
             part = _tree_sum_last(xf[:, None, b, :] * wf[None, :, b, :])  # [m, N]
-            acc = acc + (part * xs[r0:r0 + rows, b, None]) * wsn[None, :, b]
+            acc = acc + part * (xs[r0:r0 + rows, b, None] * wsn[None, :, b])
         if bias_f is not None:
             acc = acc + bias_f
         out[r0:r0 + rows] = acc.to(out_dtype)
@@ -88,11 +97,17 @@ def fp8_gemm_dequant(xq, xs, wq, ws, bias, out_dtype):
 
 
 if HAS_TRITON:
+    try:  # host-side TMA descriptors (triton >= 3.4); the pointer path needs none
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover
+        TensorDescriptor = None
+
     @triton.jit
     def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
-                         M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+                         M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr):
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -106,32 +121,62 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
-        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-        b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+        # Lanes past M / N read a valid row (the last one) instead of being masked: a product
+        # row depends on its own A row only, so the duplicates change no stored bits, and the
+        # loads stay unmasked. (TMA zero-fills out-of-range boxes itself.)
+        rm = tl.where(m_ok, offs_m, M - 1).to(tl.int64)
+        rn = tl.where(n_ok, offs_n, N - 1).to(tl.int64)
+        if not USE_TMA:
+            a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
+            b_ptrs = b_ptr + rn[:, None] * stride_bn + offs_k[None, :]
+        as_ptrs = as_ptr + rm * stride_asm
+        if BLOCK_N == BLOCK_K:  # the tile's weight-scale column is one scalar per K block
+            bs_ptrs = bs_ptr + pid_n * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_blocks = tl.cdiv(K, BLOCK_K)
         for kb in range(0, n_blocks):
-            k = kb * BLOCK_K + offs_k
-            k_ok = k < K
-            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # scales first: their latency hides under the operand loads and the dot
+            sa = tl.load(as_ptrs + kb * stride_ask)
+            sb = tl.load(bs_ptrs + kb)
+            if USE_TMA:
+                a = a_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                b = b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = (kb * BLOCK_K + offs_k) < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
             if EMULATE:
                 part = tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
             else:
-                part = tl.dot(a, tl.trans(b))
-            sa = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + kb, mask=m_ok, other=0.0)
-            sb = tl.load(bs_ptr + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=n_ok, other=0.0)
-            acc = acc + (part * sa[:, None]) * sb[None, :]
+                part = tl.dot(a, tl.trans(b))  # both operands K-major: the fp8 wgmma form
+            if BLOCK_N == BLOCK_K:
+                acc = acc + part * (sa * sb)[:, None]
+            else:
+                acc = acc + part * (sa[:, None] * sb[None, :])
+            if not USE_TMA:
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def gemm_config(N: int, K: int) -> dict:
+    """The tiles for weight shape [N, K]: chosen by the weight's shape only, never by M."""
+    return GEMM_CONFIG_BY_SHAPE.get((N, K), GEMM_CONFIG)
+
+
 def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """The CUDA kernel (CPU tensors under TRITON_INTERPRET=1 in tests). `config`: tile
-    override for the benchmark's sweep; the engine always runs GEMM_CONFIG."""
+    override for the benchmark's sweep; the engine always runs gemm_config(N, K).
+    xs may have any strides (the fused quantization writes it M-contiguous)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     M, K = xq.shape
@@ -139,35 +184,42 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     if wq.shape[1] != K or xs.shape != (M, -(-K // BLOCK)) or ws.shape != (-(-N // BLOCK), -(-K // BLOCK)):
         raise ValueError("fp8_gemm: xq [M, K], xs [M, K/128], wq [N, K], ws [N/128, K/128]")
     xq, wq = xq.contiguous(), wq.contiguous()
-    xs, ws = xs.float().contiguous(), ws.float().contiguous()
+    xs, ws = xs.float(), ws.float().contiguous()
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return out
     emulate = _INTERPRET or not xq.is_cuda
-    cfg = dict(config or (INTERPRET_CONFIG if emulate else GEMM_CONFIG))
+    cfg = dict(config or (INTERPRET_CONFIG if emulate else gemm_config(N, K)))
     if cfg["BLOCK_N"] % BLOCK:
         raise ValueError("BLOCK_N must be a multiple of 128 (one weight-scale row per 128 columns)")
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    use_tma = bool(cfg.pop("TMA", False)) and TensorDescriptor is not None and K % 16 == 0
+    a, b = xq, wq
+    if use_tma:
+        a = TensorDescriptor.from_tensor(xq, [bm, BLOCK])
+        b = TensorDescriptor.from_tensor(wq, [bn, BLOCK])
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _fp8_gemm_kernel[grid](xq, xs, wq, ws, bias if bias is not None else xs, out,
-                           M, N, K, xq.stride(0), xs.stride(0), wq.stride(0), ws.stride(0), out.stride(0),
-                           HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-                           GROUP_M=cfg.pop("GROUP_M"), EMULATE=emulate, **cfg)
+    _fp8_gemm_kernel[grid](a, xs, b, ws, bias if bias is not None else ws, out,
+                           M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0),
+                           out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+                           GROUP_M=cfg.pop("GROUP_M"), EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate,
+                           **cfg)
     return out
 
 
 # ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
-def _linear(gemm):
+def _linear(gemm, fused_quant: bool = False):
     def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_act(x2)
+        # the fused Triton quantization on CUDA; torch's (the same bits) on CPU
+        xq, xs = quantize_act_triton(x2) if fused_quant and x2.is_cuda else quantize_act(x2)
         return gemm(xq, xs, wq, ws, bias, x.dtype).reshape(*x.shape[:-1], wq.shape[0])
     fp8_linear.__name__ = fp8_linear.__qualname__ = f"fp8_linear[{gemm.__name__}]"
     fp8_linear.gemm = gemm
     return fp8_linear
 
 
-fp8_linear_triton = _linear(fp8_gemm_triton)
+fp8_linear_triton = _linear(fp8_gemm_triton, fused_quant=True)
 fp8_linear_rows = _linear(fp8_gemm_rows)
 fp8_linear_dequant = _linear(fp8_gemm_dequant)
 
