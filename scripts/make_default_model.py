@@ -7,7 +7,8 @@ Steps (all local, nothing downloaded):
    (vllm.testing.tiny_models.make_tiny_checkpoint; the tokenizer is trained on
    ``vllm/testing/data/corpus.txt`` and splits digits one by one).
 2. Supervised fine-tuning with ``vllm.training.Policy`` (the engine's model class under
-   autograd, invariant numerics, float32 on the CPU): each example is a problem of the
+   autograd, float32 on the CPU; ``--numerics fast`` by default, about 5x quicker than
+   invariant on the CPU): each example is a problem of the
    ``arithmetic`` task's TRAIN split (vllm/rl/tasks/arithmetic.py), rendered with the
    chat template exactly as ``vllm train`` renders its prompts, followed by the answer and
    ``<|im_end|>``; the loss is the mean negative logprob of those response tokens.
@@ -18,15 +19,16 @@ Steps (all local, nothing downloaded):
    engine (``LLM.chat``), goes into the model's README.md.
 
 The training budget is deliberately short: the shipped model answers in the right
-format and gets part of the problems right (one- and two-digit operands mostly), which
-leaves room for ``vllm train`` (RL) to improve it.
+format and gets part of the problems right, which leaves room for ``vllm train`` (RL)
+to improve it.
 
-Deterministic: the data is a function of --seed, the initial weights of --seed, and the
-invariant kernels fix every reduction order, so a re-run rewrites the same weights (for
-the same torch / transformers / tokenizers versions).
+Deterministic: the data and the initial weights are functions of --seed, and the CPU
+kernels run in a fixed order for a fixed thread count (--threads, default 1), so a
+re-run rewrites the same weights (for the same torch / transformers / tokenizers
+versions).
 
 Usage:
-    python scripts/make_default_model.py            # writes vllm/default_model/ (about 10 min on 2 cores)
+    python scripts/make_default_model.py            # writes vllm/default_model/ (about 10 min on one core)
     python scripts/make_default_model.py --out DIR --steps 50   # a quick look
 """
 
@@ -91,29 +93,29 @@ downloaded. Every file is produced by
 ## What it does
 
 Asked in chat format (ChatML) a question of the `arithmetic` task
-(`vllm/rl/tasks/arithmetic.py`), such as `What is 347 + 58?` or `What is 612 - 95?`
-(operands of 1 to 3 digits, + or -, never a negative result), it answers with the
+(`vllm/rl/tasks/arithmetic.py`), such as `What is 47 + 58?` or `What is 61 - 9?`
+(operands of 1 or 2 digits, + or -, never a negative result), it answers with the
 number and ends its turn:
 
     <|im_start|>user
-    What is 347 + 58?<|im_end|>
+    What is 47 + 58?<|im_end|>
     <|im_start|>assistant
-    405<|im_end|>
+    105<|im_end|>
 
 Greedy accuracy on {eval_size} problems of the task's held-out test split (seed 0),
 measured with our engine on CPU (the bf16 weights upcast to float32):
 **{accuracy:.1%}** ({correct} of {eval_size}); {well_formed:.1%} of the answers are a
 bare number ending the turn. By operand size (the longer operand's digit count):
 {by_digits}.
-It is deliberately undertrained: it solves most small problems and misses many
-three-digit ones, so `vllm train` (GRPO on the same task) has room to improve it.
+It is deliberately undertrained (a few minutes of training), so `vllm train` (GRPO on
+the same task) has room to improve it.
 
 ## How it was made
 
 1. Qwen3 architecture with random weights (seed {seed}), the project's byte-level
    BPE tokenizer.
 2. Supervised fine-tuning with `vllm.training.Policy` (the engine's own model class
-   under autograd, `numerics="invariant"`, float32 on CPU): {steps} steps of
+   under autograd, `numerics="{numerics}"`, float32 on CPU): {steps} steps of
    {batch} problems from the task's train split, rendered with the chat template as
    `vllm train` renders its prompts, loss = mean negative logprob of the answer tokens
    and `<|im_end|>`; AdamW, lr {lr:g} (linear warmup {warmup} steps, cosine decay to
@@ -142,8 +144,8 @@ three-digit ones, so `vllm train` (GRPO on the same task) has room to improve it
 
 ## Reproducing
 
-The script is deterministic (seeded data and initial weights, invariant kernels): a
-re-run writes the same weights for the same torch / transformers / tokenizers versions.
+The script is deterministic (seeded data and initial weights, one CPU thread): a re-run
+writes the same weights for the same torch / transformers / tokenizers versions.
 Do not edit these files by hand; change `scripts/make_default_model.py` and re-run.
 """
 
@@ -262,10 +264,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=4096, help="distinct problems per data chunk")
     parser.add_argument("--numerics", default="fast", choices=["fast", "invariant"],
                         help="the Policy's kernels for SFT (fast: ~5x quicker on CPU; the RL runs use invariant)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the bits depend on it)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
     out = os.path.abspath(args.out)
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
         num_params=num_params, weights_bytes=os.path.getsize(os.path.join(out, "model.safetensors")),
         endoftext_id=ids[PAD_TOKEN], im_start_id=ids["<|im_start|>"], im_end_id=ids[EOS_TOKEN],
         final_loss=final_loss, train_seconds=seconds, **result, **DEFAULT_MODEL_KWARGS,
-        **{k: getattr(args, k) for k in SFT_DEFAULTS if k != "eval_size"})
+        numerics=args.numerics, **{k: getattr(args, k) for k in SFT_DEFAULTS if k != "eval_size"})
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(readme)
 

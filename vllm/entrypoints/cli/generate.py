@@ -8,7 +8,7 @@ from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, eng
 
 # Without --prompt: held-out problems of the task the embedded model is trained on
 # (vllm/rl/tasks/arithmetic.py), asked in chat format and checked against their answers.
-NUM_BUILTIN_PROBLEMS = 6
+NUM_BUILTIN_PROBLEMS = 8
 
 
 def builtin_problems() -> list[dict]:
