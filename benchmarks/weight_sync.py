@@ -201,28 +201,38 @@ def main() -> None:
             rows.append(("floor: broadcast", None, note))
             rows.append(("group", None, note))
         if group is not None:
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-            times = []
-            for i in range(args.reps + 1):
-                sync(device)
-                t0 = time.perf_counter()
-                group.broadcast(flat, src=0)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-            floor_bc = statistics.median(times[1:])
             same = " (both ranks on one GPU)" if device.type == "cuda" and torch.cuda.device_count() < 2 else ""
-            rows.append((f"floor: broadcast ({backend})", floor_bc, "one broadcast of the same bytes" + same))
-            del flat
-            times = []
-            for i in range(args.reps + 1):
-                t0 = time.perf_counter()
-                receive_update(llm.llm_engine, group, [list(m) for m in manifest], bucket_bytes)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-            rows.append((f"group ({backend})", statistics.median(times[1:]), "handshake + buckets + outcome" + same))
+            try:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+                times = []
+                for i in range(args.reps + 1):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    group.broadcast(flat, src=0)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                floor_bc = statistics.median(times[1:])
+                rows.append((f"floor: broadcast ({backend})", floor_bc, "one broadcast of the same bytes" + same))
+                del flat
+                times = []
+                for i in range(args.reps + 1):
+                    t0 = time.perf_counter()
+                    receive_update(llm.llm_engine, group, [list(m) for m in manifest], bucket_bytes)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                rows.append((f"group ({backend})", statistics.median(times[1:]), "handshake + buckets + outcome" + same))
+            except Exception as err:  # noqa: BLE001 -- NCCL refuses two ranks on one GPU at the first collective
+                note = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+                if same:
+                    note = "NCCL refuses two ranks on one GPU (run on the 2-GPU machine): " + note
+                rows.append((f"group ({backend})", None, note))
             group.close()
-    kind, payload, _ = parent.recv()
-    proc.join(60)
+    kind, payload = "done", None
+    if parent.poll(150):
+        kind, payload, _ = parent.recv()
+    proc.join(30)
+    if proc.is_alive():
+        proc.terminate()
     if kind in ("error", "group_error") and group_spec is not None:
         print(f"trainer process: {payload}")
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs, "an update moved a parameter"
