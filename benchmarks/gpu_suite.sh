@@ -157,6 +157,13 @@ if has fp8; then
     --json-out "$OUT/fp8_throughput.json" >"$OUT/fp8_throughput.log" 2>&1
   tail -12 "$OUT/fp8_throughput.log"
 fi
+if has defaultjob; then
+  # the README's main job (`vllm train`, no arguments: the default recipe on the embedded model) on the GPU
+  echo "== vllm train, default recipe ($SECONDS s)"
+  timeout "${DEFAULTJOB_TIMEOUT:-300}" python -m vllm.entrypoints.cli.main train --output-dir /tmp/rl_default --overwrite \
+    ${DEFAULTJOB_ARGS:-} >"$OUT/defaultjob.log" 2>&1
+  tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^(vllm train: grpo|eval|step|done)" | tail -9
+fi
 if has rlstep; then
   # the full RL step (vllm train's loop), fast vs invariant, Qwen3-4B dims, random weights
   echo "== RL step ($SECONDS s)"
@@ -179,6 +186,7 @@ has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; }
+has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \
   grep -E "^fp8 decode" "$OUT/fp8_attention.log"; grep -E "^\[fp8\]|^invariant" "$OUT/fp8_throughput.log"; }
