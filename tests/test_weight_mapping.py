@@ -127,16 +127,16 @@ def test_checkpoint_with_unknown_tensor_is_refused_by_the_engine(tiny_qwen3, tmp
 
 def test_bf16_checkpoint_converts_on_load_and_sync_casts_by_the_same_rule(tiny_qwen3):
     """Loading converts the checkpoint's dtype to the model's (as transformers does); a weight
-    sync of another float dtype casts by that same rule, so syncing a checkpoint's tensors
-    gives the bits a fresh load of that checkpoint gives."""
+    sync casts another float dtype by that same rule (an update from a checkpoint's tensors
+    equals a fresh load), and refuses non-float tensors."""
     model = _model(tiny_qwen3, dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
     f32 = _model(tiny_qwen3).hf_state_dict()
     for name, t in model.hf_state_dict().items():
         assert torch.equal(_bytes(t), _bytes(f32[name].to(torch.bfloat16))), name
     name = "model.norm.weight"
-    plan = plan_update(model, [(name, f32[name])])
-    assert len(plan) == 1
+    (dest, src), = plan_update(model, [(name, f32[name])])
+    assert src.dtype == torch.bfloat16 and torch.equal(_bytes(src), _bytes(f32[name].to(torch.bfloat16)))
     with pytest.raises(ValueError, match="dtype"):
         plan_update(model, [(name, f32[name].to(torch.int32))])
 

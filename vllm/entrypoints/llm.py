@@ -172,6 +172,9 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
+                if engine.paused:
+                    raise ValueError("the engine is paused (engine.pause() or an unfinished weight update): "
+                                     "resume it before generating")
                 for out in engine.step():
                     results[out.request_id] = out
                     if bar is not None:

@@ -160,7 +160,8 @@ class WeightUpdate:
         self._written = False
         self.closed = False
         self.num_buckets = 0
-        self._was_paused = engine.paused
+        # a torn engine's pause belongs to the failed update: a complete update lifts it
+        self._was_paused = engine.paused and not engine.weights_torn
         engine.paused = True  # from the first bucket to finish nothing steps
         engine.weight_update = self
 
