@@ -84,7 +84,7 @@ def trainer_main(conn, manifest, device_str: str, bucket_bytes: int, group_spec:
     try:
         device = torch.device(device_str)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index or 0)  # set_device needs an index ("cuda" alone is refused)
         named = random_tensors(manifest, device, seed=1)
         from vllm.weight_sync.ipc import IpcExport
         t0 = time.perf_counter()

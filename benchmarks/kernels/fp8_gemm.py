@@ -4,8 +4,7 @@ shapes (N, K from benchmarks/configs/qwen3-8b.json), measured side by side in on
 Columns: microseconds per call (triton.testing.do_bench median) of
   fp8 gemm   - vllm.kernels.fp8_gemm.fp8_gemm_triton on pre-quantized activations (the GEMM alone)
   fp8 lin    - the layer's op: fused activation quantization + the GEMM (fp8_linear_triton)
-  q fused    - the fused activation quantization alone (vllm/kernels/fp8_quant.py)
-  q torch    - the torch reference quantization (fp8.quantize_act), for comparison
+  q torch    - the activation quantization alone (fp8.quantize_act, torch ops)
   bf16 inv   - vllm.kernels.matmul.invariant_matmul
   cuBLAS     - torch.matmul in bf16
 and the ratio bf16 inv / fp8 gemm (target >= 1.5 for M >= 1024). Each shape also checks
@@ -44,7 +43,6 @@ import triton
 
 from vllm.kernels import fp8
 from vllm.kernels.fp8_gemm import GEMM_CONFIG, fp8_gemm_triton, fp8_linear_triton, gemm_config
-from vllm.kernels.fp8_quant import quantize_act_triton
 from vllm.kernels.matmul import invariant_matmul
 
 DEVICE = "cuda"  # a CPU smoke run of the script's logic sets "cpu" (under TRITON_INTERPRET=1)
@@ -92,7 +90,7 @@ def _compile_configs(cfgs: list[dict], K: int, N: int, device: str = "cuda") -> 
     out = []
     x = torch.randn(SWEEP_MS[0], K, device=device, dtype=torch.bfloat16)
     wq, ws = fp8.quantize_weight(torch.randn(N, K, device=device, dtype=torch.bfloat16))
-    xq, xs = quantize_act_triton(x)
+    xq, xs = fp8.quantize_act(x)
     for cfg in cfgs:
         try:
             fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg)
@@ -125,35 +123,32 @@ def precompile(cfgs: list[dict], K: int, N: int, jobs: int) -> dict[str, str | N
 def table(args, ms, shp) -> tuple[list[dict], dict]:
     rows, tinv_of = [], {}
     print(f"FP8 GEMM config: {GEMM_CONFIG}")
-    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'fp8 lin':>10}{'q fused':>9}{'q torch':>9}{'bf16 inv':>10}"
+    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'fp8 lin':>10}{'q torch':>9}{'bf16 inv':>10}"
           f"{'cuBLAS':>10}{'inv/fp8':>9}{'inv/lin':>9}{'cublas/fp8':>11}{'TFLOP/s fp8':>12}")
     for name, (K, N) in shp.items():
         w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * K ** -0.5
         wq, ws = fp8.quantize_weight(w)
         x_all = torch.randn(max(ms), K, device=DEVICE, dtype=torch.bfloat16)
-        ref_rows = fp8_gemm_triton(*quantize_act_triton(x_all[:16]), wq, ws, None, torch.bfloat16).view(torch.int16)
-        invariant = quant_same = True
+        ref_rows = fp8_gemm_triton(*fp8.quantize_act(x_all[:16]), wq, ws, None, torch.bfloat16).view(torch.int16)
+        invariant = True
         for M in ms:
             x = x_all[:M]
-            xq, xs = quantize_act_triton(x)
-            xq_r, xs_r = fp8.quantize_act(x)
-            quant_same &= torch.equal(xq.view(torch.uint8), xq_r.view(torch.uint8)) and torch.equal(xs, xs_r)
+            xq, xs = fp8.quantize_act(x)
             y = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16)
             head = y[:16].view(torch.int16)
             invariant &= torch.equal(head, ref_rows[:head.shape[0]])
             t8 = bench(lambda: fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16))
             tl8 = bench(lambda: fp8_linear_triton(x, wq, ws, None))
-            tq = bench(lambda: quantize_act_triton(x), rep=20)
             tqt = bench(lambda: fp8.quantize_act(x), rep=20)
             tinv = bench(lambda: invariant_matmul(x, w))
             tcb = bench(lambda: torch.matmul(x, w.t()))
             tinv_of[(name, M)] = tinv
-            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_linear_us=tl8, quant_fused_us=tq, quant_torch_us=tqt,
+            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_linear_us=tl8, quant_torch_us=tqt,
                      bf16_invariant_us=tinv, cublas_us=tcb)
             rows.append(r)
-            print(f"{name:<8}{M:>6}{t8:>10.1f}{tl8:>10.1f}{tq:>9.1f}{tqt:>9.1f}{tinv:>10.1f}{tcb:>10.1f}"
+            print(f"{name:<8}{M:>6}{t8:>10.1f}{tl8:>10.1f}{tqt:>9.1f}{tinv:>10.1f}{tcb:>10.1f}"
                   f"{tinv / t8:>9.2f}{tinv / tl8:>9.2f}{tcb / t8:>11.2f}{2 * M * N * K / t8 / 1e6:>12.0f}", flush=True)
-        print(f"fp8 bits: {name} rows 0..15 equal across M = {invariant}; fused quant == torch quant = {quant_same}")
+        print(f"fp8 bits: {name} rows 0..15 equal across M = {invariant}")
     big = [r for r in rows if r["M"] >= 1024]
     if big:
         worst = min(r["bf16_invariant_us"] / r["fp8_us"] for r in big)
@@ -179,11 +174,11 @@ def sweep(args, shp, tinv_of) -> dict:
         w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * K ** -0.5
         wq, ws = fp8.quantize_weight(w)
         x_all = torch.randn(max(SWEEP_MS), K, device=DEVICE, dtype=torch.bfloat16)
-        xq16, xs16 = quantize_act_triton(x_all[:16])
+        xq16, xs16 = fp8.quantize_act(x_all[:16])
         default = None
         for M in SWEEP_MS:
             x = x_all[:M]
-            xq, xs = quantize_act_triton(x)
+            xq, xs = fp8.quantize_act(x)
             tinv = tinv_of.get((name, M)) or bench(lambda: invariant_matmul(x, w))
             if default is None:
                 default = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16).float()

@@ -15,8 +15,7 @@ One arithmetic, two devices (docs/fp8.md):
   multiply-add is one fused FMA). Tiles are FIXED (`gemm_config(N, K)`: `GEMM_CONFIG` or a
   per-weight-shape entry, never chosen by M), K is never split, loads are unmasked when
   K % 128 == 0 (rows/columns past M/N re-read a valid row and are never stored): a row's bits
-  cannot depend on the batch. Activations are quantized by one fused kernel
-  (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
+  cannot depend on the batch. Activations are quantized by the torch rule (fp8.quantize_act).
 * CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
   exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
   It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
@@ -29,7 +28,6 @@ import os
 import torch
 
 from vllm.kernels.fp8 import BLOCK, dequantize_act, dequantize_weight, quantize_act
-from vllm.kernels.fp8_quant import quantize_act_triton
 
 try:
     import triton
@@ -46,9 +44,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # kernel's own terms but is recorded in the contract (LINEAR_RULE + this dict).
 # TMA: operand tiles through host-side tensor descriptors (Hopper TMA) instead of pointer loads;
 # the same arithmetic. `benchmarks/kernels/fp8_gemm.py --sweep` prints the best dict to put here.
-GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": False}
+# From `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (benchmarks/NOTES.md, session 5):
+# every entry's rows were checked equal across M there. Chosen by the weight's shape only.
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": True}
 # Optional per-weight-shape tiles {(N, K): config}: selected by the weight's shape, never by M.
-GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {}
+GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {
+    (6144, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (4096, 4096): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (24576, 4096): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (4096, 12288): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
 
 
@@ -176,7 +181,7 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """The CUDA kernel (CPU tensors under TRITON_INTERPRET=1 in tests). `config`: tile
     override for the benchmark's sweep; the engine always runs gemm_config(N, K).
-    xs may have any strides (the fused quantization writes it M-contiguous)."""
+    xs may have any strides."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     M, K = xq.shape
@@ -208,18 +213,17 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
 
 
 # ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
-def _linear(gemm, fused_quant: bool = False):
+def _linear(gemm):
     def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        # the fused Triton quantization on CUDA; torch's (the same bits) on CPU
-        xq, xs = quantize_act_triton(x2) if fused_quant and x2.is_cuda else quantize_act(x2)
+        xq, xs = quantize_act(x2)
         return gemm(xq, xs, wq, ws, bias, x.dtype).reshape(*x.shape[:-1], wq.shape[0])
     fp8_linear.__name__ = fp8_linear.__qualname__ = f"fp8_linear[{gemm.__name__}]"
     fp8_linear.gemm = gemm
     return fp8_linear
 
 
-fp8_linear_triton = _linear(fp8_gemm_triton, fused_quant=True)
+fp8_linear_triton = _linear(fp8_gemm_triton)
 fp8_linear_rows = _linear(fp8_gemm_rows)
 fp8_linear_dequant = _linear(fp8_gemm_dequant)
 
