@@ -44,7 +44,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # kernel's own terms but is recorded in the contract (LINEAR_RULE + this dict).
 # TMA: operand tiles through host-side tensor descriptors (Hopper TMA) instead of pointer loads;
 # the same arithmetic. `benchmarks/kernels/fp8_gemm.py --sweep` prints the best dict to put here.
-# From `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (benchmarks/NOTES.md, session 5):
+# From `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (figures in benchmarks/NOTES.md):
 # every entry's rows were checked equal across M there. Chosen by the weight's shape only.
 GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": True}
 # Optional per-weight-shape tiles {(N, K): config}: selected by the weight's shape, never by M.
