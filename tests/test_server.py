@@ -196,12 +196,13 @@ def test_chat_logprobs(served):
 
 def test_streaming_concatenates_to_full_text(served, ref_llm):
     app, _ = served
-    # Seeded sampling: the random-weight default model's greedy text is one token repeated.
+    # Seeded sampling past the end of turn: many tokens, some of them special (skipped).
     sampling = {"temperature": 1.0, "seed": 5, "max_tokens": 16, "ignore_eos": True}
     ref = _ref(ref_llm, {"prompt_token_ids": PROMPT_IDS}, **sampling).outputs[0]
-    # A stop string taken from the middle of the text: streaming must hold back the
-    # text a stop string might be completing, or chunks would overshoot the cut.
-    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    # A stop string taken from inside the text, completed before the last token (one the
+    # last token completes ends by length, as offline): streaming must hold back the text
+    # a stop string might be completing, or chunks would overshoot the cut.
+    stop = ref.text[len(ref.text) // 3:len(ref.text) // 3 + 3]
     assert ref.text.index(stop) > 0
     for extra in ({}, {"stop": [stop]}, {"logprobs": 1}):
         body = {"prompt": PROMPT_IDS, **sampling, **extra}
