@@ -12,6 +12,7 @@ from vllm.kernels.attention_cpu import paged_attention_cpu, paged_attention_ref
 from vllm.testing.parity_battery import Battery
 from vllm.training import Policy
 from vllm.worker.kv_format import KVFormat
+from vllm.testing.rollouts import sequences_and_logprobs
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -105,12 +106,7 @@ def test_fp8_cache_invariance_battery(battery, check):
 def _rollout(llm, prompts):
     sp = SamplingParams(temperature=0.8, max_tokens=6, seed=3, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs, lps = [], []
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seqs.append(p + c.token_ids)
-        lps.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
-    return seqs, lps
+    return sequences_and_logprobs(prompts, outs)
 
 
 def test_fp8_rollout_equals_training_bits_and_differs_from_bf16_cache(tiny_qwen3):

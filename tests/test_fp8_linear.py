@@ -16,6 +16,7 @@ from vllm.kernels.fp8_gemm import (FP8LinearFn, fp8_gemm_rows, fp8_gemm_triton, 
                                    fp8_linear_triton)
 from vllm.testing.parity_battery import Battery
 from vllm.training import Policy
+from vllm.testing.rollouts import sequences_and_logprobs
 
 
 def bits(t):
@@ -130,12 +131,7 @@ def test_fp8_gemm_invariance_battery(battery, check):
 def _rollout(llm, prompts):
     sp = SamplingParams(temperature=0.8, max_tokens=5, seed=3, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs, lps = [], []
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seqs.append(p + c.token_ids)
-        lps.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
-    return seqs, lps
+    return sequences_and_logprobs(prompts, outs)
 
 
 def test_fp8_rollout_equals_training_bits_and_sync_requantizes(tiny_qwen3):

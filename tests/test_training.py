@@ -8,6 +8,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.testing.tiny_models import load_hf_model
 from vllm.training import Policy
+from vllm.testing.rollouts import sequences_and_logprobs
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -21,12 +22,7 @@ def _rollout(llm, prompts, temperature=0.8, max_tokens=8, seed=11, layout="toget
         outs = llm.generate(reqs, sp, use_tqdm=False)
     else:  # one at a time, reversed
         outs = [llm.generate(r, sp, use_tqdm=False)[0] for r in reversed(reqs)][::-1]
-    seqs, lps = [], []
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seqs.append(p + c.token_ids)
-        lps.append(torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], dtype=torch.float32))
-    return seqs, lps
+    return sequences_and_logprobs(prompts, outs)
 
 
 @pytest.fixture(scope="module")
