@@ -89,13 +89,33 @@ def restore_weights(model, weights: dict[str, torch.Tensor]) -> None:
     load_weights(model, iter(weights.items()))
 
 
+def fuse_experts_like(model, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint (per-expert) MoE names onto a transformers model that stores experts as 3-D
+    `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (transformers >= 5);
+    `from_pretrained` converts these names, `load_state_dict` does not."""
+    import re
+    want = set(model.state_dict())
+    out, groups = {}, {}
+    for name, t in weights.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m and f"{m[1]}.gate_up_proj" in want:
+            groups.setdefault(m[1], {})[(int(m[2]), m[3])] = t
+        else:
+            out[name] = t
+    for prefix, g in groups.items():
+        n = 1 + max(e for e, _ in g)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g[(e, "gate_proj")], g[(e, "up_proj")]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([g[(e, "down_proj")] for e in range(n)])
+    return out
+
+
 def build_hf(path: str, weights: dict[str, torch.Tensor], device: str, varlen: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(path)
     attn = "flash_attention_2" if varlen else "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(fuse_experts_like(model, weights), strict=False)
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"weights do not map onto transformers' model: missing {missing}, unexpected {unexpected}")

@@ -160,3 +160,43 @@ def test_graph_pointer_check_fires_before_replay_on_gpu(gpu_model):
     llm.llm_engine.on_weights_updated()
     with pytest.raises(StaleGraphPointers):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)
+
+
+def test_non_finite_found_in_large_and_small_tensors(tiny_qwen3):
+    """check_finite reduces large tensors one by one and small ones in multi-tensor kernels:
+    a NaN or Inf in either kind is found, named, and nothing is written."""
+    from vllm.weight_sync import bucket, session
+    llm = LLM(tiny_qwen3, device="cpu")
+    model = llm.llm_engine.runner.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = {n: t.detach().clone() for n, t in model.hf_state_dict().items()}
+    large = max(sd, key=lambda n: sd[n].numel())
+    small = min(sd, key=lambda n: sd[n].numel())
+    old = bucket.LARGE_TENSOR_BYTES
+    try:
+        bucket.LARGE_TENSOR_BYTES = sd[large].numel() * sd[large].element_size()   # exactly one large tensor
+        assert bucket.is_large(sd[large]) and not bucket.is_large(sd[small])
+        for name, value in ((large, float("nan")), (small, float("-inf"))):
+            bad = dict(sd)
+            bad[name] = sd[name].clone()
+            bad[name].view(-1)[-1] = value
+            with pytest.raises(ValueError, match=f"{name}.*non-finite"):
+                llm.update_weights(bad)
+        session.check_finite([(t, t) for t in sd.values()])   # all finite: no error
+    finally:
+        bucket.LARGE_TENSOR_BYTES = old
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert llm.weight_version == 0
+
+
+def test_weight_mapping_cache_follows_parameter_objects(tiny_qwen3):
+    """The mapping weight sync reuses is rebuilt when a parameter object is replaced."""
+    from vllm.models.weights import weight_mapping_of
+    model = LLM(tiny_qwen3, device="cpu").llm_engine.runner.model
+    m1 = weight_mapping_of(model)
+    assert weight_mapping_of(model) is m1
+    name, p = next(iter(model.named_parameters()))
+    mod_name, attr = name.rsplit(".", 1)
+    setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(p.detach().clone()))
+    m2 = weight_mapping_of(model)
+    assert m2 is not m1 and m2.params[name] is not p

@@ -40,6 +40,9 @@ from vllm.model_loader.loader import checkpoint_files, iterate_weights
 from vllm.weight_sync.ipc import IpcExport
 export = IpcExport(list(iterate_weights(checkpoint_files(sys.argv[1]))), bucket_bytes=96 << 10)
 print(json.dumps(export.message()), flush=True)
+sys.stdin.readline()          # the engine answered: the next version goes into the same buckets
+export.refill(list(iterate_weights(checkpoint_files(sys.argv[2]))))
+print(json.dumps(export.message()), flush=True)
 sys.stdin.readline()          # the engine answered: the buckets may go
 export.release()
 print("released", flush=True)
@@ -47,23 +50,33 @@ print("released", flush=True)
 
 
 def test_shared_memory_buckets_across_processes(tiny_qwen3, new_weights):
+    """Two versions through one export (the second refilled into the same buffers, same
+    message), each equal to a fresh engine loaded from its checkpoint, bit for bit."""
     llm = LLM(tiny_qwen3, device="cpu")
-    proc = subprocess.Popen([sys.executable, "-c", EXPORTER, new_weights], stdin=subprocess.PIPE,
+    model = llm.llm_engine.runner.model
+    proc = subprocess.Popen([sys.executable, "-c", EXPORTER, new_weights, tiny_qwen3], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
     try:
         message = json.loads(proc.stdout.readline())
         assert len(message) > 2 and all(m["handle"]["kind"] == "shm" for m in message)
         assert llm.update_weights_from_ipc(message) == 1
+        got, want = bits(model), bits(LLM(new_weights, device="cpu").llm_engine.runner.model)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        again = json.loads(proc.stdout.readline())
+        assert again == message                                 # refilled in place: same handles
+        assert llm.update_weights_from_ipc(again) == 2
+        got, want = bits(model), bits(LLM(tiny_qwen3, device="cpu").llm_engine.runner.model)
+        assert all(torch.equal(got[k], want[k]) for k in got)
         proc.stdin.write("done\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "released"
     finally:
         proc.wait(30)
-    got, want = bits(llm.llm_engine.runner.model), bits(LLM(new_weights, device="cpu").llm_engine.runner.model)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     with pytest.raises(ValueError, match="does not exist"):   # released: a stale handle is a clear error
         llm.update_weights_from_ipc(message)
-    assert llm.weight_version == 1
+    assert llm.weight_version == 2
 
 
 @pytest.fixture(scope="module")

@@ -142,14 +142,26 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_
     return [FlatBucket.empty(layout, device).fill(sources) for layout in plan_buckets(manifest_of(named), bucket_bytes)]
 
 
+# Tensors at least this large are copied (and checked) one by one: a lone contiguous copy
+# is a device memcpy at the copy-bandwidth floor, while the multi-tensor kernels that
+# batch the many small ones (norms, biases) reach a fraction of it on large tensors
+# (benchmarks/weight_sync.py --breakdown measures both).
+LARGE_TENSOR_BYTES = 1 << 20
+
+
+def is_large(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() >= LARGE_TENSOR_BYTES
+
+
 def copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dest[i].copy_(src[i]) for all i, as few kernel launches as the devices allow."""
-    same: tuple[list, list] = ([], [])
+    """dest[i].copy_(src[i]) for all i: large same-dtype pairs one copy each (memcpy), the
+    small ones batched into multi-tensor kernels, other dtypes cast on the way."""
+    small: tuple[list, list] = ([], [])
     for d, s in zip(dests, srcs):
-        if d.device == s.device and d.dtype == s.dtype:
-            same[0].append(d)
-            same[1].append(s)
+        if d.device == s.device and d.dtype == s.dtype and not is_large(d):
+            small[0].append(d)
+            small[1].append(s)
         else:
             d.copy_(s, non_blocking=True)
-    if same[0]:
-        torch._foreach_copy_(same[0], same[1], non_blocking=True)
+    if small[0]:
+        torch._foreach_copy_(small[0], small[1], non_blocking=True)

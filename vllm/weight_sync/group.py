@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.models.weights import weight_mapping_of
 from vllm.weight_sync.bucket import BucketLayout, FlatBucket, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def _to_device(bucket: FlatBucket, device: torch.device) -> FlatBucket:
 
 def _check_manifest(model, layouts: list[BucketLayout]) -> None:
     """Names, shapes and dtypes of a manifest, before any byte moves (meta tensors)."""
-    planner = model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+    planner = weight_mapping_of(model).planner(exact_dtype=False, check_finite=False)
     for layout in layouts:
         for e in layout.entries:
             if not e.torch_dtype.is_floating_point:

@@ -4,9 +4,14 @@ segments on CPU (the same protocol, so CI tests it across processes).
 
 Trainer:  export = IpcExport(named_tensors, bucket_bytes)   # packs flat buckets
           engine.update_weights_from_ipc(export.message())  # any channel: pipe, HTTP JSON
-          export.release()                                  # after the engine answered
+          export.refill(next_named_tensors)                 # next version, same buffers
+          engine.update_weights_from_ipc(export.message())  # same handles: nothing to open
+          export.release()                                  # when done
 Engine:   apply_ipc_update(engine, message)                 # one WeightUpdate, buckets staged
                                                             # by reference, written at finish
+
+The engine keeps the CUDA buffers of the last update mapped (opening a handle costs
+milliseconds per bucket); an update that names other handles drops the old ones.
 
 The message is JSON (no pickle): each bucket is its layout (bucket.py) and a handle,
 {"kind": "cuda", "args": [...]} (torch's CUDA IPC rebuild arguments, encoded) or
@@ -17,6 +22,7 @@ writes each parameter once.
 from __future__ import annotations
 
 import base64
+import json
 from multiprocessing import shared_memory
 from typing import Sequence
 
@@ -55,6 +61,23 @@ class IpcExport:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             self._handles = [{"kind": "cuda", "args": _encode(_cuda_ipc_args(b.buffer))} for b in self.buckets]
+
+    def refill(self, named: Sequence[tuple[str, torch.Tensor]]) -> "IpcExport":
+        """Write a new version of the same tensors (same names, dtypes, shapes) into the
+        same buckets: the handles stay, so an engine that still has them open reads the
+        new bytes without opening anything (opening a CUDA IPC handle costs milliseconds)."""
+        named = list(named)
+        if not self.buckets:
+            raise ValueError("this export was released")
+        have = [(e.name, e.dtype, tuple(e.shape)) for b in self.buckets for e in b.layout.entries]
+        if [(n, d, tuple(sh)) for n, d, sh in manifest_of(named)] != have:
+            raise ValueError("refill needs the tensors the export was made of (same names, dtypes, shapes, order)")
+        sources = {n: t.detach() for n, t in named}
+        for b in self.buckets:
+            b.fill(sources)
+        if self.buckets[0].buffer.is_cuda:
+            torch.cuda.synchronize(self.buckets[0].buffer.device)
+        return self
 
     def message(self) -> list[dict]:
         return [{"layout": b.layout.to_json(), "handle": h} for b, h in zip(self.buckets, self._handles)]
@@ -140,9 +163,34 @@ class _Opened:
                 pass
 
 
-def open_buckets(message: list, device: torch.device) -> list[_Opened]:
-    """Map each exported bucket into this process (ValueError for a malformed message)."""
+class OpenedCudaBuffers:
+    """The CUDA IPC buffers of the last update, kept mapped: an exporter that refills the
+    same buckets (`IpcExport.refill`) sends the same handles, and reopening them would cost
+    milliseconds per bucket. An update whose message names other handles drops the ones it
+    does not name. Held per engine (`engine.ipc_buffers`)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self.buffers.get(key)
+
+    def keep_only(self, opened: dict[str, torch.Tensor]) -> None:
+        self.buffers = dict(opened)
+
+    def clear(self) -> None:
+        self.buffers = {}
+
+
+def _handle_key(h: dict) -> str:
+    return json.dumps(h.get("args"), sort_keys=True, separators=(",", ":"))
+
+
+def open_buckets(message: list, device: torch.device, cache: OpenedCudaBuffers | None = None) -> list[_Opened]:
+    """Map each exported bucket into this process (ValueError for a malformed message).
+    CUDA buffers already open in `cache` are reused; `cache` then holds this message's."""
     out: list[_Opened] = []
+    opened_now: dict[str, torch.Tensor] = {}
     try:
         for i, item in enumerate(message):
             if not isinstance(item, dict) or "layout" not in item or "handle" not in item:
@@ -164,16 +212,23 @@ def open_buckets(message: list, device: torch.device) -> list[_Opened]:
             elif kind == "cuda":
                 if device.type != "cuda":
                     raise ValueError("CUDA IPC buckets need an engine on a CUDA device")
-                from torch.multiprocessing.reductions import rebuild_cuda_tensor
-                args = list(_decode(h.get("args")))
-                args[6] = device.index if device.index is not None else torch.cuda.current_device()  # storage_device: ours
-                out.append(_Opened(FlatBucket(rebuild_cuda_tensor(*args), layout), None))
+                key = _handle_key(h)
+                buf = cache.get(key) if cache is not None else None
+                if buf is None or buf.device != device:
+                    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+                    args = list(_decode(h.get("args")))
+                    args[6] = device.index if device.index is not None else torch.cuda.current_device()  # storage_device: ours
+                    buf = rebuild_cuda_tensor(*args)
+                opened_now[key] = buf
+                out.append(_Opened(FlatBucket(buf, layout), None))
             else:
                 raise ValueError(f"IPC bucket {i}: handle kind must be 'cuda' or 'shm', got {kind!r}")
     except BaseException:
         for o in out:
             o.close()
         raise
+    if cache is not None:
+        cache.keep_only(opened_now)
     return out
 
 
@@ -193,7 +248,9 @@ def apply_ipc_update(engine, message: list, *, contract=None, require_complete: 
 
     if not isinstance(message, list) or not message:
         raise ValueError("an IPC update is a non-empty list of buckets")
-    opened = open_buckets(message, engine.runner.device)
+    if getattr(engine, "ipc_buffers", None) is None:
+        engine.ipc_buffers = OpenedCudaBuffers()
+    opened = open_buckets(message, engine.runner.device, engine.ipc_buffers)
     try:
         update = WeightUpdate(engine, contract=contract, require_complete=require_complete)
         for o in opened:

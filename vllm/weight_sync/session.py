@@ -35,7 +35,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from vllm.weight_sync.bucket import FlatBucket, copy_all
+from vllm.models.weights import weight_mapping_of
+from vllm.weight_sync.bucket import FlatBucket, copy_all, is_large
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def plan_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
     """Validate HF-named tensors against the model's own mapping (`model.weight_mapping()`)
     and return the (destination view, source) pairs to copy, sources cast to the
     parameter's dtype by the load rule. Raises ValueError on any problem; writes nothing."""
-    planner = model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+    planner = weight_mapping_of(model).planner(exact_dtype=False, check_finite=False)
     plan, names = [], []
     for name, tensor in weights:
         if (w := _add(planner, name, tensor)) is not None:
@@ -83,23 +84,30 @@ def _dest_dtype(planner, name: str) -> torch.dtype | None:
 
 
 def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> None:
-    """ValueError if any source holds NaN or Inf. Max-abs norms per tensor, computed as
-    multi-tensor kernels per (device, dtype), and ONE host synchronisation."""
-    groups: dict[tuple, list[int]] = {}
+    """ValueError if any source holds NaN or Inf. Max-abs norms: one reduction per large
+    tensor, multi-tensor kernels per (device, dtype) for the small ones, and one host
+    synchronisation per device."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}   # per device: 1-D bool flags
+    order: dict[torch.device, list[int]] = {}            # the plan index of each flag
+    small: dict[tuple, list[int]] = {}
     for i, (_, src) in enumerate(plan):
-        if src.is_floating_point() and src.numel():
-            groups.setdefault((src.device, src.dtype), []).append(i)
-    flags, order = [], []
-    for idx in groups.values():
-        norms = torch._foreach_norm([plan[i][1] for i in idx], float("inf"))
-        flags.append(torch.isfinite(torch.stack(norms)))
-        order += idx
-    if not flags:
+        if not (src.is_floating_point() and src.numel()):
+            continue
+        if is_large(src):
+            flags.setdefault(src.device, []).append(torch.linalg.vector_norm(src, float("inf")).reshape(1))
+            order.setdefault(src.device, []).append(i)
+        else:
+            small.setdefault((src.device, src.dtype), []).append(i)
+    for (dev, _), idx in small.items():
+        flags.setdefault(dev, []).append(torch.stack(torch._foreach_norm([plan[i][1] for i in idx], float("inf"))))
+        order.setdefault(dev, []).extend(idx)
+    bad = []
+    for dev, fs in flags.items():
+        ok = torch.isfinite(torch.cat([f.float() for f in fs])).cpu()
+        bad += [order[dev][j] for j in torch.nonzero(~ok).flatten().tolist()]
+    if not bad:
         return
-    ok = torch.cat([f.cpu() for f in flags])
-    if bool(ok.all()):
-        return
-    bad = [order[j] for j in torch.nonzero(~ok).flatten().tolist()]
+    bad.sort()
     label = [names[i] if names and names[i] else f"tensor {i}" for i in bad]
     raise ValueError(f"weight {label[0]!r} has non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
 
@@ -154,7 +162,7 @@ class WeightUpdate:
         self.model = engine.runner.model
         self.require_complete = require_complete
         self.backup = backup
-        self.planner = self.model.weight_mapping().planner(exact_dtype=False, check_finite=False)
+        self.planner = weight_mapping_of(self.model).planner(exact_dtype=False, check_finite=False)
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []     # validated, written at finish
         self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []       # (destination, its previous bytes)
         self._written = False
