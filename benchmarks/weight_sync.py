@@ -98,6 +98,8 @@ def breakdown(model, trainer, device, reps: int) -> dict:
             "finiteness check": (timed(lambda: check_finite(pairs), device, reps),
                                  timed(lambda: torch.isfinite(torch.stack(torch._foreach_norm(srcs, float("inf")))).all().item(),
                                        device, reps), "all multi-tensor"),
+            "finiteness, norm per tensor": (timed(lambda: torch.isfinite(torch.stack(
+                [torch.linalg.vector_norm(s, float("inf")) for s in srcs])).all().item(), device, reps), None, ""),
             "copy": (timed(lambda: copy_all(dests, srcs), device, reps),
                      timed(lambda: torch._foreach_copy_(dests, srcs), device, reps), "all multi-tensor"),
         }

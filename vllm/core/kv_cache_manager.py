@@ -95,6 +95,49 @@ class _RequestState:
     chain_broken: bool = False
 
 
+class _Blocks(dict):
+    """Block id -> _Block, made on first use: a pool of millions of blocks (a small model
+    on a large GPU) costs nothing until its blocks are handed out."""
+
+    def __missing__(self, block_id: int) -> _Block:
+        blk = self[block_id] = _Block(block_id)
+        return blk
+
+
+class _FreeQueue:
+    """The free queue (head = evicted first) as never-used blocks `[next, end)` in id order,
+    then the returned ones in an OrderedDict (O(1) pop-head, append-tail and
+    remove-from-middle). Returned blocks are appended after every never-used one, so this
+    is the order of one queue that starts as all blocks in id order, without building it."""
+
+    def __init__(self, start: int, end: int):
+        self._next, self._end = start, end
+        self._returned: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._end - self._next + len(self._returned)
+
+    def __contains__(self, block_id: int) -> bool:
+        return self._next <= block_id < self._end or block_id in self._returned
+
+    def __iter__(self):
+        yield from range(self._next, self._end)
+        yield from self._returned
+
+    def remove(self, block_id: int) -> None:
+        """Take a returned block out of the middle (a cached block touched again)."""
+        del self._returned[block_id]   # a never-used block carries no hash: it is never touched
+
+    def append(self, block_id: int) -> None:
+        self._returned[block_id] = None
+
+    def pop_head(self) -> int:
+        if self._next < self._end:
+            self._next += 1
+            return self._next - 1
+        return self._returned.popitem(last=False)[0]
+
+
 class KVCacheManager:
     """Allocates KV-cache blocks to requests and shares full blocks by prefix."""
 
@@ -107,14 +150,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
-        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._blocks = _Blocks()
         # Free queue: every usable block with ref count 0, in eviction order
-        # (head = evicted first). An OrderedDict gives O(1) pop-head, append-tail
-        # and remove-from-middle (needed when a cached free block is touched).
-        # Initially all usable blocks, in id order.
-        self._free_queue: OrderedDict[int, None] = OrderedDict(
-            (i, None) for i in range(1, num_blocks)
-        )
+        # (head = evicted first). Initially all usable blocks, in id order.
+        self._free_queue = _FreeQueue(1, num_blocks)
         # Prefix cache index: block hash -> id of the block registered under it.
         self._hash_to_block: dict[int, int] = {}
         self._requests: dict[str, _RequestState] = {}
@@ -154,7 +193,8 @@ class KVCacheManager:
         return list(req.block_ids) if req is not None else []
 
     def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_cnt
+        blk = self._blocks.get(block_id)
+        return 0 if blk is None else blk.ref_cnt
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -328,12 +368,12 @@ class KVCacheManager:
         for block_id in computed:
             blk = self._blocks[block_id]
             if blk.ref_cnt == 0:
-                del self._free_queue[block_id]
+                self._free_queue.remove(block_id)
             blk.ref_cnt += 1
             req.block_ids.append(block_id)
 
         for _ in range(num_new):
-            block_id, _ = self._free_queue.popitem(last=False)
+            block_id = self._free_queue.pop_head()
             blk = self._blocks[block_id]
             if blk.block_hash is not None:
                 # LRU eviction: the block's old KV is about to be overwritten.
@@ -369,7 +409,7 @@ class KVCacheManager:
             blk = self._blocks[block_id]
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                self._free_queue[block_id] = None
+                self._free_queue.append(block_id)
 
     # -------------------------------------------------------------- diagnostics
 
@@ -401,7 +441,8 @@ class KVCacheManager:
                 assert NULL_BLOCK_ID < block_id < self.num_blocks, f"{rid}: bad block id {block_id}"
                 expected_refs[block_id] += 1
 
-        for blk in self._blocks[1:]:
+        for block_id in range(1, self.num_blocks):
+            blk = self._blocks.get(block_id) or _Block(block_id)
             assert blk.ref_cnt == expected_refs[blk.block_id], (
                 f"block {blk.block_id}: ref_cnt {blk.ref_cnt} != {expected_refs[blk.block_id]} holders"
             )
@@ -426,4 +467,5 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             assert not self._hash_to_block, "prefix caching disabled but blocks are cached"
         assert all(NULL_BLOCK_ID < b < self.num_blocks for b in self._free_queue)
-        assert len(self._free_queue) + sum(1 for b in self._blocks[1:] if b.ref_cnt > 0) == self.num_usable_blocks
+        in_use = sum(1 for i, b in self._blocks.items() if i != NULL_BLOCK_ID and b.ref_cnt > 0)
+        assert len(self._free_queue) + in_use == self.num_usable_blocks

@@ -164,8 +164,11 @@ class LLMEngine:
         self.weight_version += 1
         # FP8 linear layers: quantized once per weight version, here (in place, so captured
         # CUDA graphs multiply the new fp8 weights)
-        from vllm.layers.linear import requantize_fp8
-        requantize_fp8(self.runner.model)
+        if getattr(self, "_fp8_linears", None) is None:   # the layers are fixed once the model is built
+            from vllm.layers.linear import fp8_linears
+            self._fp8_linears = fp8_linears(self.runner.model)
+        for layer in self._fp8_linears:
+            layer.requantize()
         self.runner.weights_changed()  # the next graph replay first checks the captured pointers
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).

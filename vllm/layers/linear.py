@@ -59,15 +59,9 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
-def requantize_fp8(model: nn.Module) -> int:
-    """Re-quantize every FP8 linear layer of `model` from its master weight (a new weight
-    version: weight sync, optimizer step). Returns the number of layers."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and m.fp8:
-            m.requantize()
-            n += 1
-    return n
+def fp8_linears(model: nn.Module) -> list["Linear"]:
+    """The FP8 linear layers of `model` (each re-quantizes with `requantize()`)."""
+    return [m for m in model.modules() if isinstance(m, Linear) and m.fp8]
 
 
 def enable_fp8(model: nn.Module) -> int:

@@ -54,6 +54,7 @@ class WeightMapping:
         self.aliases = dict(aliases or {})
         self.derived = tuple(derived)
         self.params = dict(model.named_parameters())
+        self._views: dict[str, tuple[int, torch.Tensor]] = {}   # HF name -> (param address, its view)
         self.shards: dict[str, list] = {}
         for hf_name, slot in self.slots.items():
             if slot.param not in self.params:
@@ -90,6 +91,15 @@ class WeightMapping:
     def destination(self, slot: WeightSlot) -> torch.Tensor:
         """The parameter memory `slot` writes (a view: in place, storage unchanged)."""
         return slot.view(self.params[slot.param].data)
+
+    def destination_of(self, hf_name: str, slot: WeightSlot) -> torch.Tensor:
+        """`destination(slot)`, kept per name while the parameter's memory stays where it
+        was (weight sync asks for every tensor on every update)."""
+        ptr = self.params[slot.param].data_ptr()
+        hit = self._views.get(hf_name)
+        if hit is None or hit[0] != ptr:
+            hit = self._views[hf_name] = (ptr, self.destination(slot))
+        return hit[1]
 
     # ---- the inverse -------------------------------------------------------------------
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -138,7 +148,7 @@ class WeightPlanner:
         if m.is_derived(hf_name):
             return None
         slot = m.slot(hf_name)
-        dest = m.destination(slot)
+        dest = m.destination_of(hf_name, slot)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
         if self.exact_dtype and tensor.dtype != dest.dtype:

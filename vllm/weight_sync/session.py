@@ -84,9 +84,10 @@ def _dest_dtype(planner, name: str) -> torch.dtype | None:
 
 
 def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> None:
-    """ValueError if any source holds NaN or Inf. Max-abs norms: one reduction per large
-    tensor, multi-tensor kernels per (device, dtype) for the small ones, and one host
-    synchronisation per device."""
+    """ValueError if any source holds NaN or Inf. One single-pass min/max reduction per
+    large tensor (NaN propagates, +-Inf shows as an extreme; no temporary, unlike a norm,
+    which converts bf16 to fp32 first), max-abs norms in multi-tensor kernels per
+    (device, dtype) for the small ones, and one host synchronisation per device."""
     flags: dict[torch.device, list[torch.Tensor]] = {}   # per device: 1-D bool flags
     order: dict[torch.device, list[int]] = {}            # the plan index of each flag
     small: dict[tuple, list[int]] = {}
@@ -94,8 +95,8 @@ def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str]
         if not (src.is_floating_point() and src.numel()):
             continue
         if is_large(src):
-            flags.setdefault(src.device, []).append(torch.linalg.vector_norm(src, float("inf")).reshape(1))
-            order.setdefault(src.device, []).append(i)
+            flags.setdefault(src.device, []).append(torch.stack(torch.aminmax(src)))
+            order.setdefault(src.device, []).extend((i, i))
         else:
             small.setdefault((src.device, src.dtype), []).append(i)
     for (dev, _), idx in small.items():
