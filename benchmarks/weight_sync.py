@@ -98,8 +98,6 @@ def breakdown(model, trainer, device, reps: int) -> dict:
             "finiteness check": (timed(lambda: check_finite(pairs), device, reps),
                                  timed(lambda: torch.isfinite(torch.stack(torch._foreach_norm(srcs, float("inf")))).all().item(),
                                        device, reps), "all multi-tensor"),
-            "finiteness, norm per tensor": (timed(lambda: torch.isfinite(torch.stack(
-                [torch.linalg.vector_norm(s, float("inf")) for s in srcs])).all().item(), device, reps), None, ""),
             "copy": (timed(lambda: copy_all(dests, srcs), device, reps),
                      timed(lambda: torch._foreach_copy_(dests, srcs), device, reps), "all multi-tensor"),
         }
@@ -220,6 +218,13 @@ def main() -> None:
     rows.append(("IPC", timed(lambda: llm.update_weights_from_ipc(message), device, args.reps),
                  f"buffers kept open (the trainer refills them); trainer-side pack {pack_s * 1e3:.1f} ms (not included)"))
     rows.append(("IPC, first update", first_ipc, "opens the CUDA IPC handles"))
+    from vllm.weight_sync.ipc import open_buckets
+    eng = llm.llm_engine
+    opened = open_buckets(message, eng.runner.device, eng.ipc_buffers)
+    ipc_parts = breakdown(model, [nt for o in opened for nt in o.bucket.tensors()], device, args.reps)
+    ipc_parts["open (buffers kept)"] = (timed(lambda: open_buckets(message, eng.runner.device, eng.ipc_buffers),
+                                              device, args.reps), None, "")
+    del opened
     parent.send("release")
     if group_spec is not None:
         from vllm.weight_sync.group import GroupSpec, WeightGroup, receive_update
@@ -284,14 +289,16 @@ def main() -> None:
         ratio = "" if name.startswith("floor") or not floor else f"{t / floor:.2f}"
         print(f"{name:<30} {t * 1e3:9.2f} {nbytes / t / 1e9:8.1f} {ratio:>8}  {note}")
         result[name] = {"ms": t * 1e3, "ratio": (t / floor) if floor and not name.startswith("floor") else None}
-    print()
-    print("same-process update, part by part (ms; the update runs the 'now' column):")
-    for name, (now, alt, alt_name) in parts.items():
-        print(f"  {name:<28} {now * 1e3:8.2f}" + (f"   {alt_name}: {alt * 1e3:8.2f}" if alt is not None else ""))
+    for title, pp in (("same-process", parts), ("IPC", ipc_parts)):
+        print()
+        print(f"{title} update, part by part (ms; the update runs the first column):")
+        for name, (now, alt, alt_name) in pp.items():
+            print(f"  {name:<28} {now * 1e3:8.2f}" + (f"   {alt_name}: {alt * 1e3:8.2f}" if alt is not None else ""))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"bytes": nbytes, "rows": result, "device": args.device,
-                       "parts_ms": {k: [v[0] * 1e3, None if v[1] is None else v[1] * 1e3] for k, v in parts.items()}},
+                       "parts_ms": {k: [v[0] * 1e3, None if v[1] is None else v[1] * 1e3] for k, v in parts.items()},
+                       "ipc_parts_ms": {k: [v[0] * 1e3, None if v[1] is None else v[1] * 1e3] for k, v in ipc_parts.items()}},
                       f, indent=1)
     shutil.rmtree(path, ignore_errors=True)
 

@@ -142,10 +142,10 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_
     return [FlatBucket.empty(layout, device).fill(sources) for layout in plan_buckets(manifest_of(named), bucket_bytes)]
 
 
-# Tensors at least this large are copied (and checked) one by one: a lone contiguous copy
-# is a device memcpy at the copy-bandwidth floor, while the multi-tensor kernels that
-# batch the many small ones (norms, biases) reach a fraction of it on large tensors
-# (benchmarks/weight_sync.py --breakdown measures both).
+# Tensors at least this large are copied one by one: a lone contiguous copy is a device
+# memcpy at the copy-bandwidth floor, while the multi-tensor kernel that batches the many
+# small ones (norms, biases) is slower on large ones (H200, Qwen3-8B dims, 15 GiB:
+# 8.5 ms vs 11.6 ms; benchmarks/weight_sync.py prints both).
 LARGE_TENSOR_BYTES = 1 << 20
 
 
