@@ -185,6 +185,8 @@ def main() -> None:
     trainer = random_tensors(manifest, device, seed=2)
     rows.append(("same process", timed(lambda: llm.update_weights(trainer), device, args.reps),
                  "validate + in-place write"))
+    rows.append(("same process, check_finite=False", timed(lambda: llm.update_weights(trainer, check_finite=False),
+                                                          device, args.reps), "validate names/shapes/dtypes + write"))
     parts = breakdown(model, trainer, device, args.reps)
     del trainer
     policy_named = llm.policy().model.hf_state_dict()
@@ -218,6 +220,8 @@ def main() -> None:
     rows.append(("IPC", timed(lambda: llm.update_weights_from_ipc(message), device, args.reps),
                  f"buffers kept open (the trainer refills them); trainer-side pack {pack_s * 1e3:.1f} ms (not included)"))
     rows.append(("IPC, first update", first_ipc, "opens the CUDA IPC handles"))
+    rows.append(("IPC, check_finite=False", timed(lambda: llm.update_weights_from_ipc(message, check_finite=False),
+                                                 device, args.reps), "buffers kept open"))
     from vllm.weight_sync.ipc import open_buckets
     eng = llm.llm_engine
     opened = open_buckets(message, eng.runner.device, eng.ipc_buffers)
@@ -279,15 +283,15 @@ def main() -> None:
     floors = {"floor: device copy": floor_copy}
     bc = next((t for name, t, _ in rows if name.startswith("floor: broadcast") and t), None)
     print()
-    print(f"{'path':<30} {'ms':>9} {'GB/s':>8} {'x floor':>8}  note")
+    print(f"{'path':<34} {'ms':>9} {'GB/s':>8} {'x floor':>8}  note")
     result = {}
     for name, t, note in rows:
         if t is None:
-            print(f"{name:<30} {'-':>9} {'-':>8} {'-':>8}  {note}")
+            print(f"{name:<34} {'-':>9} {'-':>8} {'-':>8}  {note}")
             continue
         floor = bc if name.startswith("group") else floors["floor: device copy"]
         ratio = "" if name.startswith("floor") or not floor else f"{t / floor:.2f}"
-        print(f"{name:<30} {t * 1e3:9.2f} {nbytes / t / 1e9:8.1f} {ratio:>8}  {note}")
+        print(f"{name:<34} {t * 1e3:9.2f} {nbytes / t / 1e9:8.1f} {ratio:>8}  {note}")
         result[name] = {"ms": t * 1e3, "ratio": (t / floor) if floor and not name.startswith("floor") else None}
     for title, pp in (("same-process", parts), ("IPC", ipc_parts)):
         print()

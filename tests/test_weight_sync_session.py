@@ -83,7 +83,11 @@ def test_failing_middle_bucket_leaves_old_weights(tiny_qwen3, new_weights, retai
     u = llm.weight_update(backup=backup)
     u.load(dict(tensors[:third]), retain=retain)
     with pytest.raises(ValueError, match="non-finite"):
+        # a retained bucket's finiteness is read at finish (no host sync per bucket), a
+        # written-through one's before it is written
         u.load(bad, retain=retain)
+        u.load(dict(tensors[2 * third:]), retain=retain)
+        u.finish()
     assert u.closed and llm.weight_version == 0 and "non-finite" in llm.weight_error
     assert same_bits(param_bits(llm), before)
     out1 = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -195,3 +199,16 @@ def test_weight_mapping_cache_follows_parameter_objects(tiny_qwen3):
     setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(p.detach().clone()))
     m2 = weight_mapping_of(model)
     assert m2 is not m1 and m2.params[name] is not p
+
+
+def test_check_finite_off_writes_what_it_is_given(tiny_qwen3):
+    """check_finite=False is the caller's promise: the bytes are written unchecked (and the
+    default refuses the same update)."""
+    llm = LLM(tiny_qwen3, device="cpu")
+    sd = {n: t.detach().clone() for n, t in llm.llm_engine.runner.model.hf_state_dict().items()}
+    name = next(iter(sd))
+    sd[name] = torch.full_like(sd[name], float("inf"))
+    with pytest.raises(ValueError, match="non-finite"):
+        llm.update_weights(sd)
+    assert llm.update_weights(sd, check_finite=False) == 1
+    assert torch.isinf(llm.llm_engine.runner.model.hf_state_dict()[name]).all()

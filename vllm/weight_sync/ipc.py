@@ -242,7 +242,8 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
         pass
 
 
-def apply_ipc_update(engine, message: list, *, contract=None, require_complete: bool = False) -> int:
+def apply_ipc_update(engine, message: list, *, contract=None, require_complete: bool = False,
+                     check_finite: bool = True) -> int:
     """One WeightUpdate from exported buckets; returns the new weight version."""
     from vllm.weight_sync.session import WeightUpdate
 
@@ -252,7 +253,7 @@ def apply_ipc_update(engine, message: list, *, contract=None, require_complete: 
         engine.ipc_buffers = OpenedCudaBuffers()
     opened = open_buckets(message, engine.runner.device, engine.ipc_buffers)
     try:
-        update = WeightUpdate(engine, contract=contract, require_complete=require_complete)
+        update = WeightUpdate(engine, contract=contract, require_complete=require_complete, check_finite=check_finite)
         for o in opened:
             update.load(o.bucket)      # staged by reference: the exporter keeps them until we answer
         return update.finish()

@@ -25,8 +25,11 @@ Rules, whatever the transport:
   `llm.policy()`) is not copied at all.
 - Requests are paused from begin to finish and continue under the new weights; each
   reports the versions it was computed under (`CompletionOutput.weight_versions`).
-- Finiteness is checked on the device with one host synchronisation per bucket, and
-  copies go out as multi-tensor kernels: no per-tensor host syncs.
+- Finiteness is checked on the device: launched per bucket, read once at finish for
+  retained buckets (before a write-through bucket is written). `check_finite=False` skips
+  it, for a trainer that checked its own weights: reading every byte costs about as much as
+  copying it. Large tensors are copied one memcpy each, the small ones in multi-tensor
+  kernels: no per-tensor host syncs.
 """
 from __future__ import annotations
 
@@ -83,31 +86,40 @@ def _dest_dtype(planner, name: str) -> torch.dtype | None:
         return None
 
 
-def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> None:
-    """ValueError if any source holds NaN or Inf: one max-abs norm per tensor (NaN and
-    +-Inf make it non-finite), stacked per (device, dtype), one host synchronisation per
-    device. On the H200 at Qwen3-8B dims this reads 15 GiB in 7.1 ms; multi-tensor norms
-    took 8.4 ms and single-pass min/max reductions 13.1 ms (benchmarks/weight_sync.py)."""
+def finite_flags(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> list:
+    """Launch the finiteness check of `plan`'s sources without waiting for it: one
+    max-abs norm per tensor (NaN and +-Inf make it non-finite), stacked per (device,
+    dtype). `raise_if_non_finite` reads the result. On the H200 at Qwen3-8B dims this reads
+    15 GiB in 7.1 ms; multi-tensor norms took 8.4 ms and single-pass min/max reductions
+    13.1 ms (benchmarks/weight_sync.py)."""
     norms: dict[tuple, list[torch.Tensor]] = {}
-    order: dict[tuple, list[int]] = {}
+    labels: dict[tuple, list[str]] = {}
     for i, (_, src) in enumerate(plan):
         if src.is_floating_point() and src.numel():
             key = (src.device, src.dtype)
             norms.setdefault(key, []).append(torch.linalg.vector_norm(src, float("inf")))
-            order.setdefault(key, []).append(i)
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for (dev, _), ns in norms.items():
-        flags.setdefault(dev, []).append(torch.isfinite(torch.stack(ns)))
-    bad = []
-    idx = {dev: [i for (d, _), o in order.items() if d == dev for i in o] for dev in flags}
-    for dev, fs in flags.items():
-        ok = torch.cat(fs).cpu()
-        bad += [idx[dev][j] for j in torch.nonzero(~ok).flatten().tolist()]
-    if not bad:
-        return
-    bad.sort()
-    label = [names[i] if names and names[i] else f"tensor {i}" for i in bad]
-    raise ValueError(f"weight {label[0]!r} has non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+            labels.setdefault(key, []).append(names[i] if names and i < len(names) and names[i] else f"tensor {i}")
+    return [(torch.isfinite(torch.stack(ns)), labels[key]) for key, ns in norms.items()]
+
+
+def raise_if_non_finite(pending: list) -> None:
+    """ValueError naming the first non-finite tensor of flags from `finite_flags` (one host
+    synchronisation per device)."""
+    by_device: dict[torch.device, list] = {}
+    for flags, labels in pending:
+        by_device.setdefault(flags.device, []).append((flags, labels))
+    bad: list[str] = []
+    for items in by_device.values():
+        ok = torch.cat([f for f, _ in items]).cpu().tolist()
+        labels = [lab for _, ls in items for lab in ls]
+        bad += [lab for lab, fine in zip(labels, ok) if not fine]
+    if bad:
+        raise ValueError(f"weight {bad[0]!r} has non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def check_finite(plan: list[tuple[torch.Tensor, torch.Tensor]], names: list[str] | None = None) -> None:
+    """ValueError if any source holds NaN or Inf (`finite_flags`, then wait for them)."""
+    raise_if_non_finite(finite_flags(plan, names))
 
 
 def _as_pairs(weights) -> list[tuple[str, torch.Tensor]]:
@@ -146,7 +158,8 @@ class WeightUpdate:
     (every fused shard) must be given before finish. `backup`: where buckets loaded with
     retain=False keep the bytes they overwrite ("device", "host", or "none")."""
 
-    def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "device"):
+    def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "device",
+                 check_finite: bool = True):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
         if getattr(engine, "weight_update", None) is not None:
@@ -160,6 +173,8 @@ class WeightUpdate:
         self.model = engine.runner.model
         self.require_complete = require_complete
         self.backup = backup
+        self.check_finite = check_finite
+        self._pending_checks: list = []   # finiteness of retained buckets, read once at finish
         self.planner = weight_mapping_of(self.model).planner(exact_dtype=False, check_finite=False)
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []     # validated, written at finish
         self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []       # (destination, its previous bytes)
@@ -190,11 +205,14 @@ class WeightUpdate:
             # a source that is the parameter's own memory is already live: nothing to check or copy
             keep = [i for i, (d, s) in enumerate(plan) if not _same_memory(d, s)]
             plan, names = [plan[i] for i in keep], [names[i] for i in keep]
-            check_finite(plan, names)
             self.num_buckets += 1
             if retain:
+                if self.check_finite:   # launched now, read at finish: no host sync per bucket
+                    self._pending_checks += finite_flags(plan, names)
                 self._staged += plan
             else:
+                if self.check_finite:   # written now: checked first
+                    check_finite(plan, names)
                 self._write_through(plan)
         except BaseException as err:
             self.abort(f"{type(err).__name__}: {err}")
@@ -229,7 +247,8 @@ class WeightUpdate:
         self._check_open()
         try:
             tail = self.planner.finish()      # aliases given without their target (tied weights)
-            check_finite(tail)
+            if self.check_finite:
+                raise_if_non_finite(self._pending_checks + finite_flags(tail))
             if self.require_complete:
                 missing = self.planner.missing()
                 if missing:
@@ -275,7 +294,7 @@ class WeightUpdate:
 
     def _close(self) -> None:
         self.closed = True
-        self._staged, self._undo = [], []
+        self._staged, self._undo, self._pending_checks = [], [], []
         self.engine.weight_update = None
 
     def _check_open(self) -> None:
@@ -293,11 +312,11 @@ class WeightUpdate:
 
 
 def update_weights(engine, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                   contract=None, require_complete: bool = False) -> int:
+                   contract=None, require_complete: bool = False, check_finite: bool = True) -> int:
     """Copy `weights` (HF names; any float dtype, cast by the load rule) into the engine's
     model in place: one bucket, validated whole before anything is written. Returns the
     new weight version."""
     pairs = _as_pairs(weights)  # a malformed argument is refused before the engine pauses
-    update = WeightUpdate(engine, contract=contract, require_complete=require_complete)
+    update = WeightUpdate(engine, contract=contract, require_complete=require_complete, check_finite=check_finite)
     update.load(pairs)
     return update.finish()
