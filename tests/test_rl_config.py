@@ -165,3 +165,17 @@ def test_print_config(tmp_path, capsys):
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["algorithm"]["group_size"] == 16 and cfg["algorithm"]["clip_eps_high"] == 0.28
     assert cfg["data"]["shuffle"] is False and cfg["data"]["task"] == "arithmetic"  # the default recipe
+
+
+def test_recipe_paths_expand_home(tmp_path, monkeypatch):
+    """A recipe's "~/..." paths are the user's home (YAML does not expand them; the shipped
+    SmolLM2 recipe names its model that way)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  model: ~/models/m\ndata:\n  data: ~/data.jsonl\n")
+    cfg = TrainConfig.from_yaml(str(recipe))
+    assert cfg.get("model") == str(tmp_path / "models" / "m")
+    assert cfg.get("data") == str(tmp_path / "data.jsonl")
+    smol = TrainConfig.from_yaml(os.path.join(REPO, "training", "smollm2_arithmetic_grpo.yaml"))
+    assert smol.get("model") == str(tmp_path / ".cache" / "vllm-parity" / "smollm2-135m-instruct")

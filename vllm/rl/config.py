@@ -246,11 +246,15 @@ class TrainConfig:
             cfg = cls.from_dict(d)
         except ValueError as err:
             raise ValueError(f"recipe {path!r}: {err}") from None
+        # "~" is the user's home (a shell expands it on the command line, YAML does not);
         # relative paths in a recipe: from the working directory if they exist there, else
         # from the recipe's folder or the folder above it (a recipe in <repo>/training)
         here = os.path.dirname(os.path.abspath(path))
         for name in PATH_KNOBS:
             value = cfg.get(name)
+            if isinstance(value, str) and value.startswith("~"):
+                value = os.path.expanduser(value)
+                cfg.set(name, value)
             if value and not os.path.isabs(value) and not os.path.exists(value):
                 for base in (here, os.path.dirname(here)):
                     if os.path.exists(os.path.join(base, value)):
