@@ -222,6 +222,13 @@ def main() -> None:
     rows.append(("IPC, first update", first_ipc, "opens the CUDA IPC handles"))
     rows.append(("IPC, check_finite=False", timed(lambda: llm.update_weights_from_ipc(message, check_finite=False),
                                                  device, args.reps), "buffers kept open"))
+    # the engine now holds the trainer's tensors (seed 1), bit for bit
+    expect = dict(random_tensors(manifest, device, seed=1))
+    ipc_bits_equal = all(torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else t, expect[n].view(torch.int16)
+                                     if t.dtype == torch.bfloat16 else expect[n])
+                         for n, t in model.hf_state_dict().items())
+    del expect
+    print(f"IPC update: engine weights == the trainer's, bit for bit: {ipc_bits_equal}")
     from vllm.weight_sync.ipc import open_buckets
     eng = llm.llm_engine
     opened = open_buckets(message, eng.runner.device, eng.ipc_buffers)
@@ -293,6 +300,7 @@ def main() -> None:
         ratio = "" if name.startswith("floor") or not floor else f"{t / floor:.2f}"
         print(f"{name:<34} {t * 1e3:9.2f} {nbytes / t / 1e9:8.1f} {ratio:>8}  {note}")
         result[name] = {"ms": t * 1e3, "ratio": (t / floor) if floor and not name.startswith("floor") else None}
+    print(f"IPC update: engine weights == the trainer's, bit for bit: {ipc_bits_equal}")
     for title, pp in (("same-process", parts), ("IPC", ipc_parts)):
         print()
         print(f"{title} update, part by part (ms; the update runs the first column):")

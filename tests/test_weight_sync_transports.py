@@ -143,3 +143,19 @@ def test_contract_mismatch_names_fields(server, tiny_qwen3):
         client.request("POST", "/v1/weights/init_group", {"host": "127.0.0.1", "port": 1, "backend": "gloo"})
     with pytest.raises(ValueError, match="401"):
         WeightSyncClient(server.url).request("POST", "/v1/weights/init_group", body)
+
+
+@pytest.mark.parametrize("message,error", [
+    ({"layout": {}}, "non-empty list"),
+    ([], "non-empty list"),
+    (["x"], "expected"),
+    ([{"layout": {"entries": [["w", "bfloat16", [2], 0]]}, "handle": {"kind": "shm", "name": "x", "nbytes": 4}}],
+     "malformed layout"),
+    ([{"layout": {"entries": [], "nbytes": 0}, "handle": {"kind": "tcp"}}], "handle kind"),
+    ([{"layout": {"entries": [], "nbytes": 0}, "handle": {"kind": "cuda", "args": []}}], "CUDA"),
+])
+def test_malformed_ipc_messages_are_value_errors(tiny_qwen3, message, error):
+    llm = LLM(tiny_qwen3, device="cpu")
+    with pytest.raises(ValueError, match=error):
+        llm.update_weights_from_ipc(message)
+    assert llm.weight_version == 0 and llm.generate({"prompt_token_ids": [5, 6]}, use_tqdm=False)

@@ -117,8 +117,12 @@ class FlatBucket:
         return cls(torch.empty(max(1, layout.nbytes), dtype=torch.uint8, device=device), layout)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(e.name, self.buffer[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape))
-                for e in self.layout.entries]
+        """(name, view) of each entry, made once per bucket: a bucket kept open across
+        updates (CUDA IPC) is read through the same views every time."""
+        if getattr(self, "_views", None) is None:
+            self._views = [(e.name, self.buffer[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape))
+                           for e in self.layout.entries]
+        return list(self._views)
 
     def fill(self, sources: dict[str, torch.Tensor]) -> "FlatBucket":
         """Copy each entry's tensor from `sources` (by name) into the buffer."""

@@ -164,22 +164,28 @@ class _Opened:
 
 
 class OpenedCudaBuffers:
-    """The CUDA IPC buffers of the last update, kept mapped: an exporter that refills the
+    """The CUDA IPC buckets of the last update, kept mapped: an exporter that refills the
     same buckets (`IpcExport.refill`) sends the same handles, and reopening them would cost
-    milliseconds per bucket. An update whose message names other handles drops the ones it
-    does not name. Held per engine (`engine.ipc_buffers`)."""
+    milliseconds per bucket. A bucket whose layout is also unchanged keeps its tensor views.
+    An update whose message names other handles drops the ones it does not name. Held per
+    engine (`engine.ipc_buffers`)."""
 
     def __init__(self):
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.buckets: dict[str, tuple[str, FlatBucket]] = {}   # handle -> (layout JSON, bucket)
 
-    def get(self, key: str) -> torch.Tensor | None:
-        return self.buffers.get(key)
+    def get(self, key: str) -> tuple[str, FlatBucket] | None:
+        return self.buckets.get(key)
 
-    def keep_only(self, opened: dict[str, torch.Tensor]) -> None:
-        self.buffers = dict(opened)
+    def keep_only(self, opened: dict[str, tuple[str, FlatBucket]]) -> None:
+        self.buckets = dict(opened)
 
     def clear(self) -> None:
-        self.buffers = {}
+        self.buckets = {}
+
+
+def _same_gpu(a: torch.device, b: torch.device) -> bool:
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _handle_key(h: dict) -> str:
@@ -190,17 +196,24 @@ def open_buckets(message: list, device: torch.device, cache: OpenedCudaBuffers |
     """Map each exported bucket into this process (ValueError for a malformed message).
     CUDA buffers already open in `cache` are reused; `cache` then holds this message's."""
     out: list[_Opened] = []
-    opened_now: dict[str, torch.Tensor] = {}
+    opened_now: dict[str, tuple[str, FlatBucket]] = {}
     try:
         for i, item in enumerate(message):
             if not isinstance(item, dict) or "layout" not in item or "handle" not in item:
                 raise ValueError(f"IPC bucket {i}: expected {{'layout': ..., 'handle': ...}}")
-            try:
-                layout = BucketLayout.from_json(item["layout"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"IPC bucket {i}: malformed layout ({err})") from None
             h = item["handle"]
             kind = h.get("kind") if isinstance(h, dict) else None
+            if kind in ("shm", "cuda"):
+                hit = None
+                if kind == "cuda" and cache is not None:
+                    key = _handle_key(h)
+                    layout_key = json.dumps(item["layout"], separators=(",", ":"))
+                    hit = cache.get(key)
+                if hit is None or hit[0] != layout_key:   # a layout seen before was checked then
+                    try:
+                        layout = BucketLayout.from_json(item["layout"])
+                    except (KeyError, TypeError, ValueError, AttributeError) as err:
+                        raise ValueError(f"IPC bucket {i}: malformed layout ({err})") from None
             if kind == "shm":
                 try:
                     shm = shared_memory.SharedMemory(name=str(h["name"]))
@@ -212,15 +225,16 @@ def open_buckets(message: list, device: torch.device, cache: OpenedCudaBuffers |
             elif kind == "cuda":
                 if device.type != "cuda":
                     raise ValueError("CUDA IPC buckets need an engine on a CUDA device")
-                key = _handle_key(h)
-                buf = cache.get(key) if cache is not None else None
-                if buf is None or buf.device != device:
+                if hit is not None and _same_gpu(hit[1].buffer.device, device):
+                    bucket = hit[1] if hit[0] == layout_key else FlatBucket(hit[1].buffer, layout)
+                else:
                     from torch.multiprocessing.reductions import rebuild_cuda_tensor
                     args = list(_decode(h.get("args")))
                     args[6] = device.index if device.index is not None else torch.cuda.current_device()  # storage_device: ours
-                    buf = rebuild_cuda_tensor(*args)
-                opened_now[key] = buf
-                out.append(_Opened(FlatBucket(buf, layout), None))
+                    bucket = FlatBucket(rebuild_cuda_tensor(*args), layout)
+                if cache is not None:
+                    opened_now[key] = (layout_key, bucket)
+                out.append(_Opened(bucket, None))
             else:
                 raise ValueError(f"IPC bucket {i}: handle kind must be 'cuda' or 'shm', got {kind!r}")
     except BaseException:
