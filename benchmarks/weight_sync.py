@@ -82,7 +82,7 @@ def random_tensors(manifest, device, seed: int) -> list[tuple[str, torch.Tensor]
 def breakdown(model, trainer, device, reps: int) -> dict:
     """The same-process update's parts, each timed alone: validation (host), the
     finiteness check and the copy, each next to the all-multi-tensor-kernel alternative."""
-    from vllm.models.weights import weight_mapping_of
+    from vllm.weight_sync.session import weight_mapping_of
     from vllm.weight_sync.bucket import copy_all
     from vllm.weight_sync.session import check_finite
 

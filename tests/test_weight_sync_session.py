@@ -190,7 +190,7 @@ def test_non_finite_found_in_any_tensor(tiny_qwen3):
 
 def test_weight_mapping_cache_follows_parameter_objects(tiny_qwen3):
     """The mapping weight sync reuses is rebuilt when a parameter object is replaced."""
-    from vllm.models.weights import weight_mapping_of
+    from vllm.weight_sync.session import weight_mapping_of
     model = LLM(tiny_qwen3, device="cpu").llm_engine.runner.model
     m1 = weight_mapping_of(model)
     assert weight_mapping_of(model) is m1

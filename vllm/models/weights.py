@@ -192,18 +192,5 @@ class WeightPlanner:
         self.covered.update(keys)
 
 
-def weight_mapping_of(model: nn.Module) -> WeightMapping:
-    """`model.weight_mapping()`, built once per set of parameter objects: weight sync asks
-    for it on every update, and building it walks every module (milliseconds on a
-    400-tensor model, as long as copying a small model's bytes). A parameter replaced by
-    another object rebuilds it."""
-    ids = tuple(map(id, model.parameters()))
-    cached = model.__dict__.get("_weight_mapping_cache")
-    if cached is None or cached[0] != ids:
-        cached = (ids, model.weight_mapping())
-        model.__dict__["_weight_mapping_cache"] = cached
-    return cached[1]
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.models.weights import weight_mapping_of
 from vllm.weight_sync.bucket import BucketLayout, FlatBucket, plan_buckets
+from vllm.weight_sync.session import weight_mapping_of
 
 logger = logging.getLogger(__name__)
 
