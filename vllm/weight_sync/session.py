@@ -12,7 +12,9 @@ Rules, whatever the transport:
 - Names, shapes, dtypes and coverage go through the model's own weight mapping (the one
   the checkpoint loader uses). Another float dtype is cast by the load rule
   (`tensor.to(param.dtype)`), so an update from a checkpoint's tensors equals a fresh
-  engine loaded from that checkpoint. Non-finite values are refused.
+  engine loaded from that checkpoint. Non-finite values are refused (unless
+  `check_finite=False`); a retained bucket's are found at finish, before anything is
+  written.
 - A bucket is validated whole before any of its bytes are written; with the default
   `load(bucket)` (the bucket's tensors stay valid until finish) nothing is written before
   `finish`, so a bucket that fails leaves the previous weights untouched. A transport that
@@ -168,7 +170,8 @@ class WeightUpdate:
     `contract`: the sender's ExecutionContract, refused unless compatible with the
     engine's (the error names the differing fields). `require_complete`: every parameter
     (every fused shard) must be given before finish. `backup`: where buckets loaded with
-    retain=False keep the bytes they overwrite ("device", "host", or "none")."""
+    retain=False keep the bytes they overwrite ("device", "host", or "none").
+    `check_finite`: refuse NaN/Inf (reads every byte once; off for a trainer that checked)."""
 
     def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "device",
                  check_finite: bool = True):
@@ -204,7 +207,8 @@ class WeightUpdate:
         `retain=True` its tensors must stay valid and unchanged until finish (they are
         written then); `retain=False` writes it now (the caller reuses its memory), keeping
         the overwritten bytes per `backup`. A bucket that fails validation writes nothing
-        and aborts the update (the previous weights stay)."""
+        and aborts the update (the previous weights stay); a retained bucket's non-finite
+        values are found at finish, which then aborts the same way."""
         self._check_open()
         try:
             pairs = _as_pairs(weights)
