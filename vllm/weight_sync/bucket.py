@@ -111,6 +111,7 @@ class FlatBucket:
             raise ValueError(f"bucket buffer has {buffer.numel()} bytes, its layout needs {layout.nbytes}")
         self.buffer = buffer
         self.layout = layout
+        self._views: list[tuple[str, torch.Tensor]] | None = None
 
     @classmethod
     def empty(cls, layout: BucketLayout, device: torch.device | str) -> "FlatBucket":
@@ -119,7 +120,7 @@ class FlatBucket:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view) of each entry, made once per bucket: a bucket kept open across
         updates (CUDA IPC) is read through the same views every time."""
-        if getattr(self, "_views", None) is None:
+        if self._views is None:
             self._views = [(e.name, self.buffer[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape))
                            for e in self.layout.entries]
         return list(self._views)
@@ -153,7 +154,7 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_
 LARGE_TENSOR_BYTES = 1 << 20
 
 
-def is_large(t: torch.Tensor) -> bool:
+def _is_large(t: torch.Tensor) -> bool:
     return t.numel() * t.element_size() >= LARGE_TENSOR_BYTES
 
 
@@ -162,7 +163,7 @@ def copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     small ones batched into multi-tensor kernels, other dtypes cast on the way."""
     small: tuple[list, list] = ([], [])
     for d, s in zip(dests, srcs):
-        if d.device == s.device and d.dtype == s.dtype and not is_large(d):
+        if d.device == s.device and d.dtype == s.dtype and not _is_large(d):
             small[0].append(d)
             small[1].append(s)
         else:

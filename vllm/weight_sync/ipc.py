@@ -179,14 +179,6 @@ class OpenedCudaBuffers:
     def keep_only(self, opened: dict[str, tuple[str, FlatBucket]]) -> None:
         self.buckets = dict(opened)
 
-    def clear(self) -> None:
-        self.buckets = {}
-
-
-def _same_gpu(a: torch.device, b: torch.device) -> bool:
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
 
 def _handle_key(h: dict) -> str:
     return json.dumps(h.get("args"), sort_keys=True, separators=(",", ":"))
@@ -225,7 +217,7 @@ def open_buckets(message: list, device: torch.device, cache: OpenedCudaBuffers |
             elif kind == "cuda":
                 if device.type != "cuda":
                     raise ValueError("CUDA IPC buckets need an engine on a CUDA device")
-                if hit is not None and _same_gpu(hit[1].buffer.device, device):
+                if hit is not None:   # the engine's own cache: same device
                     bucket = hit[1] if hit[0] == layout_key else FlatBucket(hit[1].buffer, layout)
                 else:
                     from torch.multiprocessing.reductions import rebuild_cuda_tensor
