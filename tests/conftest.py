@@ -10,6 +10,8 @@
   ``tiny_qwen2``      Qwen2ForCausalLM (qkv bias), sharded into several
                       safetensors files + model.safetensors.index.json
   ``tiny_llama``      LlamaForCausalLM, llama3 rope scaling, tied embeddings
+  ``new_weights``     tiny_qwen3's architecture and dims with other values (seed 5):
+                      the weights a weight-sync test updates to
   ``tiny_qwen3_moe``  Qwen3MoeForCausalLM, 8 experts top-2, layer 1 dense
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
@@ -70,6 +72,15 @@ def tiny_qwen3(tiny_models_root) -> str:
 
     return make_tiny_checkpoint(
         tiny_models_root / "qwen3", "qwen3", head_dim=32, tie_word_embeddings=False, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def new_weights(tiny_models_root) -> str:
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tiny_models_root / "qwen3_seed5", "qwen3", head_dim=32, tie_word_embeddings=False, seed=5
     )
 
 

@@ -23,13 +23,6 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 
 
 @pytest.fixture(scope="module")
-def new_weights(tmp_path_factory):
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("new_weights"), "qwen3", head_dim=32,
-                                tie_word_embeddings=False, seed=5)
-
-
-@pytest.fixture(scope="module")
 def app(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
     app = build_app_from_llm(llm, ["tiny"], max_queued_requests=2, api_key=API_KEY, admin_key=ADMIN_KEY)

@@ -13,13 +13,6 @@ from vllm.weight_sync import pack
 from vllm.worker.graph_pointers import StaleGraphPointers
 
 
-@pytest.fixture(scope="module")
-def new_weights(tmp_path_factory):
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("new_weights"), "qwen3", head_dim=32,
-                                tie_word_embeddings=False, seed=5)
-
-
 def checkpoint_tensors(path):
     return list(iterate_weights(checkpoint_files(path)))
 

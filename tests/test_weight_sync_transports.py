@@ -12,22 +12,10 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.model_loader.loader import checkpoint_files, iterate_weights
 from vllm.weight_sync.client import WeightSyncClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "admin-test"
-
-
-@pytest.fixture(scope="module")
-def new_weights(tmp_path_factory):
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("new_weights"), "qwen3", head_dim=32,
-                                tie_word_embeddings=False, seed=5)
-
-
-def tensors_of(path):
-    return list(iterate_weights(checkpoint_files(path)))
 
 
 def bits(model):
