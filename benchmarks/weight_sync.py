@@ -228,7 +228,6 @@ def main() -> None:
                                      if t.dtype == torch.bfloat16 else expect[n])
                          for n, t in model.hf_state_dict().items())
     del expect
-    print(f"IPC update: engine weights == the trainer's, bit for bit: {ipc_bits_equal}")
     from vllm.weight_sync.ipc import open_buckets
     eng = llm.llm_engine
     opened = open_buckets(message, eng.runner.device, eng.ipc_buffers)
