@@ -72,10 +72,17 @@ def test_triton_gemm_interpreter_matches_reference():
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True),
-                                 dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=1, num_stages=1, TMA=False)])
+                                 dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=1, num_stages=1, TMA=False),
+                                 dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
+                                      PIPE=True),
+                                 dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=1, num_stages=1, TMA=False,
+                                      PIPE=True, PERSISTENT=True),
+                                 dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
+                                      PERSISTENT=True)])
 def test_triton_gemm_interpreter_tile_variants(cfg):
     """The sweep's variants (TMA descriptors, BLOCK_N=256 with per-column weight scales,
-    M-contiguous scales, ragged K) compute the default's bits."""
+    M-contiguous scales, ragged K, the promotion issued one block late, a persistent grid)
+    compute the default's bits."""
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(21, 330, generator=g), torch.randn(300, 330, generator=g), torch.randn(300, generator=g)
     wq, ws = fp8.quantize_weight(w)

@@ -4,7 +4,8 @@ shapes (N, K from benchmarks/configs/qwen3-8b.json), measured side by side in on
 Columns: microseconds per call (triton.testing.do_bench median) of
   fp8 gemm   - vllm.kernels.fp8_gemm.fp8_gemm_triton on pre-quantized activations (the GEMM alone)
   fp8 lin    - the layer's op: fused activation quantization + the GEMM (fp8_linear_triton)
-  q torch    - the activation quantization alone (fp8.quantize_act, torch ops)
+  q fused    - the fused activation quantization alone (vllm/kernels/fp8_quant.py)
+  q torch    - the torch rule it implements (fp8.quantize_act), for comparison
   bf16 inv   - vllm.kernels.matmul.invariant_matmul
   cuBLAS     - torch.matmul in bf16
 and the ratio bf16 inv / fp8 gemm (target >= 1.5 for M >= 1024). Each shape also checks
@@ -43,6 +44,7 @@ import triton
 
 from vllm.kernels import fp8
 from vllm.kernels.fp8_gemm import GEMM_CONFIG, fp8_gemm_triton, fp8_linear_triton, gemm_config
+from vllm.kernels.fp8_quant import quantize_act_triton
 from vllm.kernels.matmul import invariant_matmul
 
 DEVICE = "cuda"  # a CPU smoke run of the script's logic sets "cpu" (under TRITON_INTERPRET=1)
@@ -50,16 +52,24 @@ MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192]
 SWEEP_MS = [1024, 4096]
 
 
-def _cfg(bm, bn, warps, stages, tma, group=8):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
+def _cfg(bm, bn, warps, stages, tma, group=8, pipe=False, persistent=False, ws=False):
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
+    c.update({k: True for k, v in (("PIPE", pipe), ("PERSISTENT", persistent), ("WARP_SPECIALIZE", ws)) if v})
+    return c
 
 
 # BN=128 keeps the weight scale a scalar per K block; 8 warps split a 128-row tile into two
 # 64-row warpgroups. A config whose acc + fresh dot exceed the registers just measures slow.
-SWEEP = ([_cfg(64, 128, 4, s, t) for s in (3, 4, 5) for t in (False, True)]
-         + [_cfg(128, 128, 8, s, t) for s in (3, 4) for t in (False, True)]
-         + [_cfg(64, 256, 8, s, t) for s in (3, 4) for t in (False, True)]
-         + [_cfg(128, 256, 8, 3, True), _cfg(128, 128, 4, 3, True), _cfg(128, 128, 8, 4, True, group=16)])
+# PIPE issues block kb's dot before promoting block kb-1; PERSISTENT runs one program per SM
+# over the tiles; WARP_SPECIALIZE asks triton to split loads and math into warp groups.
+SWEEP = ([_cfg(64, 128, 4, s, True) for s in (3, 4)]
+         + [_cfg(128, 128, w, s, True) for w in (4, 8) for s in (3, 4)]
+         + [_cfg(64, 256, 8, 3, True), _cfg(128, 256, 8, 3, True), _cfg(64, 128, 4, 4, False)]
+         + [_cfg(bm, 128, w, 3, True, pipe=True) for bm, w in ((64, 4), (128, 4), (128, 8))]
+         + [_cfg(128, 256, 8, 3, True, pipe=True)]
+         + [_cfg(bm, 128, w, 3, True, persistent=True, pipe=p) for bm, w in ((64, 4), (128, 4), (128, 8))
+            for p in (False, True)]
+         + [_cfg(128, bn, w, 3, True, persistent=True, ws=True) for bn, w in ((128, 4), (128, 8), (256, 8))])
 
 
 def shapes(cfg_path: str) -> dict[str, tuple[int, int]]:
@@ -76,8 +86,9 @@ def bench(fn, rep: int = 50) -> float:
 
 
 def _short(cfg: dict) -> str:
-    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}"
-            f"{' tma' if cfg.get('TMA') else ''}")
+    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("pipe", "PIPE"), ("persist", "PERSISTENT"),
+                                          ("ws", "WARP_SPECIALIZE")) if cfg.get(k))
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}{flags}"
 
 
 def _key(cfg: dict) -> str:
@@ -123,32 +134,35 @@ def precompile(cfgs: list[dict], K: int, N: int, jobs: int) -> dict[str, str | N
 def table(args, ms, shp) -> tuple[list[dict], dict]:
     rows, tinv_of = [], {}
     print(f"FP8 GEMM config: {GEMM_CONFIG}")
-    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'fp8 lin':>10}{'q torch':>9}{'bf16 inv':>10}"
+    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'fp8 lin':>10}{'q fused':>9}{'q torch':>9}{'bf16 inv':>10}"
           f"{'cuBLAS':>10}{'inv/fp8':>9}{'inv/lin':>9}{'cublas/fp8':>11}{'TFLOP/s fp8':>12}")
     for name, (K, N) in shp.items():
         w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * K ** -0.5
         wq, ws = fp8.quantize_weight(w)
         x_all = torch.randn(max(ms), K, device=DEVICE, dtype=torch.bfloat16)
         ref_rows = fp8_gemm_triton(*fp8.quantize_act(x_all[:16]), wq, ws, None, torch.bfloat16).view(torch.int16)
-        invariant = True
+        invariant = quant_same = True
         for M in ms:
             x = x_all[:M]
-            xq, xs = fp8.quantize_act(x)
+            xq, xs = quantize_act_triton(x)
+            xq_r, xs_r = fp8.quantize_act(x)
+            quant_same &= torch.equal(xq.view(torch.uint8), xq_r.view(torch.uint8)) and torch.equal(xs, xs_r)
             y = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16)
             head = y[:16].view(torch.int16)
             invariant &= torch.equal(head, ref_rows[:head.shape[0]])
             t8 = bench(lambda: fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16))
             tl8 = bench(lambda: fp8_linear_triton(x, wq, ws, None))
+            tq = bench(lambda: quantize_act_triton(x), rep=20)
             tqt = bench(lambda: fp8.quantize_act(x), rep=20)
             tinv = bench(lambda: invariant_matmul(x, w))
             tcb = bench(lambda: torch.matmul(x, w.t()))
             tinv_of[(name, M)] = tinv
-            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_linear_us=tl8, quant_torch_us=tqt,
+            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_linear_us=tl8, quant_fused_us=tq, quant_torch_us=tqt,
                      bf16_invariant_us=tinv, cublas_us=tcb)
             rows.append(r)
-            print(f"{name:<8}{M:>6}{t8:>10.1f}{tl8:>10.1f}{tqt:>9.1f}{tinv:>10.1f}{tcb:>10.1f}"
+            print(f"{name:<8}{M:>6}{t8:>10.1f}{tl8:>10.1f}{tq:>9.1f}{tqt:>9.1f}{tinv:>10.1f}{tcb:>10.1f}"
                   f"{tinv / t8:>9.2f}{tinv / tl8:>9.2f}{tcb / t8:>11.2f}{2 * M * N * K / t8 / 1e6:>12.0f}", flush=True)
-        print(f"fp8 bits: {name} rows 0..15 equal across M = {invariant}")
+        print(f"fp8 bits: {name} rows 0..15 equal across M = {invariant}; fused quant == torch quant = {quant_same}")
     big = [r for r in rows if r["M"] >= 1024]
     if big:
         worst = min(r["bf16_invariant_us"] / r["fp8_us"] for r in big)
@@ -170,6 +184,7 @@ def sweep(args, shp, tinv_of) -> dict:
             print(f"    sweep {c}: {compiled.get(_key(c))}")
     ratios: dict[str, dict[tuple[str, int], float]] = {k: {} for k in ok}
     times: dict[str, float] = {k: 0.0 for k in ok}
+    same_bits: dict[str, bool] = {}
     for name, (K, N) in shp.items():
         w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * K ** -0.5
         wq, ws = fp8.quantize_weight(w)
@@ -192,6 +207,8 @@ def sweep(args, shp, tinv_of) -> dict:
                             print(f"    sweep {cfg}: REJECTED on {name} (rows vary with M or rel err {err:.1e})")
                             ok.pop(k)
                             continue
+                        same_bits[k] = same_bits.get(k, True) and torch.equal(
+                            y.view(torch.int16), default.to(torch.bfloat16).view(torch.int16))
                     t = bench(lambda: fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg), rep=args.sweep_rep)
                 except Exception as err:  # noqa: BLE001
                     print(f"    sweep {cfg}: {type(err).__name__} on {name}")
@@ -203,7 +220,8 @@ def sweep(args, shp, tinv_of) -> dict:
     print(f"sweep (bf16 inv / fp8 gemm at M = {SWEEP_MS}):")
     for k, cfg in ok.items():
         cells = "  ".join(f"{n} " + "/".join(f"{ratios[k][(n, M)]:.2f}" for M in SWEEP_MS) for n in shp)
-        print(f"  {_short(cfg):<26} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us")
+        print(f"  {_short(cfg):<36} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us"
+              f"  bits==default {same_bits.get(k)}")
     if not ok:
         print("fp8 sweep best: {}")
         return {}

@@ -25,11 +25,11 @@ FP8_MAX = 448.0
 BLOCK = 128  # activation group width and weight block side
 
 KV_RULE = {"format": "float8_e4m3fn", "scale": "per token per kv head over head_dim, float32",
-           "scale_formula": "amax(|x|) / 448 (1 for an all-zero row)",
+           "scale_formula": "amax(|x|) / 448, IEEE float32 division on every device (1 for an all-zero row)",
            "rounding": "x / scale clamped to +-448, round-to-nearest-even cast",
            "dequantize": "fp8 -> float32, * scale (float32 multiply), one rounding to the model dtype"}
 LINEAR_RULE = {"format": "float8_e4m3fn", "activations": "per token per 128 input channels, float32 scale",
-               "weights": "per 128 x 128 block, float32 scale", "scale_formula": "amax(|x|) / 448 (1 for all-zero)",
+               "weights": "per 128 x 128 block, float32 scale", "scale_formula": "amax(|x|) / 448, IEEE float32 division on every device (1 for all-zero)",
                "rounding": "round-to-nearest-even cast after clamp to +-448",
                "gemm": "per 128-wide K block: fp32 dot of fp8 operands, * (act scale * weight scale), "
                        "added to one fp32 accumulator in ascending K blocks; output rounded once",
@@ -37,7 +37,11 @@ LINEAR_RULE = {"format": "float8_e4m3fn", "activations": "per token per 128 inpu
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # The divisor is a tensor on amax's device, never a Python number: torch on CUDA turns
+    # `tensor / python_scalar` into `tensor * (1 / scalar)` (one bit off for some amax, as
+    # 1/448 is inexact), while the CPU divides. A tensor divisor is an IEEE division on
+    # every device, which is what the Triton quantization (div_rn) computes too.
+    return torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
 
 
 def _cast(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ One arithmetic, two devices (docs/fp8.md):
   multiply-add is one fused FMA). Tiles are FIXED (`gemm_config(N, K)`: `GEMM_CONFIG` or a
   per-weight-shape entry, never chosen by M), K is never split, loads are unmasked when
   K % 128 == 0 (rows/columns past M/N re-read a valid row and are never stored): a row's bits
-  cannot depend on the batch. Activations are quantized by the torch rule (fp8.quantize_act).
+  cannot depend on the batch. Activations are quantized by one fused kernel
+  (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
 * CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
   exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
   It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
@@ -28,6 +29,7 @@ import os
 import torch
 
 from vllm.kernels.fp8 import BLOCK, dequantize_act, dequantize_weight, quantize_act
+from vllm.kernels.fp8_quant import quantize_act_triton
 
 try:
     import triton
@@ -108,19 +110,42 @@ if HAS_TRITON:
         TensorDescriptor = None
 
     @triton.jit
-    def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
-                         M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_n
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+    def _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K, stride_ask,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
+        """K block kb's operand tiles and its combined scale ([BM, 1] or [BM, BN])."""
+        # scales first: their latency hides under the operand loads and the dot
+        sa = tl.load(as_ptrs + kb * stride_ask)
+        sb = tl.load(bs_ptrs + kb)
+        if USE_TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K])
+        elif EVEN_K:
+            a = tl.load(a_ptrs + kb * BLOCK_K)
+            b = tl.load(b_ptrs + kb * BLOCK_K)
+        else:
+            k_ok = (kb * BLOCK_K + tl.arange(0, BLOCK_K)) < K
+            a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+        if BLOCK_N == BLOCK_K:
+            s = (sa * sb)[:, None]
+        else:
+            s = sa[:, None] * sb[None, :]
+        return a, b, s
+
+    @triton.jit
+    def _block_dot(a, b, EMULATE: tl.constexpr):
+        if EMULATE:
+            return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
+        return tl.dot(a, tl.trans(b))  # both operands K-major: the fp8 wgmma form
+
+    @triton.jit
+    def _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+                  M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+                  EMULATE: tl.constexpr, PIPE: tl.constexpr):
+        """One output tile: the module docstring's loop, then the store."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -131,6 +156,8 @@ if HAS_TRITON:
         # loads stay unmasked. (TMA zero-fills out-of-range boxes itself.)
         rm = tl.where(m_ok, offs_m, M - 1).to(tl.int64)
         rn = tl.where(n_ok, offs_n, N - 1).to(tl.int64)
+        a_ptrs = a_ptr
+        b_ptrs = b_ptr
         if not USE_TMA:
             a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
             b_ptrs = b_ptr + rn[:, None] * stride_bn + offs_k[None, :]
@@ -141,35 +168,77 @@ if HAS_TRITON:
             bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_blocks = tl.cdiv(K, BLOCK_K)
-        for kb in range(0, n_blocks):
-            # scales first: their latency hides under the operand loads and the dot
-            sa = tl.load(as_ptrs + kb * stride_ask)
-            sb = tl.load(bs_ptrs + kb)
-            if USE_TMA:
-                a = a_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                b = b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = (kb * BLOCK_K + offs_k) < K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-            if EMULATE:
-                part = tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
-            else:
-                part = tl.dot(a, tl.trans(b))  # both operands K-major: the fp8 wgmma form
-            if BLOCK_N == BLOCK_K:
-                acc = acc + part * (sa * sb)[:, None]
-            else:
-                acc = acc + part * (sa[:, None] * sb[None, :])
-            if not USE_TMA:
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
+        if PIPE:
+            # The same additions in the same order, written so the dot of block kb is issued
+            # before block kb-1's partial is promoted: the tensor cores need not idle while
+            # the float32 FMAs run.
+            a, b, s_prev = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, 0, pid_m, pid_n, K,
+                                       stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+            part_prev = _block_dot(a, b, EMULATE)
+            for kb in range(1, n_blocks):
+                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                part = _block_dot(a, b, EMULATE)
+                acc = acc + part_prev * s_prev
+                part_prev = part
+                s_prev = s
+            acc = acc + part_prev * s_prev
+        else:
+            for kb in range(0, n_blocks):
+                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                acc = acc + _block_dot(a, b, EMULATE) * s
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _tile_of(t, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Output tile t -> (pid_m, pid_n), grouped GROUP_M row tiles at a time (L2 reuse)."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (t // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (t % group) % size_m, (t % group) // size_m
+
+    @triton.jit
+    def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+                         M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, PIPE: tl.constexpr):
+        pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+                  M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, PIPE)
+
+    @triton.jit
+    def _fp8_gemm_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+                                    M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, PIPE: tl.constexpr,
+                                    NUM_PROGRAMS, WARP_SPECIALIZE: tl.constexpr):
+        """One program per SM walking the tiles; a tile's arithmetic is _fp8_tile's, whichever
+        program computes it."""
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for t in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = _tile_of(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+                      M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, PIPE)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def gemm_config(N: int, K: int) -> dict:
@@ -203,20 +272,34 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     if use_tma:
         a = TensorDescriptor.from_tensor(xq, [bm, BLOCK])
         b = TensorDescriptor.from_tensor(wq, [bn, BLOCK])
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _fp8_gemm_kernel[grid](a, xs, b, ws, bias if bias is not None else ws, out,
-                           M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0),
-                           out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-                           GROUP_M=cfg.pop("GROUP_M"), EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate,
-                           **cfg)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    args = (a, xs, b, ws, bias if bias is not None else ws, out,
+            M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
+                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, PIPE=bool(cfg.pop("PIPE", False)))
+    persistent = bool(cfg.pop("PERSISTENT", False))
+    ws_loop = bool(cfg.pop("WARP_SPECIALIZE", False))
+    if persistent:
+        # the program count is fixed by the device, never by M: a tile's arithmetic does not
+        # depend on which program computes it either way
+        progs = _num_sms(xq.device) if xq.is_cuda else 2
+        progs = min(progs, tiles)
+        _fp8_gemm_persistent_kernel[(progs,)](*args, NUM_PROGRAMS=progs, **meta, WARP_SPECIALIZE=ws_loop, **cfg)
+    else:
+        _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg)
     return out
 
 
 # ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
+def quantize_act_device(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_act's values: the fused Triton kernel on CUDA, the torch ops elsewhere."""
+    return quantize_act_triton(x2) if x2.is_cuda and HAS_TRITON else quantize_act(x2)
+
+
 def _linear(gemm):
     def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_act(x2)
+        xq, xs = quantize_act_device(x2)
         return gemm(xq, xs, wq, ws, bias, x.dtype).reshape(*x.shape[:-1], wq.shape[0])
     fp8_linear.__name__ = fp8_linear.__qualname__ = f"fp8_linear[{gemm.__name__}]"
     fp8_linear.gemm = gemm
@@ -251,7 +334,7 @@ class FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (dy2 @ dequantize_weight(wq, ws, acc)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            xq, xs = quantize_act(x2)
+            xq, xs = quantize_act_device(x2)
             dw = (dy2.t() @ dequantize_act(xq, xs, acc)).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[4]:
             db = dy2.sum(0).to(ctx.w_dtype)
