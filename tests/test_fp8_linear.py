@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.kernels import fp8
+from vllm.kernels import fp8, fp8_gemm
 from vllm.kernels.fp8_gemm import (FP8LinearFn, fp8_gemm_rows, fp8_gemm_triton, fp8_linear_rows,
                                    fp8_linear_triton)
 from vllm.testing.parity_battery import Battery
@@ -73,16 +73,16 @@ def test_triton_gemm_interpreter_matches_reference():
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True),
                                  dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=2, num_warps=1, num_stages=1, TMA=False),
-                                 dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
-                                      PIPE=True),
+                                 dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=1, num_stages=1, TMA=True),
+                                 dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=1, num_stages=1, TMA=False),
                                  dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_warps=1, num_stages=1, TMA=False,
-                                      PIPE=True, PERSISTENT=True),
+                                      PERSISTENT=True),
                                  dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
                                       PERSISTENT=True)])
 def test_triton_gemm_interpreter_tile_variants(cfg):
     """The sweep's variants (TMA descriptors, BLOCK_N=256 with per-column weight scales,
-    M-contiguous scales, ragged K, the promotion issued one block late, a persistent grid)
-    compute the default's bits."""
+    BLOCK_N=64/32 with one weight scale per tile spanning two/four tiles, M-contiguous
+    scales, ragged K and N, a persistent grid) compute the default's bits."""
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(21, 330, generator=g), torch.randn(300, 330, generator=g), torch.randn(300, generator=g)
     wq, ws = fp8.quantize_weight(w)
@@ -232,8 +232,21 @@ def test_gpu_fp8_gemm_vs_float64_and_batch_invariant(K, N):
     y = fp8_linear_triton(x, wq, ws, None)
     ref = fp8.fp8_linear_ref(x[:64], w)
     assert ((y[:64].double() - ref).abs().amax() / ref.abs().amax()) < 1e-2  # bf16 output rounding
-    for m in (1, 3, 16, 64, 129, 1000):
+    # m <= SMALL_M_MAX runs the decode tiles: proven bit-identical on this device by the probe
+    assert fp8_gemm.small_m_tiles_verified(N, K, x.device)
+    for m in (1, 3, 16, 64, 129, 256, 257, 1000):
         assert torch.equal(bits(fp8_linear_triton(x[:m], wq, ws, None)), bits(y[:m])), m
+
+
+def test_gemm_config_small_m_only_where_verified(monkeypatch):
+    """Decode-sized M gets the small-M tiles only for a (shape, device) whose probe passed."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(fp8_gemm, "_SMALL_M_OK", {(512, 256, 0): True, (256, 256, 0): False})
+    small, cap = fp8_gemm.GEMM_CONFIG_SMALL_M, fp8_gemm.SMALL_M_MAX
+    assert fp8_gemm.gemm_config(512, 256, cap, dev) is small
+    assert fp8_gemm.gemm_config(512, 256, cap + 1, dev) is not small
+    assert fp8_gemm.gemm_config(512, 256) is not small
+    assert fp8_gemm.gemm_config(256, 256, 1, dev) is not small
 
 
 @pytest.mark.gpu

@@ -12,23 +12,23 @@ and the ratio bf16 inv / fp8 gemm (target >= 1.5 for M >= 1024). Each shape also
 that the FP8 GEMM's rows do not depend on M (row block 0..15 of every M equals M=16's bits)
 and that the fused quantization's bytes and scales equal the torch rule's.
 
---sweep: after the table, time every tile config of SWEEP at M in SWEEP_MS for every shape
-(configs precompiled in --jobs parallel processes first), check each config's rows are
-M-independent and its output matches the default's, and print one line
-    fp8 sweep best: {"overall": {...}, "per_shape": {...}, ...}
-whose "overall" dict goes into GEMM_CONFIG (vllm/kernels/fp8_gemm.py) and whose
-"GEMM_CONFIG_BY_SHAPE" (optional) into GEMM_CONFIG_BY_SHAPE there.
+The engine's tiles differ by M (GEMM_CONFIG_SMALL_M up to SMALL_M_MAX rows, where the probe
+verified them): the across-M check then also compares the two tile configs.
 
-The lead's one command (H200, about 60 s for the table + sweep, then the fast GPU FP8 tests):
+--sweep: after the table, time every tile config of SWEEP at M in SWEEP_MS and of
+SWEEP_SMALL at SWEEP_SMALL_MS, for every shape (each config compiled and run once in its
+own process first, --jobs at a time; one that takes longer than --compile-timeout, a
+compiler or kernel hang, is dropped), check each config's rows are M-independent and
+whether its bits equal the large tiles', and print
+    fp8 sweep best: {"overall": {...}, "per_shape": {...}, "by_shape": {...}, ...}
+    fp8 small-M sweep best: {...}
+("overall" -> GEMM_CONFIG / GEMM_CONFIG_SMALL_M, "by_shape" -> GEMM_CONFIG_BY_SHAPE).
 
-    export PYTHONPATH=$PWD; timeout 80 python benchmarks/kernels/fp8_gemm.py --sweep --jobs 12 \
-      --json-out $OUT/fp8_gemm.json > $OUT/fp8_gemm.log 2>&1; tail -c 9000 $OUT/fp8_gemm.log; \
-      timeout 40 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_quant.py \
-      tests/test_fp8_linear.py -k "quant or gemm_vs_float64" 2>&1 | tail -3
+    STEPS=fp8 FP8_PARTS=tests,gemm FP8_GEMM_ARGS="--sweep --jobs 14" bash benchmarks/gpu_suite.sh
 
-Read: the table's "inv/fp8" column and "fp8 summary" (target >= 1.5 at M >= 1024), the
-"fp8 bits: ... = True; fused quant == torch quant = True" lines, the per-config sweep lines
-and "fp8 sweep best: {...}" (its "overall" -> GEMM_CONFIG).
+Read: the table's "inv/fp8" column and the "fp8 summary" lines (target >= 1.5 at M >= 1024),
+the "fp8 bits: ... = True; fused quant == torch quant = True" lines, the per-config sweep
+lines and the "best" lines.
 
     python benchmarks/kernels/fp8_gemm.py [--ms 1,16,...] [--sweep] [--jobs N]
 """
@@ -43,7 +43,8 @@ import torch
 import triton
 
 from vllm.kernels import fp8
-from vllm.kernels.fp8_gemm import GEMM_CONFIG, fp8_gemm_triton, fp8_linear_triton, gemm_config
+from vllm.kernels.fp8_gemm import (GEMM_CONFIG, GEMM_CONFIG_BY_SHAPE, GEMM_CONFIG_SMALL_M, SMALL_M_MAX,
+                                   fp8_gemm_triton, fp8_linear_triton, gemm_config, small_m_tiles_verified)
 from vllm.kernels.fp8_quant import quantize_act_triton
 from vllm.kernels.matmul import invariant_matmul
 
@@ -52,24 +53,23 @@ MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192]
 SWEEP_MS = [1024, 4096]
 
 
-def _cfg(bm, bn, warps, stages, tma, group=8, pipe=False, persistent=False, ws=False):
+def _cfg(bm, bn, warps, stages, tma, group=8, persistent=False):
     c = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
-    c.update({k: True for k, v in (("PIPE", pipe), ("PERSISTENT", persistent), ("WARP_SPECIALIZE", ws)) if v})
+    if persistent:
+        c["PERSISTENT"] = True
     return c
 
 
-# BN=128 keeps the weight scale a scalar per K block; 8 warps split a 128-row tile into two
-# 64-row warpgroups. A config whose acc + fresh dot exceed the registers just measures slow.
-# PIPE issues block kb's dot before promoting block kb-1; PERSISTENT runs one program per SM
-# over the tiles; WARP_SPECIALIZE asks triton to split loads and math into warp groups.
-SWEEP = ([_cfg(64, 128, 4, s, True) for s in (3, 4)]
-         + [_cfg(128, 128, w, s, True) for w in (4, 8) for s in (3, 4)]
-         + [_cfg(64, 256, 8, 3, True), _cfg(128, 256, 8, 3, True), _cfg(64, 128, 4, 4, False)]
-         + [_cfg(bm, 128, w, 3, True, pipe=True) for bm, w in ((64, 4), (128, 4), (128, 8))]
-         + [_cfg(128, 256, 8, 3, True, pipe=True)]
-         + [_cfg(bm, 128, w, 3, True, persistent=True, pipe=p) for bm, w in ((64, 4), (128, 4), (128, 8))
-            for p in (False, True)]
-         + [_cfg(128, bn, w, 3, True, persistent=True, ws=True) for bn, w in ((128, 4), (128, 8), (256, 8))])
+# 8 warps split a 128-row tile into two 64-row warpgroups. Measured before and dropped
+# (NOTES): 3 vs 4 stages, 64/128 x 256 tiles, the pointer-load kernel, the promotion issued
+# one block late, warp specialisation. SWEEP: M >= 1024 (GEMM_CONFIG / _BY_SHAPE);
+# SWEEP_SMALL: decode batches, M <= SMALL_M_MAX (GEMM_CONFIG_SMALL_M).
+SWEEP = ([_cfg(bm, 128, 4, 3, True) for bm in (64, 128)]
+         + [_cfg(128, 128, 8, 3, True)]
+         + [_cfg(bm, 128, w, 3, True, persistent=True) for bm, w in ((64, 4), (128, 8))])
+SWEEP_SMALL = ([_cfg(64, bn, 4, st, True) for bn in (32, 64, 128) for st in (3, 4, 6)]
+               + [_cfg(64, 64, 4, 4, False), _cfg(64, 64, 4, 4, True, persistent=True)])
+SWEEP_SMALL_MS = [16, 64, 256]
 
 
 def shapes(cfg_path: str) -> dict[str, tuple[int, int]]:
@@ -86,8 +86,7 @@ def bench(fn, rep: int = 50) -> float:
 
 
 def _short(cfg: dict) -> str:
-    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("pipe", "PIPE"), ("persist", "PERSISTENT"),
-                                          ("ws", "WARP_SPECIALIZE")) if cfg.get(k))
+    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("persist", "PERSISTENT")) if cfg.get(k))
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}{flags}"
 
 
@@ -95,45 +94,61 @@ def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
-def _compile_configs(cfgs: list[dict], K: int, N: int, device: str = "cuda") -> list[tuple[str, str | None]]:
-    """Worker (spawned process): compile each config by running it once at a sweep-like shape
+def _compile_one(cfg: dict, K: int, N: int, device: str, q) -> None:
+    """Worker (spawned process): compile one config by running it once at a sweep-like shape
     (same argument specialisation as the sweep's calls), filling triton's on-disk cache."""
-    out = []
-    x = torch.randn(SWEEP_MS[0], K, device=device, dtype=torch.bfloat16)
-    wq, ws = fp8.quantize_weight(torch.randn(N, K, device=device, dtype=torch.bfloat16))
-    xq, xs = fp8.quantize_act(x)
-    for cfg in cfgs:
-        try:
-            fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            out.append((_key(cfg), None))
-        except Exception as err:  # noqa: BLE001 -- a config that does not compile / fit
-            out.append((_key(cfg), f"{type(err).__name__}: {str(err)[:120]}"))
-    return out
-
-
-def precompile(cfgs: list[dict], K: int, N: int, jobs: int) -> dict[str, str | None]:
-    if jobs <= 1:
-        return dict(_compile_configs(cfgs, K, N, DEVICE))
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    chunks = [cfgs[i::jobs] for i in range(jobs) if cfgs[i::jobs]]
-    res: dict[str, str | None] = {}
     try:
-        with cf.ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
-            for part in ex.map(_compile_configs, chunks, [K] * len(chunks), [N] * len(chunks),
-                                   [DEVICE] * len(chunks)):
-                res.update(part)
-    except Exception as err:  # noqa: BLE001 -- fall back to compiling in this process
-        print(f"parallel precompile failed ({type(err).__name__}: {err}); compiling serially")
-        res = dict(_compile_configs(cfgs, K, N, DEVICE))
+        x = torch.randn(SWEEP_MS[0], K, device=device, dtype=torch.bfloat16)
+        wq, ws = fp8.quantize_weight(torch.randn(N, K, device=device, dtype=torch.bfloat16))
+        xq, xs = fp8.quantize_act(x)
+        fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        q.put((_key(cfg), None))
+    except Exception as err:  # noqa: BLE001 -- a config that does not compile / fit
+        q.put((_key(cfg), f"{type(err).__name__}: {str(err)[:120]}"))
+
+
+def precompile(cfgs: list[dict], K: int, N: int, jobs: int, timeout_s: float) -> dict[str, str | None]:
+    """Compile every config in its own process, `jobs` at a time. A config whose compile or
+    first run takes longer than `timeout_s` (a compiler or kernel hang) is killed and reported,
+    so one bad variant cannot take the whole sweep down with it."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    pending, running, res = list(cfgs), {}, {}
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            cfg = pending.pop(0)
+            p = ctx.Process(target=_compile_one, args=(cfg, K, N, DEVICE, q), daemon=True)
+            p.start()
+            running[_key(cfg)] = (p, time.time())
+        try:
+            k, err = q.get(timeout=1.0)
+            res[k] = err
+            print(f"    compiled {_short(json.loads(k))} in {time.time() - running[k][1]:.0f} s: {err or 'ok'}",
+                  flush=True)
+        except queue_mod.Empty:
+            pass
+        for k, (p, t0) in list(running.items()):
+            if k in res:
+                p.join(timeout=5)
+                running.pop(k)
+            elif time.time() - t0 > timeout_s:
+                p.kill()
+                p.join()
+                res[k] = f"timeout: no result after {timeout_s:.0f} s (compile or first run hung)"
+                print(f"    compiled {_short(json.loads(k))}: {res[k]}", flush=True)
+                running.pop(k)
+            elif not p.is_alive() and p.exitcode not in (0, None):
+                res[k] = f"worker died with exit code {p.exitcode}"
+                running.pop(k)
     return res
 
 
 def table(args, ms, shp) -> tuple[list[dict], dict]:
     rows, tinv_of = [], {}
-    print(f"FP8 GEMM config: {GEMM_CONFIG}")
     print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'fp8 lin':>10}{'q fused':>9}{'q torch':>9}{'bf16 inv':>10}"
           f"{'cuBLAS':>10}{'inv/fp8':>9}{'inv/lin':>9}{'cublas/fp8':>11}{'TFLOP/s fp8':>12}")
     for name, (K, N) in shp.items():
@@ -169,61 +184,64 @@ def table(args, ms, shp) -> tuple[list[dict], dict]:
         worst_l = min(r["bf16_invariant_us"] / r["fp8_linear_us"] for r in big)
         print(f"fp8 summary: min (bf16 invariant / fp8 gemm) over M >= 1024 = {worst:.2f}, "
               f"min (bf16 invariant / fp8 linear) = {worst_l:.2f} (target >= 1.5)")
+    small = [r for r in rows if r["M"] <= SMALL_M_MAX]
+    if small:
+        rs = [r["bf16_invariant_us"] / r["fp8_linear_us"] for r in small]
+        print(f"fp8 summary: bf16 invariant / fp8 linear over M <= {SMALL_M_MAX} (decode) = "
+              f"{min(rs):.2f} .. {max(rs):.2f}")
     return rows, tinv_of
 
 
-def sweep(args, shp, tinv_of) -> dict:
+def sweep(args, shp, tinv_of, cfgs: list[dict], ms: list[int], label: str) -> dict:
+    """Time every config of `cfgs` at every M of `ms` for every shape; reject a config whose
+    rows vary with M; report whether its bits equal the large tiles' (gemm_config(N, K))."""
     t0 = time.time()
     K0, N0 = next(iter(shp.values()))
-    compiled = precompile(SWEEP, K0, N0, args.jobs)
-    print(f"sweep: {len(SWEEP)} configs precompiled in {time.time() - t0:.1f} s "
+    compiled = precompile(cfgs, K0, N0, args.jobs, args.compile_timeout)
+    print(f"{label}: {len(cfgs)} configs precompiled in {time.time() - t0:.1f} s "
           f"({sum(e is None for e in compiled.values())} ok)", flush=True)
-    ok = {_key(c): c for c in SWEEP if compiled.get(_key(c), "missing") is None}
-    for c in SWEEP:
+    ok = {_key(c): c for c in cfgs if compiled.get(_key(c), "missing") is None}
+    for c in cfgs:
         if _key(c) not in ok:
-            print(f"    sweep {c}: {compiled.get(_key(c))}")
+            print(f"    {label} {c}: {compiled.get(_key(c))}")
     ratios: dict[str, dict[tuple[str, int], float]] = {k: {} for k in ok}
     times: dict[str, float] = {k: 0.0 for k in ok}
     same_bits: dict[str, bool] = {}
     for name, (K, N) in shp.items():
         w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * K ** -0.5
         wq, ws = fp8.quantize_weight(w)
-        x_all = torch.randn(max(SWEEP_MS), K, device=DEVICE, dtype=torch.bfloat16)
+        x_all = torch.randn(max(ms), K, device=DEVICE, dtype=torch.bfloat16)
         xq16, xs16 = fp8.quantize_act(x_all[:16])
-        default = None
-        for M in SWEEP_MS:
+        for M in ms:
             x = x_all[:M]
             xq, xs = fp8.quantize_act(x)
             tinv = tinv_of.get((name, M)) or bench(lambda: invariant_matmul(x, w))
-            if default is None:
-                default = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16).float()
+            large = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=gemm_config(N, K))
             for k, cfg in list(ok.items()):
                 try:
                     y = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg)
-                    if M == SWEEP_MS[0]:
-                        head = fp8_gemm_triton(xq16, xs16, wq, ws, None, torch.bfloat16, config=cfg)
-                        err = ((y.float() - default).abs().max() / default.abs().max()).item()
-                        if not torch.equal(head.view(torch.int16), y[:16].view(torch.int16)) or not err < 1e-2:
-                            print(f"    sweep {cfg}: REJECTED on {name} (rows vary with M or rel err {err:.1e})")
-                            ok.pop(k)
-                            continue
-                        same_bits[k] = same_bits.get(k, True) and torch.equal(
-                            y.view(torch.int16), default.to(torch.bfloat16).view(torch.int16))
+                    head = fp8_gemm_triton(xq16, xs16, wq, ws, None, torch.bfloat16, config=cfg)
+                    err = ((y.float() - large.float()).abs().max() / large.float().abs().max()).item()
+                    if not torch.equal(head.view(torch.int16), y[:16].view(torch.int16)) or not err < 1e-2:
+                        print(f"    {label} {cfg}: REJECTED on {name} M={M} (rows vary with M or rel err {err:.1e})")
+                        ok.pop(k)
+                        continue
+                    same_bits[k] = same_bits.get(k, True) and torch.equal(y.view(torch.int16), large.view(torch.int16))
                     t = bench(lambda: fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=cfg), rep=args.sweep_rep)
                 except Exception as err:  # noqa: BLE001
-                    print(f"    sweep {cfg}: {type(err).__name__} on {name}")
+                    print(f"    {label} {cfg}: {type(err).__name__} on {name}")
                     ok.pop(k)
                     continue
                 ratios[k][(name, M)] = tinv / t
                 times[k] += t
-    # one compact line per config: bf16 inv / fp8 per shape at each SWEEP_MS, then min and sum
-    print(f"sweep (bf16 inv / fp8 gemm at M = {SWEEP_MS}):")
+    # one compact line per config: bf16 inv / fp8 per shape at each M, then min and sum
+    print(f"{label} (bf16 inv / fp8 gemm at M = {ms}):")
     for k, cfg in ok.items():
-        cells = "  ".join(f"{n} " + "/".join(f"{ratios[k][(n, M)]:.2f}" for M in SWEEP_MS) for n in shp)
-        print(f"  {_short(cfg):<36} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us"
-              f"  bits==default {same_bits.get(k)}")
+        cells = "  ".join(f"{n} " + "/".join(f"{ratios[k][(n, M)]:.2f}" for M in ms) for n in shp)
+        print(f"  {_short(cfg):<28} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us"
+              f"  bits==large {same_bits.get(k)}")
     if not ok:
-        print("fp8 sweep best: {}")
+        print(f"fp8 {label} best: {{}}")
         return {}
 
     def score(k, keys=None):
@@ -233,18 +251,15 @@ def sweep(args, shp, tinv_of) -> dict:
     best = max(ok, key=score)
     per_shape, by_shape = {}, {}
     for name, (K, N) in shp.items():
-        keys = {(name, M) for M in SWEEP_MS}
+        keys = {(name, M) for M in ms}
         bk = max(ok, key=lambda k: score(k, keys))
         per_shape[name] = {**ok[bk], "min_inv_ratio": round(score(bk, keys)[0], 3)}
         if bk != best:
             by_shape[f"{N},{K}"] = ok[bk]
-    dk = _key(GEMM_CONFIG)
     out = {"overall": ok[best], "overall_min_inv_ratio": round(score(best)[0], 3),
-           "overall_sum_us": round(times[best], 1),
-           "default_min_inv_ratio": round(score(dk)[0], 3) if dk in ok else None,
-           "per_shape": per_shape, "GEMM_CONFIG_BY_SHAPE": by_shape,
-           "sweep_s": round(time.time() - t0, 1)}
-    print("fp8 sweep best: " + json.dumps(out), flush=True)
+           "overall_sum_us": round(times[best], 1), "overall_bits_equal_large": same_bits.get(best),
+           "per_shape": per_shape, "by_shape": by_shape, "seconds": round(time.time() - t0, 1)}
+    print(f"fp8 {label} best: " + json.dumps(out), flush=True)
     return out
 
 
@@ -252,22 +267,32 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-8b.json"))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--sweep", action="store_true", help="time every tile config of SWEEP at SWEEP_MS")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every tile config of SWEEP at SWEEP_MS and of SWEEP_SMALL at SWEEP_SMALL_MS")
     ap.add_argument("--sweep-only", action="store_true", help="skip the table")
     ap.add_argument("--sweep-rep", type=int, default=10, help="do_bench rep (ms) per sweep timing")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="parallel precompile processes")
+    ap.add_argument("--compile-timeout", type=float, default=120.0,
+                    help="seconds one config may take to compile and run once before it is dropped")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     torch.manual_seed(0)
     t0 = time.time()
     shp = shapes(args.config)
+    print(f"FP8 GEMM tiles: M > {SMALL_M_MAX}: {GEMM_CONFIG}; M <= {SMALL_M_MAX}: {GEMM_CONFIG_SMALL_M}")
     for name, (K, N) in shp.items():
-        if gemm_config(N, K) is not GEMM_CONFIG:
-            print(f"FP8 GEMM config for {name} (N={N}, K={K}): {gemm_config(N, K)}")
+        if (N, K) in GEMM_CONFIG_BY_SHAPE:
+            print(f"  {name} (N={N}, K={K}), M > {SMALL_M_MAX}: {GEMM_CONFIG_BY_SHAPE[(N, K)]}")
+        if DEVICE == "cuda":
+            print(f"  {name}: small-M tiles verified bit-identical on this GPU = "
+                  f"{small_m_tiles_verified(N, K, torch.device(DEVICE))}")
     rows, tinv_of = ([], {}) if args.sweep_only else table(args, ms, shp)
     print(f"table: {time.time() - t0:.1f} s", flush=True)
-    best = sweep(args, shp, tinv_of) if (args.sweep or args.sweep_only) else None
+    best = None
+    if args.sweep or args.sweep_only:
+        best = {"large": sweep(args, shp, tinv_of, SWEEP, SWEEP_MS, "sweep"),
+                "small": sweep(args, shp, tinv_of, SWEEP_SMALL, SWEEP_SMALL_MS, "small-M sweep")}
     print(f"total: {time.time() - t0:.1f} s")
     if args.json_out:
         with open(args.json_out, "w") as f:

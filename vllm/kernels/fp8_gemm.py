@@ -12,11 +12,15 @@ One arithmetic, two devices (docs/fp8.md):
 * CUDA: `fp8_gemm_triton`, tl.dot on fp8 operands (Hopper wgmma, both operands K-major),
   one K block per loop step, the block's partial promoted to the float32 accumulator with
   the combined scale (no long fp8 accumulation inside the tensor core; on the GPU the
-  multiply-add is one fused FMA). Tiles are FIXED (`gemm_config(N, K)`: `GEMM_CONFIG` or a
-  per-weight-shape entry, never chosen by M), K is never split, loads are unmasked when
-  K % 128 == 0 (rows/columns past M/N re-read a valid row and are never stored): a row's bits
-  cannot depend on the batch. Activations are quantized by one fused kernel
-  (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
+  multiply-add is one fused FMA). K is never split and K blocks are summed in ascending
+  order whatever the tile, so a row's bits cannot depend on the batch; loads are unmasked
+  when K % 128 == 0 (rows/columns past M/N re-read a valid row and are never stored).
+  Tiles (`gemm_config(N, K, M)`): `GEMM_CONFIG` or a per-weight-shape entry, and for
+  M <= SMALL_M_MAX (decode) narrower tiles that fill the SMs. The small-M tiles are used for
+  a weight shape only after a probe on that device found them bit-identical to the large
+  tiles (`small_m_tiles_verified`): the tensor core's per-element order does not depend on
+  the tile, and the probe proves it rather than assumes it. Activations are quantized by one
+  fused kernel (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
 * CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
   exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
   It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
@@ -41,21 +45,22 @@ except ImportError:  # pragma: no cover
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Fixed tiles: independent of M (batch invariance), K block = the quantization block.
-# BLOCK_N = 128 keeps one weight-scale row per tile. Changing them is a speed choice on the
-# kernel's own terms but is recorded in the contract (LINEAR_RULE + this dict).
-# TMA: operand tiles through host-side tensor descriptors (Hopper TMA) instead of pointer loads;
-# the same arithmetic. `benchmarks/kernels/fp8_gemm.py --sweep` prints the best dict to put here.
-# From `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (figures in benchmarks/NOTES.md):
-# every entry's rows were checked equal across M there. Chosen by the weight's shape only.
-GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": True}
-# Optional per-weight-shape tiles {(N, K): config}: selected by the weight's shape, never by M.
+# Tiles, from `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (figures in
+# benchmarks/NOTES.md; every config there computed the same bits). K block = the quantization
+# block. BLOCK_N divides 128 or is a multiple of it, so a weight-scale row is one scalar per
+# tile or one per 128 columns. TMA: operand tiles through host-side tensor descriptors
+# (Hopper TMA) instead of pointer loads. PERSISTENT: one program per SM walking the tiles.
+GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True,
+               "PERSISTENT": True}
+# Per weight shape {(N, K): config} (Qwen3-8B's qkv and gate_up).
 GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {
     (6144, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
-    (4096, 4096): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
-    (24576, 4096): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
-    (4096, 12288): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (24576, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
 }
+# Decode-sized batches: 64-row tiles (the smallest wgmma) and narrow columns, so a
+# [<=256, K] x [K, N] product spreads over the SMs instead of leaving most of them idle.
+SMALL_M_MAX = 256
+GEMM_CONFIG_SMALL_M = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": True}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
 
 
@@ -127,7 +132,7 @@ if HAS_TRITON:
             k_ok = (kb * BLOCK_K + tl.arange(0, BLOCK_K)) < K
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
-        if BLOCK_N == BLOCK_K:
+        if BLOCK_N <= BLOCK_K:
             s = (sa * sb)[:, None]
         else:
             s = sa[:, None] * sb[None, :]
@@ -144,7 +149,7 @@ if HAS_TRITON:
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                  EMULATE: tl.constexpr, PIPE: tl.constexpr):
+                  EMULATE: tl.constexpr):
         """One output tile: the module docstring's loop, then the store."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,32 +167,16 @@ if HAS_TRITON:
             a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
             b_ptrs = b_ptr + rn[:, None] * stride_bn + offs_k[None, :]
         as_ptrs = as_ptr + rm * stride_asm
-        if BLOCK_N == BLOCK_K:  # the tile's weight-scale column is one scalar per K block
-            bs_ptrs = bs_ptr + pid_n * stride_bsn
+        if BLOCK_N <= BLOCK_K:  # the tile's weight-scale column is one scalar per K block
+            bs_ptrs = bs_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
         else:
             bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_blocks = tl.cdiv(K, BLOCK_K)
-        if PIPE:
-            # The same additions in the same order, written so the dot of block kb is issued
-            # before block kb-1's partial is promoted: the tensor cores need not idle while
-            # the float32 FMAs run.
-            a, b, s_prev = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, 0, pid_m, pid_n, K,
-                                       stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-            part_prev = _block_dot(a, b, EMULATE)
-            for kb in range(1, n_blocks):
-                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                part = _block_dot(a, b, EMULATE)
-                acc = acc + part_prev * s_prev
-                part_prev = part
-                s_prev = s
-            acc = acc + part_prev * s_prev
-        else:
-            for kb in range(0, n_blocks):
-                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                acc = acc + _block_dot(a, b, EMULATE) * s
+        for kb in range(0, n_blocks):
+            a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                  stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+            acc = acc + _block_dot(a, b, EMULATE) * s
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -208,27 +197,26 @@ if HAS_TRITON:
                          M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, PIPE: tl.constexpr):
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr):
         pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, PIPE)
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE)
 
     @triton.jit
     def _fp8_gemm_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
                                     M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, PIPE: tl.constexpr,
-                                    NUM_PROGRAMS, WARP_SPECIALIZE: tl.constexpr):
+                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, NUM_PROGRAMS):
         """One program per SM walking the tiles; a tile's arithmetic is _fp8_tile's, whichever
         program computes it."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for t in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
+        for t in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
             pid_m, pid_n = _tile_of(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                       M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, PIPE)
+                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE)
 
 
 _SMS: dict[int, int] = {}
@@ -241,15 +229,48 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def gemm_config(N: int, K: int) -> dict:
-    """The tiles for weight shape [N, K]: chosen by the weight's shape only, never by M."""
-    return GEMM_CONFIG_BY_SHAPE.get((N, K), GEMM_CONFIG)
+# (N, K, device index) -> whether GEMM_CONFIG_SMALL_M computed the large tiles' bits there
+_SMALL_M_OK: dict[tuple[int, int, int], bool] = {}
+
+
+def small_m_tiles_verified(N: int, K: int, device: torch.device) -> bool:
+    """Whether the small-M tiles may serve weight shape [N, K] on `device`: decided once, by
+    a probe GEMM (random operands, SMALL_M_MAX rows, with a bias) through both tile configs,
+    compared bit for bit. Decided False, and never probed, when first asked inside a CUDA
+    graph capture (no probe can run there); later calls keep the first answer, so the eager
+    and the captured forward always pick the same tiles."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (N, K, idx)
+    if key not in _SMALL_M_OK:
+        if torch.cuda.is_current_stream_capturing():
+            _SMALL_M_OK[key] = False
+        else:
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(SMALL_M_MAX, K, device=device, generator=g, dtype=torch.bfloat16)
+            w = torch.randn(N, K, device=device, generator=g, dtype=torch.bfloat16)
+            bias = torch.randn(N, device=device, generator=g, dtype=torch.bfloat16)
+            xq, xs = quantize_act_device(x)
+            from vllm.kernels.fp8 import quantize_weight
+            wq, ws = quantize_weight(w)
+            small = fp8_gemm_triton(xq, xs, wq, ws, bias, torch.bfloat16, config=GEMM_CONFIG_SMALL_M)
+            large = fp8_gemm_triton(xq, xs, wq, ws, bias, torch.bfloat16, config=gemm_config(N, K))
+            _SMALL_M_OK[key] = torch.equal(small.view(torch.int16), large.view(torch.int16))
+    return _SMALL_M_OK[key]
+
+
+def gemm_config(N: int, K: int, M: int | None = None, device: torch.device | None = None) -> dict:
+    """The tiles for weight shape [N, K] at M rows: the large tiles (per shape or GEMM_CONFIG),
+    or for M <= SMALL_M_MAX the small-M tiles where they are verified bit-identical."""
+    large = GEMM_CONFIG_BY_SHAPE.get((N, K), GEMM_CONFIG)
+    if M is not None and M <= SMALL_M_MAX and device is not None and small_m_tiles_verified(N, K, device):
+        return GEMM_CONFIG_SMALL_M
+    return large
 
 
 def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """The CUDA kernel (CPU tensors under TRITON_INTERPRET=1 in tests). `config`: tile
-    override for the benchmark's sweep; the engine always runs gemm_config(N, K).
+    override for the benchmark's sweep; the engine always runs gemm_config(N, K, M).
     xs may have any strides."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
@@ -263,9 +284,9 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     if M == 0:
         return out
     emulate = _INTERPRET or not xq.is_cuda
-    cfg = dict(config or (INTERPRET_CONFIG if emulate else gemm_config(N, K)))
-    if cfg["BLOCK_N"] % BLOCK:
-        raise ValueError("BLOCK_N must be a multiple of 128 (one weight-scale row per 128 columns)")
+    cfg = dict(config or (INTERPRET_CONFIG if emulate else gemm_config(N, K, M, xq.device)))
+    if cfg["BLOCK_N"] % BLOCK and BLOCK % cfg["BLOCK_N"]:
+        raise ValueError("BLOCK_N must divide 128 or be a multiple of it (weight scales per 128 columns)")
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     use_tma = bool(cfg.pop("TMA", False)) and TensorDescriptor is not None and K % 16 == 0
     a, b = xq, wq
@@ -276,15 +297,13 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     args = (a, xs, b, ws, bias if bias is not None else ws, out,
             M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
-                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, PIPE=bool(cfg.pop("PIPE", False)))
-    persistent = bool(cfg.pop("PERSISTENT", False))
-    ws_loop = bool(cfg.pop("WARP_SPECIALIZE", False))
-    if persistent:
+                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate)
+    if cfg.pop("PERSISTENT", False):
         # the program count is fixed by the device, never by M: a tile's arithmetic does not
         # depend on which program computes it either way
         progs = _num_sms(xq.device) if xq.is_cuda else 2
         progs = min(progs, tiles)
-        _fp8_gemm_persistent_kernel[(progs,)](*args, NUM_PROGRAMS=progs, **meta, WARP_SPECIALIZE=ws_loop, **cfg)
+        _fp8_gemm_persistent_kernel[(progs,)](*args, NUM_PROGRAMS=progs, **meta, **cfg)
     else:
         _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg)
     return out
