@@ -164,7 +164,7 @@ if has fp8; then
   if fp8_has throughput; then
     timeout "${FP8_THROUGHPUT_TIMEOUT:-900}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" \
       --num-prompts "${NUM_PROMPTS:-256}" --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" \
-      --numerics "${FP8_NUMERICS:-invariant+async}" --kv-cache-dtype auto,fp8 --quantization none,fp8 \
+      --numerics "${FP8_NUMERICS:-invariant+async}" --kv-cache-dtype "${FP8_KV:-auto,fp8}" --quantization "${FP8_QUANT:-none,fp8}" \
       --json-out "$OUT/fp8_throughput.json" >"$OUT/fp8_throughput.log" 2>&1
     tail -12 "$OUT/fp8_throughput.log"
   fi

@@ -242,7 +242,7 @@ def test_gemm_config_small_m_only_where_verified(monkeypatch):
     """Decode-sized M gets the small-M tiles only for a (shape, device) whose probe passed."""
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_gemm, "_SMALL_M_OK", {(512, 256, 0): True, (256, 256, 0): False})
-    small, cap = fp8_gemm.GEMM_CONFIG_SMALL_M, fp8_gemm.SMALL_M_MAX
+    small, cap = fp8_gemm.small_m_config(512, 256), fp8_gemm.SMALL_M_MAX
     assert fp8_gemm.gemm_config(512, 256, cap, dev) is small
     assert fp8_gemm.gemm_config(512, 256, cap + 1, dev) is not small
     assert fp8_gemm.gemm_config(512, 256) is not small

@@ -44,7 +44,8 @@ import triton
 
 from vllm.kernels import fp8
 from vllm.kernels.fp8_gemm import (GEMM_CONFIG, GEMM_CONFIG_BY_SHAPE, GEMM_CONFIG_SMALL_M, SMALL_M_MAX,
-                                   fp8_gemm_triton, fp8_linear_triton, gemm_config, small_m_tiles_verified)
+                                   fp8_gemm_triton, fp8_linear_triton, gemm_config, quantize_act_device,
+                                   small_m_config, small_m_tiles_verified)
 from vllm.kernels.fp8_quant import quantize_act_triton
 from vllm.kernels.matmul import invariant_matmul
 
@@ -254,10 +255,10 @@ def sweep(args, shp, tinv_of, cfgs: list[dict], ms: list[int], label: str) -> di
         n = len(cp)
         w, wq, ws = cp[0]
         x_all = torch.randn(max(ms), K, device=DEVICE, dtype=torch.bfloat16)
-        xq16, xs16 = fp8.quantize_act(x_all[:16])
+        xq16, xs16 = quantize_act_device(x_all[:16])  # the engine's scale layout
         for M in ms:
             x = x_all[:M]
-            xq, xs = fp8.quantize_act(x)
+            xq, xs = quantize_act_device(x)
             tinv = tinv_of.get((name, M)) or bench(lambda i: invariant_matmul(x, cp[i % n][0]))
             large = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=gemm_config(N, K))
             for k, cfg in list(ok.items()):
@@ -333,6 +334,8 @@ def main() -> None:
     for name, (K, N) in shp.items():
         if (N, K) in GEMM_CONFIG_BY_SHAPE:
             print(f"  {name} (N={N}, K={K}), M > {SMALL_M_MAX}: {GEMM_CONFIG_BY_SHAPE[(N, K)]}")
+        if small_m_config(N, K) is not GEMM_CONFIG_SMALL_M:
+            print(f"  {name} (N={N}, K={K}), M <= {SMALL_M_MAX}: {small_m_config(N, K)}")
         if DEVICE == "cuda":
             print(f"  {name}: small-M tiles verified bit-identical on this GPU = "
                   f"{small_m_tiles_verified(N, K, torch.device(DEVICE))}")

@@ -58,9 +58,15 @@ GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {
     (24576, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
 }
 # Decode-sized batches: 64-row tiles (the smallest wgmma) and narrow columns, so a
-# [<=256, K] x [K, N] product spreads over the SMs instead of leaving most of them idle.
+# [<=256, K] x [K, N] product spreads over the SMs instead of leaving most of them idle
+# (chosen from the sweep timed inside CUDA graphs, as decode runs).
 SMALL_M_MAX = 256
 GEMM_CONFIG_SMALL_M = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "TMA": True}
+GEMM_CONFIG_SMALL_M_BY_SHAPE: dict[tuple[int, int], dict] = {
+    (4096, 4096): {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6, "TMA": True},
+    (24576, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (4096, 12288): {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6, "TMA": True},
+}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
 
 
@@ -252,19 +258,23 @@ def small_m_tiles_verified(N: int, K: int, device: torch.device) -> bool:
             xq, xs = quantize_act_device(x)
             from vllm.kernels.fp8 import quantize_weight
             wq, ws = quantize_weight(w)
-            small = fp8_gemm_triton(xq, xs, wq, ws, bias, torch.bfloat16, config=GEMM_CONFIG_SMALL_M)
+            small = fp8_gemm_triton(xq, xs, wq, ws, bias, torch.bfloat16, config=small_m_config(N, K))
             large = fp8_gemm_triton(xq, xs, wq, ws, bias, torch.bfloat16, config=gemm_config(N, K))
             _SMALL_M_OK[key] = torch.equal(small.view(torch.int16), large.view(torch.int16))
     return _SMALL_M_OK[key]
 
 
+def small_m_config(N: int, K: int) -> dict:
+    """The decode tiles for weight shape [N, K] (per shape or GEMM_CONFIG_SMALL_M)."""
+    return GEMM_CONFIG_SMALL_M_BY_SHAPE.get((N, K), GEMM_CONFIG_SMALL_M)
+
+
 def gemm_config(N: int, K: int, M: int | None = None, device: torch.device | None = None) -> dict:
     """The tiles for weight shape [N, K] at M rows: the large tiles (per shape or GEMM_CONFIG),
     or for M <= SMALL_M_MAX the small-M tiles where they are verified bit-identical."""
-    large = GEMM_CONFIG_BY_SHAPE.get((N, K), GEMM_CONFIG)
     if M is not None and M <= SMALL_M_MAX and device is not None and small_m_tiles_verified(N, K, device):
-        return GEMM_CONFIG_SMALL_M
-    return large
+        return small_m_config(N, K)
+    return GEMM_CONFIG_BY_SHAPE.get((N, K), GEMM_CONFIG)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
