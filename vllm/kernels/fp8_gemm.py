@@ -235,7 +235,7 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-# (N, K, device index) -> whether GEMM_CONFIG_SMALL_M computed the large tiles' bits there
+# (N, K, device index) -> whether small_m_config(N, K) computed the large tiles' bits there
 _SMALL_M_OK: dict[tuple[int, int, int], bool] = {}
 
 
