@@ -142,7 +142,8 @@ if has moe; then
   moe_has train && tail -6 "$OUT/moe_train_step.log"
 fi
 if has fp8; then
-  # FP8: the FP8 tests, the FP8 GEMM vs bf16 invariant vs cuBLAS at Qwen3-8B shapes, decode
+  # FP8: the FP8 tests, the FP8 GEMM vs bf16 invariant vs cuBLAS at Qwen3-8B shapes (in CUDA graphs
+  # unless FP8_GEMM_ARGS says otherwise), decode
   # attention with the FP8 cache vs bf16, rollout throughput FP8 KV / FP8 linears vs bf16
   echo "== FP8 ($SECONDS s)"
   FP8_PARTS="${FP8_PARTS:-tests,gemm,attention,throughput}"
@@ -153,7 +154,7 @@ if has fp8; then
     tail -3 "$OUT/fp8_tests.log"
   fi
   if fp8_has gemm; then
-    timeout "${FP8_GEMM_TIMEOUT:-300}" python benchmarks/kernels/fp8_gemm.py ${FP8_GEMM_ARGS:-} --json-out "$OUT/fp8_gemm.json" \
+    timeout "${FP8_GEMM_TIMEOUT:-300}" python benchmarks/kernels/fp8_gemm.py ${FP8_GEMM_ARGS:---graph} --json-out "$OUT/fp8_gemm.json" \
       >"$OUT/fp8_gemm.log" 2>&1
     tail -40 "$OUT/fp8_gemm.log"
   fi
