@@ -12,7 +12,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.kernels import fp8, fp8_gemm
-from vllm.kernels.fp8_gemm import (FP8LinearFn, fp8_gemm_rows, fp8_gemm_triton, fp8_linear_rows,
+from vllm.kernels.fp8_gemm import (FP8LinearFn, fp8_gemm_triton, fp8_linear_rows,
                                    fp8_linear_triton)
 from vllm.testing.parity_battery import Battery
 from vllm.training import Policy
