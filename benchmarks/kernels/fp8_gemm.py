@@ -44,6 +44,7 @@ import time
 import torch
 import triton
 
+from gemm import bench_graph  # the bf16 GEMM benchmark's graph timer (this folder)
 from vllm.kernels import fp8
 from vllm.kernels.fp8_gemm import (GEMM_CONFIG, GEMM_CONFIG_BY_SHAPE, GEMM_CONFIG_SMALL_M, SMALL_M_MAX,
                                    fp8_gemm_triton, fp8_linear_triton, gemm_config, quantize_act_device,
@@ -95,27 +96,10 @@ def bench(fn, rep: int = 50) -> float:
     if not GRAPH:
         return triton.testing.do_bench(lambda: fn(0), warmup=max(2, rep // 5), rep=rep, return_mode="median") * 1e3
     try:
-        return _bench_graph(fn, rep)
+        return bench_graph(fn, reps=20)
     except Exception as err:  # noqa: BLE001 -- an op that cannot be captured: say so, keep going
         print(f"    graph timing failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
         return float("nan")
-
-
-def _bench_graph(fn, rep: int) -> float:
-    reps = 20
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):
-            fn(i)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    t = triton.testing.do_bench(graph.replay, warmup=5, rep=max(20, rep), return_mode="median") * 1e3
-    del graph
-    return t / reps
 
 
 def weight_copies(N: int, K: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
