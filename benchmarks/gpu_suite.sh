@@ -159,8 +159,9 @@ if has fp8; then
     tail -40 "$OUT/fp8_gemm.log"
   fi
   if fp8_has attention; then
-    timeout 200 python benchmarks/kernels/fp8_decode_attention.py >"$OUT/fp8_attention.log" 2>&1
-    tail -8 "$OUT/fp8_attention.log"
+    timeout "${FP8_ATTENTION_TIMEOUT:-200}" python benchmarks/kernels/fp8_decode_attention.py ${FP8_ATTENTION_ARGS:-} \
+      >"$OUT/fp8_attention.log" 2>&1
+    tail -30 "$OUT/fp8_attention.log"
   fi
   if fp8_has throughput; then
     timeout "${FP8_THROUGHPUT_TIMEOUT:-900}" python benchmarks/throughput.py --config "$THROUGHPUT_CONFIG" \

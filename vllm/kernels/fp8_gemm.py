@@ -155,7 +155,7 @@ if HAS_TRITON:
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                  EMULATE: tl.constexpr):
+                  EMULATE: tl.constexpr, K_PAIRS: tl.constexpr):
         """One output tile: the module docstring's loop, then the store."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,10 +179,28 @@ if HAS_TRITON:
             bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_blocks = tl.cdiv(K, BLOCK_K)
-        for kb in range(0, n_blocks):
-            a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                  stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-            acc = acc + _block_dot(a, b, EMULATE) * s
+        if K_PAIRS:
+            # two K blocks per step: both dots issued before either is promoted, so the tensor
+            # core has the second block's work while the first is scaled; the promotions stay
+            # one per block, in ascending order (the same bits)
+            for kb in range(0, n_blocks - 1, 2):
+                a0, b0, s0 = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                         stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                a1, b1, s1 = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb + 1, pid_m, pid_n, K,
+                                         stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                p0 = _block_dot(a0, b0, EMULATE)
+                p1 = _block_dot(a1, b1, EMULATE)
+                acc = acc + p0 * s0
+                acc = acc + p1 * s1
+            if n_blocks % 2 == 1:
+                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, n_blocks - 1, pid_m, pid_n,
+                                      K, stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                acc = acc + _block_dot(a, b, EMULATE) * s
+        else:
+            for kb in range(0, n_blocks):
+                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                acc = acc + _block_dot(a, b, EMULATE) * s
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -203,18 +221,19 @@ if HAS_TRITON:
                          M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr):
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, K_PAIRS: tl.constexpr):
         pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE)
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, K_PAIRS)
 
     @triton.jit
     def _fp8_gemm_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
                                     M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, NUM_PROGRAMS):
+                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, K_PAIRS: tl.constexpr,
+                                    NUM_PROGRAMS):
         """One program per SM walking the tiles; a tile's arithmetic is _fp8_tile's, whichever
         program computes it."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -222,7 +241,7 @@ if HAS_TRITON:
             pid_m, pid_n = _tile_of(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                       M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE)
+                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, K_PAIRS)
 
 
 _SMS: dict[int, int] = {}
@@ -307,11 +326,12 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     args = (a, xs, b, ws, bias if bias is not None else ws, out,
             M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
-                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate)
+                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, K_PAIRS=bool(cfg.pop("K_PAIRS", False)))
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     if cfg.pop("PERSISTENT", False):
         # the program count is fixed by the device, never by M: a tile's arithmetic does not
         # depend on which program computes it either way
-        progs = _num_sms(xq.device) if xq.is_cuda else 2
+        progs = _num_sms(xq.device) * per_sm if xq.is_cuda else 2
         progs = min(progs, tiles)
         _fp8_gemm_persistent_kernel[(progs,)](*args, NUM_PROGRAMS=progs, **meta, **cfg)
     else:
