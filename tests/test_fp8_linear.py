@@ -80,14 +80,14 @@ def test_triton_gemm_interpreter_matches_reference():
                                  dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
                                       PERSISTENT=True),
                                  dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
-                                      K_PAIRS=True),
+                                      SCALE_PREFETCH=True),
                                  dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=1, num_stages=1, TMA=False,
-                                      K_PAIRS=True, PERSISTENT=True, PROGRAMS_PER_SM=2)])
+                                      SCALE_PREFETCH=True, PERSISTENT=True, PROGRAMS_PER_SM=2)])
 def test_triton_gemm_interpreter_tile_variants(cfg):
     """The sweep's variants (TMA descriptors, BLOCK_N=256 with per-column weight scales,
     BLOCK_N=64/32 with one weight scale per tile spanning two/four tiles, M-contiguous
-    scales, ragged K and N, a persistent grid, two K blocks per loop step with an odd block
-    count) compute the default's bits."""
+    scales, ragged K and N, a persistent grid, the scales loaded one K block ahead) compute
+    the default's bits."""
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(21, 330, generator=g), torch.randn(300, 330, generator=g), torch.randn(300, generator=g)
     wq, ws = fp8.quantize_weight(w)

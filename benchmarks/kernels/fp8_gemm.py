@@ -57,12 +57,12 @@ MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192]
 SWEEP_MS = [1024, 4096]
 
 
-def _cfg(bm, bn, warps, stages, tma, group=8, persistent=False, pairs=False, per_sm=1):
+def _cfg(bm, bn, warps, stages, tma, group=8, persistent=False, prefetch=False, per_sm=1):
     c = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
     if persistent:
         c["PERSISTENT"] = True
-    if pairs:
-        c["K_PAIRS"] = True
+    if prefetch:
+        c["SCALE_PREFETCH"] = True
     if per_sm > 1:
         c["PROGRAMS_PER_SM"] = per_sm
     return c
@@ -70,20 +70,19 @@ def _cfg(bm, bn, warps, stages, tma, group=8, persistent=False, pairs=False, per
 
 # 8 warps split a 128-row tile into two 64-row warpgroups. Measured before and dropped
 # (NOTES): 3 vs 4 stages, 64/128 x 256 tiles, the pointer-load kernel, the promotion issued
-# one block late, warp specialisation. Candidates: pairs = two K blocks' dots issued before
-# their promotions; x2/sm = two persistent programs per SM (one promotes while the other's
-# dot runs). SWEEP: M >= 1024 (GEMM_CONFIG / _BY_SHAPE);
+# one block late, warp specialisation. Candidates: prefetch = the scales of K block kb + 1
+# loaded during block kb; x2/sm = two persistent programs per SM (one promotes while the
+# other's dot runs). SWEEP: M >= 1024 (GEMM_CONFIG / _BY_SHAPE);
 # SWEEP_SMALL: decode batches, M <= SMALL_M_MAX (GEMM_CONFIG_SMALL_M).
 SWEEP = ([_cfg(bm, 128, 4, 3, True) for bm in (64, 128)]
          + [_cfg(128, 128, 8, 3, True)]
          + [_cfg(bm, 128, w, 3, True, persistent=True) for bm, w in ((64, 4), (128, 8))]
          + [_cfg(64, 128, 4, 3, True, persistent=True, per_sm=n) for n in (2, 3)]
-         + [_cfg(64, 128, 4, st, True, pairs=True) for st in (2, 3)]
-         + [_cfg(128, 128, 8, st, True, persistent=True, pairs=True) for st in (2, 3)]
-         + [_cfg(64, 128, 4, 2, True, persistent=True, pairs=True, per_sm=2)])
+         + [_cfg(64, 128, 4, 3, True, prefetch=True), _cfg(128, 128, 8, 3, True, persistent=True, prefetch=True),
+            _cfg(64, 128, 4, 3, True, persistent=True, prefetch=True, per_sm=2)])
 SWEEP_SMALL = ([_cfg(64, bn, 4, st, True) for bn in (32, 64, 128) for st in (3, 4, 6)]
                + [_cfg(64, 64, 4, 4, False), _cfg(64, 64, 4, 4, True, persistent=True)]
-               + [_cfg(64, bn, 4, st, True, pairs=True) for bn, st in ((64, 2), (64, 3), (128, 2))])
+               + [_cfg(64, bn, 4, st, True, prefetch=True) for bn, st in ((64, 4), (64, 6), (128, 3))])
 SWEEP_SMALL_MS = [16, 64, 256]
 
 
@@ -125,7 +124,7 @@ def weight_copies(N: int, K: int) -> list[tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _short(cfg: dict) -> str:
-    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("persist", "PERSISTENT"), ("pairs", "K_PAIRS"))
+    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("persist", "PERSISTENT"), ("prefetch", "SCALE_PREFETCH"))
                     if cfg.get(k))
     per_sm = f" x{cfg['PROGRAMS_PER_SM']}/sm" if cfg.get("PROGRAMS_PER_SM", 1) > 1 else ""
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}{flags}{per_sm}"

@@ -121,13 +121,19 @@ if HAS_TRITON:
         TensorDescriptor = None
 
     @triton.jit
-    def _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K, stride_ask,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
-        """K block kb's operand tiles and its combined scale ([BM, 1] or [BM, BN])."""
-        # scales first: their latency hides under the operand loads and the dot
+    def _load_scale(as_ptrs, bs_ptrs, kb, stride_ask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """K block kb's combined scale: [BM, 1] (one weight scale per tile) or [BM, BN]."""
         sa = tl.load(as_ptrs + kb * stride_ask)
         sb = tl.load(bs_ptrs + kb)
+        if BLOCK_N <= BLOCK_K:
+            return (sa * sb)[:, None]
+        return sa[:, None] * sb[None, :]
+
+    @triton.jit
+    def _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
+        """K block kb's operand tiles (TMA boxes or pointer loads)."""
         if USE_TMA:
             a = a_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
             b = b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K])
@@ -138,11 +144,7 @@ if HAS_TRITON:
             k_ok = (kb * BLOCK_K + tl.arange(0, BLOCK_K)) < K
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
-        if BLOCK_N <= BLOCK_K:
-            s = (sa * sb)[:, None]
-        else:
-            s = sa[:, None] * sb[None, :]
-        return a, b, s
+        return a, b
 
     @triton.jit
     def _block_dot(a, b, EMULATE: tl.constexpr):
@@ -155,7 +157,7 @@ if HAS_TRITON:
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                  EMULATE: tl.constexpr, K_PAIRS: tl.constexpr):
+                  EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
         """One output tile: the module docstring's loop, then the store."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,27 +181,23 @@ if HAS_TRITON:
             bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_blocks = tl.cdiv(K, BLOCK_K)
-        if K_PAIRS:
-            # two K blocks per step: both dots issued before either is promoted, so the tensor
-            # core has the second block's work while the first is scaled; the promotions stay
-            # one per block, in ascending order (the same bits)
-            for kb in range(0, n_blocks - 1, 2):
-                a0, b0, s0 = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                         stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                a1, b1, s1 = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb + 1, pid_m, pid_n, K,
-                                         stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                p0 = _block_dot(a0, b0, EMULATE)
-                p1 = _block_dot(a1, b1, EMULATE)
-                acc = acc + p0 * s0
-                acc = acc + p1 * s1
-            if n_blocks % 2 == 1:
-                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, n_blocks - 1, pid_m, pid_n,
-                                      K, stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+        if SCALE_PREFETCH:
+            # the scales are plain global loads (not in the operand pipeline): issue block
+            # kb + 1's during block kb, so their latency hides under the dot instead of
+            # stalling the promotion (the last step re-reads block n - 1; same bits)
+            s_next = _load_scale(as_ptrs, bs_ptrs, 0, stride_ask, BLOCK_N, BLOCK_K)
+            for kb in range(0, n_blocks):
+                s = s_next
+                s_next = _load_scale(as_ptrs, bs_ptrs, tl.minimum(kb + 1, n_blocks - 1), stride_ask,
+                                     BLOCK_N, BLOCK_K)
+                a, b = _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
                 acc = acc + _block_dot(a, b, EMULATE) * s
         else:
             for kb in range(0, n_blocks):
-                a, b, s = _load_block(a_ptr, as_ptrs, b_ptr, bs_ptrs, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                      stride_ask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+                s = _load_scale(as_ptrs, bs_ptrs, kb, stride_ask, BLOCK_N, BLOCK_K)
+                a, b = _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
                 acc = acc + _block_dot(a, b, EMULATE) * s
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -221,18 +219,18 @@ if HAS_TRITON:
                          M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, K_PAIRS: tl.constexpr):
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
         pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, K_PAIRS)
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, SCALE_PREFETCH)
 
     @triton.jit
     def _fp8_gemm_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
                                     M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, K_PAIRS: tl.constexpr,
+                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr,
                                     NUM_PROGRAMS):
         """One program per SM walking the tiles; a tile's arithmetic is _fp8_tile's, whichever
         program computes it."""
@@ -241,7 +239,7 @@ if HAS_TRITON:
             pid_m, pid_n = _tile_of(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                       M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, K_PAIRS)
+                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, SCALE_PREFETCH)
 
 
 _SMS: dict[int, int] = {}
@@ -326,7 +324,7 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     args = (a, xs, b, ws, bias if bias is not None else ws, out,
             M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
-                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, K_PAIRS=bool(cfg.pop("K_PAIRS", False)))
+                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, SCALE_PREFETCH=bool(cfg.pop("SCALE_PREFETCH", False)))
     per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     if cfg.pop("PERSISTENT", False):
         # the program count is fixed by the device, never by M: a tile's arithmetic does not
