@@ -98,6 +98,24 @@ def test_triton_gemm_interpreter_tile_variants(cfg):
     assert torch.equal(bits(fp8_gemm_triton(xq, xs_m_contiguous, wq, ws, b, torch.float32, config=cfg)), bits(y))
 
 
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
+                                      SPLIT_N=True),
+                                 dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=1, num_stages=1, TMA=True,
+                                      SPLIT_N=True, PERSISTENT=True),
+                                 dict(BLOCK_M=32, BLOCK_N=128, GROUP_M=1, num_warps=1, num_stages=1, TMA=True,
+                                      SCALE_PREFETCH=True, PERSISTENT=True)])
+def test_triton_gemm_interpreter_tma_variants(cfg):
+    """TMA-only variants (K % 16 == 0): the B tile as two half-width boxes with their own
+    dots and promotions (ragged N past the second half), scales loaded a block ahead: the
+    default's bits, with a bias."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(21, 272, generator=g), torch.randn(200, 272, generator=g), torch.randn(200, generator=g)
+    wq, ws = fp8.quantize_weight(w)
+    xq, xs = fp8.quantize_act(x)
+    y = fp8_gemm_triton(xq, xs, wq, ws, b, torch.float32)
+    assert torch.equal(bits(fp8_gemm_triton(xq, xs, wq, ws, b, torch.float32, config=cfg)), bits(y))
+
+
 def test_straight_through_gradients():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 200, generator=g, dtype=torch.float64).requires_grad_(True)
