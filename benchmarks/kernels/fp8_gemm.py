@@ -335,6 +335,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="time every tile config of SWEEP at SWEEP_MS and of SWEEP_SMALL at SWEEP_SMALL_MS")
     ap.add_argument("--sweep-only", action="store_true", help="skip the table")
+    ap.add_argument("--sweeps", default="large,small", help="which sweeps --sweep runs: large (SWEEP), small")
     ap.add_argument("--sweep-rep", type=int, default=10, help="do_bench rep (ms) per sweep timing")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="parallel precompile processes")
     ap.add_argument("--compile-timeout", type=float, default=120.0,
@@ -363,8 +364,12 @@ def main() -> None:
     print(f"table: {time.time() - t0:.1f} s", flush=True)
     best = None
     if args.sweep or args.sweep_only:
-        best = {"large": sweep(args, shp, tinv_of, SWEEP, SWEEP_MS, "sweep"),
-                "small": sweep(args, shp, tinv_of, SWEEP_SMALL, SWEEP_SMALL_MS, "small-M sweep")}
+        which = args.sweeps.split(",")
+        best = {}
+        if "large" in which:
+            best["large"] = sweep(args, shp, tinv_of, SWEEP, SWEEP_MS, "sweep")
+        if "small" in which:
+            best["small"] = sweep(args, shp, tinv_of, SWEEP_SMALL, SWEEP_SMALL_MS, "small-M sweep")
     print(f"total: {time.time() - t0:.1f} s")
     if args.json_out:
         with open(args.json_out, "w") as f:
