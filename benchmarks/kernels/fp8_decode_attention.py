@@ -6,8 +6,8 @@ the kernel consumes context; the FP8 row's time ratio is the speed-up decode get
     python benchmarks/kernels/fp8_decode_attention.py [--num-seqs 256] [--contexts 512,2048,8192] [--sweep]
 
 --sweep: also time each cache under every (num_warps, num_stages) of SWEEP for the decode
-launch (attention.DECODE_NUM_WARPS / DECODE_NUM_STAGES), checking each computes the shipped
-launch's bits, and print the best per cache.
+launch (attention.DECODE_NUM_WARPS / DECODE_NUM_WARPS_FP8 / DECODE_NUM_STAGES), checking each
+computes the shipped launch's bits, and print the best per cache.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from vllm.kernels import attention, fp8
 from vllm.kernels.attention import paged_attention_triton
 
 H, HKV, D, BS = 32, 8, 128, 16
-SWEEP = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (2, 3)]
+SWEEP = [(4, 3), (2, 2), (2, 3), (2, 4), (1, 2), (1, 3), (1, 4)]
 
 
 def bench(fn) -> float:
@@ -57,10 +57,10 @@ def main() -> None:
         print(f"{L:>8}{t16:>10.1f}{t8:>10.1f}{b16 / t16 / 1e6:>11.2f}{b8 / t8 / 1e6:>10.2f}{t16 / t8:>10.2f}{diff:>12.2e}")
         print(f"fp8 decode attention: context {L}, {n} seqs: fp8 {t16 / t8:.2f}x the bf16 cache's speed")
         if args.sweep:
-            shipped = (attention.DECODE_NUM_WARPS, attention.DECODE_NUM_STAGES)
+            shipped = (attention.DECODE_NUM_WARPS, attention.DECODE_NUM_WARPS_FP8, attention.DECODE_NUM_STAGES)
             y16, y8 = ref().view(torch.int16), f8().view(torch.int16)
             for w, st in SWEEP:
-                attention.DECODE_NUM_WARPS, attention.DECODE_NUM_STAGES = w, st
+                attention.DECODE_NUM_WARPS, attention.DECODE_NUM_WARPS_FP8, attention.DECODE_NUM_STAGES = w, w, st
                 try:
                     same = torch.equal(ref().view(torch.int16), y16) and torch.equal(f8().view(torch.int16), y8)
                     c16, c8 = bench(ref), bench(f8)
@@ -68,7 +68,7 @@ def main() -> None:
                     print(f"    w{w} s{st}: {type(err).__name__}")
                     continue
                 finally:
-                    attention.DECODE_NUM_WARPS, attention.DECODE_NUM_STAGES = shipped
+                    attention.DECODE_NUM_WARPS, attention.DECODE_NUM_WARPS_FP8, attention.DECODE_NUM_STAGES = shipped
                 sweep_rows.append((L, w, st, c16, c8, same))
                 print(f"    w{w} s{st}: bf16 {c16:.1f} us  fp8 {c8:.1f} us  fp8 vs shipped bf16 {t16 / c8:.2f}x"
                       f"  same bits {same}")

@@ -57,41 +57,21 @@ MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192]
 SWEEP_MS = [1024, 4096]
 
 
-def _cfg(bm, bn, warps, stages, tma, group=8, persistent=False, prefetch=False, per_sm=1, split_n=False,
-         maxnreg=None):
-    c = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
-    if persistent:
-        c["PERSISTENT"] = True
-    if prefetch:
-        c["SCALE_PREFETCH"] = True
-    if per_sm > 1:
-        c["PROGRAMS_PER_SM"] = per_sm
-    if split_n:
-        c["SPLIT_N"] = True
-    if maxnreg:
-        c["maxnreg"] = maxnreg
-    return c
+def _cfg(bm, bn, warps, stages, tma, group=8):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group, num_warps=warps, num_stages=stages, TMA=tma)
 
 
 # 8 warps split a 128-row tile into two 64-row warpgroups. Measured before and dropped
-# (NOTES): 3 vs 4 stages, 64/128 x 256 tiles, the pointer-load kernel, the promotion issued
-# one block late, warp specialisation. Candidates: prefetch = the scales of K block kb + 1
-# loaded during block kb; x2/sm = two persistent programs per SM (one promotes while the
-# other's dot runs); splitN = the B tile as two half-width boxes, each dot promoted on its
-# own (fewer live registers), with r128 (maxnreg) so two 8-warp programs fit an SM. SWEEP: M >= 1024 (GEMM_CONFIG / _BY_SHAPE);
+# (NOTES, "Removed options"): 3 vs 4 stages, 64/128 x 256 tiles, the pointer-load kernel, the
+# promotion issued one block late, warp specialisation, a persistent grid (one to three
+# programs per SM), scales loaded a block ahead, the B tile split in two halves (with and
+# without a 128-register cap). SWEEP: M >= 1024 (GEMM_CONFIG / _BY_SHAPE);
 # SWEEP_SMALL: decode batches, M <= SMALL_M_MAX (GEMM_CONFIG_SMALL_M).
-SWEEP = ([_cfg(bm, 128, 4, 3, True) for bm in (64, 128)]
-         + [_cfg(128, 128, 8, 3, True)]
-         + [_cfg(bm, 128, w, 3, True, persistent=True) for bm, w in ((64, 4), (128, 8))]
-         + [_cfg(64, 128, 4, 3, True, persistent=True, per_sm=n) for n in (2, 3)]
-         + [_cfg(64, 128, 4, 3, True, prefetch=True), _cfg(128, 128, 8, 3, True, persistent=True, prefetch=True),
-            _cfg(64, 128, 4, 3, True, persistent=True, prefetch=True, per_sm=2)]
-         + [_cfg(128, 128, 8, st, True, split_n=True, maxnreg=128) for st in (2, 3)]
-         + [_cfg(128, 128, 8, 3, True, split_n=True), _cfg(64, 128, 4, 2, True, split_n=True, maxnreg=128),
-            _cfg(128, 128, 8, 3, True, persistent=True, per_sm=2, split_n=True, maxnreg=128)])
+SWEEP = ([_cfg(64, 128, 4, st, True) for st in (3, 4)]
+         + [_cfg(128, 128, w, 3, True) for w in (4, 8)]
+         + [_cfg(64, 128, 4, 3, True, group=g) for g in (4, 16)])
 SWEEP_SMALL = ([_cfg(64, bn, 4, st, True) for bn in (32, 64, 128) for st in (3, 4, 6)]
-               + [_cfg(64, 64, 4, 4, False), _cfg(64, 64, 4, 4, True, persistent=True)]
-               + [_cfg(64, bn, 4, st, True, prefetch=True) for bn, st in ((64, 4), (64, 6), (128, 3))])
+               + [_cfg(64, 64, 4, 4, False)])
 SWEEP_SMALL_MS = [16, 64, 256]
 
 
@@ -133,12 +113,8 @@ def weight_copies(N: int, K: int) -> list[tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _short(cfg: dict) -> str:
-    flags = "".join(f" {f}" for f, k in (("tma", "TMA"), ("persist", "PERSISTENT"), ("prefetch", "SCALE_PREFETCH"), ("splitN", "SPLIT_N"))
-                    if cfg.get(k))
-    per_sm = f" x{cfg['PROGRAMS_PER_SM']}/sm" if cfg.get("PROGRAMS_PER_SM", 1) > 1 else ""
-    regs = f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}{flags}"
-            f"{per_sm}{regs}")
+    tma = " tma" if cfg.get("TMA") else ""
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}{tma}"
 
 
 def _key(cfg: dict) -> str:
@@ -303,7 +279,7 @@ def sweep(args, shp, tinv_of, cfgs: list[dict], ms: list[int], label: str) -> di
     print(f"{label} (bf16 inv / fp8 gemm at M = {ms}):")
     for k, cfg in ok.items():
         cells = "  ".join(f"{n} " + "/".join(f"{ratios[k][(n, M)]:.2f}" for M in ms) for n in shp)
-        print(f"  {_short(cfg):<44} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us"
+        print(f"  {_short(cfg):<24} {cells}  min {min(ratios[k].values()):.2f}  sum {times[k]:.0f} us"
               f"  bits==large {same_bits.get(k)}")
     if not ok:
         print(f"fp8 {label} best: {{}}")

@@ -60,6 +60,11 @@ PREFILL_BLOCK_M_FP32 = 16
 DECODE_MIN_BLOCK_M = 16
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# An FP8 cache spends ALU time per loaded element (fp8 -> fp32, scale, -> bf16): with 2 warps
+# per program more programs fit an SM and hide it (H200, 256 sequences: the FP8 cache decodes
+# at 0.93-0.94x the bf16 cache's speed, against 0.74-0.76x with 4 warps; the same bits,
+# benchmarks/NOTES.md).
+DECODE_NUM_WARPS_FP8 = 2
 MERGE_NUM_WARPS = 4
 # Decode runs KV splits as parallel programs when (sequences x kv heads) would
 # otherwise leave the GPU idle (H200: 132 SMs) and contexts span >= 2 splits.
@@ -461,7 +466,7 @@ def paged_attention_triton(
     if is_decode:
         block_q = 1
         block_m = max(DECODE_MIN_BLOCK_M, G_PAD)
-        num_warps, num_stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
+        num_warps, num_stages = (DECODE_NUM_WARPS_FP8 if fp8_kv else DECODE_NUM_WARPS), DECODE_NUM_STAGES
     else:
         if _INTERPRET:
             base_m = INTERPRET_PREFILL_BLOCK_M

@@ -45,17 +45,16 @@ except ImportError:  # pragma: no cover
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Tiles, from `benchmarks/kernels/fp8_gemm.py --sweep` on the H200 (figures in
+# Tiles, from `benchmarks/kernels/fp8_gemm.py --graph --sweep` on the H200 (figures in
 # benchmarks/NOTES.md; every config there computed the same bits). K block = the quantization
 # block. BLOCK_N divides 128 or is a multiple of it, so a weight-scale row is one scalar per
 # tile or one per 128 columns. TMA: operand tiles through host-side tensor descriptors
-# (Hopper TMA) instead of pointer loads. PERSISTENT: one program per SM walking the tiles.
-GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True,
-               "PERSISTENT": True}
-# Per weight shape {(N, K): config} (Qwen3-8B's qkv and gate_up).
+# (Hopper TMA) instead of pointer loads. 64-row tiles of one warpgroup let several programs
+# share an SM, so one program's fp32 promotion overlaps another's dot.
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True}
+# Per weight shape {(N, K): config} (Qwen3-8B's o projection).
 GEMM_CONFIG_BY_SHAPE: dict[tuple[int, int], dict] = {
-    (6144, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
-    (24576, 4096): {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "TMA": True},
+    (4096, 4096): {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
 }
 # Decode-sized batches: 64-row tiles (the smallest wgmma) and narrow columns, so a
 # [<=256, K] x [K, N] product spreads over the SMs instead of leaving most of them idle
@@ -157,7 +156,7 @@ if HAS_TRITON:
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                  EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr, SPLIT_N: tl.constexpr):
+                  EMULATE: tl.constexpr):
         """One output tile: the module docstring's loop, then the store."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,64 +178,16 @@ if HAS_TRITON:
             bs_ptrs = bs_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
         else:
             bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
-        n_blocks = tl.cdiv(K, BLOCK_K)
-        if SPLIT_N:
-            # the B tile as two TMA boxes of BLOCK_N / 2 columns, each with its own dot and
-            # promotion: one half's fresh partial is live at a time, not the whole tile's, so
-            # the registers fit two 8-warp programs per SM (one promotes while the other's
-            # dots run). The wgmma's per-element sums do not depend on N (same bits).
-            HALF_N: tl.constexpr = BLOCK_N // 2
-            acc0 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
-            acc1 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
-            for kb in range(0, n_blocks):
-                s = _load_scale(as_ptrs, bs_ptrs, kb, stride_ask, BLOCK_N, BLOCK_K)
-                a = a_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                b0 = b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K])
-                b1 = b_ptr.load([pid_n * BLOCK_N + HALF_N, kb * BLOCK_K])
-                acc0 = acc0 + _block_dot(a, b0, EMULATE) * s
-                acc1 = acc1 + _block_dot(a, b1, EMULATE) * s
-            offs_h = pid_n * BLOCK_N + tl.arange(0, HALF_N)
-            _store_tile(acc0, bias_ptr, c_ptr, offs_m, offs_h, m_ok, offs_h < N, stride_cm, HAS_BIAS)
-            _store_tile(acc1, bias_ptr, c_ptr, offs_m, offs_h + HALF_N, m_ok, offs_h + HALF_N < N, stride_cm,
-                        HAS_BIAS)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = _k_loop(acc, a_ptr, b_ptr, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, n_blocks, pid_m, pid_n, K, stride_ask,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, SCALE_PREFETCH)
-            _store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
-
-    @triton.jit
-    def _store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
-        """acc (+ bias in float32), rounded once to the output dtype, rows/columns in range."""
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            s = _load_scale(as_ptrs, bs_ptrs, kb, stride_ask, BLOCK_N, BLOCK_K)
+            a, b = _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
+            acc = acc + _block_dot(a, b, EMULATE) * s
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _k_loop(acc, a_ptr, b_ptr, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, n_blocks, pid_m, pid_n, K, stride_ask,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                USE_TMA: tl.constexpr, EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
-        """The K blocks in ascending order, each's dot promoted into acc with its scale."""
-        if SCALE_PREFETCH:
-            # the scales are plain global loads (not in the operand pipeline): issue block
-            # kb + 1's during block kb, so their latency hides under the dot instead of
-            # stalling the promotion (the last step re-reads block n - 1; same bits)
-            s_next = _load_scale(as_ptrs, bs_ptrs, 0, stride_ask, BLOCK_N, BLOCK_K)
-            for kb in range(0, n_blocks):
-                s = s_next
-                s_next = _load_scale(as_ptrs, bs_ptrs, tl.minimum(kb + 1, n_blocks - 1), stride_ask,
-                                     BLOCK_N, BLOCK_K)
-                a, b = _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                acc = acc + _block_dot(a, b, EMULATE) * s
-        else:
-            for kb in range(0, n_blocks):
-                s = _load_scale(as_ptrs, bs_ptrs, kb, stride_ask, BLOCK_N, BLOCK_K)
-                a, b = _load_operands(a_ptr, b_ptr, a_ptrs, b_ptrs, kb, pid_m, pid_n, K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA)
-                acc = acc + _block_dot(a, b, EMULATE) * s
-        return acc
 
     @triton.jit
     def _tile_of(t, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -253,38 +204,11 @@ if HAS_TRITON:
                          M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr,
-                         SPLIT_N: tl.constexpr):
+                         USE_TMA: tl.constexpr, EMULATE: tl.constexpr):
         pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
                   M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, SCALE_PREFETCH, SPLIT_N)
-
-    @triton.jit
-    def _fp8_gemm_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
-                                    M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                                    USE_TMA: tl.constexpr, EMULATE: tl.constexpr, SCALE_PREFETCH: tl.constexpr,
-                                    SPLIT_N: tl.constexpr, NUM_PROGRAMS):
-        """One program per SM walking the tiles; a tile's arithmetic is _fp8_tile's, whichever
-        program computes it."""
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for t in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_of(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _fp8_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n,
-                      M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE, SCALE_PREFETCH, SPLIT_N)
-
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, EMULATE)
 
 
 # (N, K, device index) -> whether small_m_config(N, K) computed the large tiles' bits there
@@ -351,28 +275,16 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
         raise ValueError("BLOCK_N must divide 128 or be a multiple of it (weight scales per 128 columns)")
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     use_tma = bool(cfg.pop("TMA", False)) and TensorDescriptor is not None and K % 16 == 0
-    split_n = bool(cfg.pop("SPLIT_N", False)) and use_tma  # the halves are TMA boxes; same bits either way
-    if split_n and bn > BLOCK:
-        raise ValueError("SPLIT_N needs BLOCK_N <= 128 (one weight scale per tile)")
     a, b = xq, wq
     if use_tma:
         a = TensorDescriptor.from_tensor(xq, [bm, BLOCK])
-        b = TensorDescriptor.from_tensor(wq, [bn // 2 if split_n else bn, BLOCK])
+        b = TensorDescriptor.from_tensor(wq, [bn, BLOCK])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     args = (a, xs, b, ws, bias if bias is not None else ws, out,
             M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
-                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate, SCALE_PREFETCH=bool(cfg.pop("SCALE_PREFETCH", False)),
-                SPLIT_N=split_n)
-    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
-    if cfg.pop("PERSISTENT", False):
-        # the program count is fixed by the device, never by M: a tile's arithmetic does not
-        # depend on which program computes it either way
-        progs = _num_sms(xq.device) * per_sm if xq.is_cuda else 2
-        progs = min(progs, tiles)
-        _fp8_gemm_persistent_kernel[(progs,)](*args, NUM_PROGRAMS=progs, **meta, **cfg)
-    else:
-        _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg)
+                EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate)
+    _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg)
     return out
 
 
