@@ -11,11 +11,13 @@ from vllm.kernels.fp8_quant import quantize_act_triton
 
 
 def _same(x):
-    q, s = quantize_act_triton(x)
     qr, sr = fp8.quantize_act(x)
-    assert q.dtype == qr.dtype and q.shape == qr.shape and s.shape == sr.shape
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
-    assert torch.equal(s.contiguous().view(torch.int32), sr.contiguous().view(torch.int32))
+    for m_major in (True, False):  # both scale layouts hold the same values
+        q, s = quantize_act_triton(x, m_major=m_major)
+        assert q.dtype == qr.dtype and q.shape == qr.shape and s.shape == sr.shape
+        assert (s.stride(0) == 1) if m_major else s.is_contiguous()
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        assert torch.equal(s.contiguous().view(torch.int32), sr.contiguous().view(torch.int32))
 
 
 def _ties():

@@ -290,8 +290,13 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
 
 # ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
 def quantize_act_device(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_act's values: the fused Triton kernel on CUDA, the torch ops elsewhere."""
-    return quantize_act_triton(x2) if x2.is_cuda and HAS_TRITON else quantize_act(x2)
+    """fp8.quantize_act's values: the fused Triton kernel on CUDA, the torch ops elsewhere.
+    Scale layout by M, from the graph-timed table: decode-sized batches (the small-M tiles)
+    read row-major scales faster (down at M=16: 29 vs 48 us), larger ones M-contiguous
+    (gate_up at M=8192: 2,087 vs 2,306 us). A layout, not a value: the same bits."""
+    if x2.is_cuda and HAS_TRITON:
+        return quantize_act_triton(x2, m_major=x2.shape[0] > SMALL_M_MAX)
+    return quantize_act(x2)
 
 
 def _linear(gemm):

@@ -15,8 +15,10 @@ e = max(floor(log2 |v|), -6), the subnormal exponent), then sign, exponent and 3
 bits are packed into the byte.
 
 One launch replaces the reference's ~10 torch ops (what "fp8 lin" paid over "fp8 gemm" at
-small M). The scales are written M-contiguous ([K/128, M] storage, returned as its [M, K/128]
-transpose view) so that the GEMM's per-K-block scale load is one coalesced vector.
+small M). The scale layout is the caller's choice (the values are the same): M-contiguous
+([K/128, M] storage, returned as its [M, K/128] transpose view), where the GEMM's per-K-block
+scale load is one vector, or row-major, where a row's consecutive K blocks share a cache
+sector (what the decode-sized GEMMs run faster with; benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ ROWS_PER_PROGRAM = 16
 
 if HAS_TRITON:
     @triton.jit
-    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sk,
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FMAX: tl.constexpr):
         pid_r = tl.program_id(0)
         kb = tl.program_id(1)
@@ -63,12 +65,13 @@ if HAS_TRITON:
         mag = tl.where(r >= 0.015625, normal, sub)
         byte = (sign | mag).to(tl.uint8)
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], byte, mask=ok)
-        tl.store(s_ptr + kb * stride_sk + rows, scale, mask=r_ok)
+        tl.store(s_ptr + kb * stride_sk + rows64 * stride_sm, scale, mask=r_ok)
 
 
-def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_triton(x: torch.Tensor, m_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 scale [M, ceil(K/128)]); the same values as
-    fp8.quantize_act, the scale tensor stored M-contiguous (stride (1, M))."""
+    fp8.quantize_act. `m_major`: the scale tensor stored M-contiguous (strides (1, M)),
+    else row-major."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     if x.dim() != 2:
@@ -78,9 +81,10 @@ def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     kb = -(-K // BLOCK)
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(kb, M, dtype=torch.float32, device=x.device)
+    s = torch.empty(kb, M, dtype=torch.float32, device=x.device).t() if m_major else \
+        torch.empty(M, kb, dtype=torch.float32, device=x.device)
     if M and K:
         grid = (triton.cdiv(M, ROWS_PER_PROGRAM), kb)
-        _quantize_act_kernel[grid](x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), s.stride(0),
+        _quantize_act_kernel[grid](x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                    ROWS=ROWS_PER_PROGRAM, BLOCK_K=BLOCK, FMAX=FP8_MAX, num_warps=4)
-    return q, s.t()
+    return q, s
