@@ -62,7 +62,7 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # An FP8 cache spends ALU time per loaded element (fp8 -> fp32, scale, -> bf16): with 2 warps
 # per program more programs fit an SM and hide it (H200, 256 sequences: the FP8 cache decodes
-# at 0.93-0.94x the bf16 cache's speed, against 0.74-0.76x with 4 warps; the same bits,
+# at 0.92-0.94x the bf16 cache's speed, against 0.74-0.76x with 4 warps; the same bits,
 # benchmarks/NOTES.md).
 DECODE_NUM_WARPS_FP8 = 2
 MERGE_NUM_WARPS = 4
