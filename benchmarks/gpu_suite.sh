@@ -146,7 +146,7 @@ if has fp8; then
   # unless FP8_GEMM_ARGS says otherwise), decode
   # attention with the FP8 cache vs bf16, rollout throughput FP8 KV / FP8 linears vs bf16
   echo "== FP8 ($SECONDS s)"
-  FP8_PARTS="${FP8_PARTS:-tests,gemm,attention,throughput}"
+  FP8_PARTS="${FP8_PARTS:-tests,gemm,cublaslt,attention,throughput}"
   fp8_has() { [[ ",$FP8_PARTS," == *",$1,"* ]]; }
   if fp8_has tests; then
     timeout "${FP8_TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv.py \
@@ -157,6 +157,12 @@ if has fp8; then
     timeout "${FP8_GEMM_TIMEOUT:-300}" python benchmarks/kernels/fp8_gemm.py ${FP8_GEMM_ARGS:---graph} --json-out "$OUT/fp8_gemm.json" \
       >"$OUT/fp8_gemm.log" 2>&1
     tail -40 "$OUT/fp8_gemm.log"
+  fi
+  if fp8_has cublaslt; then
+    # cuBLASLt's block-scaled GEMM: bits vs Triton and across M, every algorithm, speed
+    timeout "${FP8_CUBLASLT_TIMEOUT:-300}" python benchmarks/kernels/fp8_cublaslt.py ${FP8_CUBLASLT_ARGS:-} \
+      --json-out "$OUT/fp8_cublaslt.json" >"$OUT/fp8_cublaslt.log" 2>&1
+    grep -E "^cublaslt|^shape|^[a-z_]+ +[0-9]+ " "$OUT/fp8_cublaslt.log" | tail -45
   fi
   if fp8_has attention; then
     timeout "${FP8_ATTENTION_TIMEOUT:-200}" python benchmarks/kernels/fp8_decode_attention.py ${FP8_ATTENTION_ARGS:-} \
@@ -203,5 +209,6 @@ has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log";
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \
+  grep -E "^cublaslt (bits|summary)" "$OUT/fp8_cublaslt.log"; \
   grep -E "^fp8 decode" "$OUT/fp8_attention.log"; grep -E "^\[fp8\]|^invariant" "$OUT/fp8_throughput.log"; } 2>/dev/null
 exit 0

@@ -245,8 +245,81 @@ def test_gemm_config_small_m_only_where_verified(monkeypatch):
     assert fp8_gemm.gemm_config(256, 256, 1, dev) is not small
 
 
+def test_fp8_linear_cuda_pads_rows_for_cublaslt(monkeypatch):
+    """The cuBLASLt route: activations quantized into rows padded to cuBLAS's multiple, with
+    M-contiguous scales, and the padding rows dropped from the output (the library call is
+    replaced by the CPU kernel on the rows it was given)."""
+    seen = {}
+
+    def fake_cublaslt(xq, xs, wq, ws, out_dtype):
+        seen.update(rows=xq.shape[0], xs_stride=xs.stride())
+        return fp8_gemm.fp8_gemm_rows(xq, xs.contiguous(), wq, ws, None, out_dtype)
+
+    monkeypatch.setattr(fp8_gemm, "cublaslt_serves", lambda M, wq, bias, dt: True)
+    monkeypatch.setattr(fp8_gemm.fp8_cublaslt, "fp8_gemm_cublaslt", fake_cublaslt)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 256, generator=g)
+    wq, ws = fp8.quantize_weight(torch.randn(128, 256, generator=g) * 0.05)
+    y = fp8_gemm.fp8_linear_cuda(x, wq, ws, None)
+    assert seen == {"rows": 8, "xs_stride": (1, 8)} and y.shape == (2, 3, 128)
+    assert torch.equal(bits(y.reshape(6, 128)), bits(fp8_linear_rows(x.reshape(6, 256), wq, ws, None)))
+    # allow_cublaslt=False (KernelConfig.gemm_cublaslt) never takes the route
+    seen.clear()
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_triton", lambda xq, xs, wq, ws, b, dt: fp8_gemm.fp8_gemm_rows(
+        xq, xs, wq, ws, b, dt))
+    fp8_gemm.fp8_linear_cuda(x, wq, ws, None, allow_cublaslt=False)
+    assert seen == {}
+
+
+def test_cublaslt_serves_only_verified_large_unbiased_cuda():
+    w = torch.zeros(256, 256, dtype=fp8.FP8_DTYPE)
+    assert not fp8_gemm.cublaslt_serves(4096, w, None, torch.bfloat16)  # a CPU weight
+
+
 @pytest.mark.gpu
-def test_gpu_fp8_battery_and_training_parity(tiny_qwen3):
+@pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)])
+def test_gpu_fp8_cublaslt_equals_triton_bits(K, N):
+    """From CUBLASLT_MIN_M rows the layer runs cuBLASLt: its bits equal the Triton kernel's
+    (rows padded to 4 included), every row equals the same row of any other M across the
+    switch, and a CUDA graph replays the eager bits."""
+    assert fp8_gemm.cublaslt_verified(N, K, torch.device("cuda", 0))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2051, K, device="cuda", generator=g).bfloat16()
+    wq, ws = fp8.quantize_weight((torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16())
+    y = fp8_gemm.fp8_linear_cuda(x, wq, ws, None)
+    assert fp8_gemm.cublaslt_serves(x.shape[0], wq, None, x.dtype)
+    assert torch.equal(bits(y), bits(fp8_linear_triton(x, wq, ws, None)))
+    for m in (1, 5, 64, 191, 192, 193, 256, 257, 1027, 2048):
+        assert torch.equal(bits(fp8_gemm.fp8_linear_cuda(x[:m], wq, ws, None)), bits(y[:m])), m
+    assert torch.equal(bits(fp8_gemm.fp8_linear_cuda(x[:300], wq, ws, None, allow_cublaslt=False)), bits(y[:300]))
+    xs = x[:333].clone()
+    out = fp8_gemm.fp8_linear_cuda(xs, wq, ws, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm.fp8_linear_cuda(xs, wq, ws, None)
+    xs.copy_(x[1000:1333])
+    graph.replay()
+    assert torch.equal(bits(out), bits(y[1000:1333]))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dims_128(tmp_path_factory):
+    """A tiny Qwen3 whose projections are multiples of 128 (hidden 256, 4 heads of 64, 2 kv
+    heads, intermediate 512), so prefill steps of >= CUBLASLT_MIN_M tokens run cuBLASLt."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("q3_128") / "m", "qwen3", hidden_size=256, head_dim=64,
+                                intermediate_size=512, seed=2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cublaslt_battery_and_training_parity(qwen3_dims_128):
+    """The battery and rollout == training with steps on both sides of the cuBLASLt switch:
+    decode and small prefills on Triton, long prefills and the trainer's forward on cuBLASLt."""
+    test_gpu_fp8_battery_and_training_parity(qwen3_dims_128, prompt_lens=(5, 190, 420))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_battery_and_training_parity(tiny_qwen3, prompt_lens=(5, 70, 300)):
     mk = lambda **kw: LLM(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8",
                           gpu_memory_utilization=0.3,
                           **{"max_num_batched_tokens": 1024, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16, 32, 64], **kw})
@@ -254,7 +327,7 @@ def test_gpu_fp8_battery_and_training_parity(tiny_qwen3):
     for res in b.run_all(gpu=True):
         assert res.differing == 0, res
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 300)]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in prompt_lens]
     seqs, roll = _rollout(b.base, prompts)
     pol = Policy.from_pretrained(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8")
     got = pol.token_logprobs(seqs, [len(p) for p in prompts], temperature=0.8)

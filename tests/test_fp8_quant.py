@@ -43,6 +43,22 @@ def test_quantize_act_triton_bit_identical_to_torch(dtype):
     _same(x[:1].to(dtype))  # one token (decode)
 
 
+@pytest.mark.parametrize("m_major", [True, False])
+def test_quantize_act_triton_padded_rows(m_major):
+    """rows > M (cuBLAS takes row counts of a multiple of 4): the first M rows hold the
+    rule's values, the scales' row stride is the padded count, and rows < M is refused."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 300, generator=g).bfloat16()
+    qr, sr = fp8.quantize_act(x)
+    q, s = quantize_act_triton(x, m_major=m_major, rows=12)
+    assert q.shape == (12, 300) and s.shape == (12, 3)
+    assert s.stride() == ((1, 12) if m_major else (3, 1))
+    assert torch.equal(q[:9].view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s[:9].contiguous().view(torch.int32), sr.view(torch.int32))
+    with pytest.raises(ValueError, match="rows"):
+        quantize_act_triton(x, rows=8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K", [(1, 4096), (333, 4096), (2048, 12288), (7, 300)])
 def test_gpu_quantize_act_triton_bit_identical_to_torch(M, K):

@@ -156,7 +156,9 @@ class KernelConfig:
     deployment choices."""
     # Invariant GEMM on CUDA: the M buckets the tuned table assigns to cuBLASLt run there with
     # split-K forbidden (bit-equal to the Triton kernel, re-checked at start-up); off: those
-    # buckets run their Triton fallback. Numerical part of the contract (cuBLASLt's version).
+    # buckets run their Triton fallback. FP8 linears likewise: from fp8_gemm.CUBLASLT_MIN_M
+    # rows cuBLASLt's block-scaled GEMM where proved bit-equal per weight shape; off: Triton
+    # only. Numerical part of the contract (cuBLASLt's version).
     gemm_cublaslt: bool = True
     # Sampling on CUDA: rows without top-k/top-p/min-p take one fused noise + argmax kernel
     # (its scores equal the unfused path's bit for bit). Deployment part of the contract.

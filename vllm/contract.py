@@ -65,7 +65,9 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
         "kernel_version": KERNEL_VERSION,
         "kernels": describe(numerics, dev, kernels),
         # linear layers: None (model dtype) or the block-scaled FP8 rule (scales, rounding, GEMM order)
-        "quantization": None if quantization is None else {"method": quantization, **fp8.LINEAR_RULE},
+        "quantization": None if quantization is None else {
+            "method": quantization, **fp8.LINEAR_RULE,
+            "cublaslt": _fp8_cublaslt_policy() if gpu and kernels.gemm_cublaslt else None},
         # the KV cache: the model dtype, or float8_e4m3fn with its scale granularity and rounding
         "kv_cache_dtype": (str(dtype).replace("torch.", "") if kv_cache_dtype == "auto"
                            else {"dtype": "float8_e4m3fn", **fp8.KV_RULE}),
@@ -102,6 +104,18 @@ def _cublaslt_policy(matmul) -> dict | None:
         return None
     return {"reduction_scheme": "NONE (no split-K): one float32 MMA sequence along K",
             "available": matmul.cublaslt_nosplit_supported(), "version": matmul.cublaslt_version()}
+
+
+def _fp8_cublaslt_policy() -> dict:
+    """FP8 linears from fp8_gemm.CUBLASLT_MIN_M rows run on cuBLASLt where proved bit-equal
+    to the Triton kernel per weight shape: the library's version and its rules are named."""
+    from vllm.kernels import fp8_cublaslt, fp8_gemm
+    try:
+        version = fp8_cublaslt.version()
+    except Exception:  # noqa: BLE001 -- a library we cannot load is reported as None
+        version = None
+    return {"min_m": fp8_gemm.CUBLASLT_MIN_M, "scale_modes": "VEC128_32F x BLK128x128_32F",
+            "reduction_scheme": "NONE", "workspace_bytes": 0, "version": version}
 
 
 @dataclass

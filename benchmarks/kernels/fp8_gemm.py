@@ -2,16 +2,18 @@
 shapes (N, K from benchmarks/configs/qwen3-8b.json), measured side by side in one run.
 
 Columns: microseconds per call (triton.testing.do_bench median) of
-  fp8 gemm   - vllm.kernels.fp8_gemm.fp8_gemm_triton on pre-quantized activations (the GEMM alone),
-               scales in the layout the engine quantizes to at this M (quantize_act_device:
-               row-major up to SMALL_M_MAX rows, M-contiguous above)
-  alt scale  - the same GEMM with the same scales in the other layout
-  fp8 lin    - the layer's op: fused activation quantization + the GEMM (fp8_linear_triton)
+  fp8 gemm   - the engine's FP8 GEMM at this M on pre-quantized activations (the GEMM alone):
+               cuBLASLt from CUBLASLT_MIN_M rows where verified (rows padded to 4), else Triton
+  triton     - vllm.kernels.fp8_gemm.fp8_gemm_triton, scales in the layout the engine
+               quantizes to at this M (quantize_act_device: row-major up to SMALL_M_MAX rows,
+               M-contiguous above)
+  alt scale  - the Triton GEMM with the same scales in the other layout
+  fp8 lin    - the layer's op: fused activation quantization + the GEMM (fp8_linear_cuda)
   q fused    - the fused activation quantization alone (vllm/kernels/fp8_quant.py)
   q torch    - the torch rule it implements (fp8.quantize_act), for comparison
   bf16 inv   - vllm.kernels.matmul.invariant_matmul
   cuBLAS     - torch.matmul in bf16
-and the ratio bf16 inv / fp8 gemm (target >= 1.5 for M >= 1024). Each shape also checks
+and the ratios bf16 inv / fp8 gemm (target >= 1.5 for M >= 1024) and bf16 inv / triton. Each shape also checks
 that the FP8 GEMM's rows do not depend on M (row block 0..15 of every M equals M=16's bits)
 and that the fused quantization's bytes and scales equal the torch rule's.
 
@@ -47,9 +49,10 @@ import triton
 
 from gemm import bench_graph  # the bf16 GEMM benchmark's graph timer (this folder)
 from vllm.kernels import fp8
+from vllm.kernels import fp8_cublaslt
 from vllm.kernels.fp8_gemm import (GEMM_CONFIG, GEMM_CONFIG_BY_SHAPE, GEMM_CONFIG_SMALL_M, SMALL_M_MAX,
-                                   fp8_gemm_triton, fp8_linear_triton, gemm_config, quantize_act_device,
-                                   small_m_config, small_m_tiles_verified)
+                                   cublaslt_serves, fp8_gemm_triton, fp8_linear_cuda, gemm_config,
+                                   quantize_act_device, small_m_config, small_m_tiles_verified)
 from vllm.kernels.fp8_quant import quantize_act_triton
 from vllm.kernels.matmul import invariant_matmul
 
@@ -177,8 +180,9 @@ def precompile(cfgs: list[dict], K: int, N: int, jobs: int, timeout_s: float) ->
 
 def table(args, ms, shp) -> tuple[list[dict], dict]:
     rows, tinv_of = [], {}
-    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'alt scale':>10}{'fp8 lin':>10}{'q fused':>9}{'q torch':>9}{'bf16 inv':>10}"
-          f"{'cuBLAS':>10}{'inv/fp8':>9}{'inv/lin':>9}{'cublas/fp8':>11}{'TFLOP/s fp8':>12}")
+    print(f"{'shape':<8}{'M':>6}{'fp8 gemm':>10}{'triton':>10}{'alt scale':>10}{'fp8 lin':>10}{'q fused':>9}"
+          f"{'q torch':>9}{'bf16 inv':>10}{'cuBLAS':>10}{'inv/fp8':>9}{'inv/tri':>9}{'inv/lin':>9}{'cublas/fp8':>11}"
+          f"{'TFLOP/s fp8':>12}")
     for name, (K, N) in shp.items():
         cp = weight_copies(N, K)
         n = len(cp)
@@ -200,34 +204,46 @@ def table(args, ms, shp) -> tuple[list[dict], dict]:
             layout_same &= torch.equal(fp8_gemm_triton(xq, xs_rm, wq, ws, None, torch.bfloat16).view(torch.int16),
                                        y.view(torch.int16))
             t8rm = bench(lambda i: fp8_gemm_triton(xq, xs_rm, cp[i % n][1], cp[i % n][2], None, torch.bfloat16))
-            t8 = bench(lambda i: fp8_gemm_triton(xq, xs, cp[i % n][1], cp[i % n][2], None, torch.bfloat16))
-            tl8 = bench(lambda i: fp8_linear_triton(x, cp[i % n][1], cp[i % n][2], None))
+            ttri = bench(lambda i: fp8_gemm_triton(xq, xs, cp[i % n][1], cp[i % n][2], None, torch.bfloat16))
+            lt = DEVICE == "cuda" and M % fp8_cublaslt.ROW_MULTIPLE == 0 and cublaslt_serves(M, wq, None, torch.bfloat16)
+            if lt:  # the engine's GEMM at this M (fp8_linear_cuda pads other M to a multiple of 4)
+                xs_m = xs.t().contiguous().t()
+                y_lt = fp8_cublaslt.fp8_gemm_cublaslt(xq, xs_m, wq, ws, torch.bfloat16)
+                invariant &= torch.equal(y_lt.view(torch.int16), y.view(torch.int16))
+                t8 = bench(lambda i: fp8_cublaslt.fp8_gemm_cublaslt(xq, xs_m, cp[i % n][1], cp[i % n][2], torch.bfloat16))
+            else:
+                t8 = ttri
+            tl8 = bench(lambda i: fp8_linear_cuda(x, cp[i % n][1], cp[i % n][2], None))
             tq = bench(lambda i: quantize_act_triton(x), rep=20)
             tqt = bench(lambda i: fp8.quantize_act(x), rep=20)
             tinv = bench(lambda i: invariant_matmul(x, cp[i % n][0]))
             tcb = bench(lambda i: torch.matmul(x, cp[i % n][0].t()))
             tinv_of[(name, M)] = tinv
-            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_other_scale_layout_us=t8rm, fp8_linear_us=tl8,
+            r = dict(shape=name, M=M, K=K, N=N, fp8_us=t8, fp8_gemm_impl="cublaslt" if lt else "triton",
+                     triton_us=ttri, fp8_other_scale_layout_us=t8rm, fp8_linear_us=tl8,
                      quant_fused_us=tq, quant_torch_us=tqt, bf16_invariant_us=tinv, cublas_us=tcb)
             rows.append(r)
-            print(f"{name:<8}{M:>6}{t8:>10.1f}{t8rm:>10.1f}{tl8:>10.1f}{tq:>9.1f}{tqt:>9.1f}{tinv:>10.1f}{tcb:>10.1f}"
-                  f"{tinv / t8:>9.2f}{tinv / tl8:>9.2f}{tcb / t8:>11.2f}{2 * M * N * K / t8 / 1e6:>12.0f}", flush=True)
-        print(f"fp8 bits: {name} rows 0..15 equal across M = {invariant}; fused quant == torch quant = {quant_same}; "
+            print(f"{name:<8}{M:>6}{t8:>10.1f}{ttri:>10.1f}{t8rm:>10.1f}{tl8:>10.1f}{tq:>9.1f}{tqt:>9.1f}{tinv:>10.1f}"
+                  f"{tcb:>10.1f}{tinv / t8:>9.2f}{tinv / ttri:>9.2f}{tinv / tl8:>9.2f}{tcb / t8:>11.2f}"
+                  f"{2 * M * N * K / t8 / 1e6:>12.0f}", flush=True)
+        print(f"fp8 bits: {name} rows 0..15 equal across M, cuBLASLt == Triton = {invariant}; "
+              f"fused quant == torch quant = {quant_same}; "
               f"other scale layout same bits = {layout_same}")
     big = [r for r in rows if r["M"] >= 1024]
     if big:
         worst = min(r["bf16_invariant_us"] / r["fp8_us"] for r in big)
         worst_l = min(r["bf16_invariant_us"] / r["fp8_linear_us"] for r in big)
+        worst_t = min(r["bf16_invariant_us"] / r["triton_us"] for r in big)
         print(f"fp8 summary: min (bf16 invariant / fp8 gemm) over M >= 1024 = {worst:.2f}, "
-              f"min (bf16 invariant / fp8 linear) = {worst_l:.2f} (target >= 1.5)")
+              f"min (bf16 invariant / fp8 linear) = {worst_l:.2f} (target >= 1.5); Triton alone {worst_t:.2f}")
     small = [r for r in rows if r["M"] <= SMALL_M_MAX]
     if small:
         rs = [r["bf16_invariant_us"] / r["fp8_linear_us"] for r in small]
         print(f"fp8 summary: bf16 invariant / fp8 linear over M <= {SMALL_M_MAX} (decode) = "
               f"{min(rs):.2f} .. {max(rs):.2f}")
     if rows:
-        sp = [r["fp8_us"] / r["fp8_other_scale_layout_us"] for r in rows]
-        print(f"fp8 summary: fp8 gemm with the engine's / the other activation scale layout = {min(sp):.2f} .. "
+        sp = [r["triton_us"] / r["fp8_other_scale_layout_us"] for r in rows]
+        print(f"fp8 summary: Triton fp8 gemm with the engine's / the other activation scale layout = {min(sp):.2f} .. "
               f"{max(sp):.2f} (> 1: the other layout is faster)")
     return rows, tinv_of
 

@@ -5,14 +5,19 @@ and w per 128 x 128 block (..._BLK128x128_32F).
 Called through ctypes on the libcublasLt that torch already loaded (no build step). Every
 reduction scheme is forbidden (CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = NONE) and no
 workspace is offered, so no output is ever summed across programs: each output element is
-one sequence of 128-wide K blocks, whatever tile cuBLAS picks for M. Whether that makes the
-bits independent of M, and equal to the Triton kernel's (vllm/kernels/fp8_gemm.py), is a
-measured fact per shape and device, never assumed: `benchmarks/kernels/fp8_gemm.py` checks
-both on the GPU.
+one float32 sequence of 128-wide K blocks, whatever tile cuBLAS picks for M. On the H200
+(cuBLASLt 13.1) that made its bits equal to the Triton kernel's (vllm/kernels/fp8_gemm.py)
+for Qwen3-8B's four shapes at every M measured, with every algorithm cuBLAS offered
+(benchmarks/kernels/fp8_cublaslt.py); the engine still proves it per weight shape before
+using it (fp8_gemm.cublaslt_verified).
 
 Layout: torch's row-major x [M, K] is cuBLAS's column-major K x M and w [N, K] is K x N, so
-y^T (N x M, column-major = row-major y [M, N]) = op(A) B with A = w (transposed, the
-"TN" form Hopper FP8 needs) and B = x.
+y^T (N x M, column-major = row-major y [M, N]) = op(A) B with A = w (transposed, the "TN"
+form Hopper FP8 takes) and B = x. Scale layouts cuBLAS reads (found by the benchmark: the
+other three combinations are 10-30% off): activation scales M-contiguous (strides (1, M),
+what quantize_act_triton(m_major=True) writes), weight scales [N/128, K/128] row-major (as
+fp8.quantize_weight returns them). cuBLAS refuses M that is not a multiple of 4 (measured
+M = 1, 2, 3, 5, 6, 7 refused; 4, 8, 12, 100, 1028 taken): callers pad the rows.
 """
 from __future__ import annotations
 
@@ -38,12 +43,8 @@ _ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "
                 "inner": 7, "cluster": 8}
 _HEURISTICS = 8
 
-# Activation-scale layout cuBLAS reads for VEC128_32F on B: True = M-contiguous
-# (strides (1, M), what quantize_act_triton(m_major=True) writes).
-ACT_SCALES_M_MAJOR = True
-# Weight-scale layout for BLK128x128_32F on A: False = ws [N/128, K/128] row-major as
-# fp8.quantize_weight returns it, True = its transpose stored contiguous.
-WEIGHT_SCALES_TRANSPOSED = False
+# cuBLAS takes row counts of this multiple only (see the module docstring).
+ROW_MULTIPLE = 4
 
 
 class _Algo(ctypes.Structure):
@@ -102,7 +103,8 @@ class _Plan:
     """Descriptors and the chosen algorithm for one (device, M, N, K, x row stride, out dtype).
     The matmul descriptor carries the scale pointers, so calls on one plan are serialised."""
 
-    def __init__(self, index: int, M: int, N: int, K: int, ldx: int, out_dtype: torch.dtype, algo_index: int):
+    def __init__(self, index: int, M: int, N: int, K: int, ldx: int, out_dtype: torch.dtype, algo_index: int,
+                 scale_ptrs: tuple[int, int]):
         lib = _lib()
         out_type = {torch.bfloat16: _R_16BF, torch.float32: _R_32F}[out_dtype]
         self.lock = threading.Lock()
@@ -115,6 +117,9 @@ class _Plan:
         _set(sd, self.desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_BLK128X128_32F))
         _set(sd, self.desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
         _set(sd, self.desc, _DESC_FAST_ACCUM, ctypes.c_int8(0))
+        # the heuristic checks the scale pointers (set per call after this)
+        _set(sd, self.desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(scale_ptrs[0]))
+        _set(sd, self.desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(scale_ptrs[1]))
         self.a = _layout(_R_8F_E4M3, K, N, K)
         self.b = _layout(_R_8F_E4M3, K, M, ldx)
         self.d = _layout(out_type, N, M, N)
@@ -155,40 +160,40 @@ _PLANS_LOCK = threading.Lock()
 _ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
-def plan(index: int, M: int, N: int, K: int, ldx: int, out_dtype: torch.dtype, algo_index: int = 0) -> _Plan:
+def plan(index: int, M: int, N: int, K: int, ldx: int, out_dtype: torch.dtype, algo_index: int = 0,
+         scale_ptrs: tuple[int, int] = (0, 0)) -> _Plan:
     key = (index, M, N, K, ldx, out_dtype, algo_index)
     with _PLANS_LOCK:
         p = _PLANS.get(key)
         if p is None:
-            p = _PLANS[key] = _Plan(index, M, N, K, ldx, out_dtype, algo_index)
+            p = _PLANS[key] = _Plan(index, M, N, K, ldx, out_dtype, algo_index, scale_ptrs)
     return p
 
 
-def takes(xq: torch.Tensor, wq: torch.Tensor, bias, out_dtype: torch.dtype) -> bool:
-    """The cases this path was written for: CUDA, no bias, K and N multiples of 128,
-    16-byte aligned operands and rows."""
-    M, K = xq.shape
-    N = wq.shape[0]
-    return (xq.is_cuda and bias is None and out_dtype in (torch.bfloat16, torch.float32) and M > 0
-            and K % BLOCK == 0 and N % BLOCK == 0 and xq.stride(1) == 1 and wq.is_contiguous()
-            and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0 and wq.data_ptr() % 16 == 0)
+def takes(N: int, K: int, wq: torch.Tensor, bias, out_dtype: torch.dtype) -> bool:
+    """The cases this path was written and measured for: CUDA, no bias (the Triton kernel
+    adds it before rounding; cuBLAS's epilogue was never compared), bf16 or float32 out,
+    K and N multiples of 128, a contiguous 16-byte aligned weight."""
+    return (wq.is_cuda and bias is None and out_dtype in (torch.bfloat16, torch.float32)
+            and K % BLOCK == 0 and N % BLOCK == 0 and wq.is_contiguous() and wq.data_ptr() % 16 == 0)
 
 
 def fp8_gemm_cublaslt(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                      out_dtype: torch.dtype, algo_index: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """xq [M, K] fp8, xs [M, K/128] float32 (any strides: copied to the layout cuBLAS reads
-    when they differ), wq [N, K] fp8, ws [N/128, K/128] float32 -> [M, N] out_dtype.
-    algo_index: which of cuBLAS's ranked algorithms (benchmark probes only)."""
+                      out_dtype: torch.dtype, algo_index: int = 0) -> torch.Tensor:
+    """xq [M, K] fp8 (M a multiple of ROW_MULTIPLE, rows 16-byte aligned), xs [M, K/128]
+    float32 M-contiguous (copied to that layout when it is not), wq [N, K] fp8, ws
+    [N/128, K/128] float32 -> [M, N] out_dtype. algo_index: which of cuBLAS's ranked
+    algorithms (the benchmark's every-algorithm check; the engine takes the first).
+    Raises CublasLtError when cuBLAS refuses the problem."""
     M, K = xq.shape
     N = wq.shape[0]
-    if ACT_SCALES_M_MAJOR:
-        if xs.stride(0) != 1 or (M > 1 and xs.stride(1) != M):
-            xs = xs.t().contiguous().t()
-    else:
-        xs = xs.contiguous()
-    ws = ws.t().contiguous() if WEIGHT_SCALES_TRANSPOSED else ws.contiguous()
-    p = plan(xq.device.index, M, N, K, xq.stride(0), out_dtype, algo_index)
-    y = out if out is not None else torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M % ROW_MULTIPLE or xq.stride(1) != 1 or xq.stride(0) % 16 or xq.data_ptr() % 16:
+        raise CublasLtError(f"cuBLASLt FP8 GEMM: M={M} must be a multiple of {ROW_MULTIPLE}, rows 16-byte aligned")
+    if xs.stride(0) != 1 or (M > 1 and xs.stride(1) != M):
+        xs = xs.t().contiguous().t()
+    ws = ws.contiguous()
+    p = plan(xq.device.index, M, N, K, xq.stride(0), out_dtype, algo_index, (ws.data_ptr(), xs.data_ptr()))
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     lib = _lib()
     stream = ctypes.c_void_p(torch.cuda.current_stream(xq.device).cuda_stream)
     with p.lock:

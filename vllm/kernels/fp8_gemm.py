@@ -21,6 +21,12 @@ One arithmetic, two devices (docs/fp8.md):
   tiles (`small_m_tiles_verified`): the tensor core's per-element order does not depend on
   the tile, and the probe proves it rather than assumes it. Activations are quantized by one
   fused kernel (vllm/kernels/fp8_quant.py, bit-identical to fp8.quantize_act).
+* CUDA, from CUBLASLT_MIN_M rows: cuBLASLt's block-scaled FP8 GEMM (vllm/kernels/fp8_cublaslt.py,
+  no split-K, no workspace), which computes the Triton kernel's bits: measured at every M for
+  Qwen3-8B's shapes on the H200, and proved per weight shape on each device before use
+  (`cublaslt_verified`, a probe like the small-M tiles'). It runs 1.4-1.8x the bf16 invariant
+  GEMM at M >= 1024 where the Triton kernel reaches 0.9-1.3x (docs/fp8.md says why).
+  `fp8_linear_cuda` picks per call; both sides of the switch give every row the same bits.
 * CPU: `fp8_gemm_rows`, the same formula with each block's dot an explicit pairwise tree of
   exact fp32 products (elementwise ops only), so its bits cannot depend on the batch either.
   It does not reproduce the Triton kernel's bits (the tensor core sums in its own order).
@@ -32,6 +38,7 @@ import os
 
 import torch
 
+from vllm.kernels import fp8_cublaslt
 from vllm.kernels.fp8 import BLOCK, dequantize_act, dequantize_weight, quantize_act
 from vllm.kernels.fp8_quant import quantize_act_triton
 
@@ -67,6 +74,11 @@ GEMM_CONFIG_SMALL_M_BY_SHAPE: dict[tuple[int, int], dict] = {
     (4096, 12288): {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6, "TMA": True},
 }
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
+# From this many rows the layer's GEMM runs on cuBLASLt (where verified). Graph timings on
+# the H200 (benchmarks/NOTES.md): from 192 rows cuBLASLt is faster for qkv, gate_up and down
+# (qkv 15.4 vs 19.7 us, gate_up 51.9 vs 61.2) and within 8% for o; at 128 rows and below the
+# Triton small-M tiles are faster for o and down (down at 64: 29.9 vs 36.1 us).
+CUBLASLT_MIN_M = 192
 
 
 def _pad_k(t: torch.Tensor, kb: int) -> torch.Tensor:
@@ -288,6 +300,47 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     return out
 
 
+# (N, K, device index) -> whether cuBLASLt computed the Triton kernel's bits there
+_CUBLASLT_OK: dict[tuple[int, int, int], bool] = {}
+CUBLASLT_PROBE_MS = (CUBLASLT_MIN_M, 1028)
+
+
+def cublaslt_verified(N: int, K: int, device: torch.device) -> bool:
+    """Whether cuBLASLt may serve weight shape [N, K] on `device`: decided once, by probe
+    GEMMs (random operands at CUBLASLT_PROBE_MS rows) through cuBLASLt and through the
+    Triton kernel, compared bit for bit. False when cuBLAS refuses the problem (no
+    block-scaled FP8 on this GPU or library) and, never probed, when first asked inside a
+    CUDA graph capture; later calls keep the first answer, so the eager and the captured
+    forward pick the same kernel."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (N, K, idx)
+    if key not in _CUBLASLT_OK:
+        ok = False
+        if not torch.cuda.is_current_stream_capturing() and N % BLOCK == 0 and K % BLOCK == 0:
+            from vllm.kernels.fp8 import quantize_weight
+            g = torch.Generator(device=device).manual_seed(0)
+            wq, ws = quantize_weight(torch.randn(N, K, device=device, generator=g, dtype=torch.bfloat16))
+            try:
+                ok = True
+                for m in CUBLASLT_PROBE_MS:
+                    x = torch.randn(m, K, device=device, generator=g, dtype=torch.bfloat16)
+                    xq, xs = quantize_act_triton(x, m_major=True)
+                    lt = fp8_cublaslt.fp8_gemm_cublaslt(xq, xs, wq, ws, torch.bfloat16)
+                    tri = fp8_gemm_triton(xq, xs, wq, ws, None, torch.bfloat16, config=gemm_config(N, K))
+                    ok &= torch.equal(lt.view(torch.int16), tri.view(torch.int16))
+            except (fp8_cublaslt.CublasLtError, OSError, AttributeError):
+                ok = False  # no cuBLASLt, or one without block-scaled FP8 for this shape or GPU
+        _CUBLASLT_OK[key] = ok
+    return _CUBLASLT_OK[key]
+
+
+def cublaslt_serves(M: int, wq: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
+    """Whether an M-row product with weight wq [N, K] runs on cuBLASLt."""
+    N, K = wq.shape
+    return (M >= CUBLASLT_MIN_M and HAS_TRITON and fp8_cublaslt.takes(N, K, wq, bias, out_dtype)
+            and cublaslt_verified(N, K, wq.device))
+
+
 # ---- the op the linear layer calls: quantize the activations, then one of the GEMMs -------
 def quantize_act_device(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8.quantize_act's values: the fused Triton kernel on CUDA, the torch ops elsewhere.
@@ -310,6 +363,23 @@ def _linear(gemm):
 
 
 fp8_linear_triton = _linear(fp8_gemm_triton)
+
+
+def fp8_linear_cuda(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+                    allow_cublaslt: bool = True) -> torch.Tensor:
+    """The CUDA layer op: cuBLASLt where `cublaslt_serves` (activations quantized into rows
+    padded to cuBLAS's row multiple, scales M-contiguous; the padding rows are dropped),
+    else the Triton kernel. allow_cublaslt: KernelConfig.gemm_cublaslt."""
+    x2 = x.reshape(-1, x.shape[-1])
+    M, N = x2.shape[0], wq.shape[0]
+    if allow_cublaslt and cublaslt_serves(M, wq, bias, x.dtype):
+        rows = -(-M // fp8_cublaslt.ROW_MULTIPLE) * fp8_cublaslt.ROW_MULTIPLE
+        xq, xs = quantize_act_triton(x2, m_major=True, rows=rows)
+        y = fp8_cublaslt.fp8_gemm_cublaslt(xq, xs, wq, ws, x.dtype)[:M]
+    else:
+        xq, xs = quantize_act_device(x2)
+        y = fp8_gemm_triton(xq, xs, wq, ws, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], N)
 fp8_linear_rows = _linear(fp8_gemm_rows)
 fp8_linear_dequant = _linear(fp8_gemm_dequant)
 

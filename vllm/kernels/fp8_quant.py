@@ -68,10 +68,13 @@ if HAS_TRITON:
         tl.store(s_ptr + kb * stride_sk + rows64 * stride_sm, scale, mask=r_ok)
 
 
-def quantize_act_triton(x: torch.Tensor, m_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_triton(x: torch.Tensor, m_major: bool = True, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 scale [M, ceil(K/128)]); the same values as
     fp8.quantize_act. `m_major`: the scale tensor stored M-contiguous (strides (1, M)),
-    else row-major."""
+    else row-major. `rows` (>= M): allocate that many rows (the M-contiguous scales then
+    have strides (1, rows)) for a GEMM that only takes row counts of some multiple; rows
+    past M are left unwritten, and a GEMM's row r reads only row r, so they reach no
+    output row below M."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     if x.dim() != 2:
@@ -79,10 +82,13 @@ def quantize_act_triton(x: torch.Tensor, m_major: bool = True) -> tuple[torch.Te
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
+    rows = M if rows is None else rows
+    if rows < M:
+        raise ValueError(f"quantize_act_triton: rows={rows} < M={M}")
     kb = -(-K // BLOCK)
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(kb, M, dtype=torch.float32, device=x.device).t() if m_major else \
-        torch.empty(M, kb, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(kb, rows, dtype=torch.float32, device=x.device).t() if m_major else \
+        torch.empty(rows, kb, dtype=torch.float32, device=x.device)
     if M and K:
         grid = (triton.cdiv(M, ROWS_PER_PROGRAM), kb)
         _quantize_act_kernel[grid](x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),

@@ -97,11 +97,12 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
         fast=_torch(torch_ops.logits),
         invariant=Impl(cuda=matmul.invariant_logits, cpu=torch_ops.logits_rows, cuda_options=_gemm_options,
                        cpu_autograd_fn=True)),
-    # FP8 linear layers (quantization="fp8"): the fixed-tile Triton FP8 GEMM on CUDA in both
-    # modes; on CPU the per-block tree-sum kernel (invariant) or dequantize + BLAS (fast).
+    # FP8 linear layers (quantization="fp8"): on CUDA in both modes the fixed-tile Triton FP8
+    # GEMM, or from fp8_gemm.CUBLASLT_MIN_M rows cuBLASLt with the same bits (proved per
+    # weight shape); on CPU the per-block tree-sum kernel (invariant) or dequantize + BLAS (fast).
     "fp8_linear": OpNumerics(
-        fast=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_dequant),
-        invariant=Impl(cuda=fp8_gemm.fp8_linear_triton, cpu=fp8_gemm.fp8_linear_rows)),
+        fast=Impl(cuda=fp8_gemm.fp8_linear_cuda, cpu=fp8_gemm.fp8_linear_dequant, cuda_options=_gemm_options),
+        invariant=Impl(cuda=fp8_gemm.fp8_linear_cuda, cpu=fp8_gemm.fp8_linear_rows, cuda_options=_gemm_options)),
     # Norms: one Triton program per row on CUDA in both modes; torch on CPU.
     "rms_norm": OpNumerics(
         fast=Impl(cuda=rowwise.rms_norm_triton, cpu=torch_ops.rms_norm),

@@ -41,10 +41,12 @@ class Linear(nn.Module):
         self.fp8 = True
         self.requantize()
         if dev.type == "cuda":
-            # decide the decode tiles now, in eager mode, not first inside a graph capture
-            from vllm.kernels.fp8_gemm import HAS_TRITON, small_m_tiles_verified
+            # decide the decode tiles and whether cuBLASLt may serve this shape now, in eager
+            # mode, not first inside a graph capture
+            from vllm.kernels.fp8_gemm import HAS_TRITON, cublaslt_verified, small_m_tiles_verified
             if HAS_TRITON:
                 small_m_tiles_verified(n, k, dev)
+                cublaslt_verified(n, k, dev)
 
     @torch.no_grad()
     def requantize(self) -> None:
