@@ -12,7 +12,9 @@ baseline (numerics="fast"), both with async scheduling as the engine runs on CUD
 
 FP8: `--kv-cache-dtype auto,fp8` and `--quantization none,fp8` run every numerics mode
 with each combination (labels `mode kv=fp8 q=fp8`) and print each one's ratio to the
-mode's model-dtype run (`auto`/`none`), side by side in the same run.
+mode's model-dtype run (`auto`/`none`), side by side in the same run. `fp8-nomaster` is
+fp8 with keep_master_weights=False (the fp8 copy only: more KV tokens, the same tokens
+out, which the run checks).
 
 MoE configs (benchmarks/configs/qwen3-30b-a3b.json) work the same way; their floor counts
 the top-k experts per token for prefill and every expert a decode step touches.
@@ -87,13 +89,15 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str, kv_cache_dt
     if unknown:
         raise ValueError(f"unknown mode variant(s) {sorted(unknown)} in {mode!r}")
     # "+unfused": the unfused Gumbel-max sampler; "+nocublaslt": invariant GEMMs all in Triton
+    keep_master = quantization != "fp8-nomaster"
     llm = LLM(model=model_dir, dtype="bfloat16", load_format="dummy", numerics=numerics, seed=0,
               async_scheduling="async" in variants, fused_gumbel="unfused" not in variants,
               gemm_cublaslt="nocublaslt" not in variants,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               max_model_len=args.input_len + args.output_len + 16,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+              kv_cache_dtype=kv_cache_dtype, quantization="fp8" if quantization == "fp8-nomaster" else quantization,
+              keep_master_weights=keep_master)
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, detokenize=False)
     # Warm-up: the whole workload once on OTHER prompts of the same shapes, so every
     # Triton specialization and graph bucket is compiled before timing, and nothing
@@ -166,7 +170,9 @@ def main() -> None:
                     "+unfused (unfused Gumbel-max sampler) and/or +nocublaslt (invariant GEMMs without cuBLASLt) "
                     "to a mode, e.g. fast,fast+async,invariant+async,invariant+async+nocublaslt")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto,fp8 (each numerics mode runs each)")
-    ap.add_argument("--quantization", default="none", help="comma-separated: none,fp8 (each numerics mode runs each)")
+    ap.add_argument("--quantization", default="none",
+                    help="comma-separated: none,fp8,fp8-nomaster (each numerics mode runs each; fp8-nomaster: "
+                         "keep_master_weights=False)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -208,6 +214,11 @@ def main() -> None:
             if b is not None and r is not b:
                 print(f"[fp8] {r['numerics']:<28}{r['tok_s'] / b['tok_s']:>12.3f}{r['kv_capacity_tokens']:>12,}"
                       f"{r['kv_capacity_tokens'] / b['kv_capacity_tokens']:>9.2f}")
+    for r in results:
+        twin = next((o for o in results if o["mode"] == r["mode"] and o["kv_cache_dtype"] == r["kv_cache_dtype"]
+                     and o["quantization"] == "fp8"), None) if r["quantization"] == "fp8-nomaster" else None
+        if twin is not None:   # dropping the master weights must not change a single token
+            print(f"[fp8] {r['numerics']} vs q=fp8: same tokens = {r['tokens_sha256'] == twin['tokens_sha256']}")
     for suffix in ("", "+async"):
         if "fast" + suffix in ours and "invariant" + suffix in ours:
             print(f"invariant{suffix} / fast{suffix} = {ours['invariant' + suffix] / ours['fast' + suffix]:.3f}")

@@ -76,6 +76,26 @@ def tiny_qwen3(tiny_models_root) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_128(tiny_models_root) -> str:
+    """A tiny Qwen3 whose projections are multiples of 128 rows and columns (hidden 256, 4
+    heads of 64, 2 kv heads, intermediate 512): FP8 shards on 128-row blocks, and on CUDA
+    prefills of >= fp8_gemm.CUBLASLT_MIN_M tokens run cuBLASLt."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tiny_models_root / "qwen3_128", "qwen3", hidden_size=256, head_dim=64,
+                                intermediate_size=512, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_128_other(tiny_models_root) -> str:
+    """tiny_qwen3_128's shapes, other weights (weight sync sources)."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tiny_models_root / "qwen3_128_seed7", "qwen3", hidden_size=256, head_dim=64,
+                                intermediate_size=512, seed=7)
+
+
+@pytest.fixture(scope="session")
 def new_weights(tiny_models_root) -> str:
     from vllm.testing.tiny_models import make_tiny_checkpoint
 

@@ -302,20 +302,11 @@ def test_gpu_fp8_cublaslt_equals_triton_bits(K, N):
     assert torch.equal(bits(out), bits(y[1000:1333]))
 
 
-@pytest.fixture(scope="module")
-def qwen3_dims_128(tmp_path_factory):
-    """A tiny Qwen3 whose projections are multiples of 128 (hidden 256, 4 heads of 64, 2 kv
-    heads, intermediate 512), so prefill steps of >= CUBLASLT_MIN_M tokens run cuBLASLt."""
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q3_128") / "m", "qwen3", hidden_size=256, head_dim=64,
-                                intermediate_size=512, seed=2)
-
-
 @pytest.mark.gpu
-def test_gpu_fp8_cublaslt_battery_and_training_parity(qwen3_dims_128):
+def test_gpu_fp8_cublaslt_battery_and_training_parity(tiny_qwen3_128):
     """The battery and rollout == training with steps on both sides of the cuBLASLt switch:
     decode and small prefills on Triton, long prefills and the trainer's forward on cuBLASLt."""
-    test_gpu_fp8_battery_and_training_parity(qwen3_dims_128, prompt_lens=(5, 190, 420))
+    test_gpu_fp8_battery_and_training_parity(tiny_qwen3_128, prompt_lens=(5, 190, 420))
 
 
 @pytest.mark.gpu

@@ -191,9 +191,15 @@ class EngineConfig:
     # None or "fp8": block-scaled FP8 linear layers (docs/fp8.md); changes bits, so the
     # execution contract names it
     quantization: str | None = None
+    # quantization="fp8" only. False: FP8 layers keep only their fp8 copy (about half the
+    # weight memory, left to the KV cache); for rollout-only engines: no trainer can run
+    # over this engine's model, weight sync quantizes the tensors it receives. Same bits.
+    keep_master_weights: bool = True
 
     def __post_init__(self) -> None:
         self.quantization = check_quantization(self.quantization)
+        if not self.keep_master_weights and self.quantization is None:
+            raise ValueError("keep_master_weights=False needs quantization='fp8': only FP8 layers have a copy to keep")
         if self.async_scheduling is None:
             self.async_scheduling = str(self.device).startswith("cuda")
         if self.numerics not in NUMERICS_MODES:

@@ -232,7 +232,7 @@ class LLMEngine:
             "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
             "enable_sleep_mode": c.cache.enable_sleep_mode,
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
-            "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel,
+            "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel, "keep_master_weights": c.keep_master_weights,
         }
         return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
                               deployment=deployment, kernels=c.kernels, kv_cache_dtype=c.cache.kv_cache_dtype,

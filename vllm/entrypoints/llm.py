@@ -32,7 +32,7 @@ class LLM:
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
                  load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
-                 kv_cache_dtype: str = "auto", quantization: str | None = None):
+                 kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -55,7 +55,7 @@ class LLM:
             device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
-            step_profile=step_profile, quantization=quantization)
+            step_profile=step_profile, quantization=quantization, keep_master_weights=keep_master_weights)
         self.llm_engine = LLMEngine(config)
         self._warned_fast_policy = False
 
@@ -67,6 +67,9 @@ class LLM:
         """The colocated training view of this engine's model: same parameter storage,
         so an optimizer step is immediately the engine's new weights."""
         from vllm.training import Policy
+        if not self.config.keep_master_weights:
+            raise ValueError("this engine keeps no master weights (keep_master_weights=False): a trainer needs them; "
+                             "build the LLM with keep_master_weights=True to train over it")
         if self.config.numerics != "invariant" and not self._warned_fast_policy:
             self._warned_fast_policy = True
             warnings.warn(f"this engine runs numerics={self.config.numerics!r}: the Policy's logprobs will not match "

@@ -36,7 +36,8 @@ def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | t
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
                 load_format: str = "safetensors", self_check_tokens: int | None = None,
-                kernels: KernelConfig | None = None, quantization: str | None = None) -> tuple[torch.nn.Module, dict | None]:
+                kernels: KernelConfig | None = None, quantization: str | None = None,
+                keep_master_weights: bool = True) -> tuple[torch.nn.Module, dict | None]:
     """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
     refuse unverified devices; then run the start-up check the mode needs on this device
     (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
@@ -70,6 +71,9 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
         if load_format != "dummy" and reader is not None:
             taken = reader.apply(model)  # ... or the FP8 checkpoint's own bits where they line up
             logger.info("fp8 linear layers: %d, %d weight tensors taken from the fp8 checkpoint as they are", n, taken)
+        if not keep_master_weights:
+            from vllm.layers.linear import drop_master_weights
+            logger.info("fp8 linear layers without master weights: %d", drop_master_weights(model))
     model.eval()
     from vllm.kernels.selfcheck import start_up_check
     t0 = time.perf_counter()

@@ -88,9 +88,13 @@ class WeightMapping:
         """Everything a complete set of weights covers."""
         return {(s.param, s.shard) for s in self.slots.values()}
 
-    def destination(self, slot: WeightSlot) -> torch.Tensor:
-        """The parameter memory `slot` writes (a view: in place, storage unchanged)."""
-        return slot.view(self.params[slot.param].data)
+    def destination(self, slot: WeightSlot):
+        """The parameter memory `slot` writes (a view: in place, storage unchanged), or for
+        an FP8 layer that dropped its master weight, the `QuantizedRows` it covers."""
+        p = self.params[slot.param]
+        if p.is_meta:
+            return self.model.get_submodule(slot.param.rpartition(".")[0]).quantized_rows(slot.view(p.data))
+        return slot.view(p.data)
 
     def destination_of(self, hf_name: str, slot: WeightSlot) -> torch.Tensor:
         """`destination(slot)`, kept per name while the parameter's memory stays where it
@@ -108,6 +112,9 @@ class WeightMapping:
         out: dict[str, torch.Tensor] = {}
         for hf_name, slot in self.slots.items():
             p = self.params[slot.param]
+            if p.is_meta:
+                raise ValueError(f"{slot.param} has no master weight (keep_master_weights=False): only its FP8 "
+                                 "copy exists, so there is no model-dtype state dict to give")
             src = p.grad if grads else p
             if src is None:
                 continue

@@ -24,7 +24,9 @@ Rules, whatever the transport:
   requests after such a failure (never serving a mix of two versions).
 - Writes are copies INTO the existing parameters (storage addresses unchanged: captured
   CUDA graphs stay valid); a source that already is the parameter's memory (a colocated
-  `llm.policy()`) is not copied at all.
+  `llm.policy()`) is not copied at all. An FP8 layer without a master weight
+  (keep_master_weights=False) is written by quantizing the source into its fp8 rows
+  (`QuantizedRows`), and backed up as those fp8 rows and scales.
 - Requests are paused from begin to finish and continue under the new weights; each
   reports the versions it was computed under (`CompletionOutput.weight_versions`).
 - Finiteness is checked on the device: launched per bucket, read once at finish for
@@ -40,6 +42,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from vllm.layers.linear import QuantizedRows
 from vllm.weight_sync.bucket import FlatBucket, copy_all
 
 logger = logging.getLogger(__name__)
@@ -158,9 +161,9 @@ def _as_pairs(weights) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for name, tensor in items]
 
 
-def _same_memory(dest: torch.Tensor, src: torch.Tensor) -> bool:
+def _same_memory(dest, src: torch.Tensor) -> bool:
     """src already is dest's memory (colocated Policy): the copy would be a no-op."""
-    return (src.device == dest.device and src.dtype == dest.dtype and src.data_ptr() == dest.data_ptr()
+    return (torch.is_tensor(dest) and src.device == dest.device and src.dtype == dest.dtype and src.data_ptr() == dest.data_ptr()
             and src.shape == dest.shape and src.stride() == dest.stride())
 
 
@@ -240,7 +243,8 @@ class WeightUpdate:
         if self.backup != "none":
             where = "cpu" if self.backup == "host" else None
             with torch.no_grad():
-                self._undo += [(d, d.detach().to(where, copy=True) if where else d.detach().clone()) for d, _ in plan]
+                self._undo += [(d, d.snapshot(where) if isinstance(d, QuantizedRows)
+                                else d.detach().to(where, copy=True) if where else d.detach().clone()) for d, _ in plan]
         self._written = True
         self._copy(plan)
 
@@ -251,7 +255,11 @@ class WeightUpdate:
         if any(s.is_cuda and s.device != dev for _, s in plan) or (dev.type == "cuda" and any(s.is_cuda for _, s in plan)):
             torch.cuda.synchronize()  # the sender may have written the sources on another stream
         with torch.no_grad():
-            copy_all([d for d, _ in plan], [s for _, s in plan])
+            copy_all([d for d, _ in plan if not isinstance(d, QuantizedRows)],
+                     [s for d, s in plan if not isinstance(d, QuantizedRows)])
+            for d, s in plan:
+                if isinstance(d, QuantizedRows):   # an FP8 layer without a master: quantized on arrival
+                    d.write(s)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -300,7 +308,11 @@ class WeightUpdate:
             return
         if undo:
             with torch.no_grad():
-                copy_all([d for d, _ in undo], [b.to(d.device) for d, b in undo])
+                copy_all([d for d, _ in undo if not isinstance(d, QuantizedRows)],
+                         [b.to(d.device) for d, b in undo if not isinstance(d, QuantizedRows)])
+                for d, b in undo:
+                    if isinstance(d, QuantizedRows):
+                        d.restore(b)
             if eng.runner.device.type == "cuda":
                 torch.cuda.synchronize(eng.runner.device)
         eng.weight_error = f"weight update failed, previous weights kept (version {eng.weight_version}): {reason}"

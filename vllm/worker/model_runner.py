@@ -63,10 +63,12 @@ class ModelRunner:
         self.model, self.self_check_report = build_model(mc, self.dtype, self.device, numerics=config.numerics,
                                                          load_format=config.load_format,
                                                          self_check_tokens=config.scheduler.max_num_batched_tokens,
-                                                         kernels=config.kernels, quantization=config.quantization)
+                                                         kernels=config.kernels, quantization=config.quantization,
+                                                         keep_master_weights=config.keep_master_weights)
         self.load_time = time.perf_counter() - t0
-        if self.self_check_report is not None:
-            # its check batches are not the engine's: keep them out of the peak that sizes the KV cache
+        if self.device.type == "cuda" and (self.self_check_report is not None or not config.keep_master_weights):
+            # its check batches are not the engine's, nor the master weights dropped after
+            # load: keep them out of the peak that sizes the KV cache
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)

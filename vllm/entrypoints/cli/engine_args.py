@@ -59,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: block-scaled FP8 linear layers (activations per token x 128, weights per 128x128; "
                         "FP8 checkpoints load as they are, others are quantized at load; docs/fp8.md)")
+    p.add_argument("--keep-master-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --quantization fp8: keep the model-dtype master weights next to the fp8 copy (needed "
+                        "to train over this engine); --no-keep-master-weights keeps only the fp8 copy, leaving the "
+                        "memory to the KV cache (rollout servers; weight sync quantizes what it receives)")
     p.add_argument("--step-profile", action="store_true",
                    help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
                         "throughput)")
@@ -73,4 +77,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 load_format=getattr(args, "load_format", "safetensors"),
                 async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
                 fused_gumbel=args.fused_gumbel, step_profile=args.step_profile,
-                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None))
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
+                keep_master_weights=getattr(args, "keep_master_weights", True))
