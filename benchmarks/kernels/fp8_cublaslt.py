@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="benchmarks/configs/qwen3-8b.json")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--algo-ms", default="256,1024,4096", help="time every ranked algorithm at these M")
+    ap.add_argument("--algo-ms", default="", help="time every ranked algorithm at these M (e.g. 256,1024,4096)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     shp = bench_mod.shapes(args.config)
