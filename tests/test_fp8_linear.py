@@ -323,3 +323,36 @@ def test_gpu_fp8_battery_and_training_parity(tiny_qwen3, prompt_lens=(5, 70, 300
     pol = Policy.from_pretrained(tiny_qwen3, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8")
     got = pol.token_logprobs(seqs, [len(p) for p in prompts], temperature=0.8)
     assert all(torch.equal(bits(a.cpu()), bits(b_.cpu())) for a, b_ in zip(got, roll))
+
+
+def test_fp8_gemm_self_check_rows_and_ms(monkeypatch):
+    """The start-up check of FP8 layers: it compares each M's rows with the largest batch's,
+    covers the cuBLASLt range where cuBLASLt serves, skips model-dtype layers, and raises
+    when a row depends on the batch (the op is replaced by fakes here; the GPU tests run the
+    real one through engine start-up)."""
+    from vllm.kernels import selfcheck
+    from vllm.layers.linear import Linear
+    lin, plain = Linear(256, 128, dtype=torch.float32), Linear(256, 128, dtype=torch.float32)
+    lin.weight.data.normal_()
+    lin.enable_fp8()
+    calls = []
+
+    def invariant(x, wq, ws, bias, allow_cublaslt=True):
+        calls.append(x.shape[0])
+        return (x[:, :128] * 2).bfloat16()
+
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_cuda", invariant)
+    monkeypatch.setattr(fp8_gemm, "cublaslt_serves", lambda M, wq, bias, dt: True)
+    rep = selfcheck.fp8_gemm_self_check([("a", lin), ("b", plain)], torch.device("cpu"), torch.bfloat16, max_tokens=2048)
+    ms = rep["a (fp8)"]["Ms"]
+    assert list(rep) == ["a (fp8)"] and ms[-1] == 2048 and {1, 191, 192, 200, 1024, 1025, 1089} <= set(ms)
+    assert calls[0] == 2048 and sorted(calls[1:]) == ms
+
+    def batch_dependent(x, wq, ws, bias, allow_cublaslt=True):
+        return (x[:, :128] * x.shape[0]).bfloat16()
+
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_cuda", batch_dependent)
+    with pytest.raises(selfcheck.SelfCheckError, match="FP8 GEMM self-check failed for a"):
+        selfcheck.fp8_gemm_self_check([("a", lin)], torch.device("cpu"), torch.bfloat16, max_tokens=2048)
+    # the model-dtype GEMM check leaves the FP8 layer out
+    assert selfcheck.model_gemm_shapes(torch.nn.ModuleDict({"a": lin, "b": plain})) == [("b", 256, 128, False)]

@@ -46,6 +46,8 @@ def model_gemm_shapes(model: torch.nn.Module) -> list[tuple[str, int, int, bool]
 
     seen, shapes = set(), []
     for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.fp8:
+            continue   # runs the FP8 GEMM, checked by fp8_gemm_self_check
         if isinstance(mod, (Linear, LMHead)):
             N, K = mod.weight.shape
             key = (K, N, isinstance(mod, LMHead))
@@ -89,6 +91,40 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
         if not torch.equal(last.view(view), full[-1:].view(view)):
             raise SelfCheckError(f"invariant GEMM self-check failed for {name} (K={K}, N={N}): row position changes bits")
         report[name] = {"K": K, "N": N, "Ms": ms}
+    return report
+
+
+@torch.inference_mode()
+def fp8_gemm_self_check(modules: list, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None,
+                        allow_cublaslt: bool = True) -> dict:
+    """FP8 linear layers (`Linear.invariant_self_check`): for every distinct weight shape,
+    the layer's op (vllm/kernels/fp8_gemm.fp8_linear_cuda, with the layer's bias) at each
+    checked M gives the rows it gives inside the largest batch. The M list crosses the
+    small-M / large tiles and, where cuBLASLt serves, its range at the strides of the bf16
+    cuBLASLt buckets (cuBLAS picks its kernel per M)."""
+    from vllm.kernels.fp8_gemm import CUBLASLT_MIN_M, cublaslt_serves, fp8_linear_cuda
+    gen = torch.Generator(device=device).manual_seed(4321)
+    report, seen = {}, set()
+    top = max(1024, max_tokens or 1024)
+    for name, mod in modules:
+        if not getattr(mod, "fp8", False) or (mod.out_features, mod.in_features) in seen:
+            continue
+        seen.add((mod.out_features, mod.in_features))
+        wq, ws, bias = mod.weight_fp8, mod.weight_scale_inv, mod.bias
+        ms = set(CHECK_MS)
+        if allow_cublaslt and cublaslt_serves(top, wq, bias, dtype):
+            ms.update(range(CUBLASLT_MIN_M, 1025, LT_STRIDE))
+            ms.update(range(1025, top + 1, LT_STRIDE_LARGE))
+            ms.update((CUBLASLT_MIN_M - 1, CUBLASLT_MIN_M, top))
+        ms = sorted(m for m in ms if m <= top)
+        x = torch.randn(top, mod.in_features, generator=gen, device=device).to(dtype)
+        full = fp8_linear_cuda(x, wq, ws, bias, allow_cublaslt=allow_cublaslt).view(torch.int16)
+        for m in ms:
+            part = fp8_linear_cuda(x[:m].clone(), wq, ws, bias, allow_cublaslt=allow_cublaslt).view(torch.int16)
+            if not torch.equal(part, full[:m]):
+                raise SelfCheckError(f"FP8 GEMM self-check failed for {name} (K={mod.in_features}, "
+                                     f"N={mod.out_features}) at M={m}: rows differ from the same rows at M={top}")
+        report[f"{name} (fp8)"] = {"K": mod.in_features, "N": mod.out_features, "Ms": ms}
     return report
 
 
