@@ -265,10 +265,9 @@ def test_fp8_linear_cuda_pads_rows_for_cublaslt(monkeypatch):
     assert torch.equal(bits(y.reshape(6, 128)), bits(fp8_linear_rows(x.reshape(6, 256), wq, ws, None)))
     # allow_cublaslt=False (KernelConfig.gemm_cublaslt) never takes the route
     seen.clear()
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_triton", lambda xq, xs, wq, ws, b, dt: fp8_gemm.fp8_gemm_rows(
-        xq, xs, wq, ws, b, dt))
-    fp8_gemm.fp8_linear_cuda(x, wq, ws, None, allow_cublaslt=False)
-    assert seen == {}
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_triton", fp8_linear_rows)
+    y2 = fp8_gemm.fp8_linear_cuda(x, wq, ws, None, allow_cublaslt=False)
+    assert seen == {} and torch.equal(bits(y2), bits(y))
 
 
 def test_cublaslt_serves_only_verified_large_unbiased_cuda():

@@ -372,14 +372,11 @@ def fp8_linear_cuda(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: t
     else the Triton kernel. allow_cublaslt: KernelConfig.gemm_cublaslt."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], wq.shape[0]
-    if allow_cublaslt and cublaslt_serves(M, wq, bias, x.dtype):
-        rows = -(-M // fp8_cublaslt.ROW_MULTIPLE) * fp8_cublaslt.ROW_MULTIPLE
-        xq, xs = quantize_act_triton(x2, m_major=True, rows=rows)
-        y = fp8_cublaslt.fp8_gemm_cublaslt(xq, xs, wq, ws, x.dtype)[:M]
-    else:
-        xq, xs = quantize_act_device(x2)
-        y = fp8_gemm_triton(xq, xs, wq, ws, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+    if not (allow_cublaslt and cublaslt_serves(M, wq, bias, x.dtype)):
+        return fp8_linear_triton(x, wq, ws, bias)
+    rows = -(-M // fp8_cublaslt.ROW_MULTIPLE) * fp8_cublaslt.ROW_MULTIPLE
+    xq, xs = quantize_act_triton(x2, m_major=True, rows=rows)
+    return fp8_cublaslt.fp8_gemm_cublaslt(xq, xs, wq, ws, x.dtype)[:M].reshape(*x.shape[:-1], N)
 fp8_linear_rows = _linear(fp8_gemm_rows)
 fp8_linear_dequant = _linear(fp8_gemm_dequant)
 

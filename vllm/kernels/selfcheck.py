@@ -97,7 +97,7 @@ def gemm_self_check(model: torch.nn.Module, device: torch.device, dtype: torch.d
 @torch.inference_mode()
 def fp8_gemm_self_check(modules: list, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None,
                         allow_cublaslt: bool = True) -> dict:
-    """FP8 linear layers (`Linear.invariant_self_check`): for every distinct weight shape,
+    """FP8 linear layers among `modules` ((name, module) pairs): for every distinct weight shape,
     the layer's op (vllm/kernels/fp8_gemm.fp8_linear_cuda, with the layer's bias) at each
     checked M gives the rows it gives inside the largest batch. The M list crosses the
     small-M / large tiles and, where cuBLASLt serves, its range at the strides of the bf16
@@ -147,13 +147,16 @@ def layer_self_checks(model: torch.nn.Module, device: torch.device, dtype: torch
 def start_up_check(model: torch.nn.Module, numerics: str, device: torch.device, dtype: torch.dtype,
                    max_tokens: int | None = None, kernels: KernelConfig | None = None) -> dict | None:
     """The check a numerics mode needs on this device before an engine serves: invariant
-    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`) and the
-    kernels of layers that bring their own (`layer_self_checks`). Nothing else needs one
+    mode on CUDA verifies every GEMM shape of the loaded model (`gemm_self_check`, and
+    `fp8_gemm_self_check` for FP8 layers) and the kernels of layers that bring their own
+    (`layer_self_checks`). Nothing else needs one
     (the CPU's invariant kernels are row-at-a-time torch; fast mode promises nothing).
     Returns the check's report, or None when none ran."""
     if numerics == "invariant" and device.type == "cuda":
         kernels = kernels or KernelConfig()
         report = gemm_self_check(model, device, dtype, max_tokens=max_tokens, allow_cublaslt=kernels.gemm_cublaslt)
+        report.update(fp8_gemm_self_check(list(model.named_modules()), device, dtype, max_tokens,
+                                          allow_cublaslt=kernels.gemm_cublaslt))
         report.update(layer_self_checks(model, device, dtype, max_tokens, kernels))
         return report
     return None

@@ -54,13 +54,6 @@ class Linear(nn.Module):
                 small_m_tiles_verified(n, k, dev)
                 cublaslt_verified(n, k, dev)
 
-    @staticmethod
-    def invariant_self_check(modules, device, dtype, max_tokens, kernels) -> dict:
-        """Start-up check of the FP8 layers among `modules` (vllm/kernels/selfcheck.py); the
-        model-dtype layers are in the GEMM self-check."""
-        from vllm.kernels.selfcheck import fp8_gemm_self_check
-        return fp8_gemm_self_check(modules, device, dtype, max_tokens, allow_cublaslt=kernels.gemm_cublaslt)
-
     @property
     def has_master(self) -> bool:
         return not self.weight.is_meta
