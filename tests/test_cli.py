@@ -70,3 +70,14 @@ def test_unknown_dtype_is_one_line(capsys):
     rc = cli.main(["generate", "--dtype", "int7", "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err.startswith("error: unknown dtype 'int7'") and len(err.splitlines()) == 1, err
+
+
+def test_keep_master_weights_flag_reaches_the_engine(tiny_qwen3, capsys):
+    from vllm.entrypoints.cli.engine_args import engine_kwargs
+    args = _subparser("serve").parse_args(["--quantization", "fp8", "--no-keep-master-weights"])
+    assert engine_kwargs(args)["keep_master_weights"] is False
+    assert engine_kwargs(_subparser("serve").parse_args([]))["keep_master_weights"] is True
+    # without FP8 there is nothing to keep: one line, no traceback
+    rc = cli.main(["generate", "--model", tiny_qwen3, "--device", "cpu", "--no-keep-master-weights"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "keep_master_weights=False needs quantization='fp8'" in err and "Traceback" not in err
