@@ -363,6 +363,8 @@ def _linear(gemm):
 
 
 fp8_linear_triton = _linear(fp8_gemm_triton)
+fp8_linear_rows = _linear(fp8_gemm_rows)
+fp8_linear_dequant = _linear(fp8_gemm_dequant)
 
 
 def fp8_linear_cuda(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -377,8 +379,6 @@ def fp8_linear_cuda(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: t
     rows = -(-M // fp8_cublaslt.ROW_MULTIPLE) * fp8_cublaslt.ROW_MULTIPLE
     xq, xs = quantize_act_triton(x2, m_major=True, rows=rows)
     return fp8_cublaslt.fp8_gemm_cublaslt(xq, xs, wq, ws, x.dtype)[:M].reshape(*x.shape[:-1], N)
-fp8_linear_rows = _linear(fp8_gemm_rows)
-fp8_linear_dequant = _linear(fp8_gemm_dequant)
 
 
 class FP8LinearFn(torch.autograd.Function):

@@ -163,8 +163,8 @@ def _as_pairs(weights) -> list[tuple[str, torch.Tensor]]:
 
 def _same_memory(dest, src: torch.Tensor) -> bool:
     """src already is dest's memory (colocated Policy): the copy would be a no-op."""
-    return (torch.is_tensor(dest) and src.device == dest.device and src.dtype == dest.dtype and src.data_ptr() == dest.data_ptr()
-            and src.shape == dest.shape and src.stride() == dest.stride())
+    return (torch.is_tensor(dest) and src.device == dest.device and src.dtype == dest.dtype
+            and src.data_ptr() == dest.data_ptr() and src.shape == dest.shape and src.stride() == dest.stride())
 
 
 class WeightUpdate:
