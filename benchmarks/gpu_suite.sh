@@ -2,13 +2,14 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels, rlstep, moe, fp8, serve, digest and wsync), e.g.
+# kernels, rlstep, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
+# every numerics, kernel, cache or model change runs before it lands), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_suite}"
-STEPS="${STEPS:-tests,gemm,attention,battery,throughput,train}"
+STEPS="${STEPS:-gate,tests,gemm,attention,battery,throughput,train}"
 THROUGHPUT_CONFIG="${THROUGHPUT_CONFIG:-benchmarks/configs/qwen3-8b.json}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -103,6 +104,12 @@ if has wsync; then
     ${WSYNC_ARGS:-} --json-out "$OUT/weight_sync.json" >"$OUT/weight_sync.log" 2>&1
   tail -10 "$OUT/weight_sync.log"
 fi
+if has gate; then
+  # every feature axis at Qwen3-1.7B / Qwen3-MoE dims, invariant beside fast: every invariant cell 0
+  echo "== real-dims parity gate ($SECONDS s)"
+  timeout "${GATE_TIMEOUT:-480}" python benchmarks/parity_gate.py ${GATE_ARGS:-} --json-out "$OUT/gate.json" >"$OUT/gate.log" 2>&1
+  sed -n '/== parity gate/,$p' "$OUT/gate.log"
+fi
 if has battery; then
   echo "== parity battery ($SECONDS s)"
   timeout "${BATTERY_TIMEOUT:-400}" python benchmarks/parity_battery.py ${BATTERY_ARGS:-} --json-out "$OUT/battery.json" >"$OUT/battery.log" 2>&1
@@ -150,7 +157,7 @@ if has fp8; then
   fp8_has() { [[ ",$FP8_PARTS," == *",$1,"* ]]; }
   if fp8_has tests; then
     timeout "${FP8_TESTS_TIMEOUT:-400}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv.py \
-      tests/test_fp8_linear.py ${FP8_PYTEST_ARGS:-} >"$OUT/fp8_tests.log" 2>&1
+      tests/test_fp8_linear.py tests/test_parity_gate.py ${FP8_PYTEST_ARGS:-} >"$OUT/fp8_tests.log" 2>&1
     tail -3 "$OUT/fp8_tests.log"
   fi
   if fp8_has gemm; then
@@ -195,6 +202,7 @@ fi
 echo
 echo "================ summary (${SECONDS} s) ================"
 has csrc && echo "csrc: $(tail -1 "$OUT/csrc.log")"
+has gate && sed -n '/== parity gate/,$p' "$OUT/gate.log"
 has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
 has nosplit && grep -E "bits:" "$OUT/nosplit.log"

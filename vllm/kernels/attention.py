@@ -60,11 +60,6 @@ PREFILL_BLOCK_M_FP32 = 16
 DECODE_MIN_BLOCK_M = 16
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# An FP8 cache spends ALU time per loaded element (fp8 -> fp32, scale, -> bf16): with 2 warps
-# per program more programs fit an SM and hide it (H200, 256 sequences: the FP8 cache decodes
-# at 0.92-0.94x the bf16 cache's speed, against 0.74-0.76x with 4 warps; the same bits,
-# benchmarks/NOTES.md).
-DECODE_NUM_WARPS_FP8 = 2
 MERGE_NUM_WARPS = 4
 # Decode runs KV splits as parallel programs when (sequences x kv heads) would
 # otherwise leave the GPU idle (H200: 132 SMs) and contexts span >= 2 splits.
@@ -137,17 +132,16 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attn_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr,
-        ws_acc_ptr, ws_ml_ptr, ks_ptr, vs_ptr,
+        ws_acc_ptr, ws_ml_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
         stride_bt,
         num_kv_heads, max_splits,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, KV_TILE: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
-        EMULATE: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+        EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program per (q tile | split, sequence, kv head).
 
@@ -239,16 +233,6 @@ if HAS_TRITON:
                 v = tl.load(
                     v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
                     mask=in_ctx[:, None], other=0.0)
-                if FP8_KV:
-                    # FP8 cache: dequantize the tile to the model dtype with the formula of
-                    # vllm.kernels.fp8.dequantize_kv (fp32 product, one rounding), so every
-                    # read sees the values the trainer's private FP8 copy holds
-                    ksc = tl.load(ks_ptr + kvh * stride_ksh + blk * stride_ksb + slot * stride_kst,
-                                  mask=in_ctx, other=0.0)
-                    vsc = tl.load(vs_ptr + kvh * stride_vsh + blk * stride_vsb + slot * stride_vst,
-                                  mask=in_ctx, other=0.0)
-                    k = (k.to(tl.float32) * ksc[:, None]).to(q_ptr.dtype.element_ty)
-                    v = (v.to(tl.float32) * vsc[:, None]).to(q_ptr.dtype.element_ty)
                 # The interpreter's tl.dot is np.matmul, whose per-element
                 # bits change with the row count (BLAS kernel choice) and
                 # which mishandles bf16: emulate dots there with exact fp32
@@ -350,7 +334,7 @@ if HAS_TRITON:
             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size, k_scale=None, v_scale=None):
+def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size):
     """Shape/dtype checks on metadata only (no device sync)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("expected q [T, Hq, D] and k/v caches [blocks, block_size, Hkv, D]")
@@ -366,13 +350,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_s
         raise ValueError("block_size must be a power of two")
     if kv_split_size <= 0 or kv_split_size % KV_TILE != 0:
         raise ValueError(f"kv_split_size must be a positive multiple of KV_TILE={KV_TILE}")
-    if k_scale is not None or v_scale is not None:
-        if k_scale is None or v_scale is None or k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != k_cache.dtype:
-            raise ValueError("an FP8 cache takes float8_e4m3fn k/v caches and both k_scale and v_scale")
-        if k_scale.shape != k_cache.shape[:3] or v_scale.shape != v_cache.shape[:3] \
-                or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32:
-            raise ValueError("k_scale/v_scale must be float32 [blocks, block_size, kv heads]")
-    elif q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise ValueError("q, k_cache and v_cache must share a dtype")
     if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table, cu_seqlens_q and seq_lens must be int32")
@@ -409,15 +387,11 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     kv_split_size: int = KV_SPLIT_SIZE,
     decode_parallel_splits: bool | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; see module docstring and docs/attention.md.
 
-    FP8 cache: float8_e4m3fn k/v caches with float32 `k_scale`/`v_scale` [blocks,
-    block_size, kv heads]; each K/V tile is dequantized to q's dtype on load
-    (vllm.kernels.fp8.dequantize_kv's formula) and the arithmetic that follows is the
-    one of a cache in q's dtype holding those values.
+    An FP8 cache is read through its model-dtype copy (vllm/kernels/cache_dequant.py):
+    the caches here are in q's dtype.
 
     q [T, Hq, D] packed by cu_seqlens_q [S+1]; seq_lens [S] = context length
     including the query tokens; k/v caches [num_blocks, block_size, Hkv, D];
@@ -440,10 +414,7 @@ def paged_attention_triton(
         raise RuntimeError("triton is not installed")
     if not q.is_cuda and not _INTERPRET:
         raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
-    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size, k_scale, v_scale)
-    fp8_kv = k_scale is not None
-    if not fp8_kv:  # placeholders, never dereferenced
-        k_scale = v_scale = seq_lens.new_empty((1, 1, 1), dtype=torch.float32)
+    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, kv_split_size)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -466,7 +437,7 @@ def paged_attention_triton(
     if is_decode:
         block_q = 1
         block_m = max(DECODE_MIN_BLOCK_M, G_PAD)
-        num_warps, num_stages = (DECODE_NUM_WARPS_FP8 if fp8_kv else DECODE_NUM_WARPS), DECODE_NUM_STAGES
+        num_warps, num_stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
     else:
         if _INTERPRET:
             base_m = INTERPRET_PREFILL_BLOCK_M
@@ -506,17 +477,15 @@ def paged_attention_triton(
 
     _paged_attn_kernel[grid](
         out, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
-        ws_acc, ws_ml, k_scale, v_scale,
+        ws_acc, ws_ml,
         qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         block_table.stride(0),
         num_kv_heads, max_splits,
         BLOCK_Q=block_q, KV_TILE=KV_TILE, SPLIT=kv_split_size, BLOCK_SIZE=block_size,
-        WRITE_PARTIALS=bool(decode_parallel_splits), EMULATE=emulate, PRECISION=precision, FP8_KV=fp8_kv,
+        WRITE_PARTIALS=bool(decode_parallel_splits), EMULATE=emulate, PRECISION=precision,
         **common, **launch,
     )
     if decode_parallel_splits:

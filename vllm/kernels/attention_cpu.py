@@ -133,10 +133,9 @@ def paged_attention_cpu(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None, *,
     max_query_len: int, max_seq_len: int | None = None,
     kv_split_size: int = KV_SPLIT_SIZE, decode_parallel_splits: bool | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 paged attention in the Triton kernel's tile/split/merge order (an FP8 cache,
-    `k_scale`/`v_scale` given, is dequantized to q's dtype as it is gathered).
+    """float32 paged attention in the Triton kernel's tile/split/merge order (an FP8 cache is
+    read through its model-dtype copy, vllm/kernels/cache_dequant.py).
 
     Same signature and semantics as vllm.kernels.attention.paged_attention_triton.
     max_query_len / max_seq_len / decode_parallel_splits are accepted for
@@ -188,8 +187,8 @@ def paged_attention_cpu(
     Vt = torch.zeros(len(live), ctx, num_kv_heads, head_dim, dtype=f32, device=dev)
     q_rows, row_pos, row_seq = [], [], []
     for i, (s, start, n, L) in enumerate(live):
-        Kt[i, :head_dim, :, :L] = _gather_context(k_cache, block_table[s], L, k_scale, q.dtype).to(f32).permute(2, 1, 0)
-        Vt[i, :L] = _gather_context(v_cache, block_table[s], L, v_scale, q.dtype).to(f32)
+        Kt[i, :head_dim, :, :L] = _gather_context(k_cache, block_table[s], L).to(f32).permute(2, 1, 0)
+        Vt[i, :L] = _gather_context(v_cache, block_table[s], L).to(f32)
         # Row r = token * G + g: the kernel's GQA packing.
         q_rows.append(q[start:start + n].to(f32).view(n, num_kv_heads, G, head_dim)
                       .permute(3, 1, 0, 2).reshape(head_dim, num_kv_heads, n * G))

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
-from vllm.kernels import (attention, attention_cpu, cache_write, elementwise, flash_varlen, fp8_gemm, matmul, rowwise,
+from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm, matmul, rowwise,
                           torch_ops)
 from vllm.sample import sampler
 
@@ -84,6 +84,8 @@ _EMBEDDING = _torch(torch_ops.embedding)
 _PAGED_ATTENTION = Impl(cuda=attention.paged_attention_triton, cpu=attention_cpu.paged_attention_cpu)
 _KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
 _KV_WRITE_FP8 = Impl(cuda=cache_write.cache_kv_fp8, cpu=cache_write.cache_kv_fp8, cuda_autograd_fn=False)
+_KV_DEQUANT_FP8 = Impl(cuda=cache_dequant.dequant_kv_blocks_triton, cpu=cache_dequant.dequant_kv_blocks_ref,
+                       cuda_autograd_fn=False)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -124,6 +126,9 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "kv_cache_write": OpNumerics(fast=_KV_WRITE, invariant=_KV_WRITE),
     # FP8 KV cache (kv_cache_dtype="fp8"): quantize per token per kv head, then the same copy
     "kv_cache_write_fp8": OpNumerics(fast=_KV_WRITE_FP8, invariant=_KV_WRITE_FP8),
+    # ... and read: the step's blocks dequantized into a model-dtype copy that the attention
+    # ops above then read (one read path: every schedule and the trainer run the same kernel)
+    "kv_cache_dequant_fp8": OpNumerics(fast=_KV_DEQUANT_FP8, invariant=_KV_DEQUANT_FP8),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

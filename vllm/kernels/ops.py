@@ -113,6 +113,15 @@ def kv_cache_write_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     fn(k, v, k_cache, v_cache, k_scale, v_scale, slots)
 
 
+def kv_cache_dequant_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                         k_out: torch.Tensor, v_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         max_seq_len: int) -> None:
+    """Dequantize the blocks this step's sequences use (below their lengths) into the
+    model-dtype copies k_out / v_out, at the same block ids (vllm/kernels/cache_dequant.py)."""
+    fn, _ = _kernel("kv_cache_dequant_fp8", k_out)
+    fn(k_cache, v_cache, k_scale, v_scale, k_out, v_out, block_table, seq_lens, max_seq_len)
+
+
 def kv_round_trip(x: torch.Tensor) -> torch.Tensor:
     """What an FP8 KV cache returns for K/V rows x (quantize + dequantize, vllm/kernels/fp8.py)."""
     from vllm.kernels.fp8 import kv_round_trip as round_trip
@@ -121,22 +130,19 @@ def kv_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int,
-              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              max_seq_len: int, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal paged attention for this step's queries, whose K/V are already in the cache
     (arguments as in vllm.kernels.attention.paged_attention_triton).
 
     `fresh_kv`: the step's own (k, v), passed when every sequence starts at position 0 (no
     cached context), so a mode may use a kernel on the step's own tensors instead (for an
-    FP8 cache: their round trip through it). `kv_scales`: an FP8 cache's (k, v) scales."""
+    FP8 cache: their round trip through it). An FP8 cache is read through its model-dtype
+    copy (`kv_cache_dequant_fp8`), so the caches here are always in q's dtype."""
     if fresh_kv is not None and max_query_len > 1:
         fn, _ = _kernel("fresh_prefill_attention", q)
         out = fn(q, *fresh_kv, cu_seqlens_q, max_query_len, scale) if fn is not None else None
         if out is not None:
             return out
     fn, _ = _kernel("decode_attention" if max_query_len == 1 else "prefill_attention", q)
-    if kv_scales is not None:
-        return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                  max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=kv_scales[0], v_scale=kv_scales[1])
     return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
               max_query_len=max_query_len, max_seq_len=max_seq_len)

@@ -78,8 +78,9 @@ class ModelRunner:
         # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
         self._kv_region = None
         self.sleeping = False
-        self.k_caches, self.v_caches, self.k_scales, self.v_scales = self._allocate_kv_caches(self.model.config)
-        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches, self.k_scales, self.v_scales)
+        (self.k_caches, self.v_caches, self.k_scales, self.v_scales,
+         self.kv_dequant) = self._allocate_kv_caches(self.model.config)
+        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches, self.k_scales, self.v_scales, self.kv_dequant)
         logger.info("KV cache: %s, %d blocks x %d = %d tokens (%.1f KiB per token over all layers)",
                     "fp8 e4m3 + fp32 scale per token per head" if self.kv_format.fp8 else str(self.dtype),
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -131,11 +132,12 @@ class ModelRunner:
         kvd = self.kv_format.dtype
         kc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
         vc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
-        ks = vs = None
+        ks = vs = dq = None
         if self.kv_format.fp8:
             ks = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
             vs = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
-        backend = PagedAttentionBackend(kc, vc, ks, vs)
+            dq = tuple(torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        backend = PagedAttentionBackend(kc, vc, ks, vs, dq)
         nb = dummy_shape[0] - 1
         backend.metadata = AttentionMetadata(
             slot_mapping=torch.arange(self.block_size, self.block_size + n_tok, device=self.device),
@@ -151,7 +153,7 @@ class ModelRunner:
         # This engine's own peak: weights + the largest step's activations (other
         # engines in the process, e.g. a trainer, are not ours to count).
         own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load
-        del kc, vc, ks, vs, backend, h
+        del kc, vc, ks, vs, dq, backend, h
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         weights = torch.cuda.memory_allocated() - self._mem_before_load
@@ -162,7 +164,8 @@ class ModelRunner:
         return int(budget // self.kv_bytes_per_block())
 
     def _allocate_kv_caches(self, mc):
-        """(k caches, v caches, k scales, v scales); the scale lists are None unless the cache is FP8."""
+        """(k caches, v caches, k scales, v scales, (k, v) dequantization copy); the scale lists
+        and the copy are None unless the cache is FP8."""
         n = mc.num_hidden_layers
         if self.config.cache.enable_sleep_mode and self.device.type == "cuda":
             try:
@@ -174,8 +177,10 @@ class ModelRunner:
                 self._kv_region = None
         kc, vc = [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
         if not self.kv_format.fp8:
-            return kc, vc, None, None
-        return kc, vc, [self._new_scales(mc) for _ in range(n)], [self._new_scales(mc) for _ in range(n)]
+            return kc, vc, None, None, None
+        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        dequant = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        return kc, vc, [self._new_scales(mc) for _ in range(n)], [self._new_scales(mc) for _ in range(n)], dequant
 
     def _vmm_caches(self, mc):
         from vllm.worker.cuda_vmm import VirtualMemoryRegion
@@ -187,7 +192,8 @@ class ModelRunner:
         if fmt.fp8:
             pieces.append((fmt.scale_bytes(nb, bs, h), torch.float32, (nb, bs, h)))
         layer_bytes = sum(align(b) for b, _, _ in pieces)
-        self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes, self.device)
+        copy_bytes = align(fmt.dequant_bytes(nb, bs, h, d))  # the FP8 read copy, after the layers
+        self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes + 2 * copy_bytes, self.device)
         raw = self._kv_region.as_tensor()
         caches, scales = [], []
         for i in range(2 * mc.num_hidden_layers):
@@ -199,11 +205,15 @@ class ModelRunner:
         if fmt.fp8:
             for s in scales:
                 s.fill_(1.0)
-            return caches[0::2], caches[1::2], scales[0::2], scales[1::2]
-        return caches[0::2], caches[1::2], None, None
+            base = 2 * mc.num_hidden_layers * layer_bytes
+            nbytes = fmt.dequant_bytes(nb, bs, h, d)
+            dequant = tuple(raw[base + i * copy_bytes:base + i * copy_bytes + nbytes].view(self.dtype).view(nb, bs, h, d)
+                            for i in range(2))
+            return caches[0::2], caches[1::2], scales[0::2], scales[1::2], dequant
+        return caches[0::2], caches[1::2], None, None, None
 
     def _all_kv_tensors(self) -> list[torch.Tensor]:
-        return self.k_caches + self.v_caches + (self.k_scales or []) + (self.v_scales or [])
+        return self.k_caches + self.v_caches + (self.k_scales or []) + (self.v_scales or []) + list(self.kv_dequant or ())
 
     # ---- sleep mode -------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -465,6 +475,7 @@ class ModelRunner:
         out = {f"param:{n}": p for n, p in self.model.named_parameters()}
         out.update({f"kv:k{i}": c for i, c in enumerate(self.k_caches)})
         out.update({f"kv:v{i}": c for i, c in enumerate(self.v_caches)})
+        out.update({f"kv:dequant_{n}": c for n, c in zip("kv", self.kv_dequant or ())})
         for name in ("g_input_ids", "g_positions", "g_slots", "g_table", "g_cu", "g_seq_lens", "g_hidden"):
             t = getattr(self, name, None)
             if t is not None:

@@ -1,0 +1,52 @@
+"""The parity gate (vllm/testing/parity_gate.py, benchmarks/parity_gate.py): every axis at tiny
+dims on the CPU, and the FP8 axes at Qwen3-1.7B dims on the GPU (the whole gate at real dims
+is the GPU suite's `gate` step)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from vllm.testing.parity_gate import AXES, Gate, GateOptions, Row, format_table, gate_passes, make_model_dir, model_configs
+
+
+def _run(axes, modes=("invariant",), tiny=True, **opts):
+    dense, moe = model_configs(tiny=tiny)
+    dirs = [make_model_dir(dense), make_model_dir(moe)]
+    try:
+        gate = Gate(GateOptions(**opts), dirs[0], dirs[1], vocab=dense["vocab_size"])
+        return [r for m in modes for r in gate.run(m, list(axes))]
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_gate_every_axis_is_zero_in_invariant_mode_on_cpu():
+    rows = _run(AXES, device="cpu", num_requests=8, max_prompt_len=40, max_tokens=5)
+    # sleep-wake and graphs are CUDA axes
+    assert {r.axis for r in rows} == set(AXES) - {"sleep-wake", "graphs"}
+    for r in rows:
+        assert r.layouts_total > 0 and r.trainer_total == 8, r
+        assert r.layouts_differ == 0 and r.trainer_differ == 0, r
+    update = next(r for r in rows if r.axis == "update")
+    assert "8/8 rollouts changed" in update.detail  # the update really changed the weights
+    warm = next(r for r in rows if r.axis == "prefix-cache")
+    assert not warm.detail.startswith("0 ")  # the warm pass did hit the prefix cache
+    assert gate_passes(rows)
+
+
+def test_gate_verdict_and_table():
+    rows = [Row("kv-fp8", "invariant", 0, 200, 1, 100, 0.1, 1.0), Row("kv-fp8", "fast", 7, 200, 9, 100, 0.1, 1.0)]
+    assert not gate_passes(rows)
+    assert gate_passes(rows[1:])  # the fast column never fails the gate
+    table = format_table(rows, ["invariant", "fast"])
+    assert "kv-fp8" in table and "1/100" in table and "7/200" in table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("axis", ["kv-fp8", "q-fp8", "kv+q-fp8"])
+def test_gpu_fp8_axes_at_real_dims(axis):
+    """Qwen3-1.7B dims (28 layers, head_dim 128), 24 requests of 1-600 prompt tokens, 24
+    sampled tokens: layouts and rollout-vs-trainer bits equal with the FP8 switches."""
+    rows = _run([axis], tiny=False, device="cuda", num_requests=24, max_prompt_len=600, max_tokens=24)
+    assert len(rows) == 1 and rows[0].layouts_differ == 0 and rows[0].trainer_differ == 0, rows[0]
