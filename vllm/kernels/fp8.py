@@ -27,7 +27,8 @@ BLOCK = 128  # activation group width and weight block side
 KV_RULE = {"format": "float8_e4m3fn", "scale": "per token per kv head over head_dim, float32",
            "scale_formula": "amax(|x|) / 448, IEEE float32 division on every device (1 for an all-zero row)",
            "rounding": "x / scale clamped to +-448, round-to-nearest-even cast",
-           "dequantize": "fp8 -> float32, * scale (float32 multiply), one rounding to the model dtype"}
+           "dequantize": "fp8 -> float32, * scale (float32 multiply), one rounding to the model dtype",
+           "read": "the step's blocks dequantized into a model-dtype copy, then the model-dtype attention kernel"}
 LINEAR_RULE = {"format": "float8_e4m3fn", "activations": "per token per 128 input channels, float32 scale",
                "weights": "per 128 x 128 block, float32 scale", "scale_formula": "amax(|x|) / 448, IEEE float32 division on every device (1 for all-zero)",
                "rounding": "round-to-nearest-even cast after clamp to +-448",

@@ -246,15 +246,20 @@ class Gate:
         free(llm)
         return rows
 
+    def reference(self, model: str, mode: str) -> list:
+        """The whole-batch signatures of the default engine of `model` (made if no axis did)."""
+        if (model, mode) not in self.refs:
+            llm = self.make(model, mode)
+            self.refs[(model, mode)] = self.sigs(self.roll(llm))
+            free(llm)
+        return self.refs[(model, mode)]
+
     def graphs(self, mode: str) -> Row:
         t0 = time.perf_counter()
-        if ("dense", mode) not in self.refs:
-            llm = self.make("dense", mode)
-            self.refs[("dense", mode)] = self.sigs(self.roll(llm))
-            free(llm)
+        ref = self.reference("dense", mode)
         llm = self.make("dense", mode, enforce_eager=True)
         outs = self.roll(llm)
-        ld = sum(a != b for a, b in zip(self.sigs(outs), self.refs[("dense", mode)]))
+        ld = sum(a != b for a, b in zip(self.sigs(outs), ref))
         td, tt, worst = self.trainer(llm, outs)
         free(llm)
         return Row("graphs", mode, ld, len(outs), td, tt, worst, time.perf_counter() - t0, "eager vs CUDA graphs")
@@ -263,14 +268,10 @@ class Gate:
         from vllm.parallel.expert_parallel import apply_expert_parallel
 
         t0 = time.perf_counter()
-        if ("moe", mode) not in self.refs:
-            llm = self.make("moe", mode)
-            self.refs[("moe", mode)] = self.sigs(self.roll(llm))
-            free(llm)
+        ref = self.reference("moe", mode)
         # expert-parallel steps run eagerly (the dispatch reads counts on the host)
         llm = self.make("moe", mode, enforce_eager=True)
         apply_expert_parallel(llm.llm_engine.runner.model, 2)
-        ref = self.refs[("moe", mode)]
         outs = self.roll(llm)
         ld = sum(a != b for a, b in zip(self.sigs(outs), ref))
         rev = self.roll(llm, order=list(range(len(self.prompts)))[::-1])
