@@ -167,7 +167,7 @@ def main() -> None:
     llm = LLM(path, device=args.device, dtype="bfloat16", load_format="dummy", numerics="invariant",
               gpu_memory_utilization=0.3, max_num_seqs=8, cuda_graph_batch_sizes=[1, 8],
               num_gpu_blocks_override=64 if args.device == "cpu" else None)
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     engine_named = list(model.hf_state_dict().items())
     manifest = manifest_of(engine_named)
     nbytes = sum(t.numel() * t.element_size() for _, t in engine_named)
@@ -230,9 +230,9 @@ def main() -> None:
     del expect
     from vllm.weight_sync.ipc import open_buckets
     eng = llm.llm_engine
-    opened = open_buckets(message, eng.runner.device, eng.ipc_buffers)
+    opened = open_buckets(message, eng.executor.device, eng.ipc_buffers)
     ipc_parts = breakdown(model, [nt for o in opened for nt in o.bucket.tensors()], device, args.reps)
-    ipc_parts["open (buffers kept)"] = (timed(lambda: open_buckets(message, eng.runner.device, eng.ipc_buffers),
+    ipc_parts["open (buffers kept)"] = (timed(lambda: open_buckets(message, eng.executor.device, eng.ipc_buffers),
                                               device, args.reps), None, "")
     del opened
     parent.send("release")

@@ -63,7 +63,7 @@ def test_logits_close_to_transformers(arch, request, engines):
     path = request.getfixturevalue(arch)
     llm = engines(path, max_num_batched_tokens=32)
     hf = load_hf_model(path, torch.float32)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     prompt = _prompts(llm.config.model.vocab_size, (23,))[0]
 
     class Dense:  # causal attention over the packed step, no cache: isolates the model class

@@ -186,7 +186,7 @@ def test_capacity_and_contract(tiny_qwen3):
     assert abs(b / a - (36 * 256) / (36 * 132 + 256)) < 1e-3  # 1.84x
     llm = _make(tiny_qwen3, cpu_kv_cache_bytes=1 << 20)
     ref = _make(tiny_qwen3, cpu_kv_cache_bytes=1 << 20, kv_cache_dtype="auto")
-    r8, r32 = llm.llm_engine.runner, ref.llm_engine.runner
+    r8, r32 = llm.llm_engine.executor.worker, ref.llm_engine.executor.worker
     assert r8.k_caches[0].dtype == torch.float8_e4m3fn and r8.k_scales[0].dtype == torch.float32
     # float32 model dtype on CPU; at 2 layers the one-layer float32 read copy weighs as much
     # as the FP8 layers themselves, so the gain is smaller than at real depths (above)

@@ -192,7 +192,7 @@ def test_fp8_checkpoint_loads(tiny_qwen3, tmp_path):
     _write_fp8_checkpoint(tiny_qwen3, dst)
     llm = LLM(dst, device="cpu", dtype="float32", block_size=4)  # quantization detected from the config
     assert llm.config.quantization == "fp8"
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     from safetensors.torch import load_file
     sd = {}
     for f in os.listdir(dst):

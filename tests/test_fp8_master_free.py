@@ -17,7 +17,7 @@ def _make(path, **kw):
 
 
 def _model(llm):
-    return llm.llm_engine.runner.model
+    return llm.llm_engine.executor.model
 
 
 def _fp8_bytes(llm) -> list[torch.Tensor]:

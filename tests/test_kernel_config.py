@@ -35,9 +35,9 @@ def test_options_reach_the_runner_and_the_contract(tiny_qwen3):
     other = LLM(tiny_qwen3, device="cpu", numerics="invariant", fused_gumbel=False, gemm_cublaslt=False,
                 step_profile=True)
     assert other.config.kernels == KernelConfig(gemm_cublaslt=False, fused_gumbel=False)
-    runner = other.llm_engine.runner
+    runner = other.llm_engine.executor.worker
     assert runner.sampler.fused_gumbel is False and runner.profile is True
-    assert base.llm_engine.runner.sampler.fused_gumbel is True and base.llm_engine.runner.profile is False
+    assert base.llm_engine.executor.worker.sampler.fused_gumbel is True and base.llm_engine.executor.worker.profile is False
     a, b = base.execution_contract(), other.execution_contract()
     # on CPU no kernel option changes what computes: only the deployment part differs
     assert a.digests["numerical"] == b.digests["numerical"]

@@ -83,10 +83,10 @@ def test_gpu_moe_gradients_vs_transformers(gpu_moe_model):
 
 def test_gpu_moe_selfcheck_contract_and_crowded_experts(gpu_moe_model):
     llm = _llm(gpu_moe_model)
-    report = llm.llm_engine.runner.self_check_report
+    report = llm.llm_engine.executor.self_check_report
     assert "model.layers.0.mlp" in report and report["model.layers.0.mlp"]["experts"] == 16
     assert llm.execution_contract().numerical["layer_kernels"]["moe"]["experts"]["kernel"].startswith("triton grouped gemm")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     llm.update_weights({n: torch.zeros_like(t) for n, t in model.hf_state_dict().items() if n.endswith("mlp.gate.weight")})
     sp = SamplingParams(temperature=1.0, seed=5, max_tokens=20, logprobs=0, ignore_eos=True)
     target = {"prompt_token_ids": list(range(40, 140))}
@@ -104,7 +104,7 @@ def test_gpu_moe_selfcheck_contract_and_crowded_experts(gpu_moe_model):
 def test_gpu_moe_fast_mode_uses_grouped_mm_and_captures_graphs(gpu_moe_model):
     from vllm.kernels import moe as K
     llm = _llm(gpu_moe_model, numerics="fast")
-    assert llm.llm_engine.runner.graphs
+    assert llm.llm_engine.executor.has_cuda_graphs
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 300)],
                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
@@ -117,7 +117,7 @@ def test_gpu_moe_async_launch_never_waits_for_the_gpu(gpu_moe_model, numerics):
     """The MoE step (routing, the expert plan, grouped GEMMs, merge) uses device ops only:
     launching a step under torch's sync debug mode set to raise must not synchronise."""
     llm = _llm(gpu_moe_model, numerics=numerics, async_scheduling=True, cuda_graph_batch_sizes=[1, 2, 4, 8])
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm: compile, pinned-memory pool

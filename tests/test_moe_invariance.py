@@ -43,7 +43,7 @@ def test_moe_identical_requests(battery):
 
 
 def _zero_router(llm):
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     zeros = {name: torch.zeros_like(t) for name, t in model.hf_state_dict().items() if name.endswith(".mlp.gate.weight")}
     assert len(zeros) == 2
     llm.update_weights(zeros)

@@ -43,7 +43,7 @@ def test_in_process_partitions_equal_ep1_in_the_engine(tiny_qwen3_moe, partition
     prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (21, 3, 14, 30)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=5, logprobs=0, ignore_eos=True) for i in range(4)]
     ep1 = [signature(o.outputs[0]) for o in llm.generate(prompts, params, use_tqdm=False)]
-    apply_expert_parallel(llm.llm_engine.runner.model, partitions)
+    apply_expert_parallel(llm.llm_engine.executor.model, partitions)
     llm.reset_prefix_cache()
     ep = [signature(o.outputs[0]) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ep == ep1
@@ -53,7 +53,7 @@ def test_in_process_partitions_with_one_partition_idle(tiny_qwen3_moe):
     """Router zeroed: every token goes to experts (0, 1), all in partition 0; partition 1
     receives nothing. Still EP=1's bits, for rollout and the trainer's logprobs."""
     llm = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     llm.update_weights({n: torch.zeros_like(t) for n, t in model.hf_state_dict().items() if n.endswith("mlp.gate.weight")})
     prompt = {"prompt_token_ids": list(range(100, 125))}
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=5, logprobs=0, ignore_eos=True)
@@ -101,7 +101,7 @@ def test_gpu_in_process_partitions_equal_ep1(tmp_path):
     ep1 = [signature(o.outputs[0]) for o in graphs.generate(prompts, params, use_tqdm=False)]
     del graphs
     llm = LLM(path, numerics="invariant", enforce_eager=True, gpu_memory_utilization=0.3)
-    apply_expert_parallel(llm.llm_engine.runner.model, 2)
+    apply_expert_parallel(llm.llm_engine.executor.model, 2)
     assert [signature(o.outputs[0]) for o in llm.generate(prompts, params, use_tqdm=False)] == ep1
     seqs = [p["prompt_token_ids"] + list(s[0]) for p, s in zip(prompts, ep1)]
     with torch.no_grad():

@@ -124,7 +124,7 @@ def test_weight_sync_of_moe_parameters_keeps_parity(tiny_qwen3_moe, prompts):
     seqs, _ = _rollout(llm, prompts[:2])
     (-sum(lp.sum() for lp in policy.token_logprobs(seqs, [len(p) for p in prompts[:2]], temperature=0.8))).backward()
     opt.step()
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     experts = model.model.layers[0].mlp.experts
     before = experts.gate_up_proj.detach().clone()
     ptr = experts.gate_up_proj.data_ptr()

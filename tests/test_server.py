@@ -312,7 +312,7 @@ def test_bad_requests_get_400_while_good_ones_succeed(served):
 
 def test_engine_failure_is_500_and_server_recovers(served, ref_llm):
     app, llm = served
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     real_launch = runner.launch  # both loops enqueue steps through launch()
     calls = {"n": 0}
 

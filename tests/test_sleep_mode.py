@@ -27,7 +27,7 @@ def _same_bits(a, b) -> bool:
 def test_sleep_wake_same_bits_cpu(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enable_sleep_mode=True, cpu_kv_cache_bytes=4 << 20)
     before = _run(llm)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     nbytes = sum(c.untyped_storage().nbytes() for c in runner.k_caches + runner.v_caches)
     freed = llm.sleep()
     assert freed == nbytes > 0
@@ -74,7 +74,7 @@ def test_sleep_wake_same_bits_gpu_graphs(gpu_model):
     really goes back to the driver while asleep."""
     llm = LLM(gpu_model, device="cuda", numerics="invariant", enable_sleep_mode=True, gpu_memory_utilization=0.3,
               cuda_graph_batch_sizes=[1, 2, 4, 8])
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     assert runner._kv_region is not None, "sleep mode on CUDA should place the KV cache in a driver VMM region"
     assert runner.graphs, "the test needs captured CUDA graphs"
     before = _run(llm)
@@ -109,7 +109,7 @@ def test_sleep_wake_without_vmm_recaptures_gpu(gpu_model, monkeypatch):
     monkeypatch.setattr(vmm, "_driver", unavailable)
     llm = LLM(gpu_model, device="cuda", numerics="invariant", enable_sleep_mode=True, gpu_memory_utilization=0.3,
               cuda_graph_batch_sizes=[1, 2, 4, 8])
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     assert runner._kv_region is None
     before = _run(llm)
     assert llm.sleep() > 0

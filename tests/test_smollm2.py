@@ -95,7 +95,7 @@ def test_converted_directory(smollm2_dir, llm, tok):
         cfg = json.load(f)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
     assert "quantization_config" not in cfg
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     mc = model.config  # the model's own parse of config.json
     assert (mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size) == \
         (30, 576, 9, 3, 49152)

@@ -47,7 +47,7 @@ def test_rollout_logprobs_equal_trainer_bits(arch, request, prompts):
             assert torch.equal(bits(got[j]), bits(roll[i])), f"{arch}: seq {i} budget {budget}"
     # the colocated view shares storage and gives the same bits
     colo = llm.policy()
-    assert colo.model is llm.llm_engine.runner.model
+    assert colo.model is llm.llm_engine.executor.model
     got = colo.token_logprobs(seqs, plens, temperature=0.8)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll))
 

@@ -143,7 +143,7 @@ def test_bf16_checkpoint_converts_on_load_and_sync_casts_by_the_same_rule(tiny_q
 
 def test_update_weights_names_a_list_of_tensors(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu")
-    tensors = list(llm.llm_engine.runner.model.hf_state_dict().values())
+    tensors = list(llm.llm_engine.executor.model.hf_state_dict().values())
     with pytest.raises(ValueError, match=r"\(HF name, tensor\) pairs"):
         llm.update_weights(tensors)
     assert llm.weight_version == 0

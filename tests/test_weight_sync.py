@@ -31,11 +31,11 @@ def test_standalone_trainer_sync_keeps_parity(tiny_qwen3):
     seqs, lps = rollout(llm, PROMPTS)
     (-sum(lp.sum() for lp in policy.token_logprobs(seqs, [len(p) for p in PROMPTS], temperature=0.8))).backward()
     opt.step()
-    params_before = {n: p.detach().clone() for n, p in llm.llm_engine.runner.model.named_parameters()}
-    ptrs = {n: p.data_ptr() for n, p in llm.llm_engine.runner.model.named_parameters()}
+    params_before = {n: p.detach().clone() for n, p in llm.llm_engine.executor.model.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in llm.llm_engine.executor.model.named_parameters()}
     version = llm.update_weights(policy.model.hf_state_dict(), contract=policy.execution_contract(), require_complete=True)
     assert version == 1 == llm.weight_version
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # in place: graph-safe
     assert any(not torch.equal(params_before[n], p) for n, p in model.named_parameters())
     seqs2, lps2 = rollout(llm, PROMPTS)
@@ -78,21 +78,21 @@ def test_weight_sync_edge_cases(tiny_qwen3, tiny_llama):
     name = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match="twice"):
         llm.update_weights([(name, good[name]), (name, good[name])])
-    fused = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    fused = llm.llm_engine.executor.model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
     with pytest.raises(ValueError, match="overlaps"):
         llm.update_weights({"model.layers.0.self_attn.qkv_proj.weight": fused, name: good[name]})
     assert llm.weight_version == 0
     # tied embeddings: lm_head.weight is checked, and written as the embedding when sent alone
     tied = LLM(tiny_llama, device="cpu")
-    emb = tied.llm_engine.runner.model.model.embed_tokens.weight
+    emb = tied.llm_engine.executor.model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="non-finite"):
         tied.update_weights({"lm_head.weight": torch.full_like(emb, float("nan"))})
     with pytest.raises(ValueError, match="differs"):
         tied.update_weights({"lm_head.weight": emb.detach() * 2, "model.embed_tokens.weight": emb.detach().clone()})
     new = emb.detach() * 0.5
     tied.update_weights({"lm_head.weight": new})
-    assert torch.equal(tied.llm_engine.runner.model.model.embed_tokens.weight, new)
-    assert tied.llm_engine.runner.model.lm_head.weight is tied.llm_engine.runner.model.model.embed_tokens.weight
+    assert torch.equal(tied.llm_engine.executor.model.model.embed_tokens.weight, new)
+    assert tied.llm_engine.executor.model.lm_head.weight is tied.llm_engine.executor.model.model.embed_tokens.weight
 
 
 def test_async_engine_aborted_then_updated(tiny_qwen3):
@@ -111,7 +111,7 @@ def test_update_weights_without_names_says_so(tiny_qwen3):
     """A list of tensors (no names) is refused with a message saying what is expected,
     before anything is written."""
     llm = LLM(tiny_qwen3, device="cpu", numerics="fast")
-    tensors = [p.detach().clone() for p in llm.llm_engine.runner.model.parameters()]
+    tensors = [p.detach().clone() for p in llm.llm_engine.executor.model.parameters()]
     for bad, match in ((tensors, r"item 0 is a Tensor.*no names"), (tensors[0], "got a Tensor"),
                        (7, "got int"), ([("a.weight", tensors[0], 1)], "item 0 is a tuple")):
         with pytest.raises(ValueError, match=match):

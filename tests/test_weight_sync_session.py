@@ -19,7 +19,7 @@ def checkpoint_tensors(path):
 
 def param_bits(llm):
     return {n: p.detach().clone().view(torch.int16 if p.element_size() == 2 else torch.int32)
-            for n, p in llm.llm_engine.runner.model.named_parameters()}
+            for n, p in llm.llm_engine.executor.model.named_parameters()}
 
 
 def same_bits(a, b):
@@ -30,11 +30,11 @@ def test_float32_update_into_bf16_engine_equals_fresh_load(tiny_qwen3, new_weigh
     llm = LLM(tiny_qwen3, device="cpu", dtype="bfloat16", numerics="fast")
     tensors = checkpoint_tensors(new_weights)
     assert all(t.dtype == torch.float32 for _, t in tensors)
-    ptrs = {n: p.data_ptr() for n, p in llm.llm_engine.runner.model.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in llm.llm_engine.executor.model.named_parameters()}
     assert llm.update_weights(tensors, require_complete=True) == 1
     fresh = LLM(new_weights, device="cpu", dtype="bfloat16", numerics="fast")
     assert same_bits(param_bits(llm), param_bits(fresh))
-    assert {n: p.data_ptr() for n, p in llm.llm_engine.runner.model.named_parameters()} == ptrs
+    assert {n: p.data_ptr() for n, p in llm.llm_engine.executor.model.named_parameters()} == ptrs
     # float64 too: cast by the same rule
     llm.update_weights([(n, t.double()) for n, t in tensors])
     assert same_bits(param_bits(llm), param_bits(fresh))
@@ -132,7 +132,7 @@ def test_paused_request_reports_both_versions(tiny_qwen3, new_weights):
 def test_graph_pointer_check_fires_on_new_storage(tiny_qwen3):
     """On CPU there are no graphs: the pointer table is recorded by hand, as capture does."""
     llm = LLM(tiny_qwen3, device="cpu")
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.worker
     runner.record_graph_pointers()
     llm.check_graph_pointers()                      # nothing moved
     llm.update_weights(llm.policy().model.hf_state_dict())
@@ -152,7 +152,7 @@ def test_graph_pointer_check_fires_before_replay_on_gpu(gpu_model):
     ref = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0].token_ids
     llm.update_weights(llm.policy().model.hf_state_dict())  # in place: graphs replay as before
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
-    p = next(llm.llm_engine.runner.model.parameters())
+    p = next(llm.llm_engine.executor.model.parameters())
     p.data = p.data.clone()
     llm.llm_engine.on_weights_updated()
     with pytest.raises(StaleGraphPointers):
@@ -164,7 +164,7 @@ def test_non_finite_found_in_any_tensor(tiny_qwen3):
     the dtype mix of the update, and nothing is written."""
     from vllm.weight_sync import session
     llm = LLM(tiny_qwen3, device="cpu")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sd = {n: t.detach().clone() for n, t in model.hf_state_dict().items()}
     large = max(sd, key=lambda n: sd[n].numel())
@@ -184,7 +184,7 @@ def test_non_finite_found_in_any_tensor(tiny_qwen3):
 def test_weight_mapping_cache_follows_parameter_objects(tiny_qwen3):
     """The mapping weight sync reuses is rebuilt when a parameter object is replaced."""
     from vllm.weight_sync.session import weight_mapping_of
-    model = LLM(tiny_qwen3, device="cpu").llm_engine.runner.model
+    model = LLM(tiny_qwen3, device="cpu").llm_engine.executor.model
     m1 = weight_mapping_of(model)
     assert weight_mapping_of(model) is m1
     name, p = next(iter(model.named_parameters()))
@@ -198,10 +198,10 @@ def test_check_finite_off_writes_what_it_is_given(tiny_qwen3):
     """check_finite=False is the caller's promise: the bytes are written unchecked (and the
     default refuses the same update)."""
     llm = LLM(tiny_qwen3, device="cpu")
-    sd = {n: t.detach().clone() for n, t in llm.llm_engine.runner.model.hf_state_dict().items()}
+    sd = {n: t.detach().clone() for n, t in llm.llm_engine.executor.model.hf_state_dict().items()}
     name = next(iter(sd))
     sd[name] = torch.full_like(sd[name], float("inf"))
     with pytest.raises(ValueError, match="non-finite"):
         llm.update_weights(sd)
     assert llm.update_weights(sd, check_finite=False) == 1
-    assert torch.isinf(llm.llm_engine.runner.model.hf_state_dict()[name]).all()
+    assert torch.isinf(llm.llm_engine.executor.model.hf_state_dict()[name]).all()

@@ -41,21 +41,21 @@ def test_shared_memory_buckets_across_processes(tiny_qwen3, new_weights):
     """Two versions through one export (the second refilled into the same buffers, same
     message), each equal to a fresh engine loaded from its checkpoint, bit for bit."""
     llm = LLM(tiny_qwen3, device="cpu")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     proc = subprocess.Popen([sys.executable, "-c", EXPORTER, new_weights, tiny_qwen3], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
     try:
         message = json.loads(proc.stdout.readline())
         assert len(message) > 2 and all(m["handle"]["kind"] == "shm" for m in message)
         assert llm.update_weights_from_ipc(message) == 1
-        got, want = bits(model), bits(LLM(new_weights, device="cpu").llm_engine.runner.model)
+        got, want = bits(model), bits(LLM(new_weights, device="cpu").llm_engine.executor.model)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
         proc.stdin.write("done\n")
         proc.stdin.flush()
         again = json.loads(proc.stdout.readline())
         assert again == message                                 # refilled in place: same handles
         assert llm.update_weights_from_ipc(again) == 2
-        got, want = bits(model), bits(LLM(tiny_qwen3, device="cpu").llm_engine.runner.model)
+        got, want = bits(model), bits(LLM(tiny_qwen3, device="cpu").llm_engine.executor.model)
         assert all(torch.equal(got[k], want[k]) for k in got)
         proc.stdin.write("done\n")
         proc.stdin.flush()

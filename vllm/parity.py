@@ -109,13 +109,12 @@ def find_divergence(llm, prompt: list[int], max_tokens: int = 16, temperature: f
     (tests use it to inject a one-ulp change); it returns handles to remove."""
     from vllm.sampling_params import SamplingParams
 
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.model
     # every position must be computed by the rollout: no prefix-cache hits
     llm.llm_engine.kv.reset_prefix_cache()
-    if llm.llm_engine.runner.graphs:
+    if llm.llm_engine.executor.has_cuda_graphs:
         raise ValueError("the divergence finder needs an eager engine (LLM(..., enforce_eager=True))")
     roll = _Recorder(model)
-    runner = llm.llm_engine.runner
     orig_logits = model.compute_logits
 
     def logits_with_positions(hidden):
@@ -150,7 +149,6 @@ def find_divergence(llm, prompt: list[int], max_tokens: int = 16, temperature: f
             h.remove()
         for p in model.parameters():
             p.requires_grad_(False)
-    del runner
 
     report = ParityReport()
     for key in train.order:

@@ -1,7 +1,7 @@
 """The engine: requests in, RequestOutputs out, one scheduler step at a time.
 
 add_request validates and tokenizes (so bad input fails before it can touch a
-batch), the scheduler picks the step, the model runner executes it, and the
+batch), the scheduler picks the step, the executor runs it on its workers, and the
 output processor detokenizes, applies stop strings and builds RequestOutputs.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.core.scheduler import Scheduler
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
-from vllm.worker.model_runner import ModelRunner
+from vllm.executor import InProcessExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-        self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # the workers behind a typed seam (vllm/executor): one in-process worker
+        self.executor = InProcessExecutor(config)
+        self.kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
@@ -166,10 +167,10 @@ class LLMEngine:
         # CUDA graphs multiply the new fp8 weights)
         if getattr(self, "_fp8_linears", None) is None:   # the layers are fixed once the model is built
             from vllm.layers.linear import fp8_linears
-            self._fp8_linears = fp8_linears(self.runner.model)
+            self._fp8_linears = fp8_linears(self.executor.model)
         for layer in self._fp8_linears:
             layer.requantize()
-        self.runner.weights_changed()  # the next graph replay first checks the captured pointers
+        self.executor.weights_changed()  # the next graph replay first checks the captured pointers
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).
         self.kv.reset_prefix_cache(allow_in_use=self.paused)
@@ -201,7 +202,7 @@ class LLMEngine:
         sched, handle = self._inflight
         self._inflight = None
         self.scheduler.advance(sched)
-        outs = self._process(*self.scheduler.finalize(sched, self.runner.collect(handle)))
+        outs = self._process(*self.scheduler.finalize(sched, self.executor.collect(handle)))
         self.step_count += 1
         return outs
 
@@ -234,7 +235,7 @@ class LLMEngine:
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
             "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel, "keep_master_weights": c.keep_master_weights,
         }
-        return build_contract(self.runner.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
+        return build_contract(self.executor.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
                               deployment=deployment, kernels=c.kernels, kv_cache_dtype=c.cache.kv_cache_dtype,
                               quantization=c.quantization)
 
@@ -256,7 +257,7 @@ class LLMEngine:
         # the cached prefixes' KV is about to be lost
         if not self.kv.reset_prefix_cache():
             raise ValueError("cannot sleep while KV blocks are in use")
-        freed = self.runner.sleep()
+        freed = self.executor.sleep()
         self._sleeping = True
         logger.info("sleep: released %.2f GiB of KV cache", freed / 2**30)
         return freed
@@ -270,7 +271,7 @@ class LLMEngine:
         if tags is not None and "kv_cache" not in tags:
             return
         if self._sleeping:
-            self.runner.wake_up()
+            self.executor.wake_up()
             self._sleeping = False
 
     def is_sleeping(self) -> bool:
@@ -298,22 +299,22 @@ class LLMEngine:
             return []
         if self.config.async_scheduling:
             return self._step_async()
-        prof = self.runner.profile
-        t0 = time.perf_counter() if prof else 0.0
+        prof = self.executor.step_timings
+        t0 = time.perf_counter() if prof is not None else 0.0
         sched = self.scheduler.schedule()
-        if prof:
-            self.runner.timings["schedule"] += time.perf_counter() - t0
+        if prof is not None:
+            prof["schedule"] += time.perf_counter() - t0
         if not sched.requests:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any request: the KV cache is too small for one request")
             return []
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         t1 = time.perf_counter() if prof else 0.0
         updated, finished = self.scheduler.update(sched, result)
         self.step_count += 1
         outs = self._process(updated, finished)
-        if prof:
-            self.runner.timings["update+output"] += time.perf_counter() - t1
+        if prof is not None:
+            prof["update+output"] += time.perf_counter() - t1
         return outs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -327,18 +328,18 @@ class LLMEngine:
             self.scheduler.advance(prev[0])
         sched = self.scheduler.schedule()
         try:
-            handle = self.runner.launch(sched, prev[1] if prev is not None else None) if sched.requests else None
+            handle = self.executor.launch(sched, prev[1] if prev is not None else None) if sched.requests else None
         except BaseException:
             # keep the scheduler consistent (no placeholder left behind) before re-raising
             if prev is not None:
-                self.scheduler.finalize(prev[0], self.runner.collect(prev[1]))
+                self.scheduler.finalize(prev[0], self.executor.collect(prev[1]))
             raise
         self._inflight = (sched, handle) if handle is not None else None
         if prev is None:
             if handle is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any request: the KV cache is too small for one request")
             return []
-        result = self.runner.collect(prev[1])
+        result = self.executor.collect(prev[1])
         updated, finished = self.scheduler.finalize(prev[0], result)
         self.step_count += 1
         return self._process(updated, finished)
@@ -350,7 +351,7 @@ class LLMEngine:
             sched, handle = self._inflight
             self._inflight = None
             self.scheduler.advance(sched)
-            outs += self._process(*self.scheduler.finalize(sched, self.runner.collect(handle)))
+            outs += self._process(*self.scheduler.finalize(sched, self.executor.collect(handle)))
         return outs
 
     def _process(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:

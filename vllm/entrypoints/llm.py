@@ -75,8 +75,8 @@ class LLM:
             warnings.warn(f"this engine runs numerics={self.config.numerics!r}: the Policy's logprobs will not match "
                           "the rollout's bit for bit; build the LLM with numerics='invariant' (the default) for parity",
                           stacklevel=2)
-        runner = self.llm_engine.runner
-        return Policy(runner.model, self.config.model, self.config.dtype, runner.device, self.config.numerics,
+        executor = self.llm_engine.executor
+        return Policy(executor.model, self.config.model, self.config.dtype, executor.device, self.config.numerics,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
                       block_size=self.config.cache.block_size, kernels=self.config.kernels,
                       kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)
@@ -119,7 +119,7 @@ class LLM:
 
     def check_graph_pointers(self) -> None:
         """Raise if a parameter or workspace the captured CUDA graphs read has moved."""
-        self.llm_engine.runner.verify_graph_pointers()
+        self.llm_engine.executor.verify_graph_pointers()
 
     @property
     def weight_version(self) -> int:

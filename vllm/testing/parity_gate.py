@@ -230,8 +230,8 @@ class Gate:
                             f"{freed / 2 ** 30:.1f} GiB released"))
         if "update" in wanted:
             t0 = time.perf_counter()
-            g = torch.Generator(device=llm.llm_engine.runner.device).manual_seed(7)
-            state = llm.llm_engine.runner.model.hf_state_dict()
+            g = torch.Generator(device=llm.llm_engine.executor.device).manual_seed(7)
+            state = llm.llm_engine.executor.model.hf_state_dict()
             new = {k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g, device=v.device))).to(v.dtype)
                    for k, v in state.items()}
             version = llm.update_weights(new)
@@ -271,7 +271,7 @@ class Gate:
         ref = self.reference("moe", mode)
         # expert-parallel steps run eagerly (the dispatch reads counts on the host)
         llm = self.make("moe", mode, enforce_eager=True)
-        apply_expert_parallel(llm.llm_engine.runner.model, 2)
+        apply_expert_parallel(llm.llm_engine.executor.model, 2)
         outs = self.roll(llm)
         ld = sum(a != b for a, b in zip(self.sigs(outs), ref))
         rev = self.roll(llm, order=list(range(len(self.prompts)))[::-1])

@@ -136,7 +136,7 @@ def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, b
             layouts = plan_buckets([(str(n), str(d), tuple(s)) for n, d, s in manifest], bucket_bytes)
         except (TypeError, ValueError) as err:
             raise ValueError(f"malformed manifest: {err}") from None
-        _check_manifest(engine.runner.model, layouts)
+        _check_manifest(engine.executor.model, layouts)
         update = WeightUpdate(engine, contract=contract, require_complete=require_complete, backup=backup)
     except Exception:
         group.flag(0, src=group.rank)
@@ -155,7 +155,7 @@ def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, b
             raise ValueError(f"weight broadcast failed: {type(err).__name__}: {err}") from err
         if error is None:
             try:
-                update.load(_to_device(bucket, engine.runner.device), retain=False)
+                update.load(_to_device(bucket, engine.executor.device), retain=False)
             except Exception as err:  # noqa: BLE001 -- keep receiving to stay in step, then report
                 error = err
     version = None

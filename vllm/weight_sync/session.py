@@ -188,7 +188,7 @@ class WeightUpdate:
         if contract is not None:
             engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys
         self.engine = engine
-        self.model = engine.runner.model
+        self.model = engine.executor.model
         self.require_complete = require_complete
         self.backup = backup
         self.check_finite = check_finite
@@ -251,7 +251,7 @@ class WeightUpdate:
     def _copy(self, plan) -> None:
         if not plan:
             return
-        dev = self.engine.runner.device
+        dev = self.engine.executor.device
         if any(s.is_cuda and s.device != dev for _, s in plan) or (dev.type == "cuda" and any(s.is_cuda for _, s in plan)):
             torch.cuda.synchronize()  # the sender may have written the sources on another stream
         with torch.no_grad():
@@ -286,7 +286,7 @@ class WeightUpdate:
         eng.on_weights_updated()
         eng.weight_error = None
         eng.weights_torn = False
-        eng.runner.verify_graph_pointers()
+        eng.executor.verify_graph_pointers()
         if not self._was_paused:
             eng.resume()
         return eng.weight_version
@@ -313,8 +313,8 @@ class WeightUpdate:
                 for d, b in undo:
                     if isinstance(d, QuantizedRows):
                         d.restore(b)
-            if eng.runner.device.type == "cuda":
-                torch.cuda.synchronize(eng.runner.device)
+            if eng.executor.device.type == "cuda":
+                torch.cuda.synchronize(eng.executor.device)
         eng.weight_error = f"weight update failed, previous weights kept (version {eng.weight_version}): {reason}"
         logger.warning(eng.weight_error)
         if not self._was_paused and not getattr(eng, "weights_torn", False):

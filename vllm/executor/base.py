@@ -1,0 +1,89 @@
+"""The executor interface: everything LLMEngine, weight sync and the colocated trainer ask of
+the workers that hold the model and the KV cache.
+
+The engine schedules; an executor runs the steps it is handed (one in-process worker today;
+the ranks of a tensor-parallel group or Ray actors behind the same methods). Typed messages
+cross it in both directions: `SchedulerOutput` in, `ModelRunnerOutput` out
+(vllm/core/messages.py). Nothing outside an executor reaches its workers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from vllm.core.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    # ---- steps ---------------------------------------------------------------------
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to completion: forward, sampling, the sampled tokens on the host."""
+
+    @abstractmethod
+    def launch(self, sched: SchedulerOutput, prev=None):
+        """Start one step without waiting for it (async scheduling); `prev` is the handle of
+        the step before, whose sampled tokens on the device feed this one. Returns a handle."""
+
+    @abstractmethod
+    def collect(self, handle) -> ModelRunnerOutput:
+        """Wait for a launched step and return its sampled tokens."""
+
+    # ---- the KV cache --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """KV-cache blocks per worker, the null block 0 included (the block manager's size)."""
+
+    @property
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+
+    @abstractmethod
+    def sleep(self) -> int:
+        """Release the KV cache's memory; returns the bytes released."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Take the KV cache's memory back (zero-filled, as at start-up)."""
+
+    # ---- weights -------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device the (colocated) model and cache live on."""
+
+    @property
+    @abstractmethod
+    def model(self) -> nn.Module:
+        """The model the workers compute with, when it lives in this process (weight sync
+        writes into it in place; `LLM.policy()` trains it). An executor whose workers live
+        elsewhere raises ValueError."""
+
+    @abstractmethod
+    def weights_changed(self) -> None:
+        """The weights were written in place: the next graph replay first checks the
+        pointers its graphs read."""
+
+    @abstractmethod
+    def verify_graph_pointers(self) -> None:
+        """Raise StaleGraphPointers if a tensor a captured CUDA graph reads has moved."""
+
+    # ---- what the engine reports ---------------------------------------------------
+    @property
+    @abstractmethod
+    def has_cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+
+    @property
+    @abstractmethod
+    def self_check_report(self) -> dict | None:
+        """The start-up self-check of the invariant kernels on this machine (None when none ran)."""
+
+    @property
+    @abstractmethod
+    def step_timings(self) -> dict[str, float] | None:
+        """Seconds per step phase when step profiling is on (EngineConfig.step_profile), else None."""

@@ -1,0 +1,65 @@
+"""One worker in the engine's process: the ModelRunner, on this process's device."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.config import EngineConfig
+from vllm.core.messages import ModelRunnerOutput, SchedulerOutput
+from vllm.executor.base import Executor
+from vllm.worker.model_runner import ModelRunner, StepHandle
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        # the one worker; `worker` is for in-process diagnostics and tests only
+        self.worker = ModelRunner(config)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(sched)
+
+    def launch(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        return self.worker.launch(sched, prev)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return self.worker.collect(handle)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.worker.kv_capacity_tokens
+
+    def sleep(self) -> int:
+        return self.worker.sleep()
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def model(self) -> nn.Module:
+        return self.worker.model
+
+    def weights_changed(self) -> None:
+        self.worker.weights_changed()
+
+    def verify_graph_pointers(self) -> None:
+        self.worker.verify_graph_pointers()
+
+    @property
+    def has_cuda_graphs(self) -> bool:
+        return bool(self.worker.graphs)
+
+    @property
+    def self_check_report(self) -> dict | None:
+        return self.worker.self_check_report
+
+    @property
+    def step_timings(self) -> dict[str, float] | None:
+        return self.worker.timings if self.worker.profile else None
