@@ -1,8 +1,9 @@
 """vllm-parity: a rollout engine whose logprobs match the trainer's bit for bit.
 
-The CUDA extension in csrc/ is built through CMakeLists.txt only when nvcc and
-a CUDA build of torch are present; everything else is pure Python + Triton, so
-`pip install -e .` never fails for lack of a GPU toolchain.
+The CUDA extension in csrc/ is built through CMakeLists.txt only when csrc/ holds an op
+(a .cu source; csrc/module.cpp alone registers none) and nvcc and a CUDA build of torch
+are present; everything else is pure Python + Triton, so `pip install -e .` never fails
+for lack of a GPU toolchain.
 """
 import os
 import shutil
@@ -23,6 +24,12 @@ def _cuda_toolchain_present() -> bool:
     except ImportError:
         return False
     return torch.version.cuda is not None
+
+
+def _has_compiled_ops() -> bool:
+    """csrc/ holds an op to build: a CUDA source next to the module skeleton."""
+    csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+    return os.path.isdir(csrc) and any(f.endswith(".cu") for f in os.listdir(csrc))
 
 
 class CMakeExtension(Extension):
@@ -61,7 +68,7 @@ class CMakeBuild(build_ext):
         return os.path.exists(self.get_ext_fullpath(ext.name))
 
 
-ext_modules = [CMakeExtension("vllm._C", ".")] if _cuda_toolchain_present() else []
+ext_modules = [CMakeExtension("vllm._C", ".")] if _has_compiled_ops() and _cuda_toolchain_present() else []
 
 setup(
     name="vllm-parity",

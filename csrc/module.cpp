@@ -5,7 +5,8 @@
 // shows it beats its Triton form, or when it does what Triton cannot, e.g. choosing a
 // cuBLASLt algorithm beyond torch's first heuristic. No op qualifies today (the paged KV
 // write runs in Triton, vllm/kernels/cache_write.py, and no measurement shows a compiled
-// form faster), so the module registers nothing. To add an op:
+// form faster), so the module registers nothing, and setup.py does not build it until
+// csrc/ holds an op (a .cu source). To add an op:
 //   * implement it in csrc/<op>.cu and register it with TORCH_LIBRARY(vllm_parity, m) /
 //     TORCH_LIBRARY_IMPL(vllm_parity, CUDA, m) (importing vllm._C then registers
 //     torch.ops.vllm_parity.<op>);

@@ -1,4 +1,4 @@
-"""Compiled ops from csrc/ (built only where nvcc + CUDA torch exist).
+"""Compiled ops from csrc/ (built only once csrc/ holds an op, and where nvcc + CUDA torch exist).
 
 `HAS_C` says whether the extension `vllm._C` is loaded. No compiled op is in use:
 csrc/module.cpp says when an op belongs in csrc/ and how to add one (each gets its
