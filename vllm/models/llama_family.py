@@ -1,26 +1,23 @@
 """One model class for the Llama family: Llama (incl. llama3 rope scaling),
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm), tied or untied embeddings.
 
-The same class runs rollout (the worker sets a paged-KV attention backend in
-the forward context) and training (the trainer sets a packed-sequence one):
-it contains no inference-only state and no parallelism.
+This file declares the family's config, attention, MLP and decoder layer; the decoder
+stack, the layer loop and the HF-name mapping are `vllm.models.decoder`'s. It contains
+no inference-only state and no parallelism.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
 
 from vllm.layers.activation import SiluAndMul
 from vllm.layers.attention import Attention
-from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm
 from vllm.layers.rotary import RopeScaling, RotaryEmbedding, rope_from_hf
-from vllm.models.checkpointing import checkpointed
-from vllm.models.weights import WeightMapping, WeightSlot
+from vllm.models.decoder import DecoderForCausalLM
 
 # What distinguishes the members of the family (config.json does not say it).
 ARCHITECTURES = {
@@ -143,71 +140,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            if activation_checkpointing:
-                x, residual = checkpointed(layer, positions, x, residual)
-            else:
-                x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class LlamaFamilyForCausalLM(nn.Module):
+class LlamaFamilyForCausalLM(DecoderForCausalLM):
     config_class = LlamaFamilyConfig
-    # HF projection -> (our fused projection, shard id)
-    hf_fused = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg, dtype)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
-        """Token ids [T] and absolute positions [T] of a packed step -> final hidden states [T, H].
-        `activation_checkpointing`: under autograd, recompute each decoder layer in backward
-        (same bits, less memory)."""
-        return self.model(input_ids, positions, activation_checkpointing)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    # ---- checkpoint names -------------------------------------------------------------
-    def weight_mapping(self) -> WeightMapping:
-        """Every HF tensor name of this architecture -> the parameter (shard) it fills."""
-        to_hf = {ours: hf for hf, ours in self.hf_fused.items()}
-        slots: dict[str, WeightSlot] = {}
-        for name, _ in self.named_parameters():
-            module_name, kind = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if isinstance(module, FusedLinear):
-                parent, fused = module_name.rsplit(".", 1)
-                for sid in module.shard_offsets:
-                    slots[f"{parent}.{to_hf[(fused, sid)]}.{kind}"] = WeightSlot(name, sid, partial(module.shard, shard_id=sid))
-            else:
-                slots[name] = WeightSlot(name)
-        # tied: one tensor, the embedding; a checkpoint's lm_head.weight must equal it
-        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-        return WeightMapping(self, slots, aliases=tied, derived=("rotary_emb.inv_freq",))
-
-    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Our parameters (or their .grad with grads=True) under HF names, fused
-        projections split back: for save_pretrained and for comparing with transformers."""
-        return self.weight_mapping().state_dict(grads)
+    layer_class = DecoderLayer

@@ -6,8 +6,8 @@ layer not listed in `mlp_only_layers` (those keep a dense SwiGLU MLP of
 This file owns what is specific to the architecture: its config (`Qwen3MoeConfig.from_hf`:
 Qwen3's fields plus the MoE ones), the HF-name -> parameter mapping (per-expert
 checkpoint tensors onto slices of the stacked expert weights; loading, weight sync and
-`hf_state_dict` all read it), and the layer loop. Like every model it holds no
-parallelism and no inference-only state.
+`hf_state_dict` all read it) and its decoder layer; the stack and the layer loop are
+`vllm.models.decoder`'s. Like every model it holds no parallelism and no inference-only state.
 """
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from vllm.layers.embedding import LMHead, VocabEmbedding
-from vllm.layers.linear import FusedLinear
 from vllm.layers.moe import FusedExperts, SparseMoeBlock
 from vllm.layers.norm import RMSNorm
 from vllm.layers.rotary import RotaryEmbedding
-from vllm.models.checkpointing import checkpointed
-from vllm.models.llama_family import MLP, DecoderLayer, LlamaFamilyConfig, LlamaFamilyForCausalLM, SelfAttention
-from vllm.models.weights import WeightMapping, WeightSlot
+from vllm.models.decoder import DecoderForCausalLM
+from vllm.models.llama_family import MLP, DecoderLayer, LlamaFamilyConfig, SelfAttention
+from vllm.models.weights import WeightSlot
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 # its attention, norms, rope and dense MLPs are Qwen3's, and so are those fields of config.json
@@ -99,76 +97,19 @@ class MoeDecoderLayer(nn.Module):
     forward = DecoderLayer.forward
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            if activation_checkpointing:
-                x, residual = checkpointed(layer, positions, x, residual)
-            else:
-                x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
     config_class = Qwen3MoeConfig
-    # HF projection of the attention and the dense MLPs -> (our fused projection, shard id)
-    hf_fused = LlamaFamilyForCausalLM.hf_fused
+    layer_class = MoeDecoderLayer
 
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg, dtype)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
-        """Token ids [T] and absolute positions [T] of a packed step -> final hidden states [T, H].
-        `activation_checkpointing`: under autograd, recompute each decoder layer in backward
-        (same bits, less memory)."""
-        return self.model(input_ids, positions, activation_checkpointing)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    # ---- checkpoint names -------------------------------------------------------------
-    def weight_mapping(self) -> WeightMapping:
-        """Every HF tensor name of this architecture -> the parameter (shard) it fills:
-        `...mlp.experts.{e}.{gate,up,down}_proj.weight` -> expert e's slice of the stacked
-        `...mlp.experts.gate_up_proj` / `down_proj` (shard (e, projection)); q/k/v and the
-        dense MLPs' gate/up -> rows of their fused projections. The stacked expert tensors
-        may also be given whole under their own (transformers' in-memory) names. Built from
-        the experts each layer holds, so a model cut by expert parallelism maps its own."""
-        to_hf = {ours: hf for hf, ours in self.hf_fused.items()}
-        slots: dict[str, WeightSlot] = {}
-        for name, _ in self.named_parameters():
-            module_name, kind = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if isinstance(module, FusedExperts):
-                for shard in module.shard_ids(kind):
-                    expert, proj = shard
-                    slots[f"{module_name}.{expert}.{proj}_proj.weight"] = WeightSlot(
-                        name, shard, partial(module.shard, shard_id=shard))
-            elif isinstance(module, FusedLinear):
-                parent, fused = module_name.rsplit(".", 1)
-                for sid in module.shard_offsets:
-                    slots[f"{parent}.{to_hf[(fused, sid)]}.{kind}"] = WeightSlot(name, sid, partial(module.shard, shard_id=sid))
-            else:
-                slots[name] = WeightSlot(name)
-        # tied: one tensor, the embedding; a checkpoint's lm_head.weight must equal it
-        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-        return WeightMapping(self, slots, aliases=tied, derived=("rotary_emb.inv_freq",))
-
-    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Our parameters (or their .grad with grads=True) under HF names: fused projections
-        split back, one tensor per expert and projection (the hub layout)."""
-        return self.weight_mapping().state_dict(grads)
+    def weight_slots(self, name: str, module_name: str, kind: str, module: nn.Module) -> dict[str, WeightSlot] | None:
+        """`...mlp.experts.{e}.{gate,up,down}_proj.weight` -> expert e's slice of the stacked
+        `...mlp.experts.gate_up_proj` / `down_proj` (shard (e, projection)); the rest (q/k/v
+        and the dense MLPs' gate/up into their fused projections) as for every decoder. The
+        stacked expert tensors may also be given whole under their own (transformers'
+        in-memory) names. Built from the experts each layer holds, so a model cut by expert
+        parallelism maps its own."""
+        if not isinstance(module, FusedExperts):
+            return None
+        return {f"{module_name}.{expert}.{proj}_proj.weight": WeightSlot(name, (expert, proj),
+                                                                          partial(module.shard, shard_id=(expert, proj)))
+                for expert, proj in module.shard_ids(kind)}
