@@ -21,9 +21,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_fp8_round_reference_agrees_with_torch_cast():
-    x = torch.cat([torch.randn(4000, dtype=torch.float64) * s for s in (1e-3, 0.1, 1, 30, 200)])
-    x = x.clamp(-448, 448)
-    assert torch.equal(fp8.fp8_round_ref(x), x.to(fp8.FP8_DTYPE).double())
+    # float32 inputs, as the rules cast (x / scale is float32): a float64 cast may round
+    # through float32 first, and that double rounding differs from one rounding at ties
+    # the float32 step creates (about 1 element in 10^6)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-3, 0.1, 1, 30, 200)]).clamp(-448, 448)
+    assert torch.equal(fp8.fp8_round_ref(x.double()), x.to(fp8.FP8_DTYPE).double())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
