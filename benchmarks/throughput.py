@@ -113,8 +113,8 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str, kv_cache_dt
     digest = hashlib.sha256(json.dumps([c.token_ids for o in outs for c in o.outputs]).encode()).hexdigest()[:16]
     label = mode + (f" kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + (f" q={quantization}" if quantization else "")
     res = {"numerics": label, "mode": mode, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
-           "kv_capacity_tokens": llm.llm_engine.executor.kv_capacity_tokens, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "tokens_sha256": digest,
-           "kv_blocks": llm.llm_engine.executor.num_blocks, "steps": llm.llm_engine.step_count}
+           "kv_capacity_tokens": llm.llm_engine.executor.info.kv_capacity_tokens, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "tokens_sha256": digest,
+           "kv_blocks": llm.llm_engine.executor.info.num_blocks, "steps": llm.llm_engine.step_count}
     if args.profile:
         # a second, synchronised run (fresh cache) that splits the step time into phases
         llm.reset_prefix_cache()

@@ -230,9 +230,9 @@ def main() -> None:
     del expect
     from vllm.weight_sync.ipc import open_buckets
     eng = llm.llm_engine
-    opened = open_buckets(message, eng.executor.device, eng.ipc_buffers)
+    opened = open_buckets(message, eng.executor.info.device, eng.ipc_buffers)
     ipc_parts = breakdown(model, [nt for o in opened for nt in o.bucket.tensors()], device, args.reps)
-    ipc_parts["open (buffers kept)"] = (timed(lambda: open_buckets(message, eng.executor.device, eng.ipc_buffers),
+    ipc_parts["open (buffers kept)"] = (timed(lambda: open_buckets(message, eng.executor.info.device, eng.ipc_buffers),
                                               device, args.reps), None, "")
     del opened
     parent.send("release")

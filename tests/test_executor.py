@@ -34,7 +34,7 @@ def test_only_the_executor_imports_the_worker():
 
 def test_every_method_is_part_of_the_interface():
     abstract = Executor.__abstractmethods__
-    assert {"execute", "launch", "collect", "sleep", "wake_up", "model", "device", "num_blocks",
+    assert {"execute", "launch", "collect", "sleep", "wake_up", "model", "info",
             "weights_changed", "verify_graph_pointers"} <= abstract
     assert not InProcessExecutor.__abstractmethods__
 
@@ -61,6 +61,8 @@ def test_engine_steps_go_through_the_executor(tiny_qwen3):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert calls  # every step ran through the seam
-    assert eng.executor.num_blocks == eng.kv.num_blocks
-    assert eng.executor.step_timings is None and eng.executor.has_cuda_graphs is False
+    assert eng.executor.info.num_blocks == eng.kv.num_blocks
+    info = eng.executor.info
+    assert eng.executor.step_timings is None and info.has_cuda_graphs is False and info.device.type == "cpu"
+    assert info.kv_capacity_tokens == info.num_blocks * llm.config.cache.block_size
     assert llm.policy().model is eng.executor.model

@@ -35,7 +35,7 @@ def test_gpu_graph_and_eager_agree_on_tokens(gpu_model, numerics):
     a = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
     del eager
     graph = LLM(gpu_model, device="cuda", numerics=numerics, gpu_memory_utilization=0.2, cuda_graph_batch_sizes=[1, 2, 4, 8])
-    assert graph.llm_engine.executor.has_cuda_graphs
+    assert graph.llm_engine.executor.info.has_cuda_graphs
     b = [o.outputs[0].token_ids for o in graph.generate(prompts, sp, use_tqdm=False)]
     if numerics == "invariant":
         assert a == b
@@ -56,7 +56,7 @@ def test_gpu_invariant_battery(gpu_model):
 
 def test_gpu_invariant_selfcheck_and_contract(gpu_model):
     llm = LLM(gpu_model, device="cuda", numerics="invariant", gpu_memory_utilization=0.2, enforce_eager=True)
-    assert llm.llm_engine.executor.self_check_report
+    assert llm.llm_engine.executor.info.self_check_report
     c = llm.execution_contract()
     assert c.numerical["device"]["type"] == "cuda"
     with pytest.raises(ValueError, match="verified"):

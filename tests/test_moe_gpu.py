@@ -83,7 +83,7 @@ def test_gpu_moe_gradients_vs_transformers(gpu_moe_model):
 
 def test_gpu_moe_selfcheck_contract_and_crowded_experts(gpu_moe_model):
     llm = _llm(gpu_moe_model)
-    report = llm.llm_engine.executor.self_check_report
+    report = llm.llm_engine.executor.info.self_check_report
     assert "model.layers.0.mlp" in report and report["model.layers.0.mlp"]["experts"] == 16
     assert llm.execution_contract().numerical["layer_kernels"]["moe"]["experts"]["kernel"].startswith("triton grouped gemm")
     model = llm.llm_engine.executor.model
@@ -104,7 +104,7 @@ def test_gpu_moe_selfcheck_contract_and_crowded_experts(gpu_moe_model):
 def test_gpu_moe_fast_mode_uses_grouped_mm_and_captures_graphs(gpu_moe_model):
     from vllm.kernels import moe as K
     llm = _llm(gpu_moe_model, numerics="fast")
-    assert llm.llm_engine.executor.has_cuda_graphs
+    assert llm.llm_engine.executor.info.has_cuda_graphs
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 300)],
                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)

@@ -112,7 +112,7 @@ def find_divergence(llm, prompt: list[int], max_tokens: int = 16, temperature: f
     model = llm.llm_engine.executor.model
     # every position must be computed by the rollout: no prefix-cache hits
     llm.llm_engine.kv.reset_prefix_cache()
-    if llm.llm_engine.executor.has_cuda_graphs:
+    if llm.llm_engine.executor.info.has_cuda_graphs:
         raise ValueError("the divergence finder needs an eager engine (LLM(..., enforce_eager=True))")
     roll = _Recorder(model)
     orig_logits = model.compute_logits

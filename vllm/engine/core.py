@@ -246,7 +246,7 @@ class EngineCore:
             self.weight_group.close()
             self.weight_group = None
         try:
-            self.weight_group = WeightGroup(spec, device=self.engine.executor.device if backend == "nccl" else None)
+            self.weight_group = WeightGroup(spec, device=self.engine.executor.info.device if backend == "nccl" else None)
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 -- a rendezvous that failed is the caller's 400
@@ -377,7 +377,7 @@ def ready_info(engine) -> ReadyInfo:
     return ReadyInfo(model_path=cfg.model.path, tokenizer_path=cfg.tokenizer or cfg.model.path,
                      max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
                      generation_defaults=dict(cfg.model.generation_defaults), weight_version=engine.weight_version,
-                     num_kv_blocks=engine.executor.num_blocks, block_size=cfg.cache.block_size,
+                     num_kv_blocks=engine.executor.info.num_blocks, block_size=cfg.cache.block_size,
                      max_num_seqs=cfg.scheduler.max_num_seqs)
 
 

@@ -86,7 +86,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
         # the workers behind a typed seam (vllm/executor): one in-process worker
         self.executor = InProcessExecutor(config)
-        self.kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.executor.info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}

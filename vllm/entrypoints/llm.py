@@ -76,7 +76,7 @@ class LLM:
                           "the rollout's bit for bit; build the LLM with numerics='invariant' (the default) for parity",
                           stacklevel=2)
         executor = self.llm_engine.executor
-        return Policy(executor.model, self.config.model, self.config.dtype, executor.device, self.config.numerics,
+        return Policy(executor.model, self.config.model, self.config.dtype, executor.info.device, self.config.numerics,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
                       block_size=self.config.cache.block_size, kernels=self.config.kernels,
                       kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)

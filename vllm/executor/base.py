@@ -9,11 +9,22 @@ cross it in both directions: `SchedulerOutput` in, `ModelRunnerOutput` out
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vllm.core.messages import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the workers report once started (fixed for the executor's life)."""
+    device: torch.device  # where the (colocated) model and the KV cache live
+    num_blocks: int  # KV-cache blocks per worker, the null block 0 included (the block manager's size)
+    kv_capacity_tokens: int  # tokens the KV cache holds
+    has_cuda_graphs: bool  # decode steps replay captured CUDA graphs
+    self_check_report: dict | None  # the invariant kernels' start-up self-check (None when none ran)
 
 
 class Executor(ABC):
@@ -31,17 +42,13 @@ class Executor(ABC):
     def collect(self, handle) -> ModelRunnerOutput:
         """Wait for a launched step and return its sampled tokens."""
 
+    # ---- what the workers are -------------------------------------------------------
+    @property
+    @abstractmethod
+    def info(self) -> ExecutorInfo:
+        """Device, KV-cache size, graphs and the start-up self-check, fixed once started."""
+
     # ---- the KV cache --------------------------------------------------------------
-    @property
-    @abstractmethod
-    def num_blocks(self) -> int:
-        """KV-cache blocks per worker, the null block 0 included (the block manager's size)."""
-
-    @property
-    @abstractmethod
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the KV cache holds."""
-
     @abstractmethod
     def sleep(self) -> int:
         """Release the KV cache's memory; returns the bytes released."""
@@ -51,11 +58,6 @@ class Executor(ABC):
         """Take the KV cache's memory back (zero-filled, as at start-up)."""
 
     # ---- weights -------------------------------------------------------------------
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """The device the (colocated) model and cache live on."""
-
     @property
     @abstractmethod
     def model(self) -> nn.Module:
@@ -71,17 +73,6 @@ class Executor(ABC):
     @abstractmethod
     def verify_graph_pointers(self) -> None:
         """Raise StaleGraphPointers if a tensor a captured CUDA graph reads has moved."""
-
-    # ---- what the engine reports ---------------------------------------------------
-    @property
-    @abstractmethod
-    def has_cuda_graphs(self) -> bool:
-        """Whether decode steps replay captured CUDA graphs."""
-
-    @property
-    @abstractmethod
-    def self_check_report(self) -> dict | None:
-        """The start-up self-check of the invariant kernels on this machine (None when none ran)."""
 
     @property
     @abstractmethod

@@ -1,12 +1,11 @@
 """One worker in the engine's process: the ModelRunner, on this process's device."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from vllm.config import EngineConfig
 from vllm.core.messages import ModelRunnerOutput, SchedulerOutput
-from vllm.executor.base import Executor
+from vllm.executor.base import Executor, ExecutorInfo
 from vllm.worker.model_runner import ModelRunner, StepHandle
 
 
@@ -25,22 +24,16 @@ class InProcessExecutor(Executor):
         return self.worker.collect(handle)
 
     @property
-    def num_blocks(self) -> int:
-        return self.worker.num_blocks
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.worker.kv_capacity_tokens
+    def info(self) -> ExecutorInfo:
+        w = self.worker
+        return ExecutorInfo(device=w.device, num_blocks=w.num_blocks, kv_capacity_tokens=w.kv_capacity_tokens,
+                            has_cuda_graphs=bool(w.graphs), self_check_report=w.self_check_report)
 
     def sleep(self) -> int:
         return self.worker.sleep()
 
     def wake_up(self) -> None:
         self.worker.wake_up()
-
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
 
     @property
     def model(self) -> nn.Module:
@@ -51,14 +44,6 @@ class InProcessExecutor(Executor):
 
     def verify_graph_pointers(self) -> None:
         self.worker.verify_graph_pointers()
-
-    @property
-    def has_cuda_graphs(self) -> bool:
-        return bool(self.worker.graphs)
-
-    @property
-    def self_check_report(self) -> dict | None:
-        return self.worker.self_check_report
 
     @property
     def step_timings(self) -> dict[str, float] | None:

@@ -230,7 +230,7 @@ class Gate:
                             f"{freed / 2 ** 30:.1f} GiB released"))
         if "update" in wanted:
             t0 = time.perf_counter()
-            g = torch.Generator(device=llm.llm_engine.executor.device).manual_seed(7)
+            g = torch.Generator(device=llm.llm_engine.executor.info.device).manual_seed(7)
             state = llm.llm_engine.executor.model.hf_state_dict()
             new = {k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g, device=v.device))).to(v.dtype)
                    for k, v in state.items()}

@@ -155,7 +155,7 @@ def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, b
             raise ValueError(f"weight broadcast failed: {type(err).__name__}: {err}") from err
         if error is None:
             try:
-                update.load(_to_device(bucket, engine.executor.device), retain=False)
+                update.load(_to_device(bucket, engine.executor.info.device), retain=False)
             except Exception as err:  # noqa: BLE001 -- keep receiving to stay in step, then report
                 error = err
     version = None

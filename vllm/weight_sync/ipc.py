@@ -257,7 +257,7 @@ def apply_ipc_update(engine, message: list, *, contract=None, require_complete: 
         raise ValueError("an IPC update is a non-empty list of buckets")
     if getattr(engine, "ipc_buffers", None) is None:
         engine.ipc_buffers = OpenedCudaBuffers()
-    opened = open_buckets(message, engine.executor.device, engine.ipc_buffers)
+    opened = open_buckets(message, engine.executor.info.device, engine.ipc_buffers)
     try:
         update = WeightUpdate(engine, contract=contract, require_complete=require_complete, check_finite=check_finite)
         for o in opened:

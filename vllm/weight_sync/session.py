@@ -251,7 +251,7 @@ class WeightUpdate:
     def _copy(self, plan) -> None:
         if not plan:
             return
-        dev = self.engine.executor.device
+        dev = self.engine.executor.info.device
         if any(s.is_cuda and s.device != dev for _, s in plan) or (dev.type == "cuda" and any(s.is_cuda for _, s in plan)):
             torch.cuda.synchronize()  # the sender may have written the sources on another stream
         with torch.no_grad():
@@ -313,8 +313,8 @@ class WeightUpdate:
                 for d, b in undo:
                     if isinstance(d, QuantizedRows):
                         d.restore(b)
-            if eng.executor.device.type == "cuda":
-                torch.cuda.synchronize(eng.executor.device)
+            if eng.executor.info.device.type == "cuda":
+                torch.cuda.synchronize(eng.executor.info.device)
         eng.weight_error = f"weight update failed, previous weights kept (version {eng.weight_version}): {reason}"
         logger.warning(eng.weight_error)
         if not self._was_paused and not getattr(eng, "weights_torn", False):
