@@ -106,7 +106,7 @@ def test_engine_reads_fp8_cache_through_the_model_dtype_copy():
     shape = (5, bs, H, D)
     kc, vc = torch.zeros(shape, dtype=fp8.FP8_DTYPE), torch.zeros(shape, dtype=fp8.FP8_DTYPE)
     ks, vs = torch.ones(shape[:3]), torch.ones(shape[:3])
-    fp8_backend = PagedAttentionBackend([kc], [vc], [ks], [vs], (torch.zeros(shape), torch.zeros(shape)))
+    fp8_backend = PagedAttentionBackend([kc], [vc], [ks], [vs], [(torch.zeros(shape), torch.zeros(shape))])
     plain = PagedAttentionBackend([torch.zeros(shape)], [torch.zeros(shape)])
     table = torch.tensor([[3, 1, 4]], dtype=torch.int32)
     md = AttentionMetadata(slot_mapping=(table[0, torch.arange(T) // bs] * bs + torch.arange(T) % bs).long(),
@@ -190,12 +190,13 @@ def test_capacity_and_contract(tiny_qwen3):
     llm = _make(tiny_qwen3, cpu_kv_cache_bytes=1 << 20)
     ref = _make(tiny_qwen3, cpu_kv_cache_bytes=1 << 20, kv_cache_dtype="auto")
     r8, r32 = llm.llm_engine.executor.worker, ref.llm_engine.executor.worker
-    assert r8.k_caches[0].dtype == torch.float8_e4m3fn and r8.k_scales[0].dtype == torch.float32
+    assert r8.kv_cache.k[0].dtype == torch.float8_e4m3fn and r8.kv_cache.k_scales[0].dtype == torch.float32
     # float32 model dtype on CPU; at 2 layers the one-layer float32 read copy weighs as much
     # as the FP8 layers themselves, so the gain is smaller than at real depths (above)
     assert r8.kv_capacity_tokens > r32.kv_capacity_tokens
     assert r8.kv_capacity_tokens == (1 << 20) // r8.kv_bytes_per_block() * r8.block_size
-    assert r8.kv_dequant[0].dtype == torch.float32 and r8.kv_dequant[0].shape == r8.k_caches[0].shape
+    (copy, _), = r8.kv_cache.dequant.values()  # one layer shape: one read copy
+    assert copy.dtype == torch.float32 and copy.shape == r8.kv_cache.k[0].shape
     c8, c32 = llm.execution_contract(), ref.execution_contract()
     rule = c8.numerical["kv_cache_dtype"]
     assert rule["dtype"] == "float8_e4m3fn" and "per token per kv head" in rule["scale"]

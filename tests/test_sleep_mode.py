@@ -28,10 +28,10 @@ def test_sleep_wake_same_bits_cpu(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enable_sleep_mode=True, cpu_kv_cache_bytes=4 << 20)
     before = _run(llm)
     runner = llm.llm_engine.executor.worker
-    nbytes = sum(c.untyped_storage().nbytes() for c in runner.k_caches + runner.v_caches)
+    nbytes = sum(c.untyped_storage().nbytes() for c in runner.kv_cache.k + runner.kv_cache.v)
     freed = llm.sleep()
     assert freed == nbytes > 0
-    assert all(c.untyped_storage().nbytes() == 0 for c in runner.k_caches + runner.v_caches)
+    assert all(c.untyped_storage().nbytes() == 0 for c in runner.kv_cache.k + runner.kv_cache.v)
     assert llm.llm_engine.is_sleeping()
     with pytest.raises(ValueError, match="asleep"):
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -75,10 +75,10 @@ def test_sleep_wake_same_bits_gpu_graphs(gpu_model):
     llm = LLM(gpu_model, device="cuda", numerics="invariant", enable_sleep_mode=True, gpu_memory_utilization=0.3,
               cuda_graph_batch_sizes=[1, 2, 4, 8])
     runner = llm.llm_engine.executor.worker
-    assert runner._kv_region is not None, "sleep mode on CUDA should place the KV cache in a driver VMM region"
+    assert runner.kv_cache.region is not None, "sleep mode on CUDA should place the KV cache in a driver VMM region"
     assert runner.graphs, "the test needs captured CUDA graphs"
     before = _run(llm)
-    ptrs = [c.data_ptr() for c in runner.k_caches + runner.v_caches]
+    ptrs = [c.data_ptr() for c in runner.kv_cache.k + runner.kv_cache.v]
     graphs = dict(runner.graphs)
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
@@ -92,7 +92,7 @@ def test_sleep_wake_same_bits_gpu_graphs(gpu_model):
     scratch.fill_(7)
     del scratch
     llm.wake_up()
-    assert [c.data_ptr() for c in runner.k_caches + runner.v_caches] == ptrs
+    assert [c.data_ptr() for c in runner.kv_cache.k + runner.kv_cache.v] == ptrs
     assert runner.graphs == graphs and all(runner.graphs[k] is graphs[k] for k in graphs)
     after = _run(llm)
     assert _same_bits(before, after)
@@ -110,7 +110,7 @@ def test_sleep_wake_without_vmm_recaptures_gpu(gpu_model, monkeypatch):
     llm = LLM(gpu_model, device="cuda", numerics="invariant", enable_sleep_mode=True, gpu_memory_utilization=0.3,
               cuda_graph_batch_sizes=[1, 2, 4, 8])
     runner = llm.llm_engine.executor.worker
-    assert runner._kv_region is None
+    assert runner.kv_cache.region is None
     before = _run(llm)
     assert llm.sleep() > 0
     llm.wake_up()

@@ -31,14 +31,14 @@ class AttentionMetadata:
 class PagedAttentionBackend:
     """`k_scales`/`v_scales`: None for a cache in the model dtype; for an FP8 cache, each
     layer's float32 scales [blocks, block_size, kv heads] next to its float8_e4m3fn payload,
-    and `dequant`: the (k, v) model-dtype copy [blocks, block_size, kv heads, head_dim] that
-    every layer's read goes through. Every read -- prefill, chunked prefill, decode --
+    and `dequant`: per layer the (k, v) model-dtype copy [blocks, block_size, kv heads,
+    head_dim] its read goes through (layers of one shape share one copy). Every read -- prefill, chunked prefill, decode --
     dequantizes the blocks the step uses into that copy and runs the model-dtype attention
     on it, the kernel the trainer runs on its round-tripped K/V (docs/fp8.md)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
-                 dequant: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 dequant: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         if (k_scales is None) != (dequant is None):
             raise ValueError("an FP8 cache needs its scales and a model-dtype dequantization copy")
         self.k_caches, self.v_caches = k_caches, v_caches
@@ -56,7 +56,7 @@ class PagedAttentionBackend:
                                  fresh_kv=(k, v) if md.fresh_prefill else None)
         ks, vs = self.k_scales[layer_idx], self.v_scales[layer_idx]
         ops.kv_cache_write_fp8(k, v, kc, vc, ks, vs, md.slot_mapping)
-        kd, vd = self.dequant
+        kd, vd = self.dequant[layer_idx]
         ops.kv_cache_dequant_fp8(kc, vc, ks, vs, kd, vd, md.block_table, md.seq_lens, md.max_seq_len)
         # a kernel on the step's own K/V must see what the cache returns: the round trip
         fresh = (ops.kv_round_trip(k), ops.kv_round_trip(v)) if md.fresh_prefill else None

@@ -22,7 +22,8 @@ from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
 from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
-from vllm.worker.attention_backend import AttentionMetadata, PagedAttentionBackend
+from vllm.worker.attention_backend import AttentionMetadata
+from vllm.worker.kv_cache import PagedKVCache, bytes_per_block, cache_specs
 from vllm.worker.kv_format import KVFormat
 from vllm.worker.graph_pointers import GraphPointerTable
 
@@ -73,14 +74,13 @@ class ModelRunner:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler = Sampler(fused_gumbel=config.kernels.fused_gumbel)
+        self.kv_specs = cache_specs(self.model)  # what the model's layers declare
         self.num_blocks = self._decide_num_blocks()
         # sleep mode on CUDA: the caches live in one driver VMM region, so waking maps new
         # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
-        self._kv_region = None
-        self.sleeping = False
-        (self.k_caches, self.v_caches, self.k_scales, self.v_scales,
-         self.kv_dequant) = self._allocate_kv_caches(self.model.config)
-        self.attn = PagedAttentionBackend(self.k_caches, self.v_caches, self.k_scales, self.v_scales, self.kv_dequant)
+        self.kv_cache = PagedKVCache.allocate(self.kv_specs, self.kv_format, self.num_blocks, self.block_size,
+                                              self.device, vmm=config.cache.enable_sleep_mode)
+        self.attn = self.kv_cache.backend()
         logger.info("KV cache: %s, %d blocks x %d = %d tokens (%.1f KiB per token over all layers)",
                     "fp8 e4m3 + fp32 scale per token per head" if self.kv_format.fp8 else str(self.dtype),
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -101,9 +101,7 @@ class ModelRunner:
 
     # ---- memory ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.model.config
-        return self.kv_format.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
-                                              mc.head_dim)
+        return bytes_per_block(self.kv_specs, self.kv_format, self.block_size)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -126,19 +124,10 @@ class ModelRunner:
         # Peak activation memory of the largest step the scheduler may build, measured
         # by running it once against a tiny dummy cache.
         torch.cuda.synchronize()
-        mc = self.model.config
         n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        dummy_shape = (1 + -(-n_tok // self.block_size), self.block_size, mc.num_key_value_heads, mc.head_dim)
-        kvd = self.kv_format.dtype
-        kc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
-        vc = [torch.zeros(dummy_shape, dtype=kvd, device=self.device) for _ in range(mc.num_hidden_layers)]
-        ks = vs = dq = None
-        if self.kv_format.fp8:
-            ks = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
-            vs = [torch.ones(dummy_shape[:3], dtype=torch.float32, device=self.device) for _ in kc]
-            dq = tuple(torch.zeros(dummy_shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        backend = PagedAttentionBackend(kc, vc, ks, vs, dq)
-        nb = dummy_shape[0] - 1
+        nb = -(-n_tok // self.block_size)  # the step's blocks, after the null block
+        dummy = PagedKVCache.allocate(self.kv_specs, self.kv_format, 1 + nb, self.block_size, self.device)
+        backend = dummy.backend()
         backend.metadata = AttentionMetadata(
             slot_mapping=torch.arange(self.block_size, self.block_size + n_tok, device=self.device),
             block_table=torch.arange(1, nb + 1, dtype=torch.int32, device=self.device)[None],
@@ -153,7 +142,7 @@ class ModelRunner:
         # This engine's own peak: weights + the largest step's activations (other
         # engines in the process, e.g. a trainer, are not ours to count).
         own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load
-        del kc, vc, ks, vs, dq, backend, h
+        del dummy, backend, h
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         weights = torch.cuda.memory_allocated() - self._mem_before_load
@@ -163,113 +152,25 @@ class ModelRunner:
         budget = min(budget, free - (own_peak - weights)) - (2 << 30)
         return int(budget // self.kv_bytes_per_block())
 
-    def _allocate_kv_caches(self, mc):
-        """(k caches, v caches, k scales, v scales, (k, v) dequantization copy); the scale lists
-        and the copy are None unless the cache is FP8."""
-        n = mc.num_hidden_layers
-        if self.config.cache.enable_sleep_mode and self.device.type == "cuda":
-            try:
-                return self._vmm_caches(mc)
-            except (ImportError, RuntimeError, OSError) as err:
-                # still correct, only slower to wake: the caches come back at new addresses
-                # and wake_up re-captures the CUDA graphs
-                logger.warning("sleep mode: driver VMM unavailable (%s); waking will re-capture CUDA graphs", err)
-                self._kv_region = None
-        kc, vc = [self._new_cache(mc) for _ in range(n)], [self._new_cache(mc) for _ in range(n)]
-        if not self.kv_format.fp8:
-            return kc, vc, None, None, None
-        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        dequant = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        return kc, vc, [self._new_scales(mc) for _ in range(n)], [self._new_scales(mc) for _ in range(n)], dequant
-
-    def _vmm_caches(self, mc):
-        from vllm.worker.cuda_vmm import VirtualMemoryRegion
-
-        nb, bs, h, d = self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim
-        fmt = self.kv_format
-        align = lambda x: -(-x // 256) * 256  # each tensor 256-byte aligned
-        pieces = [(fmt.payload_bytes(nb, bs, h, d), fmt.dtype, (nb, bs, h, d))]
-        if fmt.fp8:
-            pieces.append((fmt.scale_bytes(nb, bs, h), torch.float32, (nb, bs, h)))
-        layer_bytes = sum(align(b) for b, _, _ in pieces)
-        copy_bytes = align(fmt.dequant_bytes(nb, bs, h, d))  # the FP8 read copy, after the layers
-        self._kv_region = VirtualMemoryRegion(2 * mc.num_hidden_layers * layer_bytes + 2 * copy_bytes, self.device)
-        raw = self._kv_region.as_tensor()
-        caches, scales = [], []
-        for i in range(2 * mc.num_hidden_layers):
-            off = i * layer_bytes
-            for j, (nbytes, dt, shape) in enumerate(pieces):
-                (caches if j == 0 else scales).append(raw[off:off + nbytes].view(dt).view(shape))
-                off += align(nbytes)
-        raw.zero_()
-        if fmt.fp8:
-            for s in scales:
-                s.fill_(1.0)
-            base = 2 * mc.num_hidden_layers * layer_bytes
-            nbytes = fmt.dequant_bytes(nb, bs, h, d)
-            dequant = tuple(raw[base + i * copy_bytes:base + i * copy_bytes + nbytes].view(self.dtype).view(nb, bs, h, d)
-                            for i in range(2))
-            return caches[0::2], caches[1::2], scales[0::2], scales[1::2], dequant
-        return caches[0::2], caches[1::2], None, None, None
-
-    def _all_kv_tensors(self) -> list[torch.Tensor]:
-        return self.k_caches + self.v_caches + (self.k_scales or []) + (self.v_scales or []) + list(self.kv_dequant or ())
-
     # ---- sleep mode -------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self.kv_cache.sleeping
+
     def kv_cache_bytes(self) -> int:
-        if self._kv_region is not None:
-            return self._kv_region.size
-        return sum(c.untyped_storage().nbytes() for c in self._all_kv_tensors())
+        return self.kv_cache.nbytes()
 
     def sleep(self) -> int:
         """Release the KV cache's memory; returns the bytes released. The cache tensors
         keep their shapes; their contents are gone (the engine drops its prefix cache)."""
-        if self.sleeping:
-            return 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        freed = self.kv_cache_bytes()
-        if self._kv_region is not None:
-            self._kv_region.unmap()
-        else:
-            for c in self._all_kv_tensors():
-                c.untyped_storage().resize_(0)
-        self.sleeping = True
-        return freed
+        return self.kv_cache.release()
 
     def wake_up(self) -> None:
         """Take the KV cache's memory back, zero-filled as at start-up. With the VMM region
         the addresses are unchanged, so the captured graphs are replayed as they are."""
-        if not self.sleeping:
-            return
-        if self._kv_region is not None:
-            torch.cuda.empty_cache()  # blocks the trainer freed go back to the driver first
-            self._kv_region.map()
-            self._kv_region.as_tensor().zero_()
-            for s in (self.k_scales or []) + (self.v_scales or []):
-                s.fill_(1.0)
-        else:
-            for c in self._all_kv_tensors():
-                c.untyped_storage().resize_(c.numel() * c.element_size())
-            for c in self.k_caches + self.v_caches:
-                c.zero_()
-            for s in (self.k_scales or []) + (self.v_scales or []):
-                s.fill_(1.0)
-            if self.graphs:
-                self.graphs.clear()
-                self._capture_graphs()  # the old graphs point at the freed addresses
-        self.sleeping = False
-
-    def _new_cache(self, mc) -> torch.Tensor:
-        """One layer's K or V cache: [blocks, block_size, kv heads, head_dim], contiguous."""
-        return torch.zeros((self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim),
-                           dtype=self.kv_format.dtype, device=self.device)
-
-    def _new_scales(self, mc) -> torch.Tensor:
-        """One layer's K or V scales of an FP8 cache: [blocks, block_size, kv heads] float32
-        (1.0 where nothing was written: unwritten slots dequantize to 0, never NaN)."""
-        return torch.ones((self.num_blocks, self.block_size, mc.num_key_value_heads),
-                          dtype=torch.float32, device=self.device)
+        if self.kv_cache.restore() and self.graphs:
+            self.graphs.clear()
+            self._capture_graphs()  # the old graphs point at the freed addresses
 
     def _mark(self, phase: str | None) -> None:
         if not self.profile:
@@ -473,9 +374,7 @@ class ModelRunner:
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a captured graph reads: parameters, KV caches, input/output workspaces."""
         out = {f"param:{n}": p for n, p in self.model.named_parameters()}
-        out.update({f"kv:k{i}": c for i, c in enumerate(self.k_caches)})
-        out.update({f"kv:v{i}": c for i, c in enumerate(self.v_caches)})
-        out.update({f"kv:dequant_{n}": c for n, c in zip("kv", self.kv_dequant or ())})
+        out.update(self.kv_cache.graph_tensors())
         for name in ("g_input_ids", "g_positions", "g_slots", "g_table", "g_cu", "g_seq_lens", "g_hidden"):
             t = getattr(self, name, None)
             if t is not None:
