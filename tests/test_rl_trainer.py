@@ -7,6 +7,7 @@ import json
 import os
 import random
 import sys
+import threading
 
 import pytest
 import torch
@@ -74,9 +75,21 @@ def test_invariant_run_has_zero_mismatch_every_step(tiny_qwen3, rl_files, tmp_pa
     assert state["step"] == 3 and state["weight_version"] == 3 and state["data"]["consumed"] == 9
 
 
-def test_resume_is_bit_exact(tiny_qwen3, rl_files, tmp_path):
+def test_resume_is_bit_exact(tiny_qwen3, rl_files, tmp_path, monkeypatch):
     """Steps 1-3 in one go vs steps 1-2, a checkpoint, a fresh process state, step 3:
-    the same rollouts, rollout and trainer logprobs, and updated weights, bit for bit."""
+    the same rollouts, rollout and trainer logprobs, and updated weights, bit for bit. The
+    checkpoint is written in the background while step 3 runs (held back until step 3 has
+    changed the weights), so it must hold the snapshot of step 2, not live tensors."""
+    from vllm.rl import checkpoint as ck
+
+    started, release = threading.Event(), threading.Event()
+    write = ck.CheckpointSnapshot.write
+
+    def held_write(self, path):
+        started.set()
+        release.wait(30)
+        return write(self, path)
+    monkeypatch.setattr(ck.CheckpointSnapshot, "write", held_write)
     cfg = _config(tiny_qwen3, rl_files, tmp_path / "a", checkpoint_interval=2)
     a = Trainer(cfg)
     results = []
@@ -85,6 +98,9 @@ def test_resume_is_bit_exact(tiny_qwen3, rl_files, tmp_path):
         if a.step_count == 2:
             a.save()
             before = [p.detach().clone() for p in a.params]
+            assert started.wait(30)
+    release.set()
+    a.checkpoints.wait()
     weights_a = [p.detach().clone() for p in a.params]
     assert any(not torch.equal(x, y) for x, y in zip(before, weights_a)), "step 3 must change the weights"
     # other RNG use between the runs must not matter

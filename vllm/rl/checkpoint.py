@@ -11,15 +11,22 @@ OUTPUT_DIR/checkpoints/step_000010/
 OUTPUT_DIR/checkpoints/latest   name of the newest complete checkpoint
 
 A checkpoint is written to a temporary directory and renamed when complete, so an
-interrupted save never leaves a half checkpoint behind `latest`.
+interrupted save never leaves a half checkpoint behind `latest`. Saving is two steps:
+`snapshot_checkpoint` copies everything to host memory at the step boundary (that is what a
+resume restores, bit for bit), and `CheckpointSnapshot.write` puts it on disk, after checking
+that the disk has room for it (an OSError naming the directory and the bytes needed, before
+anything is written). `CheckpointWriter` runs the writes in a background thread, one at a
+time, so training goes on while the last checkpoint is written.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,33 +61,144 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str, *, trainer_state: dict, policy, optimizer: torch.optim.Optimizer,
-                    master_weights: list[torch.Tensor] | None, reference: dict | None, config_yaml: str,
-                    contract_json: str) -> str:
-    tmp = path + ".tmp"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    policy.save_pretrained(os.path.join(tmp, "model"))
-    torch.save({"optimizer": optimizer.state_dict(),
-                "master_weights": [m.detach().cpu() for m in master_weights] if master_weights is not None else None,
-                "reference": {k: v.detach().cpu() for k, v in reference.items()} if reference is not None else None},
-               os.path.join(tmp, "training_state.pt"))
-    torch.save(rng_state(), os.path.join(tmp, "rng.pt"))
-    with open(os.path.join(tmp, STATE_FILE), "w") as f:
-        json.dump(trainer_state, f, indent=2)
-    with open(os.path.join(tmp, "config.yaml"), "w") as f:
-        f.write(config_yaml)
-    with open(os.path.join(tmp, "contract.json"), "w") as f:
-        f.write(contract_json)
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    latest = os.path.join(os.path.dirname(path), "latest")
-    with open(latest + ".tmp", "w") as f:
-        f.write(os.path.basename(path) + "\n")
-    os.replace(latest + ".tmp", latest)
-    return path
+def _host_copy(obj):
+    """A copy of obj with every tensor copied to host memory (never a view of a live tensor:
+    training goes on while the copy is written)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
+
+
+def _tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+# besides the tensors: json, yaml, the tokenizer files and the formats' own overhead
+_SLACK_BYTES = 64 << 20
+
+
+@dataclass
+class CheckpointSnapshot:
+    """Everything a checkpoint holds, in host memory."""
+    model_config: dict
+    model_files: list[str]  # files copied from the model's source directory (tokenizer, ...)
+    hf_tensors: dict[str, torch.Tensor]
+    training_state: dict
+    rng: dict
+    trainer_state: dict
+    config_yaml: str
+    contract_json: str
+    extra_files: dict[str, str] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes the checkpoint needs on disk, roughly (tensors plus a fixed slack)."""
+        files = sum(os.path.getsize(f) for f in self.model_files if os.path.isfile(f))
+        return _tensor_bytes(self.hf_tensors) + _tensor_bytes(self.training_state) + files + _SLACK_BYTES
+
+    def write(self, path: str) -> str:
+        """Write to path + '.tmp', rename to path, then point `latest` at it. Refused with an
+        OSError (ENOSPC) naming the directory and the bytes needed when the disk lacks room;
+        a failure while writing removes the partial directory and says where it happened."""
+        from safetensors.torch import save_file
+
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = path + ".tmp"
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        need, free = self.nbytes(), shutil.disk_usage(parent).free
+        if free < need:
+            raise OSError(errno.ENOSPC, f"checkpoint {path}: needs about {need / 2 ** 30:.2f} GiB "
+                                        f"({need} bytes), {parent} has {free / 2 ** 30:.2f} GiB free")
+        try:
+            model_dir = os.path.join(tmp, "model")
+            os.makedirs(model_dir)
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(self.model_config, f, indent=2)
+            save_file(self.hf_tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+            for src in self.model_files:
+                shutil.copy(src, os.path.join(model_dir, os.path.basename(src)))
+            torch.save(self.training_state, os.path.join(tmp, "training_state.pt"))
+            torch.save(self.rng, os.path.join(tmp, "rng.pt"))
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(self.trainer_state, f, indent=2)
+            texts = {"config.yaml": self.config_yaml, "contract.json": self.contract_json, **self.extra_files}
+            for name, text in texts.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(getattr(err, "errno", None) or errno.EIO,
+                          f"checkpoint {path}: writing failed ({type(err).__name__}: {err}); "
+                          f"{free / 2 ** 30:.2f} GiB were free in {parent}, about {need / 2 ** 30:.2f} GiB needed") from err
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        latest = os.path.join(parent, "latest")
+        with open(latest + ".tmp", "w") as f:
+            f.write(os.path.basename(path) + "\n")
+        os.replace(latest + ".tmp", latest)
+        return path
+
+
+def snapshot_checkpoint(*, trainer_state: dict, policy, optimizer: torch.optim.Optimizer,
+                        master_weights: list[torch.Tensor] | None, reference: dict | None, config_yaml: str,
+                        contract_json: str) -> CheckpointSnapshot:
+    """Copy the state a resume needs to host memory, now (the step boundary)."""
+    src = policy.model_config.path
+    files = [os.path.join(src, n) for n in policy.TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    training_state = {"optimizer": _host_copy(optimizer.state_dict()),
+                      "master_weights": _host_copy(list(master_weights)) if master_weights is not None else None,
+                      "reference": _host_copy(dict(reference)) if reference is not None else None}
+    hf = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in policy.model.hf_state_dict().items()}
+    return CheckpointSnapshot(policy.hf_config(), files, hf, training_state, rng_state(), json.loads(json.dumps(trainer_state)),
+                              config_yaml, contract_json)
+
+
+class CheckpointWriter:
+    """Writes snapshots in a background thread, one at a time. `submit` first waits for the
+    previous write; an error of a background write is raised by the next `submit` or by
+    `wait`, so it can never pass unseen. `background=False` writes in the caller's thread."""
+
+    def __init__(self, background: bool = True):
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: str | None = None
+
+    def submit(self, snapshot: CheckpointSnapshot, path: str) -> str:
+        self.wait()
+        if not self.background:
+            self.last_path = snapshot.write(path)
+            return path
+
+        def run():
+            try:
+                self.last_path = snapshot.write(path)
+            except BaseException as err:  # noqa: BLE001 -- handed to the training thread by wait()
+                self._error = err
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
+        self._thread.start()
+        return path
+
+    def wait(self) -> None:
+        """Block until the pending write is on disk; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
 
 def find_checkpoint(resume: str, output_dir: str) -> str:

@@ -118,6 +118,8 @@ class RunSection:
     seed: int = _knob(0, "seed of data order and rollout sampling")
     eval_interval: int = _knob(0, "evaluate (greedy) every N steps, before the first and after the last (0: off)")
     checkpoint_interval: int = _knob(0, "save a checkpoint every N steps (0: only at the end)")
+    checkpoint_background: bool = _knob(True, "write checkpoints in a background thread while training goes on "
+                                              "(the state is copied to host memory at the step first)")
     output_dir: str = _knob("runs/rl", "metrics.jsonl, TensorBoard logs, plots and checkpoints go here")
     resume: str | None = _knob(None, "continue bit-exactly from a checkpoint: 'latest' (in --output-dir), a "
                                      "checkpoint directory or a run's output directory")

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from vllm.rl import losses
-from vllm.rl.checkpoint import Checkpoint, checkpoint_path, find_checkpoint, save_checkpoint, set_rng_state
+from vllm.rl.checkpoint import (Checkpoint, CheckpointWriter, checkpoint_path, find_checkpoint, set_rng_state,
+                                 snapshot_checkpoint)
 from vllm.rl.config import SECTIONS, TrainConfig
 from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
 from vllm.rl.metrics import MetricsLogger, summary_line
@@ -35,7 +36,8 @@ from vllm.rl.rewards import build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
 
 # knobs that may differ between a run and its resumption without changing its bits
-RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval", "output_dir", "resume", "overwrite",
+RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval",
+                     "checkpoint_background", "output_dir", "resume", "overwrite",
                      "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch"}
 
 
@@ -125,6 +127,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.master if self.master is not None else self.params, lr=o.lr,
                                            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                            weight_decay=o.weight_decay)
+        self.checkpoints = CheckpointWriter(background=cfg.run.checkpoint_background)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._frozen_copy()
@@ -459,6 +462,10 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> str:
+        """Checkpoint this step: the state is copied to host memory now (what a resume
+        restores) and written by the checkpoint writer, in the background unless
+        `run.checkpoint_background` is off. Returns the checkpoint's path; `self.checkpoints.wait()`
+        blocks until it is on disk."""
         cfg = self.cfg
         state = {
             "step": self.step_count, "weight_version": self.weight_version, "data": self.sampler.state_dict(),
@@ -466,10 +473,11 @@ class Trainer:
             "numerics": cfg.model.numerics,
         }
         reference = self.reference.model.state_dict() if self.reference is not None else None
-        return save_checkpoint(checkpoint_path(self.output_dir, self.step_count), trainer_state=state,
-                               policy=self.policy, optimizer=self.optimizer, master_weights=self.master,
-                               reference=reference, config_yaml=self.raw_config.to_yaml(),
-                               contract_json=self.client.execution_contract().to_json())
+        snap = snapshot_checkpoint(trainer_state=state, policy=self.policy, optimizer=self.optimizer,
+                                   master_weights=self.master, reference=reference,
+                                   config_yaml=self.raw_config.to_yaml(),
+                                   contract_json=self.client.execution_contract().to_json())
+        return self.checkpoints.submit(snap, checkpoint_path(self.output_dir, self.step_count))
 
     def config_changes_since(self, ckpt: Checkpoint) -> list[str]:
         saved = TrainConfig.from_dict(_yaml_load(ckpt.config_yaml)).resolved().flat()
@@ -540,10 +548,15 @@ class Trainer:
                 if (cfg.run.checkpoint_interval > 0 and s % cfg.run.checkpoint_interval == 0) or s == cfg.run.steps:
                     path = self.save()
                     log.write(f"checkpoint: {path}")
+            self.checkpoints.wait()  # the last checkpoint is on disk before the run reports done
             done = summary_line(records, time.perf_counter() - t_start)
             if done is not None:
                 log.write(done)
         finally:
+            try:
+                self.checkpoints.wait()  # never leave a write running behind an error
+            except OSError as err:
+                log.write(f"checkpoint write failed: {err}")
             plots = log.close(plots=cfg.run.plots)
             if hasattr(self.client, "close"):
                 self.client.close()

@@ -191,6 +191,17 @@ class Policy:
             results[i] = part
 
     # ---- checkpoints -------------------------------------------------------------------
+    # files of the source checkpoint that a saved one carries along
+    TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "vocab.json", "merges.txt")
+
+    def hf_config(self) -> dict:
+        """The source checkpoint's config.json with this policy's dtype (what a saved one holds)."""
+        with open(os.path.join(self.model_config.path, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["torch_dtype"] = cfg["dtype"] = str(self.dtype).replace("torch.", "")
+        return cfg
+
     def save_pretrained(self, save_dir: str) -> None:
         """An HF-format checkpoint (config, safetensors with HF names, tokenizer) that
         transformers and upstream vLLM load."""
@@ -198,15 +209,11 @@ class Policy:
 
         os.makedirs(save_dir, exist_ok=True)
         src = self.model_config.path
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["torch_dtype"] = cfg["dtype"] = str(self.dtype).replace("torch.", "")
         with open(os.path.join(save_dir, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+            json.dump(self.hf_config(), f, indent=2)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.model.hf_state_dict().items()}
         save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
-        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "vocab.json", "merges.txt"):
+        for name in self.TOKENIZER_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy(os.path.join(src, name), os.path.join(save_dir, name))
 
