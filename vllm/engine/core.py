@@ -28,7 +28,6 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from vllm.core.request import RequestStatus
 from vllm.engine.core_messages import (
     AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestFailure, StopChild,
     UtilityCall, UtilityResult,
@@ -46,8 +45,6 @@ class EngineCore:
     def __init__(self, engine):
         self.engine = engine
         self._deltas: list[tuple] = []   # RequestDelta fields
-        # request id -> tokens already reported, per sample
-        self._sent: dict[str, list[int]] = {}
         self._utility: list[UtilityResult] = []
         self._failures: list[RequestFailure] = []
         self._stop = False
@@ -57,22 +54,9 @@ class EngineCore:
 
     # ---- outputs ------------------------------------------------------------------------
     def _build_deltas(self, group, finished: bool) -> None:
-        """LLMEngine output builder: the new token ids (and logprobs) of each sample."""
-        sent = self._sent.setdefault(group.request_id, [0] * len(group.children))
-        for i, req in enumerate(group.children):
-            n = len(req.output_token_ids)
-            fin = group.finish[i]
-            start = sent[i]
-            if start < 0 or (n == start and fin is None):
-                continue  # its finish was already reported, or nothing new
-            lps = req.logprobs[start:n] if group.params.logprobs is not None else None
-            # a plain tuple in RequestDelta's field order (see core_messages)
-            self._deltas.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
-                                 req.stop_reason if fin is not None else None,
-                                 list(group.weight_versions[i]), max(0, req.num_cached_tokens)))
-            sent[i] = -1 if fin is not None else n
-        if finished:
-            self._sent.pop(group.request_id, None)
+        """LLMEngine output builder: the new token ids (and logprobs) of each sample, for the
+        client's RequestState (the same deltas an offline engine feeds its own)."""
+        self._deltas.extend(self.engine.deltas(group))
 
     def _stats(self) -> EngineStats:
         eng = self.engine
@@ -98,11 +82,8 @@ class EngineCore:
                 self._failures.append(RequestFailure([msg.request_id], str(err), True))
         elif isinstance(msg, AbortRequest):
             eng.abort_request(msg.request_id)
-            self._sent.pop(msg.request_id, None)
         elif isinstance(msg, StopChild):
             eng.stop_child(msg.request_id, msg.index, msg.stop_reason)
-            if msg.request_id not in eng._groups:
-                self._sent.pop(msg.request_id, None)
         elif isinstance(msg, UtilityCall):
             try:
                 fn = getattr(self, f"utility_{msg.method}", None)
@@ -129,7 +110,6 @@ class EngineCore:
                     eng.abort_request(rid)
                 except Exception:  # noqa: BLE001
                     logger.exception("abort of %s failed", rid)
-                self._sent.pop(rid, None)
             eng._inflight = None
             self._failures.append(RequestFailure(ids, f"engine step failed: {type(err).__name__}: {err}", False))
 

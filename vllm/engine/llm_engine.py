@@ -17,10 +17,12 @@ from vllm.config import EngineConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
-from vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm.sampling_params import SamplingParams
-from vllm.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+from vllm.engine.core_messages import RequestDelta
+from vllm.engine.output_processor import RequestState
 from vllm.executor import InProcessExecutor
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +43,18 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[Request]
-    detoks: list[IncrementalDetokenizer | None]
-    texts: list[str]
     finish: list[str | None]
     # stream=True: step() also returns this group's unfinished outputs (text so far)
     # each step it advances, for servers that stream tokens as they are sampled.
     stream: bool = False
-    # Per child, the logprob dicts already built: a streamed request's output is
-    # rebuilt every step, and re-decoding every past token each time would be quadratic.
-    lp_cache: list[list[dict[int, Logprob]]] | None = None
     # Per child, the weight versions its tokens (prompt KV included) were computed
     # under: one entry unless weights changed while it was running (paused update).
     weight_versions: list[list[int]] | None = None
+    # Per child, the output tokens already turned into deltas (-1 once its finish was).
+    sent: list[int] | None = None
+    # Offline: the output side of the request (detokenization, stop strings, logprob
+    # entries), the same RequestState a served request has in its API server.
+    state: RequestState | None = None
 
 
 def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
@@ -146,10 +148,10 @@ class LLMEngine:
                           self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i)
             leader = leader or req
             children.append(req)
-        group = _Group(request_id, text, ids, params, children,
-                       [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None for _ in children],
-                       ["" for _ in children], [None for _ in children], stream=stream,
-                       lp_cache=[[] for _ in children], weight_versions=[[self.weight_version] for _ in children])
+        group = _Group(request_id, text, ids, params, children, [None for _ in children], stream=stream,
+                       weight_versions=[[self.weight_version] for _ in children], sent=[0 for _ in children])
+        if self.output_builder is None:
+            group.state = RequestState(request_id, text, ids, params, self.tokenizer, self._decode_one)
         self._groups[request_id] = group
         for req in children:
             self._child_to_group[req.req_id] = request_id
@@ -355,75 +357,63 @@ class LLMEngine:
         return outs
 
     def _process(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        """Detokenize, apply stop strings, and build the outputs of finished (or streamed) groups."""
+        """Turn the step's progress into deltas per sample and, offline, feed them to each
+        request's RequestState (detokenization, stop strings, outputs of finished or
+        streamed groups); a served engine hands the deltas to its output builder."""
         touched: dict[str, _Group] = {}
-        for req in updated:
+        for req in finished + updated:
             gid = self._child_to_group[req.req_id]
             group = self._groups[gid]
             touched[gid] = group
-            stop = self._detokenize(group, req)
-            if stop is not None and not req.status.finished:
-                req.stop_reason = stop
-                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
-        for req in finished + [r for r in updated if r.status.finished]:
-            gid = self._child_to_group[req.req_id]
-            group = self._groups[gid]
-            touched[gid] = group
-            if group.finish[req.index] is None:
+            if req.status.finished and group.finish[req.index] is None:
                 group.finish[req.index] = req.status.value
         outs = []
-        make_output = self.output_builder or self._make_output
         for gid, group in touched.items():
+            if group.state is not None:
+                self._apply_deltas(group)
             done = all(f is not None for f in group.finish)
+            if self.output_builder is not None:
+                self.output_builder(group, done)
+            elif done or group.stream:
+                outs.append(group.state.output())
             if done:
-                outs.append(make_output(group, True))
                 del self._groups[gid]
                 for c in group.children:
                     self._child_to_group.pop(c.req_id, None)
-            elif group.stream:
-                outs.append(make_output(group, False))
         return outs
 
-    def _detokenize(self, group: _Group, req: Request) -> str | None:
-        """Append the new token's text; returns the stop string hit, if any."""
-        detok = group.detoks[req.index]
-        if detok is None:
-            return None
-        before = len(detok.text)
-        detok.append(req.output_token_ids[-1])
-        stops = group.params.stop_strings
-        if not stops:
-            return None
-        hit = find_stop_string(detok.text, before, stops)
-        if hit is None:
-            return None
-        pos, s = hit
-        detok.text = detok.text[:pos + len(s)] if group.params.include_stop_str_in_output else detok.text[:pos]
-        return s
-
-    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
-        outs = []
+    def deltas(self, group: _Group) -> list[tuple]:
+        """What each sample of `group` gained since its last delta, as RequestDelta field
+        tuples (vllm/engine/core_messages.py); a finished sample's last delta carries its
+        finish reason, and nothing follows it."""
+        out = []
         for i, req in enumerate(group.children):
-            lps = None
-            if group.params.logprobs is not None:
-                # Output tokens are append-only (preemption recomputes KV, not tokens), so
-                # only the entries of tokens sampled since the last call need building.
-                cache = group.lp_cache[i]
-                for tok, (lp, rank, top) in zip(req.output_token_ids[len(cache):], req.logprobs[len(cache):]):
-                    entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
-                    for r, (tid, tlp) in enumerate(top, start=1):
-                        if tid not in entry:
-                            entry[tid] = Logprob(tlp, r, self._decode_one(tid))
-                    cache.append(entry)
-                lps = list(cache)
-            detok = group.detoks[i]
-            outs.append(CompletionOutput(
-                index=i, text=detok.text if detok is not None else "", token_ids=list(req.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob if group.params.logprobs is not None else None,
-                logprobs=lps, finish_reason=group.finish[i], stop_reason=req.stop_reason,
-                weight_versions=list(group.weight_versions[i])))
-        cached = max(0, group.children[0].num_cached_tokens)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, num_cached_tokens=cached)
+            n = len(req.output_token_ids)
+            fin = group.finish[i]
+            start = group.sent[i]
+            if start < 0 or (n == start and fin is None):
+                continue  # its finish was already reported, or nothing new
+            lps = req.logprobs[start:n] if group.params.logprobs is not None else None
+            out.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
+                        req.stop_reason if fin is not None else None, list(group.weight_versions[i]),
+                        max(0, req.num_cached_tokens)))
+            group.sent[i] = -1 if fin is not None else n
+        return out
+
+    def _apply_deltas(self, group: _Group) -> None:
+        """Offline: the group's deltas into its RequestState; a stop string it finds ends
+        that sample here and now (a served request's ends by StopChild)."""
+        for t in self.deltas(group):
+            d = RequestDelta._make(t)
+            stop = group.state.apply(d)
+            if stop is None:
+                continue
+            req = group.children[d.index]
+            if not req.status.finished:
+                req.stop_reason = stop
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+            group.finish[d.index] = RequestStatus.FINISHED_STOPPED.value
+            group.sent[d.index] = -1
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

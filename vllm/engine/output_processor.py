@@ -1,15 +1,17 @@
-"""The client's side of a request: token-id deltas from the engine core -> RequestOutputs.
+"""The output side of a request: token-id deltas -> RequestOutputs, for offline and served
+requests alike.
 
-The engine core sends only token ids (and raw logprobs). Here, in the API server
-process, each sample is detokenized incrementally, stop strings are applied, and
-logprob entries get their decoded text: exactly what LLMEngine does offline (same
-IncrementalDetokenizer, same stop-string search, same logprob entries, same
-summation order of cumulative_logprob), so a served request's text, token ids and
-finish reason equal the offline engine's.
+The engine turns each step's progress into per-sample deltas (`LLMEngine.deltas`: new token
+ids, raw logprobs, the finish). A RequestState detokenizes each sample incrementally,
+applies stop strings, gives logprob entries their decoded text and sums cumulative_logprob
+in token order. The offline engine feeds its own RequestStates in its process; a served
+engine sends the same deltas to its API server process (vllm/engine/core.py), whose
+RequestStates do the same work there. One pipeline, so a served request's text, token ids
+and finish reason equal the offline engine's.
 
-A stop string found here ends the sample: its token ids stop at the token that
-completed the string, and the caller tells the engine (StopChild). Tokens the
-engine sampled before that message arrived are dropped.
+A stop string found here ends the sample: its token ids stop at the token that completed
+the string. Offline the engine finishes the sample at once; a served engine hears of it by
+StopChild, and tokens it sampled before that message arrived are dropped here.
 """
 from __future__ import annotations
 
