@@ -231,3 +231,82 @@ def test_gpu_engine_process_logprob_bits_equal_offline(gpu_model):
         c = r.json()["choices"][0]
         assert c["token_ids"] == ref.token_ids
         assert c["logprobs"]["token_logprobs"] == [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
+
+
+def _long(http, max_tokens=900):
+    return http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens,
+                                              "temperature": 0, "ignore_eos": True})
+
+
+async def _until_generating(app, before: int) -> None:
+    """Until the server has received tokens beyond `before` (a request is mid-generation)."""
+    llm = app.state.serving.llm
+    for _ in range(600):
+        if llm.num_generation_tokens > before:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no token was generated")
+
+
+def test_upstream_pause_modes_abort_wait_keep(app):
+    """upstream vLLM's /pause?mode=...: abort ends the request in flight with what it has
+    (finish_reason "abort"), wait returns only once it finished and holds new requests
+    until /resume, keep freezes it; /is_paused and /get_world_size answer; a bad mode is 400."""
+    async def go():
+        async with _http(app) as http, _http(app, ADMIN_KEY) as admin:
+            res = {}
+            # abort
+            before = app.state.serving.llm.num_generation_tokens
+            task = asyncio.ensure_future(_long(http))
+            await _until_generating(app, before)
+            r = await admin.post("/pause", params={"mode": "abort"})
+            res["abort_pause"] = r.json()
+            res["abort_paused"] = (await admin.get("/is_paused")).json()
+            res["abort_out"] = (await asyncio.wait_for(task, 60)).json()
+            await admin.post("/resume")
+            # wait: the request in flight finishes first; one sent meanwhile waits for /resume
+            task = asyncio.ensure_future(_long(http, 40))
+            await asyncio.sleep(0.2)
+            pause = asyncio.ensure_future(admin.post("/pause", params={"mode": "wait", "clear_cache": "false"}))
+            await asyncio.sleep(0.1)
+            late = asyncio.ensure_future(_long(http, 5))
+            res["wait_pause"] = (await asyncio.wait_for(pause, 60)).json()
+            res["wait_first_done_before_pause"] = task.done()
+            res["wait_out"] = (await asyncio.wait_for(task, 60)).json()
+            await asyncio.sleep(0.3)
+            res["late_waiting"] = not late.done()
+            await admin.post("/resume")
+            res["late_out"] = (await asyncio.wait_for(late, 60)).json()
+            res["bad"] = await admin.post("/pause", params={"mode": "freeze"})
+            res["world"] = (await admin.get("/get_world_size")).json()
+            res["unauthorized"] = (await http.post("/pause", params={"mode": "keep"})).status_code
+            res["paused_after"] = (await admin.get("/is_paused")).json()
+            return res
+    r = _run(go())
+    assert r["abort_pause"]["paused"] is True and r["abort_paused"] == {"is_paused": True}
+    choice = r["abort_out"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < r["abort_out"]["usage"]["completion_tokens"] < 900
+    assert r["wait_pause"]["paused"] is True and r["wait_first_done_before_pause"]
+    assert r["wait_out"]["choices"][0]["finish_reason"] == "length" and r["wait_out"]["usage"]["completion_tokens"] == 40
+    assert r["late_waiting"] and r["late_out"]["usage"]["completion_tokens"] == 5
+    assert r["bad"].status_code == 400 and "pause mode" in r["bad"].json()["error"]["message"]
+    assert r["world"] == {"world_size": 1} and r["unauthorized"] == 401
+    assert r["paused_after"] == {"is_paused": False}
+
+
+def test_abort_requests_without_pausing(app):
+    async def go():
+        async with _http(app) as http, _http(app, ADMIN_KEY) as admin:
+            before = app.state.serving.llm.num_generation_tokens
+            task = asyncio.ensure_future(_long(http))
+            await _until_generating(app, before)
+            aborted = (await admin.post("/abort_requests", json={})).json()
+            out = (await asyncio.wait_for(task, 60)).json()
+            paused = (await admin.get("/is_paused")).json()
+            after = (await _long(http, 3)).json()
+            bad = await admin.post("/abort_requests", json={"request_ids": "all"})
+            return aborted, out, paused, after, bad
+    aborted, out, paused, after, bad = _run(go())
+    assert len(aborted["aborted"]) == 1 and out["choices"][0]["finish_reason"] == "abort"
+    assert paused == {"is_paused": False} and after["usage"]["completion_tokens"] == 3
+    assert bad.status_code == 400

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # While idle the loop wakes this often to check that its parent is still alive.
 _IDLE_POLL_S = 1.0
+PAUSE_MODES = ("abort", "wait", "keep")
+_DEFERRED = object()  # a utility whose answer comes later (pause(mode="wait"))
 
 
 class EngineCore:
@@ -48,6 +50,11 @@ class EngineCore:
         self._utility: list[UtilityResult] = []
         self._failures: list[RequestFailure] = []
         self._stop = False
+        # pause(mode="wait") calls answered once the requests in flight have finished:
+        # (call id, clear_cache); AddRequests that arrive meanwhile are held, then queued
+        self._pause_waiting: list[tuple[int, bool]] = []
+        self._held: list = []
+        self._call_id: int | None = None  # the utility call being handled
         self.weight_group = None      # vllm.weight_sync.group.WeightGroup once init_weight_group ran
         self.group_contract = None    # the trainer's ExecutionContract given at init
         engine.output_builder = self._build_deltas
@@ -75,7 +82,9 @@ class EngineCore:
     # ---- commands -----------------------------------------------------------------------
     def handle(self, msg) -> None:
         eng = self.engine
-        if isinstance(msg, AddRequest):
+        if isinstance(msg, AddRequest) and self._pause_waiting:
+            self._held.append(msg)  # pause(mode="wait") is letting the requests in flight finish
+        elif isinstance(msg, AddRequest):
             try:
                 eng.add_request(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids}, msg.params, stream=True)
             except ValueError as err:
@@ -89,7 +98,10 @@ class EngineCore:
                 fn = getattr(self, f"utility_{msg.method}", None)
                 if fn is None:
                     raise NotImplementedError(f"the engine has no utility method {msg.method!r}")
-                self._utility.append(UtilityResult(msg.call_id, True, fn(*msg.args)))
+                self._call_id = msg.call_id
+                result = fn(*msg.args)
+                if result is not _DEFERRED:
+                    self._utility.append(UtilityResult(msg.call_id, True, result))
             except Exception as err:  # noqa: BLE001 -- the caller gets it
                 if not isinstance(err, (ValueError, NotImplementedError)):
                     logger.exception("engine utility %s failed", msg.method)
@@ -118,13 +130,60 @@ class EngineCore:
         return self.engine.has_unfinished_requests() and not self.engine.paused
 
     # ---- utility methods (UtilityCall.method = the name after "utility_") ---------------
-    def utility_pause(self) -> dict:
-        self.engine.pause()
-        return {"paused": True, "weight_version": self.engine.weight_version}
+    def utility_pause(self, mode: str = "keep", clear_cache: bool = False) -> dict:
+        """Pause generation (upstream's `pause_generation` modes): "keep" freezes the requests
+        in flight with their KV (resume continues them), "abort" ends them now with what
+        they generated (finish_reason "abort"), "wait" lets them finish first (its answer
+        comes once they have; requests that arrive meanwhile wait, paused, for resume).
+        `clear_cache` then drops every cached prefix."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        eng = self.engine
+        if mode == "abort":
+            eng.abort_requests()
+        if mode == "wait" and eng.has_unfinished_requests():
+            self._pause_waiting.append((self._call_id, bool(clear_cache)))
+            return _DEFERRED
+        return self._pause_now(clear_cache)
+
+    def _settle_pause(self) -> None:
+        """Answer the pause(mode="wait") calls once nothing is in flight; the requests held
+        meanwhile then queue in the paused engine."""
+        if not self._pause_waiting or self.engine.has_unfinished_requests():
+            return
+        calls, self._pause_waiting = self._pause_waiting, []
+        result = self._pause_now(any(clear for _, clear in calls))
+        self._utility += [UtilityResult(call_id, True, result) for call_id, _ in calls]
+        held, self._held = self._held, []
+        for m in held:
+            self.handle(m)
+
+    def _pause_now(self, clear_cache: bool) -> dict:
+        eng = self.engine
+        eng.pause()
+        if clear_cache:
+            eng.kv.reset_prefix_cache(allow_in_use=True)
+        return {"paused": True, "weight_version": eng.weight_version}
+
+    def utility_abort_requests(self, request_ids: list[str] | None = None) -> dict:
+        """End requests now (none given: every one in flight) with what they generated, without
+        pausing."""
+        if request_ids is not None and not (isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids)):
+            raise ValueError("request_ids must be a list of request id strings")
+        before = set(self.engine._groups)
+        self.engine.abort_requests(request_ids or None)
+        return {"aborted": sorted(before - set(self.engine._groups))}
 
     def utility_resume(self) -> dict:
         self.engine.resume()
-        return {"paused": False, "weight_version": self.engine.weight_version}
+        result = {"paused": False, "weight_version": self.engine.weight_version}
+        # a pause(mode="wait") still waiting is called off: its requests run on
+        calls, self._pause_waiting = self._pause_waiting, []
+        self._utility += [UtilityResult(call_id, True, result) for call_id, _ in calls]
+        held, self._held = self._held, []
+        for m in held:
+            self.handle(m)
+        return result
 
     def utility_stats(self) -> dict:
         eng = self.engine
@@ -272,6 +331,7 @@ class EngineCore:
                     return
                 if self.busy:
                     self.step()
+                self._settle_pause()
                 out = self.take_outputs()
                 if out is not None:
                     sender.send(out)

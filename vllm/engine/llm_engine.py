@@ -290,6 +290,20 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.drain()  # nothing left to run: do not leave a step in flight
 
+    def abort_requests(self, request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Abort requests (None: every request in the engine) and report each with what it
+        generated so far, its unfinished samples with finish_reason "abort" (offline: the
+        returned outputs; served: the final deltas, through the output builder)."""
+        outs = self.drain()
+        ids = list(self._groups) if request_ids is None else [r for r in request_ids if r in self._groups]
+        aborted = []
+        for rid in ids:
+            group = self._groups[rid]
+            live = [c for c in group.children if not c.status.finished]
+            self.scheduler.finish_requests([c.req_id for c in live], RequestStatus.FINISHED_ABORTED)
+            aborted += group.children
+        return outs + self._process([], aborted)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 

@@ -547,7 +547,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
 # ---- auth ---------------------------------------------------------------------------------
 
 ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group",
-               "/v1/weights/update_from_ipc")
+               "/v1/weights/update_from_ipc", "/pause", "/resume", "/abort_requests")
 
 
 class _AuthMiddleware:
@@ -760,7 +760,45 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     async def resume():
         return await _admin(llm.resume())
 
+    # upstream vLLM's RL routes: POST /pause?mode=abort|wait|keep&clear_cache=..., POST /resume,
+    # GET /is_paused, POST /abort_requests {"request_ids": [...]}, GET /get_world_size
+    @app.post("/pause")
+    async def pause_generation(mode: str = "abort", clear_cache: bool = True):
+        return await _admin(llm.pause_generation(mode, clear_cache))
+
+    @app.post("/resume")
+    async def resume_generation():
+        return await _admin(llm.resume_generation())
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return await _admin(_is_paused(llm))
+
+    @app.post("/abort_requests")
+    async def abort_requests(raw: Request):
+        return await _admin(_abort_requests(llm, raw))
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        # one engine of tensor-parallel size 1, no data parallelism
+        return {"world_size": 1}
+
     return app
+
+
+async def _is_paused(llm: AsyncLLM) -> dict:
+    return {"is_paused": await llm.is_paused()}
+
+
+async def _abort_requests(llm: AsyncLLM, raw: Request) -> dict:
+    body = await raw.body()
+    try:
+        spec = json.loads(body) if body else {}
+    except ValueError as err:
+        raise ValueError(f"the request body is not valid JSON: {err}") from err
+    if not isinstance(spec, dict):
+        raise ValueError("the request body must be a JSON object")
+    return await llm.abort_requests(spec.get("request_ids"))
 
 
 async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):

@@ -296,11 +296,32 @@ class AsyncLLM:
         self._check_alive()
         return await asyncio.wrap_future(self.client.utility(method, *args))
 
-    async def pause(self) -> dict:
-        return await self.utility("pause")
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> dict:
+        """Pause generation. "keep": the requests in flight stop where they are, with their KV,
+        and continue after resume(); "abort": they end now with what they generated
+        (finish_reason "abort"); "wait": they finish first, and this returns once they have
+        (new requests wait for resume). `clear_cache` then drops every cached prefix."""
+        return await self.utility("pause", mode, bool(clear_cache))
 
     async def resume(self) -> dict:
         return await self.utility("resume")
+
+    # upstream vLLM's names for the same calls (its defaults: abort, and clear the cache)
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+        return await self.pause(mode, clear_cache)
+
+    async def resume_generation(self) -> dict:
+        return await self.resume()
+
+    async def is_paused(self) -> bool:
+        return bool((await self.utility("stats"))["paused"])
+
+    async def abort_requests(self, request_ids: list[str] | None = None) -> dict:
+        """End requests now (None or empty: every one in flight) with what they generated so
+        far, finish_reason "abort", without pausing."""
+        if isinstance(request_ids, tuple):
+            request_ids = list(request_ids)
+        return await self.utility("abort_requests", request_ids or None)
 
     async def update_weights_from_path(self, path: str) -> dict:
         res = await self.utility("update_weights_from_path", path)
