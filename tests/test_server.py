@@ -424,7 +424,7 @@ def test_vllm_serve_cli_subprocess():
 
 def test_top_alternatives_order_with_ties():
     """The sampled token's own slot among the top-k is recovered even when its rank ties."""
-    from vllm.entrypoints.openai.api_server import _top_alternatives
+    from vllm.entrypoints.openai.serving import _top_alternatives
     from vllm.outputs import Logprob
     # Top-3 by (value desc, id asc): 7 (-1.0), 3 (-2.0), 9 (-2.0). Token 9 was sampled; its
     # true rank is 2 (tied with 3), its slot in the top list is 3.

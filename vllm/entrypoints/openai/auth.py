@@ -1,0 +1,48 @@
+"""Bearer-key checks: the API key for /v1/ routes, the admin key for the routes that pause
+the engine or change its weights."""
+from __future__ import annotations
+
+import hmac
+
+from vllm.entrypoints.openai.errors import error_response
+
+
+ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group",
+               "/v1/weights/update_from_ipc", "/pause", "/resume", "/abort_requests")
+
+
+class AuthMiddleware:
+    """Bearer-key checks as plain ASGI (no per-chunk cost on streamed responses).
+    Admin paths need the admin key when one is set; other /v1/ paths the API key."""
+
+    def __init__(self, app, api_key: str | None, admin_key: str | None):
+        self.app = app
+        self.api_key = api_key
+        self.admin_key = admin_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            need = None
+            if self.admin_key and path in ADMIN_PATHS:
+                need, what = self.admin_key, "the admin key"
+            elif self.api_key and path.startswith("/v1/"):
+                need, what = self.api_key, "the API key"
+            if need is not None and not _key_ok(_bearer(scope), need):
+                resp = error_response(f"invalid or missing credentials: this endpoint needs {what} "
+                                      "(Authorization: Bearer <key>)", 401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _bearer(scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            auth = value.decode("latin-1")
+            return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+    return None
+
+
+def _key_ok(given: str | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())

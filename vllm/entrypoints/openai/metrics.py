@@ -1,0 +1,52 @@
+"""/metrics: a Prometheus registry read from the AsyncLLM's counters at scrape time."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.serving import OpenAIServing
+
+
+def metrics_registry(serving: OpenAIServing):
+    """A Prometheus registry whose collector reads the AsyncLLM's counters at scrape time
+    (nothing is counted on the hot path beyond plain integer additions)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    llm = serving.llm
+    model = serving.names[0]
+
+    class _Collector:
+        def collect(self):
+            st = llm.stats
+            labels = ["model_name"]
+
+            def gauge(name, doc, value):
+                g = GaugeMetricFamily(name, doc, labels=labels)
+                g.add_metric([model], value)
+                return g
+
+            def counter(name, doc, value):
+                c = CounterMetricFamily(name, doc, labels=labels)
+                c.add_metric([model], value)
+                return c
+            yield gauge("vllm:num_requests_running", "Sequences running in the engine (last step).", st.num_running)
+            yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled (last step).", st.num_waiting)
+            yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).", st.kv_usage)
+            yield gauge("vllm:kv_cache_free_blocks", "KV-cache blocks free to allocate.", st.num_free_blocks)
+            yield gauge("vllm:weight_version", "Weight version the engine is serving.", llm.weight_version)
+            yield gauge("vllm:engine_paused", "1 while generation is paused (POST /v1/pause).", int(st.paused))
+            yield gauge("vllm:engine_alive", "1 while the engine process runs.", int(llm.is_running))
+            yield counter("vllm:request_received", "Requests (prompts) accepted.", llm.num_requests_received)
+            yield counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", llm.num_prompt_tokens)
+            yield counter("vllm:generation_tokens", "Tokens generated.", llm.num_generation_tokens)
+            yield counter("vllm:num_preemptions", "Sequences preempted (KV cache full).", st.num_preemptions)
+            c = CounterMetricFamily("vllm:request_success", "Finished sequences by finish reason.",
+                                    labels=["model_name", "finished_reason"])
+            for reason, n in sorted(llm.finished_by_reason.items()):
+                c.add_metric([model, reason], n)
+            yield c
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return registry

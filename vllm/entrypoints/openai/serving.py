@@ -1,0 +1,470 @@
+"""The OpenAI routes' work: requests -> SamplingParams -> the AsyncLLM -> responses, plain or
+streamed as SSE, with client disconnects aborting their requests (api_server.py wires
+the routes; docs/serving.md has the schema)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
+from vllm.entrypoints.openai.errors import exception_response, exception_response_body
+from vllm.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
+    ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, DetokenizeRequest,
+    DetokenizeResponse, ModelCard, ModelList, OpenAIBaseModel, TokenizeRequest, TokenizeResponse, TopLogprob,
+    UsageInfo, json_logprob,
+)
+from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read by the time a handler runs, so the next ASGI message
+    # is http.disconnect: sent when the client goes away (or after the response).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro, streams: Sequence[RequestStream]) -> Any:
+    """Run a non-streaming handler; cancel it and abort its requests if the client leaves first."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        for s in streams:  # also covers a handler cancelled before it ever ran
+            s.abort()
+        logger.info("client disconnected: request aborted")
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    return task.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """A server-sent-events response that aborts its engine requests when it ends.
+
+    However the response ends -- completed, client disconnected mid-stream, or
+    before the first byte -- the requests are aborted right away (a no-op for
+    finished ones) instead of whenever the abandoned generator is collected.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = list(streams)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+            await self.body_iterator.aclose()
+
+
+def _json(obj: OpenAIBaseModel) -> Response:
+    # pydantic's own serializer: much faster than FastAPI's jsonable_encoder on
+    # logprob-heavy responses, and its floats are shortest round-trip (bit-exact).
+    return Response(content=obj.model_dump_json(), media_type="application/json")
+
+
+def _sse(obj: OpenAIBaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, OpenAIBaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+_DONE_EVENT = "data: [DONE]\n\n"
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they arrive, as (request index, output).
+
+    Ends when every stream has ended; raises the first engine error. Leaving early
+    cancels the pumps, and a cancelled stream aborts its request in the engine.
+    """
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()  # no-op once finished
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as err:  # noqa: BLE001 -- handed to the consumer
+            q.put_nowait((i, err))
+        q.put_nowait((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()  # no-op for finished streams
+
+
+async def _final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merge(streams):
+        if out.finished:
+            finals[i] = out
+    if any(f is None for f in finals):
+        raise EngineError("the request was aborted before it finished")
+    return finals  # type: ignore[return-value]
+
+
+# ---- logprob conversion -------------------------------------------------------------------
+
+def _top_alternatives(entry: dict[int, Logprob], sampled: int, k: int) -> list[tuple[int, Logprob]]:
+    """The engine's top-k alternatives of one token, in the sampler's exact order.
+
+    The engine's entry maps the sampled token (with its true rank) and the top-k
+    alternatives (rank = position 1..k, best first) to their Logprobs; when the
+    sampled token is one of the top k its alternative slot is folded into its own
+    entry. Ordering by the stored rank alone would misplace it on ties (ties share
+    the sampled token's rank), so its position is recovered as the missing slot.
+    """
+    alts = {lp.rank: (tid, lp) for tid, lp in entry.items() if tid != sampled and lp.rank is not None}
+    ordered = [alts[r] for r in sorted(alts)]
+    if len(ordered) < k and sampled in entry:  # the sampled token is one of the top k
+        gap = next((i for i, r in enumerate(sorted(alts)) if r != i + 1), len(ordered))
+        ordered.insert(gap, (sampled, entry[sampled]))
+    return ordered[:k]
+
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int) -> CompletionLogprobs:
+    """OpenAI completions logprobs: per token the sampled token's logprob and a
+    {token text: logprob} dict of the top-k alternatives plus the sampled token
+    (so up to k + 1 entries; tokens that decode to the same text share a key)."""
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, lps):
+        sampled = entry[tok]
+        text = sampled.decoded_token or ""
+        out.tokens.append(text)
+        out.token_logprobs.append(json_logprob(sampled.logprob))
+        out.text_offset.append(offset)
+        offset += len(text)
+        top: dict[str, float] = {}
+        for _, lp in _top_alternatives(entry, tok, k) + [(tok, sampled)]:
+            top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
+    """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
+    content = []
+    for tok, entry in zip(token_ids, lps):
+        sampled = entry[tok]
+        text = sampled.decoded_token or ""
+        top = [TopLogprob(token=lp.decoded_token or "", logprob=json_logprob(lp.logprob),
+                          bytes=list((lp.decoded_token or "").encode("utf-8")))
+               for _, lp in _top_alternatives(entry, tok, k)]
+        content.append(ChatLogprobToken(token=text, logprob=json_logprob(sampled.logprob),
+                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# ---- streaming state ----------------------------------------------------------------------
+
+@dataclass
+class _ChoiceCursor:
+    """How much of one choice has been sent."""
+    text: int = 0
+    tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+    first: bool = True
+
+
+def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tuple[str, list[int], list | None] | None:
+    """The not-yet-sent part of a choice, or None when there is nothing to send.
+
+    With stop strings the last `holdback` characters stay unsent until the choice
+    finishes: a stop string may be completing there, and the engine then cuts the
+    text before it. So the chunks always concatenate to the non-streamed text.
+    """
+    finished = c.finish_reason is not None
+    end = len(c.text) if finished else max(cur.text, len(c.text) - holdback)
+    text = c.text[cur.text:end]
+    ids = c.token_ids[cur.tokens:]
+    lps = c.logprobs[cur.tokens:] if c.logprobs is not None else None
+    if not text and not ids and not finished:
+        return None
+    cur.text = max(cur.text, end)
+    cur.tokens = len(c.token_ids)
+    cur.done = finished
+    return text, ids, lps
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+class OpenAIServing:
+    """Request handlers; one instance per app, holding what every handler needs."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_names: Sequence[str], *, max_logprobs: int = 20,
+                 generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
+                 max_model_len: int | None = None):
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.llm = async_llm
+        self.names = list(served_model_names)
+        self.max_logprobs = max_logprobs
+        self.defaults = dict(generation_defaults or {})
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.names[0]
+        if requested not in self.names:
+            raise ValueError(f"the model {requested!r} is not served here; available: {', '.join(self.names)}")
+        return requested
+
+    @staticmethod
+    def _log_ignored(req: OpenAIBaseModel) -> None:
+        extra = req.ignored_fields()
+        if extra:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
+
+    # -- /v1/completions -------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request):
+        try:
+            self._log_ignored(req)
+            model = self._model_name(req.model)
+            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            prompts = req.prompts()
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            streams = await self.llm.add_requests(
+                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
+        except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
+            return exception_response(err)
+        created = int(time.time())
+        if req.stream:
+            return _SSEResponse(self._completion_events(streams, params, rid, model, created, req), streams)
+        return await _unless_disconnected(raw, self._completion_full(streams, params, rid, model, created, req), streams)
+
+    async def _completion_full(self, streams, params: SamplingParams, rid: str, model: str, created: int,
+                               req: CompletionRequest):
+        try:
+            finals = await _final_outputs(streams)
+        except Exception as err:  # noqa: BLE001
+            return exception_response(err)
+        ids = req.want_token_ids
+        choices, n_prompt, n_gen, version = [], 0, 0, 0
+        for i, out in enumerate(finals):
+            n_prompt += len(out.prompt_token_ids)
+            for c in out.outputs:
+                n_gen += len(c.token_ids)
+                version = max([version, *c.weight_versions])
+                choices.append(CompletionChoice(
+                    index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0) if c.logprobs is not None else None,
+                    token_ids=list(c.token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                    weight_versions=c.weight_versions))
+        return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
+                                        usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
+
+    async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
+                                 req: CompletionRequest) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        cursors: dict[tuple[int, int], _ChoiceCursor] = {}
+        n_prompt: dict[int, int] = {}
+        n_gen = 0
+        want_ids = req.want_token_ids
+        # The chunk envelope is the same for every event: built once, choices spliced in.
+        head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model})[:-1]
+        try:
+            async for i, out in _merge(streams):
+                n_prompt[i] = len(out.prompt_token_ids)
+                choices, version = [], None
+                for c in out.outputs:
+                    cur = cursors.setdefault((i, c.index), _ChoiceCursor())
+                    if cur.done:
+                        continue
+                    delta = _stream_delta(c, cur, holdback)
+                    if delta is None:
+                        continue
+                    text, ids, lps = delta
+                    n_gen += len(ids)
+                    choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if lps is not None:
+                        lp = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset)
+                        cur.text_offset += sum(len(t) for t in lp.tokens)
+                        choice["logprobs"] = lp.model_dump()
+                    if want_ids:
+                        choice["token_ids"] = ids
+                        if cur.first:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                    if c.finish_reason is not None:
+                        choice["weight_versions"] = c.weight_versions
+                    cur.first = False
+                    version = c.weight_versions[-1] if c.weight_versions else version
+                    choices.append(choice)
+                if choices:
+                    yield f'data: {head}, "choices": {json.dumps(choices)}, "weight_version": {json.dumps(version)}}}\n\n'
+            if req.stream_options is not None and req.stream_options.include_usage:
+                p = sum(n_prompt.values())
+                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                    usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+        except Exception as err:  # noqa: BLE001 -- the 200 is already sent: report in-band
+            yield _sse(exception_response_body(err))
+        yield _DONE_EVENT
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+    def _chat_prompt_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                         chat_template_kwargs: dict | None, tools=None) -> list[int]:
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        return apply_chat_template(self.llm.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        try:
+            self._log_ignored(req)
+            model = self._model_name(req.model)
+            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            messages = req.template_messages()
+            prompt_ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
+                                               req.chat_template_kwargs, req.tools)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
+        except Exception as err:  # noqa: BLE001
+            return exception_response(err)
+        created = int(time.time())
+        if req.stream:
+            return _SSEResponse(self._chat_events(streams[0], params, rid, model, created, req, prompt_ids), streams)
+        return await _unless_disconnected(raw, self._chat_full(streams[0], params, rid, model, created, req), streams)
+
+    async def _chat_full(self, stream, params: SamplingParams, rid: str, model: str, created: int, req: ChatCompletionRequest):
+        try:
+            (out,) = await _final_outputs([stream])
+        except Exception as err:  # noqa: BLE001
+            return exception_response(err)
+        top_k = params.logprobs or 0
+        ids = req.want_token_ids
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
+                              weight_versions=c.weight_versions,
+                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k) if req.logprobs and c.logprobs is not None else None)
+                   for c in out.outputs]
+        n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+        version = max(v for c in out.outputs for v in (c.weight_versions or [0]))
+        return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
+                                            usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
+                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None))
+
+    async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
+                           req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        top_k = params.logprobs or 0
+        cursors = [_ChoiceCursor() for _ in range(params.n)]
+        n_gen = 0
+        want_ids = req.want_token_ids
+        # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
+        yield _sse(ChatCompletionStreamResponse(
+            id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
+            weight_version=self.llm.weight_version,
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+                                      token_ids=[] if want_ids else None) for j in range(params.n)]))
+        try:
+            async for _, out in _merge([stream]):
+                for c in out.outputs:
+                    cur = cursors[c.index]
+                    if cur.done:
+                        continue
+                    delta = _stream_delta(c, cur, holdback)
+                    if delta is None:
+                        continue
+                    text, ids, lps = delta
+                    n_gen += len(ids)
+                    logprobs = _chat_logprobs(ids, lps, top_k) if req.logprobs and lps is not None else None
+                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                              token_ids=ids if want_ids else None,
+                                              weight_versions=c.weight_versions if c.finish_reason is not None else None)
+                    yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
+                                                            weight_version=c.weight_versions[-1] if c.weight_versions else None))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                p = len(prompt_ids)
+                yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                        usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+        except Exception as err:  # noqa: BLE001
+            yield _sse(exception_response_body(err))
+        yield _DONE_EVENT
+
+    # -- /tokenize, /detokenize ------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self._model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if req.prompt is not None:
+            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            if req.continue_final_message and req.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            ids = self._chat_prompt_ids([m.to_template_dict() for m in req.messages], req.add_generation_prompt,
+                                        req.continue_final_message, req.chat_template_kwargs)
+        return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._model_name(req.model)
+        vocab = self.llm.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return DetokenizeResponse(prompt=self.llm.tokenizer.decode(req.tokens))
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                        kwargs: dict) -> list[int]:
+    """Messages -> prompt token ids, exactly as LLM.chat does it (so server and offline agree)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    if continue_final_message:
+        kwargs = {**kwargs, "continue_final_message": True}
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as err:  # jinja errors (raise_exception in templates, bad roles), bad kwargs
+        raise ValueError(f"could not apply the chat template: {err}") from err
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
