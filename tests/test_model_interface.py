@@ -23,8 +23,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from vllm import LLM, SamplingParams
+from vllm.forward_context import get_forward_context
 from vllm.kernels import ops
 from vllm.layers.attention import Attention
+from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm
@@ -192,6 +194,130 @@ def test_new_architecture_needs_only_its_model_file_and_registry(toy_checkpoint,
     with pytest.raises(ValueError, match=r"incomplete update: missing \['blocks.0.experts.w\[1\]'\]"):
         llm.update_weights({k: v for k, v in policy.model.hf_state_dict().items() if k != "layers.0.experts.1.weight"},
                            require_complete=True)
+
+
+# ---- a recurrent-state layer, the same way: its model file, its layer, its op ---------------
+def toy_decay_scan(u, decay, md, cache):
+    """The toy layer's op (its "kernel module"): h_t = decay * h_(t-1) + u_t per channel in
+    float32, one sequence at a time; h starts at 0 for a sequence at position 0, else from
+    its slot, and the slot keeps the state after the step's last token."""
+    cu, starts = md.cu_seqlens.tolist(), md.start_pos.tolist()
+    slots = md.slots.tolist() if md.slots is not None else None
+    d = decay.float()
+    out = []
+    for s in range(len(starts)):
+        h = (cache["h"][slots[s]].clone() if cache is not None and starts[s] > 0
+             else torch.zeros(u.shape[1], dtype=torch.float32, device=u.device))
+        for t in range(cu[s], cu[s + 1]):
+            h = d * h + u[t].float()
+            out.append(h)
+        if cache is not None:
+            cache["h"][slots[s]] = h
+    return torch.stack(out).to(u.dtype)
+
+
+class DecayScan(nn.Module):
+    def __init__(self, cfg, state_idx: int, dtype):
+        super().__init__()
+        self.state_idx, self.dim = state_idx, cfg.hidden_size
+        self.ln = RMSNorm(cfg.hidden_size, dtype=dtype)
+        self.inp = Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype)
+        self.out = Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype)
+        self.decay = nn.Parameter(torch.full((cfg.hidden_size,), 0.9, dtype=dtype), requires_grad=False)
+
+    def cache_spec(self, numerics: str) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.state_idx, "toy_decay_scan", (StateTensor("h", (self.dim,), torch.float32),),
+                                  chunk_size=8, snapshot=("h",))
+
+    def forward(self, positions, x):
+        st = get_forward_context().state
+        h = toy_decay_scan(self.inp(self.ln(x)), self.decay, st.metadata, st.layer(self.state_idx))
+        return x + self.out(h)
+
+
+class ToyHybridForCausalLM(ToyExpertsForCausalLM):
+    """Recurrent, attention, recurrent: the attention layer's cache is paged KV block 0 of
+    the attention backend, the recurrent layers' states are slots 0 and 1 of the state backend."""
+
+    def __init__(self, cfg: ToyConfig, dtype=torch.float32):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, 10000.0, RopeScaling())
+        self.blocks = nn.ModuleList([DecayScan(cfg, 0, dtype), Block(cfg, 0, rotary, dtype), DecayScan(cfg, 1, dtype)])
+        self.final_ln = RMSNorm(cfg.hidden_size, dtype=dtype)
+        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+    def weight_mapping(self) -> WeightMapping:
+        slots = {"tok_embeddings.weight": WeightSlot("embed.weight"), "norm.weight": WeightSlot("final_ln.weight"),
+                 "output.weight": WeightSlot("head.weight")}
+        for name, _ in self.named_parameters():
+            if name.startswith("blocks."):
+                slots[name.replace("blocks.", "layers.")] = WeightSlot(name)
+        return WeightMapping(self, slots)
+
+
+@pytest.fixture
+def toy_hybrid_checkpoint(tmp_path, tokenizer_dir, monkeypatch):
+    from vllm.model_loader.loader import init_dummy_weights
+    from vllm.models import registry
+
+    monkeypatch.setitem(registry._MODELS, "ToyHybridForCausalLM", (__name__, "ToyHybridForCausalLM"))
+    hf = {"architectures": ["ToyHybridForCausalLM"], "vocab_size": 512, "d_model": 32, "n_layers": 3,
+          "n_heads": 4, "n_kv_heads": 2, "n_experts": 1, "max_position_embeddings": 256, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    model = ToyHybridForCausalLM(ToyConfig.from_hf(hf))
+    init_dummy_weights(model, seed=7, std=0.1)
+    for block in (model.blocks[0], model.blocks[2]):
+        block.decay.data.uniform_(0.5, 0.99)
+    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
+
+
+def test_recurrent_state_layer_needs_only_its_model_file_layer_and_op(toy_hybrid_checkpoint, tokenizer_dir):
+    """The engine sizes, assigns, snapshots and restores the toy layer's state slots from its
+    declaration alone; the trainer recomputes the rollout's logprob bits; sync and contract
+    see the new parameters and the state's declaration."""
+    shared = list(range(30, 70))  # 40 tokens: a state snapshot at 32 (the grid: lcm(block 16, chunk 8))
+    prompts = [shared + [5, 6, 7], list(range(100, 111)), shared + [9]]
+
+    def rollout(llm, ps=prompts, n=1):
+        sp = SamplingParams(temperature=0.9, max_tokens=12, seed=3, logprobs=0, ignore_eos=True, n=n)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        seqs = [p + c.token_ids for p, o in zip(ps, outs) for c in o.outputs]
+        lps = [torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]) for o in outs for c in o.outputs]
+        return seqs, lps
+
+    # chunked prefill (7-token steps) and a cold cache vs one engine whose second pass
+    # starts from the prefix cache's state snapshot: the same tokens and logprob bits
+    cold = LLM(toy_hybrid_checkpoint, tokenizer=tokenizer_dir, device="cpu", numerics="invariant",
+               max_num_batched_tokens=7, enable_prefix_caching=False)
+    seqs, lps = rollout(cold)
+    warm = LLM(toy_hybrid_checkpoint, tokenizer=tokenizer_dir, device="cpu", numerics="invariant")
+    rollout(warm, prompts[:1])
+    kv = warm.llm_engine.kv
+    assert kv.state is not None and kv.state.num_snapshots_held == 1
+    seqs2, lps2 = rollout(warm)
+    assert kv.stats()["prefix_cache_hits"] >= 2 * 32  # both shared-prefix prompts restored the snapshot
+    assert seqs2 == seqs and all(torch.equal(_bits(a), _bits(b)) for a, b in zip(lps, lps2))
+    contract = warm.execution_contract()
+    assert contract.numerical["recurrent_states"] == {"toy_decay_scan": {"chunk_size": 8, "tensors": {"h": "float32"}}}
+    # the trainer: no state cache, every sequence from position 0: the same bits, and grads
+    policy = Policy.from_pretrained(toy_hybrid_checkpoint, device="cpu")
+    got = policy.token_logprobs(seqs, [len(p) for p in prompts], temperature=0.9)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, lps))
+    sum(g.sum() for g in got).backward()
+    grads = policy.model.hf_state_dict(grads=True)
+    assert grads["layers.2.decay"].abs().sum() > 0
+    # an optimizer step, synced (contract-checked): the new decay is served, parity again
+    torch.optim.SGD(policy.parameters(), lr=0.5).step()
+    warm.update_weights(policy.model.hf_state_dict(), contract=policy.execution_contract(), require_complete=True)
+    assert kv.state.num_snapshots_held == 0  # states of the old weights are never restored
+    seqs3, lps3 = rollout(warm, n=2)
+    with torch.no_grad():
+        got = policy.token_logprobs(seqs3, [len(p) for p in prompts for _ in range(2)], temperature=0.9)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, lps3))
+    assert any(not torch.equal(a, b) for a, b in zip(lps, lps3[::2]))
 
 
 # ---- no model-specific knowledge outside models/ -------------------------------------------

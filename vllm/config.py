@@ -135,9 +135,21 @@ class CacheConfig:
     # "auto": K/V stored in the model dtype; "fp8": float8_e4m3fn + a float32 scale per token
     # per kv head (vllm/kernels/fp8.py), dequantized on every read (docs/fp8.md)
     kv_cache_dtype: str = "auto"
+    # Models with recurrent layers: prefix-cache snapshots of their states (one per cached
+    # prompt, at its last multiple of the states' chunk size). None: max_num_seqs // 4
+    # (at least 1) with prefix caching on, 0 with it off.
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+
+    def state_snapshots(self, max_num_seqs: int) -> int:
+        """Snapshot slots for recurrent states (0 when prefix caching is off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.num_state_snapshots if self.num_state_snapshots is not None else max(1, max_num_seqs // 4)
 
 
 @dataclass

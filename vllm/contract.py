@@ -182,7 +182,26 @@ def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str,
     layer_kernels = layer_kernel_policies(model, numerics, device)
     if layer_kernels:
         numerical["layer_kernels"] = layer_kernels
+    states = recurrent_state_policies(model, numerics, dtype)
+    if states:
+        numerical["recurrent_states"] = states
     return ExecutionContract(semantic, numerical, dict(deployment or {}))
+
+
+def recurrent_state_policies(model: torch.nn.Module, numerics: str, dtype: torch.dtype) -> dict:
+    """What the recurrent layers keep per sequence under `numerics`, by kind: the grid their
+    states are defined on and each state tensor's dtype. A state rounded to another dtype,
+    or chunked on another grid, gives other bits; the layers' own declarations say which."""
+    out: dict = {}
+    for m in model.modules():
+        if not hasattr(m, "cache_spec"):
+            continue
+        spec = m.cache_spec(numerics)
+        if not hasattr(spec, "chunk_size"):
+            continue  # a paged KV cache: its format is the kv_cache_dtype entry
+        out[spec.kind] = {"chunk_size": spec.chunk_size,
+                          "tensors": {t.name: str(t.dtype or dtype).replace("torch.", "") for t in spec.tensors}}
+    return out
 
 
 def layer_kernel_policies(model: torch.nn.Module, numerics: str, device: str | torch.device) -> dict:

@@ -28,9 +28,12 @@ is O(blocks touched), and it is trivially testable.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from vllm.core.state_slots import StateSlots
 
 __all__ = ["KVCacheManager", "hash_block_tokens", "NULL_BLOCK_ID"]
 
@@ -141,7 +144,11 @@ class _FreeQueue:
 class KVCacheManager:
     """Allocates KV-cache blocks to requests and shares full blocks by prefix."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state: StateSlots | None = None):
+        """`state`: the recurrent-state slots of a model with recurrent layers (vllm/core/state_slots.py):
+        every request holds one while it holds blocks, and a prefix-cache hit ends where a
+        snapshot of the states was taken."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -158,6 +165,11 @@ class KVCacheManager:
         self._hash_to_block: dict[int, int] = {}
         self._requests: dict[str, _RequestState] = {}
         self._serials = itertools.count()
+
+        self.state = state
+        # a prefix hit on a model with recurrent states ends on a multiple of this many tokens
+        # (whole blocks on the states' grid)
+        self.state_grid = math.lcm(block_size, state.chunk_size) if state is not None else None
 
         # Stats, in tokens.
         self._num_queried_tokens = 0
@@ -254,6 +266,13 @@ class KVCacheManager:
             computed.append(block_id)
             parent_hash = block_hash
             parent_serial = blk.serial
+        if self.state is not None:
+            # recurrent states are restored only from a snapshot on their grid
+            per = self.state_grid // bs
+            k = len(computed) // per * per
+            while k > 0 and self.state.snapshot(computed[k - 1]) is None:
+                k -= per
+            computed = computed[:k]
         num_computed_tokens = len(computed) * bs
         self._num_queried_tokens += num_tokens
         self._num_hit_tokens += num_computed_tokens
@@ -325,7 +344,29 @@ class KVCacheManager:
         for block_id in self._hash_to_block.values():
             self._blocks[block_id].clear_hash()
         self._hash_to_block.clear()
+        if self.state is not None:
+            self.state.clear_snapshots()
         return True
+
+    # ------------------------------------------------------------ recurrent states
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (0 without recurrent layers)."""
+        return 0 if self.state is None else self.state.slot(request_id)
+
+    def state_snapshot(self, computed_blocks: Sequence[int]) -> int:
+        """The snapshot a prefix hit of `computed_blocks` restores (-1: none, a cold start)."""
+        if self.state is None or not computed_blocks:
+            return -1
+        slot = self.state.snapshot(computed_blocks[-1])
+        return -1 if slot is None else slot
+
+    def take_state_snapshot(self, request_id: str, num_tokens: int) -> int:
+        """A snapshot slot for the request's states after its first `num_tokens` tokens (a
+        multiple of state_grid), keyed by the block ending there; -1 when snapshots are off."""
+        if self.state is None or not self.enable_prefix_caching:
+            return -1
+        return self.state.take_snapshot(self._requests[request_id].block_ids[num_tokens // self.block_size - 1])
 
     # --------------------------------------------------------------- allocation
 
@@ -355,6 +396,8 @@ class KVCacheManager:
         if req is None:
             req = _RequestState()
             self._requests[request_id] = req
+            if self.state is not None:
+                self.state.assign(request_id)
             if computed:
                 # These blocks are already cached; cache_blocks must continue
                 # the chain after them.
@@ -375,6 +418,8 @@ class KVCacheManager:
         for _ in range(num_new):
             block_id = self._free_queue.pop_head()
             blk = self._blocks[block_id]
+            if self.state is not None:
+                self.state.drop_snapshot(block_id)  # the block gets other tokens
             if blk.block_hash is not None:
                 # LRU eviction: the block's old KV is about to be overwritten.
                 del self._hash_to_block[blk.block_hash]
@@ -402,6 +447,8 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        if self.state is not None:
+            self.state.release(request_id)
         # Reverse order: the request's last blocks reach the free-queue tail
         # first, so they are evicted before its first blocks. Prefix blocks are
         # the ones most likely to be shared by future requests.
@@ -424,6 +471,7 @@ class KVCacheManager:
             "cached_blocks": self.num_cached_blocks,
             "usage": self.usage,
             "num_requests": len(self._requests),
+            **({"state_snapshots": self.state.num_snapshots_held} if self.state is not None else {}),
         }
 
     def check_invariants(self) -> None:

@@ -26,6 +26,12 @@ class ScheduledRequest:
     # id lists are the request's own (read at launch, never copied); with async scheduling
     # the output may end in PLACEHOLDER, filled from the previous step's tokens on the device.
     penalties: tuple | None = None
+    # Recurrent states (models with recurrent layers): the request's state slot; a snapshot
+    # slot copied into it before the step (a prefix-cache hit, -1: none) and one it is copied
+    # to after the step (its prefill ended on the states' grid, -1: none)
+    state_slot: int = 0
+    state_load: int = -1
+    state_save: int = -1
 
     @property
     def num_new(self) -> int:

@@ -64,7 +64,21 @@ class Scheduler:
         n = req.num_tokens - req.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget)
+        return self._snapshot_cut(req, req.num_computed_tokens, min(n, budget))
+
+    def _snapshot_point(self, req: Request) -> int:
+        """Where a prompt's recurrent states are snapshotted for the prefix cache: its last
+        multiple of the states' grid before the prompt's last token (0: none)."""
+        grid = self.kv.state_grid
+        if grid is None or not self.kv.enable_prefix_caching:
+            return 0
+        return (req.num_prompt_tokens - 1) // grid * grid
+
+    def _snapshot_cut(self, req: Request, start: int, n: int) -> int:
+        """Stop a prefill step at the snapshot point, so that the state there is in the slot
+        after the step. The states' bits do not depend on where a prefill is cut."""
+        point = self._snapshot_point(req)
+        return point - start if start < point < start + n else n
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -79,6 +93,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        state_loads: dict[str, int] = {}  # new requests starting from a state snapshot
 
         # 1) running requests, oldest first
         i = 0
@@ -116,10 +131,12 @@ class Scheduler:
                 n = min(remaining, budget)
                 if self.config.long_prefill_token_threshold > 0:
                     n = min(n, self.config.long_prefill_token_threshold)
+                n = self._snapshot_cut(req, num_cached, n)
                 if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks):
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = num_cached
+                state_loads[req.req_id] = self.kv.state_snapshot(computed_blocks) if num_cached else -1
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
@@ -131,9 +148,17 @@ class Scheduler:
 
         out = []
         get_table = self.kv.get_block_table
+        recurrent = self.kv.state is not None
         for req, n in scheduled:
             start = req.num_computed_tokens
             p = req.params
+            slot = load = save = -1
+            if recurrent:
+                slot = self.kv.state_slot(req.req_id)
+                load = state_loads.get(req.req_id, -1)
+                point = self._snapshot_point(req)
+                if point and start + n == point:
+                    save = self.kv.take_state_snapshot(req.req_id, point)
             # positional construction: this loop runs for every request every step
             out.append(ScheduledRequest(
                 req.req_id, req.all_token_ids[start:start + n], start, get_table(req.req_id),
@@ -141,7 +166,7 @@ class Scheduler:
                 len(req.output_token_ids), -1 if p.logprobs is None else p.logprobs, p.logprobs_mode,
                 req.banned_token_ids() if p.min_tokens else (),
                 (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt_token_ids,
-                 req.output_token_ids) if p.has_penalties else None))
+                 req.output_token_ids) if p.has_penalties else None, max(slot, 0), load, save))
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
                                preempted=preempted, owners=[req for req, _ in scheduled])
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from vllm.config import EngineConfig
 from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.state_slots import StateSlots
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler
 from vllm.engine.core_messages import RequestDelta
@@ -88,7 +89,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
         # the workers behind a typed seam (vllm/executor): one in-process worker
         self.executor = InProcessExecutor(config)
-        self.kv = KVCacheManager(self.executor.info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        info = self.executor.info
+        state = None
+        if info.num_state_slots:
+            state = StateSlots(info.num_state_slots, info.num_state_snapshots, info.state_chunk_size)
+        self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, state)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}

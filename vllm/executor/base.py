@@ -25,6 +25,11 @@ class ExecutorInfo:
     kv_capacity_tokens: int  # tokens the KV cache holds
     has_cuda_graphs: bool  # decode steps replay captured CUDA graphs
     self_check_report: dict | None  # the invariant kernels' start-up self-check (None when none ran)
+    # recurrent states (models with recurrent layers; 0 / None otherwise): slots per worker,
+    # the null slot 0 included, the prefix-cache snapshots after them, and the states' grid
+    num_state_slots: int = 0
+    num_state_snapshots: int = 0
+    state_chunk_size: int | None = None
 
 
 class Executor(ABC):

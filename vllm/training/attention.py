@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm.forward_context import StateBackend, StateMetadata
 from vllm.host_copy import to_device
 from vllm.kernels import ops
 from vllm.kernels.autograd_ops import PackedAttentionFn
@@ -42,6 +43,14 @@ class PackedAttentionBackend:
         # length are never read); built on the device
         width = max(self.max_len, 1)
         self.block_table = self.cu_seqlens[:-1, None] + torch.arange(width, dtype=torch.int32, device=self.device)
+
+    def state_backend(self) -> StateBackend:
+        """The recurrent layers' view of the micro-batch: every sequence starts at position 0
+        (a fresh state, as a rollout's prefill from an empty cache), and nothing is cached."""
+        n = len(self.seq_lens)
+        return StateBackend(StateMetadata(self.cu_seqlens, torch.zeros(n, dtype=torch.int32, device=self.device), None,
+                                          self.max_len, np.zeros(n, dtype=np.int64),
+                                          np.asarray(self.seq_lens, dtype=np.int64)))
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # [T, Hk, D] -> a cache of T blocks of one token (any strides with D contiguous). No

@@ -179,7 +179,7 @@ class Policy:
         dev = to_device(np.concatenate((ids, positions, rows, ids[rows + 1])), torch.int64, self.device)
         ids_t, pos_t, rows_t, targets_t = dev[:T], dev[T:2 * T], dev[2 * T:2 * T + R], dev[2 * T + R:]
         backend = PackedAttentionBackend(lens.tolist(), self.device, self.kv_cache_dtype)
-        with set_forward_context(ForwardContext(backend, self.numerics, self.kernels)):
+        with set_forward_context(ForwardContext(backend, self.numerics, self.kernels, backend.state_backend())):
             hidden = self.model(ids_t, pos_t, activation_checkpointing=self.activation_checkpointing)
             # the model's own lm_head (the rollout's kernel) on chunks of rows, fused with the
             # sampler's tempered log-softmax at the target column: the same bits as

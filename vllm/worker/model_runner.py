@@ -1,8 +1,8 @@
 """Model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-Owns the inference-only state: the paged KV cache, the attention backend's
-step metadata, persistent input buffers and the CUDA graphs captured for
-decode batches. The model itself is stateless between steps.
+Owns the inference-only state: the caches the layers declared (paged KV, recurrent
+states), the attention and state backends' step metadata, persistent input buffers and
+the CUDA graphs captured for decode batches. The model itself is stateless between steps.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import torch
 from vllm.config import EngineConfig
 from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from vllm.core.request import PLACEHOLDER
-from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.forward_context import ForwardContext, StateMetadata, set_forward_context
 from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
 from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
 from vllm.worker.attention_backend import AttentionMetadata
-from vllm.worker.kv_cache import PagedKVCache, bytes_per_block, cache_specs
+from vllm.worker.kv_cache import LayerCaches, bytes_per_block, cache_specs, state_bytes
 from vllm.worker.kv_format import KVFormat
 from vllm.worker.graph_pointers import GraphPointerTable
 
@@ -74,17 +74,33 @@ class ModelRunner:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler = Sampler(fused_gumbel=config.kernels.fused_gumbel)
-        self.kv_specs = cache_specs(self.model)  # what the model's layers declare
+        self.cache_specs = cache_specs(self.model, config.numerics)  # what the model's layers declare
+        self.kv_specs = self.cache_specs.paged
+        # recurrent states: slot 0 null, one slot per running sequence, then the snapshots
+        # the prefix cache keeps at multiples of the states' chunk size
+        if self.cache_specs.recurrent:
+            self.num_state_slots = 1 + config.scheduler.max_num_seqs
+            self.num_state_snapshots = config.cache.state_snapshots(config.scheduler.max_num_seqs)
+        else:
+            self.num_state_slots = self.num_state_snapshots = 0
+        self.state_bytes = state_bytes(self.cache_specs.recurrent, self.dtype, self.num_state_slots,
+                                       self.num_state_snapshots)
         self.num_blocks = self._decide_num_blocks()
         # sleep mode on CUDA: the caches live in one driver VMM region, so waking maps new
         # pages at the same address and captured graphs stay valid (vllm/worker/cuda_vmm.py)
-        self.kv_cache = PagedKVCache.allocate(self.kv_specs, self.kv_format, self.num_blocks, self.block_size,
-                                              self.device, vmm=config.cache.enable_sleep_mode)
+        self.kv_cache = LayerCaches.allocate(self.kv_specs, self.kv_format, self.num_blocks, self.block_size,
+                                             self.device, vmm=config.cache.enable_sleep_mode,
+                                             state_specs=self.cache_specs.recurrent, num_slots=self.num_state_slots,
+                                             num_snapshots=self.num_state_snapshots)
         self.attn = self.kv_cache.backend()
         logger.info("KV cache: %s, %d blocks x %d = %d tokens (%.1f KiB per token over all layers)",
                     "fp8 e4m3 + fp32 scale per token per head" if self.kv_format.fp8 else str(self.dtype),
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_bytes_per_block() / self.block_size / 1024)
+        if self.cache_specs.recurrent:
+            logger.info("recurrent states: %d layers, %d slots + %d prefix-cache snapshots, %.1f MiB",
+                        len(self.cache_specs.recurrent), self.num_state_slots - 1, self.num_state_snapshots,
+                        self.state_bytes / 2**20)
         # synchronise at phase boundaries and accumulate wall time per phase (benchmarks
         # print it; off by default because syncs cost time)
         self.profile = config.step_profile
@@ -109,14 +125,20 @@ class ModelRunner:
 
     def _decide_num_blocks(self) -> int:
         cc = self.config.cache
+        per_block = self.kv_bytes_per_block()
         if cc.num_gpu_blocks is not None:
             n = cc.num_gpu_blocks
+        elif per_block == 0:
+            # no paged layer: blocks are bookkeeping only (every sequence's full context fits)
+            n = 1 + self.config.scheduler.max_num_seqs * self.max_blocks_per_seq
         elif self.device.type == "cuda":
             n = self._profile_gpu_blocks()
         else:
-            n = cc.cpu_kv_cache_bytes // self.kv_bytes_per_block()
+            n = (cc.cpu_kv_cache_bytes - self.state_bytes) // per_block
         if n < 2:
-            raise ValueError("not enough memory for the KV cache: raise gpu_memory_utilization / cpu_kv_cache_bytes or use a smaller max_model_len")
+            raise ValueError(f"not enough memory for the KV cache (recurrent states take {self.state_bytes} bytes): "
+                             "raise gpu_memory_utilization / cpu_kv_cache_bytes, lower max_num_seqs or "
+                             "num_state_snapshots, or use a smaller max_model_len")
         return int(n)
 
     @torch.inference_mode()
@@ -126,30 +148,37 @@ class ModelRunner:
         torch.cuda.synchronize()
         n_tok = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         nb = -(-n_tok // self.block_size)  # the step's blocks, after the null block
-        dummy = PagedKVCache.allocate(self.kv_specs, self.kv_format, 1 + nb, self.block_size, self.device)
+        # the states are allocated here at their final size (fixed by max_num_seqs), so the
+        # peak measured includes them
+        dummy = LayerCaches.allocate(self.kv_specs, self.kv_format, 1 + nb, self.block_size, self.device,
+                                     state_specs=self.cache_specs.recurrent, num_slots=self.num_state_slots,
+                                     num_snapshots=self.num_state_snapshots)
         backend = dummy.backend()
+        cu = torch.tensor([0, n_tok], dtype=torch.int32, device=self.device)
         backend.metadata = AttentionMetadata(
             slot_mapping=torch.arange(self.block_size, self.block_size + n_tok, device=self.device),
             block_table=torch.arange(1, nb + 1, dtype=torch.int32, device=self.device)[None],
-            cu_seqlens_q=torch.tensor([0, n_tok], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=cu, seq_lens=torch.tensor([n_tok], dtype=torch.int32, device=self.device),
             max_query_len=n_tok, max_seq_len=n_tok)
+        state = dummy.state_backend(StateMetadata(
+            cu, torch.zeros(1, dtype=torch.int32, device=self.device),
+            torch.ones(1, dtype=torch.int32, device=self.device), n_tok, np.zeros(1, np.int64), np.array([n_tok])))
         ids = torch.zeros(n_tok, dtype=torch.long, device=self.device)
-        with set_forward_context(ForwardContext(backend, self.config.numerics, self.config.kernels)):
+        with set_forward_context(ForwardContext(backend, self.config.numerics, self.config.kernels, state)):
             h = self.model(ids, torch.arange(n_tok, device=self.device))
             self.model.compute_logits(h[-self.config.scheduler.max_num_seqs:])
         torch.cuda.synchronize()
         # This engine's own peak: weights + the largest step's activations (other
         # engines in the process, e.g. a trainer, are not ours to count).
-        own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load
-        del dummy, backend, h
+        own_peak = torch.cuda.max_memory_allocated() - self._mem_before_load - self.state_bytes
+        del dummy, backend, state, h
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         weights = torch.cuda.memory_allocated() - self._mem_before_load
         budget = total * self.config.cache.gpu_memory_utilization - own_peak
         # Never more than is actually free now, and keep room for CUDA graphs, the
         # sampler's [B, V] temporaries and fragmentation.
-        budget = min(budget, free - (own_peak - weights)) - (2 << 30)
+        budget = min(budget, free - (own_peak - weights)) - (2 << 30) - self.state_bytes
         return int(budget // self.kv_bytes_per_block())
 
     # ---- sleep mode -------------------------------------------------------------------
@@ -202,7 +231,7 @@ class ModelRunner:
             table[i, :len(r.block_table)] = r.block_table
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + q_lens
-        return input_ids, positions, slots, table, cu, seq_lens
+        return input_ids, positions, slots, table, cu, seq_lens, starts, q_lens
 
     # ---- one step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -217,7 +246,15 @@ class ModelRunner:
         if not sched.requests:
             return StepHandle([], [], None, {})
         self._mark(None)
-        input_ids, positions, slots, table, cu, seq_lens = self._prepare(sched)
+        input_ids, positions, slots, table, cu, seq_lens, starts, q_lens = self._prepare(sched)
+        recurrent = bool(self.cache_specs.recurrent)
+        state_slots = np.fromiter((r.state_slot for r in sched.requests), dtype=np.int32,
+                                  count=len(sched.requests)) if recurrent else None
+        if recurrent:
+            # prefix-cache hits start from a snapshot: copied into the sequence's slot first
+            loads = [(r.state_load, r.state_slot) for r in sched.requests if r.state_load >= 0]
+            if loads:
+                self.kv_cache.copy_state_slots([a for a, _ in loads], [b for _, b in loads])
         fill_rows, fill_src = [], []
         if prev is not None:
             for i, r in enumerate(sched.requests):
@@ -236,7 +273,7 @@ class ModelRunner:
             if fill_rows:
                 ids_dev[self._h2d(fill_rows, torch.long)] = prev.token_ids[self._h2d(fill_src, torch.long)]
         if graph_bs is not None:
-            hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens, fill)
+            hidden = self._run_graph(graph_bs, input_ids, positions, slots, table, seq_lens, fill, state_slots)
             self._mark("forward_graph")
             rows = [i for i, r in enumerate(sched.requests) if r.sample]
         else:
@@ -248,13 +285,23 @@ class ModelRunner:
                 max_query_len=max_q, max_seq_len=int(seq_lens.max()),
                 fresh_prefill=bool(max_q > 1 and (seq_lens == cu[1:] - cu[:-1]).all()))
             self.attn.metadata = md
+            state = None
+            if recurrent:
+                state = self.kv_cache.state_backend(StateMetadata(
+                    md.cu_seqlens_q, self._h2d(starts.astype(np.int32)), self._h2d(state_slots), max_q,
+                    host_start_pos=starts, host_q_lens=q_lens))
             ids_dev = self._h2d(input_ids)
             fill(ids_dev)
-            with set_forward_context(ForwardContext(self.attn, self.config.numerics, self.config.kernels)):
+            with set_forward_context(ForwardContext(self.attn, self.config.numerics, self.config.kernels, state)):
                 hidden = self.model(ids_dev, self._h2d(positions))
             self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
             rows = [int(last[i]) for i, r in enumerate(sched.requests) if r.sample]
+        if recurrent:
+            # a sequence whose step ended on the states' grid leaves a prefix-cache snapshot
+            saves = [(r.state_slot, r.state_save) for r in sched.requests if r.state_save >= 0]
+            if saves:
+                self.kv_cache.copy_state_slots([a for a, _ in saves], [b for _, b in saves])
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
             return StepHandle([], [], None, {})
@@ -375,7 +422,8 @@ class ModelRunner:
         """Every tensor a captured graph reads: parameters, KV caches, input/output workspaces."""
         out = {f"param:{n}": p for n, p in self.model.named_parameters()}
         out.update(self.kv_cache.graph_tensors())
-        for name in ("g_input_ids", "g_positions", "g_slots", "g_table", "g_cu", "g_seq_lens", "g_hidden"):
+        for name in ("g_input_ids", "g_positions", "g_slots", "g_table", "g_cu", "g_seq_lens", "g_hidden",
+                     "g_state_slots", "g_start_pos"):
             t = getattr(self, name, None)
             if t is not None:
                 out[f"workspace:{name}"] = t
@@ -413,6 +461,10 @@ class ModelRunner:
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.g_hidden = torch.zeros(max_bs, self.model.config.hidden_size, dtype=self.dtype, device=dev)
+        if self.cache_specs.recurrent:
+            # padding rows: the null slot, position 0 (a fresh state: nothing is read)
+            self.g_state_slots = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+            self.g_start_pos = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         for bs in sorted(sizes, reverse=True):
@@ -420,7 +472,11 @@ class ModelRunner:
                                    max_query_len=1, max_seq_len=self.max_model_len)
             self.g_seq_lens[:bs].fill_(1)
             self.attn.metadata = md
-            ctx = ForwardContext(self.attn, self.config.numerics, self.config.kernels)
+            state = None
+            if self.cache_specs.recurrent:
+                state = self.kv_cache.state_backend(StateMetadata(self.g_cu[:bs + 1], self.g_start_pos[:bs],
+                                                                  self.g_state_slots[:bs], 1))
+            ctx = ForwardContext(self.attn, self.config.numerics, self.config.kernels, state)
             with set_forward_context(ctx):
                 for _ in range(2):  # warm up: Triton autotuning/compilation happens outside capture
                     self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
@@ -435,7 +491,8 @@ class ModelRunner:
         self.record_graph_pointers()
         logger.info("captured %d CUDA graphs in %.1f s", len(sizes), time.perf_counter() - t0)
 
-    def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens, fill=None) -> torch.Tensor:
+    def _run_graph(self, bs: int, input_ids, positions, slots, table, seq_lens, fill=None,
+                   state_slots=None) -> torch.Tensor:
         n = len(input_ids)
         pin = lambda a: torch.from_numpy(a).pin_memory()  # non_blocking copies need pinned sources
         self.g_input_ids[:n].copy_(pin(input_ids), non_blocking=True)
@@ -444,12 +501,18 @@ class ModelRunner:
         self.g_table[:n].zero_()
         self.g_table[:n, :table.shape[1]].copy_(pin(table), non_blocking=True)
         self.g_seq_lens[:n].copy_(pin(seq_lens.astype(np.int32)), non_blocking=True)
+        if state_slots is not None:
+            self.g_state_slots[:n].copy_(pin(state_slots), non_blocking=True)
+            self.g_start_pos[:n].copy_(pin(positions.astype(np.int32)), non_blocking=True)
         if bs > n:
             # Padding rows: context length 0 (attention writes nothing that is read), KV written to the null block.
             self.g_seq_lens[n:bs].zero_()
             self.g_slots[n:bs].zero_()
             self.g_input_ids[n:bs].zero_()
             self.g_positions[n:bs].zero_()
+            if state_slots is not None:
+                self.g_state_slots[n:bs].zero_()
+                self.g_start_pos[n:bs].zero_()
         if fill is not None:
             fill(self.g_input_ids)
         if self._pointers_unverified:
