@@ -13,6 +13,8 @@
   ``new_weights``     tiny_qwen3's architecture and dims with other values (seed 5):
                       the weights a weight-sync test updates to
   ``tiny_qwen3_moe``  Qwen3MoeForCausalLM, 8 experts top-2, layer 1 dense
+  ``tiny_qwen3_next`` Qwen3NextForCausalLM, hybrid: layers 0-2 Gated DeltaNet, 3 gated
+                      attention; 4 experts top-2 + a shared expert, layer 1 dense
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
   ``smollm2_dir``     SmolLM2-135M-Instruct, a real trained model, converted from
@@ -166,4 +168,15 @@ def tiny_qwen3_moe(tiny_models_root) -> str:
     from vllm.testing.tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tiny_models_root / "qwen3_moe", "qwen3_moe", head_dim=32, num_hidden_layers=3, seed=3,
+                                config_overrides={"mlp_only_layers": [1]})
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tiny_models_root) -> str:
+    """Qwen3NextForCausalLM: 4 layers [linear, linear, linear, full] attention, Gated DeltaNet
+    with 2 key / 4 value heads of 16, attention 4 / 2 heads of head_dim 32 with partial rope
+    (factor 0.25: 8 rotary dims), 4 experts top-2 with a shared expert, layer 1 dense."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tiny_models_root / "qwen3_next", "qwen3_next", head_dim=32, num_hidden_layers=4, seed=4,
                                 config_overrides={"mlp_only_layers": [1]})

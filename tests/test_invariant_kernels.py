@@ -115,6 +115,71 @@ def test_rms_norm_matches_reference_and_is_row_invariant(H):
         assert torch.equal(bits(rms_norm_triton(x[i:i + 1].clone(), w, 1e-6)), bits(out[i:i + 1]))
 
 
+@pytest.mark.parametrize("H", [8, 48, 100])
+def test_zero_centred_rms_norm_matches_reference_and_is_row_invariant(H):
+    """(x * rstd) * (1 + w) rounded once, the residual sum rounded first; the flag leaves
+    Llama's form of the same kernel as it was."""
+    from vllm.kernels.rowwise import add_zero_centred_rms_norm_triton, zero_centred_rms_norm_triton
+    from vllm.kernels.torch_ops import zero_centred_rms_norm
+    g = torch.Generator().manual_seed(100 + H)
+    x = torch.randn(9, H, generator=g).to(DEV)
+    r = torch.randn(9, H, generator=g).to(DEV)
+    w = (0.1 * torch.randn(H, generator=g)).to(DEV)
+    out = zero_centred_rms_norm_triton(x, w, 1e-6)
+    xd = x.double()
+    ref = (1 + w.double()) * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_err(out, ref) < 1e-6
+    assert rel_err(zero_centred_rms_norm(x, w, 1e-6), ref) < 1e-6
+    out2, res2 = add_zero_centred_rms_norm_triton(x, r, w, 1e-6)
+    assert torch.equal(bits(res2), bits(x + r))
+    assert torch.equal(bits(out2), bits(zero_centred_rms_norm_triton(x + r, w, 1e-6)))
+    for i in (0, 4, 8):
+        assert torch.equal(bits(zero_centred_rms_norm_triton(x[i:i + 1].clone(), w, 1e-6)), bits(out[i:i + 1]))
+    # a per-head norm on a strided [T, heads, D] view (the gated q of a fused projection)
+    heads = torch.randn(5, 3, 2 * H, generator=g).to(DEV)[..., :H]
+    assert torch.equal(bits(zero_centred_rms_norm_triton(heads, w, 1e-6)),
+                       bits(zero_centred_rms_norm_triton(heads.contiguous(), w, 1e-6)))
+    # w == 0 is the identity scale; Llama's form with weight 1 + w computes the same values
+    assert rel_err(zero_centred_rms_norm_triton(x, torch.zeros_like(w), 1e-6), xd / torch.sqrt(
+        xd.pow(2).mean(-1, keepdim=True) + 1e-6)) < 1e-6
+
+
+def test_partial_rope_and_sigmoid_gate_match_torch():
+    """Partial rope (the first R dims of each head rotated, the rest copied) and x * sigmoid(gate)
+    (per element, or one gate per row) against the torch formulas; full rope's bits unchanged."""
+    from vllm.kernels.elementwise import rope_triton, sigmoid_gate_triton
+    from vllm.kernels.torch_ops import rope_one, sigmoid_gate, sigmoid_gate_rows
+    g = torch.Generator().manual_seed(4)
+    T, D = 7, 32
+    q = torch.randn(T, 4, D, generator=g).to(DEV)
+    k = torch.randn(T, 2, D, generator=g).to(DEV)
+    for rot in (8, 16, 32):
+        ang = torch.randn(T, rot // 2, generator=g).to(DEV)
+        cos, sin = ang.cos(), ang.sin()
+        rq, rk = rope_triton(q, k, cos, sin)
+        assert torch.equal(bits(rq), bits(rope_one(q, cos, sin))) and torch.equal(bits(rk), bits(rope_one(k, cos, sin)))
+        assert torch.equal(bits(rq[..., rot:]), bits(q[..., rot:]))
+        h = rot // 2
+        ref = torch.cat((q[..., :h] * cos[:, None] - q[..., h:rot] * sin[:, None],
+                         q[..., h:rot] * cos[:, None] + q[..., :h] * sin[:, None]), dim=-1)
+        assert torch.equal(bits(rq[..., :rot]), bits(ref))
+    x = torch.randn(6, 3, 16, generator=g).to(DEV)
+    gate = (torch.randn(6, 3, 32, generator=g) * 4).to(DEV)[..., 16:]  # a strided view, as the model passes it
+    row_gate = (torch.randn(6, 3, 1, generator=g) * 4).to(DEV)
+    for gt in (gate, row_gate):
+        ref = x.double() * torch.sigmoid(gt.double())
+        out = sigmoid_gate_triton(x, gt)
+        assert out.shape == x.shape and (out.double() - ref).abs().max().item() < 1e-6
+        rows = sigmoid_gate_rows(x.cpu(), gt.cpu())  # the CPU's invariant form: one token at a time
+        assert (rows.double() - ref.cpu()).abs().max().item() < 1e-6
+        assert (sigmoid_gate(x, gt).double() - ref).abs().max().item() < 1e-6
+        for i in (0, 5):
+            assert torch.equal(bits(sigmoid_gate_triton(x[i:i + 1].clone(), gt[i:i + 1].clone())), bits(out[i:i + 1]))
+            assert torch.equal(bits(sigmoid_gate_rows(x[i:i + 1].cpu(), gt[i:i + 1].cpu())), bits(rows[i:i + 1]))
+    with pytest.raises(ValueError, match="does not gate"):
+        sigmoid_gate_triton(x, gate[..., :3])
+
+
 # ---- GPU, real shapes ---------------------------------------------------------------------
 QWEN3_8B_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 

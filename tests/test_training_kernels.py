@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.kernels.autograd_ops import (AddRMSNormFn, LinearFn, PackedAttentionFn, RMSNormFn, RopeFn,
-                                       SiluAndMulFn)
+                                       SigmoidGateFn, SiluAndMulFn)
 
 D64 = torch.float64
 
@@ -17,12 +17,17 @@ def _rms(x, w, eps):
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _zc_rms(x, w, eps):
+    return (1 + w) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _rope(q, k, cos, sin):
+    """Neox rotation of the first 2 * cos.shape[-1] dims of each head (all of them: full rope)."""
     def one(x):
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
+        h = cos.shape[-1]
+        x1, x2 = x[..., :h], x[..., h:2 * h]
         c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * h:]), dim=-1)
     return one(q), one(k)
 
 
@@ -65,6 +70,26 @@ def test_rope_backward():
     ang = torch.randn(4, 3, dtype=D64)
     cos, sin = ang.cos(), ang.sin()
     assert torch.autograd.gradcheck(lambda q, k: RopeFn.apply(q, k, cos, sin, _rope), (q, k))
+
+
+def test_zero_centred_rms_norm_backward():
+    x, r, w = rnd(3, 8), rnd(3, 8), rnd(8)
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFn.apply(x, w, 1e-6, _zc_rms, True), (x, w))
+    fwd = lambda x, r, w, e: (_zc_rms(x + r, w, e), x + r)  # noqa: E731
+    assert torch.autograd.gradcheck(lambda x, r, w: AddRMSNormFn.apply(x, r, w, 1e-6, fwd, True), (x, r, w))
+
+
+def test_partial_rope_backward():
+    q, k = rnd(4, 3, 10), rnd(4, 1, 10)
+    ang = torch.randn(4, 2, dtype=D64)  # 4 of 10 dims rotate
+    cos, sin = ang.cos(), ang.sin()
+    assert torch.autograd.gradcheck(lambda q, k: RopeFn.apply(q, k, cos, sin, _rope), (q, k))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sigmoid_gate_backward(per_row):
+    x, g = rnd(3, 2, 6), rnd(3, 2, 1 if per_row else 6)
+    assert torch.autograd.gradcheck(lambda x, g: SigmoidGateFn.apply(x, g, lambda a, b: a * torch.sigmoid(b)), (x, g))
 
 
 def test_silu_and_mul_backward():
@@ -174,6 +199,57 @@ def test_rope_backward_kernel_vs_float64():
     torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
     assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
     assert rope_backward(None, dk, cos, sin)[0] is None
+
+
+@pytest.mark.parametrize("layout", ["rows", "heads_view", "residual"])
+def test_zero_centred_rms_norm_backward_kernel_vs_float64(layout):
+    """The same Triton backward with the weight read as 1 + w."""
+    from vllm.kernels.norm_backward import rms_norm_backward
+    torch.manual_seed(2)
+    if layout == "heads_view":
+        x = torch.randn(7, 4, 2 * 16, device=DEV)[..., :16]  # the gated q: [q | gate] per head
+        H = 16
+    else:
+        x = torch.randn(9, 40, device=DEV) * 3
+        H = 40
+    w = 0.1 * torch.randn(H, device=DEV)
+    dy = torch.randn(x.shape, device=DEV)
+    dres = torch.randn(x.shape, device=DEV) if layout == "residual" else None
+    dx, dw = rms_norm_backward(x, w, dy, 1e-6, dres=dres, zero_centred=True)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    _zc_rms(xd, wd, 1e-6).backward(dy.double())
+    ref_dx = xd.grad + (dres.double() if dres is not None else 0)
+    assert _rel(dx, ref_dx) < 1e-5 and _rel(dw, wd.grad) < 1e-5
+
+
+def test_partial_rope_backward_kernel_vs_float64():
+    from vllm.kernels.elementwise_backward import rope_backward
+    torch.manual_seed(3)
+    T, D, R = 6, 32, 8
+    ang = torch.randn(T, R // 2, device=DEV) * 3
+    cos, sin = ang.cos(), ang.sin()
+    dq, dk = torch.randn(T, 4, D, device=DEV), torch.randn(T, 2, D, device=DEV)
+    gq, gk = rope_backward(dq, dk, cos, sin)
+    qd = torch.randn(T, 4, D, dtype=D64, device=DEV, requires_grad=True)
+    kd = torch.randn(T, 2, D, dtype=D64, device=DEV, requires_grad=True)
+    oq, ok = _rope(qd, kd, cos.double(), sin.double())
+    torch.autograd.backward((oq, ok), (dq.double(), dk.double()))
+    assert _rel(gq, qd.grad) < 1e-6 and _rel(gk, kd.grad) < 1e-6
+    assert torch.equal(gq[..., R:], dq[..., R:])  # the unrotated dims pass their gradient through
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sigmoid_gate_backward_kernel_vs_float64(per_row):
+    from vllm.kernels.elementwise_backward import sigmoid_gate_backward
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, 24, device=DEV)
+    g = (torch.randn(5, 3, 1, device=DEV) if per_row else torch.randn(5, 3, 48, device=DEV)[..., 24:]) * 3
+    dy = torch.randn(x.shape, device=DEV)
+    dx, dg = sigmoid_gate_backward(x, g, dy)
+    xd, gd = x.double().requires_grad_(), g.double().requires_grad_()
+    (xd * torch.sigmoid(gd)).backward(dy.double())
+    assert dx.shape == x.shape and dg.shape == g.shape
+    assert _rel(dx, xd.grad) < 1e-6 and _rel(dg, gd.grad) < 1e-5
 
 
 def test_trainer_kv_in_place_equals_a_paged_copy():

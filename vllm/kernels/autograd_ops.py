@@ -3,8 +3,9 @@ with a separately written backward.
 
 The forward of every Function here calls exactly the kernel the engine calls
 (passed in as `fwd`), so a training forward produces the rollout's bits. The
-backward is a separate implementation: on the GPU, Triton kernels for RMSNorm
-(vllm/kernels/norm_backward.py), RoPE and SiLU-and-mul
+backward is a separate implementation: on the GPU, Triton kernels for RMSNorm (both
+forms: `w * round(x * rstd)` and zero-centred `(x * rstd) * (1 + w)`)
+(vllm/kernels/norm_backward.py), RoPE (full or partial), SiLU-and-mul and the sigmoid gate
 (vllm/kernels/elementwise_backward.py), cuBLAS for linear layers, flash for
 attention; elsewhere torch formulas (float64 in the gradcheck tests). Gradients only
 have to be right, not batch-invariant. Each torch backward is verified by
@@ -47,13 +48,15 @@ class LinearFn(torch.autograd.Function):
 
 
 class RMSNormFn(torch.autograd.Function):
-    """y = w * round(x * rstd); backward of the unrounded formula:
-    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w; dw = sum(dy * xhat)."""
+    """y = w * round(x * rstd), or with `zero_centred` y = (x * rstd) * (1 + w); backward of
+    the unrounded formula: dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w (dy * (1 + w));
+    dw = sum(dy * xhat)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, fwd):
+    def forward(ctx, x, weight, eps, fwd, zero_centred=False):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        ctx.zero_centred = zero_centred
         return fwd(x, weight, eps)
 
     @staticmethod
@@ -62,32 +65,33 @@ class RMSNormFn(torch.autograd.Function):
         if x.is_cuda:
             from vllm.kernels.norm_backward import rms_norm_backward
             dx, dw = rms_norm_backward(x, weight, dy, ctx.eps, need_dx=ctx.needs_input_grad[0],
-                                       need_dw=ctx.needs_input_grad[1])
-            return dx, dw, None, None
-        dx, dw = _rms_norm_backward(x, weight, ctx.eps, dy)
-        return dx, dw, None, None
+                                       need_dw=ctx.needs_input_grad[1], zero_centred=ctx.zero_centred)
+            return dx, dw, None, None, None
+        dx, dw = _rms_norm_backward(x, weight, ctx.eps, dy, ctx.zero_centred)
+        return dx, dw, None, None, None
 
 
-def _rms_norm_backward(x, weight, eps: float, dy):
+def _rms_norm_backward(x, weight, eps: float, dy, zero_centred: bool = False):
     acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
     xf, dyf, wf = x.to(acc), dy.to(acc), weight.to(acc)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * rstd
-    g = dyf * wf
+    g = dyf * (1.0 + wf if zero_centred else wf)
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 class AddRMSNormFn(torch.autograd.Function):
-    """(y, r') = (rms_norm(x + r), x + r): the residual stream gets the norm's
-    input gradient plus whatever flows into r' from later layers."""
+    """(y, r') = (rms_norm(x + r), x + r) (either form of the norm): the residual stream gets
+    the norm's input gradient plus whatever flows into r' from later layers."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, fwd):
+    def forward(ctx, x, residual, weight, eps, fwd, zero_centred=False):
         out, res = fwd(x, residual, weight, eps)
         ctx.save_for_backward(res, weight)
         ctx.eps = eps
+        ctx.zero_centred = zero_centred
         return out, res
 
     @staticmethod
@@ -96,15 +100,17 @@ class AddRMSNormFn(torch.autograd.Function):
         res, weight = ctx.saved_tensors
         if res.is_cuda:  # one kernel: the norm's input gradient plus dres
             from vllm.kernels.norm_backward import rms_norm_backward
-            d, dw = rms_norm_backward(res, weight, dy, ctx.eps, dres=dres, need_dw=ctx.needs_input_grad[2])
-            return d, d, dw, None, None
-        dnorm, dw = _rms_norm_backward(res, weight, ctx.eps, dy)
+            d, dw = rms_norm_backward(res, weight, dy, ctx.eps, dres=dres, need_dw=ctx.needs_input_grad[2],
+                                      zero_centred=ctx.zero_centred)
+            return d, d, dw, None, None, None
+        dnorm, dw = _rms_norm_backward(res, weight, ctx.eps, dy, ctx.zero_centred)
         d = dnorm if dres is None else dnorm + dres.to(dnorm.dtype)
-        return d, d, dw, None, None
+        return d, d, dw, None, None, None
 
 
 class RopeFn(torch.autograd.Function):
-    """Rotation by angle a per (position, frequency); its adjoint rotates by -a."""
+    """Rotation by angle a per (position, frequency); its adjoint rotates by -a. With a partial
+    rope (cos/sin narrower than half the head), the unrotated dims pass their gradient through."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, fwd):
@@ -122,11 +128,11 @@ class RopeFn(torch.autograd.Function):
             if d is None:
                 return None
             acc = torch.float64 if d.dtype == torch.float64 else torch.float32
-            half = d.shape[-1] // 2
+            half = cos.shape[-1]
             df = d.to(acc)
-            d1, d2 = df[..., :half], df[..., half:]
+            d1, d2 = df[..., :half], df[..., half:2 * half]
             c, s = cos.to(acc)[:, None, :], sin.to(acc)[:, None, :]
-            return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s), dim=-1).to(d.dtype)
+            return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s, df[..., 2 * half:]), dim=-1).to(d.dtype)
         return adjoint(dq), adjoint(dk), None, None, None
 
 
@@ -151,6 +157,31 @@ class SiluAndMulFn(torch.autograd.Function):
         dg = dyf * u * sig * (1 + g * (1 - sig))
         du = dyf * g * sig
         return torch.cat((dg, du), dim=-1).to(x.dtype), None
+
+
+class SigmoidGateFn(torch.autograd.Function):
+    """y = x * sigmoid(g), g of x's shape or one per row ([.., 1])."""
+
+    @staticmethod
+    def forward(ctx, x, gate, fwd):
+        ctx.save_for_backward(x, gate)
+        return fwd(x, gate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate = ctx.saved_tensors
+        if x.is_cuda:
+            from vllm.kernels.elementwise_backward import sigmoid_gate_backward
+            dx, dg = sigmoid_gate_backward(x, gate, dy, need_dx=ctx.needs_input_grad[0],
+                                           need_dgate=ctx.needs_input_grad[1])
+            return dx, dg, None
+        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        xf, dyf = x.to(acc), dy.to(acc)
+        s = torch.sigmoid(gate.to(acc))
+        dg = dyf * xf * s * (1 - s)
+        if gate.shape[-1] != x.shape[-1]:
+            dg = dg.sum(-1, keepdim=True)
+        return (dyf * s).to(x.dtype), dg.to(gate.dtype), None
 
 
 class PackedAttentionFn(torch.autograd.Function):

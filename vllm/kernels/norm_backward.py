@@ -7,6 +7,9 @@ Backward of the unrounded formula, with g = dy * w:
     dx = rstd * g - x * rstd^3 * sum(g * x) / H      (+ dres, the residual stream's own gradient)
     dw = sum over rows of dy * x * rstd
 
+The zero-centred norm (y = round((x * rstd) * (1 + w))) is the same formula with 1 + w in
+place of w in g; its dw is unchanged (`zero_centred=True`).
+
 `_rms_norm_dx_kernel` reads each row twice (statistics, then dx) and writes dx and
 rstd; `_rms_norm_dw_kernel` reduces dy * x * rstd over row ranges into float32
 partials that one small sum finishes. All arithmetic is float32. Gradients need not be
@@ -35,7 +38,8 @@ def _row_offsets(rows, INNER, stride_outer, stride_inner):
 def _rms_norm_dx_kernel(x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, rstd_ptr, R, H, eps,
                         X_INNER, sx_outer, sx_inner, DY_INNER, sdy_outer, sdy_inner,
                         DRES_INNER, sdres_outer, sdres_inner,
-                        HAS_DRES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                        HAS_DRES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     x_row = _row_offsets(rows, X_INNER, sx_outer, sx_inner)
@@ -49,6 +53,8 @@ def _rms_norm_dx_kernel(x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, rstd_ptr, R, H, 
         x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            w = w + 1.0
         sq += x * x
         gx += dy * w[None, :] * x
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / H + eps)
@@ -64,6 +70,8 @@ def _rms_norm_dx_kernel(x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, rstd_ptr, R, H, 
         x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            w = w + 1.0
         dx = rstd[:, None] * (dy * w[None, :]) - x * coef[:, None]
         if HAS_DRES:
             dx += tl.load(dres_ptr + dres_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -117,10 +125,12 @@ _SM_CACHE: dict = {}
 
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float,
-                      dres: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
-    """(dx, dw) of y = rms_norm(x) * w for the upstream gradient dy (x's shape, last dim H);
-    dres, when given, is added to dx (the fused residual add's second gradient). dx has x's
-    dtype and shape, dw the weight's dtype. CUDA tensors, or CPU ones under TRITON_INTERPRET=1."""
+                      dres: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
+                      zero_centred: bool = False):
+    """(dx, dw) of y = rms_norm(x) * w (`zero_centred`: * (1 + w)) for the upstream gradient dy
+    (x's shape, last dim H); dres, when given, is added to dx (the fused residual add's second
+    gradient). dx has x's dtype and shape, dw the weight's dtype. CUDA tensors, or CPU ones
+    under TRITON_INTERPRET=1."""
     H = x.shape[-1]
     shape = x.shape
     R = x.numel() // H if H else 0
@@ -142,7 +152,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
     _rms_norm_dx_kernel[(triton.cdiv(R, BLOCK_R),)](
         xv, weight, dyv, dresv, dx, rstd, R, H, eps,
         x_inner, sxo, sxi, dy_inner, sdyo, sdyi, dres_inner, sdro, sdri,
-        HAS_DRES=dres is not None, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=warps)
+        HAS_DRES=dres is not None, ZERO_CENTRED=zero_centred, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=warps)
     dw = None
     if need_dw:
         dev = x.device

@@ -112,9 +112,25 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "add_rms_norm": OpNumerics(
         fast=Impl(cuda=rowwise.add_rms_norm_triton, cpu=torch_ops.add_rms_norm),
         invariant=Impl(cuda=rowwise.add_rms_norm_triton, cpu=torch_ops.add_rms_norm_rows, cpu_autograd_fn=True)),
+    # Zero-centred RMSNorm (Qwen3-Next, Qwen3.5): (x * rstd) * (1 + w), one rounding; the same
+    # row kernel with its flag set.
+    "zero_centred_rms_norm": OpNumerics(
+        fast=Impl(cuda=rowwise.zero_centred_rms_norm_triton, cpu=torch_ops.zero_centred_rms_norm),
+        invariant=Impl(cuda=rowwise.zero_centred_rms_norm_triton, cpu=torch_ops.zero_centred_rms_norm_rows,
+                       cpu_autograd_fn=True)),
+    "add_zero_centred_rms_norm": OpNumerics(
+        fast=Impl(cuda=rowwise.add_zero_centred_rms_norm_triton, cpu=torch_ops.add_zero_centred_rms_norm),
+        invariant=Impl(cuda=rowwise.add_zero_centred_rms_norm_triton, cpu=torch_ops.add_zero_centred_rms_norm_rows,
+                       cpu_autograd_fn=True)),
     # Elementwise and gathers: each element depends on its own inputs only.
     "rope": OpNumerics(fast=_ROPE, invariant=_ROPE),
     "silu_and_mul": OpNumerics(fast=_SILU, invariant=_SILU),
+    # x * sigmoid(gate) (Qwen3-Next's attention output gate and shared-expert gate). The CPU's
+    # sigmoid takes a vectorised or a scalar exp by where an element falls in the loop, which a
+    # gate of one element per row [T, 1] makes depend on T: invariant mode goes row by row.
+    "sigmoid_gate": OpNumerics(
+        fast=Impl(cuda=elementwise.sigmoid_gate_triton, cpu=torch_ops.sigmoid_gate),
+        invariant=Impl(cuda=elementwise.sigmoid_gate_triton, cpu=torch_ops.sigmoid_gate_rows, cpu_autograd_fn=True)),
     "embedding": OpNumerics(fast=_EMBEDDING, invariant=_EMBEDDING),
     # Attention. A prefill step whose sequences all start at position 0 may take a kernel on
     # the step's own q/k/v (None: prefill_attention runs); every other step reads the cache.

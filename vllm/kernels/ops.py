@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from vllm.forward_context import current_kernel_config, current_numerics
-from vllm.kernels.autograd_ops import AddRMSNormFn, LinearFn, RMSNormFn, RopeFn, SiluAndMulFn
+from vllm.kernels.autograd_ops import AddRMSNormFn, LinearFn, RMSNormFn, RopeFn, SigmoidGateFn, SiluAndMulFn
 from vllm.kernels.numerics_table import NUMERICS_TABLE
 
 
@@ -75,6 +75,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return fn(x, residual, weight, eps)
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = (x / sqrt(mean(x^2) + eps)) * (1 + w): float32 throughout, rounded once to x's dtype."""
+    fn, wrap = _kernel("zero_centred_rms_norm", x)
+    if wrap and _needs_autograd(x, weight):
+        return RMSNormFn.apply(x, weight, eps, fn, True)
+    return fn(x, weight, eps)
+
+
+def add_zero_centred_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (in the model dtype); returns (zero_centred_rms_norm(residual'), residual')."""
+    fn, wrap = _kernel("add_zero_centred_rms_norm", x)
+    if wrap and _needs_autograd(x, residual, weight):
+        return AddRMSNormFn.apply(x, residual, weight, eps, fn, True)
+    return fn(x, residual, weight, eps)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
     fn, wrap = _kernel("silu_and_mul", x)
@@ -83,8 +100,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return fn(x)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), gate of x's shape or with last dim 1 (one gate per row); the sigmoid
+    is rounded to the model dtype, then the product, as torch computes it."""
+    fn, wrap = _kernel("sigmoid_gate", x)
+    if wrap and _needs_autograd(x, gate):
+        return SigmoidGateFn.apply(x, gate, fn)
+    return fn(x, gate)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate-half) rotary embedding. q: [T, Hq, D], k: [T, Hk, D], cos/sin: [T, D/2] float32.
+    """Neox-style (rotate-half) rotary embedding. q: [T, Hq, D], k: [T, Hk, D], cos/sin: [T, R/2]
+    float32: the first R dims of each head are rotated (R = D: the full rope), the rest passed
+    through (partial rope).
 
     Computed in float32 and rounded once to the model dtype.
     """

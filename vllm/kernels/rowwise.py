@@ -1,5 +1,7 @@
 """Row-wise kernel with a fixed reduction order: RMSNorm, optionally fused with
-the residual add. (Log-softmax lives with the sampler: vllm/sample/sampler.py,
+the residual add, in two forms: Llama's `w * round(x * rstd)` and the zero-centred
+`round((x * rstd) * (1 + w))` (Qwen3-Next, Qwen3.5: weights stored as offsets from one,
+one rounding). (Log-softmax lives with the sampler: vllm/sample/sampler.py,
 `batch_invariant_log_softmax`, shared by rollout and trainer.)
 
 One program owns one row and reduces it in chunks of a BLOCK fixed by the row
@@ -21,7 +23,7 @@ def _block(n: int, cap: int = 8192) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, H, BLOCK):
@@ -44,12 +46,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         else:
             x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        # normalised value rounded to the model dtype, then scaled by the weight (HF's two roundings)
-        n = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (n * w).to(out_ptr.dtype.element_ty), mask=mask)
+        if ZERO_CENTRED:
+            # (x * rstd) * (1 + w) in float32, rounded once (transformers' Qwen3NextRMSNorm)
+            y = (x * rstd) * (1.0 + w)
+        else:
+            # normalised value rounded to the model dtype, then scaled by the weight (HF's two roundings)
+            y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    zero_centred: bool = False):
     shape = x.shape
     H = shape[-1]
     x2 = x.reshape(-1, H)
@@ -64,7 +71,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         BLOCK = _block(H)
         _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, H, eps,
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-                                  HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
+                                  HAS_RES=residual is not None, ZERO_CENTRED=zero_centred, BLOCK=BLOCK,
+                                  num_warps=4 if BLOCK <= 1024 else 8)
     if residual is not None:
         return out.reshape(shape), res_out.reshape(shape)
     return out.reshape(shape)
@@ -74,3 +82,13 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     """(rms_norm(x + residual), x + residual) in one launch; the sum is rounded to the
     model dtype first, as in torch."""
     return rms_norm_triton(x, weight, eps, residual=residual)
+
+
+def zero_centred_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x * rstd) * (1 + w), rounded once to x's dtype."""
+    return rms_norm_triton(x, weight, eps, zero_centred=True)
+
+
+def add_zero_centred_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(zero-centred rms_norm(x + residual), x + residual) in one launch, the sum rounded first."""
+    return rms_norm_triton(x, weight, eps, residual=residual, zero_centred=True)

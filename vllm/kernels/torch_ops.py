@@ -36,18 +36,42 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(residual, weight, eps), residual
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = (x / sqrt(mean(x^2) + eps)) * (1 + w) in float32, rounded once to x's dtype."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_zero_centred_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual  # elementwise, in the model dtype
+    return zero_centred_rms_norm(residual, weight, eps), residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate): the sigmoid rounded to the model dtype, then the product (gate's
+    last dim may be 1: one gate per row)."""
+    return x * torch.sigmoid(gate)
+
+
 def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x [T, H, D] by cos/sin [T, D/2], in float32, rounded once."""
-    half = x.shape[-1] // 2
-    xf = x.float()
+    """Neox-style rotation of x [T, H, D] by cos/sin [T, R/2], in float32, rounded once: the
+    first R dims of each head are rotated (R = D: full rope), the rest passed through."""
+    half = cos.shape[-1]
+    rot = 2 * half
+    xf = x[..., :rot].float()
     x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rot:]), dim=-1)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +108,25 @@ def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual  # elementwise: invariant
     return rms_norm_rows(residual, weight, eps), residual
+
+
+def zero_centred_rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rows(lambda r: zero_centred_rms_norm(r, weight, eps), x)
+
+
+def add_zero_centred_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual  # elementwise: invariant
+    return zero_centred_rms_norm_rows(residual, weight, eps), residual
+
+
+def sigmoid_gate_rows(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) one token (index of dim 0) at a time: the vectorised and the scalar exp
+    of the CPU's sigmoid differ in the last bit, and which one an element gets must not depend
+    on the batch."""
+    if x.shape[0] == 0:
+        return sigmoid_gate(x, gate)
+    return torch.cat([sigmoid_gate(x[i:i + 1].clone(), gate[i:i + 1].clone()) for i in range(x.shape[0])], dim=0)
 
 
 def logits_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it: Llama's form and the
+zero-centred form of Qwen3-Next / Qwen3.5."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,8 @@ from vllm.kernels import ops
 
 
 class RMSNorm(nn.Module):
+    """y = w * round(x * rstd) (transformers' LlamaRMSNorm: two roundings)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
@@ -17,3 +20,19 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """y = round((x * rstd) * (1 + w)): the weight is stored as its offset from one (zero
+    means the identity scale) and the output is rounded once (transformers'
+    Qwen3NextRMSNorm / Qwen3_5RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.zero_centred_rms_norm(x, self.weight, self.eps)
+        return ops.add_zero_centred_rms_norm(x, residual, self.weight, self.eps)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout) with optional llama3 or linear scaling.
+"""Rotary position embedding (neox / rotate-half layout) with optional llama3 or linear scaling,
+over the whole head or (partial rope, `rotary_dim` < head_dim) over its first `rotary_dim` dims.
 
 The cos/sin table is a buffer computed once in float32 (so it is the same
 whatever dtype the model runs in); lookups by absolute position are gathers.
@@ -62,9 +63,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling,
+                 rotary_dim: int | None = None):
+        """`rotary_dim`: how many leading dims of each head rotate (None: all of them); the
+        frequencies are those of a head of that size, as transformers computes them."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # Not persistent: derived from the config, never loaded from or saved to a checkpoint.

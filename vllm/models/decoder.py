@@ -5,7 +5,9 @@ A model file declares what differs: its config class (`config_class`, with `from
 decoder layer (`layer_class(cfg, layer_idx, rotary, dtype)`, a module with
 `forward(positions, x, residual) -> (x, residual)`), the HF names of its fused projections
 (`hf_fused`) and, through `weight_slots`, the HF names of any parameter kind the generic
-mapping does not know (e.g. one expert of a stacked expert weight).
+mapping does not know (e.g. one expert of a stacked expert weight). Where they differ from
+Llama's, also the final norm's class (`norm_class`), how many dims of a head the rope
+rotates (`rotary_dim`) and the checkpoint tensors it does not take (`skipped_hf_names`).
 
 The same class runs rollout (the worker sets a paged-KV attention backend in the forward
 context) and training (the trainer sets a packed-sequence one): it contains no
@@ -29,12 +31,13 @@ from vllm.models.weights import WeightMapping, WeightSlot
 class DecoderStack(nn.Module):
     """`model.*` of an HF causal LM: embed_tokens, layers.{i}, norm (and the shared rotary)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, layer_class):
+    def __init__(self, cfg, dtype: torch.dtype, layer_class, norm_class: type = RMSNorm, rotary_dim: int | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      rotary_dim)
         self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -59,11 +62,16 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # the final norm (the layers choose their own)
+    norm_class: type = RMSNorm
+    # name fragments of checkpoint tensors the model does not take (rope frequencies: computed
+    # from the config)
+    skipped_hf_names: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
     def __init__(self, cfg, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = cfg
-        self.model = DecoderStack(cfg, dtype, self.layer_class)
+        self.model = DecoderStack(cfg, dtype, self.layer_class, self.norm_class, self.rotary_dim(cfg))
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
 
@@ -75,6 +83,11 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @staticmethod
+    def rotary_dim(cfg) -> int | None:
+        """How many leading dims of each head the rope rotates (None: the whole head)."""
+        return None
 
     # ---- checkpoint names -------------------------------------------------------------
     def weight_slots(self, name: str, module_name: str, kind: str, module: nn.Module) -> dict[str, WeightSlot] | None:
@@ -101,7 +114,7 @@ class DecoderForCausalLM(nn.Module):
                 slots[name] = WeightSlot(name)
         # tied: one tensor, the embedding; a checkpoint's lm_head.weight must equal it
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-        return WeightMapping(self, slots, aliases=tied, derived=("rotary_emb.inv_freq",))
+        return WeightMapping(self, slots, aliases=tied, derived=self.skipped_hf_names)
 
     def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Our parameters (or their .grad with grads=True) under HF names, fused projections

@@ -111,10 +111,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype):
+    """SwiGLU of `intermediate_size` (default: the config's), gate and up fused."""
+
+    def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, dtype=dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {0: inter, 1: inter}, dtype=dtype)
+        self.down_proj = Linear(inter, cfg.hidden_size, dtype=dtype)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

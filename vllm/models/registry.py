@@ -14,6 +14,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
     "LlamaForCausalLM": ("vllm.models.llama_family", "LlamaFamilyForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -13,8 +13,9 @@ Public API
     ``tokenizer_config.json`` (ChatML chat template) into ``save_dir``.
 ``make_tiny_checkpoint(path, arch="qwen3", ...)``
     Write a random-weight ``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM`` /
-    ``LlamaForCausalLM`` / ``Qwen3MoeForCausalLM`` checkpoint (+ tokenizer, generation config) to
-    ``path`` and return ``path``.
+    ``LlamaForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Qwen3NextForCausalLM`` /
+    ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` checkpoint (+ tokenizer, generation
+    config) to ``path`` and return ``path``.
 ``load_hf_model(path, dtype)``
     Load a checkpoint with transformers (eval mode), as the reference model.
 ``ARCH_CONFIGS``
@@ -233,6 +234,7 @@ def build_tokenizer(
 #   qk_norm                 : per-head RMSNorm on q and k before rope
 #                             (weights `self_attn.q_norm.weight`, `k_norm`, size head_dim)
 #   free_head_dim           : head_dim may differ from hidden_size // num_heads
+#   zero_centred_norms      : the decoder's RMSNorms scale by (1 + w) (weights drawn near 0)
 #   config_extra            : extra kwargs passed to the config class
 ARCH_CONFIGS: dict = {
     "qwen3": {
@@ -283,6 +285,57 @@ ARCH_CONFIGS: dict = {
         "in the checkpoint) on every decoder_sparse_step-th layer not in mlp_only_layers, which keep a "
         "dense MLP of intermediate_size (Qwen3-30B-A3B: 128 experts, top 8, moe_intermediate_size 768).",
     },
+    "qwen3_next": {
+        "model_type": "qwen3_next",
+        "hf_class": "Qwen3NextForCausalLM",
+        "config_class": "Qwen3NextConfig",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "free_head_dim": True,
+        "zero_centred_norms": True,
+        # every 4th layer full attention (layers 0-2 Gated DeltaNet, 3 attention with 4 layers);
+        # override layer_types / full_attention_interval to change the plan
+        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
+                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": []},
+        "notes": "Qwen3-Next: Gated DeltaNet layers (linear_attn.in_proj_qkvz / in_proj_ba / conv1d / A_log / "
+        "dt_bias / norm / out_proj) and gated full attention (q_proj 2x wide: [q | gate] per head, partial "
+        "rope) in the order of layer_types; zero-centred RMSNorms; MoE blocks with a shared expert "
+        "(Qwen3-Next-80B-A3B: 48 layers, 512 experts top 10, head_dim 256, partial_rotary_factor 0.25).",
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "hf_class": "Qwen3_5ForCausalLM",
+        "config_class": "Qwen3_5TextConfig",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "free_head_dim": True,
+        "zero_centred_norms": True,
+        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
+                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+        "notes": "Qwen3.5's text model: Qwen3-Next's layers with four Gated DeltaNet input projections "
+        "(in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) and dense MLPs; its multimodal rope is the "
+        "plain rope on text positions.",
+    },
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text",
+        "hf_class": "Qwen3_5MoeForCausalLM",
+        "config_class": "Qwen3_5MoeTextConfig",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "free_head_dim": True,
+        "zero_centred_norms": True,
+        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
+                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        "notes": "Qwen3.5-MoE's text model: Qwen3.5's layers with Qwen3-Next's MoE block (shared expert) on "
+        "every layer, top-k weights always normalised.",
+    },
 }
 
 
@@ -311,14 +364,22 @@ def _build_config(arch: str, overrides: Optional[Mapping[str, Any]] = None, **kw
     return cls(**{**spec["config_extra"], **(overrides or {})}, **kw)
 
 
+# zero-centred RMSNorm weights (scale 1 + w) of the decoder: per layer, per head, final
+_ZERO_CENTRED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+                       "model.norm.weight")
+
+
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, init_std: float) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, init_std: float, zero_centred_norms: bool = False) -> None:
     """Deterministic, non-degenerate init, independent of transformers' own init.
 
     * matrices (linear / embedding weights): N(0, init_std)
     * 1-D weights (every RMSNorm, incl. q_norm/k_norm): 1 + 0.1 * N(0, 1), so a
-      loader that drops them (leaving 1.0) or swaps them is caught
+      loader that drops them (leaving 1.0) or swaps them is caught; with
+      `zero_centred_norms` the decoder's norms, which scale by 1 + w, get 0.1 * N(0, 1)
     * biases: N(0, 5 * init_std) (= 0.1 by default), clearly non-zero
+    * Gated DeltaNet: `A_log` = log(U(0.01, 16)) and `dt_bias` near 1 as transformers
+      draws them; `conv1d.weight` N(0, 1 / sqrt(kernel)) so the conv keeps its input's scale
     Values are drawn in float32 from one generator, in named_parameters order
     (tied weights appear once), then cast to the parameter's dtype.
     """
@@ -328,6 +389,12 @@ def _init_weights(model: torch.nn.Module, seed: int, init_std: float) -> None:
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith(".bias"):
             value = noise * (5.0 * init_std)
+        elif name.endswith("A_log"):
+            value = torch.log(0.01 + (16.0 - 0.01) * torch.rand(shape, generator=gen, dtype=torch.float32))
+        elif name.endswith("conv1d.weight"):
+            value = noise / shape[-1] ** 0.5
+        elif zero_centred_norms and name.endswith(_ZERO_CENTRED_NORMS):
+            value = 0.1 * noise
         elif param.dim() == 1:
             value = 1.0 + 0.1 * noise
         else:
@@ -386,7 +453,8 @@ def make_tiny_checkpoint(
 ) -> str:
     """Write a random-weight HF checkpoint of architecture ``arch`` to ``path``; return ``path``.
 
-    ``arch``: "qwen3" | "qwen2" | "llama" | "qwen3_moe" (see ``ARCH_CONFIGS``).
+    ``arch``: "qwen3" | "qwen2" | "llama" | "qwen3_moe" | "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    (see ``ARCH_CONFIGS``).
     ``head_dim``: None => hidden_size // num_attention_heads (qwen2 allows nothing else).
     ``vocab_size``: None => tokenizer size rounded up to a multiple of 64 (512 -> 512).
     ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -399,7 +467,8 @@ def make_tiny_checkpoint(
     ``eos_token_id``: None => id of ``<|im_end|>`` (2).  bos/pad ids are ``<|endoftext|>`` (0)
     in config.json, as Qwen does; the tokenizer itself never adds a BOS.
     ``config_overrides``: values replacing the architecture's ``config_extra`` (e.g. for
-    "qwen3_moe": ``{"num_experts": 4, "mlp_only_layers": [1], "norm_topk_prob": False}``).
+    "qwen3_moe": ``{"num_experts": 4, "mlp_only_layers": [1], "norm_topk_prob": False}``; for
+    "qwen3_next": ``{"layer_types": ["full_attention"] * 3}``).
     Also writes ``generation_config.json`` and (``with_tokenizer``) the tokenizer files.
     """
     import transformers
@@ -465,7 +534,7 @@ def make_tiny_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32)
-    _init_weights(model, seed, init_std)
+    _init_weights(model, seed, init_std, spec.get("zero_centred_norms", False))
     model = model.to(dtype).eval()
     model.config.dtype = dtype
     model.generation_config = GenerationConfig(
