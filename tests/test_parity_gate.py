@@ -7,14 +7,15 @@ import shutil
 
 import pytest
 
-from vllm.testing.parity_gate import AXES, Gate, GateOptions, Row, format_table, gate_passes, make_model_dir, model_configs
+from vllm.testing.parity_gate import (AXES, Gate, GateOptions, Row, format_table, gate_passes, gdn_config, make_model_dir,
+                                     model_configs)
 
 
 def _run(axes, modes=("invariant",), tiny=True, **opts):
     dense, moe = model_configs(tiny=tiny)
-    dirs = [make_model_dir(dense), make_model_dir(moe)]
+    dirs = [make_model_dir(dense), make_model_dir(moe), make_model_dir(gdn_config(tiny))]
     try:
-        gate = Gate(GateOptions(**opts), dirs[0], dirs[1], vocab=dense["vocab_size"])
+        gate = Gate(GateOptions(**opts), dirs[0], dirs[1], vocab=dense["vocab_size"], gdn_dir=dirs[2])
         return [r for m in modes for r in gate.run(m, list(axes))]
     finally:
         for d in dirs:
@@ -24,14 +25,18 @@ def _run(axes, modes=("invariant",), tiny=True, **opts):
 def test_gate_every_axis_is_zero_in_invariant_mode_on_cpu():
     rows = _run(AXES, device="cpu", num_requests=8, max_prompt_len=40, max_tokens=5)
     # sleep-wake and graphs are CUDA axes
-    assert {r.axis for r in rows} == set(AXES) - {"sleep-wake", "graphs"}
+    assert {r.axis for r in rows} == set(AXES) - {"sleep-wake", "graphs", "gdn-sleep-wake", "gdn-graphs"}
     for r in rows:
         assert r.layouts_total > 0 and r.trainer_total == 8, r
         assert r.layouts_differ == 0 and r.trainer_differ == 0, r
-    update = next(r for r in rows if r.axis == "update")
-    assert "8/8 rollouts changed" in update.detail  # the update really changed the weights
-    warm = next(r for r in rows if r.axis == "prefix-cache")
-    assert not warm.detail.startswith("0 ")  # the warm pass did hit the prefix cache
+    for axis in ("update", "gdn-update"):
+        update = next(r for r in rows if r.axis == axis)
+        assert "8/8 rollouts changed" in update.detail  # the update really changed the weights
+    for axis in ("prefix-cache", "gdn-prefix-cache"):
+        warm = next(r for r in rows if r.axis == axis)
+        assert not warm.detail.startswith("0 ")  # the warm pass did hit the prefix cache
+    preempt = next(r for r in rows if r.axis == "gdn-preempt")
+    assert "(0 preemptions)" not in preempt.detail
     assert gate_passes(rows)
 
 

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
-from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm, matmul, rowwise,
-                          torch_ops)
+from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm,
+                          gdn_chunk, gdn_ops, matmul, rowwise, torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -86,6 +86,15 @@ _KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
 _KV_WRITE_FP8 = Impl(cuda=cache_write.cache_kv_fp8, cpu=cache_write.cache_kv_fp8, cuda_autograd_fn=False)
 _KV_DEQUANT_FP8 = Impl(cuda=cache_dequant.dequant_kv_blocks_triton, cpu=cache_dequant.dequant_kv_blocks_ref,
                        cuda_autograd_fn=False)
+# Gated DeltaNet: the ops around the delta rule compute each element (conv tap sums, row
+# norms) in one fixed order in both modes; the CPU entries avoid ATen's vector/scalar split
+_CONV1D = Impl(cuda=gdn_ops.causal_conv1d_triton, cpu=gdn_ops.causal_conv1d_torch, cpu_autograd_fn=True)
+_GDN_GATING = Impl(cuda=gdn_ops.gdn_gating_triton, cpu=gdn_ops.gdn_gating_torch, cpu_autograd_fn=True)
+_RMS_NORM_GATED = Impl(cuda=gdn_ops.rms_norm_gated_triton, cpu=gdn_ops.rms_norm_gated_torch, cpu_autograd_fn=True)
+_GDN_CHUNK_ALIGNED = Impl(cuda=functools.partial(gdn_chunk.gdn_chunk_triton, aligned=True),
+                          cpu=functools.partial(gdn_chunk.gdn_chunk_torch, aligned=True), cpu_autograd_fn=True)
+_GDN_CHUNK_STEP = Impl(cuda=functools.partial(gdn_chunk.gdn_chunk_triton, aligned=False),
+                       cpu=functools.partial(gdn_chunk.gdn_chunk_torch, aligned=False), cpu_autograd_fn=True)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -145,6 +154,16 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     # ... and read: the step's blocks dequantized into a model-dtype copy that the attention
     # ops above then read (one read path: every schedule and the trainer run the same kernel)
     "kv_cache_dequant_fp8": OpNumerics(fast=_KV_DEQUANT_FP8, invariant=_KV_DEQUANT_FP8),
+    # Gated DeltaNet (docs/hybrid.md). Invariant: the chunked form on the sequence's absolute
+    # grid everywhere -- a decode step recomputes its partial chunk from the rows its state
+    # kept, with the prefill's kernel and tiles. Fast: the native form, chunks from each step's
+    # first token for prefills and the fused recurrence for decode.
+    "causal_conv1d": OpNumerics(fast=_CONV1D, invariant=_CONV1D),
+    "gdn_gating": OpNumerics(fast=_GDN_GATING, invariant=_GDN_GATING),
+    "rms_norm_gated": OpNumerics(fast=_RMS_NORM_GATED, invariant=_RMS_NORM_GATED),
+    "gated_delta_rule": OpNumerics(fast=_GDN_CHUNK_STEP, invariant=_GDN_CHUNK_ALIGNED),
+    "gated_delta_rule_decode": OpNumerics(
+        fast=Impl(cuda=gdn_ops.gdn_recurrent_triton, cpu=gdn_ops.gdn_recurrent_torch), invariant=_GDN_CHUNK_ALIGNED),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

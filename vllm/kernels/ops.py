@@ -7,6 +7,7 @@ forward computes the rollout's bits and still has a backward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -125,6 +126,51 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fn, _ = _kernel("embedding", weight)
     return fn(ids, weight)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, md, conv_state: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv over the step's packed sequences, then SiLU: x [T, D], weight [D, W];
+    the W - 1 inputs before a sequence's first new token come from its slot of `conv_state`
+    [slots, W - 1, D] (which is updated in place), none for a sequence at position 0
+    (vllm/kernels/gdn_ops.py)."""
+    fn, wrap = _kernel("causal_conv1d", x)
+    if wrap and _needs_autograd(x, weight):
+        from vllm.kernels.gdn_ops import CausalConv1dFn
+        return CausalConv1dFn.apply(x, weight, md, conv_state, fn)
+    return fn(x, weight, md, conv_state)
+
+
+def gdn_gating(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor):
+    """Gated DeltaNet's per-token gates: (l2-normalised q, k, g = -exp(A_log) softplus(a + dt_bias)
+    in float32, beta = sigmoid(b) in float32)."""
+    fn, wrap = _kernel("gdn_gating", q)
+    if wrap and _needs_autograd(q, k, a, b, A_log, dt_bias):
+        from vllm.kernels.gdn_ops import GdnGatingFn
+        return GdnGatingFn.apply(q, k, a, b, A_log, dt_bias, fn)
+    return fn(q, k, a, b, A_log, dt_bias)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: float, md, state: dict | None, *, chunk_size: int) -> torch.Tensor:
+    """The gated delta rule over the step's tokens (docs/hybrid.md): q, k [T, Hk, K], v [T, Hv, V],
+    g, beta [T, Hv] float32 -> [T, Hv, V]; `state`: the layer's cached state tensors by name
+    (None: fresh sequences, nothing kept: the trainer)."""
+    op = "gated_delta_rule_decode" if md.max_query_len == 1 and state is not None else "gated_delta_rule"
+    fn, wrap = _kernel(op, q)
+    if wrap and _needs_autograd(q, k, v, g, beta):
+        from vllm.kernels.gdn_chunk import GatedDeltaRuleFn
+        return GatedDeltaRuleFn.apply(functools.partial(fn, chunk_size=chunk_size), q, k, v, g, beta, scale, md)
+    return fn(q, k, v, g, beta, scale, md, state, chunk_size=chunk_size)
+
+
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(z), rounded as transformers' gated RMSNorm: x, z [..., V]."""
+    fn, wrap = _kernel("rms_norm_gated", x)
+    if wrap and _needs_autograd(x, z, weight):
+        from vllm.kernels.gdn_ops import RMSNormGatedFn
+        return RMSNormGatedFn.apply(x, z, weight, eps, fn)
+    return fn(x, z, weight, eps)
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

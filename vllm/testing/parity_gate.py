@@ -21,6 +21,12 @@ Axes:
   update        after an in-place update_weights (new weights): layouts and trainer on them
   moe           the MoE model
   moe-ep2       the MoE model with experts in 2 in-process partitions (eager) vs EP=1
+  gdn           the Gated DeltaNet hybrid (Qwen3-Next dims: 3 GDN layers to 1 gated attention)
+  gdn-chunked   the hybrid with a 97-token step budget (prefills cut off the chunk grid) vs gdn
+  gdn-prefix-cache  the hybrid's batch again warm (state snapshots restored) vs cold
+  gdn-graphs    the hybrid eager vs with CUDA graphs (CUDA)
+  gdn-preempt   the hybrid with a KV cache small enough to preempt and recompute vs gdn
+  gdn-sleep-wake, gdn-update  as for the dense model, on the hybrid
 """
 from __future__ import annotations
 
@@ -38,7 +44,9 @@ from vllm import LLM, SamplingParams
 from vllm.testing.parity_battery import signature
 from vllm.testing.rollouts import sequences_and_logprobs
 
-AXES = ("bf16", "kv-fp8", "q-fp8", "kv+q-fp8", "graphs", "prefix-cache", "sleep-wake", "update", "moe", "moe-ep2")
+GDN_AXES = ("gdn", "gdn-chunked", "gdn-prefix-cache", "gdn-graphs", "gdn-preempt", "gdn-sleep-wake", "gdn-update")
+AXES = ("bf16", "kv-fp8", "q-fp8", "kv+q-fp8", "graphs", "prefix-cache", "sleep-wake", "update", "moe", "moe-ep2",
+        *GDN_AXES)
 
 
 @dataclass
@@ -76,6 +84,17 @@ QWEN3_MOE = {
     "num_key_value_heads": 4, "num_hidden_layers": 4, "tie_word_embeddings": False, "moe_intermediate_size": 768,
     "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
     "mlp_only_layers": [], "router_aux_loss_coef": 0.001}
+# Qwen3-Next's layer shapes (hidden 2048, GDN heads 16 key / 32 value of 128, gated attention
+# 16 x 256 with 2 kv heads, partial rope 0.25) with a dense MLP and 8 layers (6 GDN, 2 attention)
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4, "num_experts": 0,
+    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645}
 # small models of the same architectures for the CPU: head_dim 32, 128-multiple linears (the FP8 block)
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, max_position_embeddings=2048, eos_token_id=2, bos_token_id=0)
@@ -91,6 +110,14 @@ def model_configs(tiny: bool = False, dense_layers: int | None = None, moe_layer
     if moe_layers:
         moe["num_hidden_layers"] = moe_layers
     return dense, moe
+
+
+def gdn_config(tiny: bool = False) -> dict:
+    cfg = dict(QWEN3_NEXT)
+    if tiny:
+        cfg.update(TINY, head_dim=32, num_hidden_layers=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4)
+    return cfg
 
 
 def make_requests(n: int, vocab: int, max_prompt: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -123,9 +150,9 @@ class GateOptions:
 class Gate:
     """`dense_dir` / `moe_dir`: model directories (config + tokenizer; weights drawn at load)."""
 
-    def __init__(self, args: GateOptions, dense_dir: str, moe_dir: str, vocab: int):
+    def __init__(self, args: GateOptions, dense_dir: str, moe_dir: str, vocab: int, gdn_dir: str | None = None):
         self.args = args
-        self.dirs = {"dense": dense_dir, "moe": moe_dir}
+        self.dirs = {"dense": dense_dir, "moe": moe_dir, "gdn": gdn_dir}
         self.prompts, self.seeds = make_requests(args.num_requests, vocab, args.max_prompt_len, args.seed)
         self.refs: dict[tuple[str, str], list] = {}  # (model, mode) -> the whole-batch signatures
 
@@ -198,18 +225,22 @@ class Gate:
         free(llm)
         return Row(axis, mode, ld, lt, td, tt, worst, time.perf_counter() - t0)
 
-    def dense_life(self, mode: str, wanted: list[str]) -> list[Row]:
-        """bf16, prefix-cache, sleep-wake and update on one engine (sleep mode on), in order."""
+    def life(self, mode: str, wanted: list[str], model: str = "dense") -> list[Row]:
+        """The model's own axis (bf16 for the dense model), prefix-cache, sleep-wake and update
+        on one engine (sleep mode on), in order. Axes of a model other than the dense one carry
+        its name as a prefix (gdn-prefix-cache)."""
+        prefix = "" if model == "dense" else f"{model}-"
+        wanted = [w.removeprefix(prefix) for w in wanted]
         rows = []
         t0 = time.perf_counter()
-        llm = self.make("dense", mode, enable_sleep_mode=self.args.device == "cuda")
+        llm = self.make(model, mode, enable_sleep_mode=self.args.device == "cuda")
         outs = self.roll(llm)
         ref = self.sigs(outs)
-        self.refs[("dense", mode)] = ref
-        if "bf16" in wanted:
+        self.refs[(model, mode)] = ref
+        if "bf16" in wanted or model in wanted:
             ld, lt = self.layouts(llm, ref)
             td, tt, worst = self.trainer(llm, outs)
-            rows.append(Row("bf16", mode, ld, lt, td, tt, worst, time.perf_counter() - t0))
+            rows.append(Row("bf16" if model == "dense" else model, mode, ld, lt, td, tt, worst, time.perf_counter() - t0))
         if "prefix-cache" in wanted:
             t0 = time.perf_counter()
             cold = self.roll(llm)  # after a reset: only hits between requests of the batch
@@ -217,7 +248,7 @@ class Gate:
             hits = sum(o.num_cached_tokens for o in warm)
             ld = sum(a != b for a, b in zip(self.sigs(warm), self.sigs(cold)))
             td, tt, worst = self.trainer(llm, warm)
-            rows.append(Row("prefix-cache", mode, ld, len(warm), td, tt, worst, time.perf_counter() - t0,
+            rows.append(Row(prefix + "prefix-cache", mode, ld, len(warm), td, tt, worst, time.perf_counter() - t0,
                             f"{hits} cached prompt tokens when warm"))
         if "sleep-wake" in wanted and self.args.device == "cuda":
             t0 = time.perf_counter()
@@ -226,7 +257,7 @@ class Gate:
             after = self.roll(llm)
             ld = sum(a != b for a, b in zip(self.sigs(after), ref))
             td, tt, worst = self.trainer(llm, after)
-            rows.append(Row("sleep-wake", mode, ld, len(after), td, tt, worst, time.perf_counter() - t0,
+            rows.append(Row(prefix + "sleep-wake", mode, ld, len(after), td, tt, worst, time.perf_counter() - t0,
                             f"{freed / 2 ** 30:.1f} GiB released"))
         if "update" in wanted:
             t0 = time.perf_counter()
@@ -241,10 +272,15 @@ class Gate:
             changed = sum(a != b for a, b in zip(ref2, ref))
             ld, lt = self.layouts(llm, ref2)
             td, tt, worst = self.trainer(llm, outs2)
-            rows.append(Row("update", mode, ld, lt, td, tt, worst, time.perf_counter() - t0,
+            rows.append(Row(prefix + "update", mode, ld, lt, td, tt, worst, time.perf_counter() - t0,
                             f"weight version {version}; {changed}/{len(ref2)} rollouts changed by the update"))
         free(llm)
         return rows
+
+    def preempt_blocks(self) -> int:
+        """KV blocks for about 12 of the longest requests: the batch runs, with preemptions."""
+        block = 16 if self.args.device == "cuda" else 4
+        return 12 * -(-(self.args.max_prompt_len + self.args.max_tokens) // block) + 1
 
     def reference(self, model: str, mode: str) -> list:
         """The whole-batch signatures of the default engine of `model` (made if no axis did)."""
@@ -254,15 +290,23 @@ class Gate:
             free(llm)
         return self.refs[(model, mode)]
 
-    def graphs(self, mode: str) -> Row:
+    def against_reference(self, axis: str, model: str, mode: str, detail: str, **kw) -> Row:
+        """An engine configured by `kw` against the model's default engine's whole batch."""
         t0 = time.perf_counter()
-        ref = self.reference("dense", mode)
-        llm = self.make("dense", mode, enforce_eager=True)
+        ref = self.reference(model, mode)
+        llm = self.make(model, mode, **kw)
         outs = self.roll(llm)
         ld = sum(a != b for a, b in zip(self.sigs(outs), ref))
         td, tt, worst = self.trainer(llm, outs)
+        stats = llm.llm_engine.scheduler.num_preemptions
         free(llm)
-        return Row("graphs", mode, ld, len(outs), td, tt, worst, time.perf_counter() - t0, "eager vs CUDA graphs")
+        if "preempt" in axis:
+            detail += f" ({stats} preemptions)"
+        return Row(axis, mode, ld, len(outs), td, tt, worst, time.perf_counter() - t0, detail)
+
+    def graphs(self, mode: str, model: str = "dense") -> Row:
+        return self.against_reference("graphs" if model == "dense" else f"{model}-graphs", model, mode,
+                                      "eager vs CUDA graphs", enforce_eager=True)
 
     def moe_ep2(self, mode: str) -> Row:
         from vllm.parallel.expert_parallel import apply_expert_parallel
@@ -285,7 +329,7 @@ class Gate:
         rows: list[Row] = []
         life = [a for a in ("bf16", "prefix-cache", "sleep-wake", "update") if a in axes]
         if life:
-            rows += self.dense_life(mode, life)
+            rows += self.life(mode, life)
         for axis, kw in (("kv-fp8", dict(kv_cache_dtype="fp8")), ("q-fp8", dict(quantization="fp8")),
                          ("kv+q-fp8", dict(kv_cache_dtype="fp8", quantization="fp8"))):
             if axis in axes:
@@ -296,6 +340,17 @@ class Gate:
             rows.append(self.standard("moe", "moe", mode))
         if "moe-ep2" in axes:
             rows.append(self.moe_ep2(mode))
+        gdn_life = [a for a in ("gdn", "gdn-prefix-cache", "gdn-sleep-wake", "gdn-update") if a in axes]
+        if gdn_life:
+            rows += self.life(mode, gdn_life, model="gdn")
+        if "gdn-chunked" in axes:
+            rows.append(self.against_reference("gdn-chunked", "gdn", mode, "97-token steps vs the default budget",
+                                               max_num_batched_tokens=97))
+        if "gdn-graphs" in axes and self.args.device == "cuda":
+            rows.append(self.graphs(mode, "gdn"))
+        if "gdn-preempt" in axes:
+            rows.append(self.against_reference("gdn-preempt", "gdn", mode, "a KV cache of 12 prompts' blocks",
+                                               num_gpu_blocks=self.preempt_blocks()))
         for r in rows:
             print(f"[{mode}] {r.axis}: layouts {r.layouts_differ}/{r.layouts_total}, trainer {r.trainer_differ}/"
                   f"{r.trainer_total} (max |diff| {r.trainer_max_abs_diff:.3g}), {r.seconds:.0f} s {r.detail}", flush=True)

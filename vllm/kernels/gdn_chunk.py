@@ -1,0 +1,671 @@
+"""Chunked gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5 linear attention).
+
+Per value head h (key head h // (Hv // Hk)), with q, k already l2-normalised, the
+recurrence over tokens t is
+
+    S = S * exp(g_t);  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale * S^T q_t
+
+with an fp32 state S [K, V]. It is computed in chunks of C rows (transformers'
+`torch_chunk_gated_delta_rule` without its l2norm / scaling): per chunk with boundary
+state h, gamma = cumsum(g), A = strictly-lower beta_i (k_i . k_j) exp(gamma_i - gamma_j),
+T = (I + A)^-1, w = T (beta e^gamma k), u = T (beta v), v_new = u - w h,
+o_i = scale (e^gamma_i q_i h + sum_{j<=i} (q_i . k_j) e^(gamma_i - gamma_j) v_new_j) and,
+after a chunk whose last row is L, h' = e^gamma_L h + (e^(gamma_L - gamma) k)^T v_new.
+
+Invariant mode (`aligned=True`) promises that the bits of a token's output and of the
+state written do not depend on the batch nor on how the sequence was cut into steps.
+How that holds:
+
+* Chunks lie on the sequence's absolute grid of C rows. Every chunk is computed as one
+  full C-row tile, row i of the tile at row i, by the same code with the same tile
+  shapes, whether it is a prefill chunk, the resumed middle of one, or a decode step
+  (a chunk with one new row whose earlier rows are re-read from the state's buffer).
+* Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan,
+  A is strictly lower, T is built by forward substitution that stops at the chunk's
+  last row, and products with later rows are masked to exact zeros. The zero rows of an
+  incomplete chunk therefore cannot move the bits of the rows before them.
+* A partial chunk is never folded into the state: the cached state is the boundary
+  state of the sequence's current chunk, and the chunk's rows so far are kept in the
+  buffer at the dtype they arrived in (k, v in the model dtype, g, beta in fp32), so a
+  re-read row equals the row a single prefill held. States are stored in fp32, the
+  precision they are carried in.
+
+Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps no
+buffer and folds the partial last chunk into the state (the usual form: a token's bits
+depend on where its step began). Same kernels otherwise.
+
+CUDA runs three Triton kernels, every chunk through the same tile code:
+  1. prep, one program per (chunk, value head): gamma, A, T, w, u, the decayed keys of
+     the state update, the chunk's key tile (the only reader of the buffer);
+  2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
+     v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
+     (fast mode: every chunk) into the fp32 state, writes the cached state;
+  3. output, per (chunk, value head, V tile): the new rows' outputs, and the new rows of
+     an incomplete last chunk into the buffer.
+Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention
+does) with fp32 accumulation. The CPU runs `gdn_chunk_torch`, the same algorithm in
+float32 torch on fixed-shape tiles (same invariances, not the same bits).
+`gdn_reference` is the differentiable formula (float32 / float64) that the backward of
+`GatedDeltaRuleFn` and the tests use.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm.forward_context import StateMetadata
+
+try:  # the module must import on machines without Triton (CPU engine)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Read once, like triton.jit does when it decides between JIT and interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# --------------------------------------------------------------------------
+# Tunables. Every one of them is fixed per model (head dims), never per step, so a
+# rollout step, any other step and the trainer always run the same compiled kernels.
+# BK changes the bits (the K-tiling of the chained k k^T / q k^T dots); the V tiles
+# and warps only change speed.
+# --------------------------------------------------------------------------
+BLOCK_K_MAX = 64        # K tile of the k k^T / q k^T / w dots (prep and output kernels)
+PREP_BLOCK_V_MAX = 64   # V tile of u = T (beta v) in the prep kernel
+STATE_BLOCK_V_MAX = 32  # V tile of the state walk: programs = sequences x Hv x V / BV
+OUT_BLOCK_V_MAX = 64    # V tile of the output kernel
+PREP_NUM_WARPS = 4
+STATE_NUM_WARPS = 4
+STATE_NUM_STAGES = 2
+OUT_NUM_WARPS = 4
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+if HAS_TRITON:
+    _SUM = tl.standard._sum_combine
+    _MAX = tl.standard._elementwise_max
+
+    # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1
+    # for the engine) is not specialised on, and neither is the alignment of the int32
+    # metadata (ChunkPlan's fields are views at offsets that depend on the chunk count;
+    # they are only read as scalars). The data tensors are always passed 16-byte aligned
+    # (`_aligned16`), so their alignment specialisation is the same for every call too.
+    _JIT = {"do_not_specialize": ["has_state"]}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        _JIT["do_not_specialize_on_alignment"] = [
+            "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
+
+    @triton.jit
+    def _dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and
+        hands tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
+        if EMULATE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def _mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
+        """row_ok x (cols < N). The column test only where the dim is padded (N < NP):
+        a mask constant along the row keeps the loads vectorised (without it every element
+        gets its own 64-bit pointer and the prep kernel spills)."""
+        if N == NP:
+            return row_ok[:, None]
+        else:
+            return row_ok[:, None] & (cols < N)[None, :]
+
+    @triton.jit
+    def _tile_rows(step_ptr, buf_ptr, trow, brow, from_step, from_buf, cols,
+                   N: tl.constexpr, NP: tl.constexpr, STEP_ROW: tl.constexpr, BUF_ROW: tl.constexpr):
+        """A chunk's [C, cols] tile: the step's tokens where from_step, the kept rows of the
+        sequence's partial chunk where from_buf, zeros elsewhere (bit copies either way)."""
+        a = tl.load(step_ptr + trow[:, None] * STEP_ROW + cols[None, :],
+                    mask=_mask2(from_step, cols, N, NP), other=0.0)
+        b = tl.load(buf_ptr + brow[:, None] * BUF_ROW + cols[None, :],
+                    mask=_mask2(from_buf, cols, N, NP), other=0.0)
+        return tl.where(from_buf[:, None], b, a)
+
+    @triton.jit
+    def _chunk_rows(n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
+                    C: tl.constexpr):
+        """Where each row of chunk n comes from (see ChunkPlan)."""
+        s = tl.load(seq_ptr + n)
+        start = tl.load(start_ptr + n)
+        first = tl.load(first_ptr + n)
+        end = tl.load(end_ptr + n)
+        tok0 = tl.load(tok0_ptr + n)
+        rows = tl.arange(0, C)
+        pos = start + rows
+        from_buf = (pos < first) & (has_state != 0)
+        from_step = (pos >= first) & (pos < end)
+        trow = (tok0 - first + pos).to(tl.int64)
+        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+        brow = slot * C + rows
+        return s, start, end, rows, from_buf, from_step, trow, brow, slot
+
+    @triton.jit(**_JIT)
+    def _gdn_prep_kernel(
+        k_ptr, v_ptr, g_ptr, beta_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws,
+        has_state,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (chunk, value head): gamma, A, T = (I + A)^-1, then
+        w = T (beta e^gamma k), kd = e^(gamma_L - gamma) k (rows <= L) and u = T (beta v)
+        into the workspaces, and the chunk's key tile for the output kernel. The only
+        kernel that reads the buffer: the output kernel rewrites it once this one is done
+        (a step can resume a chunk and end in a later partial one, whose rows land on the
+        same buffer rows)."""
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        hk = h // (HV // HK)
+        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
+            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        DT = w_ws.dtype.element_ty
+        L = end - start - 1  # last valid row of the tile
+        base = n.to(tl.int64) * HV + h
+
+        g = tl.where(from_buf, tl.load(bg_ptr + brow * HV + h, mask=from_buf, other=0.0),
+                     tl.load(g_ptr + trow * HV + h, mask=from_step, other=0.0))
+        b = tl.where(from_buf, tl.load(bb_ptr + brow * HV + h, mask=from_buf, other=0.0),
+                     tl.load(beta_ptr + trow * HV + h, mask=from_step, other=0.0))
+        gam = tl.associative_scan(g, 0, _SUM)  # prefix sums: row i sees rows <= i only
+        tl.store(gam_ws + base * C + rows, gam)
+
+        # k k^T over K tiles, chained in increasing order
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        for k0 in tl.static_range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            kt = _tile_rows(k_ptr + hk * K, bk_ptr + hk * K, trow, brow, from_step, from_buf,
+                            cols, K, KP, HK * K, HK * K)
+            kk = _dot(kt, tl.trans(kt), kk, EMULATE, PREC)
+        ii = rows[:, None]
+        jj = rows[None, :]
+        lower = jj < ii
+        A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+
+        # T = (I + A)^-1 by forward substitution, kept transposed (TT[c, j] = T[j, c]) so
+        # both reductions run along the axis their result is consumed on:
+        # T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]. Row i reads rows < i only; rows past
+        # L stay e_i (their inputs are zero rows).
+        TT = tl.where(ii == jj, 1.0, 0.0)
+        for i in range(1, L + 1):
+            a = tl.reduce(tl.where(ii == i, A, 0.0), 0, _SUM)      # A[i, :], indexed by j
+            col = tl.reduce(TT * a[None, :], 1, _SUM)              # sum_j A[i, j] T[j, c]
+            TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
+        Tm = tl.trans(TT).to(DT)
+
+        eg = tl.exp(gam)
+        gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
+        dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
+        kb_scale = b * eg
+        ws_rows = base * C + rows
+        kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
+        for k0 in tl.static_range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            kt = _tile_rows(k_ptr + hk * K, bk_ptr + hk * K, trow, brow, from_step, from_buf,
+                            cols, K, KP, HK * K, HK * K)
+            ktf = kt.to(tl.float32)
+            w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
+            tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
+            tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT))
+            # the key tile is shared by the value heads of a group: the group's first stores it
+            tl.store(kc_ws + kc_rows[:, None] * KP + cols[None, :], kt,
+                     mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
+        for v0 in tl.static_range(0, VP, BV):
+            cols = v0 + tl.arange(0, BV)
+            vt = _tile_rows(v_ptr + h * V, bv_ptr + h * V, trow, brow, from_step, from_buf,
+                            cols, V, VP, HV * V, HV * V)
+            u = _dot(Tm, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([C, BV], dtype=tl.float32),
+                     EMULATE, PREC)
+            tl.store(u_ws + ws_rows[:, None] * VP + cols[None, :], u)
+
+    @triton.jit(**_JIT)
+    def _gdn_state_kernel(
+        start_pos_ptr, slots_ptr, ssm_ptr,
+        start_ptr, end_ptr, seqc_ptr,
+        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws,
+        has_state,
+        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+        KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (sequence, value head, V tile): walk the sequence's chunks in
+        order carrying the fp32 state tile; per chunk store its boundary state and
+        v_new = u - w h for the output kernel, then fold a complete chunk (fast mode: any
+        chunk) into the state. Writes the cached state at the end."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        vt = tl.program_id(2)
+        DT = w_ws.dtype.element_ty
+        c0 = tl.load(seqc_ptr + s)
+        c1 = tl.load(seqc_ptr + s + 1)
+        rk = tl.arange(0, KP)
+        rv = vt * BV + tl.arange(0, BV)
+        rows = tl.arange(0, C)
+        sp = tl.load(start_pos_ptr + s)
+        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+        st_ptrs = ssm_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :]
+        st_ok = _mask2(rk < K, rv, V, VP)
+        # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
+        read = (has_state != 0) & (sp > 0) & (c1 > c0)
+        hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
+        for n in range(c0.to(tl.int64), c1.to(tl.int64)):
+            base = n * HV + h
+            tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
+            w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+            u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
+            vn = (u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)).to(DT)
+            tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vn)
+            L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
+            if ALIGNED:
+                fold = L == C - 1  # a partial chunk stays out of the state
+            else:
+                fold = L >= 0
+            if fold:
+                gl = tl.load(gam_ws + base * C + L)
+                kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+                hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
+        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0))
+
+    @triton.jit(**_JIT)
+    def _gdn_output_kernel(
+        q_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
+        gam_ws, kc_ws, vn_ws, h_ws, scale,
+        has_state,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (chunk, value head, V tile): the outputs of the chunk's new rows,
+        o = scale (e^gamma (q h) + (masked decayed q k^T) v_new); in aligned mode also the
+        new rows of an incomplete last chunk into the buffer (no kernel reads it after the
+        prep kernel)."""
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        vt = tl.program_id(2)
+        hk = h // (HV // HK)
+        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
+            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        DT = vn_ws.dtype.element_ty
+        base = n.to(tl.int64) * HV + h
+        rv = vt * BV + tl.arange(0, BV)
+        gam = tl.load(gam_ws + base * C + rows)
+        kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
+        write_buf = False
+        if ALIGNED:
+            is_last = n == tl.load(seqc_ptr + s + 1) - 1
+            write_buf = (has_state != 0) & is_last & (end - start < C)
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        qh = tl.zeros([C, BV], dtype=tl.float32)
+        for k0 in tl.static_range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            # q only for the step's rows: rows before first_new have no output
+            qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
+                         mask=_mask2(from_step, cols, K, KP), other=0.0)
+            kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
+            hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
+            qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
+            qh = _dot(qt, hb, qh, EMULATE, PREC)
+            if ALIGNED:
+                kw = from_step & write_buf & (vt == 0) & (h % (HV // HK) == 0)
+                tl.store(bk_ptr + hk * K + brow[:, None] * (HK * K) + cols[None, :], kt,
+                         mask=_mask2(kw, cols, K, KP))
+        ii = rows[:, None]
+        jj = rows[None, :]
+        incl = jj <= ii
+        P = tl.where(incl, qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        vn = tl.load(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :])
+        o = _dot(P.to(DT), vn, qh * tl.exp(gam)[:, None], EMULATE, PREC) * scale
+        o = tl.where(o == 0.0, 0.0, o)  # only the sign of an exact zero could tell schedules apart
+        tl.store(o_ptr + trow[:, None] * (HV * V) + h * V + rv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=_mask2(from_step, rv, V, VP))
+        if ALIGNED:
+            wv = from_step & write_buf
+            vs = tl.load(v_ptr + trow[:, None] * (HV * V) + h * V + rv[None, :],
+                         mask=_mask2(wv, rv, V, VP), other=0.0)
+            tl.store(bv_ptr + h * V + brow[:, None] * (HV * V) + rv[None, :], vs,
+                     mask=_mask2(wv, rv, V, VP))
+            wg = wv & (vt == 0)
+            gs = tl.load(g_ptr + trow * HV + h, mask=wg, other=0.0)
+            bs = tl.load(beta_ptr + trow * HV + h, mask=wg, other=0.0)
+            tl.store(bg_ptr + brow * HV + h, gs, mask=wg)
+            tl.store(bb_ptr + brow * HV + h, bs, mask=wg)
+
+
+# ---- checks shared by both devices ------------------------------------------------------------
+
+def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned: bool):
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError("expected q, k [T, Hk, K] and v [T, Hv, V]")
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    if Hv % Hk:
+        raise ValueError("the value heads must be a multiple of the key heads")
+    if K % 16 or V % 16 or K == 0 or V == 0:
+        raise ValueError("K and V must be multiples of 16")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError("chunk_size must be a power of two >= 16")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError("g and beta must be [T, Hv]")
+    if g.dtype != torch.float32 or beta.dtype != torch.float32:
+        raise ValueError("g and beta must be float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError("q, k and v must share the model dtype")
+    if state is not None:
+        if md.slots is None:
+            raise ValueError("a state needs md.slots")
+        names = ("ssm", "buf_k", "buf_v", "buf_g", "buf_beta") if aligned else ("ssm",)
+        for name in names:
+            if name not in state:
+                raise ValueError(f"state lacks {name!r}")
+            if not state[name].is_contiguous():
+                raise ValueError(f"state[{name!r}] must be contiguous")
+        ns = state["ssm"].shape[0]
+        if state["ssm"].shape[1:] != (Hv, K, V) or state["ssm"].dtype != torch.float32:
+            raise ValueError("state['ssm'] must be float32 [num_slots, Hv, K, V]")
+        if aligned:
+            # the rows of a partial chunk exist for running sequences' slots only; the state
+            # tensor also holds prefix-cache snapshots after them (vllm/worker/kv_cache.py)
+            C = chunk_size
+            want = {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
+                    "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)}
+            for name, (shape, dtype) in want.items():
+                t = state[name]
+                if tuple(t.shape[1:]) != shape or t.shape[0] > ns or t.dtype != dtype:
+                    raise ValueError(f"state[{name!r}] must be {dtype} [slots <= {ns}, {', '.join(map(str, shape))}]")
+
+
+# ---- CUDA (Triton) -------------------------------------------------------------------------------
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous at a 16-byte aligned address. Triton specialises a kernel on pointer
+    alignment, which can change the register layouts its reductions run in: every call
+    gets the aligned specialisation, so every call runs one compiled kernel."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,
+                     chunk_size: int = 64, aligned: bool) -> torch.Tensor:
+    """The chunked gated delta rule on the step's packed tokens (module docstring).
+
+    q, k [T, Hk, K], v [T, Hv, V] in the model dtype; g, beta [T, Hv] float32. state:
+    None (no cache: every sequence starts at position 0, nothing is written) or the
+    layer's cache tensors by name, indexed by md.slots: "ssm" [slots, Hv, K, V] float32
+    and, aligned, the partial-chunk buffer "buf_k" [slots, C, Hk, K], "buf_v"
+    [slots, C, Hv, V] (model dtype), "buf_g", "buf_beta" [slots, C, Hv] float32, updated
+    in place. Returns o [T, Hv, V] in the model dtype. Never syncs with the host beyond
+    what md.chunk_plan does (nothing for decode steps)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if not q.is_cuda and not _INTERPRET:
+        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
+    _check(q, k, v, g, beta, md, state, chunk_size, aligned)
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    C = chunk_size
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    plan = md.chunk_plan(C, aligned)
+    N = plan.num_chunks
+    S = md.start_pos.shape[0]
+    if N == 0 or T == 0:
+        return o
+    q, k, v, g, beta = (_aligned16(t) for t in (q, k, v, g, beta))
+    dev = q.device
+    KP, VP = _next_pow2(K), _next_pow2(V)
+    BK = min(KP, BLOCK_K_MAX)
+    emulate = _INTERPRET or not q.is_cuda
+    # fp32 models (GPU tests only): 3xTF32 tensor-core dots, near-fp32 accuracy (ieee fp32
+    # dots compile to FMA loops that spill heavily at these tiles)
+    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    ws_dtype = q.dtype
+    gam_ws = torch.empty((N, Hv, C), dtype=torch.float32, device=dev)
+    kc_ws = torch.empty((N, Hk, C, KP), dtype=ws_dtype, device=dev)
+    w_ws = torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)
+    kd_ws = torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)
+    u_ws = torch.empty((N, Hv, C, VP), dtype=torch.float32, device=dev)
+    vn_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype, device=dev)
+    h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
+
+    if state is not None:
+        has_state = 1
+        ssm = state["ssm"]
+        slots = md.slots
+        if aligned:
+            bk, bv, bg, bb = state["buf_k"], state["buf_v"], state["buf_g"], state["buf_beta"]
+        else:  # never dereferenced: there are no buffer rows and no buffer writes
+            bk, bv, bg, bb = k, v, g, beta
+        for t in (ssm, bk, bv, bg, bb):
+            if t.data_ptr() % 16:
+                raise ValueError("state tensors must be 16-byte aligned")
+    else:
+        # placeholders, never dereferenced (has_state = 0 masks every access)
+        has_state = 0
+        ssm = torch.empty(4, dtype=torch.float32, device=dev)
+        slots = torch.zeros(max(S, 1), dtype=torch.int32, device=dev)
+        bk, bv, bg, bb = k, v, g, beta
+    launch = dict(enable_fp_fusion=False)
+    _gdn_prep_kernel[(N, Hv)](
+        k, v, g, beta, bk, bv, bg, bb, slots,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state,
+        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX),
+        EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+    bv_state = min(VP, STATE_BLOCK_V_MAX)
+    _gdn_state_kernel[(S, Hv, VP // bv_state)](
+        md.start_pos, slots, ssm, plan.start, plan.end, plan.seq_chunks,
+        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state,
+        HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
+        num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, **launch)
+    bv_out = min(VP, OUT_BLOCK_V_MAX)
+    _gdn_output_kernel[(N, Hv, VP // bv_out)](
+        q, v, g, beta, o, bk, bv, bg, bb, slots,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
+        gam_ws, kc_ws, vn_ws, h_ws, float(scale), has_state,
+        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=bv_out,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
+    return o
+
+
+# ---- CPU (torch) ---------------------------------------------------------------------------------
+
+def _chunk_torch(qt, kt, vt, gt, bt, h, L: int, scale: float, G: int):
+    """One chunk as a full C-row tile, all value heads at once (every shape fixed by the
+    model's dims and C). qt, kt [C, Hk, K], vt [C, Hv, V] (model dtype), gt, bt [C, Hv],
+    h [Hv, K, V] fp32, L = last valid row. Returns (o [C, Hv, V] fp32, state after the
+    chunk's rows <= L)."""
+    C = kt.shape[0]
+    kf = kt.float().repeat_interleave(G, dim=1).transpose(0, 1)  # [Hv, C, K]
+    qf = qt.float().repeat_interleave(G, dim=1).transpose(0, 1)
+    vf = vt.float().transpose(0, 1)                                # [Hv, C, V]
+    gam = gt.cumsum(0).t()                                         # [Hv, C]
+    b = bt.t()
+    idx = torch.arange(C, device=kt.device)
+    lower = idx[:, None] > idx[None, :]
+    incl = idx[:, None] >= idx[None, :]
+    diff = gam[:, :, None] - gam[:, None, :]
+    A = torch.where(lower, b[:, :, None] * (kf @ kf.transpose(1, 2)) * torch.where(lower, diff, 0.0).exp(), 0.0)
+    # T = (I + A)^-1 by forward substitution (row i reads rows < i; rows past L stay e_i)
+    eye = torch.eye(C, device=kt.device)
+    T = eye.expand(A.shape).clone()
+    for i in range(1, L + 1):
+        T[:, i, :] = (-A[:, i, :, None] * T).sum(1) + eye[i]
+    eg = gam.exp()
+    w = T @ (kf * (b * eg)[:, :, None])
+    u = T @ (vf * b[:, :, None])
+    vn = u - w @ h
+    P = torch.where(incl, (qf @ kf.transpose(1, 2)) * torch.where(incl, diff, 0.0).exp(), 0.0)
+    o = ((qf @ h) * eg[:, :, None] + P @ vn) * scale
+    o = torch.where(o == 0, 0.0, o)
+    gl = gam[:, L]
+    ok = idx <= L
+    dec = torch.where(ok, torch.where(ok, gl[:, None] - gam, 0.0).exp(), 0.0)
+    h_new = h * gl.exp()[:, None, None] + (kf * dec[:, :, None]).transpose(1, 2) @ vn
+    return o.transpose(0, 1), h_new
+
+
+def gdn_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,
+                    chunk_size: int = 64, aligned: bool) -> torch.Tensor:
+    """The CPU entry: same contract as gdn_chunk_triton, computed in float32 torch one
+    chunk at a time, each chunk a full C-row tile of fixed-shape ops (CPU library
+    kernels round a row differently when the row count changes; here it never does)."""
+    _check(q, k, v, g, beta, md, state, chunk_size, aligned)
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    G = Hv // Hk
+    C = chunk_size
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    plan = md.chunk_plan(C, aligned)
+    if plan.num_chunks == 0 or T == 0:
+        return o
+    start, first, end, tok0 = (t.tolist() for t in (plan.start, plan.first_new, plan.end, plan.token0))
+    seqc = plan.seq_chunks.tolist()
+    start_pos = md.start_pos.tolist()
+    slots = md.slots.tolist() if state is not None else None
+    with torch.no_grad():
+        for s in range(len(start_pos)):
+            c0, c1 = seqc[s], seqc[s + 1]
+            if c0 == c1:
+                continue
+            if start_pos[s] > 0 and state is None:
+                raise ValueError("a sequence past position 0 needs a state")
+            slot = slots[s] if state is not None else None
+            if start_pos[s] > 0:
+                h = state["ssm"][slot].clone()
+            else:  # never read the slot: it may hold a previous owner's state
+                h = torch.zeros((Hv, K, V), dtype=torch.float32, device=q.device)
+            for n in range(c0, c1):
+                nb, nv, nn, t0 = first[n] - start[n], end[n] - start[n], end[n] - first[n], tok0[n]
+                qt = q.new_zeros((C, Hk, K))
+                kt = k.new_zeros((C, Hk, K))
+                vt = v.new_zeros((C, Hv, V))
+                gt = g.new_zeros((C, Hv))
+                bt = beta.new_zeros((C, Hv))
+                if nb:
+                    kt[:nb] = state["buf_k"][slot, :nb]
+                    vt[:nb] = state["buf_v"][slot, :nb]
+                    gt[:nb] = state["buf_g"][slot, :nb]
+                    bt[:nb] = state["buf_beta"][slot, :nb]
+                qt[nb:nv] = q[t0:t0 + nn]
+                kt[nb:nv] = k[t0:t0 + nn]
+                vt[nb:nv] = v[t0:t0 + nn]
+                gt[nb:nv] = g[t0:t0 + nn]
+                bt[nb:nv] = beta[t0:t0 + nn]
+                oc, h_next = _chunk_torch(qt, kt, vt, gt, bt, h, nv - 1, scale, G)
+                o[t0:t0 + nn] = oc[nb:nv].to(o.dtype)
+                if not aligned or nv == C:
+                    h = h_next
+                elif state is not None and n == c1 - 1:
+                    # the partial chunk's new rows join the buffer (earlier rows are there)
+                    state["buf_k"][slot, nb:nv] = kt[nb:nv]
+                    state["buf_v"][slot, nb:nv] = vt[nb:nv]
+                    state["buf_g"][slot, nb:nv] = gt[nb:nv]
+                    state["buf_beta"][slot, nb:nv] = bt[nb:nv]
+            if state is not None:
+                state["ssm"][slot] = h
+    return o
+
+
+# ---- differentiable reference and the training Function ---------------------------------------
+
+def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens, scale: float, chunk_size: int = 64) -> torch.Tensor:
+    """The chunked gated delta rule in plain differentiable torch, over packed sequences
+    that all start at position 0 with a zero state. Computes in the inputs' dtype
+    (float32 / float64; lower precisions in float32), returns o [T, Hv, V] in q's dtype.
+    Sequences are padded to whole chunks and batched (zero rows change no earlier row)."""
+    out_dtype = q.dtype
+    acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    G = Hv // Hk
+    C = chunk_size
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    if T == 0 or not lens:
+        return v.new_zeros((T, Hv, V), dtype=out_dtype)
+    nC = max(1, max(-(-n // C) for n in lens))
+    P = nC * C
+
+    def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...]
+        x = x.to(acc)
+        parts = [F.pad(x[cu[i]:cu[i + 1]], (0, 0) * (x.dim() - 1) + (0, P - n)) for i, n in enumerate(lens)]
+        x = torch.stack(parts).transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], nC, C, *x.shape[3:])
+
+    qb = batch(q.repeat_interleave(G, dim=1))
+    kb = batch(k.repeat_interleave(G, dim=1))
+    vb, gb, bb = batch(v), batch(g), batch(beta)
+    gam = gb.cumsum(-1)
+    idx = torch.arange(C, device=q.device)
+    lower = idx[:, None] > idx[None, :]
+    incl = idx[:, None] >= idx[None, :]
+    diff = gam[..., :, None] - gam[..., None, :]
+    A = torch.where(lower, bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * torch.where(lower, diff, 0.0).exp(), 0.0)
+    IA = A + torch.eye(C, dtype=acc, device=q.device)
+    w = torch.linalg.solve_triangular(IA, kb * (bb * gam.exp())[..., None], upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(IA, vb * bb[..., None], upper=False, unitriangular=True)
+    Pm = torch.where(incl, (qb @ kb.transpose(-1, -2)) * torch.where(incl, diff, 0.0).exp(), 0.0)
+    qd = qb * gam.exp()[..., None]
+    gl = gam[..., -1:]
+    kd = kb * (gl - gam).exp()[..., None]
+    S = torch.zeros((len(lens), Hv, K, V), dtype=acc, device=q.device)
+    outs = []
+    for c in range(nC):
+        vn = u[:, :, c] - w[:, :, c] @ S
+        outs.append(qd[:, :, c] @ S + Pm[:, :, c] @ vn)
+        S = S * gl[:, :, c, :, None].exp() + kd[:, :, c].transpose(-1, -2) @ vn
+    o = torch.stack(outs, 2).reshape(len(lens), Hv, P, V).transpose(1, 2) * scale
+    return torch.cat([o[i, :n] for i, n in enumerate(lens)]).to(out_dtype)
+
+
+class GatedDeltaRuleFn(torch.autograd.Function):
+    """o = fwd(q, k, v, g, beta, scale, md, None): the engine's kernel (so a training
+    forward has the rollout's bits); the backward differentiates gdn_reference,
+    recomputed in float32 (float64 for float64 inputs). Every sequence starts at 0."""
+
+    @staticmethod
+    def forward(ctx, fwd: Callable, q, k, v, g, beta, scale: float, md: StateMetadata):
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.scale = scale
+        ctx.cu = md.cu_seqlens
+        return fwd(q, k, v, g, beta, scale, md, None)
+
+    @staticmethod
+    def backward(ctx, do):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:6]
+        grads = [None] * 5
+        if any(needs):
+            acc = torch.float64 if torch.float64 in (do.dtype, inputs[0].dtype) else torch.float32
+            with torch.enable_grad():
+                xs = [x.detach().to(acc).requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
+                o = gdn_reference(*xs, ctx.cu, ctx.scale)
+                wrt = [x for x, n in zip(xs, needs) if n]
+                got = iter(torch.autograd.grad(o, wrt, do.to(acc), allow_unused=True))
+            for i, (x, n) in enumerate(zip(inputs, needs)):
+                if n:
+                    d = next(got)
+                    grads[i] = torch.zeros_like(x) if d is None else d.to(x.dtype)
+        return (None, *grads, None, None)
