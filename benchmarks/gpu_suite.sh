@@ -3,7 +3,8 @@
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
 # kernels, rlstep, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
-# every numerics, kernel, cache or model change runs before it lands), e.g.
+# every numerics, kernel, cache or model change runs before it lands; `gdn` the Gated DeltaNet
+# tests, per-layer cost and hybrid throughput), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -184,6 +185,31 @@ if has fp8; then
     tail -12 "$OUT/fp8_throughput.log"
   fi
 fi
+if has gdn; then
+  # Gated DeltaNet hybrids: the GDN kernel and model tests, the per-layer cost (invariant vs
+  # fast vs flash-linear-attention where its wheel travels in .whl/) and rollout throughput at
+  # Qwen3-Next-like dims (12 layers)
+  echo "== Gated DeltaNet ($SECONDS s)"
+  GDN_PARTS="${GDN_PARTS:-tests,kernels,throughput}"
+  gdn_has() { [[ ",$GDN_PARTS," == *",$1,"* ]]; }
+  if gdn_has tests; then
+    timeout "${GDN_TESTS_TIMEOUT:-400}" python -m pytest -q -p no:cacheprovider tests/test_gdn_chunk.py tests/test_gdn_ops.py \
+      ${GDN_PYTEST_ARGS:-} >"$OUT/gdn_tests.log" 2>&1
+    grep -E "passed|failed|Error|FAILED|fast mode:" "$OUT/gdn_tests.log" | tail -15
+  fi
+  if gdn_has kernels; then
+    timeout "${GDN_KERNELS_TIMEOUT:-300}" python benchmarks/kernels/gdn.py --json-out "$OUT/gdn_kernels.json" \
+      >"$OUT/gdn_kernels.log" 2>&1
+    tail -12 "$OUT/gdn_kernels.log"
+  fi
+  if gdn_has throughput; then
+    timeout "${GDN_THROUGHPUT_TIMEOUT:-600}" python benchmarks/throughput.py --config "${GDN_CONFIG:-benchmarks/configs/qwen3-next-12l.json}" \
+      --num-prompts "${NUM_PROMPTS:-256}" --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-256}" \
+      --numerics "${GDN_NUMERICS:-fast+async,invariant+async}" --json-out "$OUT/gdn_throughput.json" \
+      >"$OUT/gdn_throughput.log" 2>&1
+    tail -8 "$OUT/gdn_throughput.log"
+  fi
+fi
 if has defaultjob; then
   # the README's main job (`vllm train`, no arguments: the default recipe on the embedded model) on the GPU
   echo "== vllm train, default recipe ($SECONDS s)"
@@ -214,6 +240,8 @@ has battery && sed -n '/== parity battery/,$p' "$OUT/battery.log"
 has throughput && grep -E "^(floor|engine|fast|invariant|transformers|\[)" "$OUT/throughput.log"
 has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; } 2>/dev/null
+has gdn && { grep -E "passed|failed" "$OUT/gdn_tests.log" | tail -1; sed -n '/== Gated DeltaNet, one layer/,$p' "$OUT/gdn_kernels.log"; \
+  grep -E "^(floor|engine|fast|invariant)" "$OUT/gdn_throughput.log"; } 2>/dev/null
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \

@@ -52,7 +52,9 @@ def body_params(cfg: dict, n: int) -> tuple[float, float]:
     experts; a step reads every expert some sequence chose (expected E * (1 - (1 - k/E)^n))."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", h // cfg["num_attention_heads"])
-    attn = h * (hq + 2 * hk) * d + hq * d * h
+    full, gdn = layer_kinds(cfg)
+    gated = 2 if gdn else 1  # Qwen3-Next's attention q_proj also makes the output gate
+    attn = (full * (h * (gated * hq + 2 * hk) * d + hq * d * h) + (gdn * gdn_weights(cfg) if gdn else 0)) / layers
     if not cfg.get("num_experts"):
         return layers * (attn + 3 * h * inter), layers * (attn + 3 * h * inter)
     E, k, im = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
@@ -63,20 +65,41 @@ def body_params(cfg: dict, n: int) -> tuple[float, float]:
     return dense + sparse * k * 3 * h * im, dense + sparse * touched * 3 * h * im
 
 
+def layer_kinds(cfg: dict) -> tuple[int, int]:
+    """(full-attention layers, Gated DeltaNet layers): a hybrid's plan, else all attention."""
+    layers = cfg["num_hidden_layers"]
+    if "linear_num_key_heads" not in cfg:
+        return layers, 0
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+                                       else "linear_attention" for i in range(layers)]
+    full = sum(t == "full_attention" for t in types)
+    return full, layers - full
+
+
+def gdn_weights(cfg: dict) -> int:
+    h, hk, hv = cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    return h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
+
+
 def floor_seconds(cfg: dict, n: int, lin: int, lout: int, elem: int = 2) -> tuple[float, float]:
     h, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim", h // cfg["num_attention_heads"])
+    full, gdn = layer_kinds(cfg)
     body, step_body = body_params(cfg, n)
     lm = v * h
     # prefill: 2 FLOP per weight per token + causal attention (QK^T and PV: 2 * 2 * L^2/2 * hq * d per layer)
-    prefill_flops = n * (2 * body * lin + 2 * lm + layers * 2 * lin * lin * hq * d)
+    prefill_flops = n * (2 * body * lin + 2 * lm + full * 2 * lin * lin * hq * d)
     prefill = prefill_flops / MATMUL_RATE
-    # decode: every step reads all weights once plus every sequence's KV so far
+    # decode: every step reads all weights once plus every sequence's KV so far, and reads
+    # and writes every sequence's float32 GDN state
     weight_bytes = (step_body + lm + (0 if cfg.get("tie_word_embeddings") else 0)) * elem
-    kv_per_token = 2 * layers * hk * d * elem
+    kv_per_token = 2 * full * hk * d * elem
+    state_bytes = 0 if not gdn else 2 * gdn * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * \
+        cfg["linear_value_head_dim"] * 4
     decode = 0.0
     for step in range(1, lout):
-        decode += (weight_bytes + n * (lin + step) * kv_per_token) / COPY_BW
+        decode += (weight_bytes + n * (lin + step) * kv_per_token + n * state_bytes) / COPY_BW
     return prefill, decode
 
 

@@ -364,3 +364,52 @@ def test_autograd_fn_gradients(impl):
     for name, a, b in zip("q k v g beta".split(), leaves, ref_leaves):
         assert a.grad.dtype == torch.float32
         assert rel_err(a.grad.cpu(), b.grad) < 1e-5, name
+
+
+# ---- 7. real dims on the GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits():
+    _real_dims_check(16, 32, 128, 128, 64)
+
+
+def _real_dims_check(hk, hv, kd, vd, c):
+    """Qwen3-Next's GDN dims (16 key / 32 value heads of 128, C = 64, bf16): two sequences
+    computed as one prefill, as prefills cut off the grid, as a prefill then decode steps and
+    as all-decode give the same output and state bits (aligned), and the trainer's forward (no
+    cache) gives the prefill's bits; the fast mode's decode (the fused recurrence) does not."""
+    from vllm.kernels.gdn_ops import gdn_recurrent_triton
+
+    lens = {0: 300, 1: 137}
+    seqs = {sid: make_inputs(n, hk, hv, kd, vd, seed=40 + sid, dtype=torch.bfloat16) for sid, n in lens.items()}
+    slots = {0: 1, 1: 2}
+    schedules = {
+        "whole": [[(0, 300), (1, 137)]],
+        "cuts": [[(0, 37), (1, 100)], [(1, 37), (0, 200)], [(0, 63)]],
+        "prefill+decode": [[(0, 130), (1, 65)]] + [[(0, 1), (1, 1)]] * 72 + [[(0, 1)]] * 98,
+        "decode": [[(0, 1), (1, 1)]] * 137 + [[(0, 1)]] * 163,
+    }
+    run = functools.partial(run_schedule, gdn_chunk_triton, seqs, slots, aligned=True, chunk=c)
+    ref, ref_state = run(schedules["whole"])
+    for name, steps in schedules.items():
+        got, state = run(steps)
+        for sid in lens:
+            assert torch.equal(bits(got[sid]), bits(ref[sid])), (name, sid)
+            assert torch.equal(bits(state["ssm"][slots[sid]]), bits(ref_state["ssm"][slots[sid]])), (name, sid)
+    # the trainer: no cache, both sequences from position 0
+    q, k, v, g, beta = (torch.cat([seqs[s][i] for s in lens]).to(DEV) for i in range(5))
+    md = metadata([0, 0], list(lens.values()))
+    o = gdn_chunk_triton(q, k, v, g, beta, kd ** -0.5, md, None, chunk_size=c, aligned=True).cpu()
+    assert torch.equal(bits(o), bits(torch.cat([ref[s] for s in lens])))
+    # fast mode's decode is the native recurrence: its rows differ from the chunked prefill's
+    fast = functools.partial(run_schedule, seqs=seqs, slots=slots, aligned=False, chunk=c)
+
+    def fast_op(q, k, v, g, beta, scale, md, state, *, chunk_size, aligned):
+        op = gdn_recurrent_triton if md.max_query_len == 1 else gdn_chunk_triton
+        kw = {} if md.max_query_len == 1 else {"aligned": False}
+        return op(q, k, v, g, beta, scale, md, state, chunk_size=chunk_size, **kw)
+    whole, _ = fast(fast_op, schedule=schedules["whole"])
+    dec, _ = fast(fast_op, schedule=schedules["prefill+decode"])
+    differ = sum(int(not torch.equal(bits(dec[s][t]), bits(whole[s][t]))) for s in lens for t in range(lens[s]))
+    print(f"fast mode: {differ} of {sum(lens.values())} token rows differ between prefill and prefill+decode")
+    assert differ > 0

@@ -278,9 +278,9 @@ class Gate:
         return rows
 
     def preempt_blocks(self) -> int:
-        """KV blocks for about 12 of the longest requests: the batch runs, with preemptions."""
+        """KV blocks for a quarter of the requests at their longest: the batch runs, with preemptions."""
         block = 16 if self.args.device == "cuda" else 4
-        return 12 * -(-(self.args.max_prompt_len + self.args.max_tokens) // block) + 1
+        return max(2, self.args.num_requests // 4) * -(-(self.args.max_prompt_len + self.args.max_tokens) // block) + 1
 
     def reference(self, model: str, mode: str) -> list:
         """The whole-batch signatures of the default engine of `model` (made if no axis did)."""
@@ -349,8 +349,8 @@ class Gate:
         if "gdn-graphs" in axes and self.args.device == "cuda":
             rows.append(self.graphs(mode, "gdn"))
         if "gdn-preempt" in axes:
-            rows.append(self.against_reference("gdn-preempt", "gdn", mode, "a KV cache of 12 prompts' blocks",
-                                               num_gpu_blocks=self.preempt_blocks()))
+            rows.append(self.against_reference("gdn-preempt", "gdn", mode, "a KV cache for a quarter of the batch",
+                                               num_gpu_blocks_override=self.preempt_blocks()))
         for r in rows:
             print(f"[{mode}] {r.axis}: layouts {r.layouts_differ}/{r.layouts_total}, trainer {r.trainer_differ}/"
                   f"{r.trainer_total} (max |diff| {r.trainer_max_abs_diff:.3g}), {r.seconds:.0f} s {r.detail}", flush=True)
