@@ -27,10 +27,18 @@ VLLM_PARITY_SKIP_CSRC="${VLLM_PARITY_SKIP_CSRC:-1}" python -m pip install -q --n
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Packages the offline GPU machine lacks (fastapi, uvicorn, openai, ...) travel as wheels in
 # .whl/ (docs/serving.md says how to fetch them); they go to a private site folder.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# flash-linear-attention (fla, fla_core-*.whl) goes to its own folder, on the path only for
+# the GDN kernel benchmark: where it imports, transformers' Qwen3-Next swaps its torch
+# reference functions for fla's kernels, which the tests use as independent references.
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v "/fla_core-")
+if [[ -n "$wheels" ]]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" && echo "wheels from .whl installed" \
     || { echo "wheel install failed"; tail -3 "$OUT/wheels.log"; }
+fi
+if compgen -G ".whl/fla_core-*.whl" >/dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
+    .whl/fla_core-*.whl >>"$OUT/wheels.log" 2>&1 && echo "fla in /tmp/fla_site (GDN kernel benchmark only)"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -198,7 +206,8 @@ if has gdn; then
     grep -E "passed|failed|Error|FAILED|fast mode:" "$OUT/gdn_tests.log" | tail -15
   fi
   if gdn_has kernels; then
-    timeout "${GDN_KERNELS_TIMEOUT:-300}" python benchmarks/kernels/gdn.py --json-out "$OUT/gdn_kernels.json" \
+    PYTHONPATH="$PYTHONPATH:/tmp/fla_site" timeout "${GDN_KERNELS_TIMEOUT:-300}" python benchmarks/kernels/gdn.py \
+      --json-out "$OUT/gdn_kernels.json" \
       >"$OUT/gdn_kernels.log" 2>&1
     tail -12 "$OUT/gdn_kernels.log"
   fi

@@ -214,7 +214,7 @@ def test_gating_matches_reference(impl, dtype):
     torch.testing.assert_close(qn.double(), rqn, **tol)
     torch.testing.assert_close(kn.double(), rkn, **tol)
     torch.testing.assert_close(g.double(), rg, rtol=1e-5, atol=1e-6)
-    assert g[1, 0] < 0 and g[0, 0] == pytest.approx(-ins[4][0].float().exp().item() * (30.0 + ins[5][0].float().item()))
+    assert g[1, 0].item() < 0 and g[0, 0].item() == pytest.approx(-ins[4][0].float().exp().item() * (30.0 + ins[5][0].float().item()))
     if dtype == torch.float32:
         torch.testing.assert_close(beta.double(), rbeta, rtol=1e-6, atol=1e-7)
     else:  # b.sigmoid() in bf16, as transformers computes beta

@@ -227,3 +227,15 @@ def test_master_weights_path_matches_plain_fp32(tiny_qwen3, rl_files, tmp_path):
         assert m["updated"] and m["grad_norm"] > 0
         weights[master] = [p.detach().clone() for p in t.params]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(weights[False], weights[True]))
+
+
+def test_hybrid_gated_deltanet_run_has_zero_mismatch_every_step(tiny_qwen3_next, rl_files, tmp_path):
+    """`vllm train` on a Qwen3-Next hybrid (Gated DeltaNet states in the engine, none in the
+    trainer): the rollout's logprobs equal the trainer's bit for bit at every step, across
+    weight updates."""
+    trainer = Trainer(_config(tiny_qwen3_next, rl_files, tmp_path / "run", steps=3))
+    trainer.run()
+    steps = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r.get("kind") != "eval"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["logprob_diff_max"] == 0.0 and r["updated"] and r["grad_norm"] > 0

@@ -100,14 +100,17 @@ def train_case(T: int = 10240) -> dict:
         out[name] = bench(step)
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
     if fla_chunk is not None:
+        with torch.no_grad():
+            out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
         leaves = [t[None].clone().requires_grad_() for t in x]
 
         def fla_step():
             o, _ = fla_chunk(*leaves, scale=SCALE)
             o.backward(do[None])
-        out["fla"] = bench(fla_step)
-        with torch.no_grad():
-            out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
+        try:
+            out["fla"] = bench(fla_step)
+        except RuntimeError as err:  # fla refuses its backward on some Triton versions
+            print(f"fla backward unavailable: {str(err)[:160]}")
     return out
 
 
