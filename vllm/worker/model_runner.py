@@ -472,18 +472,22 @@ class ModelRunner:
                                    max_query_len=1, max_seq_len=self.max_model_len)
             self.g_seq_lens[:bs].fill_(1)
             self.attn.metadata = md
-            state = None
-            if self.cache_specs.recurrent:
-                state = self.kv_cache.state_backend(StateMetadata(self.g_cu[:bs + 1], self.g_start_pos[:bs],
-                                                                  self.g_state_slots[:bs], 1))
-            ctx = ForwardContext(self.attn, self.config.numerics, self.config.kernels, state)
-            with set_forward_context(ctx):
+            def context() -> ForwardContext:
+                # a fresh state metadata for each use: the chunk plan a recurrent layer derives
+                # from the slots and positions (and caches per step) must be computed inside
+                # the capture, so that every replay recomputes it from the graph's inputs
+                state = None
+                if self.cache_specs.recurrent:
+                    state = self.kv_cache.state_backend(StateMetadata(self.g_cu[:bs + 1], self.g_start_pos[:bs],
+                                                                      self.g_state_slots[:bs], 1))
+                return ForwardContext(self.attn, self.config.numerics, self.config.kernels, state)
+            with set_forward_context(context()):
                 for _ in range(2):  # warm up: Triton autotuning/compilation happens outside capture
                     self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with set_forward_context(context()), torch.cuda.graph(g, pool=pool):
+                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs])
             self.graphs[bs] = g
         self.g_seq_lens.zero_()
         torch.cuda.synchronize()
