@@ -9,21 +9,12 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.layers.moe import collect_router_stats
-from vllm.testing.parity_battery import Battery, signature
-
-
-def _battery(path, **base):
-    def make(**kw):
-        opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512)
-        opts.update(base)
-        opts.update(kw)
-        return LLM(path, **opts)
-    return Battery(make, vocab=512, max_tokens=5, batch_sizes=(2, 4), long_len=30)
+from vllm.testing.parity_battery import cpu_battery, signature
 
 
 @pytest.fixture(scope="module")
 def battery(tiny_qwen3_moe):
-    return _battery(tiny_qwen3_moe)
+    return cpu_battery(tiny_qwen3_moe)
 
 
 @pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])

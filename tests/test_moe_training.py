@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm import LLM, SamplingParams
+from vllm import LLM
 from vllm.layers.moe import collect_router_stats
+from vllm.testing.rollouts import rollout, trainer_mismatches
 from vllm.training import Policy
 
 
@@ -22,14 +23,6 @@ def load_hf_model(path, dtype):
                                                 experts_implementation="eager", local_files_only=True).eval()
 
 
-def _rollout(llm, prompts, seed=11):
-    sp = SamplingParams(temperature=0.8, max_tokens=7, seed=seed, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
-    lps = [torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]) for c in (o.outputs[0] for o in outs)]
-    return seqs, lps
-
-
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(5)
@@ -37,15 +30,7 @@ def prompts():
 
 
 def test_rollout_logprobs_equal_trainer_bits(tiny_qwen3_moe, prompts):
-    llm = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant", block_size=8)
-    seqs, roll = _rollout(llm, prompts)
-    policy = Policy.from_pretrained(tiny_qwen3_moe, device="cpu", numerics="invariant")
-    plens = [len(p) for p in prompts]
-    for budget, order in ((None, [0, 1, 2, 3]), (45, [3, 1, 0, 2]), (1, [2, 0, 3, 1])):
-        got = policy.token_logprobs([seqs[i] for i in order], [plens[i] for i in order], temperature=0.8,
-                                    max_tokens_per_micro_batch=budget)
-        for j, i in enumerate(order):
-            assert torch.equal(bits(got[j]), bits(roll[i])), f"seq {i} budget {budget}"
+    assert not trainer_mismatches(tiny_qwen3_moe, prompts)
 
 
 def _hf_logprobs(hf, seqs, plens, temperature):
@@ -121,7 +106,7 @@ def test_weight_sync_of_moe_parameters_keeps_parity(tiny_qwen3_moe, prompts):
     llm = LLM(tiny_qwen3_moe, device="cpu", numerics="invariant")
     policy = Policy.from_pretrained(tiny_qwen3_moe, device="cpu", numerics="invariant")
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    seqs, _ = _rollout(llm, prompts[:2])
+    seqs, _ = rollout(llm, prompts[:2])
     (-sum(lp.sum() for lp in policy.token_logprobs(seqs, [len(p) for p in prompts[:2]], temperature=0.8))).backward()
     opt.step()
     model = llm.llm_engine.executor.model
@@ -143,7 +128,7 @@ def test_weight_sync_of_moe_parameters_keeps_parity(tiny_qwen3_moe, prompts):
         llm.update_weights(partial, require_complete=True)
     llm.update_weights(update, contract=policy.execution_contract(), require_complete=True)
     assert experts.gate_up_proj.data_ptr() == ptr and not torch.equal(experts.gate_up_proj, before)
-    seqs2, roll = _rollout(llm, prompts[:2])
+    seqs2, roll = rollout(llm, prompts[:2])
     with torch.no_grad():
         got = policy.token_logprobs(seqs2, [len(p) for p in prompts[:2]], temperature=0.8)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll))

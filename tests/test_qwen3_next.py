@@ -24,7 +24,8 @@ from vllm.kernels import ops
 from vllm.layers.moe import SparseMoeBlock
 from vllm.model_loader.build import build_model, resolve_model
 from vllm.models.qwen3_next import Qwen3NextConfig, SharedExpertMoeBlock
-from vllm.testing.parity_battery import Battery
+from vllm.testing.parity_battery import cpu_battery
+from vllm.testing.rollouts import trainer_mismatches
 from vllm.testing.tiny_models import make_tiny_checkpoint
 from vllm.training import Policy
 from vllm.training.attention import PackedAttentionBackend
@@ -313,28 +314,8 @@ def prompts():
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 23, 37, 11)]
 
 
-def _rollout(llm, prompts, seed=11):
-    sp = SamplingParams(temperature=0.8, max_tokens=7, seed=seed, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
-    lps = [torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]) for c in (o.outputs[0] for o in outs)]
-    return seqs, lps
-
-
-def _rollout_equals_trainer(path, prompts):
-    llm = LLM(path, device="cpu", numerics="invariant", block_size=8)
-    seqs, roll = _rollout(llm, prompts)
-    policy = Policy.from_pretrained(path, device="cpu", numerics="invariant")
-    plens = [len(p) for p in prompts]
-    for budget, order in ((None, [0, 1, 2, 3]), (45, [3, 1, 0, 2]), (1, [2, 0, 3, 1])):
-        got = policy.token_logprobs([seqs[i] for i in order], [plens[i] for i in order], temperature=0.8,
-                                    max_tokens_per_micro_batch=budget)
-        for j, i in enumerate(order):
-            assert torch.equal(bits(got[j]), bits(roll[i])), f"seq {i} budget {budget}"
-
-
 def test_rollout_logprobs_equal_trainer_bits(attention_only, prompts):
-    _rollout_equals_trainer(attention_only, prompts)
+    assert not trainer_mismatches(attention_only, prompts)
 
 
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
@@ -371,17 +352,9 @@ def test_gradients_match_transformers_float64(attention_only, prompts, numerics)
     assert "model.norm.weight" in checked and len(checked) >= 40
 
 
-def _battery(path):
-    def make(**kw):
-        opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512)
-        opts.update(kw)
-        return LLM(path, **opts)
-    return Battery(make, vocab=512, max_tokens=5, batch_sizes=(2, 4), long_len=30)
-
-
 @pytest.fixture(scope="module")
 def battery(attention_only):
-    return _battery(attention_only)
+    return cpu_battery(attention_only)
 
 
 @pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
@@ -422,12 +395,12 @@ def test_hybrid_greedy_tokens_match_transformers(tiny_qwen3_next):
 
 @needs_gdn_ops
 def test_hybrid_rollout_logprobs_equal_trainer_bits(tiny_qwen3_next, prompts):
-    _rollout_equals_trainer(tiny_qwen3_next, prompts)
+    assert not trainer_mismatches(tiny_qwen3_next, prompts)
 
 
 @needs_gdn_ops
 @pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
 def test_hybrid_invariant_battery(tiny_qwen3_next, check):
-    res = getattr(_battery(tiny_qwen3_next), check)()
+    res = getattr(cpu_battery(tiny_qwen3_next), check)()
     assert res.comparisons > 0
     assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"

@@ -105,9 +105,9 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, norm_rows=rms_norm_rows) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual  # elementwise: invariant
-    return rms_norm_rows(residual, weight, eps), residual
+    return norm_rows(residual, weight, eps), residual
 
 
 def zero_centred_rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,8 +116,7 @@ def zero_centred_rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 def add_zero_centred_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual  # elementwise: invariant
-    return zero_centred_rms_norm_rows(residual, weight, eps), residual
+    return add_rms_norm_rows(x, residual, weight, eps, norm_rows=zero_centred_rms_norm_rows)
 
 
 def sigmoid_gate_rows(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

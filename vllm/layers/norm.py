@@ -10,11 +10,12 @@ from vllm.kernels import ops
 
 class RMSNorm(nn.Module):
     """y = w * round(x * rstd) (transformers' LlamaRMSNorm: two roundings)."""
+    initial_weight = 1.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.full((hidden_size,), self.initial_weight, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -22,15 +23,11 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class ZeroCentredRMSNorm(nn.Module):
+class ZeroCentredRMSNorm(RMSNorm):
     """y = round((x * rstd) * (1 + w)): the weight is stored as its offset from one (zero
     means the identity scale) and the output is rounded once (transformers'
     Qwen3NextRMSNorm / Qwen3_5RMSNorm)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+    initial_weight = 0.0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

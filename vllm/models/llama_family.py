@@ -132,13 +132,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
+    def mix(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer's token mixer (attention here; a hybrid's layer picks its own)."""
+        return self.self_attn(positions, x)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        """Pre-norm residual block: norm, token mixer, norm (fused with the residual add), MLP."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.mix(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

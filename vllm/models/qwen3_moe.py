@@ -94,7 +94,7 @@ class MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     # Qwen3's pre-norm residual layout; only the module behind `self.mlp` differs
-    forward = DecoderLayer.forward
+    mix, forward = DecoderLayer.mix, DecoderLayer.forward
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

@@ -34,7 +34,7 @@ from vllm.layers.moe import SparseMoeBlock
 from vllm.layers.norm import ZeroCentredRMSNorm
 from vllm.layers.rotary import RopeScaling, RotaryEmbedding, rope_from_hf
 from vllm.models.decoder import DecoderForCausalLM
-from vllm.models.llama_family import MLP
+from vllm.models.llama_family import MLP, DecoderLayer
 from vllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -265,18 +265,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+    def mix(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.layer_type == LINEAR_ATTENTION:
-            x = self.linear_attn(x)
-        else:
-            x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            return self.linear_attn(x)
+        return self.self_attn(positions, x)
+
+    # Qwen3's pre-norm residual layout around the token mixer above
+    forward = DecoderLayer.forward
 
 
 class Qwen3NextForCausalLM(DecoderForCausalLM):

@@ -173,3 +173,15 @@ class Battery:
         if gpu:
             checks.append(self.cuda_graph_vs_eager)
         return [c() for c in checks]
+
+
+def cpu_battery(path: str, **engine_options) -> "Battery":
+    """The battery on CPU invariant engines of a tiny checkpoint (float32, 4-token blocks)."""
+    from vllm import LLM
+
+    def make(**kw):
+        opts = dict(device="cpu", dtype="float32", numerics="invariant", block_size=4, max_num_batched_tokens=512)
+        opts.update(engine_options)
+        opts.update(kw)
+        return LLM(path, **opts)
+    return Battery(make, vocab=512, max_tokens=5, batch_sizes=(2, 4), long_len=30)

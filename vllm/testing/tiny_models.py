@@ -236,6 +236,13 @@ def build_tokenizer(
 #   free_head_dim           : head_dim may differ from hidden_size // num_heads
 #   zero_centred_norms      : the decoder's RMSNorms scale by (1 + w) (weights drawn near 0)
 #   config_extra            : extra kwargs passed to the config class
+# the hybrids' layer plan and Gated DeltaNet dims (Qwen3-Next, Qwen3.5), and their MoE with a shared expert
+_HYBRID_EXTRA = {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
+                 "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                 "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+_SHARED_EXPERT_MOE_EXTRA = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                            "shared_expert_intermediate_size": 48, "norm_topk_prob": True}
+
 ARCH_CONFIGS: dict = {
     "qwen3": {
         "model_type": "qwen3",
@@ -287,20 +294,15 @@ ARCH_CONFIGS: dict = {
     },
     "qwen3_next": {
         "model_type": "qwen3_next",
+        # every 4th layer full attention (layers 0-2 Gated DeltaNet, 3 attention with 4 layers);
+        # override layer_types / full_attention_interval to change the plan
+        "config_extra": {**_HYBRID_EXTRA, **_SHARED_EXPERT_MOE_EXTRA, "decoder_sparse_step": 1, "mlp_only_layers": []},
         "hf_class": "Qwen3NextForCausalLM",
         "config_class": "Qwen3NextConfig",
         "qkv_bias": False,
         "qk_norm": True,
         "free_head_dim": True,
         "zero_centred_norms": True,
-        # every 4th layer full attention (layers 0-2 Gated DeltaNet, 3 attention with 4 layers);
-        # override layer_types / full_attention_interval to change the plan
-        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
-                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
-                         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                         "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
-                         "mlp_only_layers": []},
         "notes": "Qwen3-Next: Gated DeltaNet layers (linear_attn.in_proj_qkvz / in_proj_ba / conv1d / A_log / "
         "dt_bias / norm / out_proj) and gated full attention (q_proj 2x wide: [q | gate] per head, partial "
         "rope) in the order of layer_types; zero-centred RMSNorms; MoE blocks with a shared expert "
@@ -314,9 +316,7 @@ ARCH_CONFIGS: dict = {
         "qk_norm": True,
         "free_head_dim": True,
         "zero_centred_norms": True,
-        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
-                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                         "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+        "config_extra": dict(_HYBRID_EXTRA),
         "notes": "Qwen3.5's text model: Qwen3-Next's layers with four Gated DeltaNet input projections "
         "(in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) and dense MLPs; its multimodal rope is the "
         "plain rope on text positions.",
@@ -329,10 +329,7 @@ ARCH_CONFIGS: dict = {
         "qk_norm": True,
         "free_head_dim": True,
         "zero_centred_norms": True,
-        "config_extra": {"attention_bias": False, "full_attention_interval": 4, "partial_rotary_factor": 0.25,
-                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
-                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        "config_extra": {**_HYBRID_EXTRA, **_SHARED_EXPERT_MOE_EXTRA},
         "notes": "Qwen3.5-MoE's text model: Qwen3.5's layers with Qwen3-Next's MoE block (shared expert) on "
         "every layer, top-k weights always normalised.",
     },
