@@ -9,7 +9,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.layers.moe import collect_router_stats
-from vllm.testing.parity_battery import cpu_battery, signature
+from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check, signature
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +17,9 @@ def battery(tiny_qwen3_moe):
     return cpu_battery(tiny_qwen3_moe)
 
 
-@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
+@pytest.mark.parametrize("check", BATTERY_CHECKS)
 def test_moe_invariant_battery(battery, check):
-    res = getattr(battery, check)()
-    assert res.comparisons > 0
-    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    res = run_zero_check(battery, check)
     if check == "prefix_cache":
         assert res.detail.startswith("3 ")
     if check == "preemption":

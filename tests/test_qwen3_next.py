@@ -20,13 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from vllm import LLM, SamplingParams
 from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.kernels import ops
 from vllm.layers.moe import SparseMoeBlock
 from vllm.model_loader.build import build_model, resolve_model
 from vllm.models.qwen3_next import Qwen3NextConfig, SharedExpertMoeBlock
-from vllm.testing.parity_battery import cpu_battery
+from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check
 from vllm.testing.rollouts import trainer_mismatches
-from vllm.testing.tiny_models import make_tiny_checkpoint
+from vllm.testing.tiny_models import make_tiny_checkpoint, compare_grads
 from vllm.training import Policy
 from vllm.training.attention import PackedAttentionBackend
 
@@ -339,13 +338,7 @@ def test_gradients_match_transformers_float64(attention_only, prompts, numerics)
     for a, b in zip(lps, ref):
         assert (a.double() - b).abs().max().item() < 1e-5
     sum((w.double() * lp).sum() for w, lp in zip(weights, ref)).backward()
-    checked = set()
-    for name, p in hf.named_parameters():
-        if p.grad is None or p.grad.norm() == 0:
-            continue
-        err = ((ours[name].double() - p.grad).norm() / p.grad.norm()).item()
-        assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
-        checked.add(name)
+    checked = compare_grads(ours, hf)
     for kind in ("input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight",
                  "mlp.shared_expert_gate.weight", "mlp.shared_expert.down_proj.weight", "mlp.experts.gate_up_proj"):
         assert f"model.layers.2.{kind}" in checked, kind
@@ -357,11 +350,9 @@ def battery(attention_only):
     return cpu_battery(attention_only)
 
 
-@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
+@pytest.mark.parametrize("check", BATTERY_CHECKS)
 def test_invariant_battery(battery, check):
-    res = getattr(battery, check)()
-    assert res.comparisons > 0
-    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    run_zero_check(battery, check)
 
 
 def test_execution_contract_names_the_architecture(attention_only):
@@ -374,33 +365,20 @@ def test_execution_contract_names_the_architecture(attention_only):
 
 
 # ---- the hybrid checkpoints: Gated DeltaNet layers included --------------------------------
-# vllm/layers/gated_deltanet.py calls these through the op shim; until they are there, a
-# hybrid model cannot run a forward
-GDN_OPS = ("causal_conv1d", "gdn_gating", "gated_delta_rule", "rms_norm_gated")
-needs_gdn_ops = pytest.mark.skipif(not all(hasattr(ops, name) for name in GDN_OPS),
-                                   reason=f"needs the GDN ops (vllm.kernels.ops.{', '.join(GDN_OPS)})")
-
-
-@needs_gdn_ops
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_next", "qwen3_5_hybrid"])
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 def test_hybrid_logits_match_transformers(request, fixture, numerics):
     _logits_match(request.getfixturevalue(fixture), numerics)
 
 
-@needs_gdn_ops
 def test_hybrid_greedy_tokens_match_transformers(tiny_qwen3_next):
     _greedy_match(tiny_qwen3_next)
 
 
-@needs_gdn_ops
 def test_hybrid_rollout_logprobs_equal_trainer_bits(tiny_qwen3_next, prompts):
     assert not trainer_mismatches(tiny_qwen3_next, prompts)
 
 
-@needs_gdn_ops
-@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
+@pytest.mark.parametrize("check", BATTERY_CHECKS)
 def test_hybrid_invariant_battery(tiny_qwen3_next, check):
-    res = getattr(cpu_battery(tiny_qwen3_next), check)()
-    assert res.comparisons > 0
-    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    run_zero_check(cpu_battery(tiny_qwen3_next), check)

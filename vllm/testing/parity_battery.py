@@ -185,3 +185,14 @@ def cpu_battery(path: str, **engine_options) -> "Battery":
         opts.update(kw)
         return LLM(path, **opts)
     return Battery(make, vocab=512, max_tokens=5, batch_sizes=(2, 4), long_len=30)
+
+
+BATTERY_CHECKS = ("batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption")
+
+
+def run_zero_check(battery: "Battery", check: str):
+    """One battery check, asserting it compared something and no bits differed; its result."""
+    res = getattr(battery, check)()
+    assert res.comparisons > 0
+    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    return res

@@ -586,3 +586,17 @@ def load_hf_model(
             local_files_only=True,
         )
     return model.to(device).eval()
+
+
+def compare_grads(ours: Mapping[str, torch.Tensor], hf_model: torch.nn.Module, tol: float = 1e-4) -> set:
+    """Our gradients (HF names -> tensors) against the transformers model's `.grad` after its
+    backward: each relative error below `tol` (AssertionError naming the first that is not).
+    Returns the names compared (parameters whose reference gradient is nonzero)."""
+    checked = set()
+    for name, p in hf_model.named_parameters():
+        if p.grad is None or p.grad.norm() == 0:
+            continue
+        err = ((ours[name].double() - p.grad).norm() / p.grad.norm()).item()
+        assert err < tol, f"{name}: relative gradient error {err:.2e}"
+        checked.add(name)
+    return checked
