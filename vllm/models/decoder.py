@@ -15,6 +15,7 @@ inference-only state and no parallelism.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,9 +24,28 @@ from torch import nn
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RotaryEmbedding
+from vllm.layers.rotary import RopeScaling, RotaryEmbedding
 from vllm.models.checkpointing import checkpointed
 from vllm.models.weights import WeightMapping, WeightSlot
+
+
+@dataclass
+class DecoderConfig:
+    """The config.json fields every decoder here reads; a model's config class adds its own.
+    Every field enters the execution contract's semantic digest."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
 
 
 class DecoderStack(nn.Module):

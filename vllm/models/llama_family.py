@@ -16,8 +16,8 @@ from vllm.layers.activation import SiluAndMul
 from vllm.layers.attention import Attention
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RopeScaling, RotaryEmbedding, rope_from_hf
-from vllm.models.decoder import DecoderForCausalLM
+from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
+from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 
 # What distinguishes the members of the family (config.json does not say it).
 ARCHITECTURES = {
@@ -28,22 +28,9 @@ ARCHITECTURES = {
 
 
 @dataclass
-class LlamaFamilyConfig:
+class LlamaFamilyConfig(DecoderConfig):
     """The fields of config.json this model reads. Every field is part of the execution
     contract's semantic digest, so it holds exactly what decides the model's function."""
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling
-    tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
 

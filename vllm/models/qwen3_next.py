@@ -32,8 +32,8 @@ from vllm.layers.gated_deltanet import GatedDeltaNet
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.moe import SparseMoeBlock
 from vllm.layers.norm import ZeroCentredRMSNorm
-from vllm.layers.rotary import RopeScaling, RotaryEmbedding, rope_from_hf
-from vllm.models.decoder import DecoderForCausalLM
+from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
+from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 from vllm.models.llama_family import MLP, DecoderLayer
 from vllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -53,24 +53,12 @@ _DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_ro
 
 
 @dataclass
-class Qwen3NextConfig:
-    """The fields of config.json this model reads. Every field enters the execution
-    contract's semantic digest, so it holds what decides the model's function
-    (`router_aux_loss_coef` is not kept: it weights a training loss, not a logprob)."""
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # the dense MLPs' (0 when no layer has one)
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling
+class Qwen3NextConfig(DecoderConfig):
+    """The fields of config.json this model reads (the decoder's, `intermediate_size` 0 when no
+    layer has a dense MLP, and those below). Every field enters the execution contract's
+    semantic digest, so it holds what decides the model's function (`router_aux_loss_coef`
+    is not kept: it weights a training loss, not a logprob)."""
     partial_rotary_factor: float
-    tie_word_embeddings: bool
     layer_types: list[str]
     linear_conv_kernel_dim: int
     linear_key_head_dim: int
