@@ -180,3 +180,10 @@ def tiny_qwen3_next(tiny_models_root) -> str:
 
     return make_tiny_checkpoint(tiny_models_root / "qwen3_next", "qwen3_next", head_dim=32, num_hidden_layers=4, seed=4,
                                 config_overrides={"mlp_only_layers": [1]})
+
+
+@pytest.fixture(scope="session")
+def trainer_prompts():
+    """Four prompts of 4-37 tokens for rollout-vs-trainer checks on tiny models."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 23, 37, 11)]

@@ -134,19 +134,28 @@ class ToyExpertsForCausalLM(nn.Module):
         return self.weight_mapping().state_dict(grads)
 
 
-@pytest.fixture
-def toy_checkpoint(tmp_path, tokenizer_dir, monkeypatch):
+def write_toy_checkpoint(path, monkeypatch, cls, seed: int, init=None, **dims) -> str:
+    """Register `cls` under its own name (for this test) and write a random-weight checkpoint
+    of it to `path`; `init(model)` may set parameters after the random draw."""
     from vllm.model_loader.loader import init_dummy_weights
     from vllm.models import registry
 
-    monkeypatch.setitem(registry._MODELS, "ToyExpertsForCausalLM", (__name__, "ToyExpertsForCausalLM"))
-    hf = {"architectures": ["ToyExpertsForCausalLM"], "vocab_size": 512, "d_model": 64, "n_layers": 2,
-          "n_heads": 4, "n_kv_heads": 2, "n_experts": 3, "max_position_embeddings": 256, "torch_dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    model = ToyExpertsForCausalLM(ToyConfig.from_hf(hf))
-    init_dummy_weights(model, seed=4, std=0.1)
-    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, str(tmp_path / "model.safetensors"))
-    return str(tmp_path)
+    monkeypatch.setitem(registry._MODELS, cls.__name__, (__name__, cls.__name__))
+    hf = {"architectures": [cls.__name__], "vocab_size": 512, "n_heads": 4, "n_kv_heads": 2,
+          "max_position_embeddings": 256, "torch_dtype": "float32", **dims}
+    (path / "config.json").write_text(json.dumps(hf))
+    model = cls(ToyConfig.from_hf(hf))
+    init_dummy_weights(model, seed=seed, std=0.1)
+    if init is not None:
+        init(model)
+    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.fixture
+def toy_checkpoint(tmp_path, tokenizer_dir, monkeypatch):
+    return write_toy_checkpoint(tmp_path, monkeypatch, ToyExpertsForCausalLM, seed=4, d_model=64, n_layers=2,
+                                n_experts=3)
 
 
 def _bits(t):
@@ -259,19 +268,11 @@ class ToyHybridForCausalLM(ToyExpertsForCausalLM):
 
 @pytest.fixture
 def toy_hybrid_checkpoint(tmp_path, tokenizer_dir, monkeypatch):
-    from vllm.model_loader.loader import init_dummy_weights
-    from vllm.models import registry
-
-    monkeypatch.setitem(registry._MODELS, "ToyHybridForCausalLM", (__name__, "ToyHybridForCausalLM"))
-    hf = {"architectures": ["ToyHybridForCausalLM"], "vocab_size": 512, "d_model": 32, "n_layers": 3,
-          "n_heads": 4, "n_kv_heads": 2, "n_experts": 1, "max_position_embeddings": 256, "torch_dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    model = ToyHybridForCausalLM(ToyConfig.from_hf(hf))
-    init_dummy_weights(model, seed=7, std=0.1)
-    for block in (model.blocks[0], model.blocks[2]):
-        block.decay.data.uniform_(0.5, 0.99)
-    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, str(tmp_path / "model.safetensors"))
-    return str(tmp_path)
+    def decays(model):
+        for block in (model.blocks[0], model.blocks[2]):
+            block.decay.data.uniform_(0.5, 0.99)
+    return write_toy_checkpoint(tmp_path, monkeypatch, ToyHybridForCausalLM, seed=7, init=decays, d_model=32,
+                                n_layers=3, n_experts=1)
 
 
 def test_recurrent_state_layer_needs_only_its_model_file_layer_and_op(toy_hybrid_checkpoint, tokenizer_dir):

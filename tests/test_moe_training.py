@@ -25,9 +25,8 @@ def load_hf_model(path, dtype):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 23, 37, 11)]
+def prompts(trainer_prompts):
+    return trainer_prompts
 
 
 def test_rollout_logprobs_equal_trainer_bits(tiny_qwen3_moe, prompts):

@@ -307,22 +307,16 @@ def test_greedy_tokens_match_transformers(attention_only):
     _greedy_match(attention_only)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 23, 37, 11)]
-
-
-def test_rollout_logprobs_equal_trainer_bits(attention_only, prompts):
-    assert not trainer_mismatches(attention_only, prompts)
+def test_rollout_logprobs_equal_trainer_bits(attention_only, trainer_prompts):
+    assert not trainer_mismatches(attention_only, trainer_prompts)
 
 
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
-def test_gradients_match_transformers_float64(attention_only, prompts, numerics):
+def test_gradients_match_transformers_float64(attention_only, trainer_prompts, numerics):
     """The backward of every op on the way (zero-centred norms with their residual adds,
     partial rope, both sigmoid gates, the MoE block) against transformers' autograd in float64."""
-    seqs = [p + [7, 8, 9, 10, 11] for p in prompts[:3]]
-    plens = [len(p) for p in prompts[:3]]
+    seqs = [p + [7, 8, 9, 10, 11] for p in trainer_prompts[:3]]
+    plens = [len(p) for p in trainer_prompts[:3]]
     weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
     policy = Policy.from_pretrained(attention_only, device="cpu", dtype="float32", numerics=numerics)
     lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
@@ -375,8 +369,8 @@ def test_hybrid_greedy_tokens_match_transformers(tiny_qwen3_next):
     _greedy_match(tiny_qwen3_next)
 
 
-def test_hybrid_rollout_logprobs_equal_trainer_bits(tiny_qwen3_next, prompts):
-    assert not trainer_mismatches(tiny_qwen3_next, prompts)
+def test_hybrid_rollout_logprobs_equal_trainer_bits(tiny_qwen3_next, trainer_prompts):
+    assert not trainer_mismatches(tiny_qwen3_next, trainer_prompts)
 
 
 @pytest.mark.parametrize("check", BATTERY_CHECKS)

@@ -137,9 +137,13 @@ if HAS_TRITON:
         return tl.where(from_buf[:, None], b, a)
 
     @triton.jit
-    def _chunk_rows(n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
-                    C: tl.constexpr):
-        """Where each row of chunk n comes from (see ChunkPlan)."""
+    def _chunk_rows(seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
+                    C: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr):
+        """The program's chunk n (axis 0) and value head h (axis 1) with its key head, and where
+        each row of the chunk comes from (see ChunkPlan)."""
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        hk = h // (HV // HK)
         s = tl.load(seq_ptr + n)
         start = tl.load(start_ptr + n)
         first = tl.load(first_ptr + n)
@@ -152,7 +156,7 @@ if HAS_TRITON:
         trow = (tok0 - first + pos).to(tl.int64)
         slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
         brow = slot * C + rows
-        return s, start, end, rows, from_buf, from_step, trow, brow, slot
+        return n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot
 
     @triton.jit(**_JIT)
     def _gdn_prep_kernel(
@@ -171,11 +175,8 @@ if HAS_TRITON:
         kernel that reads the buffer: the output kernel rewrites it once this one is done
         (a step can resume a chunk and end in a later partial one, whose rows land on the
         same buffer rows)."""
-        n = tl.program_id(0)
-        h = tl.program_id(1)
-        hk = h // (HV // HK)
-        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
-            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
+            seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C, HV, HK)
         DT = w_ws.dtype.element_ty
         L = end - start - 1  # last valid row of the tile
         base = n.to(tl.int64) * HV + h
@@ -298,12 +299,9 @@ if HAS_TRITON:
         o = scale (e^gamma (q h) + (masked decayed q k^T) v_new); in aligned mode also the
         new rows of an incomplete last chunk into the buffer (no kernel reads it after the
         prep kernel)."""
-        n = tl.program_id(0)
-        h = tl.program_id(1)
         vt = tl.program_id(2)
-        hk = h // (HV // HK)
-        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
-            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
+            seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C, HV, HK)
         DT = vn_ws.dtype.element_ty
         base = n.to(tl.int64) * HV + h
         rv = vt * BV + tl.arange(0, BV)
