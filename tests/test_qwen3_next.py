@@ -297,18 +297,22 @@ def _greedy_match(path):
         assert [o.outputs[0].token_ids for o in outs] == want, numerics
 
 
+# the all-attention checkpoints and the hybrids (Gated DeltaNet layers included)
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
-@pytest.mark.parametrize("fixture", ["attention_only", "qwen3_5_attention_only", "qwen3_5_moe_attention_only"])
+@pytest.mark.parametrize("fixture", ["attention_only", "qwen3_5_attention_only", "qwen3_5_moe_attention_only",
+                                     "tiny_qwen3_next", "qwen3_5_hybrid"])
 def test_logits_match_transformers(request, fixture, numerics):
     _logits_match(request.getfixturevalue(fixture), numerics)
 
 
-def test_greedy_tokens_match_transformers(attention_only):
-    _greedy_match(attention_only)
+@pytest.mark.parametrize("fixture", ["attention_only", "tiny_qwen3_next"])
+def test_greedy_tokens_match_transformers(request, fixture):
+    _greedy_match(request.getfixturevalue(fixture))
 
 
-def test_rollout_logprobs_equal_trainer_bits(attention_only, trainer_prompts):
-    assert not trainer_mismatches(attention_only, trainer_prompts)
+@pytest.mark.parametrize("fixture", ["attention_only", "tiny_qwen3_next"])
+def test_rollout_logprobs_equal_trainer_bits(request, fixture, trainer_prompts):
+    assert not trainer_mismatches(request.getfixturevalue(fixture), trainer_prompts)
 
 
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
@@ -359,20 +363,6 @@ def test_execution_contract_names_the_architecture(attention_only):
 
 
 # ---- the hybrid checkpoints: Gated DeltaNet layers included --------------------------------
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_next", "qwen3_5_hybrid"])
-@pytest.mark.parametrize("numerics", ["invariant", "fast"])
-def test_hybrid_logits_match_transformers(request, fixture, numerics):
-    _logits_match(request.getfixturevalue(fixture), numerics)
-
-
-def test_hybrid_greedy_tokens_match_transformers(tiny_qwen3_next):
-    _greedy_match(tiny_qwen3_next)
-
-
-def test_hybrid_rollout_logprobs_equal_trainer_bits(tiny_qwen3_next, trainer_prompts):
-    assert not trainer_mismatches(tiny_qwen3_next, trainer_prompts)
-
-
 @pytest.mark.parametrize("check", BATTERY_CHECKS)
 def test_hybrid_invariant_battery(tiny_qwen3_next, check):
     run_zero_check(cpu_battery(tiny_qwen3_next), check)
