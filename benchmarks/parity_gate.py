@@ -15,7 +15,9 @@ Models have random weights (`load_format="dummy"`): dense = Qwen3-1.7B dims (28 
 head_dim 128, tied embeddings, vocab 151936); MoE = the Qwen3-30B-A3B expert shapes (128
 experts, top-8, hidden 2048, moe_intermediate 768) with --moe-layers layers; gdn = Qwen3-Next's
 layer shapes (Gated DeltaNet heads 16/32 x 128, gated attention 16 x 256, partial rope) with a
-dense MLP, 6 GDN + 2 attention layers. `--tiny` swaps in small models so the same code runs on
+dense MLP, 6 GDN + 2 attention layers; nemotron = Nemotron-H-8B's layer shapes (Mamba-2 128
+heads of 64, d_state 128, 8 groups, chunk 128; attention 32 x 128; relu^2 MLP), 4 Mamba-2 + 1
+attention + 4 MLP layers. `--tiny` swaps in small models so the same code runs on
 the CPU.
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ from dataclasses import asdict
 
 import torch
 
-from vllm.testing.parity_gate import (AXES, GDN_AXES, Gate, GateOptions, format_table, gate_passes, gdn_config,
-                                     make_model_dir, model_configs)
+from vllm.testing.parity_gate import (AXES, GDN_AXES, NEMOTRON_AXES, Gate, GateOptions, format_table, gate_passes,
+                                     gdn_config, make_model_dir, model_configs, nemotron_config)
 
 
 def main(argv=None) -> int:
@@ -59,11 +61,12 @@ def main(argv=None) -> int:
                        seed=args.seed, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                        trainer_micro_batch=args.trainer_micro_batch)
     dirs = [make_model_dir(dense), make_model_dir(moe)]
-    if set(axes) & set(GDN_AXES):
-        dirs.append(make_model_dir(gdn_config(args.tiny)))
+    gdn_dir = make_model_dir(gdn_config(args.tiny)) if set(axes) & set(GDN_AXES) else None
+    nemotron_dir = make_model_dir(nemotron_config(args.tiny)) if set(axes) & set(NEMOTRON_AXES) else None
+    dirs += [d for d in (gdn_dir, nemotron_dir) if d is not None]
     t0 = time.perf_counter()
     try:
-        gate = Gate(opts, dirs[0], dirs[1], vocab=dense["vocab_size"], gdn_dir=dirs[2] if len(dirs) > 2 else None)
+        gate = Gate(opts, dirs[0], dirs[1], vocab=dense["vocab_size"], gdn_dir=gdn_dir, nemotron_dir=nemotron_dir)
         rows = []
         for mode in modes:
             rows += gate.run(mode, axes)

@@ -15,6 +15,8 @@
   ``tiny_qwen3_moe``  Qwen3MoeForCausalLM, 8 experts top-2, layer 1 dense
   ``tiny_qwen3_next`` Qwen3NextForCausalLM, hybrid: layers 0-2 Gated DeltaNet, 3 gated
                       attention; 4 experts top-2 + a shared expert, layer 1 dense
+  ``tiny_nemotron_h`` NemotronHForCausalLM: layers [Mamba-2, attention, MLP, Mamba-2, MLP],
+                      Mamba-2 with 4 heads of 16, 2 groups, d_state 16, chunk 16
   ``tokenizer_dir``   the project's BPE tokenizer alone (vocab 512)
   ``default_model_dir`` the embedded ``vllm/default_model`` directory
   ``smollm2_dir``     SmolLM2-135M-Instruct, a real trained model, converted from
@@ -180,6 +182,17 @@ def tiny_qwen3_next(tiny_models_root) -> str:
 
     return make_tiny_checkpoint(tiny_models_root / "qwen3_next", "qwen3_next", head_dim=32, num_hidden_layers=4, seed=4,
                                 config_overrides={"mlp_only_layers": [1]})
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_h(tiny_models_root) -> str:
+    """NemotronHForCausalLM: 5 layers [Mamba-2, attention, MLP, Mamba-2, MLP]; Mamba-2 with 4 heads
+    of 16, 2 groups, d_state 16, conv 4 (with bias), chunk 16; attention 4 / 2 heads of 16 (no
+    rope); relu^2 MLP of 128."""
+    from vllm.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tiny_models_root / "nemotron_h", "nemotron_h", head_dim=16, num_hidden_layers=5,
+                                seed=3)
 
 
 @pytest.fixture(scope="session")

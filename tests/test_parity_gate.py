@@ -7,15 +7,17 @@ import shutil
 
 import pytest
 
-from vllm.testing.parity_gate import (AXES, GDN_AXES, Gate, GateOptions, Row, format_table, gate_passes, gdn_config, make_model_dir,
-                                     model_configs)
+from vllm.testing.parity_gate import (AXES, GDN_AXES, NEMOTRON_AXES, Gate, GateOptions, Row, format_table, gate_passes,
+                                     gdn_config, make_model_dir, model_configs, nemotron_config)
 
 
 def _run(axes, modes=("invariant",), tiny=True, **opts):
     dense, moe = model_configs(tiny=tiny)
-    dirs = [make_model_dir(dense), make_model_dir(moe), make_model_dir(gdn_config(tiny))]
+    dirs = [make_model_dir(dense), make_model_dir(moe), make_model_dir(gdn_config(tiny)),
+            make_model_dir(nemotron_config(tiny))]
     try:
-        gate = Gate(GateOptions(**opts), dirs[0], dirs[1], vocab=dense["vocab_size"], gdn_dir=dirs[2])
+        gate = Gate(GateOptions(**opts), dirs[0], dirs[1], vocab=dense["vocab_size"], gdn_dir=dirs[2],
+                    nemotron_dir=dirs[3])
         return [r for m in modes for r in gate.run(m, list(axes))]
     finally:
         for d in dirs:
@@ -39,7 +41,7 @@ def _check_cpu_rows(rows, axes):
 
 
 def test_gate_every_axis_is_zero_in_invariant_mode_on_cpu():
-    axes = [a for a in AXES if a not in GDN_AXES]
+    axes = [a for a in AXES if a not in GDN_AXES + NEMOTRON_AXES]
     _check_cpu_rows(_run(axes, device="cpu", num_requests=8, max_prompt_len=40, max_tokens=5), axes)
 
 
@@ -47,6 +49,12 @@ def test_gate_gdn_axes_are_zero_in_invariant_mode_on_cpu():
     """The hybrid's axes, with prompts long enough (up to 150 tokens) to cross the 64-row chunk
     grid and leave prefix-cache state snapshots."""
     _check_cpu_rows(_run(GDN_AXES, device="cpu", num_requests=8, max_prompt_len=150, max_tokens=5), GDN_AXES)
+
+
+def test_gate_nemotron_axes_are_zero_in_invariant_mode_on_cpu():
+    """The Mamba-2 hybrid's axes, with prompts long enough (up to 70 tokens) to cross its 16-row
+    chunk grid several times and leave prefix-cache state snapshots."""
+    _check_cpu_rows(_run(NEMOTRON_AXES, device="cpu", num_requests=8, max_prompt_len=70, max_tokens=5), NEMOTRON_AXES)
 
 
 def test_gate_verdict_and_table():

@@ -93,9 +93,10 @@ _CONV_BLOCK_D = 128
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, st_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr, D,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, st_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr, D,
                  stride_xt, stride_wd, stride_wi, stride_ss, stride_sj, stride_yt,
-                 W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                 W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     s = tl.program_id(0)
     row0 = tl.load(cu_ptr + s)
     n = tl.load(cu_ptr + s + 1) - row0
@@ -122,6 +123,8 @@ def _conv_kernel(x_ptr, w_ptr, st_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr, D,
             xv = tl.where(new[:, None], xv, sv)
         w = tl.load(w_ptr + d * stride_wd + i * stride_wi, mask=d_ok, other=0.0).to(tl.float32)
         acc += w[None, :] * xv
+    if HAS_BIAS:  # after the taps (Mamba-2's conv has a bias; Gated DeltaNet's has none)
+        acc += tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     # the conv output is rounded to the model dtype, then SiLU (transformers' causal_conv1d_fn)
     a = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     y = a / (1.0 + tl.exp(-a))
@@ -166,8 +169,8 @@ def _check_conv(x, weight, conv_state):
 
 
 def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, md: StateMetadata,
-                         conv_state: torch.Tensor | None) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of packed sequences x [T, D] with weight [D, W]; tokens
+                         conv_state: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv (+ bias [D])) of packed sequences x [T, D] with weight [D, W]; tokens
     before a sequence's start position come from conv_state[slot] ([num_slots, W-1, D],
     updated in place to the window ending at its last token) or are zero. Two launches:
     the outputs read the old windows, then the windows move."""
@@ -181,10 +184,11 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, md: StateMetadat
     nd = triton.cdiv(D, _CONV_BLOCK_D)
     if T and S and md.max_query_len:
         grid = (S, triton.cdiv(md.max_query_len, _CONV_BLOCK_T), nd)
-        _conv_kernel[grid](x, weight, st, y, md.cu_seqlens, md.start_pos, slots, D,
+        _conv_kernel[grid](x, weight, weight if bias is None else bias, st, y, md.cu_seqlens, md.start_pos, slots, D,
                            x.stride(0), weight.stride(0), weight.stride(1), st.stride(0),
                            st.stride(1) if stateful else 0, y.stride(0),
-                           W=W, HAS_STATE=stateful, BLOCK_T=_CONV_BLOCK_T, BLOCK_D=_CONV_BLOCK_D, num_warps=4)
+                           W=W, HAS_STATE=stateful, HAS_BIAS=bias is not None, BLOCK_T=_CONV_BLOCK_T,
+                           BLOCK_D=_CONV_BLOCK_D, num_warps=4)
     if stateful and S:
         _conv_state_kernel[(S, nd)](x, conv_state, md.cu_seqlens, md.start_pos, md.slots, D,
                                     x.stride(0), conv_state.stride(0), conv_state.stride(1),
@@ -230,9 +234,9 @@ def _conv_sources(x: torch.Tensor, md: StateMetadata, window: torch.Tensor | Non
 
 
 def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, md: StateMetadata,
-                        conv_state: torch.Tensor | None) -> torch.Tensor:
+                        conv_state: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel's formula in torch: taps gathered, accumulated in float32 in tap
-    order (elementwise: each token alone), rounded, SiLU on fixed chunks."""
+    order (elementwise: each token alone), the bias added, rounded, SiLU on fixed chunks."""
     T, D = x.shape
     W = _check_conv(x, weight, conv_state)
     stateful = conv_state is not None and md.slots is not None
@@ -244,38 +248,47 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, md: StateMetadata
     acc = torch.zeros((T, D), dtype=torch.float32, device=x.device)
     for i in range(W):
         acc = acc + wf[:, i] * g[:, i].float()
+    if bias is not None:
+        acc = acc + bias.float()
     y = _pointwise(F.silu, acc.to(x.dtype).float()).to(x.dtype)
     if stateful:
         conv_state[slots] = src[win].to(conv_state.dtype)
     return y
 
 
-def _conv_reference(x, weight, md, window):
-    """silu(sum_i w[:, i] * x_at(p - (W-1) + i)) unrounded, differentiable in x and weight."""
+def _conv_reference(x, weight, md, window, bias=None):
+    """silu(sum_i w[:, i] * x_at(p - (W-1) + i) (+ bias)) unrounded, differentiable in x,
+    weight and bias."""
     W = weight.shape[1]
     src, taps, _ = _conv_sources(x, md, window, W)
     acc = (src[taps] * weight.t()[None]).sum(1)
+    if bias is not None:
+        acc = acc + bias
     return (F.silu(acc),)
 
 
 class CausalConv1dFn(torch.autograd.Function):
-    """y = fwd(x, weight, md, conv_state); grads for x and weight through the unrounded
-    formula (the window read from conv_state is a constant, copied before the update)."""
+    """y = fwd(x, weight, md, conv_state[, bias]); grads for x, weight (and bias) through the
+    unrounded formula (the window read from conv_state is a constant, copied before the update)."""
 
     @staticmethod
-    def forward(ctx, x, weight, md, conv_state, fwd):
+    def forward(ctx, x, weight, md, conv_state, fwd, bias=None):
         window = conv_state[md.slots.long()] if conv_state is not None and md.slots is not None else None
-        ctx.save_for_backward(x, weight, window)
+        ctx.save_for_backward(x, weight, window, bias)
         ctx.md = md
-        return fwd(x, weight, md, conv_state)
+        return fwd(x, weight, md, conv_state) if bias is None else fwd(x, weight, md, conv_state, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, window = ctx.saved_tensors
+        x, weight, window, bias = ctx.saved_tensors
         md = ctx.md
-        dx, dw = _vjp(lambda xf, wf: _conv_reference(xf, wf, md, window), (x, weight), (dy,),
-                      ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None
+        if bias is None:
+            dx, dw = _vjp(lambda xf, wf: _conv_reference(xf, wf, md, window), (x, weight), (dy,),
+                          ctx.needs_input_grad[:2])
+            return dx, dw, None, None, None, None
+        dx, dw, db = _vjp(lambda xf, wf, bf: _conv_reference(xf, wf, md, window, bf), (x, weight, bias), (dy,),
+                          (*ctx.needs_input_grad[:2], ctx.needs_input_grad[5]))
+        return dx, dw, None, None, None, db
 
 
 # ---- 2. q/k l2-norm and the gates -------------------------------------------------------------

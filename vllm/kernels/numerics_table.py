@@ -26,7 +26,7 @@ import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
 from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm,
-                          gdn_chunk, gdn_ops, matmul, rowwise, torch_ops)
+                          gdn_chunk, gdn_ops, mamba2_chunk, mamba2_ops, matmul, rowwise, torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -95,6 +95,14 @@ _GDN_CHUNK_ALIGNED = Impl(cuda=functools.partial(gdn_chunk.gdn_chunk_triton, ali
                           cpu=functools.partial(gdn_chunk.gdn_chunk_torch, aligned=True), cpu_autograd_fn=True)
 _GDN_CHUNK_STEP = Impl(cuda=functools.partial(gdn_chunk.gdn_chunk_triton, aligned=False),
                        cpu=functools.partial(gdn_chunk.gdn_chunk_torch, aligned=False), cpu_autograd_fn=True)
+# Mamba-2 (Nemotron-H): the grouped gated norm as the GDN ops; the scan as the delta rule
+_RMS_NORM_GATED_GROUPED = Impl(cuda=mamba2_ops.gated_norm_triton, cpu=mamba2_ops.gated_norm_torch,
+                               cpu_autograd_fn=True)
+_MAMBA2_CHUNK_ALIGNED = Impl(cuda=functools.partial(mamba2_chunk.mamba2_chunk_triton, aligned=True),
+                             cpu=functools.partial(mamba2_chunk.mamba2_chunk_torch, aligned=True), cpu_autograd_fn=True)
+_MAMBA2_CHUNK_STEP = Impl(cuda=functools.partial(mamba2_chunk.mamba2_chunk_triton, aligned=False),
+                          cpu=functools.partial(mamba2_chunk.mamba2_chunk_torch, aligned=False), cpu_autograd_fn=True)
+_RELU_SQUARED = _torch(torch_ops.relu_squared)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -164,6 +172,17 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "gated_delta_rule": OpNumerics(fast=_GDN_CHUNK_STEP, invariant=_GDN_CHUNK_ALIGNED),
     "gated_delta_rule_decode": OpNumerics(
         fast=Impl(cuda=gdn_ops.gdn_recurrent_triton, cpu=gdn_ops.gdn_recurrent_torch), invariant=_GDN_CHUNK_ALIGNED),
+    # Mamba-2 (docs/hybrid.md, "Mamba-2"): the same scheme as the delta rule. Invariant: the
+    # chunked scan on the sequence's absolute grid everywhere, a decode step recomputing its
+    # partial chunk from the rows its state kept. Fast: chunks from each step's first token for
+    # prefills, the selective state update for decode. The gated norm (the gate before the
+    # norm, statistics per group) and relu^2 have no reduction a batch reaches.
+    "rms_norm_gated_grouped": OpNumerics(fast=_RMS_NORM_GATED_GROUPED, invariant=_RMS_NORM_GATED_GROUPED),
+    "mamba2_scan": OpNumerics(fast=_MAMBA2_CHUNK_STEP, invariant=_MAMBA2_CHUNK_ALIGNED),
+    "mamba2_scan_decode": OpNumerics(
+        fast=Impl(cuda=mamba2_ops.selective_state_update_triton, cpu=mamba2_ops.selective_state_update_torch),
+        invariant=_MAMBA2_CHUNK_ALIGNED),
+    "relu_squared": OpNumerics(fast=_RELU_SQUARED, invariant=_RELU_SQUARED),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

@@ -128,16 +128,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return fn(ids, weight)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, md, conv_state: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal conv over the step's packed sequences, then SiLU: x [T, D], weight [D, W];
-    the W - 1 inputs before a sequence's first new token come from its slot of `conv_state`
-    [slots, W - 1, D] (which is updated in place), none for a sequence at position 0
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, md, conv_state: torch.Tensor | None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv (+ bias [D]) over the step's packed sequences, then SiLU: x [T, D],
+    weight [D, W]; the W - 1 inputs before a sequence's first new token come from its slot of
+    `conv_state` [slots, W - 1, D] (which is updated in place), none for a sequence at position 0
     (vllm/kernels/gdn_ops.py)."""
     fn, wrap = _kernel("causal_conv1d", x)
-    if wrap and _needs_autograd(x, weight):
+    if wrap and _needs_autograd(x, weight, bias):
         from vllm.kernels.gdn_ops import CausalConv1dFn
-        return CausalConv1dFn.apply(x, weight, md, conv_state, fn)
-    return fn(x, weight, md, conv_state)
+        return CausalConv1dFn.apply(x, weight, md, conv_state, fn, bias)
+    return fn(x, weight, md, conv_state) if bias is None else fn(x, weight, md, conv_state, bias)
 
 
 def gdn_gating(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -171,6 +172,39 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         from vllm.kernels.gdn_ops import RMSNormGatedFn
         return RMSNormGatedFn.apply(x, z, weight, eps, fn)
     return fn(x, z, weight, eps)
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, dt_min: float, md, state: dict | None, *,
+                chunk_size: int) -> torch.Tensor:
+    """The Mamba-2 scan over the step's tokens (docs/hybrid.md, "Mamba-2"): x [T, H, P], dt [T, H]
+    (before softplus), B, C [T, G, N], dt_bias, A_log, D [H] -> y [T, H, P] (D x included);
+    `state`: the layer's cached state tensors by name (None: fresh sequences, nothing kept: the
+    trainer)."""
+    op = "mamba2_scan_decode" if md.max_query_len == 1 and state is not None else "mamba2_scan"
+    fn, wrap = _kernel(op, x)
+    if wrap and _needs_autograd(x, dt, dt_bias, A_log, B, C, D):
+        from vllm.kernels.mamba2_chunk import Mamba2ChunkScanFn
+        return Mamba2ChunkScanFn.apply(functools.partial(fn, chunk_size=chunk_size), x, dt, dt_bias, A_log, B, C, D,
+                                       dt_min, md, chunk_size)
+    return fn(x, dt, dt_bias, A_log, B, C, D, dt_min, md, state, chunk_size=chunk_size)
+
+
+def rms_norm_gated_grouped(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                           groups: int) -> torch.Tensor:
+    """weight * rmsnorm(x * silu(z)) with the statistics over each of `groups` equal slices of a
+    row, rounded as transformers' Mamba-2 gated norm: x, z [T, D], weight [D]."""
+    fn, wrap = _kernel("rms_norm_gated_grouped", x)
+    if wrap and _needs_autograd(x, z, weight):
+        from vllm.kernels.mamba2_ops import GatedNormFn
+        return GatedNormFn.apply(x, z, weight, eps, groups, fn)
+    return fn(x, z, weight, eps, groups)
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, elementwise (Nemotron-H's MLP activation)."""
+    fn, _ = _kernel("relu_squared", x)
+    return fn(x)
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

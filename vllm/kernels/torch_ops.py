@@ -54,6 +54,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Nemotron-H's MLP activation, transformers' relu2): an exact relu, then one
+    rounding of the square; elementwise, so the same bits on every path and device."""
+    return torch.square(torch.relu(x))
+
+
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate): the sigmoid rounded to the model dtype, then the product (gate's
     last dim may be 1: one gate per row)."""

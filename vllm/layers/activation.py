@@ -1,5 +1,5 @@
 """Gates: SwiGLU's activation (used by the MLP) and the sigmoid output gate (Qwen3-Next's
-gated attention and shared expert)."""
+gated attention and shared expert); relu^2 (Nemotron-H's MLP)."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +18,8 @@ class SigmoidGate(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return ops.sigmoid_gate(x, gate)
+
+
+class ReluSquared(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.relu_squared(x)

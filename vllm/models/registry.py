@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("vllm.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "NemotronHForCausalLM": ("vllm.models.nemotron_h", "NemotronHForCausalLM"),
 }
 
 

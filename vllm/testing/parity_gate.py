@@ -27,6 +27,11 @@ Axes:
   gdn-graphs    the hybrid eager vs with CUDA graphs (CUDA)
   gdn-preempt   the hybrid with a KV cache small enough to preempt and recompute vs gdn
   gdn-sleep-wake, gdn-update  as for the dense model, on the hybrid
+  nemotron      the Mamba-2 hybrid (Nemotron-H's Mamba-2 dims: 128 heads of 64, d_state 128, 8
+                groups, chunk 128; with attention and relu^2 MLP layers)
+  nemotron-chunked  the Mamba-2 hybrid with a 97-token step budget (prefills cut off the chunk
+                grid) vs nemotron
+  nemotron-prefix-cache  the Mamba-2 hybrid's batch again warm (state snapshots restored) vs cold
 """
 from __future__ import annotations
 
@@ -45,8 +50,9 @@ from vllm.testing.parity_battery import signature
 from vllm.testing.rollouts import sequences_and_logprobs
 
 GDN_AXES = ("gdn", "gdn-chunked", "gdn-prefix-cache", "gdn-graphs", "gdn-preempt", "gdn-sleep-wake", "gdn-update")
+NEMOTRON_AXES = ("nemotron", "nemotron-chunked", "nemotron-prefix-cache")
 AXES = ("bf16", "kv-fp8", "q-fp8", "kv+q-fp8", "graphs", "prefix-cache", "sleep-wake", "update", "moe", "moe-ep2",
-        *GDN_AXES)
+        *GDN_AXES, *NEMOTRON_AXES)
 
 
 @dataclass
@@ -95,6 +101,17 @@ QWEN3_NEXT = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4, "num_experts": 0,
     "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
     "bos_token_id": 151643, "eos_token_id": 151645}
+# Nemotron-H-8B's layer shapes (hidden 4096, Mamba-2 128 heads of 64, d_state 128, 8 groups, chunk
+# 128, attention 32 x 128 with 8 kv heads, relu^2 MLP of 21504) in 9 layers: 4 Mamba-2, 1
+# attention, 4 MLP. The vocabulary is the dense model's, so the gate's prompts are valid ids.
+NEMOTRON_H = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 21504, "hybrid_override_pattern": "M-M-M*-M-", "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+    "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "time_step_min": 0.001,
+    "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-05,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2}
 # small models of the same architectures for the CPU: head_dim 32, 128-multiple linears (the FP8 block)
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, max_position_embeddings=2048, eos_token_id=2, bos_token_id=0)
@@ -117,6 +134,14 @@ def gdn_config(tiny: bool = False) -> dict:
     if tiny:
         cfg.update(TINY, head_dim=32, num_hidden_layers=4, linear_key_head_dim=16, linear_value_head_dim=16,
                    linear_num_key_heads=2, linear_num_value_heads=4)
+    return cfg
+
+
+def nemotron_config(tiny: bool = False) -> dict:
+    cfg = dict(NEMOTRON_H)
+    if tiny:
+        cfg.update(TINY, hybrid_override_pattern="M-M*-M", mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+                   ssm_state_size=16, chunk_size=16)
     return cfg
 
 
@@ -150,9 +175,10 @@ class GateOptions:
 class Gate:
     """`dense_dir` / `moe_dir`: model directories (config + tokenizer; weights drawn at load)."""
 
-    def __init__(self, args: GateOptions, dense_dir: str, moe_dir: str, vocab: int, gdn_dir: str | None = None):
+    def __init__(self, args: GateOptions, dense_dir: str, moe_dir: str, vocab: int, gdn_dir: str | None = None,
+                 nemotron_dir: str | None = None):
         self.args = args
-        self.dirs = {"dense": dense_dir, "moe": moe_dir, "gdn": gdn_dir}
+        self.dirs = {"dense": dense_dir, "moe": moe_dir, "gdn": gdn_dir, "nemotron": nemotron_dir}
         self.prompts, self.seeds = make_requests(args.num_requests, vocab, args.max_prompt_len, args.seed)
         self.refs: dict[tuple[str, str], list] = {}  # (model, mode) -> the whole-batch signatures
 
@@ -351,6 +377,12 @@ class Gate:
         if "gdn-preempt" in axes:
             rows.append(self.against_reference("gdn-preempt", "gdn", mode, "a KV cache for a quarter of the batch",
                                                num_gpu_blocks_override=self.preempt_blocks()))
+        nemotron_life = [a for a in ("nemotron", "nemotron-prefix-cache") if a in axes]
+        if nemotron_life:
+            rows += self.life(mode, nemotron_life, model="nemotron")
+        if "nemotron-chunked" in axes:
+            rows.append(self.against_reference("nemotron-chunked", "nemotron", mode,
+                                               "97-token steps vs the default budget", max_num_batched_tokens=97))
         for r in rows:
             print(f"[{mode}] {r.axis}: layouts {r.layouts_differ}/{r.layouts_total}, trainer {r.trainer_differ}/"
                   f"{r.trainer_total} (max |diff| {r.trainer_max_abs_diff:.3g}), {r.seconds:.0f} s {r.detail}", flush=True)
@@ -367,7 +399,8 @@ def free(llm: LLM) -> None:
 def format_table(rows: list[Row], modes: list[str]) -> str:
     by = {(r.axis, r.mode): r for r in rows}
     axes = list(dict.fromkeys(r.axis for r in rows))
-    head = f"{'axis':<14}" + "".join(f"{m + ' layouts':>20}{m + ' trainer':>20}" for m in modes)
+    width = max([14] + [len(a) + 1 for a in axes])
+    head = f"{'axis':<{width}}" + "".join(f"{m + ' layouts':>20}{m + ' trainer':>20}" for m in modes)
     lines = [head]
     for a in axes:
         cells = ""
@@ -375,7 +408,7 @@ def format_table(rows: list[Row], modes: list[str]) -> str:
             r = by.get((a, m))
             cells += (f"{f'{r.layouts_differ}/{r.layouts_total}':>20}{f'{r.trainer_differ}/{r.trainer_total}':>20}"
                       if r else f"{'-':>20}{'-':>20}")
-        lines.append(f"{a:<14}{cells}")
+        lines.append(f"{a:<{width}}{cells}")
     return "\n".join(lines)
 
 

@@ -14,8 +14,8 @@ Public API
 ``make_tiny_checkpoint(path, arch="qwen3", ...)``
     Write a random-weight ``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM`` /
     ``LlamaForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Qwen3NextForCausalLM`` /
-    ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` checkpoint (+ tokenizer, generation
-    config) to ``path`` and return ``path``.
+    ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``NemotronHForCausalLM`` checkpoint
+    (+ tokenizer, generation config) to ``path`` and return ``path``.
 ``load_hf_model(path, dtype)``
     Load a checkpoint with transformers (eval mode), as the reference model.
 ``ARCH_CONFIGS``
@@ -50,6 +50,7 @@ import contextlib
 import copy
 import functools
 import json
+import math
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -333,6 +334,23 @@ ARCH_CONFIGS: dict = {
         "notes": "Qwen3.5-MoE's text model: Qwen3.5's layers with Qwen3-Next's MoE block (shared expert) on "
         "every layer, top-k weights always normalised.",
     },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "hf_class": "NemotronHForCausalLM",
+        "config_class": "NemotronHConfig",
+        "qkv_bias": False,
+        "qk_norm": False,
+        "free_head_dim": True,
+        # Mamba-2 with 4 heads of 16, 2 groups, d_state 16, chunk 16; override layers_block_type
+        # (and num_hidden_layers to its length) to change the plan
+        "config_extra": {"layers_block_type": ["mamba", "attention", "mlp", "mamba", "mlp"], "mamba_num_heads": 4,
+                         "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
+                         "chunk_size": 16, "use_conv_bias": True, "mlp_hidden_act": "relu2",
+                         "layer_norm_epsilon": 1e-5},
+        "notes": "Nemotron-H: one mixer per layer in the order of layers_block_type: Mamba-2 (mixer.in_proj / "
+        "conv1d / dt_bias / A_log / D / norm / out_proj), attention without rope, relu^2 MLP (up/down); "
+        "model.embeddings, model.norm_f (Nemotron-H-8B: 52 layers, 128 Mamba heads of 64, d_state 128).",
+    },
 }
 
 
@@ -377,6 +395,8 @@ def _init_weights(model: torch.nn.Module, seed: int, init_std: float, zero_centr
     * biases: N(0, 5 * init_std) (= 0.1 by default), clearly non-zero
     * Gated DeltaNet: `A_log` = log(U(0.01, 16)) and `dt_bias` near 1 as transformers
       draws them; `conv1d.weight` N(0, 1 / sqrt(kernel)) so the conv keeps its input's scale
+    * Mamba-2 (`mixer.dt_bias`): softplus^-1 of a time step log-uniform in [0.001, 0.1], as
+      transformers draws it (a long memory: states carry across chunks)
     Values are drawn in float32 from one generator, in named_parameters order
     (tied weights appear once), then cast to the parameter's dtype.
     """
@@ -386,6 +406,9 @@ def _init_weights(model: torch.nn.Module, seed: int, init_std: float, zero_centr
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith(".bias"):
             value = noise * (5.0 * init_std)
+        elif name.endswith("mixer.dt_bias"):
+            dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(shape, generator=gen))
+            value = dt + torch.log(-torch.expm1(-dt))
         elif name.endswith("A_log"):
             value = torch.log(0.01 + (16.0 - 0.01) * torch.rand(shape, generator=gen, dtype=torch.float32))
         elif name.endswith("conv1d.weight"):
@@ -450,7 +473,8 @@ def make_tiny_checkpoint(
 ) -> str:
     """Write a random-weight HF checkpoint of architecture ``arch`` to ``path``; return ``path``.
 
-    ``arch``: "qwen3" | "qwen2" | "llama" | "qwen3_moe" | "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    ``arch``: "qwen3" | "qwen2" | "llama" | "qwen3_moe" | "qwen3_next" | "qwen3_5" | "qwen3_5_moe" |
+    "nemotron_h"
     (see ``ARCH_CONFIGS``).
     ``head_dim``: None => hidden_size // num_attention_heads (qwen2 allows nothing else).
     ``vocab_size``: None => tokenizer size rounded up to a multiple of 64 (512 -> 512).

@@ -1,0 +1,527 @@
+"""Chunked Mamba-2 scan (vllm/kernels/mamba2_chunk.py) and its ops (vllm/kernels/mamba2_ops.py):
+float64 references, bit-pattern invariance across batches and step cuts (aligned mode),
+fast-mode accuracy, gradients.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 at tiny dims; the torch entry is
+what the CPU engine runs. Parity claims compare bits (int views), never allclose.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.forward_context import StateMetadata
+from vllm.kernels.mamba2_chunk import Mamba2ChunkScanFn, mamba2_chunk_torch, mamba2_chunk_triton, mamba2_reference
+from vllm.kernels.mamba2_ops import (GatedNormFn, gated_norm_torch, gated_norm_triton, selective_state_update_torch,
+                                     selective_state_update_triton)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+H, P, G, N, C = 4, 16, 2, 16, 16
+DT_MIN = 1e-3
+IMPLS = {"torch": mamba2_chunk_torch, "triton": mamba2_chunk_triton}
+SSU = {"torch": selective_state_update_torch, "triton": selective_state_update_triton}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.double() - ref.double()).norm().item()
+    norm = ref.double().norm().item()
+    return diff / norm if norm else diff
+
+
+def params(h=H, seed=99, dtype=torch.float32):
+    """(dt_bias, A_log, D) per head: A in -[0.5, 4.5], dt around softplus(-2)."""
+    g = torch.Generator().manual_seed(seed)
+    dt_bias = 0.5 * torch.randn(h, generator=g)
+    A_log = torch.log(0.5 + 4 * torch.rand(h, generator=g))
+    D = torch.randn(h, generator=g)
+    return tuple(t.to(dtype).to(DEV) for t in (dt_bias, A_log, D))
+
+
+def make_inputs(T, h=H, p=P, g=G, n=N, seed=0, dtype=torch.float32):
+    """(x, dt, B, C), as the layer passes them: views of one projection row (contiguous rows at
+    a row stride wider than the row)."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(T, h * p + 2 * g * n + h + 8, generator=gen)
+    row[:, h * p + 2 * g * n:h * p + 2 * g * n + h] -= 2.0  # dt before softplus, around -2
+    row = row.to(dtype)
+    x = row[:, :h * p].view(T, h, p)
+    B = row[:, h * p:h * p + g * n].view(T, g, n)
+    Cm = row[:, h * p + g * n:h * p + 2 * g * n].view(T, g, n)
+    dt = row[:, h * p + 2 * g * n:h * p + 2 * g * n + h]
+    return x, dt, B, Cm
+
+
+def recurrence64(x, dt, B, Cm, dt_bias, A_log, D, cu):
+    """The per-token recurrence, float64."""
+    x, dt, B, Cm = (t.double().cpu() for t in (x, dt, B, Cm))
+    d = torch.clamp(F.softplus(dt + dt_bias.double().cpu()), min=DT_MIN)
+    A = -torch.exp(A_log.double().cpu())
+    R = x.shape[1] // B.shape[1]
+    y = torch.zeros_like(x)
+    for s in range(len(cu) - 1):
+        S = torch.zeros(x.shape[1], x.shape[2], B.shape[2], dtype=torch.float64)
+        for t in range(cu[s], cu[s + 1]):
+            bh, ch = B[t].repeat_interleave(R, 0), Cm[t].repeat_interleave(R, 0)
+            S = S * torch.exp(d[t] * A)[:, None, None] + (d[t][:, None] * x[t])[:, :, None] * bh[:, None, :]
+            y[t] = (S * ch[:, None, :]).sum(-1) + D.double().cpu()[:, None] * x[t]
+    return y
+
+
+def ref64(x, dt, B, Cm, prm, cu, chunk=C):
+    return mamba2_reference(*(t.double().cpu() for t in (x, dt, prm[0], prm[1], B, Cm, prm[2])), DT_MIN, cu, chunk)
+
+
+def metadata(start_pos, q_lens, slots=None, host=True) -> StateMetadata:
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    return StateMetadata(
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV),
+        start_pos=torch.tensor(start_pos, dtype=torch.int32, device=DEV),
+        slots=None if slots is None else torch.tensor(slots, dtype=torch.int32, device=DEV),
+        max_query_len=int(max(q_lens)),
+        host_start_pos=np.asarray(start_pos) if host else None,
+        host_q_lens=np.asarray(q_lens) if host else None)
+
+
+def new_state(num_slots, dtype, aligned, h, p, g, n, chunk=C):
+    """A cache filled with NaN: reading any stale entry shows in the outputs."""
+    nan = float("nan")
+    st = {"ssm": torch.full((num_slots, h, p, n), nan, device=DEV)}
+    if aligned:
+        st["buf_x"] = torch.full((num_slots, chunk, h, p), nan, dtype=dtype, device=DEV)
+        st["buf_B"] = torch.full((num_slots, chunk, g, n), nan, dtype=dtype, device=DEV)
+        st["buf_dt"] = torch.full((num_slots, chunk, h), nan, device=DEV)
+    return st
+
+
+def _cat_rows(parts):
+    """Concatenate per-sequence slices of (x, dt, B, C) into one step, keeping the layer's
+    layout (views of one wider row)."""
+    x, dt, B, Cm = (torch.cat([p[i] for p in parts]) for i in range(4))
+    T, h, p = x.shape
+    g, n = B.shape[1:]
+    row = torch.cat((x.reshape(T, -1), B.reshape(T, -1), Cm.reshape(T, -1), dt, x.new_zeros(T, 8)), 1).to(DEV)
+    return (row[:, :h * p].view(T, h, p), row[:, h * p + 2 * g * n:h * p + 2 * g * n + h],
+            row[:, h * p:h * p + g * n].view(T, g, n), row[:, h * p + g * n:h * p + 2 * g * n].view(T, g, n))
+
+
+def run_schedule(op, seqs, prm, slots, schedule, aligned, num_slots=4, chunk=C):
+    """Run `schedule` (a list of steps, each a list of (sequence id, tokens)) through `op` with
+    a cache. seqs: {id: (x, dt, B, C)}. Returns ({id: outputs}, state)."""
+    x0, _, b0, _ = next(iter(seqs.values()))
+    state = new_state(num_slots, x0.dtype, aligned, x0.shape[1], x0.shape[2], b0.shape[1], b0.shape[2], chunk)
+    pos = {sid: 0 for sid in seqs}
+    outs = {sid: [] for sid in seqs}
+    for step in schedule:
+        x, dt, B, Cm = _cat_rows([[t[pos[sid]:pos[sid] + n] for t in seqs[sid]] for sid, n in step])
+        q_lens = [n for _, n in step]
+        md = metadata([pos[sid] for sid, _ in step], q_lens, [slots[sid] for sid, _ in step], host=max(q_lens) > 1)
+        y = op(x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, md, state, chunk_size=chunk, aligned=aligned).cpu()
+        at = 0
+        for sid, n in step:
+            outs[sid].append(y[at:at + n])
+            at += n
+            pos[sid] += n
+    return {sid: torch.cat(o) for sid, o in outs.items() if o}, state
+
+
+# ---- 1. the reference ---------------------------------------------------------------------------
+
+def test_reference_matches_recurrence_and_transformers():
+    import inspect
+
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+    mamba2_chunk_scan = inspect.unwrap(mamba2_chunk_scan)  # its torch form, even where mamba_ssm is installed
+    cu = [0, 37, 42, 62]
+    prm = params()
+    x, dt, B, Cm = make_inputs(cu[-1], seed=1)
+    ref = ref64(x, dt, B, Cm, prm, cu)
+    rec = recurrence64(x, dt, B, Cm, *prm, cu)
+    assert rel_err(ref, rec) < 1e-13
+    # the chunk size is an implementation detail of the reference
+    for c in (4, 64):
+        assert rel_err(ref64(x, dt, B, Cm, prm, cu, chunk=c), rec) < 1e-13
+    # transformers' torch form (it computes in float32 whatever it is given)
+    dt_bias, A_log, D = (t.double().cpu() for t in prm)
+    for s in range(len(cu) - 1):
+        sl = slice(cu[s], cu[s + 1])
+        hf = mamba2_chunk_scan(x[None, sl].double(), dt[None, sl].double(), -torch.exp(A_log), B[None, sl].double(),
+                               Cm[None, sl].double(), chunk_size=C, D=D, dt_bias=dt_bias, dt_softplus=True,
+                               dt_limit=(DT_MIN, float("inf")))
+        assert rel_err(ref[sl], hf[0]) < 1e-5
+
+
+def test_reference_gradcheck():
+    prm = [t.double().cpu().requires_grad_() for t in params(h=2)]
+    x, dt, B, Cm = (t.double().contiguous().requires_grad_() for t in make_inputs(7, h=2, p=3, g=1, n=2, seed=2))
+    assert torch.autograd.gradcheck(
+        lambda x, dt, b, c, *p: mamba2_reference(x, dt, p[0], p[1], b, c, p[2], DT_MIN, [0, 4, 7], 2),
+        (x, dt, B, Cm, *prm))
+
+
+# ---- 2. both implementations against the float64 reference --------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("aligned,chunk", [(True, C), (False, C), (True, 32)])
+def test_prefill_matches_reference(impl, aligned, chunk):
+    cu = [0, 37, 42, 62]
+    prm = params()
+    x, dt, B, Cm = (t.to(DEV) for t in make_inputs(cu[-1], seed=3))
+    y = IMPLS[impl](x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, metadata([0, 0, 0], [37, 5, 20]), None,
+                    chunk_size=chunk, aligned=aligned)
+    assert y.dtype == torch.float32
+    assert rel_err(y.cpu(), ref64(x, dt, B, Cm, prm, cu)) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_and_padded_dims(impl):
+    """bf16 inputs and parameters, head_dim and d_state multiples of 16 that are not powers of
+    two (padded tiles), one group per two heads."""
+    prm = params(dtype=torch.bfloat16)
+    x, dt, B, Cm = (t.to(DEV) for t in make_inputs(40, p=48, n=48, seed=4, dtype=torch.bfloat16))
+    y = IMPLS[impl](x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, metadata([0, 0], [23, 17]), None,
+                    chunk_size=C, aligned=True)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y.cpu(), ref64(x, dt, B, Cm, prm, [0, 23, 40])) < 2e-2
+
+
+# ---- 3. invariance (aligned): batches and step cuts ----------------------------------------------
+
+X_LEN = 41  # two full chunks and a partial one
+
+
+def _schedules():
+    """Ways to run sequence "x" (41 tokens) with company. Each is (slots, steps)."""
+    one = [("x", 1)]
+    return {
+        "alone": ({"x": 0}, [[("x", X_LEN)]]),
+        "batch": ({"y": 3, "x": 1, "z": 2}, [[("y", 30), ("x", X_LEN), ("z", 7)]]),
+        "batch_reordered": ({"x": 2, "z": 0, "y": 3}, [[("z", 19)], [("x", X_LEN), ("y", 0), ("z", 12)]]),
+        "cuts": ({"x": 3, "y": 1}, [[("x", 5)], [("y", 9), ("x", 11)], [("x", 17), ("y", 2)], [("x", 8)]]),
+        # steps that resume mid-chunk and end in a later partial chunk (the buffer is read
+        # and rewritten by one step)
+        "cuts_across": ({"x": 0, "z": 3}, [[("x", 5), ("z", 3)], [("z", 4), ("x", 20)], [("x", 9)], [("x", 7)]]),
+        "prefill_decode": ({"x": 1, "y": 0}, [[("x", 20), ("y", 33)]]
+                           + [[("y", 1), ("x", 1)] if i % 3 else one for i in range(X_LEN - 20)]),
+        "all_decode": ({"x": 2}, [one] * X_LEN),
+    }
+
+
+def _x_seqs(dtype):
+    return {"x": make_inputs(X_LEN, seed=10, dtype=dtype), "y": make_inputs(60, seed=11, dtype=dtype),
+            "z": make_inputs(31, seed=12, dtype=dtype)}
+
+
+def _check_invariance(impl, dtype, names):
+    seqs = _x_seqs(dtype)
+    prm = params(dtype=dtype)
+    results = {}
+    for name in names:
+        slots, steps = _schedules()[name]
+        used = {sid for st in steps for sid, _ in st}
+        outs, state = run_schedule(IMPLS[impl], {s: seqs[s] for s in used}, prm, slots, steps, aligned=True)
+        sl = slots["x"]
+        tail = X_LEN % C
+        results[name] = (outs["x"], state["ssm"][sl].cpu(), state["buf_x"][sl, :tail].cpu(),
+                         state["buf_B"][sl, :tail].cpu(), state["buf_dt"][sl, :tail].cpu())
+    base_name = names[0]
+    base = results[base_name]
+    ref = ref64(*seqs["x"], prm, [0, X_LEN])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(base[0], ref) < tol
+    assert not torch.isnan(base[1]).any()
+    for name in names[1:]:
+        got = results[name]
+        assert torch.equal(bits(got[0]), bits(base[0])), f"{name}: outputs differ from {base_name}"
+        assert torch.equal(bits(got[1]), bits(base[1])), f"{name}: state differs from {base_name}"
+        for a, b in zip(got[2:], base[2:]):
+            assert torch.equal(bits(a), bits(b)), f"{name}: buffer differs from {base_name}"
+    return results
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_invariance_fp32(impl):
+    _check_invariance(impl, torch.float32, list(_schedules()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_invariance_bf16(impl):
+    _check_invariance(impl, torch.bfloat16, ["alone", "cuts", "prefill_decode"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_cut_point(impl):
+    """A prefill cut at any point (two steps), and after it the rest as decode steps, gives the
+    whole prefill's bits (the Triton interpreter takes the cuts around the chunk boundaries)."""
+    seqs = _x_seqs(torch.float32)
+    prm = params()
+    whole, whole_state = run_schedule(IMPLS[impl], {"x": seqs["x"]}, prm, {"x": 1}, [[("x", X_LEN)]], aligned=True)
+    for cut in range(1, X_LEN) if impl == "torch" else (15, 16, 17, 31, 32, 40):
+        for rest in ([[("x", X_LEN - cut)]], [[("x", 1)]] * (X_LEN - cut)):
+            got, state = run_schedule(IMPLS[impl], {"x": seqs["x"]}, prm, {"x": 1}, [[("x", cut)]] + rest,
+                                      aligned=True)
+            assert torch.equal(bits(got["x"]), bits(whole["x"])), cut
+            assert torch.equal(bits(state["ssm"][1]), bits(whole_state["ssm"][1])), cut
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_training_forward_equals_rollout(impl):
+    """No cache (the trainer) gives the bits of the cached prefill and of decode steps."""
+    seqs = _x_seqs(torch.float32)
+    prm = params()
+    x, dt, B, Cm = _cat_rows([seqs["y"], seqs["x"]])
+    y = IMPLS[impl](x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, metadata([0, 0], [60, X_LEN]), None,
+                    chunk_size=C, aligned=True).cpu()
+    slots, steps = _schedules()["prefill_decode"]
+    outs, _ = run_schedule(IMPLS[impl], {"x": seqs["x"], "y": seqs["y"]}, prm, slots, steps, aligned=True)
+    assert torch.equal(bits(y[60:]), bits(outs["x"]))
+    assert torch.equal(bits(y[:60][:outs["y"].shape[0]]), bits(outs["y"]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_sequence_and_unused_slots_untouched(impl):
+    seqs = _x_seqs(torch.float32)
+    slots, steps = _schedules()["batch_reordered"]  # y has a 0-token entry (slot 3); slot 1 unused
+    _, state = run_schedule(IMPLS[impl], {s: seqs[s] for s in slots}, params(), slots, steps, aligned=True)
+    for name, t in state.items():
+        assert torch.isnan(t[1]).all() and torch.isnan(t[3]).all(), name
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """16-wide N / P tiles: several tiles per dim at test sizes."""
+    from vllm.kernels import mamba2_chunk
+    for name in ("BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "OUT_BLOCK_P_MAX"):
+        monkeypatch.setattr(mamba2_chunk, name, 16)
+
+
+def test_triton_several_tiles(small_tiles):
+    """N = 32 (two N tiles), P = 48 (padded to 64: four P tiles, the last one masked)."""
+    p, n_, T = 48, 32, 37
+    prm = params()
+    x = make_inputs(T, p=p, n=n_, seed=30)
+    y = make_inputs(20, p=p, n=n_, seed=31)
+    scheds = {
+        "alone": ({"x": 0}, [[("x", T)]]),
+        "cuts": ({"x": 2, "y": 0}, [[("x", 3), ("y", 20)], [("x", 30)], [("x", 1)], [("x", 3)]]),
+    }
+    res = {}
+    for name, (slots, steps) in scheds.items():
+        seqs = {"x": x, "y": y} if name == "cuts" else {"x": x}
+        outs, state = run_schedule(mamba2_chunk_triton, seqs, prm, slots, steps, aligned=True)
+        res[name] = (outs["x"], state["ssm"][slots["x"]].cpu())
+    assert rel_err(res["alone"][0], ref64(*x, prm, [0, T])) < 1e-5
+    assert torch.equal(bits(res["cuts"][0]), bits(res["alone"][0]))
+    assert torch.equal(bits(res["cuts"][1]), bits(res["alone"][1]))
+
+
+# ---- 4. fast mode: continuation is accurate (not bit-equal to one prefill) -----------------------
+
+def _final_state64(seq, prm):
+    x, dt, B, Cm = (t.double().cpu() for t in seq)
+    d = torch.clamp(F.softplus(dt + prm[0].double().cpu()), min=DT_MIN)
+    A = -torch.exp(prm[1].double().cpu())
+    S = torch.zeros(H, P, N, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        bh = B[t].repeat_interleave(H // G, 0)
+        S = S * torch.exp(d[t] * A)[:, None, None] + (d[t][:, None] * x[t])[:, :, None] * bh[:, None, :]
+    return S
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fast_mode_continuation(impl):
+    seqs = _x_seqs(torch.float32)
+    prm = params()
+
+    def fast_op(x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state, *, chunk_size, aligned):
+        if md.max_query_len == 1:
+            return SSU[impl](x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state, chunk_size=chunk_size)
+        return IMPLS[impl](x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state, chunk_size=chunk_size, aligned=False)
+    for name in ("cuts", "prefill_decode", "all_decode"):
+        slots, steps = _schedules()[name]
+        used = {sid for st in steps for sid, _ in st}
+        outs, state = run_schedule(fast_op, {s: seqs[s] for s in used}, prm, slots, steps, aligned=False)
+        for sid, o in outs.items():
+            n = o.shape[0]
+            assert rel_err(o, ref64(*(t[:n] for t in seqs[sid]), prm, [0, n])) < 1e-5, (name, sid)
+        # the cached state is the state after every token
+        assert rel_err(state["ssm"][slots["x"]].cpu(), _final_state64(seqs["x"], prm)) < 1e-5, name
+
+
+# ---- 5. Triton (interpreted) and torch agree ------------------------------------------------------
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_matches_torch(aligned):
+    seqs = _x_seqs(torch.float32)
+    prm = params()
+    slots, steps = _schedules()["cuts"]
+    used = {sid for st in steps for sid, _ in st}
+    a, sa = run_schedule(mamba2_chunk_torch, {s: seqs[s] for s in used}, prm, slots, steps, aligned=aligned)
+    b, sb = run_schedule(mamba2_chunk_triton, {s: seqs[s] for s in used}, prm, slots, steps, aligned=aligned)
+    for sid in a:
+        assert rel_err(b[sid], a[sid]) < 1e-5
+    for sid in used:
+        assert rel_err(sb["ssm"][slots[sid]].cpu(), sa["ssm"][slots[sid]].cpu()) < 1e-5
+
+
+def test_selective_state_update_triton_matches_torch():
+    seqs = _x_seqs(torch.float32)
+    prm = params()
+    x, dt, B, Cm = _cat_rows([tuple(t[:1] for t in seqs[s]) for s in ("x", "y", "z")])
+    md = metadata([5, 0, 17], [1, 1, 1], [1, 2, 3], host=False)
+    init = torch.randn(4, H, P, N, generator=torch.Generator().manual_seed(3)).to(DEV)
+    outs = {}
+    for name, fn in SSU.items():
+        state = {"ssm": init.clone()}
+        outs[name] = (fn(x, dt, *prm[:2], B, Cm, prm[2], DT_MIN, md, state), state["ssm"])
+    assert rel_err(outs["triton"][0].cpu(), outs["torch"][0].cpu()) < 1e-6
+    assert rel_err(outs["triton"][1].cpu(), outs["torch"][1].cpu()) < 1e-6
+    assert torch.equal(outs["torch"][1][0].cpu(), init[0].cpu())  # slot 0 untouched
+
+
+# ---- 6. gradients --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_autograd_fn_gradients(impl):
+    lens = [21, 9]
+    cu = [0, 21, 30]
+    x, dt, B, Cm = make_inputs(cu[-1], seed=20)
+    prm = params()
+    fwd = functools.partial(IMPLS[impl], chunk_size=C, aligned=True)
+    md = metadata([0, 0], lens)
+    leaves = [t.detach().contiguous().to(DEV).requires_grad_() for t in (x, dt, prm[0], prm[1], B, Cm, prm[2])]
+    y = Mamba2ChunkScanFn.apply(fwd, *leaves, DT_MIN, md, C)
+    # the forward is the kernel's bits
+    lx, ldt, lb, la, lB, lC, lD = leaves
+    plain = IMPLS[impl](lx.detach(), ldt.detach(), lb.detach(), la.detach(), lB.detach(), lC.detach(), lD.detach(),
+                        DT_MIN, md, None, chunk_size=C, aligned=True)
+    assert torch.equal(bits(y.detach()), bits(plain))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(21)).to(DEV)
+    y.backward(dy)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    rx, rdt, rb, ra, rB, rC, rD = ref_leaves
+    ref = mamba2_reference(rx, rdt, rb, ra, rB, rC, rD, DT_MIN, cu, C)
+    ref.backward(dy.cpu().double())
+    for name, a, b in zip("x dt dt_bias A_log B C D".split(), leaves, ref_leaves):
+        assert a.grad.dtype == torch.float32
+        assert rel_err(a.grad.cpu(), b.grad) < 1e-5, name
+
+
+# ---- 7. the grouped gated norm and the conv's bias -------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_matches_transformers_and_is_batch_invariant(dtype):
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+    T, D, groups = 9, 96, 3
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    zrow = torch.randn(T, D + 5, generator=g).to(dtype)
+    z = zrow[:, 2:D + 2]  # a strided view, as the layer passes it
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    hf = NemotronHRMSNormGated(D, D // groups, eps=1e-5).to(dtype)
+    hf.weight.data.copy_(w)
+    want = hf(x, z)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for fn in (gated_norm_torch, gated_norm_triton):
+        got = fn(x.to(DEV), z.to(DEV), w.to(DEV), 1e-5, groups).cpu()
+        assert got.dtype == dtype and rel_err(got, want) < tol
+        # a row's bits do not depend on the rows beside it
+        one = torch.cat([fn(x[i:i + 1].to(DEV), z[i:i + 1].to(DEV), w.to(DEV), 1e-5, groups).cpu() for i in range(T)])
+        assert torch.equal(bits(one), bits(got))
+    # gradients through the Function against float64 autograd of transformers' formula
+    xs = [t.float().clone().requires_grad_() for t in (x, z, w)]
+    out = GatedNormFn.apply(*xs, 1e-5, groups, gated_norm_torch)
+    dy = torch.randn(out.shape, generator=g)
+    out.backward(dy)
+    rx, rz, rw = (t.detach().double().requires_grad_() for t in xs)
+    h = (rx * F.silu(rz)).view(T, groups, D // groups)
+    (rw * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).view(T, D)).backward(dy.double())
+    for a, b in zip(xs, (rx, rz, rw)):
+        assert rel_err(a.grad, b.grad) < 1e-5
+
+
+def test_conv_bias_matches_conv1d_and_trains():
+    from vllm.kernels.gdn_ops import CausalConv1dFn, causal_conv1d_torch, causal_conv1d_triton
+    T, Dc, W = 11, 24, 4
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(T, Dc, generator=g)
+    w = torch.randn(Dc, W, generator=g) / 2
+    b = torch.randn(Dc, generator=g)
+    md = metadata([0, 0], [6, 5])
+    md_cpu = StateMetadata(torch.tensor([0, 6, 11], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), None, 6)
+    want = torch.cat([F.silu(F.conv1d(x[sl].t()[None], w[:, None], b, padding=W - 1, groups=Dc)[0, :, :n].t())
+                      for sl, n in ((slice(0, 6), 6), (slice(6, 11), 5))])
+    for fn in (causal_conv1d_torch, causal_conv1d_triton):
+        assert rel_err(fn(x.to(DEV), w.to(DEV), md, None, b.to(DEV)).cpu(), want) < 1e-6
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    y = CausalConv1dFn.apply(leaves[0], leaves[1], md_cpu, None, causal_conv1d_torch, leaves[2])
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    torch.cat([F.silu(F.conv1d(ref[0][sl].t()[None], ref[1][:, None], ref[2], padding=W - 1, groups=Dc)[0, :, :n].t())
+               for sl, n in ((slice(0, 6), 6), (slice(6, 11), 5))]).backward(dy.double())
+    for a, r in zip(leaves, ref):
+        assert rel_err(a.grad, r.grad) < 1e-6
+
+
+# ---- 8. real dims on the GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits():
+    _real_dims_check(128, 64, 8, 128, 128)
+
+
+def _real_dims_check(h, p, g, n, c):
+    """Nemotron-H's Mamba-2 dims (128 heads of 64, d_state 128, 8 groups, C = 128, bf16): two
+    sequences computed as one prefill, as prefills cut off the grid, as a prefill then decode
+    steps and as all-decode give the same output and state bits (aligned), and the trainer's
+    forward (no cache) gives the prefill's bits; the fast mode's decode (the selective state
+    update) does not."""
+    lens = {0: 300, 1: 137}
+    seqs = {sid: make_inputs(L, h, p, g, n, seed=40 + sid, dtype=torch.bfloat16) for sid, L in lens.items()}
+    prm = params(h=h, dtype=torch.bfloat16)
+    slots = {0: 1, 1: 2}
+    schedules = {
+        "whole": [[(0, 300), (1, 137)]],
+        "cuts": [[(0, 37), (1, 100)], [(1, 37), (0, 200)], [(0, 63)]],
+        "prefill+decode": [[(0, 130), (1, 65)]] + [[(0, 1), (1, 1)]] * 72 + [[(0, 1)]] * 98,
+        "decode": [[(0, 1), (1, 1)]] * 137 + [[(0, 1)]] * 163,
+    }
+    run = functools.partial(run_schedule, mamba2_chunk_triton, seqs, prm, slots, aligned=True, chunk=c)
+    ref, ref_state = run(schedule=schedules["whole"])
+    assert rel_err(ref[0], ref64(*seqs[0], prm, [0, 300], chunk=c)) < 2e-2
+    for name, steps in schedules.items():
+        got, state = run(schedule=steps)
+        for sid in lens:
+            assert torch.equal(bits(got[sid]), bits(ref[sid])), (name, sid)
+            assert torch.equal(bits(state["ssm"][slots[sid]]), bits(ref_state["ssm"][slots[sid]])), (name, sid)
+    # the trainer: no cache, both sequences from position 0
+    x, dt, B, Cm = _cat_rows([seqs[s] for s in lens])
+    y = mamba2_chunk_triton(x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, metadata([0, 0], list(lens.values())), None,
+                            chunk_size=c, aligned=True).cpu()
+    assert torch.equal(bits(y), bits(torch.cat([ref[s] for s in lens])))
+
+    # fast mode's decode is the native recurrence: its rows differ from the chunked prefill's
+    def fast_op(x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state, *, chunk_size, aligned):
+        if md.max_query_len == 1:
+            return selective_state_update_triton(x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state)
+        return mamba2_chunk_triton(x, dt, dt_bias, A_log, B, Cm, D, dt_min, md, state, chunk_size=chunk_size,
+                                   aligned=False)
+    fast = functools.partial(run_schedule, fast_op, seqs, prm, slots, aligned=False, chunk=c)
+    whole, _ = fast(schedule=schedules["whole"])
+    dec, _ = fast(schedule=schedules["prefill+decode"])
+    differ = sum(int(not torch.equal(bits(dec[s][t]), bits(whole[s][t]))) for s in lens for t in range(lens[s]))
+    print(f"fast mode: {differ} of {sum(lens.values())} token rows differ between prefill and prefill+decode")
+    assert differ > 0

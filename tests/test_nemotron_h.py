@@ -1,0 +1,312 @@
+"""Nemotron-H (Mamba-2 hybrids) against transformers, random weights, CPU.
+
+Config parsing (layers_block_type and its legacy names, hybrid_override_pattern, the original
+checkpoints' key spellings, refusals: MoE layers and what else is not implemented), the layer
+plan and cache indices (attention and Mamba-2 layers numbered per kind, the state each mode
+keeps), the HF-name mapping (bit-exact round trip of the `backbone.*` checkpoint, transformers'
+`model.*` names as aliases, the unloaded mtp layers), then on the tiny hybrid: logits and
+greedy tokens against transformers in both numerics modes, rollout logprobs equal to the
+trainer's bit for bit, gradients against transformers in float64, the invariance battery and
+the execution contract. The Mamba-2 kernels themselves are tests/test_mamba2_chunk.py's."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm import LLM, SamplingParams
+from vllm.forward_context import ForwardContext, set_forward_context
+from vllm.model_loader.build import build_model, resolve_model
+from vllm.models.nemotron_h import NemotronHConfig
+from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check
+from vllm.testing.rollouts import trainer_mismatches
+from vllm.testing.tiny_models import compare_grads
+from vllm.training import Policy
+from vllm.training.attention import PackedAttentionBackend
+
+# Nemotron-H-8B-Base's config.json (the original spelling: hybrid_override_pattern,
+# attention_head_dim; 24 Mamba-2, 4 attention and 24 MLP layers)
+PATTERN_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+HUB_CONFIG = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "attention_bias": False,
+    "attention_dropout": 0.0, "attention_head_dim": 128, "bos_token_id": 1, "chunk_size": 128, "conv_kernel": 4,
+    "eos_token_id": 2, "expand": 2, "hidden_dropout": 0.0, "hidden_size": 4096, "hybrid_override_pattern": PATTERN_8B,
+    "initializer_range": 0.02, "intermediate_size": 21504, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu", "mamba_num_heads": 128, "mamba_proj_bias": False, "max_position_embeddings": 8192,
+    "mlp_bias": False, "mlp_hidden_act": "relu2", "n_groups": 8, "num_attention_heads": 32,
+    "num_hidden_layers": 52, "num_key_value_heads": 8, "num_logits_to_keep": 1, "pad_token_id": 0,
+    "rescale_prenorm_residual": True, "residual_in_fp32": False, "rms_norm_eps": 1e-05, "sliding_window": None,
+    "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_limit": [0.0, math.inf],
+    "time_step_max": 0.1, "time_step_min": 0.001, "time_step_rank": 256, "torch_dtype": "bfloat16", "use_bias": False,
+    "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 131072,
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def _model(path, numerics="fast"):
+    mc, dtype = resolve_model(path, dtype="float32", device="cpu")
+    return build_model(mc, dtype, "cpu", numerics=numerics)[0]
+
+
+def load_hf_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                local_files_only=True).eval()
+
+
+# ---- config ------------------------------------------------------------------------------
+def test_layer_types_parsed_as_transformers_does():
+    from transformers import NemotronHConfig as HFConfig
+    ours = NemotronHConfig.from_hf(HUB_CONFIG)
+    theirs = HFConfig(hybrid_override_pattern=PATTERN_8B)
+    assert ours.layer_types == theirs.layers_block_type and ours.num_hidden_layers == 52
+    assert [ours.layer_types.count(k) for k in ("linear_attention", "full_attention", "mlp")] == [24, 4, 24]
+    assert [ours.kind_index(i) for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 0]
+    # transformers 5's key (its legacy names remapped as transformers does)
+    listed = {k: v for k, v in HUB_CONFIG.items() if k != "hybrid_override_pattern"}
+    listed["layers_block_type"] = ["mamba", "mlp", "attention", "linear_attention", "full_attention"]
+    got = NemotronHConfig.from_hf(listed)
+    assert got.layer_types == HFConfig(layers_block_type=listed["layers_block_type"]).layers_block_type
+    assert got.num_hidden_layers == 5  # the list decides, as in transformers
+
+
+def test_config_fields_and_legacy_spellings():
+    cfg = NemotronHConfig.from_hf(HUB_CONFIG)
+    assert (cfg.head_dim, cfg.mamba_num_heads, cfg.mamba_head_dim) == (128, 128, 64)
+    assert (cfg.n_groups, cfg.ssm_state_size) == (8, 128)
+    assert (cfg.chunk_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.time_step_min) == (128, 4, True, 1e-3)
+    assert (cfg.layer_norm_epsilon, cfg.intermediate_size, cfg.use_bias, cfg.mlp_bias) == (1e-5, 21504, False, False)
+    renamed = ("n_groups", "conv_kernel", "chunk_size", "time_step_min")
+    legacy = {k: v for k, v in HUB_CONFIG.items() if k not in renamed}
+    legacy.update(mamba_n_groups=4, mamba_d_conv=3, mamba_chunk_size=64, mamba_dt_min=0.01)
+    got = NemotronHConfig.from_hf(legacy)
+    assert (got.n_groups, got.conv_kernel, got.chunk_size, got.time_step_min) == (4, 3, 64, 0.01)
+    no_mlp = NemotronHConfig.from_hf({**HUB_CONFIG, "hybrid_override_pattern": "M*M"})
+    assert no_mlp.intermediate_size == 0
+
+
+def test_config_refusals():
+    no_vocab = {k: v for k, v in HUB_CONFIG.items() if k != "vocab_size"}
+    no_plan = {k: v for k, v in HUB_CONFIG.items() if k != "hybrid_override_pattern"}
+    bad = [({**HUB_CONFIG, "hybrid_override_pattern": "M-E*"}, "MoE layers"),
+           ({**no_plan, "layers_block_type": ["mamba", "moe"]}, "MoE layers"),
+           ({**no_plan, "layers_block_type": ["mamba", "sliding_attention"]}, "sliding_attention"),
+           ({**HUB_CONFIG, "hybrid_override_pattern": "M-X"}, "letters"),
+           (no_plan, "neither layers_block_type nor hybrid_override_pattern"),
+           ({**HUB_CONFIG, "mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+           ({**HUB_CONFIG, "mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+           ({**HUB_CONFIG, "n_groups": 3}, "n_groups=3"),
+           ({**HUB_CONFIG, "chunk_size": 100}, "chunk_size=100"),
+           ({**HUB_CONFIG, "ssm_state_size": 24}, "multiples of 16"),
+           ({**HUB_CONFIG, "conv_kernel": 5}, "conv_kernel=5"),
+           ({**HUB_CONFIG, "num_key_value_heads": 5}, "num_key_value_heads=5"),
+           ({**HUB_CONFIG, "architectures": ["Qwen3ForCausalLM"]}, "is not NemotronHForCausalLM"),
+           (no_vocab, "lacks 'vocab_size'")]
+    for hf, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            NemotronHConfig.from_hf(hf)
+
+
+def test_moe_checkpoint_is_refused_by_the_engine(tiny_nemotron_h, tmp_path):
+    d = tmp_path / "moe"
+    shutil.copytree(tiny_nemotron_h, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["layers_block_type"] = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="MoE layers"):
+        LLM(str(d), device="cpu")
+
+
+def test_full_size_config_builds_like_transformers():
+    """Nemotron-H-8B on the meta device: transformers' parameter count, every layer the mixer
+    transformers gives it."""
+    from transformers import NemotronHConfig as HFConfig
+    from transformers import NemotronHForCausalLM as HFModel
+    from vllm.models.nemotron_h import NemotronHForCausalLM
+    cfg = NemotronHConfig.from_hf(HUB_CONFIG)
+    with torch.device("meta"):
+        ours = NemotronHForCausalLM(cfg, torch.bfloat16)
+        theirs = HFModel(HFConfig(**{k: v for k, v in HUB_CONFIG.items() if k not in ("architectures", "torch_dtype")}))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert 8.0e9 < sum(p.numel() for p in ours.parameters()) < 8.3e9
+    same = {"Mamba2Mixer": "NemotronHMamba2Mixer", "NemotronHAttention": "NemotronHAttention",
+            "NemotronHMLP": "NemotronHMLP"}
+    assert [same[type(a.mixer).__name__] for a in ours.model.layers] == [type(b.mixer).__name__
+                                                                          for b in theirs.model.layers]
+
+
+# ---- layer plan, cache indices, names ------------------------------------------------------
+def test_layer_plan_and_cache_specs(tiny_nemotron_h):
+    """Each kind numbers its caches 0, 1, ...; the Mamba-2 layers keep the conv window and the
+    fp32 state, and in the invariant mode the rows of the partial chunk (x, B, dt)."""
+    from vllm.worker.kv_cache import cache_specs
+    model = _model(tiny_nemotron_h)
+    layers = model.model.layers
+    assert [layer.block_type for layer in layers] == ["linear_attention", "full_attention", "mlp", "linear_attention",
+                                                      "mlp"]
+    assert [layers[i].mixer.state_idx for i in (0, 3)] == [0, 1] and layers[1].mixer.attn.layer_idx == 0
+    inv, fast = cache_specs(model, "invariant"), cache_specs(model, "fast")
+    assert [s.layer_idx for s in inv.paged] == [0] and [s.layer_idx for s in inv.recurrent] == [0, 1]
+    assert inv.state_chunk_size == 16 and fast.state_chunk_size == 16
+    spec = inv.recurrent[0]
+    shapes = {t.name: (t.shape, t.dtype) for t in spec.tensors}
+    assert shapes == {"conv": ((3, 64 + 2 * 2 * 16), None), "ssm": ((4, 16, 16), torch.float32),
+                      "buf_x": ((16, 4, 16), None), "buf_B": ((16, 2, 16), None), "buf_dt": ((16, 4), torch.float32)}
+    assert spec.kind == "mamba2" and spec.snapshot == ("conv", "ssm")
+    assert {t.name for t in fast.recurrent[0].tensors} == {"conv", "ssm"}
+
+
+def test_hf_names_round_trip(tiny_nemotron_h):
+    """hf_state_dict gives back the checkpoint's names (`backbone.*`, as transformers saves
+    them) and bits, q/k/v as shards of the fused projection."""
+    model = _model(tiny_nemotron_h)
+    ckpt = load_file(os.path.join(tiny_nemotron_h, "model.safetensors"))
+    ours = model.hf_state_dict()
+    assert set(ours) == set(ckpt)
+    for name, t in ckpt.items():
+        assert torch.equal(bits(ours[name]), bits(t)), name
+    assert {"backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.0.mixer.conv1d.bias",
+            "backbone.layers.0.mixer.D", "backbone.layers.2.mixer.up_proj.weight", "lm_head.weight"} <= set(ours)
+    slot = model.weight_mapping().slot("backbone.layers.1.mixer.k_proj.weight")
+    assert (slot.param, slot.shard) == ("model.layers.1.mixer.qkv_proj.weight", "k")
+
+
+def test_transformers_names_load_and_mtp_is_skipped(tiny_nemotron_h, tmp_path):
+    """transformers' in-memory names (`model.*`) load; multi-token-prediction tensors (mtp.*)
+    are not taken, as transformers does not take them."""
+    hf = load_hf_model(tiny_nemotron_h)
+    d = tmp_path / "in_memory_names"
+    shutil.copytree(tiny_nemotron_h, d)
+    os.remove(d / "model.safetensors")
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert all(k.startswith(("model.", "lm_head.")) for k in tensors)
+    tensors["mtp.layers.0.norm.weight"] = torch.zeros(64)
+    save_file(tensors, str(d / "model.safetensors"))
+    a, b = _model(str(d)), _model(tiny_nemotron_h)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(bits(pa), bits(pb)), na
+
+
+# ---- against transformers --------------------------------------------------------------------
+def _our_logits(path, numerics, ids):
+    model = _model(path, numerics)
+    backend = PackedAttentionBackend([len(ids)], torch.device("cpu"))
+    with torch.no_grad(), set_forward_context(ForwardContext(backend, numerics, state=backend.state_backend())):
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+def test_logits_match_transformers(tiny_nemotron_h, numerics):
+    ids = torch.randint(3, 500, (45,), generator=torch.Generator().manual_seed(0)).tolist()  # three chunks of 16
+    ours = _our_logits(tiny_nemotron_h, numerics, ids)
+    with torch.no_grad():
+        ref = load_hf_model(tiny_nemotron_h)(torch.tensor([ids])).logits[0]
+    assert ref.std() > 0.05  # not a degenerate model
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def _hf_greedy(hf, prompt, n):
+    """argmax decoding with transformers' forward, recomputed from the whole sequence each step
+    (its chunked form: transformers' own decode path rounds and clamps differently)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_tokens_match_transformers(tiny_nemotron_h):
+    hf = load_hf_model(tiny_nemotron_h)
+    prompts = [list(range(10, 30)), [7, 300, 12, 5]]
+    want = [_hf_greedy(hf, p, 14) for p in prompts]  # the first crosses the 32-token chunk boundary
+    for numerics in ("invariant", "fast"):
+        llm = LLM(tiny_nemotron_h, device="cpu", numerics=numerics, block_size=4)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, numerics
+
+
+def test_rollout_logprobs_equal_trainer_bits(tiny_nemotron_h, trainer_prompts):
+    assert not trainer_mismatches(tiny_nemotron_h, trainer_prompts)
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+def test_gradients_match_transformers_float64(tiny_nemotron_h, trainer_prompts, numerics):
+    """The backward of every op on the way (norms with their residual adds, attention, relu^2,
+    and the Mamba-2 mixer: projection, conv with bias, the chunked scan's dt / A / B / C / D,
+    the grouped gated norm) against transformers' autograd in float64. transformers runs its
+    Mamba-2 scan in float32 whatever the model's dtype, so its float64 reference is float32
+    there."""
+    seqs = [p + [7, 8, 9, 10, 11] for p in trainer_prompts[:3]]
+    plens = [len(p) for p in trainer_prompts[:3]]
+    weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
+    policy = Policy.from_pretrained(tiny_nemotron_h, device="cpu", dtype="float32", numerics=numerics)
+    lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
+    sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+    # transformers' in-memory names: model.* for the checkpoint's backbone.*
+    ours = {k.replace("backbone.", "model.", 1): v for k, v in policy.model.hf_state_dict(grads=True).items()}
+
+    hf = load_hf_model(tiny_nemotron_h, torch.float64)
+    ref = []
+    for s, pl in zip(seqs, plens):
+        lp = torch.log_softmax(hf(torch.tensor([s])).logits[0] / 0.7, dim=-1)
+        ref.append(lp[pl - 1:len(s) - 1].gather(1, torch.tensor(s[pl:])[:, None])[:, 0])
+    for a, b in zip(lps, ref):
+        assert (a.double() - b).abs().max().item() < 1e-5
+    sum((w.double() * lp).sum() for w, lp in zip(weights, ref)).backward()
+    checked = compare_grads(ours, hf, tol=1e-5, tolerances={"mixer.A_log": 1e-4, "mixer.dt_bias": 1e-4})
+    for kind in ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A_log",
+                 "mixer.dt_bias", "mixer.D", "mixer.norm.weight", "mixer.out_proj.weight"):
+        assert f"model.layers.3.{kind}" in checked, kind
+    for name in ("model.layers.1.mixer.q_proj.weight", "model.layers.2.mixer.up_proj.weight", "model.norm_f.weight",
+                 "model.embeddings.weight", "lm_head.weight"):
+        assert name in checked, name
+
+
+@pytest.mark.parametrize("check", BATTERY_CHECKS)
+def test_invariant_battery(tiny_nemotron_h, check):
+    run_zero_check(cpu_battery(tiny_nemotron_h), check)
+
+
+def test_execution_contract_names_the_state(tiny_nemotron_h):
+    inv = LLM(tiny_nemotron_h, device="cpu", numerics="invariant").execution_contract()
+    assert inv.semantic["architecture"] == "NemotronHForCausalLM" and inv.semantic["chunk_size"] == 16
+    assert inv.semantic["layer_types"][:2] == ["linear_attention", "full_attention"]
+    assert inv.numerical["recurrent_states"]["mamba2"] == {
+        "chunk_size": 16, "tensors": {"conv": "float32", "ssm": "float32", "buf_x": "float32", "buf_B": "float32",
+                                      "buf_dt": "float32"}}
+    assert inv.numerical["kernels"]["mamba2_scan_decode"] == "kernels.mamba2_chunk.mamba2_chunk_torch(aligned=True)"
+    fast = LLM(tiny_nemotron_h, device="cpu", numerics="fast").execution_contract()
+    assert fast.numerical["kernels"]["mamba2_scan_decode"] == "kernels.mamba2_ops.selective_state_update_torch"
+    with pytest.raises(ValueError, match="numerical"):
+        inv.check_compatible(fast)
+
+
+# ---- real dims on the GPU ------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_nemotron_axes_at_real_dims():
+    """Nemotron-H's Mamba-2 dims (128 heads of 64, d_state 128, 8 groups, chunk 128) in a few
+    layers, bf16: 24 requests of 1-600 prompt tokens, 24 sampled tokens; layouts, a 97-token
+    step budget and a warm prefix cache all give the whole batch's bits, and the trainer
+    recomputes the rollout's logprobs bit for bit."""
+    from vllm.testing.parity_gate import (NEMOTRON_AXES, Gate, GateOptions, make_model_dir, model_configs,
+                                         nemotron_config)
+    dense, moe = model_configs()
+    d = make_model_dir(nemotron_config())
+    try:
+        gate = Gate(GateOptions(num_requests=24, max_prompt_len=600, max_tokens=24), "", "", vocab=dense["vocab_size"],
+                    nemotron_dir=d)
+        rows = gate.run("invariant", list(NEMOTRON_AXES))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    assert {r.axis for r in rows} == set(NEMOTRON_AXES)
+    for r in rows:
+        assert r.layouts_differ == 0 and r.trainer_differ == 0, r

@@ -1,0 +1,639 @@
+"""Chunked Mamba-2 scan (SSD: the state space dual form; Nemotron-H's mixer).
+
+Per head h (group g = h // (H / G) of B and C), with dt_t = max(softplus(dt_raw_t +
+dt_bias), dt_min) and A = -exp(A_log), the recurrence over tokens t is
+
+    S = exp(dt_t A) S + dt_t x_t B_t^T;   y_t = S C_t + D x_t
+
+with an fp32 state S [P, N]. It is computed in chunks of C rows (transformers'
+`mamba2_chunk_scan`, mamba_ssm's `mamba_chunk_scan_combined`): per chunk with boundary state
+h, gamma = cumsum(dt A), CB = C B^T (per group), M = lower-inclusive CB exp(gamma_i -
+gamma_j) dt_j, y = M x + exp(gamma) (C h^T) + D x and, after a chunk whose last row is L,
+h' = exp(gamma_L) h + x^T (B exp(gamma_L - gamma) dt).
+
+Invariant mode (`aligned=True`) promises that the bits of a token's output and of the
+state written do not depend on the batch nor on how the sequence was cut into steps:
+
+* Chunks lie on the sequence's absolute grid of C rows. Every chunk is computed as one
+  full C-row tile, row i of the tile at row i, by the same code with the same tile shapes,
+  whether it is a prefill chunk, the resumed middle of one, or a decode step (a chunk with
+  one new row whose earlier rows are re-read from the state's buffer).
+* Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan, M is
+  lower-inclusive, and products with later rows are masked to exact zeros; the state update
+  sums a complete chunk's rows only. The zero rows of an incomplete chunk cannot move the
+  bits of the rows before them.
+* A partial chunk is never folded into the state: the cached state is the boundary state of
+  the sequence's current chunk, and the chunk's rows so far are kept in the buffer at the
+  dtype they arrived in (x, B in the model dtype; dt in fp32 after softplus), so a re-read
+  row equals the row a single prefill held. C of earlier rows is never needed (only the new
+  rows have outputs), so it is not kept.
+
+Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps no buffer and
+folds the partial last chunk into the state (the native form: a token's bits depend on where
+its step began). Same kernels otherwise; decode steps take the selective state update
+(vllm/kernels/mamba2_ops.py) there.
+
+CUDA runs four Triton kernels, every chunk through the same tile code:
+  1. prep, per (chunk, group): CB = C B^T for the group, and per head of the group dt and
+     gamma into workspaces;
+  2. state, per (head, sequence, P tile): walks the sequence's chunks in order, stores each
+     chunk's boundary state for (3), folds complete chunks (fast mode: every chunk) into the
+     fp32 state, writes the cached state;
+  3. output, per (head, chunk, P tile): the new rows' outputs;
+  4. (invariant mode, with a cache) buffer, per (sequence, head): the new rows of an
+     incomplete last chunk into the state's buffer. A separate launch: a step that resumes a
+     chunk and ends in a later partial one reads and writes the same buffer rows.
+Dots take model-dtype operands (M, the boundary state, B scaled by its decays rounded to it,
+as mamba_ssm does) with fp32 accumulation. The CPU runs `mamba2_chunk_torch`, the same
+algorithm in float32 torch on fixed-shape tiles (same invariances, not the same bits).
+`mamba2_reference` is the differentiable formula (float32 / float64) that the backward of
+`Mamba2ChunkScanFn` and the tests use.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm.forward_context import StateMetadata
+from vllm.kernels.mamba2_ops import dt_torch, neg_exp_torch, softplus_clamped
+
+try:  # the module must import on machines without Triton (CPU engine)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Read once, like triton.jit does when it decides between JIT and interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# --------------------------------------------------------------------------
+# Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
+# any other step and the trainer always run the same compiled kernels. BLOCK_N_MAX changes
+# the bits (the N-tiling of the chained C B^T and C h dots); the P tiles and warps only
+# change speed.
+# --------------------------------------------------------------------------
+BLOCK_N_MAX = 64        # N tile of the C B^T and C h dots
+STATE_BLOCK_P_MAX = 32  # P tile of the state walk: programs = sequences x H x P / BP
+OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
+PREP_NUM_WARPS = 8
+STATE_NUM_WARPS = 4
+OUT_NUM_WARPS = 8
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+if HAS_TRITON:
+    # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1 for
+    # the engine) is not specialised on, and neither is the alignment of the int32 metadata
+    # (ChunkPlan's fields are views at offsets that depend on the chunk count).
+    _JIT = {"do_not_specialize": ["has_state"]}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        _JIT["do_not_specialize_on_alignment"] = [
+            "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
+
+    @triton.jit
+    def _dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and hands
+        tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
+        if EMULATE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def _mask2(row_ok, cols, NC: tl.constexpr, NCP: tl.constexpr):
+        """row_ok x (cols < NC); the column test only where the dim is padded."""
+        if NC == NCP:
+            return row_ok[:, None]
+        else:
+            return row_ok[:, None] & (cols < NC)[None, :]
+
+    @triton.jit
+    def _tile(step_ptr, step_row, buf_ptr, buf_row, trow, brow, from_step, from_buf, cols,
+              NC: tl.constexpr, NCP: tl.constexpr):
+        """A chunk's [C, cols] tile: the step's rows where from_step, the kept rows of the
+        sequence's partial chunk where from_buf, zeros elsewhere (bit copies either way)."""
+        a = tl.load(step_ptr + trow[:, None] * step_row + cols[None, :], mask=_mask2(from_step, cols, NC, NCP),
+                    other=0.0)
+        b = tl.load(buf_ptr + brow[:, None] * buf_row + cols[None, :], mask=_mask2(from_buf, cols, NC, NCP),
+                    other=0.0)
+        return tl.where(from_buf[:, None], b, a)
+
+    @triton.jit
+    def _chunk_rows(n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C: tl.constexpr):
+        """Chunk n's sequence, its rows, and where each row comes from (see ChunkPlan)."""
+        s = tl.load(seq_ptr + n)
+        start = tl.load(start_ptr + n)
+        first = tl.load(first_ptr + n)
+        end = tl.load(end_ptr + n)
+        tok0 = tl.load(tok0_ptr + n)
+        rows = tl.arange(0, C)
+        pos = start + rows
+        from_buf = (pos < first) & (has_state != 0)
+        from_step = (pos >= first) & (pos < end)
+        trow = (tok0 - first + pos).to(tl.int64)
+        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+        brow = slot * C + rows
+        return s, start, end, rows, from_buf, from_step, trow, brow
+
+    @triton.jit(**_JIT)
+    def _ssd_prep_kernel(
+        b_ptr, c_ptr, dt_ptr, dtb_ptr, alog_ptr, bb_ptr, bdt_ptr, slots_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
+        cb_ws, dt_ws, gam_ws, dt_min, sb, sc, sdt, has_state,
+        H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
+        EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (chunk, group): CB = C B^T over N tiles chained in increasing order
+        (C of the step's rows only: earlier rows have no output), then per head of the group
+        dt (softplus of the step's raw dt, or the buffer's) and gamma = cumsum(dt A)."""
+        n = tl.program_id(0)
+        g = tl.program_id(1)
+        s, start, end, rows, from_buf, from_step, trow, brow = _chunk_rows(
+            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        cb = tl.zeros([C, C], dtype=tl.float32)
+        for n0 in tl.static_range(0, NP, BN):
+            cols = n0 + tl.arange(0, BN)
+            ct = tl.load(c_ptr + g * N + trow[:, None] * sc + cols[None, :], mask=_mask2(from_step, cols, N, NP),
+                         other=0.0)
+            bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, cols, N, NP)
+            cb = _dot(ct, tl.trans(bt), cb, EMULATE, PREC)
+        nb = n.to(tl.int64) * G + g
+        tl.store(cb_ws + (nb * C + rows[:, None]) * C + rows[None, :], cb)
+        for hh in range(H // G):
+            h = g * (H // G) + hh
+            raw = tl.load(dt_ptr + trow * sdt + h, mask=from_step, other=0.0).to(tl.float32) \
+                + tl.load(dtb_ptr + h).to(tl.float32)
+            d = tl.where(from_step, softplus_clamped(raw, dt_min), 0.0)
+            d = tl.where(from_buf, tl.load(bdt_ptr + brow * H + h, mask=from_buf, other=0.0), d)
+            a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+            gam = tl.cumsum(d * a, 0)  # prefix sums: row i sees rows <= i only
+            ws = (n.to(tl.int64) * H + h) * C + rows
+            tl.store(dt_ws + ws, d)
+            tl.store(gam_ws + ws, gam)
+
+    @triton.jit(**_JIT)
+    def _ssd_state_kernel(
+        x_ptr, b_ptr, bx_ptr, bb_ptr, ssm_ptr, slots_ptr, start_pos_ptr,
+        start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
+        dt_ws, gam_ws, h_ws, sx, sb, has_state,
+        H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+        PP: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (head, sequence, P tile) (the heads of a group side by side: they
+        read the same B rows): walk the sequence's chunks in order carrying the fp32 state tile
+        [BP, N]; per chunk store its boundary state (model dtype, [N, P] for the output kernel),
+        then fold a complete chunk (fast mode: any chunk): h = exp(gamma_L) h + x^T (B
+        exp(gamma_L - gamma) dt). Writes the cached state."""
+        h = tl.program_id(0)
+        s = tl.program_id(1)
+        pt = tl.program_id(2)
+        g = h // (H // G)
+        DT = h_ws.dtype.element_ty
+        c0 = tl.load(seqc_ptr + s)
+        c1 = tl.load(seqc_ptr + s + 1)
+        rp = pt * BP + tl.arange(0, BP)
+        rn = tl.arange(0, NP)
+        rows = tl.arange(0, C)
+        sp = tl.load(start_pos_ptr + s)
+        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+        st_ptrs = ssm_ptr + ((slot * H + h) * P + rp[:, None]) * N + rn[None, :]
+        st_ok = (rp < P)[:, None] & (rn < N)[None, :]
+        # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
+        read = (has_state != 0) & (sp > 0) & (c1 > c0)
+        hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
+        for n in range(c0.to(tl.int64), c1.to(tl.int64)):
+            base = n * H + h
+            tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
+            start = tl.load(start_ptr + n)
+            L = tl.load(end_ptr + n) - start - 1
+            if ALIGNED:
+                fold = L == C - 1  # a partial chunk stays out of the state
+            else:
+                fold = L >= 0
+            if fold:
+                first = tl.load(first_ptr + n)
+                pos = start + rows
+                from_buf = (pos < first) & (has_state != 0)
+                from_step = (pos >= first) & (pos <= start + L)
+                trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
+                brow = slot * C + rows
+                gam = tl.load(gam_ws + base * C + rows)
+                d = tl.load(dt_ws + base * C + rows)
+                gl = tl.max(tl.where(rows == L, gam, float("-inf")), axis=0)
+                w = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0) * d
+                xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
+                bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
+                bs = (bt.to(tl.float32) * w[:, None]).to(DT)
+                hs = _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC)
+        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0))
+
+    @triton.jit(**_JIT)
+    def _ssd_output_kernel(
+        x_ptr, c_ptr, d_ptr, y_ptr, bx_ptr, slots_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
+        cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
+        H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+        PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+        EMULATE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (head, chunk, P tile) (the heads of a group side by side: they read
+        the same CB and C rows): the outputs of the chunk's new rows, y = exp(gamma) (C h) + M x
+        + D x with M the lower-inclusive CB exp(gamma_i - gamma_j) dt_j rounded to the model
+        dtype."""
+        h = tl.program_id(0)
+        n = tl.program_id(1)
+        pt = tl.program_id(2)
+        g = h // (H // G)
+        DT = h_ws.dtype.element_ty
+        s, start, end, rows, from_buf, from_step, trow, brow = _chunk_rows(
+            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        base = n.to(tl.int64) * H + h
+        rp = pt * BP + tl.arange(0, BP)
+        gam = tl.load(gam_ws + base * C + rows)
+        d = tl.load(dt_ws + base * C + rows)
+        acc = tl.zeros([C, BP], dtype=tl.float32)
+        for n0 in tl.static_range(0, NP, BN):
+            cols = n0 + tl.arange(0, BN)
+            ct = tl.load(c_ptr + g * N + trow[:, None] * sc + cols[None, :], mask=_mask2(from_step, cols, N, NP),
+                         other=0.0)
+            hb = tl.load(h_ws + (base * NP + cols[:, None]) * PP + rp[None, :])
+            acc = _dot(ct, hb, acc, EMULATE, PREC)
+        acc = acc * tl.exp(gam)[:, None]
+        ii = rows[:, None]
+        jj = rows[None, :]
+        incl = jj <= ii
+        cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + ii) * C + jj)
+        m = tl.where(incl, cb * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)) * d[None, :], 0.0)
+        xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
+        acc = _dot(m.to(DT), xt, acc, EMULATE, PREC)
+        y = acc + tl.load(d_ptr + h).to(tl.float32) * xt.to(tl.float32)
+        y = tl.where(y == 0.0, 0.0, y)  # only the sign of an exact zero could tell schedules apart
+        tl.store(y_ptr + trow[:, None] * (H * P) + h * P + rp[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=_mask2(from_step, rp, P, PP))
+
+    @triton.jit(**_JIT)
+    def _ssd_buffer_kernel(
+        x_ptr, b_ptr, bx_ptr, bb_ptr, bdt_ptr, slots_ptr,
+        start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, dt_ws, sx, sb,
+        H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+        PP: tl.constexpr, NP: tl.constexpr,
+    ):
+        """One program per (sequence, head): the step's rows of the sequence's last chunk, when
+        it is incomplete, into the buffer (x, dt; B by the group's first head)."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        g = h // (H // G)
+        c0 = tl.load(seqc_ptr + s)
+        c1 = tl.load(seqc_ptr + s + 1)
+        n = tl.maximum(c1 - 1, 0).to(tl.int64)
+        start = tl.load(start_ptr + n)
+        first = tl.load(first_ptr + n)
+        end = tl.load(end_ptr + n)
+        rows = tl.arange(0, C)
+        pos = start + rows
+        write = (pos >= first) & (pos < end) & (c1 > c0) & (end - start < C)
+        trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
+        brow = tl.load(slots_ptr + s).to(tl.int64) * C + rows
+        rp = tl.arange(0, PP)
+        xv = tl.load(x_ptr + h * P + trow[:, None] * sx + rp[None, :], mask=_mask2(write, rp, P, PP), other=0.0)
+        tl.store(bx_ptr + h * P + brow[:, None] * (H * P) + rp[None, :], xv, mask=_mask2(write, rp, P, PP))
+        dv = tl.load(dt_ws + (n * H + h) * C + rows, mask=write, other=0.0)
+        tl.store(bdt_ptr + brow * H + h, dv, mask=write)
+        rn = tl.arange(0, NP)
+        wb = write & (h % (H // G) == 0)
+        bv = tl.load(b_ptr + g * N + trow[:, None] * sb + rn[None, :], mask=_mask2(wb, rn, N, NP), other=0.0)
+        tl.store(bb_ptr + g * N + brow[:, None] * (G * N) + rn[None, :], bv, mask=_mask2(wb, rn, N, NP))
+
+
+# ---- checks shared by both devices ------------------------------------------------------------
+
+STATE_NAMES_ALIGNED = ("ssm", "buf_x", "buf_B", "buf_dt")
+
+
+def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size: int, aligned: bool):
+    if x.dim() != 3 or B.dim() != 3 or C.shape != B.shape or B.shape[0] != x.shape[0]:
+        raise ValueError("expected x [T, H, P] and B, C [T, G, N]")
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    if H % G:
+        raise ValueError(f"the heads ({H}) must be a multiple of the groups ({G})")
+    if P % 16 or N % 16 or P == 0 or N == 0:
+        raise ValueError("head_dim and d_state must be multiples of 16")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError("chunk_size must be a power of two >= 16")
+    if dt.shape != (T, H) or dt_bias.shape != (H,) or A_log.shape != (H,) or D.shape != (H,):
+        raise ValueError("dt must be [T, H]; dt_bias, A_log and D [H]")
+    if B.dtype != x.dtype or C.dtype != x.dtype:
+        raise ValueError("x, B and C must share the model dtype")
+    for t in (x, B, C, dt):
+        if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
+            raise ValueError("x, B, C and dt need contiguous rows (the row stride is free)")
+    if state is not None:
+        if md.slots is None:
+            raise ValueError("a state needs md.slots")
+        names = STATE_NAMES_ALIGNED if aligned else ("ssm",)
+        for name in names:
+            if name not in state:
+                raise ValueError(f"state lacks {name!r}")
+            if not state[name].is_contiguous():
+                raise ValueError(f"state[{name!r}] must be contiguous")
+        ns = state["ssm"].shape[0]
+        if state["ssm"].shape[1:] != (H, P, N) or state["ssm"].dtype != torch.float32:
+            raise ValueError("state['ssm'] must be float32 [num_slots, H, P, N]")
+        if aligned:
+            # the rows of a partial chunk exist for running sequences' slots only; the state
+            # tensor also holds prefix-cache snapshots after them (vllm/worker/kv_cache.py)
+            Cs = chunk_size
+            want = {"buf_x": ((Cs, H, P), x.dtype), "buf_B": ((Cs, G, N), x.dtype),
+                    "buf_dt": ((Cs, H), torch.float32)}
+            for name, (shape, dtype) in want.items():
+                t = state[name]
+                if tuple(t.shape[1:]) != shape or t.shape[0] > ns or t.dtype != dtype:
+                    raise ValueError(f"state[{name!r}] must be {dtype} [slots <= {ns}, {', '.join(map(str, shape))}]")
+
+
+# ---- CUDA (Triton) -------------------------------------------------------------------------------
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t at a 16-byte aligned address (a copy if not): every call gets one specialisation."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                        B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_min: float, md: StateMetadata,
+                        state: dict[str, torch.Tensor] | None, *, chunk_size: int = 128,
+                        aligned: bool) -> torch.Tensor:
+    """The chunked Mamba-2 scan on the step's packed tokens (module docstring).
+
+    x [T, H, P], B, C [T, G, N] in the model dtype and dt [T, H] (before softplus), each with
+    contiguous rows at any row stride (views of the projection and conv outputs); dt_bias,
+    A_log, D [H]. state: None (no cache: every sequence starts at position 0, nothing is
+    written) or the layer's cache tensors by name, indexed by md.slots: "ssm" [slots, H, P,
+    N] float32 and, aligned, the partial-chunk buffer "buf_x" [slots, C, H, P], "buf_B"
+    [slots, C, G, N] (model dtype), "buf_dt" [slots, C, H] float32, updated in place.
+    Returns y [T, H, P] in the model dtype (D x included). Never syncs with the host beyond
+    what md.chunk_plan does (nothing for decode steps)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if not x.is_cuda and not _INTERPRET:
+        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
+    _check(x, dt, dt_bias, A_log, B, C, D, md, state, chunk_size, aligned)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    Cs = chunk_size
+    y = torch.empty((T, H, P), dtype=x.dtype, device=x.device)
+    plan = md.chunk_plan(Cs, aligned)
+    NC = plan.num_chunks
+    S = md.start_pos.shape[0]
+    if NC == 0 or T == 0:
+        return y
+    x, dt, B, C = (_aligned16(t) for t in (x, dt, B, C))
+    dev = x.device
+    PP, NP = _next_pow2(P), _next_pow2(N)
+    BN = min(NP, BLOCK_N_MAX)
+    emulate = _INTERPRET or not x.is_cuda
+    # fp32 models (GPU tests only): 3xTF32 tensor-core dots, near-fp32 accuracy
+    prec = "tf32x3" if x.dtype == torch.float32 else "tf32"
+    cb_ws = torch.empty((NC, G, Cs, Cs), dtype=torch.float32, device=dev)
+    dt_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
+    gam_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
+    # every entry, padding included (zeros there), is written by the state kernel
+    h_ws = torch.empty((NC, H, NP, PP), dtype=x.dtype, device=dev)
+
+    if state is not None:
+        has_state = 1
+        ssm = state["ssm"]
+        slots = md.slots
+        if aligned:
+            bx, bb, bdt = state["buf_x"], state["buf_B"], state["buf_dt"]
+        else:  # never dereferenced: there are no buffer rows and no buffer writes
+            bx, bb, bdt = x, B, dt_ws
+        for t in (ssm, bx, bb, bdt):
+            if t.data_ptr() % 16:
+                raise ValueError("state tensors must be 16-byte aligned")
+    else:
+        # placeholders, never dereferenced (has_state = 0 masks every access)
+        has_state = 0
+        ssm = torch.empty(4, dtype=torch.float32, device=dev)
+        slots = torch.zeros(max(S, 1), dtype=torch.int32, device=dev)
+        bx, bb, bdt = x, B, dt_ws
+    launch = dict(enable_fp_fusion=False)
+    sx, sb, sc, sdt = x.stride(0), B.stride(0), C.stride(0), dt.stride(0)
+    _ssd_prep_kernel[(NC, G)](
+        B, C, dt, dt_bias, A_log, bb, bdt, slots,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
+        cb_ws, dt_ws, gam_ws, float(dt_min), sb, sc, sdt, has_state,
+        H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, EMULATE=emulate, PREC=prec,
+        num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+    bp_state = min(PP, STATE_BLOCK_P_MAX)
+    _ssd_state_kernel[(H, S, PP // bp_state)](
+        x, B, bx, bb, ssm, slots, md.start_pos,
+        plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
+        dt_ws, gam_ws, h_ws, sx, sb, has_state,
+        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=1, **launch)
+    bp_out = min(PP, OUT_BLOCK_P_MAX)
+    _ssd_output_kernel[(H, NC, PP // bp_out)](
+        x, C, D, y, bx, slots,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
+        cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
+        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out,
+        EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
+    if aligned and state is not None:
+        _ssd_buffer_kernel[(S, H)](
+            x, B, bx, bb, bdt, slots,
+            plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, dt_ws, sx, sb,
+            H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, num_warps=4, **launch)
+    return y
+
+
+# ---- CPU (torch) ---------------------------------------------------------------------------------
+
+def _chunk_torch(xt, bt, ct, dtt, h, L: int, A, Dv, R: int):
+    """One chunk as a full C-row tile, all heads at once (every shape fixed by the model's dims
+    and C). xt [C, H, P], bt, ct [C, G, N] (model dtype), dtt [C, H] fp32, h [H, P, N] fp32,
+    A, Dv [H] fp32, L = last valid row, R = heads per group. Returns (y [C, H, P] fp32, state
+    after the chunk's rows <= L)."""
+    Cs = xt.shape[0]
+    DT = xt.dtype
+    xf = xt.float().transpose(0, 1)                              # [H, C, P]
+    bg = bt.float().transpose(0, 1)                              # [G, C, N]
+    cg = ct.float().transpose(0, 1)
+    d = dtt.t()                                                  # [H, C]
+    gam = (dtt * A).cumsum(0).t()                                # [H, C]
+    idx = torch.arange(Cs, device=xt.device)
+    incl = idx[:, None] >= idx[None, :]
+    cb = (cg @ bg.transpose(1, 2)).repeat_interleave(R, 0)       # [H, C, C]
+    diff = gam[:, :, None] - gam[:, None, :]
+    m = torch.where(incl, cb * torch.where(incl, diff, 0.0).exp() * d[:, None, :], 0.0).to(DT).float()
+    ch = cg.repeat_interleave(R, 0)                              # [H, C, N]
+    hd = h.to(DT).float()
+    y = (ch @ hd.transpose(1, 2)) * gam.exp()[:, :, None] + m @ xf + Dv[:, None, None] * xf
+    y = torch.where(y == 0, 0.0, y)
+    gl = gam[:, L]
+    ok = idx <= L
+    w = torch.where(ok, torch.where(ok, gl[:, None] - gam, 0.0).exp(), 0.0) * d
+    bs = (bg.repeat_interleave(R, 0) * w[:, :, None]).to(DT).float()
+    h_new = h * gl.exp()[:, None, None] + xf.transpose(1, 2) @ bs
+    return y.transpose(0, 1), h_new
+
+
+def mamba2_chunk_torch(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                       B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_min: float, md: StateMetadata,
+                       state: dict[str, torch.Tensor] | None, *, chunk_size: int = 128,
+                       aligned: bool) -> torch.Tensor:
+    """The CPU entry: same contract as mamba2_chunk_triton, computed in float32 torch one
+    chunk at a time, each chunk a full C-row tile of fixed-shape ops (CPU library kernels
+    round a row differently when the row count changes; here it never does)."""
+    _check(x, dt, dt_bias, A_log, B, C, D, md, state, chunk_size, aligned)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    R = H // G
+    Cs = chunk_size
+    y = torch.empty((T, H, P), dtype=x.dtype, device=x.device)
+    plan = md.chunk_plan(Cs, aligned)
+    if plan.num_chunks == 0 or T == 0:
+        return y
+    start, first, end, tok0 = (t.tolist() for t in (plan.start, plan.first_new, plan.end, plan.token0))
+    seqc = plan.seq_chunks.tolist()
+    start_pos = md.start_pos.tolist()
+    slots = md.slots.tolist() if state is not None else None
+    with torch.no_grad():
+        dtv = dt_torch(dt, dt_bias, dt_min)
+        A = neg_exp_torch(A_log)
+        Dv = D.float()
+        for s in range(len(start_pos)):
+            c0, c1 = seqc[s], seqc[s + 1]
+            if c0 == c1:
+                continue
+            if start_pos[s] > 0 and state is None:
+                raise ValueError("a sequence past position 0 needs a state")
+            slot = slots[s] if state is not None else None
+            if start_pos[s] > 0:
+                h = state["ssm"][slot].clone()
+            else:  # never read the slot: it may hold a previous owner's state
+                h = torch.zeros((H, P, N), dtype=torch.float32, device=x.device)
+            for n in range(c0, c1):
+                nb, nv, nn, t0 = first[n] - start[n], end[n] - start[n], end[n] - first[n], tok0[n]
+                xt = x.new_zeros((Cs, H, P))
+                bt = B.new_zeros((Cs, G, N))
+                ct = C.new_zeros((Cs, G, N))
+                dtt = dtv.new_zeros((Cs, H))
+                if nb:
+                    xt[:nb] = state["buf_x"][slot, :nb]
+                    bt[:nb] = state["buf_B"][slot, :nb]
+                    dtt[:nb] = state["buf_dt"][slot, :nb]
+                xt[nb:nv] = x[t0:t0 + nn]
+                bt[nb:nv] = B[t0:t0 + nn]
+                ct[nb:nv] = C[t0:t0 + nn]
+                dtt[nb:nv] = dtv[t0:t0 + nn]
+                yc, h_next = _chunk_torch(xt, bt, ct, dtt, h, nv - 1, A, Dv, R)
+                y[t0:t0 + nn] = yc[nb:nv].to(y.dtype)
+                if not aligned or nv == Cs:
+                    h = h_next
+                elif state is not None and n == c1 - 1:
+                    # the partial chunk's new rows join the buffer (earlier rows are there)
+                    state["buf_x"][slot, nb:nv] = xt[nb:nv]
+                    state["buf_B"][slot, nb:nv] = bt[nb:nv]
+                    state["buf_dt"][slot, nb:nv] = dtt[nb:nv]
+            if state is not None:
+                state["ssm"][slot] = h
+    return y
+
+
+# ---- differentiable reference and the training Function ---------------------------------------
+
+def mamba2_reference(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                     B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_min: float, cu_seqlens,
+                     chunk_size: int = 128) -> torch.Tensor:
+    """The chunked Mamba-2 scan in plain differentiable torch, over packed sequences that all
+    start at position 0 with a zero state. Computes in the inputs' dtype (float32 / float64;
+    lower precisions in float32), returns y [T, H, P] in x's dtype. Sequences are padded to
+    whole chunks and batched (zero rows change no earlier row); heads stay split as (group,
+    head of the group) so C B^T is formed once per group."""
+    out_dtype = x.dtype
+    acc = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    R = H // G
+    Cs = chunk_size
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    if T == 0 or not lens:
+        return x.new_zeros((T, H, P))
+    nC = max(1, max(-(-n // Cs) for n in lens))
+    Pd = nC * Cs
+    S = len(lens)
+
+    def batch(t):  # [T, ...] -> [S, nC, C, ...]
+        parts = [F.pad(t[cu[i]:cu[i + 1]], (0, 0) * (t.dim() - 1) + (0, Pd - n)) for i, n in enumerate(lens)]
+        return torch.stack(parts).reshape(S, nC, Cs, *t.shape[1:])
+
+    dtv = torch.clamp(F.softplus(dt.to(acc) + dt_bias.to(acc)), min=dt_min)
+    A = -torch.exp(A_log.to(acc))
+    xb = batch(x.to(acc)).reshape(S, nC, Cs, G, R, P).permute(0, 1, 3, 4, 2, 5)   # [S, nC, G, R, C, P]
+    bg = batch(B.to(acc)).permute(0, 1, 3, 2, 4)                                   # [S, nC, G, C, N]
+    cg = batch(C.to(acc)).permute(0, 1, 3, 2, 4)
+    d = batch(dtv).reshape(S, nC, Cs, G, R).permute(0, 1, 3, 4, 2)                 # [S, nC, G, R, C]
+    gam = (d * A.view(G, R, 1)).cumsum(-1)
+    idx = torch.arange(Cs, device=x.device)
+    incl = idx[:, None] >= idx[None, :]
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = torch.where(incl, torch.where(incl, diff, 0.0).exp(), 0.0)
+    cb = cg @ bg.transpose(-1, -2)                                                   # [S, nC, G, C, C]
+    y_diag = (cb[:, :, :, None] * decay * d[..., None, :]) @ xb
+    gl = gam[..., -1]                                                                # [S, nC, G, R]
+    w = (gl[..., None] - gam).exp() * d
+    local = (xb * w[..., None]).transpose(-1, -2) @ bg[:, :, :, None]                # [S, nC, G, R, P, N]
+    h = torch.zeros((S, G, R, P, N), dtype=acc, device=x.device)
+    outs = []
+    for c in range(nC):
+        y_off = (cg[:, c, :, None] @ h.transpose(-1, -2)) * gam[:, c, ..., None].exp()
+        outs.append(y_diag[:, c] + y_off)
+        h = h * gl[:, c, ..., None, None].exp() + local[:, c]
+    y = torch.stack(outs, 1).permute(0, 1, 4, 2, 3, 5).reshape(S, Pd, H, P)
+    y = y + D.to(acc)[:, None] * batch(x.to(acc)).reshape(S, Pd, H, P)
+    return torch.cat([y[i, :n] for i, n in enumerate(lens)]).to(out_dtype)
+
+
+class Mamba2ChunkScanFn(torch.autograd.Function):
+    """y = fwd(x, dt, dt_bias, A_log, B, C, D, dt_min, md, None): the engine's kernel (so a
+    training forward has the rollout's bits); the backward differentiates mamba2_reference,
+    recomputed in float32 (float64 for float64 inputs). Every sequence starts at 0."""
+
+    @staticmethod
+    def forward(ctx, fwd: Callable, x, dt, dt_bias, A_log, B, C, D, dt_min: float, md: StateMetadata,
+                chunk_size: int):
+        ctx.save_for_backward(x, dt, dt_bias, A_log, B, C, D)
+        ctx.dt_min, ctx.cu, ctx.chunk_size = dt_min, md.cu_seqlens, chunk_size
+        return fwd(x, dt, dt_bias, A_log, B, C, D, dt_min, md, None)
+
+    @staticmethod
+    def backward(ctx, dy):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:8]
+        grads = [None] * 7
+        if any(needs):
+            acc = torch.float64 if torch.float64 in (dy.dtype, inputs[0].dtype) else torch.float32
+            with torch.enable_grad():
+                xs = [t.detach().to(acc).requires_grad_(bool(n)) for t, n in zip(inputs, needs)]
+                y = mamba2_reference(*xs, ctx.dt_min, ctx.cu, ctx.chunk_size)
+                wrt = [t for t, n in zip(xs, needs) if n]
+                got = iter(torch.autograd.grad(y, wrt, dy.to(acc), allow_unused=True))
+            for i, (t, n) in enumerate(zip(inputs, needs)):
+                if n:
+                    g = next(got)
+                    grads[i] = torch.zeros_like(t) if g is None else g.to(t.dtype)
+        return (None, *grads, None, None, None)
