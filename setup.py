@@ -97,8 +97,10 @@ setup(
         "serve": ["fastapi", "starlette", "uvicorn", "prometheus-client"],
         # gguf + accelerate: transformers dequantizes the registry's SmolLM2 GGUF with them
         # (vllm/testing/smollm2.py builds the real-model test fixture from it)
+        # trl + requests: tests/test_server_trl.py drives the server with TRL's own VLLMClient (the
+        # version tested; its client protocol changes between releases)
         "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
-                 "gguf", "accelerate"],
+                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests"],
         # sleep mode's CUDA driver virtual-memory path (vllm/worker/cuda_vmm.py)
         "gpu": ["cuda-bindings"],
         # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)

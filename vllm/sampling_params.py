@@ -91,3 +91,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """upstream vLLM's name, so code that imports it (TRL's generation module) loads.
+    Structured outputs are not supported: no engine path takes these."""
+    regex: str | None = None
+    json: dict | str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None

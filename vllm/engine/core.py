@@ -252,6 +252,12 @@ class EngineCore:
         with self._paused():
             return self.update_weights_from_group(**kwargs)
 
+    def utility_weight_transfer(self, op: str, *args):
+        """upstream vLLM's four-phase weight transfer and TRL's per-tensor protocol
+        (vllm/weight_sync/transfer.py: `op` is one of WeightTransfer's operations)."""
+        from vllm.weight_sync.transfer import transfer_of
+        return transfer_of(self.engine).call(op, *args)
+
     def _paused(self):
         """Pause stepping for the duration (requests keep their KV and continue after)."""
         import contextlib

@@ -81,16 +81,67 @@ class LLM:
                       block_size=self.config.cache.block_size, kernels=self.config.kernels,
                       kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)
 
-    def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int:
+    def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:
         """In-place weight sync from a trainer (HF names -> tensors of any float dtype, cast
         as loading casts); one bucket, validated whole before anything is written. A rejected
         update raises ValueError and leaves the old weights serving. Returns the new version.
         `check_finite=False` skips reading every byte for NaN/Inf (a trainer that checked its
         own weights; about a third of a same-GPU update's time).
-        See vllm/weight_sync/session.py; `weight_update()` takes the weights in buckets."""
+        See vllm/weight_sync/session.py; `weight_update()` takes the weights in buckets.
+
+        Between `start_weight_update()` and `finish_weight_update()` (upstream vLLM's names)
+        it adds to the started update instead and returns None: upstream's request
+        {"update_info": {names, dtype_names, shapes}} receives that manifest from the group of
+        `init_weight_transfer_engine`; tensors are staged by reference (keep them unchanged
+        until finish)."""
+        from vllm.weight_sync.transfer import transfer_of
+        transfer = transfer_of(self.llm_engine)
+        info = _update_info(weights)
+        if info is not None:
+            transfer.receive(info)
+            return None
+        if transfer.update is not None:
+            if contract is not None or require_complete:
+                raise ValueError("contract and require_complete belong to the started update, not to one bucket")
+            transfer._open_update().load(weights)
+            return None
         from vllm.weight_sync import update_weights
         return update_weights(self.llm_engine, weights, contract=contract, require_complete=require_complete,
                               check_finite=check_finite)
+
+    # upstream vLLM's four-phase weight transfer (vllm/weight_sync/transfer.py)
+    def init_weight_transfer_engine(self, request) -> dict:
+        """Join the trainer's broadcast group: `request` is {"init_info": {master_address,
+        master_port, rank_offset, world_size}} (or the init_info itself; optional backend,
+        timeout_s, contract). Blocks until the trainer joins."""
+        from vllm.weight_sync.transfer import transfer_of
+        return transfer_of(self.llm_engine).init(_unwrap(request, "init_info"))
+
+    def start_weight_update(self) -> dict:
+        """Open one update; `generate` refuses until `finish_weight_update()`."""
+        from vllm.weight_sync.transfer import transfer_of
+        return transfer_of(self.llm_engine).start()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> int:
+        """Close the started update: written, one new version (labelled `weight_version`).
+        Returns the version number; a failed update raises ValueError, old weights kept."""
+        from vllm.weight_sync.transfer import transfer_of
+        return transfer_of(self.llm_engine).finish(weight_version)["weight_version"]
+
+    def update_weight_version(self, new_version: str) -> None:
+        """Label the weights serving now (upstream's string versions)."""
+        from vllm.weight_sync.transfer import transfer_of
+        transfer_of(self.llm_engine).set_label(new_version)
+
+    def get_weight_version(self) -> str:
+        """The label of the weights serving now (their version number when unlabelled)."""
+        from vllm.weight_sync.transfer import transfer_of
+        return transfer_of(self.llm_engine).label()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leave the trainer's group (an update still open is aborted)."""
+        from vllm.weight_sync.transfer import transfer_of
+        transfer_of(self.llm_engine).close()
 
     def weight_update(self, contract=None, require_complete: bool = False, backup: str = "device",
                       check_finite: bool = True):
@@ -212,3 +263,21 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _unwrap(request, key: str):
+    """upstream's request objects or dicts ({key: {...}}), or the inner dict itself."""
+    if hasattr(request, key):
+        return getattr(request, key)
+    if isinstance(request, dict) and key in request:
+        return request[key]
+    return request
+
+
+def _update_info(weights):
+    """upstream's update request ({"update_info": {...}} or an object with .update_info), else None."""
+    if hasattr(weights, "update_info"):
+        return weights.update_info
+    if isinstance(weights, dict) and set(weights) == {"update_info"}:
+        return weights["update_info"]
+    return None

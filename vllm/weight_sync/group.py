@@ -176,6 +176,50 @@ def _to_device(bucket: FlatBucket, device: torch.device) -> FlatBucket:
     return FlatBucket(bucket.buffer[:max(1, bucket.layout.nbytes)].to(device), bucket.layout)
 
 
+def receive_buckets(update, group: WeightGroup, layouts: list[BucketLayout], device: torch.device, *,
+                    trainer_rank: int = 0) -> None:
+    """Steps 2-4 of the module docstring into an update opened by the caller (the four-phase
+    transfer: vllm/weight_sync/transfer.py): handshake, each bucket written through with
+    its overwritten bytes kept, outcome. A refused bucket is still received (the sides stay
+    in step) and aborts `update`; the error is raised after the outcome flag."""
+    group.flag(1, src=group.rank)
+    error: BaseException | None = None
+    buf = torch.empty(max(1, max(lo.nbytes for lo in layouts)), dtype=torch.uint8, device=group.device)
+    for layout in layouts:
+        try:
+            group.broadcast(buf[:max(1, layout.nbytes)], src=trainer_rank)
+        except Exception as err:  # noqa: BLE001 -- the transfer itself failed: the group is unusable
+            update.abort(f"transfer failed: {type(err).__name__}: {err}")
+            raise ValueError(f"weight broadcast failed: {type(err).__name__}: {err}") from err
+        if error is None:
+            try:
+                update.load(_to_device(FlatBucket(buf, layout), device), retain=False)
+            except Exception as err:  # noqa: BLE001 -- keep receiving to stay in step, then report
+                error = err
+    group.flag(0 if error is not None else 1, src=group.rank)
+    if error is not None:
+        raise error if isinstance(error, ValueError) else ValueError(str(error))
+
+
+def store_barrier(store, n: int, world_size: int, timeout_s: float = 300.0) -> None:
+    """The `n`-th barrier of a group's ranks, on its TCPStore (TRL's per-tensor protocol
+    ends each broadcast with one; both sides count them)."""
+    import time
+
+    key = f"vllm-barrier/{n}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise ValueError(f"barrier {n}: the other ranks did not arrive within {timeout_s} s")
+        time.sleep(0.0005)
+
+
+def check_manifest(model, layouts: list[BucketLayout]) -> None:
+    """Names, shapes and dtypes of a manifest against `model`, before any byte moves."""
+    _check_manifest(model, layouts)
+
+
 def _check_manifest(model, layouts: list[BucketLayout]) -> None:
     """Names, shapes and dtypes of a manifest, before any byte moves (meta tensors)."""
     planner = weight_mapping_of(model).planner(exact_dtype=False, check_finite=False)
@@ -188,12 +232,13 @@ def _check_manifest(model, layouts: list[BucketLayout]) -> None:
 
 
 # ---- the trainer's side -----------------------------------------------------------------
-def send_update(group: WeightGroup, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> bool:
-    """Steps 2-4 on the trainer (rank 0), engine at rank 1: returns False if the engine
-    refused before the transfer or reported a failure after it."""
+def send_update(group: WeightGroup, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+                engine_rank: int = 1) -> bool:
+    """Steps 2-4 on the trainer (rank 0), engine at `engine_rank`: returns False if the
+    engine refused before the transfer or reported a failure after it."""
     from vllm.weight_sync.bucket import manifest_of
 
-    if group.flag(None, src=1) != 1:
+    if group.flag(None, src=engine_rank) != 1:
         return False
     sources = dict(named)
     layouts = plan_buckets(manifest_of(named), bucket_bytes)
@@ -205,4 +250,4 @@ def send_update(group: WeightGroup, named: list[tuple[str, torch.Tensor]], bucke
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()
         group.broadcast(buf[:max(1, layout.nbytes)], src=0)
-    return group.flag(None, src=1) == 1
+    return group.flag(None, src=engine_rank) == 1

@@ -5,7 +5,8 @@ Endpoints (docs/serving.md has the schema and extensions): GET /health,
 /tokenize, /detokenize; admin: POST /v1/pause, /v1/resume, /v1/weights/update,
 /v1/weights/init_group, /v1/weights/update_from_group, /v1/weights/update_from_ipc,
 GET /v1/weights/version, GET /v1/weights/contract; upstream vLLM's RL routes: POST
-/pause, /resume, /abort_requests, GET /is_paused, /get_world_size.
+/pause, /resume, /abort_requests, GET /is_paused, /get_world_size, and (rl.py) its
+four-phase weight transfer and TRL's server protocol.
 
 The work behind the routes lives by concern: serving.py (completions, chat, SSE,
 tokenize), errors.py (error bodies and statuses), auth.py (API and admin keys),
@@ -181,11 +182,11 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     # GET /is_paused, POST /abort_requests {"request_ids": [...]}, GET /get_world_size
     @app.post("/pause")
     async def pause_generation(mode: str = "abort", clear_cache: bool = True):
-        return await _admin(llm.pause_generation(mode, clear_cache))
+        return await _admin(_with_status("paused", llm.pause_generation(mode, clear_cache)))
 
     @app.post("/resume")
     async def resume_generation():
-        return await _admin(llm.resume_generation())
+        return await _admin(_with_status("resumed", llm.resume_generation()))
 
     @app.get("/is_paused")
     async def is_paused():
@@ -200,7 +201,16 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
         # one engine of tensor-parallel size 1, no data parallelism
         return {"world_size": 1}
 
+    # upstream vLLM's weight transfer routes and TRL's server protocol (rl.py)
+    from vllm.entrypoints.openai.rl import register_rl_routes
+    app.state.trl = register_rl_routes(app, serving)
+
     return app
+
+
+async def _with_status(status: str, coro) -> dict:
+    """upstream's {"status": ...} next to our fields."""
+    return {"status": status, **await coro}
 
 
 async def _is_paused(llm: AsyncLLM) -> dict:
@@ -215,7 +225,7 @@ async def _abort_requests(llm: AsyncLLM, raw: Request) -> dict:
         raise ValueError(f"the request body is not valid JSON: {err}") from err
     if not isinstance(spec, dict):
         raise ValueError("the request body must be a JSON object")
-    return await llm.abort_requests(spec.get("request_ids"))
+    return {"status": "aborted", **await llm.abort_requests(spec.get("request_ids"))}
 
 
 async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):

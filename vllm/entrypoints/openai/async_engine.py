@@ -331,6 +331,43 @@ class AsyncLLM:
     async def engine_stats(self) -> dict:
         return await self.utility("stats")
 
+    # upstream vLLM's four-phase weight transfer (vllm/weight_sync/transfer.py)
+    async def weight_transfer(self, op: str, *args: Any) -> Any:
+        """Run one WeightTransfer operation in the engine; a new version is recorded here."""
+        res = await self.utility("weight_transfer", op, *args)
+        if isinstance(res, dict) and isinstance(res.get("weight_version"), int):
+            self.weight_version = max(self.weight_version, res["weight_version"])
+        return res
+
+    async def init_weight_transfer_engine(self, request) -> dict:
+        """Join the trainer's broadcast group: `request` is {"init_info": {master_address,
+        master_port, rank_offset, world_size}} (or the init_info itself). Blocks until the
+        trainer joins."""
+        return await self.weight_transfer("init", _unwrap(request, "init_info"))
+
+    async def start_weight_update(self) -> dict:
+        """Open one update: generation pauses (requests keep their KV) until finish."""
+        return await self.weight_transfer("start")
+
+    async def update_weights(self, request) -> dict:
+        """Receive one manifest's tensors into the started update: `request` is
+        {"update_info": {names, dtype_names, shapes}} (or the update_info itself)."""
+        return await self.weight_transfer("receive", _unwrap(request, "update_info"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> dict:
+        """Close the update (one new version, labelled `weight_version`); requests resume."""
+        return await self.weight_transfer("finish", weight_version)
+
+    async def update_weight_version(self, new_version: str) -> dict:
+        return await self.weight_transfer("set_label", new_version)
+
+    async def get_weight_version(self) -> str:
+        """The label of the weights serving now (their version number when unlabelled)."""
+        return await self.weight_transfer("label")
+
+    async def shutdown_weight_transfer_engine(self) -> dict:
+        return await self.weight_transfer("close")
+
     # ---- receiver thread ------------------------------------------------------------------
     def _on_outputs(self, out: EngineCoreOutputs) -> None:
         self.weight_version = out.weight_version
@@ -398,3 +435,12 @@ class AsyncLLM:
 def _deliver(items: list) -> None:
     for stream, item in items:
         stream._put(item)
+
+
+def _unwrap(request, key: str) -> dict:
+    """upstream's request objects or dicts ({key: {...}}), or the inner dict itself."""
+    if hasattr(request, key):
+        return getattr(request, key)
+    if isinstance(request, dict) and key in request:
+        return request[key]
+    return request

@@ -8,12 +8,20 @@ from vllm.entrypoints.openai.errors import error_response
 
 
 ADMIN_PATHS = ("/v1/pause", "/v1/resume", "/v1/weights/update", "/v1/weights/init_group", "/v1/weights/update_from_group",
-               "/v1/weights/update_from_ipc", "/pause", "/resume", "/abort_requests")
+               "/v1/weights/update_from_ipc", "/pause", "/resume", "/abort_requests",
+               # upstream vLLM's weight transfer (rl.py)
+               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+               "/abort_weight_update", "/update_weight_version", "/reset_prefix_cache",
+               # TRL's server protocol (rl.py)
+               "/init_communicator/", "/update_named_param/", "/close_communicator/", "/reset_prefix_cache/")
+# generation routes outside /v1/ (TRL's server protocol): they need the API key like /v1/ ones
+API_PATHS = ("/generate/", "/chat/", "/get_sequence_logprobs/")
 
 
 class AuthMiddleware:
     """Bearer-key checks as plain ASGI (no per-chunk cost on streamed responses).
-    Admin paths need the admin key when one is set; other /v1/ paths the API key."""
+    Admin paths need the admin key when one is set, else the API key (when set); other /v1/
+    paths and TRL's generation paths the API key."""
 
     def __init__(self, app, api_key: str | None, admin_key: str | None):
         self.app = app
@@ -26,7 +34,7 @@ class AuthMiddleware:
             need = None
             if self.admin_key and path in ADMIN_PATHS:
                 need, what = self.admin_key, "the admin key"
-            elif self.api_key and path.startswith("/v1/"):
+            elif self.api_key and (path.startswith("/v1/") or path in API_PATHS or path in ADMIN_PATHS):
                 need, what = self.api_key, "the API key"
             if need is not None and not _key_ok(_bearer(scope), need):
                 resp = error_response(f"invalid or missing credentials: this endpoint needs {what} "

@@ -85,6 +85,8 @@ class _SamplingRequest(OpenAIBaseModel):
     repetition_penalty: Optional[FiniteFloat] = None
     # None: the token ids are returned (this server's default, for RL); false: left out.
     return_token_ids: Optional[bool] = None
+    # upstream's: logprob tokens as "token_id:<id>" instead of their text (TRL's client asks for it)
+    return_tokens_as_token_ids: bool = False
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
@@ -132,6 +134,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
+    prompt_logprobs: Optional[StrictInt] = None   # refused: the engine computes no prompt logprobs
 
     def prompts(self) -> list[Union[str, dict]]:
         """The prompts as engine inputs: strings stay strings, token ids become dicts."""
@@ -157,6 +160,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must be unset or equal to n)")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported: the engine computes no prompt logprobs "
+                             "(score sequences with vllm.training.Policy.token_logprobs)")
         return self._sampling_params(self.max_tokens, self.logprobs, defaults, max_logprobs)
 
 
@@ -400,3 +406,104 @@ class WeightsUpdateRequest(OpenAIBaseModel):
 
 class WeightsVersionResponse(OpenAIBaseModel):
     weight_version: int
+
+
+# ---- upstream vLLM's RL routes (docs/serving.md, "upstream vLLM's RL API") -------------------
+
+class WeightTransferInitRequest(OpenAIBaseModel):
+    """POST /init_weight_transfer_engine: {master_address, master_port, rank_offset, world_size}
+    (optional backend "nccl"|"gloo", timeout_s, contract, backup), checked by the engine."""
+    init_info: dict[str, Any]
+
+
+class StartWeightUpdateRequest(OpenAIBaseModel):
+    # names are always HF checkpoint names here (the model's own mapping places them)
+    is_checkpoint_format: bool = True
+
+
+class WeightTransferUpdateRequest(OpenAIBaseModel):
+    """POST /update_weights: {names, dtype_names, shapes} (optional packed,
+    packed_buffer_size_bytes), received over the group while the request is open."""
+    update_info: dict[str, Any]
+
+
+class FinishWeightUpdateRequest(OpenAIBaseModel):
+    weight_version: Optional[str] = None      # a label for the new version
+
+
+class UpdateWeightVersionRequest(OpenAIBaseModel):
+    new_version: str
+
+
+class MessageResponse(OpenAIBaseModel):
+    message: str
+    weight_version: Optional[int] = None
+
+
+# ---- TRL's server protocol (trl vllm-serve: routes with trailing slashes) ---------------------
+
+class TrlSamplingFields(OpenAIBaseModel):
+    """The sampling fields /generate/ and /chat/ share; `generation_kwargs` are more
+    SamplingParams fields and override these."""
+    n: StrictInt = 1
+    repetition_penalty: FiniteFloat = 1.0
+    temperature: FiniteFloat = 1.0
+    top_p: FiniteFloat = 1.0
+    top_k: StrictInt = -1
+    min_p: FiniteFloat = 0.0
+    max_tokens: StrictInt = 16
+    logprobs: Optional[StrictInt] = 0
+    structured_outputs_regex: Optional[str] = None
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        if self.structured_outputs_regex is not None or self.generation_kwargs.get("structured_outputs") is not None:
+            raise ValueError("structured outputs are not supported")
+        kw: dict[str, Any] = dict(n=self.n, repetition_penalty=self.repetition_penalty, temperature=self.temperature,
+                                  top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, max_tokens=self.max_tokens,
+                                  logprobs=self.logprobs)
+        kw.update(self.generation_kwargs)
+        if kw.get("logprobs") is not None and kw["logprobs"] > max_logprobs:
+            raise ValueError(f"at most {max_logprobs} logprobs per token may be requested (server --max-logprobs), "
+                             f"got {kw['logprobs']}")
+        if not 1 <= kw["n"] <= MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"n must be in 1..{MAX_CHOICES_PER_REQUEST}, got {kw['n']}")
+        try:
+            return SamplingParams(**kw)
+        except TypeError as err:  # an unknown generation_kwargs key
+            raise ValueError(f"generation_kwargs: {err}") from None
+
+
+class TrlGenerateRequest(TrlSamplingFields):
+    prompts: Union[list[str], list[list[StrictInt]]]
+    images: Optional[list[Optional[list[str]]]] = None
+
+
+class TrlChatRequest(TrlSamplingFields):
+    messages: list[list[ChatMessage]]
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+class TrlGenerateResponse(OpenAIBaseModel):
+    """Per prompt its ids; per sample (prompt-major, n per prompt) its ids and, per token,
+    the logprobs best first with their token ids (the sampled token always among them)."""
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: Optional[list[list[list[Optional[float]]]]] = None
+    logprob_token_ids: Optional[list[list[list[int]]]] = None
+    weight_version: Optional[int] = None                           # extension
+
+
+class TrlInitCommunicatorRequest(OpenAIBaseModel):
+    host: str
+    port: StrictInt
+    world_size: StrictInt
+    client_device_uuid: Optional[str] = None
+    contract: Optional[dict[str, Any]] = None                      # extension: checked when given
+
+
+class TrlUpdateNamedParamRequest(OpenAIBaseModel):
+    name: str
+    dtype: str                                                     # "torch.float32" or "float32"
+    shape: list[StrictInt]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -166,7 +167,13 @@ def _top_alternatives(entry: dict[int, Logprob], sampled: int, k: int) -> list[t
     return ordered[:k]
 
 
-def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int) -> CompletionLogprobs:
+def _token_text(tid: int, lp: Logprob, as_ids: bool) -> str:
+    """A logprob entry's token: its decoded text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+    return f"token_id:{tid}" if as_ids else (lp.decoded_token or "")
+
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int,
+                         as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI completions logprobs: per token the sampled token's logprob and a
     {token text: logprob} dict of the top-k alternatives plus the sampled token
     (so up to k + 1 entries; tokens that decode to the same text share a key)."""
@@ -174,29 +181,51 @@ def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k:
     for tok, entry in zip(token_ids, lps):
         sampled = entry[tok]
         text = sampled.decoded_token or ""
-        out.tokens.append(text)
+        out.tokens.append(_token_text(tok, sampled, as_ids))
         out.token_logprobs.append(json_logprob(sampled.logprob))
         out.text_offset.append(offset)
         offset += len(text)
         top: dict[str, float] = {}
-        for _, lp in _top_alternatives(entry, tok, k) + [(tok, sampled)]:
-            top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
+        for tid, lp in _top_alternatives(entry, tok, k) + [(tok, sampled)]:
+            top.setdefault(_token_text(tid, lp, as_ids), json_logprob(lp.logprob))
         out.top_logprobs.append(top)
     return out
 
 
-def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
     """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
     content = []
     for tok, entry in zip(token_ids, lps):
         sampled = entry[tok]
         text = sampled.decoded_token or ""
-        top = [TopLogprob(token=lp.decoded_token or "", logprob=json_logprob(lp.logprob),
+        top = [TopLogprob(token=_token_text(tid, lp, as_ids), logprob=json_logprob(lp.logprob),
                           bytes=list((lp.decoded_token or "").encode("utf-8")))
-               for _, lp in _top_alternatives(entry, tok, k)]
-        content.append(ChatLogprobToken(token=text, logprob=json_logprob(sampled.logprob),
+               for tid, lp in _top_alternatives(entry, tok, k)]
+        content.append(ChatLogprobToken(token=_token_text(tok, sampled, as_ids), logprob=json_logprob(sampled.logprob),
                                         bytes=list(text.encode("utf-8")), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def trl_logprobs(outputs: Sequence[RequestOutput], k: int | None) -> tuple[list | None, list | None]:
+    """TRL's logprob arrays [sample][token][j], best first: the k most likely tokens and the
+    sampled one (k + 1 at most), with their token ids; (None, None) without logprobs."""
+    if k is None:
+        return None, None
+    values, ids = [], []
+    for out in outputs:
+        for c in out.outputs:
+            if c.logprobs is None:
+                return None, None
+            seq_v, seq_i = [], []
+            for tok, entry in zip(c.token_ids, c.logprobs):
+                ranked = _top_alternatives(entry, tok, k)
+                if all(tid != tok for tid, _ in ranked):
+                    ranked.append((tok, entry[tok]))
+                seq_i.append([tid for tid, _ in ranked])
+                seq_v.append([None if math.isnan(lp.logprob) else json_logprob(lp.logprob) for _, lp in ranked])
+            values.append(seq_v)
+            ids.append(seq_i)
+    return values, ids
 
 
 # ---- streaming state ----------------------------------------------------------------------
@@ -247,6 +276,8 @@ class OpenAIServing:
         self.defaults = dict(generation_defaults or {})
         self.model_path = model_path
         self.max_model_len = max_model_len
+        # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
+        self.before_generate = None
 
     def _model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -271,6 +302,8 @@ class OpenAIServing:
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
             prompts = req.prompts()
+            if self.before_generate is not None:
+                await self.before_generate()
             rid = f"cmpl-{uuid.uuid4().hex}"
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
@@ -296,7 +329,8 @@ class OpenAIServing:
                 version = max([version, *c.weight_versions])
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0) if c.logprobs is not None else None,
+                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0, req.return_tokens_as_token_ids)
+                    if c.logprobs is not None else None,
                     token_ids=list(c.token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
                     weight_versions=c.weight_versions))
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
@@ -327,7 +361,7 @@ class OpenAIServing:
                     choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     if lps is not None:
-                        lp = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset)
+                        lp = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset, req.return_tokens_as_token_ids)
                         cur.text_offset += sum(len(t) for t in lp.tokens)
                         choice["logprobs"] = lp.model_dump()
                     if want_ids:
@@ -365,6 +399,8 @@ class OpenAIServing:
             messages = req.template_messages()
             prompt_ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
                                                req.chat_template_kwargs, req.tools)
+            if self.before_generate is not None:
+                await self.before_generate()
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
         except Exception as err:  # noqa: BLE001
@@ -384,7 +420,8 @@ class OpenAIServing:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
-                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k) if req.logprobs and c.logprobs is not None else None)
+                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids)
+                              if req.logprobs and c.logprobs is not None else None)
                    for c in out.outputs]
         n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
         version = max(v for c in out.outputs for v in (c.weight_versions or [0]))
@@ -416,7 +453,7 @@ class OpenAIServing:
                         continue
                     text, ids, lps = delta
                     n_gen += len(ids)
-                    logprobs = _chat_logprobs(ids, lps, top_k) if req.logprobs and lps is not None else None
+                    logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                               token_ids=ids if want_ids else None,
