@@ -50,27 +50,20 @@ float32 torch on fixed-shape tiles (same invariances, not the same bits).
 """
 from __future__ import annotations
 
-import inspect
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from vllm.forward_context import StateMetadata
+from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET as _INTERPRET, aligned16 as _aligned16, next_pow2 as _next_pow2
 
-try:  # the module must import on machines without Triton (CPU engine)
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-# Read once, like triton.jit does when it decides between JIT and interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, dot as _dot, \
+        mask2 as _mask2, tile_rows as _tile
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
@@ -88,53 +81,9 @@ STATE_NUM_STAGES = 2
 OUT_NUM_WARPS = 4
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 if HAS_TRITON:
     _SUM = tl.standard._sum_combine
     _MAX = tl.standard._elementwise_max
-
-    # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1
-    # for the engine) is not specialised on, and neither is the alignment of the int32
-    # metadata (ChunkPlan's fields are views at offsets that depend on the chunk count;
-    # they are only read as scalars). The data tensors are always passed 16-byte aligned
-    # (`_aligned16`), so their alignment specialisation is the same for every call too.
-    _JIT = {"do_not_specialize": ["has_state"]}
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        _JIT["do_not_specialize_on_alignment"] = [
-            "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
-
-    @triton.jit
-    def _dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
-        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and
-        hands tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
-        if EMULATE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            return tl.dot(a, b, acc, input_precision=PREC)
-
-    @triton.jit
-    def _mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
-        """row_ok x (cols < N). The column test only where the dim is padded (N < NP):
-        a mask constant along the row keeps the loads vectorised (without it every element
-        gets its own 64-bit pointer and the prep kernel spills)."""
-        if N == NP:
-            return row_ok[:, None]
-        else:
-            return row_ok[:, None] & (cols < N)[None, :]
-
-    @triton.jit
-    def _tile_rows(step_ptr, buf_ptr, trow, brow, from_step, from_buf, cols,
-                   N: tl.constexpr, NP: tl.constexpr, STEP_ROW: tl.constexpr, BUF_ROW: tl.constexpr):
-        """A chunk's [C, cols] tile: the step's tokens where from_step, the kept rows of the
-        sequence's partial chunk where from_buf, zeros elsewhere (bit copies either way)."""
-        a = tl.load(step_ptr + trow[:, None] * STEP_ROW + cols[None, :],
-                    mask=_mask2(from_step, cols, N, NP), other=0.0)
-        b = tl.load(buf_ptr + brow[:, None] * BUF_ROW + cols[None, :],
-                    mask=_mask2(from_buf, cols, N, NP), other=0.0)
-        return tl.where(from_buf[:, None], b, a)
 
     @triton.jit
     def _chunk_rows(seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
@@ -144,18 +93,8 @@ if HAS_TRITON:
         n = tl.program_id(0)
         h = tl.program_id(1)
         hk = h // (HV // HK)
-        s = tl.load(seq_ptr + n)
-        start = tl.load(start_ptr + n)
-        first = tl.load(first_ptr + n)
-        end = tl.load(end_ptr + n)
-        tok0 = tl.load(tok0_ptr + n)
-        rows = tl.arange(0, C)
-        pos = start + rows
-        from_buf = (pos < first) & (has_state != 0)
-        from_step = (pos >= first) & (pos < end)
-        trow = (tok0 - first + pos).to(tl.int64)
-        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
-        brow = slot * C + rows
+        s, start, end, rows, from_buf, from_step, trow, brow, slot = _shared_chunk_rows(
+            n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         return n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot
 
     @triton.jit(**_JIT)
@@ -192,8 +131,8 @@ if HAS_TRITON:
         kk = tl.zeros([C, C], dtype=tl.float32)
         for k0 in tl.static_range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            kt = _tile_rows(k_ptr + hk * K, bk_ptr + hk * K, trow, brow, from_step, from_buf,
-                            cols, K, KP, HK * K, HK * K)
+            kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                       cols, K, KP)
             kk = _dot(kt, tl.trans(kt), kk, EMULATE, PREC)
         ii = rows[:, None]
         jj = rows[None, :]
@@ -219,8 +158,8 @@ if HAS_TRITON:
         kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
         for k0 in tl.static_range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            kt = _tile_rows(k_ptr + hk * K, bk_ptr + hk * K, trow, brow, from_step, from_buf,
-                            cols, K, KP, HK * K, HK * K)
+            kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                       cols, K, KP)
             ktf = kt.to(tl.float32)
             w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
             tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
@@ -230,8 +169,8 @@ if HAS_TRITON:
                      mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
         for v0 in tl.static_range(0, VP, BV):
             cols = v0 + tl.arange(0, BV)
-            vt = _tile_rows(v_ptr + h * V, bv_ptr + h * V, trow, brow, from_step, from_buf,
-                            cols, V, VP, HV * V, HV * V)
+            vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
+                       cols, V, VP)
             u = _dot(Tm, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([C, BV], dtype=tl.float32),
                      EMULATE, PREC)
             tl.store(u_ws + ws_rows[:, None] * VP + cols[None, :], u)
@@ -392,14 +331,6 @@ def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned:
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
-
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous at a 16-byte aligned address. Triton specialises a kernel on pointer
-    alignment, which can change the register layouts its reductions run in: every call
-    gets the aligned specialisation, so every call runs one compiled kernel."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
 
 def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,

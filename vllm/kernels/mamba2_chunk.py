@@ -51,28 +51,21 @@ algorithm in float32 torch on fixed-shape tiles (same invariances, not the same 
 """
 from __future__ import annotations
 
-import inspect
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from vllm.forward_context import StateMetadata
+from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET as _INTERPRET, aligned16 as _aligned16, next_pow2 as _next_pow2
 from vllm.kernels.mamba2_ops import dt_torch, neg_exp_torch, softplus_clamped
 
-try:  # the module must import on machines without Triton (CPU engine)
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-# Read once, like triton.jit does when it decides between JIT and interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _chunk_rows, dot as _dot, \
+        mask2 as _mask2, tile_rows as _tile
 
 # --------------------------------------------------------------------------
 # Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
@@ -88,64 +81,7 @@ STATE_NUM_WARPS = 4
 OUT_NUM_WARPS = 8
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 if HAS_TRITON:
-    # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1 for
-    # the engine) is not specialised on, and neither is the alignment of the int32 metadata
-    # (ChunkPlan's fields are views at offsets that depend on the chunk count).
-    _JIT = {"do_not_specialize": ["has_state"]}
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        _JIT["do_not_specialize_on_alignment"] = [
-            "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
-
-    @triton.jit
-    def _dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
-        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and hands
-        tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
-        if EMULATE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            return tl.dot(a, b, acc, input_precision=PREC)
-
-    @triton.jit
-    def _mask2(row_ok, cols, NC: tl.constexpr, NCP: tl.constexpr):
-        """row_ok x (cols < NC); the column test only where the dim is padded."""
-        if NC == NCP:
-            return row_ok[:, None]
-        else:
-            return row_ok[:, None] & (cols < NC)[None, :]
-
-    @triton.jit
-    def _tile(step_ptr, step_row, buf_ptr, buf_row, trow, brow, from_step, from_buf, cols,
-              NC: tl.constexpr, NCP: tl.constexpr):
-        """A chunk's [C, cols] tile: the step's rows where from_step, the kept rows of the
-        sequence's partial chunk where from_buf, zeros elsewhere (bit copies either way)."""
-        a = tl.load(step_ptr + trow[:, None] * step_row + cols[None, :], mask=_mask2(from_step, cols, NC, NCP),
-                    other=0.0)
-        b = tl.load(buf_ptr + brow[:, None] * buf_row + cols[None, :], mask=_mask2(from_buf, cols, NC, NCP),
-                    other=0.0)
-        return tl.where(from_buf[:, None], b, a)
-
-    @triton.jit
-    def _chunk_rows(n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C: tl.constexpr):
-        """Chunk n's sequence, its rows, and where each row comes from (see ChunkPlan)."""
-        s = tl.load(seq_ptr + n)
-        start = tl.load(start_ptr + n)
-        first = tl.load(first_ptr + n)
-        end = tl.load(end_ptr + n)
-        tok0 = tl.load(tok0_ptr + n)
-        rows = tl.arange(0, C)
-        pos = start + rows
-        from_buf = (pos < first) & (has_state != 0)
-        from_step = (pos >= first) & (pos < end)
-        trow = (tok0 - first + pos).to(tl.int64)
-        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
-        brow = slot * C + rows
-        return s, start, end, rows, from_buf, from_step, trow, brow
-
     @triton.jit(**_JIT)
     def _ssd_prep_kernel(
         b_ptr, c_ptr, dt_ptr, dtb_ptr, alog_ptr, bb_ptr, bdt_ptr, slots_ptr,
@@ -159,7 +95,7 @@ if HAS_TRITON:
         dt (softplus of the step's raw dt, or the buffer's) and gamma = cumsum(dt A)."""
         n = tl.program_id(0)
         g = tl.program_id(1)
-        s, start, end, rows, from_buf, from_step, trow, brow = _chunk_rows(
+        s, start, end, rows, from_buf, from_step, trow, brow, _ = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         cb = tl.zeros([C, C], dtype=tl.float32)
         for n0 in tl.static_range(0, NP, BN):
@@ -257,7 +193,7 @@ if HAS_TRITON:
         pt = tl.program_id(2)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
-        s, start, end, rows, from_buf, from_step, trow, brow = _chunk_rows(
+        s, start, end, rows, from_buf, from_step, trow, brow, _ = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         base = n.to(tl.int64) * H + h
         rp = pt * BP + tl.arange(0, BP)
@@ -365,11 +301,6 @@ def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size:
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
-
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    """t at a 16-byte aligned address (a copy if not): every call gets one specialisation."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
 
 def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_min: float, md: StateMetadata,

@@ -1,0 +1,95 @@
+"""What the chunked recurrence kernels share (Gated DeltaNet: gdn_chunk.py; Mamba-2:
+mamba2_chunk.py): the Triton import guard, the one-compiled-kernel-per-model jit options,
+the tensor-core dot (emulated in fp32 under the interpreter), padded-column masks, and where
+a chunk's rows come from (the step's tokens or the rows of a partial chunk the state kept,
+ChunkPlan in vllm/forward_context.py)."""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+try:  # the kernel modules must import on machines without Triton (CPU engine)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Read once, like triton.jit does when it decides between JIT and interpreter.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous at a 16-byte aligned address. Triton specialises a kernel on pointer
+    alignment, which can change the register layouts its reductions run in: every call
+    gets the aligned specialisation, so every call runs one compiled kernel."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+if HAS_TRITON:
+    # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1 for
+    # the engine) is not specialised on, and neither is the alignment of the int32 metadata
+    # (ChunkPlan's fields are views at offsets that depend on the chunk count; they are only
+    # read as scalars). Data tensors are always passed 16-byte aligned (`aligned16`).
+    JIT_OPTIONS = {"do_not_specialize": ["has_state"]}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        JIT_OPTIONS["do_not_specialize_on_alignment"] = [
+            "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
+
+    @triton.jit
+    def dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and hands
+        tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
+        if EMULATE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
+        """row_ok x (cols < N). The column test only where the dim is padded (N < NP): a mask
+        constant along the row keeps the loads vectorised (without it every element gets its
+        own 64-bit pointer and the prep kernels spill)."""
+        if N == NP:
+            return row_ok[:, None]
+        else:
+            return row_ok[:, None] & (cols < N)[None, :]
+
+    @triton.jit
+    def tile_rows(step_ptr, step_row, buf_ptr, buf_row, trow, brow, from_step, from_buf, cols,
+                  N: tl.constexpr, NP: tl.constexpr):
+        """A chunk's [C, cols] tile: the step's tokens where from_step, the kept rows of the
+        sequence's partial chunk where from_buf, zeros elsewhere (bit copies either way)."""
+        a = tl.load(step_ptr + trow[:, None] * step_row + cols[None, :], mask=mask2(from_step, cols, N, NP),
+                    other=0.0)
+        b = tl.load(buf_ptr + brow[:, None] * buf_row + cols[None, :], mask=mask2(from_buf, cols, N, NP),
+                    other=0.0)
+        return tl.where(from_buf[:, None], b, a)
+
+    @triton.jit
+    def chunk_rows(n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C: tl.constexpr):
+        """Chunk n's sequence, its rows and where each comes from: the buffer row of the
+        sequence's slot (rows before the step's first token) or the step's token index."""
+        s = tl.load(seq_ptr + n)
+        start = tl.load(start_ptr + n)
+        first = tl.load(first_ptr + n)
+        end = tl.load(end_ptr + n)
+        tok0 = tl.load(tok0_ptr + n)
+        rows = tl.arange(0, C)
+        pos = start + rows
+        from_buf = (pos < first) & (has_state != 0)
+        from_step = (pos >= first) & (pos < end)
+        trow = (tok0 - first + pos).to(tl.int64)
+        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+        brow = slot * C + rows
+        return s, start, end, rows, from_buf, from_step, trow, brow, slot
