@@ -10,24 +10,20 @@ trainer's bit for bit, gradients against transformers in float64, the invariance
 the execution contract. The Mamba-2 kernels themselves are tests/test_mamba2_chunk.py's."""
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from vllm import LLM, SamplingParams
-from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.model_loader.build import build_model, resolve_model
+from vllm import LLM
 from vllm.models.nemotron_h import NemotronHConfig
 from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check
 from vllm.testing.rollouts import trainer_mismatches
-from vllm.testing.tiny_models import compare_grads
-from vllm.training import Policy
-from vllm.training.attention import PackedAttentionBackend
+from vllm.testing.tiny_models import compare_grads, load_hf_model
+from vllm.testing.transformers_parity import (assert_checkpoint_round_trip, assert_config_refusals,
+                                              assert_engine_refuses, assert_greedy_match, assert_loads_as_checkpoint,
+                                              assert_logits_match, build_on_meta, cpu_model, logprob_gradients)
 
 # Nemotron-H-8B-Base's config.json (the original spelling: hybrid_override_pattern,
 # attention_head_dim; 24 Mamba-2, 4 attention and 24 MLP layers)
@@ -45,21 +41,6 @@ HUB_CONFIG = {
     "time_step_max": 0.1, "time_step_min": 0.001, "time_step_rank": 256, "torch_dtype": "bfloat16", "use_bias": False,
     "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 131072,
 }
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
-
-
-def _model(path, numerics="fast"):
-    mc, dtype = resolve_model(path, dtype="float32", device="cpu")
-    return build_model(mc, dtype, "cpu", numerics=numerics)[0]
-
-
-def load_hf_model(path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
-                                                local_files_only=True).eval()
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -110,19 +91,12 @@ def test_config_refusals():
            ({**HUB_CONFIG, "num_key_value_heads": 5}, "num_key_value_heads=5"),
            ({**HUB_CONFIG, "architectures": ["Qwen3ForCausalLM"]}, "is not NemotronHForCausalLM"),
            (no_vocab, "lacks 'vocab_size'")]
-    for hf, msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            NemotronHConfig.from_hf(hf)
+    assert_config_refusals(NemotronHConfig.from_hf, bad)
 
 
 def test_moe_checkpoint_is_refused_by_the_engine(tiny_nemotron_h, tmp_path):
-    d = tmp_path / "moe"
-    shutil.copytree(tiny_nemotron_h, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["layers_block_type"] = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp"]
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="MoE layers"):
-        LLM(str(d), device="cpu")
+    moe = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp"]
+    assert_engine_refuses(tiny_nemotron_h, tmp_path, {"layers_block_type": moe}, "MoE layers")
 
 
 def test_full_size_config_builds_like_transformers():
@@ -131,11 +105,8 @@ def test_full_size_config_builds_like_transformers():
     from transformers import NemotronHConfig as HFConfig
     from transformers import NemotronHForCausalLM as HFModel
     from vllm.models.nemotron_h import NemotronHForCausalLM
-    cfg = NemotronHConfig.from_hf(HUB_CONFIG)
-    with torch.device("meta"):
-        ours = NemotronHForCausalLM(cfg, torch.bfloat16)
-        theirs = HFModel(HFConfig(**{k: v for k, v in HUB_CONFIG.items() if k not in ("architectures", "torch_dtype")}))
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    ours, theirs = build_on_meta(NemotronHForCausalLM, NemotronHConfig.from_hf(HUB_CONFIG), HFModel, HFConfig,
+                                 HUB_CONFIG)
     assert 8.0e9 < sum(p.numel() for p in ours.parameters()) < 8.3e9
     same = {"Mamba2Mixer": "NemotronHMamba2Mixer", "NemotronHAttention": "NemotronHAttention",
             "NemotronHMLP": "NemotronHMLP"}
@@ -148,7 +119,7 @@ def test_layer_plan_and_cache_specs(tiny_nemotron_h):
     """Each kind numbers its caches 0, 1, ...; the Mamba-2 layers keep the conv window and the
     fp32 state, and in the invariant mode the rows of the partial chunk (x, B, dt)."""
     from vllm.worker.kv_cache import cache_specs
-    model = _model(tiny_nemotron_h)
+    model = cpu_model(tiny_nemotron_h)
     layers = model.model.layers
     assert [layer.block_type for layer in layers] == ["linear_attention", "full_attention", "mlp", "linear_attention",
                                                       "mlp"]
@@ -167,12 +138,8 @@ def test_layer_plan_and_cache_specs(tiny_nemotron_h):
 def test_hf_names_round_trip(tiny_nemotron_h):
     """hf_state_dict gives back the checkpoint's names (`backbone.*`, as transformers saves
     them) and bits, q/k/v as shards of the fused projection."""
-    model = _model(tiny_nemotron_h)
-    ckpt = load_file(os.path.join(tiny_nemotron_h, "model.safetensors"))
-    ours = model.hf_state_dict()
-    assert set(ours) == set(ckpt)
-    for name, t in ckpt.items():
-        assert torch.equal(bits(ours[name]), bits(t)), name
+    model = cpu_model(tiny_nemotron_h)
+    ours = assert_checkpoint_round_trip(model, tiny_nemotron_h)
     assert {"backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.0.mixer.conv1d.bias",
             "backbone.layers.0.mixer.D", "backbone.layers.2.mixer.up_proj.weight", "lm_head.weight"} <= set(ours)
     slot = model.weight_mapping().slot("backbone.layers.1.mixer.k_proj.weight")
@@ -182,56 +149,23 @@ def test_hf_names_round_trip(tiny_nemotron_h):
 def test_transformers_names_load_and_mtp_is_skipped(tiny_nemotron_h, tmp_path):
     """transformers' in-memory names (`model.*`) load; multi-token-prediction tensors (mtp.*)
     are not taken, as transformers does not take them."""
-    hf = load_hf_model(tiny_nemotron_h)
-    d = tmp_path / "in_memory_names"
-    shutil.copytree(tiny_nemotron_h, d)
-    os.remove(d / "model.safetensors")
-    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    tensors = {k: v.contiguous() for k, v in load_hf_model(tiny_nemotron_h).state_dict().items()}
     assert all(k.startswith(("model.", "lm_head.")) for k in tensors)
     tensors["mtp.layers.0.norm.weight"] = torch.zeros(64)
-    save_file(tensors, str(d / "model.safetensors"))
-    a, b = _model(str(d)), _model(tiny_nemotron_h)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert na == nb and torch.equal(bits(pa), bits(pb)), na
+    assert_loads_as_checkpoint(tiny_nemotron_h, tmp_path, tensors)
 
 
 # ---- against transformers --------------------------------------------------------------------
-def _our_logits(path, numerics, ids):
-    model = _model(path, numerics)
-    backend = PackedAttentionBackend([len(ids)], torch.device("cpu"))
-    with torch.no_grad(), set_forward_context(ForwardContext(backend, numerics, state=backend.state_backend())):
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
-
-
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 def test_logits_match_transformers(tiny_nemotron_h, numerics):
-    ids = torch.randint(3, 500, (45,), generator=torch.Generator().manual_seed(0)).tolist()  # three chunks of 16
-    ours = _our_logits(tiny_nemotron_h, numerics, ids)
-    with torch.no_grad():
-        ref = load_hf_model(tiny_nemotron_h)(torch.tensor([ids])).logits[0]
-    assert ref.std() > 0.05  # not a degenerate model
-    assert (ours - ref).abs().max().item() < 1e-4
-
-
-def _hf_greedy(hf, prompt, n):
-    """argmax decoding with transformers' forward, recomputed from the whole sequence each step
-    (its chunked form: transformers' own decode path rounds and clamps differently)."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    assert_logits_match(tiny_nemotron_h, numerics, load_hf_model, 45)  # three chunks of 16
 
 
 def test_greedy_tokens_match_transformers(tiny_nemotron_h):
-    hf = load_hf_model(tiny_nemotron_h)
-    prompts = [list(range(10, 30)), [7, 300, 12, 5]]
-    want = [_hf_greedy(hf, p, 14) for p in prompts]  # the first crosses the 32-token chunk boundary
-    for numerics in ("invariant", "fast"):
-        llm = LLM(tiny_nemotron_h, device="cpu", numerics=numerics, block_size=4)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, numerics
+    """transformers' tokens from its chunked form, the whole sequence recomputed each step (its
+    own decode path rounds and clamps differently); the first prompt crosses the 32-token chunk
+    boundary."""
+    assert_greedy_match(tiny_nemotron_h, load_hf_model, 14)
 
 
 def test_rollout_logprobs_equal_trainer_bits(tiny_nemotron_h, trainer_prompts):
@@ -245,23 +179,9 @@ def test_gradients_match_transformers_float64(tiny_nemotron_h, trainer_prompts, 
     the grouped gated norm) against transformers' autograd in float64. transformers runs its
     Mamba-2 scan in float32 whatever the model's dtype, so its float64 reference is float32
     there."""
-    seqs = [p + [7, 8, 9, 10, 11] for p in trainer_prompts[:3]]
-    plens = [len(p) for p in trainer_prompts[:3]]
-    weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
-    policy = Policy.from_pretrained(tiny_nemotron_h, device="cpu", dtype="float32", numerics=numerics)
-    lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
-    sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+    policy, hf = logprob_gradients(tiny_nemotron_h, trainer_prompts, numerics, load_hf_model)
     # transformers' in-memory names: model.* for the checkpoint's backbone.*
     ours = {k.replace("backbone.", "model.", 1): v for k, v in policy.model.hf_state_dict(grads=True).items()}
-
-    hf = load_hf_model(tiny_nemotron_h, torch.float64)
-    ref = []
-    for s, pl in zip(seqs, plens):
-        lp = torch.log_softmax(hf(torch.tensor([s])).logits[0] / 0.7, dim=-1)
-        ref.append(lp[pl - 1:len(s) - 1].gather(1, torch.tensor(s[pl:])[:, None])[:, 0])
-    for a, b in zip(lps, ref):
-        assert (a.double() - b).abs().max().item() < 1e-5
-    sum((w.double() * lp).sum() for w, lp in zip(weights, ref)).backward()
     checked = compare_grads(ours, hf, tol=1e-5, tolerances={"mixer.A_log": 1e-4, "mixer.dt_bias": 1e-4})
     for kind in ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A_log",
                  "mixer.dt_bias", "mixer.D", "mixer.norm.weight", "mixer.out_proj.weight"):

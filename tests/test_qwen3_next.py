@@ -10,24 +10,19 @@ transformers in float64, and the invariance battery. The hybrid checkpoints (Gat
 layers included) run the same comparisons at the end."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from vllm import LLM, SamplingParams
-from vllm.forward_context import ForwardContext, set_forward_context
+from vllm import LLM
 from vllm.layers.moe import SparseMoeBlock
-from vllm.model_loader.build import build_model, resolve_model
 from vllm.models.qwen3_next import Qwen3NextConfig, SharedExpertMoeBlock
+from vllm.testing import tiny_models
 from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check
 from vllm.testing.rollouts import trainer_mismatches
-from vllm.testing.tiny_models import make_tiny_checkpoint, compare_grads
-from vllm.training import Policy
-from vllm.training.attention import PackedAttentionBackend
+from vllm.testing.tiny_models import compare_grads, make_tiny_checkpoint
+from vllm.testing.transformers_parity import (assert_checkpoint_round_trip, assert_config_refusals,
+                                              assert_engine_refuses, assert_greedy_match, assert_loads_as_checkpoint,
+                                              assert_logits_match, build_on_meta, cpu_model, logprob_gradients)
 
 # Qwen3-Next-80B-A3B-Instruct's config.json (hub spelling: top-level partial_rotary_factor,
 # rope_theta, no layer_types)
@@ -46,20 +41,9 @@ HUB_CONFIG = {
 }
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
-
-
-def _model(path, numerics="fast"):
-    mc, dtype = resolve_model(path, dtype="float32", device="cpu")
-    return build_model(mc, dtype, "cpu", numerics=numerics)[0]
-
-
 def load_hf_model(path, dtype=torch.float32):
     """transformers' reference with eager attention and its per-expert loop (float64 needs it)."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
-                                                experts_implementation="eager", local_files_only=True).eval()
+    return tiny_models.load_hf_model(path, dtype, experts_implementation="eager")
 
 
 @pytest.fixture(scope="module")
@@ -169,19 +153,12 @@ def test_config_refusals():
            (no_linear, "lacks 'linear_num_key_heads'"),
            (no_shared, "lacks 'shared_expert_intermediate_size'"),
            ({**HUB_CONFIG, "architectures": ["Qwen3MoeForCausalLM"]}, "is not one of")]
-    for hf, msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            Qwen3NextConfig.from_hf(hf)
+    assert_config_refusals(Qwen3NextConfig.from_hf, bad)
 
 
 def test_bad_config_is_refused_by_the_engine(attention_only, tmp_path):
-    d = tmp_path / "bad"
-    shutil.copytree(attention_only, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["layer_types"] = ["full_attention", "mamba", "full_attention"]
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mamba"):
-        LLM(str(d), device="cpu")
+    assert_engine_refuses(attention_only, tmp_path, {"layer_types": ["full_attention", "mamba", "full_attention"]},
+                          "mamba")
 
 
 def test_full_size_config_builds_like_transformers(tmp_path):
@@ -190,11 +167,8 @@ def test_full_size_config_builds_like_transformers(tmp_path):
     from transformers import Qwen3NextConfig as HFConfig
     from transformers import Qwen3NextForCausalLM as HFModel
     from vllm.models.qwen3_next import Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig.from_hf(HUB_CONFIG)
-    with torch.device("meta"):
-        ours = Qwen3NextForCausalLM(cfg, torch.bfloat16)
-        theirs = HFModel(HFConfig(**{k: v for k, v in HUB_CONFIG.items() if k not in ("architectures", "torch_dtype")}))
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    ours, theirs = build_on_meta(Qwen3NextForCausalLM, Qwen3NextConfig.from_hf(HUB_CONFIG), HFModel, HFConfig,
+                                 HUB_CONFIG)
     assert 79e9 < sum(p.numel() for p in ours.parameters()) < 82e9
     for a, b in zip(ours.model.layers, theirs.model.layers):
         assert hasattr(a, "linear_attn") == hasattr(b, "linear_attn") and hasattr(a, "self_attn") == hasattr(b, "self_attn")
@@ -206,7 +180,7 @@ def test_layer_plan_and_cache_indices(tiny_qwen3_next):
     """Each kind numbers its caches 0, 1, ...: the Gated DeltaNet layers their state slots, the
     attention layers their KV caches (the worker checks the numbering is gapless)."""
     from vllm.worker.kv_cache import cache_specs
-    model = _model(tiny_qwen3_next)
+    model = cpu_model(tiny_qwen3_next)
     layers = model.model.layers
     assert [layer.linear_attn.state_idx for layer in layers[:3]] == [0, 1, 2]
     assert not hasattr(layers[3], "linear_attn") and layers[3].self_attn.attn.layer_idx == 0
@@ -223,12 +197,8 @@ def test_hf_names_round_trip(request, fixture):
     [q | gate] per head) as the q shard of the fused projection, per-expert tensors, the shared
     expert and its gate, the Gated DeltaNet's tensors under their own names."""
     path = request.getfixturevalue(fixture)
-    model = _model(path)
-    ckpt = load_file(os.path.join(path, "model.safetensors"))
-    ours = model.hf_state_dict()
-    assert set(ours) == set(ckpt)
-    for name, t in ckpt.items():
-        assert torch.equal(bits(ours[name]), bits(t)), name
+    model = cpu_model(path)
+    ours = assert_checkpoint_round_trip(model, path)
     mapping = model.weight_mapping()
     attn = next(i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn"))
     slot = mapping.slot(f"model.layers.{attn}.self_attn.q_proj.weight")
@@ -247,67 +217,24 @@ def test_hf_names_round_trip(request, fixture):
 def test_transformers_names_load_and_mtp_is_skipped(tiny_qwen3_next, tmp_path):
     """transformers' in-memory names (stacked experts) load whole; a hub checkpoint's
     multi-token-prediction tensors (mtp.*) are not taken, as transformers does not take them."""
-    hf = load_hf_model(tiny_qwen3_next)
-    d = tmp_path / "fused"
-    shutil.copytree(tiny_qwen3_next, d)
-    os.remove(d / "model.safetensors")
-    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    tensors = {k: v.contiguous() for k, v in load_hf_model(tiny_qwen3_next).state_dict().items()}
     tensors["mtp.fc.weight"] = torch.zeros(64, 128)
     tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
-    save_file(tensors, str(d / "model.safetensors"))
-    a, b = _model(str(d)), _model(tiny_qwen3_next)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert na == nb and torch.equal(bits(pa), bits(pb)), na
+    assert_loads_as_checkpoint(tiny_qwen3_next, tmp_path, tensors)
 
 
 # ---- all-attention config: against transformers ---------------------------------------------
-def _our_logits(path, numerics, ids):
-    model = _model(path, numerics)
-    backend = PackedAttentionBackend([len(ids)], torch.device("cpu"))
-    with torch.no_grad(), set_forward_context(ForwardContext(backend, numerics, state=backend.state_backend())):
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
-
-
-def _hf_greedy(hf, prompt, n):
-    """argmax decoding with transformers' forward, recomputed from the whole sequence each step."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-def _logits_match(path, numerics):
-    ids = torch.randint(3, 500, (33,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = _our_logits(path, numerics, ids)
-    with torch.no_grad():
-        ref = load_hf_model(path)(torch.tensor([ids])).logits[0]
-    assert ref.std() > 0.05  # not a degenerate model
-    assert (ours - ref).abs().max().item() < 1e-4
-
-
-def _greedy_match(path):
-    hf = load_hf_model(path)
-    prompts = [list(range(10, 30)), [7, 300, 12, 5]]
-    want = [_hf_greedy(hf, p, 10) for p in prompts]
-    for numerics in ("invariant", "fast"):
-        llm = LLM(path, device="cpu", numerics=numerics, block_size=4)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, numerics
-
-
 # the all-attention checkpoints and the hybrids (Gated DeltaNet layers included)
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 @pytest.mark.parametrize("fixture", ["attention_only", "qwen3_5_attention_only", "qwen3_5_moe_attention_only",
                                      "tiny_qwen3_next", "qwen3_5_hybrid"])
 def test_logits_match_transformers(request, fixture, numerics):
-    _logits_match(request.getfixturevalue(fixture), numerics)
+    assert_logits_match(request.getfixturevalue(fixture), numerics, load_hf_model, 33)
 
 
 @pytest.mark.parametrize("fixture", ["attention_only", "tiny_qwen3_next"])
 def test_greedy_tokens_match_transformers(request, fixture):
-    _greedy_match(request.getfixturevalue(fixture))
+    assert_greedy_match(request.getfixturevalue(fixture), load_hf_model, 10)
 
 
 @pytest.mark.parametrize("fixture", ["attention_only", "tiny_qwen3_next"])
@@ -321,24 +248,9 @@ def test_gradients_match_transformers_float64(request, fixture, trainer_prompts,
     """The backward of every op on the way (zero-centred norms with their residual adds,
     partial rope, both sigmoid gates, the MoE block; in the hybrid the Gated DeltaNet layers:
     conv, gating, the chunked delta rule, the gated norm) against transformers' autograd in float64."""
-    path = request.getfixturevalue(fixture)
-    seqs = [p + [7, 8, 9, 10, 11] for p in trainer_prompts[:3]]
-    plens = [len(p) for p in trainer_prompts[:3]]
-    weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
-    policy = Policy.from_pretrained(path, device="cpu", dtype="float32", numerics=numerics)
-    lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
-    sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
+    policy, hf = logprob_gradients(request.getfixturevalue(fixture), trainer_prompts, numerics, load_hf_model)
     ours = policy.model.hf_state_dict(grads=True)
     ours.update({n: p.grad for n, p in policy.model.named_parameters() if ".experts." in n and p.grad is not None})
-
-    hf = load_hf_model(path, torch.float64)
-    ref = []
-    for s, pl in zip(seqs, plens):
-        lp = torch.log_softmax(hf(torch.tensor([s])).logits[0] / 0.7, dim=-1)
-        ref.append(lp[pl - 1:len(s) - 1].gather(1, torch.tensor(s[pl:])[:, None])[:, 0])
-    for a, b in zip(lps, ref):
-        assert (a.double() - b).abs().max().item() < 1e-5
-    sum((w.double() * lp).sum() for w, lp in zip(weights, ref)).backward()
     # A_log and dt_bias (a few values each, summed over every token) are ill-conditioned in
     # float32: transformers' own float32 model is 1.5e-3 off its float64 gradient there
     checked = compare_grads(ours, hf, tolerances={"linear_attn.A_log": 5e-3, "linear_attn.dt_bias": 5e-3})

@@ -19,38 +19,26 @@ and how many fast-mode decode rows differ from fast prefill rows.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm import bench_graph  # noqa: E402
+from scan_bench import (DEV, bench, decode_metadata, decode_rows_differing, main, metadata,  # noqa: E402
+                        optional_baseline, prefill_metadata)
 
-from vllm.forward_context import StateMetadata  # noqa: E402
 from vllm.kernels.gdn_chunk import GatedDeltaRuleFn, gdn_chunk_triton  # noqa: E402
 from vllm.kernels.gdn_ops import gdn_recurrent_triton  # noqa: E402
 
 HK, HV, K, V, C = 16, 32, 128, 128, 64
-DEV = "cuda"
 SCALE = K ** -0.5
 
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
-except Exception as err:  # noqa: BLE001 -- an optional baseline
-    print(f"fla not available ({type(err).__name__}: {err}); the native column is our fast mode")
-    fla_chunk = fla_recurrent = None
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+fla_chunk, fla_recurrent = optional_baseline("fla.ops.gated_delta_rule.chunk_gated_delta_rule",
+                                             "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule")
 
 
 def inputs(T: int, seed: int):
@@ -61,16 +49,6 @@ def inputs(T: int, seed: int):
     gate = -0.6 * torch.rand(T, HV, device=DEV, generator=g)
     beta = torch.rand(T, HV, device=DEV, generator=g)
     return q, k, v, gate, beta
-
-
-def metadata(start_pos, q_lens, slots=None, host=True) -> StateMetadata:
-    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    return StateMetadata(torch.tensor(cu, dtype=torch.int32, device=DEV),
-                         torch.tensor(start_pos, dtype=torch.int32, device=DEV),
-                         None if slots is None else torch.tensor(slots, dtype=torch.int32, device=DEV),
-                         int(max(q_lens)), np.asarray(start_pos) if host else None,
-                         np.asarray(q_lens) if host else None)
 
 
 def state(num_slots: int, aligned: bool) -> dict:
@@ -116,7 +94,7 @@ def train_case(T: int = 10240) -> dict:
 
 def prefill_case(n: int = 5, L: int = 2048) -> dict:
     x = inputs(n * L, 1)
-    md = metadata([0] * n, [L] * n, list(range(1, n + 1)))
+    md = prefill_metadata(n, L)
     out = {}
     for name, aligned in (("invariant", True), ("fast", False)):
         st = state(n + 1, aligned)
@@ -129,9 +107,7 @@ def prefill_case(n: int = 5, L: int = 2048) -> dict:
 
 def decode_case(n: int = 256) -> dict:
     x = inputs(n, 2)
-    rng = np.random.default_rng(0)
-    pos = (2048 + rng.integers(0, 4 * C, n)).tolist()  # every offset within a chunk occurs
-    md = metadata(pos, [1] * n, list(range(1, n + 1)), host=False)
+    md = decode_metadata(n, C)
     out = {}
     st_inv, st_fast = state(n + 1, True), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_inv), 20)
@@ -146,44 +122,17 @@ def decode_case(n: int = 256) -> dict:
 def bits_check() -> dict:
     """Invariant: a prefill's rows == the same tokens fed one decode step at a time (after a
     prefill of the first 100); fast: how many such rows differ."""
-    T = 300
-    x = inputs(T, 3)
-    res = {}
-    for name, aligned in (("invariant", True), ("fast", False)):
-        whole = ours(aligned)(*x, SCALE, metadata([0], [T], [1]), state(2, aligned))
-        st = state(2, aligned)
-        rows = [ours(aligned)(*(t[:100] for t in x), SCALE, metadata([0], [100], [1]), st)]
-        for p in range(100, T):
-            md = metadata([p], [1], [1], host=False)
-            one = tuple(t[p:p + 1] for t in x)
-            rows.append(ours(True)(*one, SCALE, md, st) if aligned else gdn_recurrent_triton(*one, SCALE, md, st))
-        dec = torch.cat(rows)
-        res[name] = int((whole.view(torch.int16) != dec.view(torch.int16)).flatten(1).any(1).sum())
-    return res
+    x = inputs(300, 3)
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
-    results = {"train 1x10240 fwd+bwd": train_case(), "prefill 5x2048": prefill_case(), "decode 256x1": decode_case()}
-    b = bits_check()
-    print("\n== Gated DeltaNet, one layer (H200, Hk 16 / Hv 32 x 128, C 64, bf16; us, median)")
-    print(f"{'case':<24}{'invariant':>12}{'fast':>12}{'fla':>12}{'inv/native':>12}{'inv/fast':>10}")
-    for case, r in results.items():
-        native = r.get("fla", r["fast"])
-        fla = f"{r['fla']:.1f}" if "fla" in r else "-"
-        print(f"{case:<24}{r['invariant']:>12.1f}{r['fast']:>12.1f}{fla:>12}{r['invariant'] / native:>12.2f}"
-              f"{r['invariant'] / r['fast']:>10.2f}")
-    t = results["train 1x10240 fwd+bwd"]
-    fwd_fla = f", fla {t['fla_fwd']:.1f}" if "fla_fwd" in t else ""
-    print(f"train forward alone: invariant {t['invariant_fwd']:.1f}, fast {t['fast_fwd']:.1f}{fwd_fla} us")
-    print(f"decode rows after a 100-token prefill vs one 300-token prefill, rows differing of 200: "
-          f"invariant {b['invariant']}, fast {b['fast']}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"results": results, "bits": b}, f, indent=1)
+    def step(aligned, lo, hi, md, st):
+        one = tuple(t[lo:hi] for t in x)
+        if md.max_query_len == 1 and not aligned:
+            return gdn_recurrent_triton(*one, SCALE, md, st)
+        return ours(aligned)(*one, SCALE, md, st)
+    return decode_rows_differing(step, functools.partial(state, 2))
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, "Gated DeltaNet, one layer (H200, Hk 16 / Hv 32 x 128, C 64, bf16; us, median)",
+         {"train 1x10240 fwd+bwd": train_case, "prefill 5x2048": prefill_case, "decode 256x1": decode_case},
+         bits_check, "fla")

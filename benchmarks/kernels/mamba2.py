@@ -19,37 +19,26 @@ for bit, and how many fast-mode decode rows differ from fast prefill rows.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 
 import numpy as np
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm import bench_graph  # noqa: E402
+from scan_bench import (DEV, bench, decode_metadata, decode_rows_differing, main, metadata,  # noqa: E402
+                        optional_baseline, prefill_metadata)
 
-from vllm.forward_context import StateMetadata  # noqa: E402
 from vllm.kernels.mamba2_chunk import Mamba2ChunkScanFn, mamba2_chunk_triton  # noqa: E402
 from vllm.kernels.mamba2_ops import selective_state_update_triton  # noqa: E402
 
 H, P, G, N, C = 128, 64, 8, 128, 128
-DEV = "cuda"
 DT_MIN = 1e-3
 
-try:
-    from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ssm_update
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as ssm_chunk
-except Exception as err:  # noqa: BLE001 -- an optional baseline
-    print(f"mamba_ssm not available ({type(err).__name__}: {err}); the native column is our fast mode")
-    ssm_chunk = ssm_update = None
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+ssm_update, ssm_chunk = optional_baseline("mamba_ssm.ops.triton.selective_state_update.selective_state_update",
+                                          "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined")
 
 
 def params():
@@ -70,16 +59,6 @@ def inputs(T: int, seed: int):
     Cm = row[:, H * P + G * N:H * P + 2 * G * N].view(T, G, N)
     dt = row[:, H * P + 2 * G * N:]
     return x, dt, B, Cm
-
-
-def metadata(start_pos, q_lens, slots=None, host=True) -> StateMetadata:
-    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    return StateMetadata(torch.tensor(cu, dtype=torch.int32, device=DEV),
-                         torch.tensor(start_pos, dtype=torch.int32, device=DEV),
-                         None if slots is None else torch.tensor(slots, dtype=torch.int32, device=DEV),
-                         int(max(q_lens)), np.asarray(start_pos) if host else None,
-                         np.asarray(q_lens) if host else None)
 
 
 def state(num_slots: int, aligned: bool) -> dict:
@@ -128,7 +107,7 @@ def train_case(T: int = 8192) -> dict:
 def prefill_case(n: int = 4, L: int = 2048) -> dict:
     x, dt, B, Cm = inputs(n * L, 1)
     dt_bias, A_log, D = params()
-    md = metadata([0] * n, [L] * n, list(range(1, n + 1)))
+    md = prefill_metadata(n, L)
     out = {}
     for name, aligned in (("invariant", True), ("fast", False)):
         st = state(n + 1, aligned)
@@ -147,9 +126,7 @@ def prefill_case(n: int = 4, L: int = 2048) -> dict:
 def decode_case(n: int = 256) -> dict:
     x, dt, B, Cm = inputs(n, 2)
     dt_bias, A_log, D = params()
-    rng = np.random.default_rng(0)
-    pos = (2048 + rng.integers(0, 4 * C, n)).tolist()  # every offset within a chunk occurs
-    md = metadata(pos, [1] * n, list(range(1, n + 1)), host=False)
+    md = decode_metadata(n, C)
     out = {}
     st_inv, st_fast = state(n + 1, True), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(x, dt, dt_bias, A_log, B, Cm, D, DT_MIN, md, st_inv), 20)
@@ -169,46 +146,18 @@ def decode_case(n: int = 256) -> dict:
 def bits_check() -> dict:
     """Invariant: a prefill's rows == the same tokens fed one decode step at a time (after a
     prefill of the first 100); fast: how many such rows differ."""
-    T = 300
-    x, dt, B, Cm = inputs(T, 3)
+    x, dt, B, Cm = inputs(300, 3)
     prm = params()
-    res = {}
-    for name, aligned in (("invariant", True), ("fast", False)):
-        whole = ours(aligned)(x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, metadata([0], [T], [1]), state(2, aligned))
-        st = state(2, aligned)
-        rows = [ours(aligned)(x[:100], dt[:100], prm[0], prm[1], B[:100], Cm[:100], prm[2], DT_MIN,
-                              metadata([0], [100], [1]), st)]
-        for p in range(100, T):
-            md = metadata([p], [1], [1], host=False)
-            one = (x[p:p + 1], dt[p:p + 1], prm[0], prm[1], B[p:p + 1], Cm[p:p + 1], prm[2], DT_MIN, md, st)
-            rows.append(ours(True)(*one) if aligned else selective_state_update_triton(*one))
-        dec = torch.cat(rows)
-        res[name] = int((whole.view(torch.int16) != dec.view(torch.int16)).flatten(1).any(1).sum())
-    return res
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
-    results = {"train 1x8192 fwd+bwd": train_case(), "prefill 4x2048": prefill_case(), "decode 256x1": decode_case()}
-    b = bits_check()
-    print("\n== Mamba-2, one layer (H200, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)")
-    print(f"{'case':<24}{'invariant':>12}{'fast':>12}{'mamba_ssm':>12}{'inv/native':>12}{'inv/fast':>10}")
-    for case, r in results.items():
-        native = r.get("mamba_ssm", r["fast"])
-        ref = f"{r['mamba_ssm']:.1f}" if "mamba_ssm" in r else "-"
-        print(f"{case:<24}{r['invariant']:>12.1f}{r['fast']:>12.1f}{ref:>12}{r['invariant'] / native:>12.2f}"
-              f"{r['invariant'] / r['fast']:>10.2f}")
-    t = results["train 1x8192 fwd+bwd"]
-    fwd_ref = f", mamba_ssm {t['mamba_ssm_fwd']:.1f}" if "mamba_ssm_fwd" in t else ""
-    print(f"train forward alone: invariant {t['invariant_fwd']:.1f}, fast {t['fast_fwd']:.1f}{fwd_ref} us")
-    print(f"decode rows after a 100-token prefill vs one 300-token prefill, rows differing of 200: "
-          f"invariant {b['invariant']}, fast {b['fast']}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"results": results, "bits": b}, f, indent=1)
+    def step(aligned, lo, hi, md, st):
+        args = (x[lo:hi], dt[lo:hi], prm[0], prm[1], B[lo:hi], Cm[lo:hi], prm[2], DT_MIN, md, st)
+        if md.max_query_len == 1 and not aligned:
+            return selective_state_update_triton(*args)
+        return ours(aligned)(*args)
+    return decode_rows_differing(step, functools.partial(state, 2))
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, "Mamba-2, one layer (H200, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)",
+         {"train 1x8192 fwd+bwd": train_case, "prefill 4x2048": prefill_case, "decode 256x1": decode_case},
+         bits_check, "mamba_ssm")

@@ -53,10 +53,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from vllm.forward_context import StateMetadata
-from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET as _INTERPRET, aligned16 as _aligned16, next_pow2 as _next_pow2
+from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
+    reference_dtype, reference_grads, require_triton, scan_chunks_torch
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
 
 if HAS_TRITON:
     import triton
@@ -289,6 +290,10 @@ if HAS_TRITON:
 
 # ---- checks shared by both devices ------------------------------------------------------------
 
+# the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
+BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta")
+
+
 def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned: bool):
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError("expected q, k [T, Hk, K] and v [T, Hv, V]")
@@ -296,38 +301,17 @@ def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned:
     Hv, V = v.shape[1], v.shape[2]
     if Hv % Hk:
         raise ValueError("the value heads must be a multiple of the key heads")
-    if K % 16 or V % 16 or K == 0 or V == 0:
-        raise ValueError("K and V must be multiples of 16")
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError("chunk_size must be a power of two >= 16")
+    check_grid(chunk_size, "K and V", K, V)
     if g.shape != (T, Hv) or beta.shape != (T, Hv):
         raise ValueError("g and beta must be [T, Hv]")
     if g.dtype != torch.float32 or beta.dtype != torch.float32:
         raise ValueError("g and beta must be float32")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("q, k and v must share the model dtype")
-    if state is not None:
-        if md.slots is None:
-            raise ValueError("a state needs md.slots")
-        names = ("ssm", "buf_k", "buf_v", "buf_g", "buf_beta") if aligned else ("ssm",)
-        for name in names:
-            if name not in state:
-                raise ValueError(f"state lacks {name!r}")
-            if not state[name].is_contiguous():
-                raise ValueError(f"state[{name!r}] must be contiguous")
-        ns = state["ssm"].shape[0]
-        if state["ssm"].shape[1:] != (Hv, K, V) or state["ssm"].dtype != torch.float32:
-            raise ValueError("state['ssm'] must be float32 [num_slots, Hv, K, V]")
-        if aligned:
-            # the rows of a partial chunk exist for running sequences' slots only; the state
-            # tensor also holds prefix-cache snapshots after them (vllm/worker/kv_cache.py)
-            C = chunk_size
-            want = {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
-                    "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)}
-            for name, (shape, dtype) in want.items():
-                t = state[name]
-                if tuple(t.shape[1:]) != shape or t.shape[0] > ns or t.dtype != dtype:
-                    raise ValueError(f"state[{name!r}] must be {dtype} [slots <= {ns}, {', '.join(map(str, shape))}]")
+    C = chunk_size
+    check_state(md, state, aligned, (Hv, K, V), "Hv, K, V",
+                {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
+                 "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)})
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
@@ -344,10 +328,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     [slots, C, Hv, V] (model dtype), "buf_g", "buf_beta" [slots, C, Hv] float32, updated
     in place. Returns o [T, Hv, V] in the model dtype. Never syncs with the host beyond
     what md.chunk_plan does (nothing for decode steps)."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed")
-    if not q.is_cuda and not _INTERPRET:
-        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
+    require_triton(q)
     _check(q, k, v, g, beta, md, state, chunk_size, aligned)
     T, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
@@ -362,10 +343,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dev = q.device
     KP, VP = _next_pow2(K), _next_pow2(V)
     BK = min(KP, BLOCK_K_MAX)
-    emulate = _INTERPRET or not q.is_cuda
-    # fp32 models (GPU tests only): 3xTF32 tensor-core dots, near-fp32 accuracy (ieee fp32
-    # dots compile to FMA loops that spill heavily at these tiles)
-    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    emulate, prec = dot_mode(q)
     ws_dtype = q.dtype
     gam_ws = torch.empty((N, Hv, C), dtype=torch.float32, device=dev)
     kc_ws = torch.empty((N, Hk, C, KP), dtype=ws_dtype, device=dev)
@@ -375,23 +353,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     vn_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype, device=dev)
     h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
 
-    if state is not None:
-        has_state = 1
-        ssm = state["ssm"]
-        slots = md.slots
-        if aligned:
-            bk, bv, bg, bb = state["buf_k"], state["buf_v"], state["buf_g"], state["buf_beta"]
-        else:  # never dereferenced: there are no buffer rows and no buffer writes
-            bk, bv, bg, bb = k, v, g, beta
-        for t in (ssm, bk, bv, bg, bb):
-            if t.data_ptr() % 16:
-                raise ValueError("state tensors must be 16-byte aligned")
-    else:
-        # placeholders, never dereferenced (has_state = 0 masks every access)
-        has_state = 0
-        ssm = torch.empty(4, dtype=torch.float32, device=dev)
-        slots = torch.zeros(max(S, 1), dtype=torch.int32, device=dev)
-        bk, bv, bg, bb = k, v, g, beta
+    has_state, ssm, slots, (bk, bv, bg, bb) = launch_state(md, state, aligned, BUFFERS, (k, v, g, beta), dev)
     launch = dict(enable_fp_fusion=False)
     _gdn_prep_kernel[(N, Hv)](
         k, v, g, beta, bk, bv, bg, bb, slots,
@@ -457,62 +419,19 @@ def gdn_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,
                     chunk_size: int = 64, aligned: bool) -> torch.Tensor:
     """The CPU entry: same contract as gdn_chunk_triton, computed in float32 torch one
-    chunk at a time, each chunk a full C-row tile of fixed-shape ops (CPU library
-    kernels round a row differently when the row count changes; here it never does)."""
+    chunk at a time, each chunk a full C-row tile of fixed-shape ops (chunk_scan.scan_chunks_torch)."""
     _check(q, k, v, g, beta, md, state, chunk_size, aligned)
     T, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
     G = Hv // Hk
-    C = chunk_size
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    plan = md.chunk_plan(C, aligned)
-    if plan.num_chunks == 0 or T == 0:
+    chunks = host_chunks(md, chunk_size, aligned, state, T)
+    if chunks is None:
         return o
-    start, first, end, tok0 = (t.tolist() for t in (plan.start, plan.first_new, plan.end, plan.token0))
-    seqc = plan.seq_chunks.tolist()
-    start_pos = md.start_pos.tolist()
-    slots = md.slots.tolist() if state is not None else None
     with torch.no_grad():
-        for s in range(len(start_pos)):
-            c0, c1 = seqc[s], seqc[s + 1]
-            if c0 == c1:
-                continue
-            if start_pos[s] > 0 and state is None:
-                raise ValueError("a sequence past position 0 needs a state")
-            slot = slots[s] if state is not None else None
-            if start_pos[s] > 0:
-                h = state["ssm"][slot].clone()
-            else:  # never read the slot: it may hold a previous owner's state
-                h = torch.zeros((Hv, K, V), dtype=torch.float32, device=q.device)
-            for n in range(c0, c1):
-                nb, nv, nn, t0 = first[n] - start[n], end[n] - start[n], end[n] - first[n], tok0[n]
-                qt = q.new_zeros((C, Hk, K))
-                kt = k.new_zeros((C, Hk, K))
-                vt = v.new_zeros((C, Hv, V))
-                gt = g.new_zeros((C, Hv))
-                bt = beta.new_zeros((C, Hv))
-                if nb:
-                    kt[:nb] = state["buf_k"][slot, :nb]
-                    vt[:nb] = state["buf_v"][slot, :nb]
-                    gt[:nb] = state["buf_g"][slot, :nb]
-                    bt[:nb] = state["buf_beta"][slot, :nb]
-                qt[nb:nv] = q[t0:t0 + nn]
-                kt[nb:nv] = k[t0:t0 + nn]
-                vt[nb:nv] = v[t0:t0 + nn]
-                gt[nb:nv] = g[t0:t0 + nn]
-                bt[nb:nv] = beta[t0:t0 + nn]
-                oc, h_next = _chunk_torch(qt, kt, vt, gt, bt, h, nv - 1, scale, G)
-                o[t0:t0 + nn] = oc[nb:nv].to(o.dtype)
-                if not aligned or nv == C:
-                    h = h_next
-                elif state is not None and n == c1 - 1:
-                    # the partial chunk's new rows join the buffer (earlier rows are there)
-                    state["buf_k"][slot, nb:nv] = kt[nb:nv]
-                    state["buf_v"][slot, nb:nv] = vt[nb:nv]
-                    state["buf_g"][slot, nb:nv] = gt[nb:nv]
-                    state["buf_beta"][slot, nb:nv] = bt[nb:nv]
-            if state is not None:
-                state["ssm"][slot] = h
+        inputs = ((q, None), (k, "buf_k"), (v, "buf_v"), (g, "buf_g"), (beta, "buf_beta"))
+        scan_chunks_torch(chunks, o, inputs, state, (Hv, K, V), chunk_size, aligned,
+                          lambda tiles, h, L: _chunk_torch(*tiles, h, L, scale, G))
     return o
 
 
@@ -525,22 +444,18 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     (float32 / float64; lower precisions in float32), returns o [T, Hv, V] in q's dtype.
     Sequences are padded to whole chunks and batched (zero rows change no earlier row)."""
     out_dtype = q.dtype
-    acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    acc = reference_dtype(q.dtype)
     T, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
     G = Hv // Hk
     C = chunk_size
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    if T == 0 or not lens:
+    seqs = PaddedChunks(cu_seqlens, C)
+    if T == 0 or not seqs.lens:
         return v.new_zeros((T, Hv, V), dtype=out_dtype)
-    nC = max(1, max(-(-n // C) for n in lens))
-    P = nC * C
+    nC, P, B = seqs.num_chunks, seqs.rows, len(seqs.lens)
 
     def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...]
-        x = x.to(acc)
-        parts = [F.pad(x[cu[i]:cu[i + 1]], (0, 0) * (x.dim() - 1) + (0, P - n)) for i, n in enumerate(lens)]
-        x = torch.stack(parts).transpose(1, 2)
+        x = seqs.pad(x.to(acc)).transpose(1, 2)
         return x.reshape(x.shape[0], x.shape[1], nC, C, *x.shape[3:])
 
     qb = batch(q.repeat_interleave(G, dim=1))
@@ -559,14 +474,14 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     qd = qb * gam.exp()[..., None]
     gl = gam[..., -1:]
     kd = kb * (gl - gam).exp()[..., None]
-    S = torch.zeros((len(lens), Hv, K, V), dtype=acc, device=q.device)
+    S = torch.zeros((B, Hv, K, V), dtype=acc, device=q.device)
     outs = []
     for c in range(nC):
         vn = u[:, :, c] - w[:, :, c] @ S
         outs.append(qd[:, :, c] @ S + Pm[:, :, c] @ vn)
         S = S * gl[:, :, c, :, None].exp() + kd[:, :, c].transpose(-1, -2) @ vn
-    o = torch.stack(outs, 2).reshape(len(lens), Hv, P, V).transpose(1, 2) * scale
-    return torch.cat([o[i, :n] for i, n in enumerate(lens)]).to(out_dtype)
+    o = torch.stack(outs, 2).reshape(B, Hv, P, V).transpose(1, 2) * scale
+    return seqs.unpad(o).to(out_dtype)
 
 
 class GatedDeltaRuleFn(torch.autograd.Function):
@@ -583,18 +498,6 @@ class GatedDeltaRuleFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:6]
-        grads = [None] * 5
-        if any(needs):
-            acc = torch.float64 if torch.float64 in (do.dtype, inputs[0].dtype) else torch.float32
-            with torch.enable_grad():
-                xs = [x.detach().to(acc).requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
-                o = gdn_reference(*xs, ctx.cu, ctx.scale)
-                wrt = [x for x, n in zip(xs, needs) if n]
-                got = iter(torch.autograd.grad(o, wrt, do.to(acc), allow_unused=True))
-            for i, (x, n) in enumerate(zip(inputs, needs)):
-                if n:
-                    d = next(got)
-                    grads[i] = torch.zeros_like(x) if d is None else d.to(x.dtype)
+        grads = reference_grads(lambda *xs: gdn_reference(*xs, ctx.cu, ctx.scale), ctx.saved_tensors,
+                                ctx.needs_input_grad[1:6], do)
         return (None, *grads, None, None)

@@ -86,6 +86,20 @@ def _vjp(formula: Callable, inputs, grads, needs) -> list:
     return out
 
 
+def _cached_ssm(md: StateMetadata, state: dict | None) -> torch.Tensor | None:
+    """The layer's cached recurrent state ("ssm") when the step has a cache, else None."""
+    ssm = state.get("ssm") if state is not None else None
+    return ssm if ssm is not None and md.slots is not None else None
+
+
+def _ssm_rows(md: StateMetadata, ssm: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
+    """Each sequence's state before a one-token step, float32 [S, *shape]: a copy of its slot's,
+    zeros at position 0 (a reused slot may hold a previous owner's state) or without a cache."""
+    if ssm is not None:
+        return torch.where((md.start_pos > 0)[:, None, None, None], ssm[md.slots.long()], 0.0)
+    return torch.zeros((md.start_pos.shape[0], *shape), dtype=torch.float32, device=device)
+
+
 # ---- 1. causal depthwise conv1d + SiLU ----------------------------------------------------------
 
 _CONV_BLOCK_T = 8
@@ -505,11 +519,6 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, ssm_ptr, star
         tl.store(st_ptrs, st, mask=m)
 
 
-def _recurrent_state(md: StateMetadata, state: dict | None):
-    ssm = state.get("ssm") if state is not None else None
-    return ssm if ssm is not None and md.slots is not None else None
-
-
 def gdn_recurrent_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, md: StateMetadata, state: dict | None, *, chunk_size: int = 64) -> torch.Tensor:
     """One delta-rule step per sequence (T == S): S = S*exp(g); S += k (beta (v - S^T k))^T;
@@ -525,7 +534,7 @@ def gdn_recurrent_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous head dim")
     o = torch.empty((S, Hv, V), dtype=v.dtype, device=v.device)
-    ssm = _recurrent_state(md, state)
+    ssm = _cached_ssm(md, state)
     if ssm is not None and ssm.stride(-1) != 1:
         raise ValueError("the ssm state needs a contiguous last dim")
     if S:
@@ -552,17 +561,13 @@ def gdn_recurrent_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     G = Hv // Hk
     qf = q.float().repeat_interleave(G, 1)[..., None]  # [S, Hv, K, 1]
     kf = k.float().repeat_interleave(G, 1)[..., None]
-    ssm = _recurrent_state(md, state)
-    if ssm is not None:
-        slots = md.slots.long()
-        st = torch.where((md.start_pos > 0)[:, None, None, None], ssm[slots], 0.0)
-    else:
-        st = torch.zeros((S, Hv, K, v.shape[2]), dtype=torch.float32, device=v.device)
+    ssm = _cached_ssm(md, state)
+    st = _ssm_rows(md, ssm, (Hv, K, v.shape[2]), v.device)
     st = st * _pointwise(torch.exp, g.float())[..., None, None]
     kv = _tree_sum(st * kf, 2)
     delta = beta.float()[..., None] * (v.float() - kv)
     st = st + kf * delta[:, :, None, :]
     o = scale * _tree_sum(st * qf, 2)
     if ssm is not None:
-        ssm[slots] = st
+        ssm[md.slots.long()] = st
     return o.to(v.dtype)

@@ -57,7 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm.forward_context import StateMetadata
-from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET as _INTERPRET, aligned16 as _aligned16, next_pow2 as _next_pow2
+from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
+    reference_dtype, reference_grads, require_triton, scan_chunks_torch
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
 from vllm.kernels.mamba2_ops import dt_torch, neg_exp_torch, softplus_clamped
 
 if HAS_TRITON:
@@ -255,7 +257,8 @@ if HAS_TRITON:
 
 # ---- checks shared by both devices ------------------------------------------------------------
 
-STATE_NAMES_ALIGNED = ("ssm", "buf_x", "buf_B", "buf_dt")
+# the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
+BUFFERS = ("buf_x", "buf_B", "buf_dt")
 
 
 def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size: int, aligned: bool):
@@ -265,10 +268,7 @@ def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size:
     G, N = B.shape[1], B.shape[2]
     if H % G:
         raise ValueError(f"the heads ({H}) must be a multiple of the groups ({G})")
-    if P % 16 or N % 16 or P == 0 or N == 0:
-        raise ValueError("head_dim and d_state must be multiples of 16")
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError("chunk_size must be a power of two >= 16")
+    check_grid(chunk_size, "head_dim and d_state", P, N)
     if dt.shape != (T, H) or dt_bias.shape != (H,) or A_log.shape != (H,) or D.shape != (H,):
         raise ValueError("dt must be [T, H]; dt_bias, A_log and D [H]")
     if B.dtype != x.dtype or C.dtype != x.dtype:
@@ -276,28 +276,9 @@ def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size:
     for t in (x, B, C, dt):
         if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
             raise ValueError("x, B, C and dt need contiguous rows (the row stride is free)")
-    if state is not None:
-        if md.slots is None:
-            raise ValueError("a state needs md.slots")
-        names = STATE_NAMES_ALIGNED if aligned else ("ssm",)
-        for name in names:
-            if name not in state:
-                raise ValueError(f"state lacks {name!r}")
-            if not state[name].is_contiguous():
-                raise ValueError(f"state[{name!r}] must be contiguous")
-        ns = state["ssm"].shape[0]
-        if state["ssm"].shape[1:] != (H, P, N) or state["ssm"].dtype != torch.float32:
-            raise ValueError("state['ssm'] must be float32 [num_slots, H, P, N]")
-        if aligned:
-            # the rows of a partial chunk exist for running sequences' slots only; the state
-            # tensor also holds prefix-cache snapshots after them (vllm/worker/kv_cache.py)
-            Cs = chunk_size
-            want = {"buf_x": ((Cs, H, P), x.dtype), "buf_B": ((Cs, G, N), x.dtype),
-                    "buf_dt": ((Cs, H), torch.float32)}
-            for name, (shape, dtype) in want.items():
-                t = state[name]
-                if tuple(t.shape[1:]) != shape or t.shape[0] > ns or t.dtype != dtype:
-                    raise ValueError(f"state[{name!r}] must be {dtype} [slots <= {ns}, {', '.join(map(str, shape))}]")
+    Cs = chunk_size
+    check_state(md, state, aligned, (H, P, N), "H, P, N",
+                {"buf_x": ((Cs, H, P), x.dtype), "buf_B": ((Cs, G, N), x.dtype), "buf_dt": ((Cs, H), torch.float32)})
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
@@ -316,10 +297,7 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     [slots, C, G, N] (model dtype), "buf_dt" [slots, C, H] float32, updated in place.
     Returns y [T, H, P] in the model dtype (D x included). Never syncs with the host beyond
     what md.chunk_plan does (nothing for decode steps)."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed")
-    if not x.is_cuda and not _INTERPRET:
-        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 (set before importing triton)")
+    require_triton(x)
     _check(x, dt, dt_bias, A_log, B, C, D, md, state, chunk_size, aligned)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -334,32 +312,14 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     dev = x.device
     PP, NP = _next_pow2(P), _next_pow2(N)
     BN = min(NP, BLOCK_N_MAX)
-    emulate = _INTERPRET or not x.is_cuda
-    # fp32 models (GPU tests only): 3xTF32 tensor-core dots, near-fp32 accuracy
-    prec = "tf32x3" if x.dtype == torch.float32 else "tf32"
+    emulate, prec = dot_mode(x)
     cb_ws = torch.empty((NC, G, Cs, Cs), dtype=torch.float32, device=dev)
     dt_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
     gam_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
     # every entry, padding included (zeros there), is written by the state kernel
     h_ws = torch.empty((NC, H, NP, PP), dtype=x.dtype, device=dev)
 
-    if state is not None:
-        has_state = 1
-        ssm = state["ssm"]
-        slots = md.slots
-        if aligned:
-            bx, bb, bdt = state["buf_x"], state["buf_B"], state["buf_dt"]
-        else:  # never dereferenced: there are no buffer rows and no buffer writes
-            bx, bb, bdt = x, B, dt_ws
-        for t in (ssm, bx, bb, bdt):
-            if t.data_ptr() % 16:
-                raise ValueError("state tensors must be 16-byte aligned")
-    else:
-        # placeholders, never dereferenced (has_state = 0 masks every access)
-        has_state = 0
-        ssm = torch.empty(4, dtype=torch.float32, device=dev)
-        slots = torch.zeros(max(S, 1), dtype=torch.int32, device=dev)
-        bx, bb, bdt = x, B, dt_ws
+    has_state, ssm, slots, (bx, bb, bdt) = launch_state(md, state, aligned, BUFFERS, (x, B, dt_ws), dev)
     launch = dict(enable_fp_fusion=False)
     sx, sb, sc, sdt = x.stride(0), B.stride(0), C.stride(0), dt.stride(0)
     _ssd_prep_kernel[(NC, G)](
@@ -426,61 +386,22 @@ def mamba2_chunk_torch(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
                        state: dict[str, torch.Tensor] | None, *, chunk_size: int = 128,
                        aligned: bool) -> torch.Tensor:
     """The CPU entry: same contract as mamba2_chunk_triton, computed in float32 torch one
-    chunk at a time, each chunk a full C-row tile of fixed-shape ops (CPU library kernels
-    round a row differently when the row count changes; here it never does)."""
+    chunk at a time, each chunk a full C-row tile of fixed-shape ops (chunk_scan.scan_chunks_torch)."""
     _check(x, dt, dt_bias, A_log, B, C, D, md, state, chunk_size, aligned)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = H // G
-    Cs = chunk_size
     y = torch.empty((T, H, P), dtype=x.dtype, device=x.device)
-    plan = md.chunk_plan(Cs, aligned)
-    if plan.num_chunks == 0 or T == 0:
+    chunks = host_chunks(md, chunk_size, aligned, state, T)
+    if chunks is None:
         return y
-    start, first, end, tok0 = (t.tolist() for t in (plan.start, plan.first_new, plan.end, plan.token0))
-    seqc = plan.seq_chunks.tolist()
-    start_pos = md.start_pos.tolist()
-    slots = md.slots.tolist() if state is not None else None
     with torch.no_grad():
         dtv = dt_torch(dt, dt_bias, dt_min)
         A = neg_exp_torch(A_log)
         Dv = D.float()
-        for s in range(len(start_pos)):
-            c0, c1 = seqc[s], seqc[s + 1]
-            if c0 == c1:
-                continue
-            if start_pos[s] > 0 and state is None:
-                raise ValueError("a sequence past position 0 needs a state")
-            slot = slots[s] if state is not None else None
-            if start_pos[s] > 0:
-                h = state["ssm"][slot].clone()
-            else:  # never read the slot: it may hold a previous owner's state
-                h = torch.zeros((H, P, N), dtype=torch.float32, device=x.device)
-            for n in range(c0, c1):
-                nb, nv, nn, t0 = first[n] - start[n], end[n] - start[n], end[n] - first[n], tok0[n]
-                xt = x.new_zeros((Cs, H, P))
-                bt = B.new_zeros((Cs, G, N))
-                ct = C.new_zeros((Cs, G, N))
-                dtt = dtv.new_zeros((Cs, H))
-                if nb:
-                    xt[:nb] = state["buf_x"][slot, :nb]
-                    bt[:nb] = state["buf_B"][slot, :nb]
-                    dtt[:nb] = state["buf_dt"][slot, :nb]
-                xt[nb:nv] = x[t0:t0 + nn]
-                bt[nb:nv] = B[t0:t0 + nn]
-                ct[nb:nv] = C[t0:t0 + nn]
-                dtt[nb:nv] = dtv[t0:t0 + nn]
-                yc, h_next = _chunk_torch(xt, bt, ct, dtt, h, nv - 1, A, Dv, R)
-                y[t0:t0 + nn] = yc[nb:nv].to(y.dtype)
-                if not aligned or nv == Cs:
-                    h = h_next
-                elif state is not None and n == c1 - 1:
-                    # the partial chunk's new rows join the buffer (earlier rows are there)
-                    state["buf_x"][slot, nb:nv] = xt[nb:nv]
-                    state["buf_B"][slot, nb:nv] = bt[nb:nv]
-                    state["buf_dt"][slot, nb:nv] = dtt[nb:nv]
-            if state is not None:
-                state["ssm"][slot] = h
+        inputs = ((x, "buf_x"), (B, "buf_B"), (C, None), (dtv, "buf_dt"))
+        scan_chunks_torch(chunks, y, inputs, state, (H, P, N), chunk_size, aligned,
+                          lambda tiles, h, L: _chunk_torch(*tiles, h, L, A, Dv, R))
     return y
 
 
@@ -495,22 +416,18 @@ def mamba2_reference(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A
     whole chunks and batched (zero rows change no earlier row); heads stay split as (group,
     head of the group) so C B^T is formed once per group."""
     out_dtype = x.dtype
-    acc = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    acc = reference_dtype(x.dtype)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = H // G
     Cs = chunk_size
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    if T == 0 or not lens:
+    seqs = PaddedChunks(cu_seqlens, Cs)
+    if T == 0 or not seqs.lens:
         return x.new_zeros((T, H, P))
-    nC = max(1, max(-(-n // Cs) for n in lens))
-    Pd = nC * Cs
-    S = len(lens)
+    nC, Pd, S = seqs.num_chunks, seqs.rows, len(seqs.lens)
 
     def batch(t):  # [T, ...] -> [S, nC, C, ...]
-        parts = [F.pad(t[cu[i]:cu[i + 1]], (0, 0) * (t.dim() - 1) + (0, Pd - n)) for i, n in enumerate(lens)]
-        return torch.stack(parts).reshape(S, nC, Cs, *t.shape[1:])
+        return seqs.pad(t).reshape(S, nC, Cs, *t.shape[1:])
 
     dtv = torch.clamp(F.softplus(dt.to(acc) + dt_bias.to(acc)), min=dt_min)
     A = -torch.exp(A_log.to(acc))
@@ -536,7 +453,7 @@ def mamba2_reference(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A
         h = h * gl[:, c, ..., None, None].exp() + local[:, c]
     y = torch.stack(outs, 1).permute(0, 1, 4, 2, 3, 5).reshape(S, Pd, H, P)
     y = y + D.to(acc)[:, None] * batch(x.to(acc)).reshape(S, Pd, H, P)
-    return torch.cat([y[i, :n] for i, n in enumerate(lens)]).to(out_dtype)
+    return seqs.unpad(y).to(out_dtype)
 
 
 class Mamba2ChunkScanFn(torch.autograd.Function):
@@ -553,18 +470,6 @@ class Mamba2ChunkScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:8]
-        grads = [None] * 7
-        if any(needs):
-            acc = torch.float64 if torch.float64 in (dy.dtype, inputs[0].dtype) else torch.float32
-            with torch.enable_grad():
-                xs = [t.detach().to(acc).requires_grad_(bool(n)) for t, n in zip(inputs, needs)]
-                y = mamba2_reference(*xs, ctx.dt_min, ctx.cu, ctx.chunk_size)
-                wrt = [t for t, n in zip(xs, needs) if n]
-                got = iter(torch.autograd.grad(y, wrt, dy.to(acc), allow_unused=True))
-            for i, (t, n) in enumerate(zip(inputs, needs)):
-                if n:
-                    g = next(got)
-                    grads[i] = torch.zeros_like(t) if g is None else g.to(t.dtype)
+        grads = reference_grads(lambda *xs: mamba2_reference(*xs, ctx.dt_min, ctx.cu, ctx.chunk_size),
+                                ctx.saved_tensors, ctx.needs_input_grad[1:8], dy)
         return (None, *grads, None, None, None)

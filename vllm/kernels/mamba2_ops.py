@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from vllm.forward_context import StateMetadata
-from vllm.kernels.gdn_ops import _pointwise, _tree_sum, _vjp
+from vllm.kernels.gdn_ops import _cached_ssm, _pointwise, _ssm_rows, _tree_sum, _vjp
 
 # ---- the time step ------------------------------------------------------------------------------
 
@@ -169,11 +169,6 @@ def _ssu_kernel(x_ptr, dt_ptr, dtb_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, y_ptr, ss
         tl.store(st_ptrs, st, mask=m)
 
 
-def _ssu_state(md: StateMetadata, state: dict | None):
-    ssm = state.get("ssm") if state is not None else None
-    return ssm if ssm is not None and md.slots is not None else None
-
-
 def selective_state_update_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                                   B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_min: float, md: StateMetadata,
                                   state: dict | None, *, chunk_size: int = 128) -> torch.Tensor:
@@ -189,7 +184,7 @@ def selective_state_update_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: to
         if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
             raise ValueError("x, dt, B and C need contiguous rows")
     y = torch.empty((S, H, P), dtype=x.dtype, device=x.device)
-    ssm = _ssu_state(md, state)
+    ssm = _cached_ssm(md, state)
     if S:
         bp = min(triton.next_power_of_2(P), 16)
         _ssu_kernel[(S, H, triton.cdiv(P, bp))](
@@ -213,14 +208,10 @@ def selective_state_update_torch(x: torch.Tensor, dt: torch.Tensor, dt_bias: tor
     xf = x.float()
     bf = B.float().repeat_interleave(H // G, 1)                    # [S, H, N]
     cf = C.float().repeat_interleave(H // G, 1)
-    ssm = _ssu_state(md, state)
-    if ssm is not None:
-        slots = md.slots.long()
-        st = torch.where((md.start_pos > 0)[:, None, None, None], ssm[slots], 0.0)
-    else:
-        st = torch.zeros((S, H, P, B.shape[2]), dtype=torch.float32, device=x.device)
+    ssm = _cached_ssm(md, state)
+    st = _ssm_rows(md, ssm, (H, P, B.shape[2]), x.device)
     st = st * decay[..., None, None] + (bf * d[..., None])[:, :, None, :] * xf[..., None]
     y = _tree_sum(st * cf[:, :, None, :], -1) + D.float()[None, :, None] * xf
     if ssm is not None:
-        ssm[slots] = st
+        ssm[md.slots.long()] = st
     return y.to(x.dtype)

@@ -19,29 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.forward_context import get_forward_context
 from vllm.kernels import ops
 from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.linear import Linear
+from vllm.layers.recurrent_parts import Conv1dParams, NormParams, step_state
 
 # The chunk of the chunked form, and so the grid of the invariant mode's states (a
 # prefix-cache snapshot is taken only at multiples of it): the execution contract names it.
 GDN_CHUNK_SIZE = 64
-
-
-class _Conv1dWeight(nn.Module):
-    """`conv1d.weight` [conv_dim, 1, W] under transformers' name (a depthwise nn.Conv1d there)."""
-
-    def __init__(self, channels: int, width: int, dtype: torch.dtype | None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=dtype), requires_grad=False)
-
-
-class _GatedNormWeight(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
 
 class GatedDeltaNet(nn.Module):
@@ -69,10 +54,10 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, dtype=dtype)
             self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, dtype=dtype)
-        self.conv1d = _Conv1dWeight(self.conv_dim, conv_kernel, dtype)
+        self.conv1d = Conv1dParams(self.conv_dim, conv_kernel, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads, dtype=dtype), requires_grad=False)
-        self.norm = _GatedNormWeight(head_v_dim, rms_norm_eps, dtype)
+        self.norm = NormParams(head_v_dim, rms_norm_eps, dtype)
         self.out_proj = Linear(self.value_dim, hidden_size, dtype=dtype)
 
     def cache_spec(self, numerics: str) -> RecurrentStateSpec:
@@ -101,10 +86,7 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(T, self.hv, self.dv), b.reshape(T, self.hv), a.reshape(T, self.hv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = get_forward_context().state
-        if state is None:
-            raise RuntimeError("the forward context has no state backend (a recurrent layer needs one)")
-        md, cache = state.metadata, state.layer(self.state_idx)
+        md, cache = step_state(self.state_idx)
         T = x.shape[0]
         mixed, z, b, a = self._project(x)
         conv_w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)

@@ -19,30 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.forward_context import get_forward_context
 from vllm.kernels import ops
 from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.linear import Linear
-
-
-class _Conv1d(nn.Module):
-    """`conv1d.weight` [conv_dim, 1, W] and `conv1d.bias` under transformers' names (a depthwise
-    nn.Conv1d there)."""
-
-    def __init__(self, channels: int, width: int, bias: bool, dtype: torch.dtype | None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=dtype), requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
-
-
-class _NormWeight(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+from vllm.layers.recurrent_parts import Conv1dParams, NormParams, step_state
 
 
 class Mamba2Mixer(nn.Module):
@@ -63,11 +43,11 @@ class Mamba2Mixer(nn.Module):
         self.chunk_size = chunk_size
         self.dt_min = float(dt_min)
         self.in_proj = Linear(hidden_size, self.inner + self.conv_dim + num_heads, bias=use_bias, dtype=dtype)
-        self.conv1d = _Conv1d(self.conv_dim, conv_kernel, use_conv_bias, dtype)
+        self.conv1d = Conv1dParams(self.conv_dim, conv_kernel, bias=use_conv_bias, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.ones(num_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=dtype), requires_grad=False)
         self.D = nn.Parameter(torch.ones(num_heads, dtype=dtype), requires_grad=False)
-        self.norm = _NormWeight(self.inner, norm_eps, dtype)
+        self.norm = NormParams(self.inner, norm_eps, dtype)
         self.out_proj = Linear(self.inner, hidden_size, bias=use_bias, dtype=dtype)
 
     def cache_spec(self, numerics: str) -> RecurrentStateSpec:
@@ -81,10 +61,7 @@ class Mamba2Mixer(nn.Module):
         return RecurrentStateSpec(self.state_idx, "mamba2", tuple(tensors), C, snapshot=("conv", "ssm"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        state = get_forward_context().state
-        if state is None:
-            raise RuntimeError("the forward context has no state backend (a recurrent layer needs one)")
-        md, cache = state.metadata, state.layer(self.state_idx)
+        md, cache = step_state(self.state_idx)
         T = hidden.shape[0]
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
         proj = self.in_proj(hidden)

@@ -33,3 +33,11 @@ class ZeroCentredRMSNorm(RMSNorm):
         if residual is None:
             return ops.zero_centred_rms_norm(x, self.weight, self.eps)
         return ops.add_zero_centred_rms_norm(x, residual, self.weight, self.eps)
+
+
+def pre_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """A pre-norm layer's (normed input, residual stream): norm(x + residual) with the add fused
+    into the norm; for the first layer (residual None) norm(x), x starting the stream."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)

@@ -22,3 +22,16 @@ def checkpointed(layer, *args):
     ctx = get_forward_context()
     return checkpoint(layer, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), set_forward_context(ctx)))
+
+
+def run_layers(layers, positions: torch.Tensor, x: torch.Tensor, activation_checkpointing: bool = False):
+    """A pre-norm stack's layer loop: each layer maps (positions, x, residual) to (x, residual),
+    the residual add left to the next norm (the first layer gets residual None). Returns the
+    last layer's (x, residual) for the final norm."""
+    residual = None
+    for layer in layers:
+        if activation_checkpointing:
+            x, residual = checkpointed(layer, positions, x, residual)
+        else:
+            x, residual = layer(positions, x, residual)
+    return x, residual

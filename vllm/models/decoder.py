@@ -25,7 +25,7 @@ from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear
 from vllm.layers.norm import RMSNorm
 from vllm.layers.rotary import RopeScaling, RotaryEmbedding
-from vllm.models.checkpointing import checkpointed
+from vllm.models.checkpointing import run_layers
 from vllm.models.weights import WeightMapping, WeightSlot
 
 
@@ -60,13 +60,7 @@ class DecoderStack(nn.Module):
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            if activation_checkpointing:
-                x, residual = checkpointed(layer, positions, x, residual)
-            else:
-                x, residual = layer(positions, x, residual)
+        x, residual = run_layers(self.layers, positions, self.embed_tokens(input_ids), activation_checkpointing)
         x, _ = self.norm(x, residual)
         return x
 

@@ -15,7 +15,7 @@ from torch import nn
 from vllm.layers.activation import SiluAndMul
 from vllm.layers.attention import Attention
 from vllm.layers.linear import FusedLinear, Linear
-from vllm.layers.norm import RMSNorm
+from vllm.layers.norm import RMSNorm, pre_norm
 from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
 from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 
@@ -125,11 +125,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         """Pre-norm residual block: norm, token mixer, norm (fused with the residual add), MLP."""
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.mix(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -31,8 +31,8 @@ from vllm.layers.attention import Attention
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.mamba2 import Mamba2Mixer
-from vllm.layers.norm import RMSNorm
-from vllm.models.checkpointing import checkpointed
+from vllm.layers.norm import RMSNorm, pre_norm
+from vllm.models.checkpointing import run_layers
 from vllm.models.decoder import DecoderForCausalLM
 from vllm.models.weights import WeightMapping, WeightSlot
 
@@ -224,11 +224,7 @@ class NemotronHBlock(nn.Module):
             self.mixer = NemotronHMLP(cfg, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = x
-            x = self.norm(x)
-        else:
-            x, residual = self.norm(x, residual)
+        x, residual = pre_norm(self.norm, x, residual)
         return self.mixer(x), residual
 
 
@@ -243,13 +239,7 @@ class NemotronHStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 activation_checkpointing: bool = False) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        residual = None
-        for layer in self.layers:
-            if activation_checkpointing:
-                x, residual = checkpointed(layer, positions, x, residual)
-            else:
-                x, residual = layer(positions, x, residual)
+        x, residual = run_layers(self.layers, positions, self.embeddings(input_ids), activation_checkpointing)
         x, _ = self.norm_f(x, residual)
         return x
 

@@ -598,8 +598,10 @@ def load_hf_model(
     *,
     attn_implementation: str = "eager",
     device: Union[str, torch.device] = "cpu",
+    **from_pretrained_kwargs: Any,
 ):
-    """Load ``path`` with transformers' ``AutoModelForCausalLM`` (eval mode): the reference model."""
+    """Load ``path`` with transformers' ``AutoModelForCausalLM`` (eval mode): the reference model.
+    ``from_pretrained_kwargs`` go to ``from_pretrained`` (e.g. ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
     with _no_progress_bars():
@@ -608,6 +610,7 @@ def load_hf_model(
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=True,
+            **from_pretrained_kwargs,
         )
     return model.to(device).eval()
 

@@ -1,0 +1,93 @@
+"""What the per-layer benchmarks of the chunked recurrences (gdn.py, mamba2.py) share: the
+optional native baseline, timing, the steps' metadata, the decode-rows bit check and the
+report (invariant mode, fast mode and the baseline per case)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Callable
+
+import numpy as np
+import torch
+import triton
+
+from vllm.forward_context import StateMetadata
+from vllm.testing.chunked_scan import step_metadata
+
+DEV = "cuda"
+
+
+def optional_baseline(*paths: str) -> tuple:
+    """The functions at `paths` ("package.module.name") of an optional native baseline, or None
+    for each where it does not import (the native column is then our fast mode)."""
+    try:
+        return tuple(getattr(importlib.import_module(p.rsplit(".", 1)[0]), p.rsplit(".", 1)[1]) for p in paths)
+    except Exception as err:  # noqa: BLE001 -- an optional baseline
+        print(f"{paths[0].split('.')[0]} not available ({type(err).__name__}: {err}); the native column is our "
+              f"fast mode")
+        return (None,) * len(paths)
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+
+
+def metadata(start_pos, q_lens, slots=None, host=True) -> StateMetadata:
+    return step_metadata(start_pos, q_lens, slots, host, device=DEV)
+
+
+def prefill_metadata(n: int, length: int) -> StateMetadata:
+    """n sequences of `length` tokens from position 0, in slots 1..n."""
+    return metadata([0] * n, [length] * n, list(range(1, n + 1)))
+
+
+def decode_metadata(n: int, chunk: int) -> StateMetadata:
+    """n sequences of one token in slots 1..n, at positions past 2048 that put every offset
+    within a chunk of `chunk` rows."""
+    rng = np.random.default_rng(0)
+    pos = (2048 + rng.integers(0, 4 * chunk, n)).tolist()
+    return metadata(pos, [1] * n, list(range(1, n + 1)), host=False)
+
+
+def decode_rows_differing(step: Callable, state: Callable, T: int = 300, prefill: int = 100) -> dict:
+    """Per mode, how many rows of a `prefill`-token prefill followed by one decode step per token
+    differ from one T-token prefill's. step(aligned, lo, hi, md, st) runs the benchmark
+    sequence's tokens lo:hi as one step of that mode (the op that mode takes for the step);
+    state(aligned) is a fresh cache of two slots (the sequence in slot 1)."""
+    res = {}
+    for name, aligned in (("invariant", True), ("fast", False)):
+        whole = step(aligned, 0, T, metadata([0], [T], [1]), state(aligned))
+        st = state(aligned)
+        rows = [step(aligned, 0, prefill, metadata([0], [prefill], [1]), st)]
+        for p in range(prefill, T):
+            rows.append(step(aligned, p, p + 1, metadata([p], [1], [1], host=False), st))
+        dec = torch.cat(rows)
+        res[name] = int((whole.view(torch.int16) != dec.view(torch.int16)).flatten(1).any(1).sum())
+    return res
+
+
+def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable, baseline: str) -> None:
+    """Run the cases (the first is the train case: it also times the forward alone as
+    `<mode>_fwd`) and bits_check, print the table (the ratio column is invariant / native:
+    `baseline` where it ran, else our fast mode) and with --json-out write the numbers."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    results = {name: case() for name, case in cases.items()}
+    b = bits_check()
+    print(f"\n== {title}")
+    print(f"{'case':<24}{'invariant':>12}{'fast':>12}{baseline:>12}{'inv/native':>12}{'inv/fast':>10}")
+    for case, r in results.items():
+        native = r.get(baseline, r["fast"])
+        ref = f"{r[baseline]:.1f}" if baseline in r else "-"
+        print(f"{case:<24}{r['invariant']:>12.1f}{r['fast']:>12.1f}{ref:>12}{r['invariant'] / native:>12.2f}"
+              f"{r['invariant'] / r['fast']:>10.2f}")
+    t = results[next(iter(cases))]
+    fwd_ref = f", {baseline} {t[baseline + '_fwd']:.1f}" if baseline + "_fwd" in t else ""
+    print(f"train forward alone: invariant {t['invariant_fwd']:.1f}, fast {t['fast_fwd']:.1f}{fwd_ref} us")
+    print(f"decode rows after a 100-token prefill vs one 300-token prefill, rows differing of 200: "
+          f"invariant {b['invariant']}, fast {b['fast']}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"results": results, "bits": b}, f, indent=1)
