@@ -83,8 +83,7 @@ def run_schedule(op, seqs, slots, schedule, aligned, num_slots=4, chunk=C):
 # ---- 1. the reference ---------------------------------------------------------------------------
 
 def test_reference_matches_recurrences():
-    from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
-                                                                     torch_recurrent_gated_delta_rule)
+    from vllm.testing.chunked_scan import transformers_delta_rule
     lens = [37, 5, 20]
     cu = [0, 37, 42, 62]
     q, k, v, g, beta = make_inputs(cu[-1], seed=1)
@@ -98,9 +97,10 @@ def test_reference_matches_recurrences():
         sl = slice(cu[s], cu[s + 1])
         args = (q_hf[None, sl], k[None, sl].double(), v[None, sl].double(), g[None, sl].double(),
                 beta[None, sl].double())
-        hf, _ = torch_recurrent_gated_delta_rule(*args, use_qk_l2norm_in_kernel=False)
+        hf, _ = transformers_delta_rule("torch_recurrent_gated_delta_rule", *args, use_qk_l2norm_in_kernel=False)
         assert rel_err(ref[sl], hf[0]) < 1e-5
-        hf, _ = torch_chunk_gated_delta_rule(*args, chunk_size=C, use_qk_l2norm_in_kernel=False)
+        hf, _ = transformers_delta_rule("torch_chunk_gated_delta_rule", *args, chunk_size=C,
+                                        use_qk_l2norm_in_kernel=False)
         assert rel_err(ref[sl], hf[0]) < 1e-5
     # the chunk size is an implementation detail of the reference
     for c in (4, 64):

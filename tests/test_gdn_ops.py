@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from vllm.testing.chunked_scan import transformers_delta_rule
 from vllm.forward_context import StateMetadata  # noqa: E402
 from vllm.kernels import gdn_ops  # noqa: E402
 
@@ -316,8 +317,8 @@ def test_recurrent_matches_transformers(impl):
     slot_of = [2, 0, 3]
     outs, ssm = run_recurrent(RECURRENT[impl], seqs, steps, slot_of, 4, K ** -0.5)
     for s, d in enumerate(seqs):
-        ref, state = hf.torch_recurrent_gated_delta_rule(
-            d["q"][None].double(), d["k"][None].double(), d["v"][None].double(), d["g"][None].double(),
+        ref, state = transformers_delta_rule(
+            "torch_recurrent_gated_delta_rule", d["q"][None].double(), d["k"][None].double(), d["v"][None].double(), d["g"][None].double(),
             d["beta"][None].double(), output_final_state=True, use_qk_l2norm_in_kernel=False)
         torch.testing.assert_close(outs[s].double(), ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ssm[slot_of[s]].double(), state[0].double(), rtol=1e-5, atol=1e-5)
@@ -344,8 +345,8 @@ def test_recurrent_without_cache(impl):
     t = {name: torch.cat([d[name] for d in seqs]) for name in ("q", "k", "v", "g", "beta")}
     K = t["q"].shape[2]
     o = RECURRENT[impl](t["q"], t["k"], t["v"], t["g"], t["beta"], K ** -0.5, make_md([0, 0, 0], [1, 1, 1], None), None)
-    ref, _ = hf.torch_recurrent_gated_delta_rule(t["q"][:, None], t["k"][:, None], t["v"][:, None], t["g"][:, None],
-                                                 t["beta"][:, None], use_qk_l2norm_in_kernel=False)
+    ref, _ = transformers_delta_rule("torch_recurrent_gated_delta_rule", t["q"][:, None], t["k"][:, None],
+                                     t["v"][:, None], t["g"][:, None], t["beta"][:, None], use_qk_l2norm_in_kernel=False)
     torch.testing.assert_close(o, ref[:, 0], rtol=1e-5, atol=1e-6)
 
 

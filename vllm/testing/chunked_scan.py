@@ -214,3 +214,13 @@ def assert_fast_decode_differs(run: Callable) -> None:
     differ = sum(int(not torch.equal(bits(dec[s][t]), bits(whole[s][t]))) for s in lens for t in range(lens[s]))
     print(f"fast mode: {differ} of {sum(lens.values())} token rows differ between prefill and prefill+decode")
     assert differ > 0
+
+
+def transformers_delta_rule(fn_name: str, q, k, v, g, beta, **kw):
+    """transformers' torch reference of the gated delta rule (`torch_recurrent_gated_delta_rule`
+    or `torch_chunk_gated_delta_rule`) on [B, T, H, D] inputs, with q and k repeated to the
+    value heads first: older transformers releases (the GPU host's) do not repeat them."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    r = v.shape[-2] // k.shape[-2]
+    return getattr(hf, fn_name)(q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2), v, g, beta, **kw)
