@@ -10,6 +10,7 @@ from vllm import LLM
 from vllm.layers.moe import collect_router_stats
 from vllm.testing.rollouts import rollout, trainer_mismatches
 from vllm.testing.tiny_models import compare_grads
+from vllm.testing.transformers_parity import logprob_gradients
 from vllm.training import Policy
 
 
@@ -51,20 +52,8 @@ def _our_grads(policy) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 def test_gradients_match_transformers_float64(tiny_qwen3_moe, prompts, numerics):
-    seqs = [p + [7, 8, 9, 10, 11] for p in prompts[:3]]
-    plens = [len(p) for p in prompts[:3]]
-    weights = [torch.linspace(-1, 1, len(s) - pl) for s, pl in zip(seqs, plens)]
-    policy = Policy.from_pretrained(tiny_qwen3_moe, device="cpu", dtype="float32", numerics=numerics)
-    lps = policy.token_logprobs(seqs, plens, temperature=0.7, max_tokens_per_micro_batch=64)
-    sum((w * lp).sum() for w, lp in zip(weights, lps)).backward()
-    ours = _our_grads(policy)
-
-    hf = load_hf_model(tiny_qwen3_moe, torch.float64)
-    ref = _hf_logprobs(hf, seqs, plens, 0.7)
-    for a, b in zip(lps, ref):
-        assert (a.double() - b).abs().max().item() < 1e-5
-    sum((w.double() * lp).sum() for w, lp in zip(weights, ref)).backward()
-    checked = compare_grads(ours, hf)
+    policy, hf = logprob_gradients(tiny_qwen3_moe, prompts, numerics, load_hf_model)
+    checked = compare_grads(_our_grads(policy), hf)
     for layer in (0, 2):  # experts and router of both MoE layers were compared
         assert {f"model.layers.{layer}.mlp.{p}" for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")} <= checked
     assert len(checked) >= 30
