@@ -61,18 +61,22 @@ def ref64(q, k, v, g, beta, cu, scale):
     return gdn_reference(*(t.double() for t in (q, k, v, g, beta)), cu, scale, chunk_size=C)
 
 
-def new_state(num_slots, dtype, aligned, hk, hv, kd, vd, chunk=C):
-    """A NaN-filled cache: the matrix state and, aligned, the rows of a partial chunk."""
+def new_state(num_slots, dtype, aligned, hk, hv, kd, vd, chunk=C, t_cache=True):
+    """A NaN-filled cache: the matrix state and, aligned, the rows of a partial chunk (with
+    `t_cache`, also their rows of T, as the layer declares)."""
     bufs = {"buf_k": ((chunk, hk, kd), dtype), "buf_v": ((chunk, hv, vd), dtype),
             "buf_g": ((chunk, hv), torch.float32), "buf_beta": ((chunk, hv), torch.float32)}
+    if t_cache:
+        bufs.update(t_cache=((hv, chunk, chunk), torch.float32), t_pos=((hv,), torch.int32))
     return nan_state(num_slots, {"ssm": ((hv, kd, vd), torch.float32), **(bufs if aligned else {})})
 
 
-def run_schedule(op, seqs, slots, schedule, aligned, num_slots=4, chunk=C):
+def run_schedule(op, seqs, slots, schedule, aligned, num_slots=4, chunk=C, t_cache=True):
     """Run `schedule` through `op` with a cache (chunked_scan.run_steps). seqs: {id: (q, k,
     v, g, beta)}. Returns ({id: outputs}, state)."""
     q0, _, v0, _, _ = next(iter(seqs.values()))
-    state = new_state(num_slots, q0.dtype, aligned, q0.shape[1], v0.shape[1], q0.shape[2], v0.shape[2], chunk)
+    state = new_state(num_slots, q0.dtype, aligned, q0.shape[1], v0.shape[1], q0.shape[2], v0.shape[2], chunk,
+                      t_cache)
     scale = q0.shape[2] ** -0.5
 
     def step(inputs, md):
@@ -160,6 +164,47 @@ def test_invariance(impl, case):
     def run(used, slots, steps):
         return run_schedule(IMPLS[impl], {s: seqs[s] for s in used}, slots, steps, aligned=True)
     assert_schedules_agree(run, names, ("buf_k", "buf_v", "buf_g"), C, ref64(*seqs["x"], [0, X_LEN], K ** -0.5), tol)
+
+
+@pytest.mark.parametrize("schedule", ["cuts", "prefill_decode"])
+def test_t_cache_resumes_with_the_same_bits(schedule):
+    """A step that resumes a chunk from the T rows an earlier step left gives the bits of the
+    same step solving the chunk's T from row 1 (no T cache), outputs and states alike; and the
+    cache is used: after the last step its stamp is the sequence's end position."""
+    seqs = _x_seqs(torch.float32)
+    slots, steps = invariance_schedules()[schedule]
+    used = {s: seqs[s] for s in used_ids(steps)}
+    with_t, st_t = run_schedule(gdn_chunk_triton, used, slots, steps, aligned=True)
+    without, st = run_schedule(gdn_chunk_triton, used, slots, steps, aligned=True, t_cache=False)
+    for sid in with_t:
+        assert torch.equal(bits(with_t[sid]), bits(without[sid])), sid
+        slot = slots[sid]
+        assert torch.equal(bits(st_t["ssm"][slot]), bits(st["ssm"][slot])), sid
+        n = with_t[sid].shape[0]
+        if n % C:  # a partial last chunk leaves its T rows, stamped with the end position
+            assert (st_t["t_pos"][slot] == n).all(), (sid, st_t["t_pos"][slot])
+
+
+def test_t_cache_cleared_where_a_step_resumes_and_ends_in_a_later_chunk():
+    """A step that resumes a chunk (reading its T rows) and ends in a later partial chunk of
+    the same slot does not overwrite the rows it reads: it clears the stamp, and the next step
+    solves its chunk from row 1, with the bits of a single prefill."""
+    x = make_inputs(3 * C, seed=50)
+    scale = K ** -0.5
+    whole = gdn_chunk_triton(*(t.to(DEV) for t in x), scale, step_metadata([0], [3 * C]), None, chunk_size=C,
+                             aligned=True).cpu()
+    state = new_state(2, torch.float32, True, HK, HV, K, V)
+    # stamps after each step: cleared; the next step solves from row 1 and stamps; a step
+    # completing its chunk leaves no partial chunk; a fresh partial chunk stamps
+    cuts = {(0, 5): 5, (5, C + 7): -1, (C + 7, C + 8): C + 8, (C + 8, 2 * C): C + 8, (2 * C, 2 * C + 3): 2 * C + 3}
+    outs = []
+    for (lo, hi), stamp in cuts.items():
+        md = step_metadata([lo], [hi - lo], [1])
+        outs.append(gdn_chunk_triton(*(t[lo:hi].to(DEV) for t in x), scale, md, state, chunk_size=C,
+                                     aligned=True).cpu())
+        assert (state["t_pos"][1] == stamp).all(), (lo, hi, state["t_pos"][1])
+    n = 2 * C + 3
+    assert torch.equal(bits(torch.cat(outs)), bits(whole[:n]))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -83,40 +83,47 @@ OUT_NUM_WARPS = 4
 
 
 if HAS_TRITON:
+    _PREP_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_tcache"]}
     _SUM = tl.standard._sum_combine
     _MAX = tl.standard._elementwise_max
 
     @triton.jit
-    def _chunk_rows(seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
+    def _chunk_rows(n, h, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
                     C: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr):
-        """The program's chunk n (axis 0) and value head h (axis 1) with its key head, and where
-        each row of the chunk comes from (see ChunkPlan)."""
-        n = tl.program_id(0)
-        h = tl.program_id(1)
+        """Chunk n, value head h with its key head, and where each row of the chunk comes from
+        (see ChunkPlan)."""
         hk = h // (HV // HK)
         s, start, end, rows, from_buf, from_step, trow, brow, slot = _shared_chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         return n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot
 
-    @triton.jit(**_JIT)
+    @triton.jit(**_PREP_JIT)
     def _gdn_prep_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr,
-        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr, tc_ptr, tpos_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
         gam_ws, kc_ws, w_ws, kd_ws, u_ws,
-        has_state,
+        has_state, has_tcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        EMULATE: tl.constexpr, PREC: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, A, T = (I + A)^-1, then
         w = T (beta e^gamma k), kd = e^(gamma_L - gamma) k (rows <= L) and u = T (beta v)
         into the workspaces, and the chunk's key tile for the output kernel. The only
         kernel that reads the buffer: the output kernel rewrites it once this one is done
         (a step can resume a chunk and end in a later partial one, whose rows land on the
-        same buffer rows)."""
+        same buffer rows).
+
+        With the T cache (`has_tcache`, aligned mode), a resumed chunk starts its forward
+        substitution at its first new row from the rows of T the chunk's earlier steps
+        solved, and the last partial chunk of a sequence leaves its T there: row i of T is
+        written once, by iteration i of the same loop of this kernel, from rows < i, so the
+        rows read back are the rows a single prefill computes."""
+        # value heads on axis 0: the value heads of a key head run side by side (its key tile)
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
-            seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C, HV, HK)
+            tl.program_id(1), tl.program_id(0), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
+            has_state, C, HV, HK)
         DT = w_ws.dtype.element_ty
         L = end - start - 1  # last valid row of the tile
         base = n.to(tl.int64) * HV + h
@@ -145,10 +152,32 @@ if HAS_TRITON:
         # T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]. Row i reads rows < i only; rows past
         # L stay e_i (their inputs are zero rows).
         TT = tl.where(ii == jj, 1.0, 0.0)
-        for i in range(1, L + 1):
+        first = tl.load(first_ptr + n)
+        r0 = first - start  # the chunk's first new row; rows before it come from the buffer
+        tc_base = (slot * HV + h) * (C * C)
+        # the cache holds rows < r0 of this chunk's T when its stamp (the end position of the
+        # step that wrote it) lies in this chunk at or past the first new row
+        tpos = tl.load(tpos_ptr + slot * HV + h, mask=(has_tcache != 0) & (r0 > 0), other=-1)
+        hit = (has_tcache != 0) & (r0 > 0) & (tpos >= first) & (tpos <= start + C)
+        cached = tl.load(tc_ptr + tc_base + ii * C + jj, mask=hit & (jj < r0), other=0.0)
+        TT = tl.where(hit & (jj < r0), cached, TT)
+        i0 = tl.where(hit, r0, 1)
+        for i in range(i0, L + 1):
             a = tl.reduce(tl.where(ii == i, A, 0.0), 0, _SUM)      # A[i, :], indexed by j
             col = tl.reduce(TT * a[None, :], 1, _SUM)              # sum_j A[i, j] T[j, c]
             TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
+        if ALIGNED:
+            # the last chunk of a sequence, incomplete: its rows of T for the chunk's next step.
+            # Written only when no chunk of this step reads the slot's T (the sequence's first
+            # chunk is this one or starts on the grid); otherwise the stamp is cleared and the
+            # next step solves the chunk from its row 1 (same bits, more work).
+            c0 = tl.load(seqc_ptr + s)
+            c1 = tl.load(seqc_ptr + s + 1)
+            keep = (has_tcache != 0) & (n == c1 - 1) & (end - start < C)
+            free = (c0 == n) | (tl.load(first_ptr + c0) == tl.load(start_ptr + c0))
+            tl.debug_barrier()  # every thread's read of the cached rows precedes the writes
+            tl.store(tc_ptr + tc_base + ii * C + jj, TT, mask=keep & free & (ii >= 0))
+            tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
         Tm = tl.trans(TT).to(DT)
 
         eg = tl.exp(gam)
@@ -164,7 +193,9 @@ if HAS_TRITON:
             ktf = kt.to(tl.float32)
             w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
             tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
-            tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT))
+            # read only where the state kernel folds the chunk in (aligned: complete chunks)
+            tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT),
+                     mask=((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None])
             # the key tile is shared by the value heads of a group: the group's first stores it
             tl.store(kc_ws + kc_rows[:, None] * KP + cols[None, :], kt,
                      mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
@@ -190,9 +221,9 @@ if HAS_TRITON:
         order carrying the fp32 state tile; per chunk store its boundary state and
         v_new = u - w h for the output kernel, then fold a complete chunk (fast mode: any
         chunk) into the state. Writes the cached state at the end."""
-        s = tl.program_id(0)
+        vt = tl.program_id(0)  # V tiles of a (sequence, head) side by side: they share w in L2
         h = tl.program_id(1)
-        vt = tl.program_id(2)
+        s = tl.program_id(2)
         DT = w_ws.dtype.element_ty
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
@@ -206,6 +237,7 @@ if HAS_TRITON:
         # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
         read = (has_state != 0) & (sp > 0) & (c1 > c0)
         hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
+        folds = 0
         for n in range(c0.to(tl.int64), c1.to(tl.int64)):
             base = n * HV + h
             tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
@@ -222,7 +254,10 @@ if HAS_TRITON:
                 gl = tl.load(gam_ws + base * C + L)
                 kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
                 hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
-        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0))
+                folds += 1
+        # written back where it changed: a chunk folded in, or a sequence at position 0 (its
+        # slot holds another sequence's state); a decode step inside a chunk leaves it as is
+        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
 
     @triton.jit(**_JIT)
     def _gdn_output_kernel(
@@ -239,9 +274,10 @@ if HAS_TRITON:
         o = scale (e^gamma (q h) + (masked decayed q k^T) v_new); in aligned mode also the
         new rows of an incomplete last chunk into the buffer (no kernel reads it after the
         prep kernel)."""
-        vt = tl.program_id(2)
+        vt = tl.program_id(0)  # the V tiles of a (chunk, head) side by side: they share its tiles in L2
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
-            seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C, HV, HK)
+            tl.program_id(2), tl.program_id(1), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
+            has_state, C, HV, HK)
         DT = vn_ws.dtype.element_ty
         base = n.to(tl.int64) * HV + h
         rv = vt * BV + tl.arange(0, BV)
@@ -292,6 +328,11 @@ if HAS_TRITON:
 
 # the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
 BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta")
+# optional (aligned mode, Triton): the partial chunk's rows of T = (I + A)^-1 ("t_cache" float32
+# [slots, Hv, C, C], kept transposed as the prep kernel holds it) and the end position of the
+# step that wrote them ("t_pos" int32 [slots, Hv]); without them a step solves its chunk's T
+# from row 1 (the same bits)
+T_CACHE = ("t_cache", "t_pos")
 
 
 def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned: bool):
@@ -309,9 +350,11 @@ def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned:
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("q, k and v must share the model dtype")
     C = chunk_size
-    check_state(md, state, aligned, (Hv, K, V), "Hv, K, V",
-                {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
-                 "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)})
+    buffers = {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
+               "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)}
+    if state is not None and aligned and any(name in state for name in T_CACHE):
+        buffers.update({T_CACHE[0]: ((Hv, C, C), torch.float32), T_CACHE[1]: ((Hv,), torch.int32)})
+    check_state(md, state, aligned, (Hv, K, V), "Hv, K, V", buffers)
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
@@ -354,22 +397,26 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
 
     has_state, ssm, slots, (bk, bv, bg, bb) = launch_state(md, state, aligned, BUFFERS, (k, v, g, beta), dev)
+    if has_state and aligned and T_CACHE[0] in state:
+        has_tcache, tc, tpos = 1, state[T_CACHE[0]], state[T_CACHE[1]]
+    else:  # never dereferenced
+        has_tcache, tc, tpos = 0, gam_ws, slots
     launch = dict(enable_fp_fusion=False)
-    _gdn_prep_kernel[(N, Hv)](
-        k, v, g, beta, bk, bv, bg, bb, slots,
-        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state,
+    _gdn_prep_kernel[(Hv, N)](
+        k, v, g, beta, bk, bv, bg, bb, slots, tc, tpos,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state, has_tcache,
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX),
-        EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
-    _gdn_state_kernel[(S, Hv, VP // bv_state)](
+    _gdn_state_kernel[(VP // bv_state, Hv, S)](
         md.start_pos, slots, ssm, plan.start, plan.end, plan.seq_chunks,
         gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state,
         HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, **launch)
     bv_out = min(VP, OUT_BLOCK_V_MAX)
-    _gdn_output_kernel[(N, Hv, VP // bv_out)](
+    _gdn_output_kernel[(VP // bv_out, Hv, N)](
         q, v, g, beta, o, bk, bv, bg, bb, slots,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
         gam_ws, kc_ws, vn_ws, h_ws, float(scale), has_state,

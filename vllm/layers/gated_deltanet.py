@@ -68,7 +68,11 @@ class GatedDeltaNet(nn.Module):
             # the rows of the partial chunk, which a later step of the chunk recomputes from
             tensors += [StateTensor("buf_k", (C, self.hk, self.dk)), StateTensor("buf_v", (C, self.hv, self.dv)),
                         StateTensor("buf_g", (C, self.hv), torch.float32),
-                        StateTensor("buf_beta", (C, self.hv), torch.float32)]
+                        StateTensor("buf_beta", (C, self.hv), torch.float32),
+                        # the partial chunk's rows of T = (I + A)^-1, so a decode step solves its
+                        # new row only (gdn_chunk.T_CACHE)
+                        StateTensor("t_cache", (self.hv, C, C), torch.float32),
+                        StateTensor("t_pos", (self.hv,), torch.int32)]
         return RecurrentStateSpec(self.state_idx, "gated_deltanet", tuple(tensors), C, snapshot=("conv", "ssm"))
 
     def _project(self, x: torch.Tensor):

@@ -1,0 +1,71 @@
+"""Where a Gated DeltaNet step spends its GPU time, kernel by kernel (H200).
+
+    python benchmarks/kernels/gdn_breakdown.py
+
+Times every kernel of the invariant and the fast path with the torch profiler (mean GPU
+time per call over 20 calls) for: decode 256 x 1 with every sequence at the same offset in
+its chunk (0, 31, 63: the invariant decode recomputes rows 0..offset of its chunk) and
+spread over the grid, and prefill 5 x 2,048. Same dims as gdn.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gdn import C, SCALE, inputs, ours, state  # noqa: E402
+from scan_bench import decode_metadata, metadata, prefill_metadata  # noqa: E402
+
+from vllm.kernels.gdn_ops import gdn_recurrent_triton  # noqa: E402
+
+CALLS = 20
+
+
+def kernel_times(fn) -> dict[str, float]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:40]] += e.device_time_total / CALLS if hasattr(e, "device_time_total") else e.cuda_time_total / CALLS
+    return dict(out)
+
+
+def report(label: str, times: dict[str, float]) -> None:
+    total = sum(times.values())
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0)
+    print(f"{label:<34} total {total:8.1f} us | {parts}")
+
+
+def main() -> None:
+    n = 256
+    x = inputs(n, 2)
+    print("== GDN kernel breakdown (us per call, GPU time)")
+    for off in (0, 31, 63, None):
+        if off is None:
+            md, label = decode_metadata(n, C), "spread"
+        else:
+            md, label = metadata([2048 + off] * n, [1] * n, list(range(1, n + 1)), host=False), f"offset {off}"
+        st = state(n + 1, True)
+        report(f"decode {n}x1 invariant, {label}", kernel_times(lambda: ours(True)(*x, SCALE, md, st)))
+    st = state(n + 1, False)
+    md = decode_metadata(n, C)
+    report(f"decode {n}x1 fast (recurrence)", kernel_times(lambda: gdn_recurrent_triton(*x, SCALE, md, st)))
+    xp = inputs(5 * 2048, 1)
+    mdp = prefill_metadata(5, 2048)
+    for name, aligned in (("invariant", True), ("fast", False)):
+        st = state(6, aligned)
+        report(f"prefill 5x2048 {name}", kernel_times(lambda: ours(aligned)(*xp, SCALE, mdp, st)))
+
+
+if __name__ == "__main__":
+    main()
