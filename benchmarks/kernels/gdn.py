@@ -51,12 +51,19 @@ def inputs(T: int, seed: int):
     return q, k, v, gate, beta
 
 
-def state(num_slots: int, aligned: bool) -> dict:
+def state(num_slots: int, aligned: bool, md=None) -> dict:
+    """A cache as the layer declares it. With a decode step's metadata `md`, the T cache of
+    slots md.slots holds the rows before each sequence's new token (as the previous step left
+    it); otherwise its stamps match nothing and the T of every chunk is solved in full."""
     st = {"ssm": torch.randn(num_slots, HV, K, V, device=DEV) * 0.1}
     if aligned:
         st.update(buf_k=F.normalize(torch.randn(num_slots, C, HK, K, device=DEV), dim=-1).to(torch.bfloat16),
                   buf_v=torch.randn(num_slots, C, HV, V, device=DEV).to(torch.bfloat16),
-                  buf_g=-0.6 * torch.rand(num_slots, C, HV, device=DEV), buf_beta=torch.rand(num_slots, C, HV, device=DEV))
+                  buf_g=-0.6 * torch.rand(num_slots, C, HV, device=DEV), buf_beta=torch.rand(num_slots, C, HV, device=DEV),
+                  t_cache=torch.eye(C, device=DEV).expand(num_slots, HV, C, C).contiguous(),
+                  t_pos=torch.full((num_slots, HV), -1, dtype=torch.int32, device=DEV))
+        if md is not None:
+            st["t_pos"][md.slots.long()] = md.start_pos.to(torch.int32)[:, None]
     return st
 
 
@@ -109,7 +116,7 @@ def decode_case(n: int = 256) -> dict:
     x = inputs(n, 2)
     md = decode_metadata(n, C)
     out = {}
-    st_inv, st_fast = state(n + 1, True), state(n + 1, False)
+    st_inv, st_fast = state(n + 1, True, md), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_inv), 20)
     out["fast"] = bench_graph(lambda i: gdn_recurrent_triton(*x, SCALE, md, st_fast), 20)
     if fla_recurrent is not None:

@@ -39,7 +39,7 @@ CUDA runs three Triton kernels, every chunk through the same tile code:
      the state update, the chunk's key tile (the only reader of the buffer);
   2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
      v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
-     (fast mode: every chunk) into the fp32 state, writes the cached state;
+     (fast mode: every chunk) into the fp32 state, writes the cached state where it changed;
   3. output, per (chunk, value head, V tile): the new rows' outputs, and the new rows of
      an incomplete last chunk into the buffer.
 Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention

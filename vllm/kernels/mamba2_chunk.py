@@ -38,7 +38,7 @@ CUDA runs four Triton kernels, every chunk through the same tile code:
      gamma into workspaces;
   2. state, per (head, sequence, P tile): walks the sequence's chunks in order, stores each
      chunk's boundary state for (3), folds complete chunks (fast mode: every chunk) into the
-     fp32 state, writes the cached state;
+     fp32 state, writes the cached state where it changed;
   3. output, per (head, chunk, P tile): the new rows' outputs;
   4. (invariant mode, with a cache) buffer, per (sequence, head): the new rows of an
      incomplete last chunk into the state's buffer. A separate launch: a step that resumes a
@@ -151,6 +151,7 @@ if HAS_TRITON:
         # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
         read = (has_state != 0) & (sp > 0) & (c1 > c0)
         hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
+        folds = 0
         for n in range(c0.to(tl.int64), c1.to(tl.int64)):
             base = n * H + h
             tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
@@ -175,7 +176,10 @@ if HAS_TRITON:
                 bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
                 bs = (bt.to(tl.float32) * w[:, None]).to(DT)
                 hs = _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC)
-        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0))
+                folds += 1
+        # written back where it changed: a chunk folded in, or a sequence at position 0 (its
+        # slot holds another sequence's state); a decode step inside a chunk leaves it as is
+        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
 
     @triton.jit(**_JIT)
     def _ssd_output_kernel(

@@ -1,11 +1,13 @@
-"""Where a Gated DeltaNet step spends its GPU time, kernel by kernel (H200).
+"""Where a Gated DeltaNet or Mamba-2 step spends its GPU time, kernel by kernel (H200).
 
-    python benchmarks/kernels/gdn_breakdown.py
+    python benchmarks/kernels/scan_breakdown.py
 
 Times every kernel of the invariant and the fast path with the torch profiler (mean GPU
 time per call over 20 calls) for: decode 256 x 1 with every sequence at the same offset in
 its chunk (0, 31, 63: the invariant decode recomputes rows 0..offset of its chunk) and
-spread over the grid, and prefill 5 x 2,048. Same dims as gdn.py.
+spread over the grid, without and with the T cache (the engine's decode: earlier rows of
+T = (I + A)^-1 read back), and prefill 5 x 2,048; Mamba-2: decode 256 x 1 spread over its
+128-row grid, invariant and fast. Same dims as gdn.py and mamba2.py.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mamba2  # noqa: E402
 from gdn import C, SCALE, inputs, ours, state  # noqa: E402
 from scan_bench import decode_metadata, metadata, prefill_metadata  # noqa: E402
 
 from vllm.kernels.gdn_ops import gdn_recurrent_triton  # noqa: E402
+from vllm.kernels.mamba2_ops import selective_state_update_triton  # noqa: E402
 
 CALLS = 20
 
@@ -49,17 +53,28 @@ def report(label: str, times: dict[str, float]) -> None:
 def main() -> None:
     n = 256
     x = inputs(n, 2)
-    print("== GDN kernel breakdown (us per call, GPU time)")
+    print("== GDN kernel breakdown (us per call, GPU time; 'T cached': the rows of T before the new token come "
+          "from the state, as in the engine)")
     for off in (0, 31, 63, None):
         if off is None:
             md, label = decode_metadata(n, C), "spread"
         else:
             md, label = metadata([2048 + off] * n, [1] * n, list(range(1, n + 1)), host=False), f"offset {off}"
-        st = state(n + 1, True)
-        report(f"decode {n}x1 invariant, {label}", kernel_times(lambda: ours(True)(*x, SCALE, md, st)))
+        for cached in (False, True):
+            st = state(n + 1, True, md if cached else None)
+            report(f"decode {n}x1 invariant, {label}{', T cached' if cached else ''}",
+                   kernel_times(lambda: ours(True)(*x, SCALE, md, st)))
     st = state(n + 1, False)
     md = decode_metadata(n, C)
     report(f"decode {n}x1 fast (recurrence)", kernel_times(lambda: gdn_recurrent_triton(*x, SCALE, md, st)))
+    xm = mamba2.inputs(n, 2)
+    pm = mamba2.params()
+    mdm = decode_metadata(n, mamba2.C)
+    for name, aligned in (("invariant", True), ("fast", False)):
+        st = mamba2.state(n + 1, aligned)
+        op = mamba2.ours(True) if aligned else selective_state_update_triton
+        report(f"mamba2 decode {n}x1 {name}",
+               kernel_times(lambda: op(xm[0], xm[1], pm[0], pm[1], xm[2], xm[3], pm[2], mamba2.DT_MIN, mdm, st)))
     xp = inputs(5 * 2048, 1)
     mdp = prefill_metadata(5, 2048)
     for name, aligned in (("invariant", True), ("fast", False)):
