@@ -99,12 +99,15 @@ setup(
         # (vllm/testing/smollm2.py builds the real-model test fixture from it)
         # trl + requests: tests/test_server_trl.py drives the server with TRL's own VLLMClient (the
         # version tested; its client protocol changes between releases)
+        # ray: tests/test_rl_ray.py runs `vllm train --backend ray` on a local cluster (about 12 s to install)
         "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
-                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests"],
+                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests", "ray>=2.40"],
         # sleep mode's CUDA driver virtual-memory path (vllm/worker/cuda_vmm.py)
         "gpu": ["cuda-bindings"],
         # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)
         "train": ["tensorboard", "matplotlib", "pyarrow"],
+        # `vllm train --backend ray`: trainer and rollout engines as Ray actors (vllm/rl/ray, docs/ray.md)
+        "ray": ["ray>=2.40"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
     ext_modules=ext_modules,

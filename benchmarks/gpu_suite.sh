@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels, rlstep, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
+# kernels, rlstep, rlray, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
 # every numerics, kernel, cache or model change runs before it lands; `gdn` the Gated DeltaNet
 # tests, per-layer cost and hybrid throughput), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
@@ -233,6 +233,14 @@ if has rlstep; then
     >"$OUT/rl_step.log" 2>&1
   tail -12 "$OUT/rl_step.log"
 fi
+if has rlray; then
+  # the RL step on Ray (trainer + one engine colocated on this GPU) vs the single-process step, Qwen3-4B
+  # dims; needs the ray package (the offline machine: its wheel in .whl/), docs/ray.md
+  echo "== RL step on Ray ($SECONDS s)"
+  timeout "${RLRAY_TIMEOUT:-600}" python benchmarks/rl_ray_step.py ${RLRAY_ARGS:-} --json-out "$OUT/rl_ray_step.json" \
+    >"$OUT/rl_ray_step.log" 2>&1
+  tail -10 "$OUT/rl_ray_step.log"
+fi
 
 echo
 echo "================ summary (${SECONDS} s) ================"
@@ -253,6 +261,7 @@ has gdn && { grep -E "passed|failed" "$OUT/gdn_tests.log" | tail -1; sed -n '/==
   grep -E "^(floor|engine|fast|invariant)" "$OUT/gdn_throughput.log"; } 2>/dev/null
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
+has rlray && sed -n '/^RL step on Ray/,$p' "$OUT/rl_ray_step.log"
 has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \
   grep -E "^cublaslt (bits|summary)" "$OUT/fp8_cublaslt.log"; \
   grep -E "^fp8 decode" "$OUT/fp8_attention.log"; grep -E "^\[fp8\]|^invariant" "$OUT/fp8_throughput.log"; } 2>/dev/null

@@ -177,6 +177,41 @@ class KernelConfig:
     fused_gumbel: bool = True
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vllm/parallel/tensor_parallel.py; docs/parallelism.md).
+
+    `tensor_parallel_size` C: ranks sharing every layer (today all in the engine's process,
+    on its one device: TP=C's bits, not its memory split). `tp_leaves` G: row-parallel GEMMs
+    (o_proj, down_proj, the MoE down projection) cut K into G leaves added in a fixed float32
+    tree, so every C dividing G gives the same bits (numerical part of the contract). None:
+    no tree (the plain invariant GEMM) at C=1, and DEFAULT_TP_LEAVES at C>1; a trainer at C=1
+    that must match a TP>1 engine sets the engine's G."""
+    tensor_parallel_size: int = 1
+    tp_leaves: int | None = None
+
+    def __post_init__(self) -> None:
+        C, G = self.tensor_parallel_size, self.tp_leaves
+        if not isinstance(C, int) or isinstance(C, bool) or C < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {C!r}")
+        if G is not None and (not isinstance(G, int) or isinstance(G, bool) or G < 1 or G & (G - 1)):
+            raise ValueError(f"tp_leaves must be a power of two >= 1, got {G!r}")
+        if G is not None and G < C:
+            raise ValueError(f"tp_leaves={G} must be >= tensor_parallel_size={C} (each rank owns a subtree)")
+        if G is not None and G % C:
+            raise ValueError(f"tensor_parallel_size={C} must divide tp_leaves={G}")
+
+    @property
+    def leaves(self) -> int | None:
+        """G as applied: None when no tree runs."""
+        if self.tp_leaves is not None:
+            return self.tp_leaves
+        return max(DEFAULT_TP_LEAVES, self.tensor_parallel_size) if self.tensor_parallel_size > 1 else None
+
+
+DEFAULT_TP_LEAVES = 8
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -207,6 +242,7 @@ class EngineConfig:
     # weight memory, left to the KV cache); for rollout-only engines: no trainer can run
     # over this engine's model, weight sync quantizes the tensors it receives. Same bits.
     keep_master_weights: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         self.quantization = check_quantization(self.quantization)

@@ -11,7 +11,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
   of their own name, e.g. an MoE block's routing and grouped GEMM);
 - deployment: everything that must NOT change bits in invariant mode (batch
   limits, block size, memory fraction, prefix caching, CUDA graph sizes, kernel
-  options measured bit-neutral such as the fused Gumbel sampler).
+  options measured bit-neutral such as the fused Gumbel sampler, the tensor-parallel
+  size under the K-leaf tree, whose G is numerical).
 
 Rollout and trainer exchange contracts before a weight sync and refuse to go on
 when the semantic or numerical digests differ (`check_compatible`).
@@ -176,16 +177,23 @@ def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str,
     semantic = {
         **dataclasses.asdict(model.config),
         "dtype": str(dtype).replace("torch.", ""),
-        "weights_layout": weights_layout_digest(model), "tensor_parallel_size": 1,
+        "weights_layout": weights_layout_digest(model),
     }
     numerical = numerical_policy(numerics, device, dtype, kernels, kv_cache_dtype, quantization)
+    deployment = dict(deployment or {})
+    # tensor parallelism (vllm/parallel/tensor_parallel.py): the K-leaf tree's G and rule are
+    # numerical (None: the plain invariant GEMM); the size is bit-neutral in invariant mode,
+    # while fast mode's plain partial sums depend on it
+    tp = getattr(model, "tensor_parallel", None)
+    numerical["row_parallel_tree"] = tp.policy() if tp is not None else None
+    (deployment if numerics == "invariant" else numerical)["tensor_parallel_size"] = tp.size if tp is not None else 1
     layer_kernels = layer_kernel_policies(model, numerics, device)
     if layer_kernels:
         numerical["layer_kernels"] = layer_kernels
     states = recurrent_state_policies(model, numerics, dtype)
     if states:
         numerical["recurrent_states"] = states
-    return ExecutionContract(semantic, numerical, dict(deployment or {}))
+    return ExecutionContract(semantic, numerical, deployment)
 
 
 def recurrent_state_policies(model: torch.nn.Module, numerics: str, dtype: torch.dtype) -> dict:

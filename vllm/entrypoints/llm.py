@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
+from vllm.config import CacheConfig, EngineConfig, KernelConfig, ParallelConfig, SchedulerConfig, default_model_path
 from vllm.engine.llm_engine import LLMEngine
 from vllm.model_loader.build import resolve_model
 from vllm.outputs import RequestOutput
@@ -32,7 +32,8 @@ class LLM:
                  cpu_kv_cache_bytes: int = 512 << 20, long_prefill_token_threshold: int = 0,
                  load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
-                 kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True):
+                 kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
+                 tensor_parallel_size: int = 1, tp_leaves: int | None = None):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -55,7 +56,8 @@ class LLM:
             device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
             numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
-            step_profile=step_profile, quantization=quantization, keep_master_weights=keep_master_weights)
+            step_profile=step_profile, quantization=quantization, keep_master_weights=keep_master_weights,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves))
         self.llm_engine = LLMEngine(config)
         self._warned_fast_policy = False
 

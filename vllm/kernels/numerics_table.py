@@ -26,7 +26,7 @@ import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
 from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm,
-                          gdn_chunk, gdn_ops, mamba2_chunk, mamba2_ops, matmul, rowwise, torch_ops)
+                          gdn_chunk, gdn_ops, leaf_tree, mamba2_chunk, mamba2_ops, matmul, rowwise, torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -111,6 +111,13 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
     "linear": OpNumerics(
         fast=_torch(torch_ops.linear),
         invariant=Impl(cuda=matmul.invariant_matmul, cpu=torch_ops.linear_rows, cuda_options=_gemm_options,
+                       cpu_autograd_fn=True)),
+    # Row-parallel GEMMs (o_proj, down_proj) under tensor parallelism with K leaves: a rank's
+    # subtree root in float32 (vllm/kernels/leaf_tree.py). Fast mode has no tree: each rank one
+    # library GEMM, the partials summed.
+    "tree_linear": OpNumerics(
+        fast=_torch(leaf_tree.linear_partial_fast),
+        invariant=Impl(cuda=leaf_tree.tree_linear_triton, cpu=leaf_tree.tree_linear_rows, cuda_options=_gemm_options,
                        cpu_autograd_fn=True)),
     "logits": OpNumerics(
         fast=_torch(torch_ops.logits),

@@ -40,6 +40,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return fn(x, weight, bias)
 
 
+def tree_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T as the K-leaf tree of row-parallel layers
+    (vllm/kernels/leaf_tree.py) -> float32 [..., N], the subtree root of `leaves` leaves (fast
+    mode: one plain GEMM, no tree). Its backward is the plain GEMM of LinearFn: gradients
+    need no tree."""
+    fn, wrap = _kernel("tree_linear", x)
+    if wrap and _needs_autograd(x, weight):
+        return LinearFn.apply(x, weight, None, lambda x_, w_, b_: fn(x_, w_, leaves))
+    return fn(x, weight, leaves)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """Block-scaled FP8 linear (vllm/kernels/fp8_gemm.py): x quantized per token per 128

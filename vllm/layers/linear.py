@@ -2,7 +2,9 @@
 
 `FusedLinear.shard` is the one definition of where each shard's rows live: the
 model's HF-name mapping (`vllm.models.weights`) reads and writes through it.
-Models contain no parallelism: tensor parallelism would be applied after build.
+Models contain no parallelism: tensor parallelism is applied after build
+(`vllm/parallel/tensor_parallel.py`), which sets a layer's `parallel` hook; the forward then
+calls it instead of the local GEMM.
 
 FP8 (`enable_fp8`, quantization="fp8"): `weight` stays the master copy (model dtype, what
 the trainer updates and save_pretrained writes); the buffers `weight_fp8` (float8_e4m3fn)
@@ -35,6 +37,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
         self.fp8 = False
+        # set by vllm.parallel.tensor_parallel after build; a plain attribute, not a submodule
+        self.parallel = None
 
     def enable_fp8(self) -> None:
         """Switch this layer to block-scaled FP8 GEMMs, quantizing the current weight."""
@@ -95,6 +99,8 @@ class Linear(nn.Module):
         self._fp8_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel(self, x)
         if self.fp8:
             if self.weight._version != self._fp8_version:
                 self.requantize()

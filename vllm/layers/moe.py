@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from vllm.forward_context import current_numerics
 from vllm.kernels import moe as moe_ops
 from vllm.kernels import ops
 
@@ -43,6 +44,10 @@ class FusedExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
+        # set by vllm.parallel.tensor_parallel after build: the K leaves of the down projection
+        # (None: one accumulation over all of I) and the hook that shards I over ranks
+        self.tree_leaves = None
+        self.tensor_parallel = None
 
     def shard_ids(self, param_name: str) -> list[tuple[int, str]]:
         """The shards parameter `param_name` ("gate_up_proj" or "down_proj") is made of, as
@@ -70,7 +75,19 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids [T, k] (local expert ids) -> y [T, k, H], unweighted."""
-        return moe_ops.moe_experts(x, self.gate_up_proj, self.down_proj, ids)
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel(self, x, ids)
+        return self.compute(x, self.gate_up_proj, self.down_proj, ids)
+
+    def compute(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                leaves: int | None = None) -> torch.Tensor:
+        """The expert MLPs on weights `w13` / `w2` (these experts' or views of them), the down
+        projection a tree of `leaves` (default: `tree_leaves`) in invariant mode."""
+        leaves = self.tree_leaves if leaves is None else leaves
+        if leaves is None or current_numerics() != "invariant":
+            return moe_ops.moe_experts(x, w13, w2, ids)
+        from vllm.kernels.moe_leaf_tree import moe_experts_tree
+        return moe_experts_tree(x, w13, w2, ids, leaves)
 
 
 class Router(nn.Module):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from vllm.config import KernelConfig, ModelConfig, resolve_dtype
+from vllm.config import KernelConfig, ModelConfig, ParallelConfig, resolve_dtype
 from vllm.model_loader.loader import checkpoint_files, init_dummy_weights, iterate_weights, load_weights
 from vllm.models.registry import model_class
 
@@ -37,7 +37,7 @@ def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | t
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
                 load_format: str = "safetensors", self_check_tokens: int | None = None,
                 kernels: KernelConfig | None = None, quantization: str | None = None,
-                keep_master_weights: bool = True) -> tuple[torch.nn.Module, dict | None]:
+                keep_master_weights: bool = True, parallel: ParallelConfig | None = None) -> tuple[torch.nn.Module, dict | None]:
     """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
     refuse unverified devices; then run the start-up check the mode needs on this device
     (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
@@ -80,4 +80,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
     report = start_up_check(model, numerics, device, dtype, max_tokens=self_check_tokens, kernels=kernels)
     if report is not None:
         logger.info("%s numerics self-check passed in %.2f s", numerics, time.perf_counter() - t0)
+    if parallel is not None and parallel.leaves is not None:
+        # tensor parallelism in this process (all ranks on this device), or the K-leaf tree at TP=1
+        from vllm.parallel.tensor_parallel import apply_tensor_parallel
+        apply_tensor_parallel(model, parallel.tensor_parallel_size, leaves=parallel.leaves)
     return model, report

@@ -51,8 +51,8 @@ class InProcessExchange:
         for p, c in enumerate(counts):
             lo = p * per
             ids = send_ids[start:start + c, None]
-            y = moe_ops.moe_experts(send_x[start:start + c], experts.gate_up_proj[lo:lo + per],
-                                    experts.down_proj[lo:lo + per], ids)
+            y = experts.compute(send_x[start:start + c], experts.gate_up_proj[lo:lo + per],
+                                experts.down_proj[lo:lo + per], ids)
             outs.append(y.reshape(c, y.shape[-1]))
             start += c
         return torch.cat(outs, 0)
@@ -132,6 +132,8 @@ def apply_expert_parallel(model: nn.Module, num_partitions: int | None = None, g
             raise ValueError(f"{block.num_experts} experts cannot be split into {num_partitions} equal partitions")
         if block.expert_parallel is not None:
             raise ValueError("expert parallelism is already applied to this model")
+        if block.experts.tensor_parallel is not None:
+            raise ValueError("apply expert parallelism before tensor parallelism (docs/parallelism.md)")
     for block in blocks:
         if group is None:
             block.expert_parallel = ExpertParallel(num_partitions, InProcessExchange(num_partitions))

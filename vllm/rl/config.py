@@ -1,4 +1,4 @@
-"""The RL run's configuration: six dataclass sections, every field a knob.
+"""The RL run's configuration: seven dataclass sections, every field a knob.
 
 A recipe (YAML) names sections (`model:`, `data:`, ...) or flat field names; the
 command line overrides any field (`--group-size 16`). Field names are unique across
@@ -42,6 +42,10 @@ class ModelSection:
     sync_host: str = _knob("127.0.0.1", "with rollout_url: this trainer's address as the servers reach it (the "
                                         "broadcast group's store)")
     rollout_admin_key: str | None = _knob(None, "with rollout_url: the servers' --admin-key")
+    tensor_parallel_size: int = _knob(1, "tensor-parallel ranks of the colocated engine (all in this process; "
+                                         "docs/parallelism.md)")
+    tp_leaves: int | None = _knob(None, "K leaves of the row-parallel GEMMs' fixed tree (default: none at TP=1, 8 at "
+                                        "TP>1); with rollout_url: the servers' --tp-leaves")
 
 
 @dataclass
@@ -131,9 +135,28 @@ class RunSection:
     progress: bool = _knob(True, "progress bar")
 
 
+@dataclass
+class ClusterSection:
+    backend: str = _knob("local", "local: the engine and the trainer in this process (or rollout_url servers); "
+                                  "ray: a trainer actor and rollout-engine actors in one Ray placement group "
+                                  "(docs/ray.md; pip install -e .[ray])", ("local", "ray"))
+    ray_address: str | None = _knob(None, "backend ray: the cluster to join (ray.init(address=...); 'auto': the one "
+                                          "running on this node); default: start a local one")
+    rollout_engines: int = _knob(1, "backend ray: rollout-engine actors; each step's prompts are split over them")
+    placement: str = _knob("colocated", "backend ray: colocated (engines share the trainer's bundles, sleep mode, "
+                                        "weights by IPC) | disaggregated (bundles of their own, weights over a "
+                                        "broadcast group)", ("colocated", "disaggregated"))
+    cpus_per_bundle: int = _knob(1, "backend ray: CPUs of each placement-group bundle (also each actor's torch "
+                                    "thread count)")
+    ray_num_cpus: int | None = _knob(None, "backend ray: CPUs of a local cluster the driver starts (default: "
+                                           "enough for the placement group)")
+    engine_restarts: int = _knob(1, "backend ray: times Ray restarts a dead rollout-engine actor; after that its "
+                                    "prompts go to the other engines")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection, "data": DataSection, "reward": RewardSection,
-    "algorithm": AlgorithmSection, "optim": OptimSection, "run": RunSection,
+    "algorithm": AlgorithmSection, "optim": OptimSection, "run": RunSection, "cluster": ClusterSection,
 }
 
 # DAPO's published settings (arXiv 2503.14476 section 4.1); GRPO's are the plain ones.
@@ -223,6 +246,7 @@ class TrainConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     # ---- building ---------------------------------------------------------------------
     @classmethod
@@ -334,6 +358,7 @@ class TrainConfig:
             raise ValueError("bad configuration:\n  " + "\n  ".join(errors))
         cfg = self.resolved()
         m, d, r, a, o, run = cfg.model, cfg.data, cfg.reward, cfg.algorithm, cfg.optim, cfg.run
+        c = cfg.cluster
 
         def check(ok: bool, msg: str) -> None:
             if not ok:
@@ -393,6 +418,12 @@ class TrainConfig:
         check(bool(run.output_dir), "output_dir: must not be empty")
         check(m.model is None or not m.model.endswith(".json") or m.load_format == "dummy",
               "model: a config.json file needs load_format=dummy (random weights); give a checkpoint directory")
+        check(c.rollout_engines >= 1, f"rollout_engines: must be >= 1, got {c.rollout_engines}")
+        check(c.cpus_per_bundle >= 1, f"cpus_per_bundle: must be >= 1, got {c.cpus_per_bundle}")
+        check(c.ray_num_cpus is None or c.ray_num_cpus >= 1, f"ray_num_cpus: must be >= 1, got {c.ray_num_cpus}")
+        check(c.engine_restarts >= 0, f"engine_restarts: must be >= 0, got {c.engine_restarts}")
+        check(c.backend != "ray" or m.rollout_url is None,
+              "backend ray places its own rollout engines: drop rollout_url (or use backend local)")
         if errors:
             raise ValueError("bad configuration:\n  " + "\n  ".join(errors))
         return cfg

@@ -34,7 +34,7 @@ class ServerRollout(RolloutClient):
     def __init__(self, urls: list[str], model_dir: str, *, dtype: str = "auto", device: str = "cpu",
                  numerics: str = "invariant", weight_sync: str = "group", backend: str | None = None,
                  sync_host: str = "127.0.0.1", admin_key: str | None = None, api_key: str | None = None,
-                 checkpoint_dir: str | None = None, timeout_s: float = 600.0):
+                 checkpoint_dir: str | None = None, timeout_s: float = 600.0, tp_leaves: int | None = None):
         if not urls:
             raise ValueError("rollout_url: give at least one server URL")
         if weight_sync not in WEIGHT_SYNC_MODES:
@@ -48,6 +48,7 @@ class ServerRollout(RolloutClient):
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.checkpoint_dir = checkpoint_dir
+        self.tp_leaves = tp_leaves  # the servers' K-leaf tree: the trainer (TP=1) runs the same
         self.clients = [WeightSyncClient(u, admin_key=admin_key, timeout_s=timeout_s) for u in self.urls]
         self.models = [self._model_name(u) for u in self.urls]
         self._policy = None
@@ -82,7 +83,7 @@ class ServerRollout(RolloutClient):
         if self._policy is None:
             from vllm.training import Policy
             self._policy = Policy.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
-                                                  numerics=self.numerics,
+                                                  numerics=self.numerics, tp_leaves=self.tp_leaves,
                                                   activation_checkpointing=activation_checkpointing)
             contract = self._policy.execution_contract()
             for c in self.clients:

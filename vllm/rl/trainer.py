@@ -38,7 +38,10 @@ from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, Rollout
 # knobs that may differ between a run and its resumption without changing its bits
 RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval",
                      "checkpoint_background", "output_dir", "resume", "overwrite",
-                     "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch"}
+                     "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch",
+                     # where the actors run: a run continues bit-exactly on another layout (docs/ray.md)
+                     "backend", "ray_address", "rollout_engines", "placement", "cpus_per_bundle", "ray_num_cpus",
+                     "engine_restarts"}
 
 
 class MismatchError(RuntimeError):
@@ -89,6 +92,33 @@ def _default_model_dir() -> str:
     return default_model_path()
 
 
+def model_dir_of(cfg: TrainConfig) -> str:
+    """The model directory a run loads: the checkpoint, the embedded model, or for a
+    config.json with load_format=dummy a directory under output_dir holding that config and
+    the embedded model's tokenizer."""
+    m = cfg.model
+    path = m.model or _default_model_dir()
+    if path.endswith(".json"):
+        # random weights of the dims in this config.json, with the embedded model's tokenizer
+        if not os.path.isfile(path):
+            raise ValueError(f"model config {path!r} does not exist")
+        with open(path) as f:
+            hf = json.load(f)
+        if "architectures" not in hf:
+            raise ValueError(f"{path!r} is not an HF config.json (no 'architectures')")
+        out = os.path.join(cfg.run.output_dir, "model_config")
+        os.makedirs(out, exist_ok=True)
+        shutil.copy(path, os.path.join(out, "config.json"))
+        src = _default_model_dir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copy(os.path.join(src, name), os.path.join(out, name))
+        return out
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model {path!r} is not a checkpoint directory with a config.json")
+    return path
+
+
 class Trainer:
     """`Trainer(config)` checks the configuration, the data and the reward function,
     then builds the engine and the Policy (and restores a checkpoint with
@@ -115,6 +145,9 @@ class Trainer:
                              "start over with --overwrite, or choose another --output-dir")
         # ---- engine, policy, optimizer ---------------------------------------------------
         self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
+        if rollout is None and cfg.cluster.backend == "ray":
+            raise ValueError("backend ray runs this Trainer inside a Ray actor: start it with `vllm train --backend "
+                             "ray` or vllm.rl.ray.driver.run_on_ray(config)")
         if rollout is None:
             rollout = self._build_server_rollout() if cfg.model.rollout_url else self._build_colocated()
         self.client = rollout
@@ -139,27 +172,7 @@ class Trainer:
 
     # ---- set-up ----------------------------------------------------------------------------
     def _model_dir(self) -> str:
-        m = self.cfg.model
-        path = m.model or _default_model_dir()
-        if path.endswith(".json"):
-            # random weights of the dims in this config.json, with the embedded model's tokenizer
-            if not os.path.isfile(path):
-                raise ValueError(f"model config {path!r} does not exist")
-            with open(path) as f:
-                hf = json.load(f)
-            if "architectures" not in hf:
-                raise ValueError(f"{path!r} is not an HF config.json (no 'architectures')")
-            out = os.path.join(self.cfg.run.output_dir, "model_config")
-            os.makedirs(out, exist_ok=True)
-            shutil.copy(path, os.path.join(out, "config.json"))
-            src = _default_model_dir()
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                if os.path.isfile(os.path.join(src, name)):
-                    shutil.copy(os.path.join(src, name), os.path.join(out, name))
-            return out
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model {path!r} is not a checkpoint directory with a config.json")
-        return path
+        return model_dir_of(self.cfg)
 
     def _prepare_data(self) -> None:
         cfg = self.cfg
@@ -210,7 +223,8 @@ class Trainer:
         llm = LLM(self.model_dir, dtype=m.dtype, device=self.device, seed=self.cfg.run.seed, numerics=m.numerics,
                   max_model_len=m.max_model_len, gpu_memory_utilization=m.gpu_memory_utilization,
                   enforce_eager=m.enforce_eager, load_format=m.load_format, enable_sleep_mode=self.sleep,
-                  max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)))
+                  max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)),
+                  tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves)
         return ColocatedRollout(llm, sleep=self.sleep)
 
     def _build_server_rollout(self):
@@ -220,7 +234,7 @@ class Trainer:
         self.sleep = False
         return ServerRollout([u.strip() for u in m.rollout_url.split(",") if u.strip()], self.model_dir, dtype=m.dtype,
                              device=self.device, numerics=m.numerics, weight_sync=m.weight_sync, sync_host=m.sync_host,
-                             admin_key=m.rollout_admin_key, checkpoint_dir=self.output_dir)
+                             admin_key=m.rollout_admin_key, checkpoint_dir=self.output_dir, tp_leaves=m.tp_leaves)
 
     def _frozen_copy(self):
         from vllm.training import Policy

@@ -21,6 +21,9 @@ Axes:
   update        after an in-place update_weights (new weights): layouts and trainer on them
   moe           the MoE model
   moe-ep2       the MoE model with experts in 2 in-process partitions (eager) vs EP=1
+  tp2, tp4      the dense model with tensor_parallel_size 2 / 4 in one process vs TP=1, all with
+                the K-leaf tree of 8 leaves (tp_leaves=8; docs/parallelism.md)
+  moe-tp2, moe-tp4  the same for the MoE model (experts' intermediate dim sharded)
   gdn           the Gated DeltaNet hybrid (Qwen3-Next dims: 3 GDN layers to 1 gated attention)
   gdn-chunked   the hybrid with a 97-token step budget (prefills cut off the chunk grid) vs gdn
   gdn-prefix-cache  the hybrid's batch again warm (state snapshots restored) vs cold
@@ -51,8 +54,9 @@ from vllm.testing.rollouts import sequences_and_logprobs
 
 GDN_AXES = ("gdn", "gdn-chunked", "gdn-prefix-cache", "gdn-graphs", "gdn-preempt", "gdn-sleep-wake", "gdn-update")
 NEMOTRON_AXES = ("nemotron", "nemotron-chunked", "nemotron-prefix-cache")
+TP_AXES = ("tp2", "tp4", "moe-tp2", "moe-tp4")
 AXES = ("bf16", "kv-fp8", "q-fp8", "kv+q-fp8", "graphs", "prefix-cache", "sleep-wake", "update", "moe", "moe-ep2",
-        *GDN_AXES, *NEMOTRON_AXES)
+        *TP_AXES, *GDN_AXES, *NEMOTRON_AXES)
 
 
 @dataclass
@@ -351,6 +355,24 @@ class Gate:
         return Row("moe-ep2", mode, ld, 2 * len(outs), td, tt, worst, time.perf_counter() - t0,
                    "EP=2 (batch, reversed) vs EP=1")
 
+    def tensor_parallel(self, mode: str, model: str, size: int) -> Row:
+        """TP=size in one process against TP=1, both with the 8-leaf tree (the default engine
+        runs no tree, so it is not the reference here)."""
+        t0 = time.perf_counter()
+        key = (f"{model}-tree8", mode)
+        if key not in self.refs:
+            llm = self.make(model, mode, tp_leaves=8)
+            self.refs[key] = self.sigs(self.roll(llm))
+            free(llm)
+        llm = self.make(model, mode, tensor_parallel_size=size, tp_leaves=8)
+        outs = self.roll(llm)
+        ld = sum(a != b for a, b in zip(self.sigs(outs), self.refs[key]))
+        td, tt, worst = self.trainer(llm, outs)
+        free(llm)
+        axis = f"tp{size}" if model == "dense" else f"{model}-tp{size}"
+        return Row(axis, mode, ld, len(outs), td, tt, worst, time.perf_counter() - t0,
+                   f"TP={size} vs TP=1, tp_leaves=8, in one process")
+
     def run(self, mode: str, axes: list[str]) -> list[Row]:
         rows: list[Row] = []
         life = [a for a in ("bf16", "prefix-cache", "sleep-wake", "update") if a in axes]
@@ -366,6 +388,10 @@ class Gate:
             rows.append(self.standard("moe", "moe", mode))
         if "moe-ep2" in axes:
             rows.append(self.moe_ep2(mode))
+        for axis in TP_AXES:
+            if axis in axes:
+                model, _, size = axis.rpartition("tp")
+                rows.append(self.tensor_parallel(mode, model.rstrip("-") or "dense", int(size)))
         gdn_life = [a for a in ("gdn", "gdn-prefix-cache", "gdn-sleep-wake", "gdn-update") if a in axes]
         if gdn_life:
             rows += self.life(mode, gdn_life, model="gdn")

@@ -67,9 +67,14 @@ class Policy:
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
                         numerics: str = "invariant", activation_checkpointing: bool = False,
                         logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None,
-                        kv_cache_dtype: str = "auto", quantization: str | None = None) -> "Policy":
+                        kv_cache_dtype: str = "auto", quantization: str | None = None,
+                        load_format: str = "safetensors", tensor_parallel_size: int = 1,
+                        tp_leaves: int | None = None) -> "Policy":
         """A standalone trainer's model, built by the engine's own path (vllm.model_loader.build);
-        `kernels`: the kernel options of the engine whose rollouts it scores."""
+        `kernels`: the kernel options of the engine whose rollouts it scores; `load_format`
+        "dummy": random weights of the config's dims (benchmarks). `tensor_parallel_size` /
+        `tp_leaves`: as the engine's (vllm.config.ParallelConfig; all ranks in this process):
+        a trainer at TP=1 matches a TP=C engine with the engine's `tp_leaves`."""
         from vllm.model_loader.build import build_model, resolve_model
         from vllm.tokenizer import load_tokenizer
 
@@ -77,7 +82,10 @@ class Policy:
         mc, dt = resolve_model(path, dtype=dtype, device=device)
         from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
         quantization = quantization or checkpoint_quantization(mc.hf_config)
-        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels, quantization=quantization)
+        from vllm.config import ParallelConfig
+        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels, quantization=quantization,
+                               load_format=load_format,
+                               parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves))
         try:
             tok = load_tokenizer(path)
         except ValueError:

@@ -65,7 +65,8 @@ class ModelRunner:
                                                          load_format=config.load_format,
                                                          self_check_tokens=config.scheduler.max_num_batched_tokens,
                                                          kernels=config.kernels, quantization=config.quantization,
-                                                         keep_master_weights=config.keep_master_weights)
+                                                         keep_master_weights=config.keep_master_weights,
+                                                         parallel=config.parallel)
         self.load_time = time.perf_counter() - t0
         if self.device.type == "cuda" and (self.self_check_report is not None or not config.keep_master_weights):
             # its check batches are not the engine's, nor the master weights dropped after

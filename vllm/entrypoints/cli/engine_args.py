@@ -63,6 +63,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization fp8: keep the model-dtype master weights next to the fp8 copy (needed "
                         "to train over this engine); --no-keep-master-weights keeps only the fp8 copy, leaving the "
                         "memory to the KV cache (rollout servers; weight sync quantizes what it receives)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks sharing every layer (today all in this process on its one device: TP=C's bits); "
+                        "invariant bits do not depend on it (docs/parallelism.md)")
+    p.add_argument("--tp-leaves", type=int, default=None,
+                   help="K leaves G of the row-parallel GEMMs' fixed float32 tree (power of two, a multiple of "
+                        "--tensor-parallel-size; default: none at TP=1, 8 at TP>1); a TP=1 trainer matching a TP>1 "
+                        "engine sets the engine's G")
     p.add_argument("--step-profile", action="store_true",
                    help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
                         "throughput)")
@@ -78,4 +85,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
                 fused_gumbel=args.fused_gumbel, step_profile=args.step_profile,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
-                keep_master_weights=getattr(args, "keep_master_weights", True))
+                keep_master_weights=getattr(args, "keep_master_weights", True),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None))

@@ -123,6 +123,8 @@ def run(args) -> int:
         if args.print_config:
             print(cfg.validate().to_yaml(), end="")
             return 0
+        if cfg.cluster.backend == "ray":
+            return _run_on_ray(cfg)
         trainer = Trainer(cfg)
     except ValueError as err:
         print(f"vllm train: error: {err}", file=sys.stderr)
@@ -130,6 +132,23 @@ def run(args) -> int:
     try:
         trainer.run()
     except MismatchError as err:
+        print(f"vllm train: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_on_ray(cfg) -> int:
+    """The trainer and the rollout engines as Ray actors (vllm/rl/ray, docs/ray.md)."""
+    from vllm.rl.trainer import MismatchError
+
+    from vllm.rl.ray.driver import TrainerActorDied, run_on_ray
+
+    try:
+        run_on_ray(cfg)
+    except ValueError as err:
+        print(f"vllm train: error: {err}", file=sys.stderr)
+        return 2
+    except (MismatchError, TrainerActorDied) as err:
         print(f"vllm train: {err}", file=sys.stderr)
         return 1
     return 0

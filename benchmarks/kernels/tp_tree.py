@@ -1,0 +1,82 @@
+"""The K-leaf tree GEMM of tensor parallelism at TP=1 against today's invariant GEMM and
+cuBLAS, on Qwen3-8B's row-parallel shapes (o_proj, down_proj) over M.
+
+For every (shape, M) it times: the fused tree kernel with G leaves (`tree_linear_triton`,
+float32 out, rounded to bf16 as the layer does), the invariant GEMM (`invariant_matmul`,
+bf16 out) and cuBLAS (`F.linear`), in CUDA graphs, and checks the tree's bits against one
+invariant GEMM per leaf added by `tree_sum`. It prints tree / invariant (the target: at
+most 1.05) and tree / cuBLAS (times: > 1 means the tree is slower), and writes every timing
+to --json-out.
+
+    python benchmarks/kernels/tp_tree.py [--leaves 8] [--shapes o,down] [--json-out tp_tree.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from vllm.kernels.leaf_tree import tree_linear_leafwise, tree_linear_triton
+from vllm.kernels.matmul import invariant_matmul
+
+SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def _time_graph(fn, iters: int = 50) -> float:
+    """Median milliseconds of `fn` replayed in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--leaves", type=int, default=8)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    rows = []
+    print(f"{'shape':>6} {'M':>6} {'tree ms':>9} {'inv ms':>9} {'cublas ms':>9} {'tree/inv':>9} {'tree/cublas':>11} bits")
+    for name in args.shapes.split(","):
+        K, N = SHAPES[name]
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        for M in map(int, args.ms.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            same = torch.equal(tree_linear_triton(x, w, args.leaves).view(torch.int32),
+                               tree_linear_leafwise(x, w, args.leaves).view(torch.int32))
+            t_tree = _time_graph(lambda: tree_linear_triton(x, w, args.leaves).to(torch.bfloat16))
+            t_inv = _time_graph(lambda: invariant_matmul(x, w))
+            t_cub = _time_graph(lambda: F.linear(x, w))
+            rows.append({"shape": name, "K": K, "N": N, "M": M, "leaves": args.leaves, "tree_ms": t_tree,
+                         "invariant_ms": t_inv, "cublas_ms": t_cub, "bits_equal_leafwise": same})
+            print(f"{name:>6} {M:>6} {t_tree:9.4f} {t_inv:9.4f} {t_cub:9.4f} {t_tree / t_inv:9.3f} "
+                  f"{t_tree / t_cub:11.3f} {'ok' if same else 'DIFFER'}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
