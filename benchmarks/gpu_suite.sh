@@ -237,8 +237,8 @@ if has rlray; then
   # the RL step on Ray (trainer + one engine colocated on this GPU) vs the single-process step, Qwen3-4B
   # dims; needs the ray package (the offline machine: its wheel in .whl/), docs/ray.md
   echo "== RL step on Ray ($SECONDS s)"
-  timeout "${RLRAY_TIMEOUT:-600}" python benchmarks/rl_ray_step.py ${RLRAY_ARGS:-} --json-out "$OUT/rl_ray_step.json" \
-    >"$OUT/rl_ray_step.log" 2>&1
+  timeout "${RLRAY_TIMEOUT:-600}" python benchmarks/rl_step.py --modes invariant,invariant+ray ${RLRAY_ARGS:-} \
+    --json-out "$OUT/rl_ray_step.json" >"$OUT/rl_ray_step.log" 2>&1
   tail -10 "$OUT/rl_ray_step.log"
 fi
 
@@ -261,7 +261,7 @@ has gdn && { grep -E "passed|failed" "$OUT/gdn_tests.log" | tail -1; sed -n '/==
   grep -E "^(floor|engine|fast|invariant)" "$OUT/gdn_throughput.log"; } 2>/dev/null
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
-has rlray && sed -n '/^RL step on Ray/,$p' "$OUT/rl_ray_step.log"
+has rlray && sed -n '/^RL step/,$p' "$OUT/rl_ray_step.log"
 has fp8 && { tail -1 "$OUT/fp8_tests.log"; grep -E "^fp8 (bits|summary)" "$OUT/fp8_gemm.log"; \
   grep -E "^cublaslt (bits|summary)" "$OUT/fp8_cublaslt.log"; \
   grep -E "^fp8 decode" "$OUT/fp8_attention.log"; grep -E "^\[fp8\]|^invariant" "$OUT/fp8_throughput.log"; } 2>/dev/null

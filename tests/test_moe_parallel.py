@@ -8,7 +8,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.parallel.expert_parallel import apply_expert_parallel
-from vllm.testing.expert_parallel_check import ep_token_logprobs
+from vllm.testing.parallel_check import ep_token_logprobs
 from vllm.testing.parity_battery import signature
 from vllm.training import Policy
 

@@ -13,7 +13,7 @@ from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.kernels import leaf_tree, ops
 from vllm.parallel.tensor_parallel import apply_tensor_parallel
 from vllm.testing.rollouts import rollout
-from vllm.testing.tensor_parallel_check import tp_token_logprobs
+from vllm.testing.parallel_check import tp_token_logprobs
 from vllm.training import Policy
 
 

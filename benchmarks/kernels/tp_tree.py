@@ -14,37 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from vllm.kernels.leaf_tree import tree_linear_leafwise, tree_linear_triton
-from vllm.kernels.matmul import invariant_matmul
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm import bench_graph  # noqa: E402
+
+from vllm.kernels.leaf_tree import tree_linear_leafwise, tree_linear_triton  # noqa: E402
+from vllm.kernels.matmul import invariant_matmul  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
-def _time_graph(fn, iters: int = 50) -> float:
-    """Median milliseconds of `fn` replayed in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def _time_graph(fn) -> float:
+    """Milliseconds per call of `fn`, calls captured in one CUDA graph (gemm.bench_graph)."""
+    return bench_graph(lambda i: fn(), 20) / 1e3
 
 
 def main() -> None:
