@@ -150,7 +150,7 @@ def test_upstream_four_phase_routes_labels_and_bad_bodies(client, server, refs, 
     assert requests.get(f"{server}/weight_info").json() == {"weight_version": "v-x"}
     assert requests.post(f"{server}/pause", params={"mode": "keep"}).json()["status"] == "paused"
     assert requests.post(f"{server}/resume").json()["status"] == "resumed"
-    r = requests.post(f"{server}/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 1, "prompt_logprobs": 2})
+    r = requests.post(f"{server}/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 1, "prompt_logprobs": -1})
     assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
 
 
@@ -216,7 +216,8 @@ def test_trl_server_protocol_per_tensor_updates(server, refs, new_weights, tiny_
                     ("/chat/", {"messages": []})):
         r = s.post(server + path, json=b)
         assert r.status_code == 400 and r.json()["error"]["message"], (path, r.text)
-    assert s.post(f"{server}/get_sequence_logprobs/", json={"sequences": [[1, 2]], "prompt_lengths": [1]}).status_code == 501
+    r = s.post(f"{server}/get_sequence_logprobs/", json={"sequences": [[1, 2]], "prompt_lengths": [3]})
+    assert r.status_code == 400 and "prompt_length" in r.json()["error"]["message"]
 
     # a non-finite tensor: accepted on announce, refused on arrival; the next call says so, old weights kept
     named = list(iterate_weights(checkpoint_files(tiny_qwen3)))

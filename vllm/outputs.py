@@ -37,3 +37,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token id: Logprob} holding that token and the top-k alternatives (upstream's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -29,7 +29,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None         # None: none; 0: the sampled token's; k: plus the top-k alternatives
-    prompt_logprobs: int | None = None  # not supported yet: rejected with a clear error
+    # None: none; k >= 0: per prompt token after the first, its logprob (and rank) plus the
+    # top-k alternatives, under the same logprob head as the sampled tokens (docs/sampling.md,
+    # docs/serving.md)
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "tempered_logprobs"
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -65,8 +68,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet (use vllm.training.Policy.token_logprobs)")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.seed is not None and not isinstance(self.seed, int):

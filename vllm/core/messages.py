@@ -5,6 +5,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class PromptLogprobsSlice:
+    """The prompt logprobs one step computes for one request: the hidden rows at prompt
+    positions [first_position, first_position + len(targets)), which predict `targets`
+    (the prompt tokens one position later)."""
+    first_row: int                # the first row's offset within the step's slice of the request
+    first_position: int           # its position in the prompt
+    targets: list[int]
+    num_top: int                  # top-k alternatives per position
+    temperature: float
+    logprobs_mode: str
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's slice of a step: compute tokens [num_computed, num_computed + num_new)."""
     req_id: str
@@ -32,6 +45,8 @@ class ScheduledRequest:
     state_slot: int = 0
     state_load: int = -1
     state_save: int = -1
+    # Prompt logprobs this step computes (None: none; only requests that ask get one)
+    prompt_logprobs: PromptLogprobsSlice | None = None
 
     @property
     def num_new(self) -> int:
@@ -51,6 +66,9 @@ class SchedulerOutput:
     # runner): progress is applied to these objects, not to whatever request holds the
     # same id by the time a step completes (an id can be reused after an abort).
     owners: list = field(default_factory=list, repr=False)
+    # indices into `requests` of those with a prompt_logprobs slice (the runner looks at
+    # no other request for them)
+    prompt_logprob_indices: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -66,6 +84,15 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs of one request from one step: entries for the prompt tokens at
+    positions first_target, first_target + 1, ...: (logprob, rank, [(id, logprob), ...])."""
+    first_target: int
+    entries: list[tuple[float, int, list[tuple[int, float]]]]
+
+
+@dataclass
 class ModelRunnerOutput:
     """Sampled tokens, keyed by request id; requests mid-prefill have no entry."""
     sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

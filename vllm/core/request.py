@@ -52,6 +52,14 @@ class Request:
         # Sampled-token logprobs: per output token, (logprob, rank, [(id, logprob), ...])
         self.logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
         self.cumulative_logprob = 0.0
+        # Prompt logprobs (params.prompt_logprobs; one sample of an n > 1 request computes
+        # them for all): entry p-1 for prompt token p, in the format of `logprobs`; and how
+        # many prompt positions have had their row computed (a recompute after preemption
+        # starts there).
+        self.prompt_logprobs: list | None = None
+        self.num_prompt_logprob_rows = 0
+        if params.prompt_logprobs is not None and index == 0:
+            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,6 +74,10 @@ class Request:
         room = self.max_model_len - self.num_prompt_tokens
         mt = self.params.max_tokens
         return room if mt is None else min(mt, room)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        return self.prompt_logprobs is not None and self.num_prompt_logprob_rows < len(self.prompt_logprobs)
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

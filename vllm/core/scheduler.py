@@ -14,7 +14,7 @@ from typing import Iterable
 
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
-from vllm.core.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from vllm.core.messages import ModelRunnerOutput, PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from vllm.core.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -125,6 +125,10 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
+                if num_cached > req.num_prompt_logprob_rows and req.prompt_logprobs_pending:
+                    # a cached prefix has no logits: the prompt positions whose logprobs are
+                    # still missing are recomputed (upstream skips the cache the same way)
+                    computed_blocks, num_cached = [], 0
                 remaining = req.num_tokens - num_cached
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
@@ -147,6 +151,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
         out = []
+        prompt_lp_indices = []
         get_table = self.kv.get_block_table
         recurrent = self.kv.state is not None
         for req, n in scheduled:
@@ -167,8 +172,25 @@ class Scheduler:
                 req.banned_token_ids() if p.min_tokens else (),
                 (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt_token_ids,
                  req.output_token_ids) if p.has_penalties else None, max(slot, 0), load, save))
+            if req.prompt_logprobs is not None and req.prompt_logprobs_pending:
+                out[-1].prompt_logprobs = self._prompt_logprobs_slice(req, start, n)
+                if out[-1].prompt_logprobs is not None:
+                    prompt_lp_indices.append(len(out) - 1)
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
-                               preempted=preempted, owners=[req for req, _ in scheduled])
+                               preempted=preempted, owners=[req for req, _ in scheduled],
+                               prompt_logprob_indices=prompt_lp_indices)
+
+    @staticmethod
+    def _prompt_logprobs_slice(req: Request, start: int, n: int) -> PromptLogprobsSlice | None:
+        """The prompt positions of [start, start + n) whose logprob rows are still missing:
+        position q's row predicts prompt token q + 1."""
+        first = max(start, req.num_prompt_logprob_rows)
+        last = min(start + n, len(req.prompt_logprobs))
+        if first >= last:
+            return None
+        p = req.params
+        return PromptLogprobsSlice(first - start, first, req.prompt_token_ids[first + 1:last + 1], p.prompt_logprobs,
+                                   p.temperature, p.logprobs_mode)
 
     def _leader_ready(self, leader: Request) -> bool:
         if not self.kv.enable_prefix_caching or leader.status.finished or leader.req_id not in self.requests:
@@ -194,6 +216,9 @@ class Scheduler:
         while the GPU still computes the tokens."""
         for sr, req in self._live(sched):
             req.num_computed_tokens += sr.num_new
+            if sr.prompt_logprobs is not None:
+                pl = sr.prompt_logprobs
+                req.num_prompt_logprob_rows = max(req.num_prompt_logprob_rows, pl.first_position + len(pl.targets))
             self.kv.cache_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, self._real_prefix(req)))
             if sr.sample:
                 req.append_output(PLACEHOLDER)
@@ -204,6 +229,11 @@ class Scheduler:
         """Replace placeholders with the sampled tokens and apply the stop rules."""
         updated, finished = [], []
         for sr, req in self._live(sched):
+            if sr.prompt_logprobs is not None:
+                chunk = result.prompt_logprobs.get(sr.req_id)
+                if chunk is not None:
+                    a = chunk.first_target - 1
+                    req.prompt_logprobs[a:a + len(chunk.entries)] = chunk.entries
             tok = result.sampled.get(sr.req_id) if sr.sample else None
             if tok is None:
                 continue

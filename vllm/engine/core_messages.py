@@ -53,6 +53,9 @@ class RequestDelta(NamedTuple):
     stop_reason: int | str | None
     weight_versions: list[int]   # the versions the sample has been computed under so far
     num_cached_tokens: int
+    # on the first delta of sample 0 of a request that asked for prompt logprobs: per prompt
+    # token after the first, (logprob, rank, [(token id, logprob), ...]) (None where missing)
+    prompt_logprobs: list | None = None
 
 
 class EngineStats(NamedTuple):

@@ -71,6 +71,8 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, ma
         raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab})")
     if params.logprobs is not None and params.logprobs > vocab:
         raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+        raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size {vocab}")
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -415,7 +417,7 @@ class LLMEngine:
             lps = req.logprobs[start:n] if group.params.logprobs is not None else None
             out.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
                         req.stop_reason if fin is not None else None, list(group.weight_versions[i]),
-                        max(0, req.num_cached_tokens)))
+                        max(0, req.num_cached_tokens), req.prompt_logprobs if start == 0 else None))
             group.sent[i] = -1 if fin is not None else n
         return out
 

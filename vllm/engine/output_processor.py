@@ -39,7 +39,8 @@ class RequestState:
     """All samples of one request as the client sees them."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "token_ids", "detoks", "logprobs",
-                 "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode")
+                 "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, decode_one: TokenTextCache):
@@ -58,6 +59,7 @@ class RequestState:
         self.weight_versions: list[list[int]] = [[] for _ in range(n)]
         self.num_cached_tokens = 0
         self._decode = decode_one
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,6 +73,9 @@ class RequestState:
             return None  # sampled after a stop string, before the engine heard of it
         self.weight_versions[i] = d.weight_versions
         self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] + [None if e is None else self._entry(tok, *e)
+                                             for tok, e in zip(self.prompt_token_ids[1:], d.prompt_logprobs)]
         ids = self.token_ids[i]
         detok = self.detoks[i]
         stops = self.params.stop_strings
@@ -79,11 +84,7 @@ class RequestState:
             ids.append(tok)
             if self.logprobs is not None and d.new_logprobs is not None:
                 lp, rank, top = d.new_logprobs[k]
-                entry = {tok: Logprob(lp, rank, self._decode(tok))}
-                for r, (tid, tlp) in enumerate(top, start=1):
-                    if tid not in entry:
-                        entry[tid] = Logprob(tlp, r, self._decode(tid))
-                self.logprobs[i].append(entry)
+                self.logprobs[i].append(self._entry(tok, lp, rank, top))
                 self.cumulative[i] += lp
             if detok is None:
                 continue
@@ -106,6 +107,15 @@ class RequestState:
             self.stop_reason[i] = d.stop_reason
         return None
 
+    def _entry(self, tok: int, lp: float, rank: int, top: list) -> dict[int, Logprob]:
+        """One token's logprob entry: the token itself (its true rank), then the top-k
+        alternatives (rank = position, best first) not already in it."""
+        entry = {tok: Logprob(lp, rank, self._decode(tok))}
+        for r, (tid, tlp) in enumerate(top, start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, r, self._decode(tid))
+        return entry
+
     def fail(self) -> None:
         self.finish = [f or "abort" for f in self.finish]
 
@@ -119,4 +129,4 @@ class RequestState:
                                  weight_versions=list(self.weight_versions[i]))
                 for i in range(len(self.finish))]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)

@@ -154,6 +154,20 @@ def tempered_target_logprobs(logits: torch.Tensor, temperature: torch.Tensor | f
     return (z_t - log_s)[:, 0], (m + log_s)[:, 0]
 
 
+def prompt_logprob_values(logits: torch.Tensor, temperature: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
+    """The values a prompt position reports under `logprobs_mode`: the sampler's own
+    operations on the same logits, so a prompt token's logprob has the bits the sampler
+    reports when it samples that token (a row without penalties). Truncation and penalties
+    belong to the sampling of output tokens: for prompt positions the processed modes
+    equal the tempered ones. `temperature` is [R] float32 (0 -> 1, as the sampler)."""
+    if logprobs_mode == "raw_logits":
+        return logits.float()
+    if logprobs_mode == "raw_logprobs":
+        return batch_invariant_log_softmax(logits)
+    scaled = apply_temperature(logits, temperature)
+    return scaled if logprobs_mode == "processed_logits" else batch_invariant_log_softmax(scaled)
+
+
 def _stable_topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`stable_topk` for rows where ties straddle the k-th value (0 < k < N).
 

@@ -10,18 +10,19 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm.config import EngineConfig
-from vllm.core.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from vllm.core.messages import ModelRunnerOutput, PromptLogprobsChunk, SampledToken, SchedulerOutput
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, StateMetadata, set_forward_context
 from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
-from vllm.sample.sampler import Penalties, Sampler, SamplingBatch
+from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, prompt_logprob_values,
+                                  stable_topk)
 from vllm.worker.attention_backend import AttentionMetadata
 from vllm.worker.kv_cache import LayerCaches, bytes_per_block, cache_specs, state_bytes
 from vllm.worker.kv_format import KVFormat
@@ -39,6 +40,9 @@ class StepHandle:
     token_ids: torch.Tensor | None
     row_of: dict
     event: object = None   # CUDA event recorded after the host copies were enqueued
+    # prompt logprobs: (per request (id, slice, first row in the outputs), SamplerOutput
+    # with token_ids = the targets), one per logprobs mode
+    prompt_parts: list = field(default_factory=list)
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -303,9 +307,17 @@ class ModelRunner:
             saves = [(r.state_slot, r.state_save) for r in sched.requests if r.state_save >= 0]
             if saves:
                 self.kv_cache.copy_state_slots([a for a, _ in saves], [b for _, b in saves])
+        # only requests that asked are looked at: nothing for a step without any
+        prompt_parts = self._prompt_logprobs_launch(hidden, sched, cu) if sched.prompt_logprob_indices else None
         sampled_reqs = [r for r in sched.requests if r.sample]
         if not sampled_reqs:
-            return StepHandle([], [], None, {})
+            handle = StepHandle([], [], None, {})
+            if prompt_parts:
+                handle.prompt_parts = prompt_parts
+                if self.device.type == "cuda" and self.config.async_scheduling:
+                    handle.event = torch.cuda.Event()
+                    handle.event.record()
+            return handle
         with set_forward_context(ForwardContext(None, self.config.numerics, self.config.kernels)):
             # a decode step where every request samples needs every row, in order: no gather
             # (nor the index copy) on the hot path; a copy would not change a bit anyway
@@ -313,8 +325,56 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
         self._mark("logits")
         handle = self._sample_launch(logits, sampled_reqs, prev)
+        if prompt_parts:
+            handle.prompt_parts = prompt_parts
         self._mark("sample")
         return handle
+
+    def _prompt_logprobs_launch(self, hidden: torch.Tensor, sched: SchedulerOutput, cu) -> list:
+        """Prompt logprobs of the step's rows at prompt positions (the requests that asked).
+
+        The same logprob head as the sampled tokens: the model's compute_logits on the
+        rows, then the sampler's operations on float32 logits (prompt_logprob_values), so
+        a prompt token's logprob has the bits the sampler gives when it samples that token
+        after the same prefix, and Policy.token_logprobs' bits. Rows go through the head
+        in chunks of at most rows_per_chunk (the trainer's float32 logits budget): every
+        op is per row, so the chunking changes no bit."""
+        from vllm.training.logprob_head import rows_per_chunk
+        by_mode: dict[str, list] = {}
+        for i in sched.prompt_logprob_indices:
+            r = sched.requests[i]
+            by_mode.setdefault(r.prompt_logprobs.logprobs_mode, []).append((r.req_id, r.prompt_logprobs, int(cu[i])))
+        chunk = rows_per_chunk(self.config.model.vocab_size)
+        parts = []
+        with set_forward_context(ForwardContext(None, self.config.numerics, self.config.kernels)):
+            for mode, items in by_mode.items():
+                counts = [len(pl.targets) for _, pl, _ in items]
+                rows = np.concatenate([np.arange(base + pl.first_row, base + pl.first_row + len(pl.targets))
+                                       for _, pl, base in items])
+                rows_t = self._h2d(rows, torch.long)
+                targets_t = self._h2d(list(itertools.chain.from_iterable(pl.targets for _, pl, _ in items)), torch.long)
+                temps_t = self._h2d(np.repeat([pl.temperature for _, pl, _ in items], counts), torch.float32)
+                num_top = max(pl.num_top for _, pl, _ in items)
+                values, ranks, top_v, top_i = [], [], [], []
+                for a in range(0, len(rows), chunk):
+                    b = min(len(rows), a + chunk)
+                    dist = prompt_logprob_values(self.model.compute_logits(hidden.index_select(0, rows_t[a:b])),
+                                                 temps_t[a:b], mode)
+                    v = dist.gather(1, targets_t[a:b, None])
+                    values.append(v[:, 0])
+                    ranks.append((dist > v).sum(dim=-1) + 1)   # an exact integer count, as the sampler's
+                    if num_top > 0:
+                        tv, ti = stable_topk(dist, num_top)
+                        top_v.append(tv)
+                        top_i.append(ti)
+                    del dist
+                out = SamplerOutput(token_ids=targets_t, logprobs=torch.cat(values), ranks=torch.cat(ranks),
+                                    topk_ids=torch.cat(top_i) if num_top > 0 else None,
+                                    topk_logprobs=torch.cat(top_v) if num_top > 0 else None)
+                offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+                parts.append(([(rid, pl, int(o)) for (rid, pl, _), o in zip(items, offsets)], self._to_host_async(out)))
+        self._mark("prompt_logprobs")
+        return parts
 
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
@@ -416,7 +476,17 @@ class ModelRunner:
                     if r.num_logprobs > 0 and top_ids is not None:
                         tok.top = list(zip(top_ids[j][:r.num_logprobs], top_lps[j][:r.num_logprobs]))
                 result[r.req_id] = tok
-        return ModelRunnerOutput(sampled=result)
+        prompt: dict[str, PromptLogprobsChunk] = {}
+        for items, so in handle.prompt_parts:
+            lps, ranks = so.logprobs.tolist(), so.ranks.tolist()
+            top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
+            top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+            for rid, pl, o in items:
+                k = pl.num_top
+                entries = [(lps[j], ranks[j], list(zip(top_ids[j][:k], top_lps[j][:k])) if k > 0 else [])
+                           for j in range(o, o + len(pl.targets))]
+                prompt[rid] = PromptLogprobsChunk(pl.first_position + 1, entries)
+        return ModelRunnerOutput(sampled=result, prompt_logprobs=prompt)
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def graph_tensors(self) -> dict[str, torch.Tensor]:

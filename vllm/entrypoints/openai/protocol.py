@@ -15,7 +15,7 @@ Extensions over the OpenAI schema (documented in docs/serving.md):
 level for chat), `stop_reason`, `weight_version` / `weight_versions`, and the
 vLLM sampling fields top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, logprobs_mode,
-repetition_penalty, return_token_ids.
+repetition_penalty, return_token_ids, prompt_logprobs (upstream vLLM's).
 """
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ def json_logprob(x: float) -> float:
     if math.isnan(x):
         return NEG_INF_LOGPROB
     return x if math.isfinite(x) else (NEG_INF_LOGPROB if x < 0 else float(x))
+
+
+def check_max_logprobs(k: Optional[int], max_logprobs: int, name: str = "logprobs") -> None:
+    """The server's cap on top-k logprobs per token (--max-logprobs; -1: no cap)."""
+    if k is not None and 0 <= max_logprobs < k:
+        raise ValueError(f"at most {max_logprobs} {name} per token may be requested (server --max-logprobs), got {k}")
 
 
 class OpenAIBaseModel(BaseModel):
@@ -106,10 +112,10 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.return_token_ids is not False
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
-                         max_logprobs: int) -> SamplingParams:
+                         max_logprobs: int, prompt_logprobs: Optional[int] = None) -> SamplingParams:
         self._check_unsupported()
-        if logprobs is not None and logprobs > max_logprobs:
-            raise ValueError(f"at most {max_logprobs} logprobs per token may be requested (server --max-logprobs), got {logprobs}")
+        check_max_logprobs(logprobs, max_logprobs)
+        check_max_logprobs(prompt_logprobs, max_logprobs, "prompt_logprobs")
         keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         kw = {**{k: v for k, v in defaults.items() if k in keys}, **given}
@@ -119,7 +125,7 @@ class _SamplingRequest(OpenAIBaseModel):
             stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **({"logprobs_mode": self.logprobs_mode} if self.logprobs_mode is not None else {}),
             **kw)
 
@@ -129,12 +135,16 @@ PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
-    max_tokens: Optional[StrictInt] = 16      # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (scoring the prompt: the engine
+    # samples one token, which the response leaves out)
+    max_tokens: Optional[StrictInt] = 16
     logprobs: Optional[StrictInt] = None      # k: the sampled token's logprob plus the top-k alternatives
+    # the prompt before the completion in `text`; with logprobs, the prompt tokens' logprobs
+    # first (None for the first token)
     echo: bool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
-    prompt_logprobs: Optional[StrictInt] = None   # refused: the engine computes no prompt logprobs
+    prompt_logprobs: Optional[StrictInt] = None   # upstream's: per prompt token its logprob and the top-k
 
     def prompts(self) -> list[Union[str, dict]]:
         """The prompts as engine inputs: strings stay strings, token ids become dicts."""
@@ -153,17 +163,29 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"a request may ask for at most {MAX_CHOICES_PER_REQUEST} completions (prompts x n)")
         return out
 
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens=0 with echo: the response holds the prompt only."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must be unset or equal to n)")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: the engine computes no prompt logprobs "
-                             "(score sequences with vllm.training.Policy.token_logprobs)")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults, max_logprobs)
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens=0 is allowed only with echo=true (scoring the prompt)")
+            max_tokens = 1
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, defaults, max_logprobs, prompt_logprobs)
 
 
 class ChatContentPart(OpenAIBaseModel):
@@ -195,6 +217,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: bool = False
     top_logprobs: Optional[StrictInt] = None
+    prompt_logprobs: Optional[StrictInt] = None   # upstream's: per prompt token its logprob and the top-k
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -224,7 +247,11 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("max_tokens and max_completion_tokens disagree")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs)
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream=true")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs, self.prompt_logprobs)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -243,10 +270,19 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
+    # upstream's: None for the first prompt token, then {token id: PromptLogprob} holding the
+    # prompt token and the top-k alternatives
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     token_ids: Optional[list[int]] = None                          # extension
@@ -315,6 +351,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     prompt_token_ids: Optional[list[int]] = None                   # extension
     weight_version: Optional[int] = None                           # extension
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None   # upstream's, as completions'
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -463,9 +500,8 @@ class TrlSamplingFields(OpenAIBaseModel):
                                   top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, max_tokens=self.max_tokens,
                                   logprobs=self.logprobs)
         kw.update(self.generation_kwargs)
-        if kw.get("logprobs") is not None and kw["logprobs"] > max_logprobs:
-            raise ValueError(f"at most {max_logprobs} logprobs per token may be requested (server --max-logprobs), "
-                             f"got {kw['logprobs']}")
+        check_max_logprobs(kw.get("logprobs"), max_logprobs)
+        check_max_logprobs(kw.get("prompt_logprobs"), max_logprobs, "prompt_logprobs")
         if not 1 <= kw["n"] <= MAX_CHOICES_PER_REQUEST:
             raise ValueError(f"n must be in 1..{MAX_CHOICES_PER_REQUEST}, got {kw['n']}")
         try:
@@ -493,6 +529,49 @@ class TrlGenerateResponse(OpenAIBaseModel):
     logprobs: Optional[list[list[list[Optional[float]]]]] = None
     logprob_token_ids: Optional[list[list[list[int]]]] = None
     weight_version: Optional[int] = None                           # extension
+
+
+class TrlSequenceLogprobsRequest(OpenAIBaseModel):
+    """POST /get_sequence_logprobs/: score whole sequences (prompt + completion) without
+    generating; per completion position the top-k logprobs under log_softmax(logits / T)."""
+    sequences: list[list[StrictInt]]
+    prompt_lengths: list[StrictInt]
+    top_logprobs: StrictInt = 100
+    temperature: FiniteFloat = 1.0
+    response_format: Literal["json", "binary"] = "json"
+
+    def validate_sequences(self, max_logprobs: int) -> None:
+        if not self.sequences:
+            raise ValueError("sequences is empty")
+        if len(self.sequences) != len(self.prompt_lengths):
+            raise ValueError(f"got {len(self.sequences)} sequences but {len(self.prompt_lengths)} prompt_lengths")
+        for i, (seq, pl) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            if not 0 <= pl <= len(seq):
+                raise ValueError(f"sequence {i}: prompt_length {pl} is out of range [0, {len(seq)}]")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        check_max_logprobs(self.top_logprobs, max_logprobs, "top_logprobs")
+        if len(self.sequences) > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"a request may score at most {MAX_CHOICES_PER_REQUEST} sequences")
+
+
+class TrlSequenceLogprobsResponse(OpenAIBaseModel):
+    """Per sequence, per completion position: the logprobs best first (the top-k, then the
+    sequence's own token when it ranks below them) and their token ids."""
+    logprobs: list[list[list[Optional[float]]]]
+    logprob_token_ids: list[list[list[int]]]
+
+
+class TrlSequenceLogprobsBinaryResponse(OpenAIBaseModel):
+    """response_format "binary": little-endian float32 / int32 arrays, base64: the top-k
+    [batch, max completion length, top_logprobs] padded with -inf / 0, and each position's
+    own token [batch, max completion length, 1] (-inf when missing)."""
+    logprobs_b64: str
+    token_ids_b64: str
+    actual_logprobs_b64: str
+    actual_token_ids_b64: str
+    shape: list[int]
+    completion_lengths: list[int]
 
 
 class TrlInitCommunicatorRequest(OpenAIBaseModel):

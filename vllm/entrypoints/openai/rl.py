@@ -7,8 +7,8 @@ upstream vLLM's RL routes: POST /init_weight_transfer_engine, /start_weight_upda
 
 TRL's own server protocol (`trl vllm-serve`, routes with trailing slashes): GET /health/,
 /get_world_size/; POST /generate/, /chat/, /init_communicator/, /update_named_param/,
-/reset_prefix_cache/, /close_communicator/, /get_sequence_logprobs/ (refused: no prompt
-logprobs). As TRL's server does, /init_communicator/ and /update_named_param/ answer
+/reset_prefix_cache/, /close_communicator/, /get_sequence_logprobs/ (the engine's prompt
+logprobs, with the trainer's bits). As TRL's server does, /init_communicator/ and /update_named_param/ answer
 before the collective they start (the trainer joins or broadcasts after the answer); each
 announced tensor is checked against the model first, so a bad one is a 400 before any
 byte moves. The tensors go into one update that the next generation, prefix-cache reset
@@ -29,9 +29,11 @@ from fastapi import FastAPI, Request
 from vllm.entrypoints.openai.errors import error_response, exception_response
 from vllm.entrypoints.openai.protocol import (
     FinishWeightUpdateRequest, MessageResponse, StartWeightUpdateRequest, TrlChatRequest, TrlGenerateRequest,
-    TrlGenerateResponse, TrlInitCommunicatorRequest, TrlUpdateNamedParamRequest, UpdateWeightVersionRequest,
-    WeightTransferInitRequest, WeightTransferUpdateRequest,
+    TrlGenerateResponse, TrlInitCommunicatorRequest, TrlSequenceLogprobsBinaryResponse, TrlSequenceLogprobsRequest,
+    TrlSequenceLogprobsResponse, TrlUpdateNamedParamRequest, UpdateWeightVersionRequest, WeightTransferInitRequest,
+    WeightTransferUpdateRequest, json_logprob,
 )
+from vllm.sampling_params import SamplingParams
 from vllm.entrypoints.openai.serving import OpenAIServing, _final_outputs, _json, _unless_disconnected, \
     apply_chat_template, trl_logprobs
 
@@ -66,6 +68,33 @@ class TrlSession:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 return str(t.exception())
         return None
+
+
+def _sequence_logprobs_binary(ranked: list, sequences: list, prompt_lengths: list,
+                              top_k: int) -> TrlSequenceLogprobsBinaryResponse:
+    """TRL's binary layout of /get_sequence_logprobs/ (float32 values keep their bits)."""
+    import base64
+
+    import numpy as np
+    lengths = [len(seq) - pl for seq, pl in zip(sequences, prompt_lengths)]
+    shape = (len(sequences), max(lengths, default=0), top_k)
+    values = np.full(shape, -np.inf, dtype=np.float32)
+    ids = np.zeros(shape, dtype=np.int32)
+    actual = np.full(shape[:2] + (1,), -np.inf, dtype=np.float32)
+    actual_ids = np.zeros(shape[:2] + (1,), dtype=np.int32)
+    for b, (seq_ranked, seq, pl) in enumerate(zip(ranked, sequences, prompt_lengths)):
+        for t, pos in enumerate(seq_ranked):
+            tok = seq[pl + t]
+            actual_ids[b, t, 0] = tok
+            for j, (tid, lp) in enumerate(pos):
+                if tid == tok:
+                    actual[b, t, 0] = lp.logprob
+                if j < top_k:
+                    values[b, t, j], ids[b, t, j] = lp.logprob, tid
+    enc = lambda a: base64.b64encode(a.astype(a.dtype.newbyteorder("<")).tobytes()).decode("ascii")  # noqa: E731
+    return TrlSequenceLogprobsBinaryResponse(logprobs_b64=enc(values), token_ids_b64=enc(ids),
+                                             actual_logprobs_b64=enc(actual), actual_token_ids_b64=enc(actual_ids),
+                                             shape=list(shape), completion_lengths=lengths)
 
 
 def _log_failure(task: asyncio.Future) -> None:
@@ -211,9 +240,32 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
         return await _unless_disconnected(raw, collect(), streams)
 
     @app.post("/get_sequence_logprobs/")
-    async def trl_sequence_logprobs():
-        return error_response("get_sequence_logprobs is not supported: the engine computes no prompt logprobs "
-                              "(score sequences with vllm.training.Policy.token_logprobs)", 501)
+    async def trl_sequence_logprobs(req: TrlSequenceLogprobsRequest, raw: Request):
+        try:
+            req.validate_sequences(serving.max_logprobs)
+            # one sampled token per sequence is the engine's minimum; it is not reported
+            params = SamplingParams(max_tokens=1, temperature=req.temperature, prompt_logprobs=req.top_logprobs)
+            await trl.settle()
+            rid = f"trl-logprobs-{uuid.uuid4().hex}"
+            streams = await llm.add_requests([(f"{rid}-{i}", {"prompt_token_ids": list(seq)}, params)
+                                              for i, seq in enumerate(req.sequences)])
+        except Exception as err:  # noqa: BLE001
+            return exception_response(err)
+
+        async def collect():
+            try:
+                finals = await _final_outputs(streams)
+            except Exception as err:  # noqa: BLE001
+                return exception_response(err)
+            ranked = [[sorted(entry.items(), key=lambda kv: kv[1].rank) if entry is not None else []
+                       for entry in out.prompt_logprobs[pl:]]
+                      for out, pl in zip(finals, req.prompt_lengths)]
+            if req.response_format == "binary":
+                return _json(_sequence_logprobs_binary(ranked, req.sequences, req.prompt_lengths, req.top_logprobs))
+            return _json(TrlSequenceLogprobsResponse(
+                logprobs=[[[json_logprob(lp.logprob) for _, lp in pos] for pos in seq] for seq in ranked],
+                logprob_token_ids=[[[tid for tid, _ in pos] for pos in seq] for seq in ranked]))
+        return await _unless_disconnected(raw, collect(), streams)
 
     @app.post("/init_communicator/")
     async def trl_init_communicator(req: TrlInitCommunicatorRequest):

@@ -21,8 +21,8 @@ from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, DetokenizeRequest,
-    DetokenizeResponse, ModelCard, ModelList, OpenAIBaseModel, TokenizeRequest, TokenizeResponse, TopLogprob,
-    UsageInfo, json_logprob,
+    DetokenizeResponse, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest, TokenizeResponse,
+    TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -192,6 +192,28 @@ def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k:
     return out
 
 
+def _echo_logprobs(prompt_ids: list[int], prompt_lps: list, k: int, first_token_text: str,
+                   as_ids: bool = False) -> CompletionLogprobs:
+    """The prompt part of echo's logprobs (OpenAI's legacy shape): the first token has no
+    logprob (None entries), every later one its prompt logprob and top-k alternatives."""
+    out = _completion_logprobs(prompt_ids[1:], prompt_lps[1:], k, len(first_token_text), as_ids)
+    out.tokens.insert(0, f"token_id:{prompt_ids[0]}" if as_ids else first_token_text)
+    out.token_logprobs.insert(0, None)
+    out.top_logprobs.insert(0, None)
+    out.text_offset.insert(0, 0)
+    return out
+
+
+def _prompt_logprobs_json(prompt_lps: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as the response field (JSON-safe logprobs)."""
+    if prompt_lps is None:
+        return None
+    return [None if entry is None else
+            {tid: PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in entry.items()}
+            for entry in prompt_lps]
+
+
 def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
     """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
     content = []
@@ -321,17 +343,34 @@ class OpenAIServing:
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         ids = req.want_token_ids
+        k, as_ids = params.logprobs or 0, req.return_tokens_as_token_ids
+        prompt_only = req.scores_prompt_only   # max_tokens=0 + echo: the sampled token is left out
         choices, n_prompt, n_gen, version = [], 0, 0, 0
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
+            prompt_text = ""
+            if req.echo:
+                prompt_text = out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
+            prompt_lps = _prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
             for c in out.outputs:
-                n_gen += len(c.token_ids)
+                token_ids, lps, text = (([], [] if c.logprobs is not None else None, "") if prompt_only
+                                        else (c.token_ids, c.logprobs, c.text))
+                n_gen += len(token_ids)
                 version = max([version, *c.weight_versions])
+                logprobs = None
+                if lps is not None:
+                    if req.echo:
+                        first = self.llm.tokenizer.decode(out.prompt_token_ids[:1])
+                        logprobs = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, first, as_ids)
+                        gen = _completion_logprobs(token_ids, lps, k, len(prompt_text), as_ids)
+                        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                            getattr(logprobs, name).extend(getattr(gen, name))
+                    else:
+                        logprobs = _completion_logprobs(token_ids, lps, k, 0, as_ids)
                 choices.append(CompletionChoice(
-                    index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=_completion_logprobs(c.token_ids, c.logprobs, params.logprobs or 0, 0, req.return_tokens_as_token_ids)
-                    if c.logprobs is not None else None,
-                    token_ids=list(c.token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                    index=i * params.n + c.index, text=prompt_text + text, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason, logprobs=logprobs, prompt_logprobs=prompt_lps,
+                    token_ids=list(token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
                     weight_versions=c.weight_versions))
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                         usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
@@ -427,7 +466,9 @@ class OpenAIServing:
         version = max(v for c in out.outputs for v in (c.weight_versions or [0]))
         return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                             usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
-                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None))
+                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                                            prompt_logprobs=_prompt_logprobs_json(out.prompt_logprobs)
+                                            if req.prompt_logprobs is not None else None))
 
     async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
                            req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:

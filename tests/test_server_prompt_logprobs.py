@@ -1,0 +1,183 @@
+"""Prompt logprobs over HTTP (tiny Qwen3, CPU): /v1/completions `prompt_logprobs` and `echo`
+(with `max_tokens=0` for scoring), chat `prompt_logprobs`, and TRL's sequence scoring both
+ways TRL asks for it: the installed trl's `VLLMClient.get_sequence_logprobs` (upstream's
+/v1/completions + prompt_logprobs) and `trl vllm-serve`'s POST /get_sequence_logprobs/.
+Every logprob is compared with the trainer's (Policy.token_logprobs) as float32 bits.
+"""
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+requests = pytest.importorskip("requests")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from vllm import LLM  # noqa: E402
+from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
+from vllm.testing.rollout_server import free_port  # noqa: E402
+from vllm.training.policy import Policy  # noqa: E402
+
+SEQS = [list(range(5, 25)), list(range(40, 52)), [7, 8, 9, 10, 11, 12, 13]]
+
+
+def bits(values) -> list[int]:
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_qwen3):
+    return Policy.from_pretrained(tiny_qwen3, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    # --max-logprobs -1, as `trl vllm-serve` starts upstream's server (TRL asks for 100)
+    app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=4, max_num_batched_tokens=16), ["tiny"],
+                             max_logprobs=-1)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if srv.started:
+            break
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(30)
+
+
+def trainer_bits(policy, seqs, prompt_lens, temperature):
+    return [bits(t.detach().tolist()) for t in policy.token_logprobs(seqs, prompt_lens, temperature=temperature)]
+
+
+def test_completions_prompt_logprobs(server, policy):
+    r = requests.post(f"{server}/v1/completions", json={"prompt": SEQS, "max_tokens": 2, "temperature": 0.7,
+                                                        "prompt_logprobs": 3, "seed": 1})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    ref = trainer_bits(policy, SEQS, [1] * len(SEQS), 0.7)
+    for seq, choice, want in zip(SEQS, choices, ref):
+        pl = choice["prompt_logprobs"]
+        assert len(pl) == len(seq) and pl[0] is None
+        assert bits([pl[i][str(seq[i])]["logprob"] for i in range(1, len(seq))]) == want
+        for entry in pl[1:]:
+            assert sorted(v["rank"] for t, v in entry.items())[:3] == [1, 2, 3]
+            assert all(v["decoded_token"] is not None for v in entry.values())
+
+
+def test_echo_scores_the_prompt(server, policy, tiny_qwen3):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tok.encode(text)
+    ref = trainer_bits(policy, [ids], [1], 1.0)[0]
+    # loglikelihood scoring: max_tokens=0 + echo -> the prompt only
+    r = requests.post(f"{server}/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True,
+                                                        "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    c = body["choices"][0]
+    assert c["text"] == text and c["token_ids"] == [] and body["usage"]["completion_tokens"] == 0
+    lp = c["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert bits(lp["token_logprobs"][1:]) == ref
+    assert all(len(t) in (1, 2) for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    # lm-eval's shape: max_tokens=1, echo, logprobs=1: the prompt's logprobs, then the sampled token's
+    r = requests.post(f"{server}/v1/completions", json={"prompt": [ids], "max_tokens": 1, "echo": True,
+                                                        "logprobs": 1, "temperature": 0})
+    c = r.json()["choices"][0]
+    assert len(c["logprobs"]["token_logprobs"]) == len(ids) + 1 and len(c["token_ids"]) == 1
+    assert bits(c["logprobs"]["token_logprobs"][1:-1]) == ref
+    assert c["text"].startswith(tok.decode(ids))
+    # echo without logprobs: the text only
+    r = requests.post(f"{server}/v1/completions", json={"prompt": text, "max_tokens": 2, "echo": True})
+    assert r.json()["choices"][0]["text"].startswith(text) and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_prompt_logprobs(server, policy):
+    r = requests.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi there"}],
+                                                             "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids, pl = body["prompt_token_ids"], body["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    assert bits([pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]) == trainer_bits(policy, [ids], [1], 1.0)[0]
+
+
+def test_bad_requests_are_400_and_lose_nothing(server):
+    bad = [{"prompt": "x", "max_tokens": 0},                               # max_tokens=0 needs echo
+           {"prompt": "x", "prompt_logprobs": -1},
+           {"prompt": "x", "prompt_logprobs": 10 ** 9},                    # beyond the vocabulary
+           {"prompt": "x", "echo": True, "stream": True},
+           {"prompt": "x", "prompt_logprobs": 1, "stream": True}]
+    for body in bad:
+        r = requests.post(f"{server}/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
+    r = requests.post(f"{server}/v1/completions", json={"prompt": SEQS[0], "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == len(SEQS[0])
+
+
+def test_trl_client_get_sequence_logprobs(server, policy):
+    trl_client = pytest.importorskip("trl.generation.vllm_client")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        client = trl_client.VLLMClient(base_url=server, group_port=free_port())
+    prompt_lens = [5, 3, 6]
+    out = client.get_sequence_logprobs(SEQS, prompt_lens, temperature=0.8, chunk_size=2)
+    ref = trainer_bits(policy, SEQS, prompt_lens, 0.8)
+    for seq, pl, actual, ids, top, top_ids, want in zip(SEQS, prompt_lens, out["actual_logprobs"],
+                                                         out["actual_token_ids"], out["logprobs"],
+                                                         out["logprob_token_ids"], ref):
+        assert [i[0] for i in ids] == seq[pl:]
+        assert bits([a[0] for a in actual]) == want
+        assert all(len(row) == 100 and row == sorted(row, reverse=True) for row in top)
+        assert all(len(row) == 100 for row in top_ids)
+
+
+def test_trl_server_get_sequence_logprobs(server, policy):
+    prompt_lens = [0, 4, 6]
+    body = {"sequences": SEQS, "prompt_lengths": prompt_lens, "top_logprobs": 4, "temperature": 0.9}
+    r = requests.post(f"{server}/get_sequence_logprobs/", json=body)
+    assert r.status_code == 200, r.text
+    js = r.json()
+    ref = trainer_bits(policy, SEQS, [1, 4, 6], 0.9)
+    for b, (seq, pl) in enumerate(zip(SEQS, prompt_lens)):
+        positions = list(zip(js["logprobs"][b], js["logprob_token_ids"][b]))
+        assert len(positions) == len(seq) - pl
+        if pl == 0:
+            assert positions[0] == ([], [])      # the first token has no logprob
+            positions = positions[1:]
+        own = []
+        for t, (values, ids) in enumerate(positions):
+            assert 4 <= len(ids) <= 5 and values == sorted(values, reverse=True)
+            own.append(values[ids.index(seq[len(seq) - len(positions) + t])])
+        assert bits(own) == ref[b]
+    # binary: TRL's base64 float32 arrays
+    r = requests.post(f"{server}/get_sequence_logprobs/", json={**body, "response_format": "binary"})
+    assert r.status_code == 200, r.text
+    bj = r.json()
+    shape = bj["shape"]
+    assert shape == [3, max(len(s) - p for s, p in zip(SEQS, prompt_lens)), 4]
+    actual = np.frombuffer(base64.b64decode(bj["actual_logprobs_b64"]), dtype="<f4").reshape(shape[:2] + [1])
+    top = np.frombuffer(base64.b64decode(bj["logprobs_b64"]), dtype="<f4").reshape(shape)
+    for b, (seq, pl) in enumerate(zip(SEQS, prompt_lens)):
+        n = len(seq) - pl
+        start = 1 if pl == 0 else 0
+        got = actual[b, start:n, 0]
+        assert got.view(np.int32).tolist() == ref[b]
+        assert (np.diff(top[b, start:n], axis=-1) <= 0).all()
+    # bad input: 400, nothing else affected
+    for bad in ({"sequences": SEQS, "prompt_lengths": [1]}, {"sequences": [[1, 2]], "prompt_lengths": [3]},
+                {"sequences": [], "prompt_lengths": []}, {"sequences": [[1, 2]], "prompt_lengths": [1],
+                                                          "response_format": "xml"}):
+        r = requests.post(f"{server}/get_sequence_logprobs/", json=bad)
+        assert r.status_code in (400, 422) and r.text, (bad, r.text)
