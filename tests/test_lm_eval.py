@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 
 import pytest
 
@@ -21,7 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from vllm import LLM  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
-from vllm.testing.rollout_server import free_port  # noqa: E402
+from vllm.testing.rollout_server import serve_in_thread  # noqa: E402
 from vllm.training.policy import Policy  # noqa: E402
 
 MC_DOCS = [
@@ -69,17 +67,8 @@ metric_list:
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
     app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=8), ["tiny"])
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield url
 
 
 def test_lm_eval_local_completions(server, tiny_qwen3, tmp_path, monkeypatch):

@@ -14,8 +14,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
-import threading
 import time
 
 import pytest
@@ -27,32 +25,19 @@ pytest.importorskip("prometheus_client")
 
 from vllm.entrypoints.openai.api_server import _serving, build_app
 from vllm.entrypoints.openai.async_engine import AsyncLLM
+from vllm.testing.rollout_server import serve_in_thread
 
 NUM_REQUESTS = 240
 DEADLINE_S = 240
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
     async_llm = AsyncLLM.from_engine_args(dict(model=tiny_qwen3, device="cpu", max_num_seqs=64), startup_timeout=300)
     app = build_app(_serving(async_llm, ["tiny"], 20, "auto"), shutdown_engine_on_exit=False)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", async_llm
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as url:
+        yield url, async_llm
     async_llm.shutdown()
 
 

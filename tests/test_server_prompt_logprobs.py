@@ -7,8 +7,6 @@ Every logprob is compared with the trainer's (Policy.token_logprobs) as float32 
 from __future__ import annotations
 
 import base64
-import threading
-import time
 import warnings
 
 import numpy as np
@@ -21,7 +19,7 @@ pytest.importorskip("fastapi")
 
 from vllm import LLM  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
-from vllm.testing.rollout_server import free_port  # noqa: E402
+from vllm.testing.rollout_server import free_port, serve_in_thread  # noqa: E402
 from vllm.training.policy import Policy  # noqa: E402
 
 SEQS = [list(range(5, 25)), list(range(40, 52)), [7, 8, 9, 10, 11, 12, 13]]
@@ -41,17 +39,8 @@ def server(tiny_qwen3):
     # --max-logprobs -1, as `trl vllm-serve` starts upstream's server (TRL asks for 100)
     app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=4, max_num_batched_tokens=16), ["tiny"],
                              max_logprobs=-1)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield url
 
 
 def trainer_bits(policy, seqs, prompt_lens, temperature):

@@ -13,7 +13,6 @@ The server is the real app under uvicorn on a loopback port, engine loop on a th
 """
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ trl_client = pytest.importorskip("trl.generation.vllm_client")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
-from vllm.testing.rollout_server import free_port  # noqa: E402
+from vllm.testing.rollout_server import free_port, serve_in_thread  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
@@ -46,17 +45,8 @@ def refs(tiny_qwen3, new_weights):
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
     app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=4), ["tiny"])
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield url
 
 
 @pytest.fixture

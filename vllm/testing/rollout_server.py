@@ -1,20 +1,46 @@
-"""A `vllm serve` subprocess on 127.0.0.1 for tests and examples: started on a free port,
-waited for (GET /health), stopped with its process group."""
+"""A server on 127.0.0.1 for tests and examples: a `vllm serve` subprocess (started on a free
+port, waited for (GET /health), stopped with its process group), or an app served by uvicorn
+in a thread of this process (`serve_in_thread`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from typing import Iterator
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, startup_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve the ASGI `app` on a free port from a daemon thread; yields its base URL and
+    stops the server on exit."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not srv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
 
 
 class ServerProcess:
