@@ -100,8 +100,12 @@ setup(
         # trl + requests: tests/test_server_trl.py drives the server with TRL's own VLLMClient (the
         # version tested; its client protocol changes between releases)
         # ray: tests/test_rl_ray.py runs `vllm train --backend ray` on a local cluster (about 12 s to install)
+        # xgrammar: tests/test_structured_outputs.py (about 4 s to install: two wheels, 4.6 MB)
         "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
-                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests", "ray>=2.40"],
+                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests", "ray>=2.40", "xgrammar>=0.2.9,<0.3"],
+        # structured outputs (response_format, structured_outputs, tool_choice "required" / named):
+        # xgrammar compiles the grammars (vllm/structured_outputs.py); the version tested
+        "structured": ["xgrammar>=0.2.9,<0.3"],
         # sleep mode's CUDA driver virtual-memory path (vllm/worker/cuda_vmm.py)
         "gpu": ["cuda-bindings"],
         # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)

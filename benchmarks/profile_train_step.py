@@ -71,13 +71,14 @@ def main() -> None:
     path = tc.model_dir(args.config)
     which = args.which.split(",")
     out = {}
+    from vllm.config import NumericsSpec
     from vllm.training import Policy
     model, mc = tc.build_ours(path, "cuda")
     layout = tc.make_layout(args.layout, mc.vocab_size, args.prompt_len)
     weights = tc.hf_weights_on_host(model)
     for numerics in [w for w in which if w != "transformers"]:
         tc.restore_weights(model, weights)
-        policy = Policy(model, mc, torch.bfloat16, torch.device("cuda"), numerics.split("+")[0],
+        policy = Policy(model, mc, NumericsSpec(torch.bfloat16, numerics.split("+")[0]), torch.device("cuda"),
                         activation_checkpointing=numerics.endswith("+ckpt"))
         opt = tc.new_optimizer(model.parameters())
         out[numerics] = profile_one(numerics, lambda: tc.policy_train_step(policy, layout, opt), args.steps, args.rows,

@@ -72,9 +72,10 @@ def model_dir(config_path: str, num_hidden_layers: int | None = None) -> str:
 
 
 def build_ours(path: str, device: str, numerics: str = "invariant"):
-    from vllm.model_loader.build import build_model, resolve_model
-    mc, _ = resolve_model(path, dtype="bfloat16", device=device)
-    model, _ = build_model(mc, torch.bfloat16, device, numerics=numerics, load_format="dummy")
+    from vllm.config import NumericsSpec
+    from vllm.model_loader.build import build_model, read_model_config
+    mc = read_model_config(path)
+    model, _ = build_model(mc, NumericsSpec(torch.bfloat16, numerics), device, load_format="dummy")
     for p in model.parameters():
         p.requires_grad_(True)
     return model, mc

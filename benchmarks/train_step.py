@@ -63,6 +63,7 @@ def measure(fn, device: str, warmup: int, reps: int) -> dict:
 
 
 def run_ours(path, layouts, args) -> dict:
+    from vllm.config import NumericsSpec
     from vllm.training import Policy
     model, mc = tc.build_ours(path, args.device)
     weights = tc.hf_weights_on_host(model)
@@ -72,7 +73,7 @@ def run_ours(path, layouts, args) -> dict:
             if name not in args.rows:
                 continue
             tc.restore_weights(model, weights)
-            policy = Policy(model, mc, torch.bfloat16, torch.device(args.device), name.split("+")[0],
+            policy = Policy(model, mc, NumericsSpec(torch.bfloat16, name.split("+")[0]), torch.device(args.device),
                             activation_checkpointing=name.endswith("+ckpt"))
             opt = tc.new_optimizer(model.parameters())
             out[(layout.name, name)] = measure(lambda: tc.policy_train_step(policy, layout, opt), args.device,
@@ -81,7 +82,7 @@ def run_ours(path, layouts, args) -> dict:
             del opt, policy
             _report(layout, name, out[(layout.name, name)])
         if "invariant no-grad" in args.rows:
-            policy = Policy(model, mc, torch.bfloat16, torch.device(args.device), "invariant")
+            policy = Policy(model, mc, NumericsSpec(torch.bfloat16), torch.device(args.device))
 
             def fwd():
                 with torch.no_grad():

@@ -47,12 +47,12 @@ def test_engine_config_and_llm_default_to_invariant():
     import dataclasses
     import inspect
 
-    from vllm.config import EngineConfig
+    from vllm.config import NumericsSpec
     from vllm.entrypoints.llm import LLM
     from vllm.training import Policy
 
     assert inspect.signature(Policy.from_pretrained).parameters["numerics"].default == "invariant"
-    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "numerics")
+    field = next(f for f in dataclasses.fields(NumericsSpec) if f.name == "numerics")
     assert field.default == "invariant"
     assert inspect.signature(LLM.__init__).parameters["numerics"].default == "invariant"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm.config import NumericsSpec
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.kernels import ops
 from vllm.sample.sampler import tempered_logprobs, tempered_target_logprobs
@@ -97,7 +98,7 @@ def test_head_bad_input():
     with pytest.raises(ValueError, match="targets"):
         _head(h, w, torch.zeros(3, dtype=torch.long), 1.0, None)
     with pytest.raises(ValueError, match="logprob_chunk_rows"):
-        Policy(torch.nn.Linear(1, 1), None, torch.float32, "cpu", logprob_chunk_rows=0)
+        Policy(torch.nn.Linear(1, 1), None, NumericsSpec(torch.float32), "cpu", logprob_chunk_rows=0)
 
 
 def test_logprob_grad_kernel_matches_torch_formula():

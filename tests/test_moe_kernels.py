@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from vllm.kernels import moe as K
+from vllm.kernels import ops
 from vllm.kernels.matmul import invariant_matmul
 from vllm.kernels.moe_autograd import GroupedGemmFn, MergeFn, RouterFn
 
 D64 = torch.float64
+SILU = ops.silu_and_mul  # the activation the op shim hands the expert MLPs
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -210,28 +212,28 @@ def _experts_case(T=11, E=4, k=2, H=32, I=16, seed=8):
 @pytest.mark.parametrize("impl", ["experts_grouped_triton", "experts_rows_cpu", "experts_loop"])
 def test_experts_match_float64(impl):
     x, w13, w2, ids = _experts_case()
-    y = getattr(K, impl)(x, w13, w2, ids)
+    y = getattr(K, impl)(x, w13, w2, ids, SILU)
     assert y.shape == (11, 2, 32)
     assert (y.double() - K.experts_reference(x, w13, w2, ids)).abs().max() < 1e-5
 
 
 def test_cpu_experts_rows_are_invariant():
     x, w13, w2, ids = _experts_case(T=30)
-    full = K.experts_rows_cpu(x, w13, w2, ids)
+    full = K.experts_rows_cpu(x, w13, w2, ids, SILU)
     assert full.dtype == torch.float32
     for lo, hi in ((0, 1), (29, 30), (4, 17)):
-        assert torch.equal(bits(K.experts_rows_cpu(x[lo:hi].clone(), w13, w2, ids[lo:hi].clone())), bits(full[lo:hi]))
+        assert torch.equal(bits(K.experts_rows_cpu(x[lo:hi].clone(), w13, w2, ids[lo:hi].clone(), SILU)), bits(full[lo:hi]))
     crowd = torch.tensor([0, 1]).expand(30, 2).contiguous()
-    assert torch.equal(bits(K.experts_rows_cpu(x[9:10].clone(), w13, w2, crowd[:1].clone())),
-                       bits(K.experts_rows_cpu(x, w13, w2, crowd)[9:10]))
+    assert torch.equal(bits(K.experts_rows_cpu(x[9:10].clone(), w13, w2, crowd[:1].clone(), SILU)),
+                       bits(K.experts_rows_cpu(x, w13, w2, crowd, SILU)[9:10]))
     # grouped Triton and CPU rows agree in value (their bits may differ: different kernels)
-    assert (K.experts_grouped_triton(x, w13, w2, ids) - full).abs().max() < 1e-5
+    assert (K.experts_grouped_triton(x, w13, w2, ids, SILU) - full).abs().max() < 1e-5
 
 
 def test_empty_batch():
     x, w13, w2, ids = _experts_case(T=0)
     for fn in (K.experts_grouped_triton, K.experts_rows_cpu, K.experts_fast):
-        assert fn(x, w13, w2, ids).shape == (0, 2, 32)
+        assert fn(x, w13, w2, ids, SILU).shape == (0, 2, 32)
     assert K.merge_slots_triton(torch.zeros(0, 2, 32), torch.zeros(0, 2), torch.float32).shape == (0, 32)
 
 
@@ -278,13 +280,13 @@ def test_gpu_grouped_experts_invariant_over_batch_and_crowding():
     at every batch size (each picks its own block size and tiles) and when every token
     crowds onto the same experts."""
     x, w13, w2, ids = _gpu_case(2048)
-    full = K.experts_grouped_triton(x, w13, w2, ids)
+    full = K.experts_grouped_triton(x, w13, w2, ids, SILU)
     for m in (1, 2, 3, 16, 17, 64, 100, 257, 1024):
-        assert torch.equal(bits(K.experts_grouped_triton(x[:m].clone(), w13, w2, ids[:m].clone())), bits(full[:m])), m
+        assert torch.equal(bits(K.experts_grouped_triton(x[:m].clone(), w13, w2, ids[:m].clone(), SILU)), bits(full[:m])), m
     crowd = torch.arange(8, device="cuda").expand(2048, 8).contiguous()
-    crowded = K.experts_grouped_triton(x, w13, w2, crowd)
+    crowded = K.experts_grouped_triton(x, w13, w2, crowd, SILU)
     for t in (0, 777, 2047):
-        assert torch.equal(bits(K.experts_grouped_triton(x[t:t + 1].clone(), w13, w2, crowd[:1].clone())),
+        assert torch.equal(bits(K.experts_grouped_triton(x[t:t + 1].clone(), w13, w2, crowd[:1].clone(), SILU)),
                            bits(crowded[t:t + 1]))
     ref = K.experts_reference(x[:4], w13, w2, ids[:4])
     assert (full[:4].double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
@@ -321,10 +323,10 @@ def test_gpu_grouped_backward_and_fast_path_match_reference():
     x, w13, w2, ids = _gpu_case(64, E=16, k=4, H=256, I=128)
     ref = K.experts_reference(x, w13, w2, ids)
     scale = ref.abs().max().item()
-    for y in (K.experts_grouped_triton(x, w13, w2, ids), K.experts_fast(x, w13, w2, ids)):
+    for y in (K.experts_grouped_triton(x, w13, w2, ids, SILU), K.experts_fast(x, w13, w2, ids, SILU)):
         assert (y.double() - ref).abs().max().item() < 2e-2 * scale
     xa, w13a, w2a = (t.clone().requires_grad_(True) for t in (x, w13, w2))
-    y = K.experts_grouped_triton(xa, w13a, w2a, ids)
+    y = K.experts_grouped_triton(xa, w13a, w2a, ids, SILU)
     g = torch.randn_like(y)
     y.backward(g)
     x64, w1364, w264 = (t.detach().double().requires_grad_(True) for t in (x, w13, w2))
@@ -339,11 +341,13 @@ def test_moe_self_check_passes_and_catches_a_batch_dependent_kernel(tiny_qwen3_m
     """Reached through the self-check's generic layer hook (the MoE block's
     `invariant_self_check`), as the engine's start-up check reaches it."""
     from vllm.kernels.selfcheck import SelfCheckError, layer_self_checks
+    from vllm.config import NumericsSpec
     from vllm.model_loader.build import build_model, resolve_model
 
     mc, dtype = resolve_model(tiny_qwen3_moe, dtype="float32", device="cpu")
-    model = build_model(mc, dtype, "cpu", numerics="fast")[0]
-    monkeypatch.setattr(K, "SELF_CHECK_MS", (1, 3, 9))
+    model = build_model(mc, NumericsSpec(dtype, "fast"), "cpu")[0]
+    from vllm.kernels import moe_selfcheck
+    monkeypatch.setattr(moe_selfcheck, "SELF_CHECK_MS", (1, 3, 9))
     report = layer_self_checks(model, torch.device("cpu"), torch.float32, max_tokens=9)
     assert report == {"model.layers.0.mlp": {"experts": 8, "top_k": 2, "H": 64, "Ms": [1, 3, 9]}}  # layer 2: same shape
     real = K.experts_grouped_triton

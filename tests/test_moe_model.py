@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from vllm import LLM, SamplingParams
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.layers.moe import SparseMoeBlock
+from vllm.config import NumericsSpec
 from vllm.model_loader.build import build_model, resolve_model
 from vllm.models.qwen3_moe import Qwen3MoeConfig
 from vllm.testing.tiny_models import load_hf_model, make_tiny_checkpoint
@@ -26,7 +27,7 @@ BENCH_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def _model(path):
     mc, dtype = resolve_model(path, dtype="float32", device="cpu")
-    return build_model(mc, dtype, "cpu", numerics="fast")[0]
+    return build_model(mc, NumericsSpec(dtype, "fast"), "cpu")[0]
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,31 @@ def test_docs_show_the_table():
     with open(os.path.join(ROOT, "docs", "numerics.md")) as f:
         doc = f.read()
     assert nt.markdown() in doc, "docs/numerics.md must contain numerics_table.markdown() verbatim"
+
+
+def test_moe_ops_are_rows_of_the_table():
+    """Routing, the expert MLPs and the merge: the table's row shape, split by mode and device."""
+    from vllm.kernels import moe
+    assert nt.kernel_for("moe_route", "invariant", "cpu") is moe.route_invariant
+    assert nt.kernel_for("moe_experts", "invariant", "cuda") is moe.experts_grouped_triton
+    assert nt.kernel_for("moe_experts", "invariant", "cpu") is moe.experts_rows_cpu
+    assert nt.kernel_for("moe_experts", "fast", "cpu") is moe.experts_loop
+    assert nt.kernel_for("moe_merge", "invariant", "cuda") is moe.merge_slots_triton
+    assert nt.describe("fast", "cuda")["moe_experts"] == "kernels.moe.experts_fast"
+    assert not hasattr(moe, "MOE_OPS")
+
+
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+def test_op_shim_dispatches_moe_through_the_table(mode, monkeypatch):
+    calls = []
+
+    def spy(name):
+        def fn(y, w, out_dtype):
+            calls.append(name)
+            return y.sum(1).to(out_dtype)
+        return fn
+    entry = nt.OpNumerics(fast=nt.Impl(cuda=None, cpu=spy("fast")), invariant=nt.Impl(cuda=None, cpu=spy("invariant")))
+    monkeypatch.setitem(nt.NUMERICS_TABLE, "moe_merge", entry)
+    with set_forward_context(ForwardContext(None, mode)):
+        ops.moe_merge(torch.ones(2, 3, 4), torch.ones(2, 3), torch.float32)
+    assert calls == [mode]

@@ -170,3 +170,21 @@ def test_trl_server_get_sequence_logprobs(server, policy):
                                                           "response_format": "xml"}):
         r = requests.post(f"{server}/get_sequence_logprobs/", json=bad)
         assert r.status_code in (400, 422) and r.text, (bad, r.text)
+
+
+def test_unscored_prompt_positions_fail_with_409():
+    """A request aborted before its prompt was scored (its missing positions are None) fails
+    with a clear 409 instead of a partial or broken answer; a complete one passes."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.errors import PromptNotScoredError, exception_response, require_scored_prompts
+
+    done = SimpleNamespace(request_id="a", prompt_logprobs=[None, {5: 0.0}, {6: 0.0}], outputs=[])
+    cut = SimpleNamespace(request_id="b", prompt_logprobs=[None, {5: 0.0}, None],
+                          outputs=[SimpleNamespace(finish_reason="abort")])
+    require_scored_prompts([done, SimpleNamespace(request_id="c", prompt_logprobs=None, outputs=[])])
+    with pytest.raises(PromptNotScoredError, match="1 of its 2 prompt positions") as err:
+        require_scored_prompts([done, cut])
+    resp = exception_response(err.value)
+    assert resp.status_code == 409 and "send it again" in json.loads(resp.body)["error"]["message"]

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vllm import LLM
+from vllm.config import NumericsSpec
 from vllm.model_loader.build import build_model, resolve_model
 from vllm.model_loader.loader import load_weights
 from vllm.weight_sync import plan_update
@@ -31,7 +32,7 @@ def _file_tensors(path: str) -> dict[str, torch.Tensor]:
 
 def _model(path: str, dtype="float32"):
     mc, dt = resolve_model(path, dtype=dtype, device="cpu")
-    return build_model(mc, dt, "cpu", numerics="fast")[0]
+    return build_model(mc, NumericsSpec(dt, "fast"), "cpu")[0]
 
 
 def _empty_like(model):

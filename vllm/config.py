@@ -1,9 +1,10 @@
 """Configuration dataclasses: what the user asked for, resolved once at start-up.
 
 `ModelConfig` describes the logical model (read from an HF `config.json`),
-`CacheConfig`/`SchedulerConfig` the engine's resources, and `EngineConfig`
-bundles them. Every field that can change numerics is also recorded in the
-execution contract (see docs/numerics.md once it exists).
+`CacheConfig`/`SchedulerConfig` the engine's resources, `NumericsSpec` every choice
+that changes how the numbers are computed (shared by engine and trainer), and
+`EngineConfig` bundles them. Every field that can change numerics is also recorded in
+the execution contract (docs/numerics.md).
 """
 from __future__ import annotations
 
@@ -132,16 +133,12 @@ class CacheConfig:
     # sleep()/wake_up(): release the KV cache's memory while a colocated trainer runs.
     # On CUDA the cache then lives in a driver VMM region (same address after wake).
     enable_sleep_mode: bool = False
-    # "auto": K/V stored in the model dtype; "fp8": float8_e4m3fn + a float32 scale per token
-    # per kv head (vllm/kernels/fp8.py), dequantized on every read (docs/fp8.md)
-    kv_cache_dtype: str = "auto"
     # Models with recurrent layers: prefix-cache snapshots of their states (one per cached
     # prompt, at its last multiple of the states' chunk size). None: max_num_seqs // 4
     # (at least 1) with prefix caching on, 0 with it off.
     num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
-        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
 
@@ -211,19 +208,86 @@ class ParallelConfig:
 
 DEFAULT_TP_LEAVES = 8
 
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class NumericsSpec:
+    """Every choice that decides how a model's numbers are computed, resolved and validated
+    once where the user's options enter (LLM, Policy.from_pretrained: through
+    vllm.model_loader.build.resolve_numerics) and carried whole to the model build, the
+    forward context's options and the execution contract, so engine and trainer cannot
+    canonicalise them differently.
+
+    `dtype`: the model dtype (resolved: never "auto"). `numerics`: "invariant" or "fast".
+    `kernels`: the kernel options. `kv_cache_dtype`: "auto" (the model dtype) or "fp8"
+    (float8_e4m3fn + a float32 scale per token per kv head, dequantized on every read;
+    "fp8_e4m3" is read as "fp8"). `quantization`: None or "fp8" (block-scaled FP8 linear
+    layers, docs/fp8.md). `parallel`: the tensor-parallel size and the row-parallel K-leaf
+    tree, applied when the model is built (the contract reads the tree from the model)."""
+    dtype: torch.dtype
+    numerics: str = "invariant"
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _MODEL_DTYPES:
+            raise ValueError(f"NumericsSpec.dtype must be one of {[str(d) for d in _MODEL_DTYPES]} "
+                             f"(resolve 'auto' first: vllm.config.resolve_dtype), got {self.dtype!r}")
+        if self.numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
+        if not isinstance(self.kernels, KernelConfig):
+            raise ValueError(f"kernels must be a KernelConfig, got {type(self.kernels).__name__}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))
+
+
+class NumericsSpecFields:
+    """The fields of the holder's `numerics_spec`, by their own names (EngineConfig, the
+    trainer's Policy): read-only, so the spec stays the one value."""
+    numerics_spec: NumericsSpec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.numerics_spec.dtype
+
+    @property
+    def numerics(self) -> str:
+        return self.numerics_spec.numerics
+
+    @property
+    def kernels(self) -> KernelConfig:
+        return self.numerics_spec.kernels
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.numerics_spec.kv_cache_dtype
+
+    @property
+    def quantization(self) -> str | None:
+        return self.numerics_spec.quantization
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.numerics_spec.parallel
+
 
 @dataclass
-class EngineConfig:
+class EngineConfig(NumericsSpecFields):
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str
-    dtype: torch.dtype
+    # dtype, numerics mode ("invariant": logprobs match the trainer's bit for bit, the
+    # product; "fast": the measured plain-speed baseline, docs/numerics.md), kernel options,
+    # KV cache dtype, quantization, tensor parallelism
+    numerics_spec: NumericsSpec
     seed: int = 0
     enforce_eager: bool = False
-    # "invariant": logprobs match the trainer's bit for bit (the product); "fast": the
-    # measured plain-speed baseline (docs/numerics.md)
-    numerics: str = "invariant"
     tokenizer: str | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     load_format: str = "safetensors"   # "dummy": random weights of the config's shapes (benchmarks)
@@ -231,27 +295,21 @@ class EngineConfig:
     # tokens and bits as the synchronous loop, ~10% more throughput on the H200), off
     # on CPU, where there is no device queue to overlap with.
     async_scheduling: bool | None = None
-    kernels: KernelConfig = field(default_factory=KernelConfig)
     # Synchronise at every step phase and accumulate wall time per phase in the runner's
     # `timings` (diagnostics for benchmarks: the syncs cost throughput).
     step_profile: bool = False
-    # None or "fp8": block-scaled FP8 linear layers (docs/fp8.md); changes bits, so the
-    # execution contract names it
-    quantization: str | None = None
     # quantization="fp8" only. False: FP8 layers keep only their fp8 copy (about half the
     # weight memory, left to the KV cache); for rollout-only engines: no trainer can run
     # over this engine's model, weight sync quantizes the tensors it receives. Same bits.
     keep_master_weights: bool = True
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        self.quantization = check_quantization(self.quantization)
+        if not isinstance(self.numerics_spec, NumericsSpec):
+            raise ValueError(f"numerics_spec must be a NumericsSpec, got {type(self.numerics_spec).__name__}")
         if not self.keep_master_weights and self.quantization is None:
             raise ValueError("keep_master_weights=False needs quantization='fp8': only FP8 layers have a copy to keep")
         if self.async_scheduling is None:
             self.async_scheduling = str(self.device).startswith("cuda")
-        if self.numerics not in NUMERICS_MODES:
-            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.scheduler.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.scheduler.max_num_batched_tokens < 1:

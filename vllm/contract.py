@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from vllm.config import KernelConfig
+from vllm.config import NumericsSpec
 
 
 def _digest(obj) -> str:
@@ -44,9 +44,7 @@ def device_kind(device: str | torch.device) -> dict:
     return {"type": dev.type, "threads": torch.get_num_threads()}
 
 
-def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dtype,
-                     kernels: KernelConfig | None = None, kv_cache_dtype: str = "auto",
-                     quantization: str | None = None) -> dict:
+def numerical_policy(spec: NumericsSpec, device: str | torch.device) -> dict:
     import triton
 
     from vllm.kernels import attention as attn
@@ -54,9 +52,10 @@ def numerical_policy(numerics: str, device: str | torch.device, dtype: torch.dty
     from vllm.kernels import matmul
     from vllm.kernels.numerics_table import KERNEL_VERSION, describe
 
+    numerics, dtype, kernels = spec.numerics, spec.dtype, spec.kernels
+    quantization, kv_cache_dtype = spec.quantization, spec.kv_cache_dtype
     dev = torch.device(device)
     gpu = dev.type == "cuda"
-    kernels = kernels or KernelConfig()
     policy = {
         "numerics": numerics,
         "device": device_kind(dev),
@@ -164,22 +163,25 @@ def weights_layout_digest(model: torch.nn.Module) -> str:
     return _digest(sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()))
 
 
-def build_contract(model: torch.nn.Module, *, dtype: torch.dtype, numerics: str, device: str | torch.device,
-                   deployment: Mapping[str, Any] | None = None, kernels: KernelConfig | None = None,
-                   kv_cache_dtype: str = "auto", quantization: str | None = None) -> ExecutionContract:
+def build_contract(model: torch.nn.Module, spec: NumericsSpec, *, device: str | torch.device,
+                   deployment: Mapping[str, Any] | None = None) -> ExecutionContract:
     """The contract of `model` (its own parsed config, `model.config`, a dataclass, is the
-    semantic part, so a new architecture's fields enter it without changes here) run in
-    `dtype` under `numerics` on `device` with the kernel options `kernels` (defaults:
-    KernelConfig()). `deployment`: the caller's settings that must not change bits (the
-    engine's batch limits, block size, bit-neutral kernel options, ...; the trainer's block size)."""
+    semantic part, so a new architecture's fields enter it without changes here) run as
+    `spec` says (dtype, numerics mode, kernel options, KV cache dtype, quantization) on
+    `device`; the tensor-parallel tree is read from the model, as built. `deployment`: the
+    caller's settings that must not change bits (the engine's batch limits, block size,
+    bit-neutral kernel options, ...; the trainer's block size)."""
+    if not isinstance(spec, NumericsSpec):
+        raise ValueError(f"build_contract takes a NumericsSpec (vllm.config), got {type(spec).__name__}")
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ValueError(f"{type(model).__name__}.config must be the model's config dataclass")
+    dtype, numerics = spec.dtype, spec.numerics
     semantic = {
         **dataclasses.asdict(model.config),
         "dtype": str(dtype).replace("torch.", ""),
         "weights_layout": weights_layout_digest(model),
     }
-    numerical = numerical_policy(numerics, device, dtype, kernels, kv_cache_dtype, quantization)
+    numerical = numerical_policy(spec, device)
     deployment = dict(deployment or {})
     # tensor parallelism (vllm/parallel/tensor_parallel.py): the K-leaf tree's G and rule are
     # numerical (None: the plain invariant GEMM); the size is bit-neutral in invariant mode,

@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from vllm.structured_outputs import StructuredOutputsParams
+
 LOGPROBS_MODES = ("tempered_logprobs", "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -36,6 +38,8 @@ class SamplingParams:
     logprobs_mode: str = "tempered_logprobs"
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (None: free)
+    structured_outputs: "StructuredOutputsParams | None" = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +88,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if self.stop_token_ids is not None and any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative ints")
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # the eos ban of min_tokens and a complete grammar (which allows only eos) would
+            # leave no token to sample
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -96,13 +105,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass
-class StructuredOutputsParams:
-    """upstream vLLM's name, so code that imports it (TRL's generation module) loads.
-    Structured outputs are not supported: no engine path takes these."""
-    regex: str | None = None
-    json: dict | str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None

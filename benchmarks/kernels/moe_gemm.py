@@ -93,7 +93,7 @@ def main() -> None:
     has_gmm = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability()[0] >= 9
     rows, bad = [], 0
     full_ids = routing(max(ts), False, gen)
-    full = K.experts_grouped_triton(xmax, w13, w2, full_ids)
+    full = K.experts_grouped_triton(xmax, w13, w2, full_ids, ops.silu_and_mul)
     print(f"{'T':>6} {'routing':>8} {'gemm':>6} {'ours us':>9} {'gmm us':>9} {'loop us':>9} {'gmm/ours':>9} {'loop/ours':>9}")
     for crowded in (False, True):
         for T in ts:
@@ -101,7 +101,7 @@ def main() -> None:
             ids = full_ids[:T].contiguous() if not crowded else routing(T, True, gen)
             # ---- bits: rows at this T == the same rows at max T; == the dense invariant GEMM
             if not crowded:
-                y = K.experts_grouped_triton(x, w13, w2, ids)
+                y = K.experts_grouped_triton(x, w13, w2, ids, ops.silu_and_mul)
                 same = torch.equal(y.view(torch.int32), full[:T].view(torch.int32))
                 bad += not same
                 if not same:
@@ -133,11 +133,13 @@ def main() -> None:
                 else:
                     def ours():
                         r = K.route_invariant(invariant_matmul(x, router, out_dtype=torch.float32), TOPK, True)
-                        return K.merge_invariant(K.experts_grouped_triton(x, w13, w2, r.ids), r.weights, x.dtype)
+                        return K.merge_slots_triton(K.experts_grouped_triton(x, w13, w2, r.ids, ops.silu_and_mul),
+                                                    r.weights, x.dtype)
 
                     def gmm():
                         r = K.route_fast(F.linear(x, router).float(), TOPK, True)
-                        return K.merge_fast(K.experts_torch_grouped_mm(x, w13, w2, r.ids), r.weights, x.dtype)
+                        return K.merge_fast(K.experts_torch_grouped_mm(x, w13, w2, r.ids, ops.silu_and_mul), r.weights,
+                                            x.dtype)
                     r0 = K.route_fast(F.linear(x, router).float(), TOPK, True)
                     inner = loop_calls(x, w13, r0.ids, True)  # routing fixed on the host: GEMMs + merge only
 

@@ -47,6 +47,9 @@ class ScheduledRequest:
     state_save: int = -1
     # Prompt logprobs this step computes (None: none; only requests that ask get one)
     prompt_logprobs: PromptLogprobsSlice | None = None
+    # Structured outputs: the packed mask of the sampled token (int32 words, bit j of word
+    # i allows token 32 * i + j; vllm/structured_outputs.py). None: unconstrained.
+    grammar_bitmask: object = None
 
     @property
     def num_new(self) -> int:

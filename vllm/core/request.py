@@ -60,6 +60,15 @@ class Request:
         self.num_prompt_logprob_rows = 0
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
+        # Structured outputs: this sample's grammar matcher (vllm/structured_outputs.py), fed
+        # every output token once its value is on the host (None: unconstrained)
+        self.grammar = None
+
+    @property
+    def awaiting_grammar_token(self) -> bool:
+        """Async scheduling: its last token is still on the device, so the grammar mask of
+        its next token cannot be computed yet."""
+        return self.grammar is not None and bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ freed (cached blocks stay reusable by hash) and it waits to be recomputed.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Iterable
 
@@ -16,6 +17,8 @@ from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from vllm.core.request import PLACEHOLDER, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -99,7 +102,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = 0 if req.finishing else self._chunk(req, budget)
+            # a constrained request whose last token is still on the device sits this step
+            # out: its next token's grammar mask needs that token (docs/serving.md)
+            n = 0 if req.finishing or req.awaiting_grammar_token else self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -121,7 +126,7 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if req.leader is not None and not self._leader_ready(req.leader):
+                if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_grammar_token:
                     skipped.append(self.waiting.popleft())
                     continue
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
@@ -172,6 +177,8 @@ class Scheduler:
                 req.banned_token_ids() if p.min_tokens else (),
                 (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt_token_ids,
                  req.output_token_ids) if p.has_penalties else None, max(slot, 0), load, save))
+            if req.grammar is not None and start + n == req.num_tokens:
+                out[-1].grammar_bitmask = req.grammar.next_bitmask()
             if req.prompt_logprobs is not None and req.prompt_logprobs_pending:
                 out[-1].prompt_logprobs = self._prompt_logprobs_slice(req, start, n)
                 if out[-1].prompt_logprobs is not None:
@@ -245,9 +252,25 @@ class Scheduler:
                 req.cumulative_logprob += tok.logprob
             updated.append(req)
             status = req.check_token_stop()
+            if req.grammar is not None and status is None:
+                status = self._advance_grammar(req, tok.token_id)
             if status is not None:
                 finished.extend(self.finish_requests([req.req_id], status))
         return updated, finished
+
+    @staticmethod
+    def _advance_grammar(req: Request, token_id: int) -> RequestStatus | None:
+        """Feed the sampled token to the request's matcher; a grammar that has accepted its
+        stop token (eos also under ignore_eos) ends the request. A token the grammar rejects
+        can only come from a row the mask left empty: the request stops there."""
+        if not req.grammar.accept(token_id):
+            logger.warning("request %s: token %d is not allowed by its grammar; stopping it", req.req_id, token_id)
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar.terminated:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     @staticmethod
     def _real_prefix(req: Request) -> int:

@@ -120,6 +120,7 @@ class LLMEngine:
         self.output_builder = None
         self._sleeping = False
         self._inflight = None   # async scheduling: (SchedulerOutput, StepHandle) of the step on the GPU
+        self._grammars = None   # structured outputs: the GrammarCompiler, made on first use
 
     # ---- input ------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -147,12 +148,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        compiled = self._compile_grammar(params)   # ValueError before anything is queued
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         children, leader = [], None
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, params, derive_seed(base_seed, i), self.eos_token_ids,
                           self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i)
+            if compiled is not None:
+                req.grammar = self._grammars.state(compiled)   # one matcher per sample
             leader = leader or req
             children.append(req)
         group = _Group(request_id, text, ids, params, children, [None for _ in children], stream=stream,
@@ -164,6 +168,16 @@ class LLMEngine:
             self._child_to_group[req.req_id] = request_id
             self.scheduler.add_request(req)
         return request_id
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (None: unconstrained); the compiler
+        is made on the first one (vllm/structured_outputs.py)."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            from vllm.structured_outputs import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(params.structured_outputs)
 
     def on_weights_updated(self) -> None:
         """The parameters changed in place (colocated trainer step or weight sync):
@@ -244,9 +258,7 @@ class LLMEngine:
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
             "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel, "keep_master_weights": c.keep_master_weights,
         }
-        return build_contract(self.executor.model, dtype=c.dtype, numerics=c.numerics, device=c.device,
-                              deployment=deployment, kernels=c.kernels, kv_cache_dtype=c.cache.kv_cache_dtype,
-                              quantization=c.quantization)
+        return build_contract(self.executor.model, c.numerics_spec, device=c.device, deployment=deployment)
 
     # ---- sleep mode ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import torch
 
-from vllm.config import CacheConfig, EngineConfig, KernelConfig, ParallelConfig, SchedulerConfig, default_model_path
+from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.engine.llm_engine import LLMEngine
-from vllm.model_loader.build import resolve_model
+from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -39,25 +39,24 @@ class LLM:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
-        mc, model_dtype = resolve_model(model or default_model_path(), dtype=dtype, device=device, max_model_len=max_model_len)
-        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
-        quantization = quantization or checkpoint_quantization(mc.hf_config)  # an FP8 checkpoint runs FP8
+        mc = read_model_config(model or default_model_path(), max_model_len=max_model_len)
+        spec = resolve_numerics(mc, device, dtype=dtype, numerics=numerics,
+                                kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
+                                kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if device != "cpu" else 2048
         config = EngineConfig(
             model=mc,
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode,
-                              kv_cache_dtype=kv_cache_dtype),
+                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
-            device=device, dtype=model_dtype, seed=seed, enforce_eager=enforce_eager,
-            numerics=numerics, tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
-            async_scheduling=async_scheduling, kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
-            step_profile=step_profile, quantization=quantization, keep_master_weights=keep_master_weights,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves))
+            device=device, numerics_spec=spec, seed=seed, enforce_eager=enforce_eager,
+            tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
+            async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
         self.llm_engine = LLMEngine(config)
         self._warned_fast_policy = False
 
@@ -78,10 +77,9 @@ class LLM:
                           "the rollout's bit for bit; build the LLM with numerics='invariant' (the default) for parity",
                           stacklevel=2)
         executor = self.llm_engine.executor
-        return Policy(executor.model, self.config.model, self.config.dtype, executor.info.device, self.config.numerics,
+        return Policy(executor.model, self.config.model, self.config.numerics_spec, executor.info.device,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size, kernels=self.config.kernels,
-                      kv_cache_dtype=self.config.cache.kv_cache_dtype, quantization=self.config.quantization)
+                      block_size=self.config.cache.block_size)
 
     def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:
         """In-place weight sync from a trainer (HF names -> tensors of any float dtype, cast

@@ -24,8 +24,11 @@ Where MoE usually breaks batch invariance, and what these kernels do instead:
 `fast` mode keeps the plain baseline: torch softmax + topk, `torch._grouped_mm` (or a
 per-expert loop) in the model dtype, a torch sum over slots.
 
-Ops are dispatched on the numerics mode of the forward context through `MOE_OPS` =
-{op: (fast, invariant)}. The autograd Functions live in `kernels/moe_autograd.py`, which
+The three ops (moe_route, moe_experts, moe_merge) are rows of the numerics table
+(`kernels/numerics_table.py`), and the op shim (`kernels/ops.py`) dispatches them with the
+forward context's mode like every other op. The expert MLPs take their activation from the
+shim (`act`: its silu_and_mul, with that op's table row and autograd Function), so this
+module imports neither. The autograd Functions live in `kernels/moe_autograd.py`, which
 imports nothing from here: the kernels they wrap are passed in.
 """
 from __future__ import annotations
@@ -34,15 +37,14 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vllm.forward_context import current_numerics
-from vllm.kernels import ops
-from vllm.kernels.moe_autograd import GroupedGemmFn, MergeFn, RouterFn
+from vllm.kernels.moe_autograd import GroupedGemmFn
 
 logger = logging.getLogger(__name__)
 
@@ -392,9 +394,9 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
 
 
 def experts_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                           config: tuple | None = None) -> torch.Tensor:
+                           act: Callable, config: tuple | None = None) -> torch.Tensor:
     """Invariant expert MLPs on the grouped Triton GEMM -> y [T, k, H] float32 (the down
-    GEMM's accumulator, unrounded: the merge rounds once)."""
+    GEMM's accumulator, unrounded: the merge rounds once). `act`: silu_and_mul."""
     T, k = ids.shape
     E, H = w13.shape[0], w2.shape[1]
     if T == 0:
@@ -402,13 +404,13 @@ def experts_grouped_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     block_m = (config or pick_moe_config(T * k, E))[0]
     plan = make_plan(ids, E, block_m)
     h = grouped_linear(x, w13, plan, a_indexed=True, a_div=k, c_indexed=False, config=config)  # [P, 2I]
-    act = ops.silu_and_mul(h)
-    y = grouped_linear(act, w2, plan, a_indexed=False, c_indexed=True, num_c_rows=T * k,
+    y = grouped_linear(act(h), w2, plan, a_indexed=False, c_indexed=True, num_c_rows=T * k,
                        out_dtype=torch.float32, config=config)
     return y.view(T, k, H)
 
 
-def experts_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def experts_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                     act: Callable) -> torch.Tensor:
     """Invariant expert MLPs on CPU: every (token, slot) pair on its own, as fresh [1, K]
     rows of identical shape, so the library takes the same code path whatever the batch
     (the rule of the row forms in kernels/torch_ops.py). Down projection in float32 ->
@@ -424,11 +426,10 @@ def experts_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: 
         row = x[t:t + 1].clone()
         for s in range(k):
             e = ids_host[t][s]
-            h = F.linear(row, w13[e])
-            act = ops.silu_and_mul(h)
+            a = act(F.linear(row, w13[e]))
             if e not in w2f:
                 w2f[e] = w2[e].float()
-            out.append(F.linear(act.float(), w2f[e]))
+            out.append(F.linear(a.float(), w2f[e]))
     return torch.cat(out, 0).view(T, k, H)
 
 
@@ -447,7 +448,8 @@ def _grouped_mm_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
             and (x.device, x.dtype) not in _GROUPED_MM_BROKEN)
 
 
-def experts_torch_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def experts_torch_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                             act: Callable) -> torch.Tensor:
     """The fast baseline on Hopper: torch's grouped GEMM (CUTLASS) over expert-sorted
     rows, model-dtype outputs -> y [T, k, H] in x.dtype. Device ops only (graph safe)."""
     T, k = ids.shape
@@ -459,12 +461,13 @@ def experts_torch_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x.index_select(0, order // k)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
-    ys = torch._grouped_mm(ops.silu_and_mul(h), w2.transpose(1, 2), offs=offs)
+    ys = torch._grouped_mm(act(h), w2.transpose(1, 2), offs=offs)
     y = torch.empty_like(ys).index_copy(0, order, ys)
     return y.view(T, k, H)
 
 
-def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                 act: Callable) -> torch.Tensor:
     """The plain per-expert loop (F.linear on each expert's gathered rows). Reads expert
     counts on the host: eager only."""
     T, k = ids.shape
@@ -474,29 +477,23 @@ def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torc
     for e in torch.unique(flat).tolist():
         rows = (flat == e).nonzero(as_tuple=True)[0]
         h = F.linear(x.index_select(0, rows // k), w13[e])
-        y = y.index_copy(0, rows, F.linear(ops.silu_and_mul(h), w2[e]))
+        y = y.index_copy(0, rows, F.linear(act(h), w2[e]))
     return y.view(T, k, H)
 
 
-def experts_fast(x, w13, w2, ids):
+def experts_fast(x, w13, w2, ids, act):
+    """The fast baseline on CUDA (on CPU it is experts_loop): torch's grouped GEMM where it
+    takes the layout, else the Triton grouped GEMM (graph-safe without a host read of the
+    expert counts)."""
     if ids.shape[0] == 0:
         return x.new_zeros((0, ids.shape[1], w2.shape[1]))
-    if x.is_cuda:
-        if _grouped_mm_ok(x, w13):
-            try:
-                return experts_torch_grouped_mm(x, w13, w2, ids)
-            except RuntimeError as err:  # an unsupported layout on this build: say so once, then Triton
-                logger.warning("torch._grouped_mm refused (%s); fast mode uses the Triton grouped GEMM", err)
-                _GROUPED_MM_BROKEN.add((x.device, x.dtype))
-        # graph-safe without a host read of the expert counts
-        return experts_grouped_triton(x, w13, w2, ids)
-    return experts_loop(x, w13, w2, ids)
-
-
-def experts_invariant(x, w13, w2, ids):
-    if x.is_cuda:
-        return experts_grouped_triton(x, w13, w2, ids)
-    return experts_rows_cpu(x, w13, w2, ids)
+    if _grouped_mm_ok(x, w13):
+        try:
+            return experts_torch_grouped_mm(x, w13, w2, ids, act)
+        except RuntimeError as err:  # an unsupported layout on this build: say so once, then Triton
+            logger.warning("torch._grouped_mm refused (%s); fast mode uses the Triton grouped GEMM", err)
+            _GROUPED_MM_BROKEN.add((x.device, x.dtype))
+    return experts_grouped_triton(x, w13, w2, ids, act)
 
 
 # ============================================================================ merge
@@ -540,12 +537,6 @@ def merge_slots_triton(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype)
     return out
 
 
-def merge_invariant(y, w, out_dtype):
-    if y.is_cuda:
-        return merge_slots_triton(y, w, out_dtype)
-    return merge_slots_torch(y, w, out_dtype)
-
-
 def merge_fast(y, w, out_dtype):
     return (y.float() * w.float()[..., None]).sum(dim=1).to(out_dtype)
 
@@ -554,43 +545,7 @@ def merge_reference(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (y.double() * w.double()[..., None]).sum(dim=1)
 
 
-# ============================================================================ mode dispatch
-# {op: (fast, invariant)}; invariant kernels are chosen per device inside each function.
-MOE_OPS = {
-    "moe_route": (route_fast, route_invariant),
-    "moe_experts": (experts_fast, experts_invariant),
-    "moe_merge": (merge_fast, merge_invariant),
-}
-
-
-def _impl(name: str):
-    return MOE_OPS[name][1 if current_numerics() == "invariant" else 0]
-
-
-def _grad_needed(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
-    fn = _impl("moe_route")
-    if _grad_needed(logits):
-        weights, probs, ids = RouterFn.apply(logits, top_k, norm_topk_prob, fn)
-        return Routing(ids, weights, probs)
-    return fn(logits, top_k, norm_topk_prob)
-
-
-def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """y [T, k, H] (float32 in invariant mode, the model dtype in fast mode)."""
-    return _impl("moe_experts")(x, w13, w2, ids)
-
-
-def moe_merge(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    fn = _impl("moe_merge")
-    if _grad_needed(y, w):
-        return MergeFn.apply(y, w, out_dtype, fn)
-    return fn(y, w, out_dtype)
-
-
+# ============================================================================ contract
 def moe_numerical_policy(numerics: str, device: str | torch.device) -> dict:
     """The MoE part of the execution contract's numerical section."""
     gpu = torch.device(device).type == "cuda"
@@ -607,65 +562,3 @@ def moe_numerical_policy(numerics: str, device: str | torch.device) -> dict:
                     if gpu else {"kernel": "torch F.linear one (token, slot) row at a time", "down_output": "float32"}),
         "merge": "float32, slot order (k-rank), acc = y0*w0; acc = acc + ys*ws; no fma; one cast",
     }
-
-
-# ============================================================================ start-up self-check (GPU)
-SELF_CHECK_MS = (1, 2, 3, 17, 64, 129, 256, 1024)
-
-
-@torch.inference_mode()
-def moe_self_check(blocks, device: torch.device, dtype: torch.dtype, max_tokens: int | None = None,
-                   kernels=None) -> dict:
-    """`blocks`: (name, MoE block) pairs of a loaded model (a block has `top_k`, a router
-    `gate.weight` [E, H] and `experts.gate_up_proj` / `experts.down_proj`). For each
-    distinct expert-layer shape: a token's expert outputs (float32, unrounded) computed in
-    batches of M in SELF_CHECK_MS (each M picks its own block size and tiles) and with
-    every token routed to the same k experts must equal the same rows computed in the
-    largest batch, bit for bit; so must the router's logits; and the Triton merge must
-    equal the torch formula. `kernels`: the engine's kernel options (KernelConfig), with
-    which the router's logits GEMM is taken from the numerics table as the engine runs it.
-    Raises SelfCheckError naming the layer and M."""
-    from vllm.kernels.numerics_table import kernel_for
-    from vllm.kernels.selfcheck import SelfCheckError
-
-    router_gemm = kernel_for("logits", "invariant", device, kernels)
-
-    report, seen = {}, set()
-    gen = torch.Generator(device=device).manual_seed(4321)
-    for name, mod in blocks:
-        experts = mod.experts
-        w13, w2, k = experts.gate_up_proj, experts.down_proj, mod.top_k
-        key = (tuple(w13.shape), tuple(w2.shape), k)
-        if key in seen:
-            continue
-        seen.add(key)
-        E, H = w13.shape[0], w13.shape[2]
-        top = max(m for m in SELF_CHECK_MS if m <= max(1, min(max_tokens or 1024, 1024)))
-        ms = [m for m in SELF_CHECK_MS if m <= top]
-        x = torch.randn(top, H, generator=gen, device=device).to(dtype)
-        ids = torch.argsort(torch.rand(top, E, generator=gen, device=device), dim=-1)[:, :k].contiguous()
-        full = experts_grouped_triton(x, w13, w2, ids)
-        for m in ms:
-            part = experts_grouped_triton(x[:m].clone(), w13, w2, ids[:m].clone())
-            if not torch.equal(part.view(torch.int32), full[:m].view(torch.int32)):
-                raise SelfCheckError(f"MoE self-check failed for {name}: expert rows at M={m} differ from the same "
-                                     f"rows computed at M={top}")
-        # every token on the same k experts (one expert gets all rows): the last row alone
-        skew = torch.arange(k, device=device).expand(top, k).contiguous()
-        crowded = experts_grouped_triton(x, w13, w2, skew)
-        alone = experts_grouped_triton(x[-1:].clone(), w13, w2, skew[-1:].clone())
-        if not torch.equal(alone.view(torch.int32), crowded[-1:].view(torch.int32)):
-            raise SelfCheckError(f"MoE self-check failed for {name}: a row routed with {top - 1} others to the same "
-                                 "experts differs from the row alone")
-        # the router's float32-output GEMM (not a Linear: the dense self-check does not see it)
-        router = router_gemm(x, mod.gate.weight)
-        for m in ms:
-            if not torch.equal(router_gemm(x[:m].clone(), mod.gate.weight).view(torch.int32), router[:m].view(torch.int32)):
-                raise SelfCheckError(f"MoE self-check failed for {name}.gate (K={H}, N={E}) at M={m}: router logits "
-                                     f"differ from the same rows computed at M={top}")
-        w = torch.rand(top, k, generator=gen, device=device)
-        if not torch.equal(merge_slots_triton(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32),
-                           merge_slots_torch(full, w, dtype).view(torch.int16 if dtype != torch.float32 else torch.int32)):
-            raise SelfCheckError(f"MoE self-check failed for {name}: the Triton merge differs from its formula")
-        report[name] = {"experts": E, "top_k": k, "H": H, "Ms": ms}
-    return report

@@ -8,7 +8,7 @@ subtree (G / C leaves) here and the ranks' roots are finished by `leaf_tree.tree
 Every (token, slot) pair's output is that root in float32, merged afterwards by the usual
 fixed-slot merge (kernels/moe.py).
 
-Invariant mode only: fast mode runs `moe.moe_experts` and sums the ranks' partials.
+Invariant mode only: fast mode runs `ops.moe_experts` and sums the ranks' partials.
 """
 from __future__ import annotations
 

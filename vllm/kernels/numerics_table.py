@@ -26,7 +26,7 @@ import torch
 
 from vllm.config import NUMERICS_MODES, KernelConfig
 from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, elementwise, flash_varlen, fp8_gemm,
-                          gdn_chunk, gdn_ops, leaf_tree, mamba2_chunk, mamba2_ops, matmul, rowwise, torch_ops)
+                          gdn_chunk, gdn_ops, leaf_tree, mamba2_chunk, mamba2_ops, matmul, moe, rowwise, torch_ops)
 from vllm.sample import sampler
 
 # Part of the execution contract: bump when an invariant kernel's arithmetic changes.
@@ -103,6 +103,12 @@ _MAMBA2_CHUNK_ALIGNED = Impl(cuda=functools.partial(mamba2_chunk.mamba2_chunk_tr
 _MAMBA2_CHUNK_STEP = Impl(cuda=functools.partial(mamba2_chunk.mamba2_chunk_triton, aligned=False),
                           cpu=functools.partial(mamba2_chunk.mamba2_chunk_torch, aligned=False), cpu_autograd_fn=True)
 _RELU_SQUARED = _torch(torch_ops.relu_squared)
+# Mixture of experts (docs/moe.md): routing and the merge train through their autograd
+# Functions on both devices (vllm/kernels/moe_autograd.py); the expert MLPs wrap their own
+# grouped GEMMs, and the shim hands them its silu_and_mul
+_MOE_ROUTE_FAST = Impl(cuda=moe.route_fast, cpu=moe.route_fast, cpu_autograd_fn=True)
+_MOE_ROUTE_INVARIANT = Impl(cuda=moe.route_invariant, cpu=moe.route_invariant, cpu_autograd_fn=True)
+_MOE_MERGE_FAST = Impl(cuda=moe.merge_fast, cpu=moe.merge_fast, cpu_autograd_fn=True)
 _LOG_SOFTMAX = _torch(sampler.batch_invariant_log_softmax)
 _SAMPLER = _torch(sampler.Sampler)
 
@@ -190,6 +196,19 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
         fast=Impl(cuda=mamba2_ops.selective_state_update_triton, cpu=mamba2_ops.selective_state_update_torch),
         invariant=_MAMBA2_CHUNK_ALIGNED),
     "relu_squared": OpNumerics(fast=_RELU_SQUARED, invariant=_RELU_SQUARED),
+    # Mixture of experts (docs/moe.md). Invariant: softmax by a fixed pairwise sum and top-k by
+    # a stable sort (ties to the lower expert id); each (token, slot) row of the expert MLPs
+    # one float32 reduction along K whatever the batch (grouped Triton GEMM, or one [1, K] row
+    # at a time on CPU), the down projection kept in float32; the merge in slot order, one
+    # rounding. Fast: torch softmax + topk, torch's grouped GEMM (a per-expert loop on CPU) in
+    # the model dtype, a torch sum over slots.
+    "moe_route": OpNumerics(fast=_MOE_ROUTE_FAST, invariant=_MOE_ROUTE_INVARIANT),
+    "moe_experts": OpNumerics(
+        fast=Impl(cuda=moe.experts_fast, cpu=moe.experts_loop, cuda_autograd_fn=False),
+        invariant=Impl(cuda=moe.experts_grouped_triton, cpu=moe.experts_rows_cpu, cuda_autograd_fn=False)),
+    "moe_merge": OpNumerics(
+        fast=_MOE_MERGE_FAST,
+        invariant=Impl(cuda=moe.merge_slots_triton, cpu=moe.merge_slots_torch, cpu_autograd_fn=True)),
     # Logprobs and sampling: fixed pairwise trees and exact ops in both modes (docs/sampling.md);
     # the sampler takes its fused Gumbel-max path on CUDA for rows without truncation.
     "log_softmax": OpNumerics(fast=_LOG_SOFTMAX, invariant=_LOG_SOFTMAX),

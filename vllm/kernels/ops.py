@@ -14,6 +14,8 @@ import torch
 
 from vllm.forward_context import current_kernel_config, current_numerics
 from vllm.kernels.autograd_ops import AddRMSNormFn, LinearFn, RMSNormFn, RopeFn, SigmoidGateFn, SiluAndMulFn
+from vllm.kernels.moe import Routing
+from vllm.kernels.moe_autograd import MergeFn, RouterFn
 from vllm.kernels.numerics_table import NUMERICS_TABLE
 
 
@@ -216,6 +218,31 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2, elementwise (Nemotron-H's MLP activation)."""
     fn, _ = _kernel("relu_squared", x)
     return fn(x)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """The router's float32 logits [T, E] -> each token's top-k experts, their weights and
+    the full probabilities (vllm/kernels/moe.py)."""
+    fn, wrap = _kernel("moe_route", logits)
+    if wrap and _needs_autograd(logits):
+        weights, probs, ids = RouterFn.apply(logits, top_k, norm_topk_prob, fn)
+        return Routing(ids, weights, probs)
+    return fn(logits, top_k, norm_topk_prob)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert MLPs, unweighted -> y [T, k, H] (float32 in invariant mode, the
+    model dtype in fast mode); their activation is this shim's silu_and_mul."""
+    fn, _ = _kernel("moe_experts", x)
+    return fn(x, w13, w2, ids, silu_and_mul)
+
+
+def moe_merge(y: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """sum over slots of y [T, k, H] * w [T, k] -> [T, H] in out_dtype."""
+    fn, wrap = _kernel("moe_merge", y)
+    if wrap and _needs_autograd(y, w):
+        return MergeFn.apply(y, w, out_dtype, fn)
+    return fn(y, w, out_dtype)
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

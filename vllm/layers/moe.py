@@ -85,7 +85,7 @@ class FusedExperts(nn.Module):
         projection a tree of `leaves` (default: `tree_leaves`) in invariant mode."""
         leaves = self.tree_leaves if leaves is None else leaves
         if leaves is None or current_numerics() != "invariant":
-            return moe_ops.moe_experts(x, w13, w2, ids)
+            return ops.moe_experts(x, w13, w2, ids)
         from vllm.kernels.moe_leaf_tree import moe_experts_tree
         return moe_experts_tree(x, w13, w2, ids, leaves)
 
@@ -153,12 +153,12 @@ class SparseMoeBlock(nn.Module):
         self.expert_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = moe_ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
+        routing = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
         for stats in _STATS:
             stats.calls.append((routing.probs, routing.ids))
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, routing)
-        return moe_ops.moe_merge(self.experts(x, routing.ids), routing.weights, x.dtype)
+        return ops.moe_merge(self.experts(x, routing.ids), routing.weights, x.dtype)
 
     # ---- what the generic code asks of a layer with kernels of its own -------------------
     @staticmethod
@@ -173,4 +173,7 @@ class SparseMoeBlock(nn.Module):
         """The start-up check of these kernels on this machine (`vllm.kernels.selfcheck`),
         for the model's (name, block) pairs, with the engine's kernel options; raises
         SelfCheckError."""
-        return moe_ops.moe_self_check(blocks, device, dtype, max_tokens, kernels)
+        from vllm.kernels.moe_selfcheck import moe_self_check
+        from vllm.kernels.numerics_table import kernel_for
+        return moe_self_check(blocks, device, dtype, max_tokens, act=ops.silu_and_mul,
+                              router_gemm=kernel_for("logits", "invariant", device, kernels))

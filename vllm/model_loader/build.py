@@ -1,7 +1,8 @@
 """The one path from a checkpoint directory to a ready model, shared by the engine
 (`LLM` -> `LLMEngine` -> `ModelRunner`) and the trainer (`Policy.from_pretrained`):
-config.json -> `ModelConfig` + the model class's own config -> dtype -> model
-class -> weights -> (invariant numerics) the kernels' support check and self-check.
+config.json -> `ModelConfig` + the model class's own config -> `NumericsSpec` (dtype,
+numerics, kernel options, KV cache dtype, quantization, parallelism) -> model class ->
+weights -> (invariant numerics) the kernels' support check and self-check.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import torch
 
-from vllm.config import KernelConfig, ModelConfig, ParallelConfig, resolve_dtype
+from vllm.config import KernelConfig, ModelConfig, NumericsSpec, ParallelConfig, resolve_dtype
 from vllm.model_loader.loader import checkpoint_files, init_dummy_weights, iterate_weights, load_weights
 from vllm.models.registry import model_class
 
@@ -25,25 +26,48 @@ def parse_model_config(model_config: ModelConfig):
     return model_class(model_config.architecture).config_class.from_hf(model_config.hf_config)
 
 
-def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | torch.device,
-                  max_model_len: int | None = None) -> tuple[ModelConfig, torch.dtype]:
+def read_model_config(path: str, max_model_len: int | None = None) -> ModelConfig:
     """Read and validate a checkpoint's config (architecture-specific fields included, so an
-    unsupported model fails here, before anything is loaded) and resolve the dtype."""
+    unsupported model fails here, before anything is loaded)."""
     mc = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
     parse_model_config(mc)
+    return mc
+
+
+def resolve_model(path: str, *, dtype: str | torch.dtype | None, device: str | torch.device,
+                  max_model_len: int | None = None) -> tuple[ModelConfig, torch.dtype]:
+    """The checkpoint's validated config and the model dtype `dtype` resolves to on `device`."""
+    mc = read_model_config(path, max_model_len)
     return mc, resolve_dtype(dtype, torch.device(device).type, mc.torch_dtype)
 
 
-def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, numerics: str,
+def resolve_numerics(model_config: ModelConfig, device: str | torch.device, *, dtype: str | torch.dtype | None = "auto",
+                     numerics: str = "invariant", kernels: KernelConfig | None = None, kv_cache_dtype: str = "auto",
+                     quantization: str | None = None, tensor_parallel_size: int = 1,
+                     tp_leaves: int | None = None) -> NumericsSpec:
+    """The user's numerics options against this checkpoint, as one NumericsSpec: dtype "auto"
+    -> the checkpoint's (float32 on CPU), no quantization asked -> the checkpoint's own (an
+    FP8 checkpoint runs FP8). ValueError for an option out of range."""
+    from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
+    return NumericsSpec(dtype=resolve_dtype(dtype, torch.device(device).type, model_config.torch_dtype),
+                        numerics=numerics, kernels=kernels or KernelConfig(), kv_cache_dtype=kv_cache_dtype,
+                        quantization=quantization or checkpoint_quantization(model_config.hf_config),
+                        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves))
+
+
+def build_model(model_config: ModelConfig, spec: NumericsSpec, device: str | torch.device, *,
                 load_format: str = "safetensors", self_check_tokens: int | None = None,
-                kernels: KernelConfig | None = None, quantization: str | None = None,
-                keep_master_weights: bool = True, parallel: ParallelConfig | None = None) -> tuple[torch.nn.Module, dict | None]:
-    """Instantiate the model class on `device`, fill its weights, and in numerics="invariant"
-    refuse unverified devices; then run the start-up check the mode needs on this device
+                keep_master_weights: bool = True) -> tuple[torch.nn.Module, dict | None]:
+    """Instantiate the model class on `device` in `spec.dtype`, fill its weights, quantize
+    its linear layers as `spec.quantization` says, and in numerics="invariant" refuse
+    unverified devices; then run the start-up check the mode needs on this device
     (vllm.kernels.selfcheck.start_up_check: the GEMM self-check in invariant mode on CUDA,
-    with the kernel options `kernels`; `self_check_tokens`: the largest step the caller
-    runs). Returns (model in eval mode, self-check report or None)."""
+    with the kernel options `spec.kernels`; `self_check_tokens`: the largest step the caller
+    runs) and apply `spec.parallel`. Returns (model in eval mode, self-check report or None)."""
+    if not isinstance(spec, NumericsSpec):
+        raise ValueError(f"build_model takes a NumericsSpec (vllm.config), got {type(spec).__name__}")
     device = torch.device(device)
+    dtype, numerics, parallel = spec.dtype, spec.numerics, spec.parallel
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if numerics == "invariant":
@@ -65,7 +89,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
             load_weights(model, reader if reader is not None else iterate_weights(files))
         except ValueError as err:
             raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
-    if quantization is not None:
+    if spec.quantization is not None:
         from vllm.layers.linear import enable_fp8
         n = enable_fp8(model)  # quantized from the master weights at load ...
         if load_format != "dummy" and reader is not None:
@@ -77,10 +101,10 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | tor
     model.eval()
     from vllm.kernels.selfcheck import start_up_check
     t0 = time.perf_counter()
-    report = start_up_check(model, numerics, device, dtype, max_tokens=self_check_tokens, kernels=kernels)
+    report = start_up_check(model, numerics, device, dtype, max_tokens=self_check_tokens, kernels=spec.kernels)
     if report is not None:
         logger.info("%s numerics self-check passed in %.2f s", numerics, time.perf_counter() - t0)
-    if parallel is not None and parallel.leaves is not None:
+    if parallel.leaves is not None:
         # tensor parallelism in this process (all ranks on this device), or the K-leaf tree at TP=1
         from vllm.parallel.tensor_parallel import apply_tensor_parallel
         apply_tensor_parallel(model, parallel.tensor_parallel_size, leaves=parallel.leaves)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm.kernels import moe as moe_ops
+from vllm.kernels import ops
 from vllm.layers.moe import SparseMoeBlock
 
 
@@ -103,7 +103,7 @@ class ExpertParallel:
         send_ids = (flat - owner * per).index_select(0, order)
         y_sorted = self.exchange.run(block, send_x, send_ids, counts)
         y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)  # back to (token, slot) order
-        return moe_ops.moe_merge(y.view(T, k, y.shape[-1]), routing.weights, x.dtype)
+        return ops.moe_merge(y.view(T, k, y.shape[-1]), routing.weights, x.dtype)
 
 
 def _moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:

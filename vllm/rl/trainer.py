@@ -240,8 +240,8 @@ class Trainer:
         from vllm.training import Policy
 
         model = copy.deepcopy(self.policy.model)
-        ref = Policy(model, self.policy.model_config, self.policy.dtype, self.policy.device, self.policy.numerics,
-                     self.policy.tokenizer, block_size=self.policy.block_size, kernels=self.policy.kernels,
+        ref = Policy(model, self.policy.model_config, self.policy.numerics_spec, self.policy.device,
+                     self.policy.tokenizer, block_size=self.policy.block_size,
                      logprob_chunk_rows=self.policy.logprob_chunk_rows)
         for p in model.parameters():
             p.requires_grad_(False)

@@ -34,11 +34,11 @@ from vllm.host_copy import to_device
 from vllm.sample.rng import gumbel_argmax, uniform_noise
 
 LOGPROBS_MODES = (
-    "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation (T == 0 -> T = 1)
+    "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation and grammar masks (T == 0 -> T = 1)
     "raw_logprobs",        # log_softmax(logits)
     "raw_logits",          # logits as given
-    "processed_logprobs",  # log_softmax of the truncated tempered logits (masked tokens -inf)
-    "processed_logits",    # the truncated tempered logits (masked tokens -inf)
+    "processed_logprobs",  # log_softmax of the truncated tempered logits (masked tokens -inf; grammar masks too)
+    "processed_logits",    # the truncated tempered logits (masked tokens -inf; grammar masks too)
 )
 
 _NEG_INF = float("-inf")
@@ -253,6 +253,38 @@ class Penalties:
     prompt_slot: torch.Tensor   # [M] int64
 
 
+@dataclass
+class TokenMask:
+    """The tokens each constrained row may sample (structured outputs: the grammar's
+    mask, vllm/structured_outputs.py). Rows not listed are unconstrained.
+
+    A row's mask comes from its own grammar state only, and applying it is exact per
+    element (a -inf fill where the bit is 0), so a masked row's bits depend on nothing
+    but its own logits and mask."""
+
+    rows: torch.Tensor          # [R] int64: which batch rows are constrained
+    bitmask: torch.Tensor       # [R, W] int32: bit j of word i allows token 32 * i + j
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Unpack [R, W] int32 words into a [R, vocab] bool mask (integer shifts: exact); ids
+    past the bitmask's 32 * W are disallowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+    return bits[:, :vocab].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """``logits`` with the disallowed tokens of the constrained rows set to -inf (a new
+    tensor; every other element, and every unconstrained row, copied bit for bit)."""
+    out = logits.clone()
+    sub = out.index_select(0, mask.rows)
+    sub.masked_fill_(~allowed_tokens(mask.bitmask, logits.shape[1]), _NEG_INF)
+    return out.index_copy_(0, mask.rows, sub)
+
+
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Penalised float32 logits (a new tensor; rows without penalties are copied bit for bit).
 
@@ -310,6 +342,8 @@ class SamplingBatch:
     host_params: "_HostParams | None" = None
     # Rows with presence / frequency / repetition penalties (None: no row has any).
     penalties: Penalties | None = None
+    # Rows constrained by a grammar (None: no row is).
+    token_mask: TokenMask | None = None
 
     @property
     def batch_size(self) -> int:
@@ -524,6 +558,13 @@ class Sampler(torch.nn.Module):
         raw_logits = logits
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        # Grammar masks (structured outputs) come after the penalties and before temperature,
+        # truncation and sampling, so all of them see only the allowed tokens. The
+        # tempered_logprobs mode keeps the unmasked distribution, as it ignores truncation:
+        # it is what the trainer recomputes (docs/sampling.md).
+        unmasked = logits
+        if batch.token_mask is not None:
+            logits = apply_token_mask(logits, batch.token_mask)
         temperature = batch.temperature.to(device=device, dtype=torch.float32)
         greedy = temperature <= 0
         top_k = batch.top_k.to(device=device, dtype=torch.int64)
@@ -600,6 +641,8 @@ class Sampler(torch.nn.Module):
         elif mode == "raw_logprobs":
             dist = batch_invariant_log_softmax(raw_logits)
         elif mode == "tempered_logprobs":
+            if unmasked is not logits:  # -inf / T == -inf: masking commutes with the division
+                scaled = unmasked if all_greedy else apply_temperature(unmasked, temperature)
             dist = batch_invariant_log_softmax(scaled)
         else:
             processed = scaled if keep is None else scaled.masked_fill(~keep, _NEG_INF)

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, init_file: str, path: str, sequences_per_rank
             leaves: int | None, numerics: str, device: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from vllm.model_loader.build import build_model, resolve_model
+    from vllm.model_loader.build import build_model, read_model_config, resolve_numerics
     from vllm.training import Policy
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
@@ -38,8 +38,9 @@ def _worker(rank: int, world: int, init_file: str, path: str, sequences_per_rank
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        mc, dtype = resolve_model(path, dtype="auto", device=dev)
-        policy = Policy(build_model(mc, dtype, dev, numerics=numerics)[0], mc, dtype, torch.device(dev), numerics)
+        mc = read_model_config(path)
+        spec = resolve_numerics(mc, dev, numerics=numerics)
+        policy = Policy(build_model(mc, spec, dev)[0], mc, spec, torch.device(dev))
         _apply(policy.model, kind, leaves, dist.group.WORLD)
         with torch.no_grad():
             lps = policy.token_logprobs(sequences_per_rank[rank], prompt_lens_per_rank[rank])

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from vllm import LLM, SamplingParams
 from vllm.forward_context import ForwardContext, set_forward_context
-from vllm.model_loader.build import build_model, resolve_model
+from vllm.config import NumericsSpec
+from vllm.model_loader.build import build_model, read_model_config
 from vllm.training import Policy
 from vllm.training.attention import PackedAttentionBackend
 
@@ -32,8 +33,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def cpu_model(path, numerics: str = "fast"):
     """Our model from a checkpoint, float32 on the CPU."""
-    mc, dtype = resolve_model(path, dtype="float32", device="cpu")
-    return build_model(mc, dtype, "cpu", numerics=numerics)[0]
+    return build_model(read_model_config(path), NumericsSpec(torch.float32, numerics), "cpu")[0]
 
 
 # ---- config --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm.config import KernelConfig, ModelConfig, check_kv_cache_dtype, check_quantization
+from vllm.config import KernelConfig, ModelConfig, NumericsSpec, NumericsSpecFields
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
 from vllm.training.attention import PackedAttentionBackend
@@ -32,30 +32,28 @@ def _lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
     return heads[0].weight
 
 
-class Policy:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 numerics: str = "invariant", tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16, logprob_chunk_rows: int | None = None, kernels: KernelConfig | None = None,
-                 kv_cache_dtype: str = "auto", quantization: str | None = None):
-        """`kv_cache_dtype`: the rollout engine's ("fp8": the trainer runs K/V through the same
-        FP8 round trip). `quantization`: the model's linear-layer quantization (set at build;
-        recorded here for the contract). `logprob_chunk_rows`: response rows whose float32 logits are formed at once by the
+class Policy(NumericsSpecFields):
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, numerics_spec: NumericsSpec,
+                 device: torch.device, tokenizer=None, engine=None, activation_checkpointing: bool = False,
+                 block_size: int = 16, logprob_chunk_rows: int | None = None):
+        """`numerics_spec`: how `model` computes (vllm.config.NumericsSpec), the rollout
+        engine's when colocated: its kernel options travel in the forward context as in the
+        engine, its kv_cache_dtype "fp8" runs K/V through the same FP8 round trip, its
+        quantization was applied when the model was built and is recorded for the contract.
+        `logprob_chunk_rows`: response rows whose float32 logits are formed at once by the
         logprob head (default: as many as fit 512 MiB; vllm/training/logprob_head.py). Memory
-        only: it never changes a bit of the logprobs. `kernels`: the engine's kernel options
-        when colocated (they travel in the forward context, as in the engine)."""
+        only: it never changes a bit of the logprobs."""
+        if not isinstance(numerics_spec, NumericsSpec):
+            raise ValueError(f"Policy takes a NumericsSpec (vllm.config), got {type(numerics_spec).__name__}")
         if logprob_chunk_rows is not None and logprob_chunk_rows < 1:
             raise ValueError(f"logprob_chunk_rows must be >= 1, got {logprob_chunk_rows}")
         self.model = model
         self.model_config = model_config
-        self.dtype = dtype
+        self.numerics_spec = numerics_spec
         self.device = torch.device(device)
-        self.numerics = numerics
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        self.quantization = check_quantization(quantization)
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
         self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
-        self.kernels = kernels or KernelConfig()  # the engine's, when colocated
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
         self.lm_head_weight = _lm_head_weight(model)
@@ -75,24 +73,21 @@ class Policy:
         "dummy": random weights of the config's dims (benchmarks). `tensor_parallel_size` /
         `tp_leaves`: as the engine's (vllm.config.ParallelConfig; all ranks in this process):
         a trainer at TP=1 matches a TP=C engine with the engine's `tp_leaves`."""
-        from vllm.model_loader.build import build_model, resolve_model
+        from vllm.model_loader.build import build_model, read_model_config, resolve_numerics
         from vllm.tokenizer import load_tokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        mc, dt = resolve_model(path, dtype=dtype, device=device)
-        from vllm.model_loader.fp8_checkpoint import checkpoint_quantization
-        quantization = quantization or checkpoint_quantization(mc.hf_config)
-        from vllm.config import ParallelConfig
-        model, _ = build_model(mc, dt, device, numerics=numerics, kernels=kernels, quantization=quantization,
-                               load_format=load_format,
-                               parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves))
+        mc = read_model_config(path)
+        spec = resolve_numerics(mc, device, dtype=dtype, numerics=numerics, kernels=kernels,
+                                kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves)
+        model, _ = build_model(mc, spec, device, load_format=load_format)
         try:
             tok = load_tokenizer(path)
         except ValueError:
             tok = None
-        return cls(model, mc, dt, torch.device(device), numerics, tok, activation_checkpointing=activation_checkpointing,
-                   logprob_chunk_rows=logprob_chunk_rows, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
-                   quantization=quantization)
+        return cls(model, mc, spec, torch.device(device), tok, activation_checkpointing=activation_checkpointing,
+                   logprob_chunk_rows=logprob_chunk_rows)
 
     def parameters(self):
         return self.model.parameters()
@@ -229,7 +224,5 @@ class Policy:
         """The same contract as the engine's for the same model, dtype, numerics and device
         (deployment settings aside, which must not change bits)."""
         from vllm.contract import build_contract
-        return build_contract(self.model, dtype=self.dtype, numerics=self.numerics, device=str(self.device),
-                              deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len},
-                              kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
-                              quantization=self.quantization)
+        return build_contract(self.model, self.numerics_spec, device=str(self.device),
+                              deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len})

@@ -21,7 +21,7 @@ from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, StateMetadata, set_forward_context
 from vllm.host_copy import to_device
 from vllm.model_loader.build import build_model
-from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, prompt_logprob_values,
+from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, TokenMask, prompt_logprob_values,
                                   stable_topk)
 from vllm.worker.attention_backend import AttentionMetadata
 from vllm.worker.kv_cache import LayerCaches, bytes_per_block, cache_specs, state_bytes
@@ -55,7 +55,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.dtype
-        self.kv_format = KVFormat(config.dtype, config.cache.kv_cache_dtype)
+        self.kv_format = KVFormat(config.dtype, config.numerics_spec.kv_cache_dtype)
         mc = config.model
         self.block_size = config.cache.block_size
         self.max_model_len = mc.max_model_len
@@ -65,12 +65,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mem_before_load = torch.cuda.memory_allocated(self.device)
-        self.model, self.self_check_report = build_model(mc, self.dtype, self.device, numerics=config.numerics,
+        self.model, self.self_check_report = build_model(mc, config.numerics_spec, self.device,
                                                          load_format=config.load_format,
                                                          self_check_tokens=config.scheduler.max_num_batched_tokens,
-                                                         kernels=config.kernels, quantization=config.quantization,
-                                                         keep_master_weights=config.keep_master_weights,
-                                                         parallel=config.parallel)
+                                                         keep_master_weights=config.keep_master_weights)
         self.load_time = time.perf_counter() - t0
         if self.device.type == "cuda" and (self.self_check_report is not None or not config.keep_master_weights):
             # its check batches are not the engine's, nor the master weights dropped after
@@ -410,6 +408,15 @@ class ModelRunner:
                          output_ids=ids, output_slot=slots,
                          prompt_ids=self._h2d(prompt_ids, torch.long), prompt_slot=self._h2d(prompt_slot, torch.long))
 
+    def _token_mask(self, reqs) -> TokenMask | None:
+        """The grammar masks of a sampler call over `reqs` (None when no row is constrained):
+        the scheduler computed each from its request's own matcher."""
+        rows = [j for j, r in enumerate(reqs) if r.grammar_bitmask is not None]
+        if not rows:
+            return None
+        return TokenMask(rows=self._h2d(rows, torch.long),
+                         bitmask=self._h2d(np.stack([reqs[j].grammar_bitmask for j in rows]), torch.int32))
+
     def _sample_launch(self, logits: torch.Tensor, reqs, prev: "StepHandle | None" = None) -> "StepHandle":
         eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
         if eos_rows:
@@ -429,6 +436,7 @@ class ModelRunner:
                 device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
                 logprobs_mode=mode or "tempered_logprobs")
             batch.penalties = self._penalties(sub, prev)
+            batch.token_mask = self._token_mask(sub)
             so = self.sampler(logits if len(by_mode) == 1 else logits.index_select(0, self._h2d(idx, torch.long)), batch)
             if len(by_mode) == 1:
                 token_ids = so.token_ids

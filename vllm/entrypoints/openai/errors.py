@@ -13,6 +13,24 @@ from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 
+class PromptNotScoredError(RuntimeError):
+    """A request that asked for prompt logprobs ended (aborted by pause_generation or
+    /abort_requests) before every prompt position was scored: a partial answer would read as
+    a complete one, so the request fails and can be sent again."""
+
+
+def require_scored_prompts(outputs) -> None:
+    """Raise PromptNotScoredError unless every output's prompt logprobs cover every position
+    after the first (the first has none by definition)."""
+    for out in outputs:
+        lps = out.prompt_logprobs
+        if lps is not None and any(entry is None for entry in lps[1:]):
+            done = sum(entry is not None for entry in lps[1:])
+            raise PromptNotScoredError(
+                f"request {out.request_id} ended ({out.outputs[0].finish_reason if out.outputs else 'aborted'}) after "
+                f"{done} of its {len(lps) - 1} prompt positions were scored; send it again")
+
+
 def error_response(message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> JSONResponse:
     if err_type is None:
         err_type = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -32,6 +50,8 @@ def exception_response(err: BaseException) -> JSONResponse:
         return resp
     if isinstance(err, NotImplementedError):
         return error_response(str(err), 501)
+    if isinstance(err, PromptNotScoredError):
+        return error_response(str(err), 409, "conflict_error")
     if isinstance(err, EngineDeadError):
         return error_response(str(err), 503)
     if isinstance(err, EngineError):

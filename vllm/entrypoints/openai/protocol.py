@@ -15,7 +15,8 @@ Extensions over the OpenAI schema (documented in docs/serving.md):
 level for chat), `stop_reason`, `weight_version` / `weight_versions`, and the
 vLLM sampling fields top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, logprobs_mode,
-repetition_penalty, return_token_ids, prompt_logprobs (upstream vLLM's).
+repetition_penalty, return_token_ids, prompt_logprobs, structured_outputs (upstream
+vLLM's).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_serializer
 
 from vllm.sampling_params import SamplingParams
+from vllm.structured_outputs import StructuredOutputsParams
 
 # Seeds reach the sampler as int64: anything wider would crash a whole batch
 # inside step(), so it is rejected here, per request.
@@ -66,6 +68,35 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute: the field is schema_, the JSON key "schema"
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: "text" (free), "json_object" (any JSON object) or
+    "json_schema" (a JSON matching json_schema.schema), enforced by grammar masks."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        if self.type == "text":
+            return None
+        # Compact JSON (whitespace only inside the separators): whitespace carries nothing,
+        # and a grammar that allows any amount of it lets a model emit it until max_tokens.
+        # The structured_outputs extension field can ask for any whitespace.
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        # strict or not, the output is constrained to the schema: a grammar mask cannot be
+        # "mostly" enforced
+        return StructuredOutputsParams(json=self.json_schema.schema_, disable_any_whitespace=True)
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: Optional[str] = None
@@ -93,6 +124,9 @@ class _SamplingRequest(OpenAIBaseModel):
     return_token_ids: Optional[bool] = None
     # upstream's: logprob tokens as "token_id:<id>" instead of their text (TRL's client asks for it)
     return_tokens_as_token_ids: bool = False
+    response_format: Optional[ResponseFormat] = None
+    # upstream's: {json | regex | choice | grammar | json_object, disable_any_whitespace}
+    structured_outputs: Optional[dict[str, Any]] = None
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
@@ -111,8 +145,18 @@ class _SamplingRequest(OpenAIBaseModel):
     def want_token_ids(self) -> bool:
         return self.return_token_ids is not False
 
+    def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint of response_format or structured_outputs (one at most)."""
+        fmt = self.response_format.structured_outputs() if self.response_format is not None else None
+        if self.structured_outputs is not None:
+            if fmt is not None:
+                raise ValueError("give either response_format or structured_outputs, not both")
+            return StructuredOutputsParams.of(self.structured_outputs)
+        return fmt
+
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
-                         max_logprobs: int, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                         max_logprobs: int, prompt_logprobs: Optional[int] = None,
+                         structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         self._check_unsupported()
         check_max_logprobs(logprobs, max_logprobs)
         check_max_logprobs(prompt_logprobs, max_logprobs, "prompt_logprobs")
@@ -126,6 +170,7 @@ class _SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs if structured_outputs is not None else self._structured_outputs(),
             **({"logprobs_mode": self.logprobs_mode} if self.logprobs_mode is not None else {}),
             **kw)
 
@@ -223,7 +268,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None     # false: tool_choice "required" makes exactly one call
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -239,10 +284,16 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("only tool_choice 'none' or 'auto' is supported (tool calls are not parsed)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported")
+        plan = self.tool_plan()
+        structured = self._structured_outputs()
+        tool_grammar = plan.structured_outputs()
+        if tool_grammar is not None:
+            if structured is not None:
+                raise ValueError("tool_choice 'required' or a named function constrains the output itself: "
+                                 "it cannot be combined with response_format or structured_outputs")
+            structured = tool_grammar
+        if plan.parses and self.stream:
+            raise ValueError("tool calls are not parsed in streamed responses: use stream=false, or tool_choice 'none'")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -251,7 +302,11 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("prompt_logprobs is not supported with stream=true")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
-        return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs, self.prompt_logprobs, structured)
+
+    def tool_plan(self):
+        from vllm.entrypoints.openai.tool_calls import plan_tools
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -327,9 +382,21 @@ class ChatLogprobs(OpenAIBaseModel):
     content: Optional[list[ChatLogprobToken]] = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str                   # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -494,12 +561,15 @@ class TrlSamplingFields(OpenAIBaseModel):
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
-        if self.structured_outputs_regex is not None or self.generation_kwargs.get("structured_outputs") is not None:
-            raise ValueError("structured outputs are not supported")
         kw: dict[str, Any] = dict(n=self.n, repetition_penalty=self.repetition_penalty, temperature=self.temperature,
                                   top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, max_tokens=self.max_tokens,
                                   logprobs=self.logprobs)
         kw.update(self.generation_kwargs)
+        if self.structured_outputs_regex is not None:
+            # TRL's server turns the regex into upstream's StructuredOutputsParams(regex=...)
+            if kw.get("structured_outputs") is not None:
+                raise ValueError("give either structured_outputs_regex or generation_kwargs.structured_outputs")
+            kw["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
         check_max_logprobs(kw.get("logprobs"), max_logprobs)
         check_max_logprobs(kw.get("prompt_logprobs"), max_logprobs, "prompt_logprobs")
         if not 1 <= kw["n"] <= MAX_CHOICES_PER_REQUEST:

@@ -26,7 +26,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
-from vllm.entrypoints.openai.errors import error_response, exception_response
+from vllm.entrypoints.openai.errors import error_response, exception_response, require_scored_prompts
 from vllm.entrypoints.openai.protocol import (
     FinishWeightUpdateRequest, MessageResponse, StartWeightUpdateRequest, TrlChatRequest, TrlGenerateRequest,
     TrlGenerateResponse, TrlInitCommunicatorRequest, TrlSequenceLogprobsBinaryResponse, TrlSequenceLogprobsRequest,
@@ -255,6 +255,7 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
         async def collect():
             try:
                 finals = await _final_outputs(streams)
+                require_scored_prompts(finals)
             except Exception as err:  # noqa: BLE001
                 return exception_response(err)
             ranked = [[sorted(entry.items(), key=lambda kv: kv[1].rank) if entry is not None else []

@@ -16,14 +16,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
-from vllm.entrypoints.openai.errors import exception_response, exception_response_body
+from vllm.entrypoints.openai.errors import exception_response, exception_response_body, require_scored_prompts
 from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, DetokenizeRequest,
-    DetokenizeResponse, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest, TokenizeResponse,
-    TopLogprob, UsageInfo, json_logprob,
+    DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest,
+    TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
+from vllm.entrypoints.openai.tool_calls import ToolPlan, new_tool_call_id
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -340,6 +341,7 @@ class OpenAIServing:
                                req: CompletionRequest):
         try:
             finals = await _final_outputs(streams)
+            require_scored_prompts(finals)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         ids = req.want_token_ids
@@ -452,11 +454,13 @@ class OpenAIServing:
     async def _chat_full(self, stream, params: SamplingParams, rid: str, model: str, created: int, req: ChatCompletionRequest):
         try:
             (out,) = await _final_outputs([stream])
+            require_scored_prompts([out])
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         top_k = params.logprobs or 0
         ids = req.want_token_ids
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+        plan = req.tool_plan()
+        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan), finish_reason=_chat_finish(c, plan),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids)
@@ -530,6 +534,24 @@ class OpenAIServing:
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return DetokenizeResponse(prompt=self.llm.tokenizer.decode(req.tokens))
+
+
+def _chat_message(c: CompletionOutput, plan: ToolPlan) -> ChatResponseMessage:
+    """A choice's message: its text, or with tools its content and parsed tool calls."""
+    if not plan.parses:
+        return ChatResponseMessage(content=c.text)
+    content, calls = plan.parse(c.text)
+    return ChatResponseMessage(content=content, tool_calls=[
+        ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in calls] or None)
+
+
+def _chat_finish(c: CompletionOutput, plan: ToolPlan) -> str | None:
+    """OpenAI's finish_reason "tool_calls" when the model chose to call tools (a forced
+    named function finishes with "stop", as OpenAI's does)."""
+    if c.finish_reason == "stop" and plan.mode in ("auto", "required") and plan.parse(c.text)[1]:
+        return "tool_calls"
+    return c.finish_reason
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,

@@ -1,0 +1,335 @@
+"""Structured outputs (xgrammar grammar masks in the sampler) and tool calls, on CPU with
+the embedded default model: outputs match their grammar; a constrained request's token
+ids and logprob bits do not depend on its neighbours, on preemption or on async
+scheduling; bad grammars are a ValueError / HTTP 400 that loses nothing else; the
+OpenAI client's response_format and tool calls; TRL's structured_outputs_regex."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.sample.sampler import Sampler, SamplingBatch, TokenMask  # noqa: E402
+from vllm.structured_outputs import StructuredOutputsParams as SO  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+REGEX = r"[0-9]{1,3} (apples|pears)"
+CHOICES = ["yes", "no", "maybe"]
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def _bits(values) -> list[int]:
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def _sampled_lps(c) -> list[float]:
+    return [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
+
+
+# ---- params ---------------------------------------------------------------------------------
+
+def test_params_are_checked_on_construction():
+    sp = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    assert isinstance(sp.structured_outputs, SO) and sp.structured_outputs.kind == "regex"
+    bad = [{}, {"regex": "a("}, {"json": "{not json"}, {"json": {"type": "nonsense"}}, {"choice": []},
+           {"regex": "a", "json_object": True}, {"grammar": "root ::= "}, {"unknown_field": 1}]
+    for spec in bad:
+        with pytest.raises(ValueError):
+            SamplingParams(structured_outputs=spec)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
+
+
+# ---- the sampler ----------------------------------------------------------------------------
+
+def _batch(rows, mode, num_logprobs, mask_of):
+    """A SamplingBatch over `rows` (dicts of parameters) with the masks of those constrained."""
+    b = SamplingBatch.from_lists([r["t"] for r in rows], [r["k"] for r in rows], [r["p"] for r in rows],
+                                 [0.0] * len(rows), [r["seed"] for r in rows], [3] * len(rows), "cpu",
+                                 max_num_logprobs=num_logprobs, logprobs_mode=mode)
+    masked = [j for j, r in enumerate(rows) if r["id"] in mask_of]
+    if masked:
+        b.token_mask = TokenMask(torch.tensor(masked), torch.from_numpy(np.stack([mask_of[rows[j]["id"]] for j in masked])))
+    return b
+
+
+@pytest.mark.parametrize("mode", ["tempered_logprobs", "processed_logprobs", "raw_logprobs"])
+def test_sampler_masks_are_batch_invariant(mode):
+    vocab = 300
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    rows = [dict(id=i, t=t, k=k, p=p, seed=10 + i)
+            for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 20, 1.0), (0.0, 0, 1.0), (1.3, 0, 0.9),
+                                           (1.0, 0, 1.0), (0.9, 5, 0.8)])]
+    rng = np.random.default_rng(1)
+    mask_of = {}
+    for i in (1, 2, 3, 5):
+        words = rng.integers(-2**31, 2**31, size=(vocab + 31) // 32, dtype=np.int64).astype(np.int32)
+        mask_of[i] = words
+    sampler = Sampler()
+    full = sampler(logits, _batch(rows, mode, 4, mask_of))
+    free = sampler(logits, _batch(rows, mode, 4, {}))
+    allowed = {i: np.unpackbits(m.view(np.uint8), bitorder="little")[:vocab].astype(bool) for i, m in mask_of.items()}
+    for i, r in enumerate(rows):
+        alone = sampler(logits[i:i + 1], _batch([r], mode, 4, mask_of))
+        assert alone.token_ids.tolist() == full.token_ids[i:i + 1].tolist()
+        assert _bits(alone.logprobs.tolist()) == _bits(full.logprobs[i:i + 1].tolist())
+        assert alone.topk_ids.tolist() == full.topk_ids[i:i + 1].tolist()
+        assert _bits(alone.topk_logprobs.flatten().tolist()) == _bits(full.topk_logprobs[i].tolist())
+        if i in mask_of:
+            assert allowed[i][int(full.token_ids[i])]
+            if mode == "processed_logprobs":   # the mask shows: disallowed tokens are -inf
+                assert all(allowed[i][t] or v == float("-inf")
+                           for t, v in zip(full.topk_ids[i].tolist(), full.topk_logprobs[i].tolist()))
+            else:   # tempered and raw modes ignore the mask, as they ignore truncation
+                same = sampler(logits[i:i + 1], _batch([r], mode, 4, {}))
+                assert _bits(same.topk_logprobs.flatten().tolist()) == _bits(full.topk_logprobs[i].tolist())
+        else:   # unconstrained rows: as if no row were masked
+            assert full.token_ids[i] == free.token_ids[i]
+            assert _bits([full.logprobs[i].item()]) == _bits([free.logprobs[i].item()])
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu")
+
+
+def _prompt(llm) -> str:
+    return llm.get_tokenizer().apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+def _gen(llm, specs, **kw):
+    prompt = _prompt(llm)
+    params = [SamplingParams(max_tokens=kw.pop("max_tokens", 40), structured_outputs=s, **kw) for s in specs]
+    return llm.generate([prompt] * len(specs), params, use_tqdm=False)
+
+
+def test_outputs_match_their_grammar(llm):
+    specs = [SO(json=SCHEMA, disable_any_whitespace=True), SO(regex=REGEX), SO(choice=CHOICES),
+             SO(grammar='root ::= "a" ("b" | "c")*')]
+    for temperature in (0.0, 1.0):
+        outs = _gen(llm, specs, temperature=temperature, seed=3, n=2)
+        for out in outs:
+            assert len(out.outputs) == 2
+        js, rx, ch, gr = [[c for c in out.outputs] for out in outs]
+        for c in js:
+            assert c.finish_reason == "stop", c.text
+            obj = json.loads(c.text)
+            assert isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+        for c in rx:
+            assert re.fullmatch(REGEX, c.text), c.text
+        for c in ch:
+            assert c.text in CHOICES
+        for c in gr:
+            assert re.fullmatch("a[bc]*", c.text), c.text
+
+
+def _constrained_run(llm, neighbours, mode):
+    target = SamplingParams(temperature=1.0, seed=7, max_tokens=30, logprobs=3, logprobs_mode=mode,
+                            structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True))
+    prompt = _prompt(llm)
+    outs = llm.generate([prompt] * (1 + len(neighbours)), [target] + neighbours, use_tqdm=False)
+    return outs[0].outputs[0], outs[1:]
+
+
+@pytest.mark.parametrize("mode", ["tempered_logprobs", "processed_logprobs"])
+def test_constrained_bits_do_not_depend_on_neighbours(llm, mode):
+    alone, _ = _constrained_run(llm, [], mode)
+    free = [SamplingParams(temperature=t, seed=11 + i, max_tokens=25, logprobs=2, logprobs_mode=mode)
+            for i, t in enumerate((1.0, 0.0, 0.8))]
+    others = [SamplingParams(temperature=1.0, seed=5, max_tokens=20, logprobs=1, logprobs_mode=mode,
+                             structured_outputs=SO(regex=REGEX)),
+              SamplingParams(temperature=0.9, seed=6, max_tokens=20, n=2, structured_outputs=SO(choice=CHOICES))]
+    batched, outs = _constrained_run(llm, free + others, mode)
+    assert batched.token_ids == alone.token_ids
+    assert _bits(_sampled_lps(batched)) == _bits(_sampled_lps(alone))
+    assert [sorted(e) for e in batched.logprobs] == [sorted(e) for e in alone.logprobs]
+    # unconstrained neighbours are untouched by the masks next to them
+    prompt = _prompt(llm)
+    for params, out in zip(free, outs):
+        ref = llm.generate([prompt], [params], use_tqdm=False)[0].outputs[0]
+        assert out.outputs[0].token_ids == ref.token_ids
+        assert _bits(_sampled_lps(out.outputs[0])) == _bits(_sampled_lps(ref))
+
+
+def test_default_logprobs_are_the_unmasked_ones(llm):
+    """tempered_logprobs (the default) ignore the grammar mask: a constrained sample's
+    logprobs are those of its tokens scored without any mask (prompt logprobs, the
+    trainer's head); processed_logprobs renormalise over the allowed tokens."""
+    c, _ = _constrained_run(llm, [], "tempered_logprobs")
+    prompt_ids = llm.get_tokenizer().apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+        prompt_ids = prompt_ids["input_ids"]
+    seq = list(prompt_ids) + list(c.token_ids)
+    scored = llm.generate([{"prompt_token_ids": seq}], SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)[0]
+    n = len(prompt_ids)
+    assert _bits([scored.prompt_logprobs[n + j][t].logprob for j, t in enumerate(c.token_ids)]) == \
+        _bits(_sampled_lps(c))
+    processed, _ = _constrained_run(llm, [], "processed_logprobs")
+    assert processed.token_ids == c.token_ids
+    # the mask leaves more mass to the allowed tokens: never below the unmasked logprob
+    assert all(p >= t for p, t in zip(_sampled_lps(processed), _sampled_lps(c)))
+
+
+def test_preemption_and_async_scheduling_keep_the_bits(llm):
+    params = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=30, logprobs=0,
+                             structured_outputs=s)
+              for i, s in enumerate([SO(json=SCHEMA, disable_any_whitespace=True), SO(regex=REGEX), None,
+                                     SO(json=SCHEMA, disable_any_whitespace=True), None, SO(choice=CHOICES)])]
+    prompt = _prompt(llm)
+    ref = [o.outputs[0] for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+    small = LLM(device="cpu", num_gpu_blocks_override=8, max_num_batched_tokens=32, enable_prefix_caching=False)
+    async_llm = LLM(device="cpu", async_scheduling=True)
+    for other in (small, async_llm):
+        outs = [o.outputs[0] for o in other.generate([prompt] * len(params), params, use_tqdm=False)]
+        for a, b in zip(outs, ref):
+            assert a.token_ids == b.token_ids
+            assert _bits(_sampled_lps(a)) == _bits(_sampled_lps(b))
+    assert small.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_bad_grammar_is_a_value_error_and_loses_nothing(llm):
+    with pytest.raises(ValueError, match="regex"):
+        _gen(llm, [SO(regex="a(")])
+    with pytest.raises(ValueError):
+        llm.generate([_prompt(llm)], SamplingParams(structured_outputs={"json": {"type": "nonsense"}}), use_tqdm=False)
+    (out,) = _gen(llm, [SO(choice=CHOICES)], temperature=0.0)
+    assert out.outputs[0].text in CHOICES
+
+
+# ---- tool-call parsing ----------------------------------------------------------------------
+
+def test_tool_call_blocks_are_parsed():
+    from vllm.entrypoints.openai.tool_calls import parse_tool_call_blocks, plan_tools
+
+    text = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "time", "parameters": {}}</tool_call><tool_call>not json</tool_call>')
+    content, calls = parse_tool_call_blocks(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "Paris"}), ("time", {})]
+    assert content == "Let me check.\n\n<tool_call>not json</tool_call>"
+    assert parse_tool_call_blocks("no calls") == ("no calls", [])
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    assert plan_tools(tools, None).mode == "auto"
+    for bad in ([{"type": "function"}], [{"function": {"name": ""}}]):
+        with pytest.raises(ValueError):
+            plan_tools(bad, "auto")
+    with pytest.raises(ValueError, match="not in tools"):
+        plan_tools(tools, {"type": "function", "function": {"name": "other"}})
+    with pytest.raises(ValueError):
+        plan_tools(None, "required")
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
+    "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                     "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def app():
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+
+    app = build_app_from_llm(LLM(device="cpu"))
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _serve(app, fn):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver",
+                                     timeout=120) as http:
+            client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="none", http_client=http,
+                                        max_retries=0)
+            return await fn(http, client)
+    return asyncio.run(go())
+
+
+def test_openai_client_response_format(app):
+    async def fn(http, client):
+        r = await client.chat.completions.create(
+            model="default", messages=MESSAGES, max_tokens=40, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}})
+        obj = json.loads(r.choices[0].message.content)
+        assert r.choices[0].finish_reason == "stop" and obj["color"] in ("red", "green", "blue")
+        r = await client.completions.create(model="default", prompt="What is 2 + 2?", max_tokens=8, temperature=0.0,
+                                            extra_body={"response_format": {"type": "json_object"}})
+        assert r.choices[0].text.startswith("{")
+        r = await client.completions.create(model="default", prompt="What is 2 + 2?", max_tokens=8, temperature=0.0,
+                                            extra_body={"structured_outputs": {"choice": CHOICES}})
+        assert r.choices[0].text in CHOICES
+    _serve(app, fn)
+
+
+def test_server_bad_schema_is_400_and_others_finish(app):
+    async def fn(http, client):
+        good = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0.0, "structured_outputs": {"regex": REGEX}}
+        bads = [{"messages": MESSAGES, "response_format": {"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+                {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                {"messages": MESSAGES, "response_format": {"type": "xml"}},
+                {"prompt": "hi", "structured_outputs": {"regex": "a("}},
+                {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                 "response_format": {"type": "json_object"}},
+                {"messages": MESSAGES, "tools": TOOLS, "stream": True}]
+        rs = await asyncio.gather(http.post("/v1/chat/completions", json=good),
+                                  *[http.post("/v1/completions" if "prompt" in b else "/v1/chat/completions", json=b)
+                                    for b in bads])
+        assert rs[0].status_code == 200 and re.fullmatch(REGEX, rs[0].json()["choices"][0]["message"]["content"])
+        for r in rs[1:]:
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    _serve(app, fn)
+
+
+def test_tool_calls(app):
+    async def fn(http, client):
+        r = await client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS, max_tokens=40,
+                                                 temperature=0.0, tool_choice={"type": "function",
+                                                                               "function": {"name": "add"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert args["a"] in (1, 2, 3) and isinstance(args["b"], bool)
+        assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
+        r = await client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS, max_tokens=40,
+                                                 temperature=0.0, tool_choice="required", parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name in ("add", "noop") and r.choices[0].finish_reason == "tool_calls"
+        r = await client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS, max_tokens=8,
+                                                 temperature=0.0)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].message.content   # free text, no block
+    _serve(app, fn)
+
+
+def test_trl_generate_structured_outputs(app):
+    async def fn(http, client):
+        r = await http.post("/generate/", json={"prompts": ["What is 2 + 2?"], "n": 2, "max_tokens": 12,
+                                                "temperature": 1.0, "structured_outputs_regex": REGEX})
+        assert r.status_code == 200, r.text
+        tok = app.state.serving.llm.tokenizer
+        for ids in r.json()["completion_ids"]:
+            assert re.fullmatch(REGEX, tok.decode(ids, skip_special_tokens=True))
+        r = await http.post("/generate/", json={"prompts": ["What is 2 + 2?"], "max_tokens": 5,
+                                                "generation_kwargs": {"structured_outputs": {"choice": CHOICES}}})
+        assert tok.decode(r.json()["completion_ids"][0], skip_special_tokens=True) in CHOICES
+        r = await http.post("/generate/", json={"prompts": ["hi"], "structured_outputs_regex": "a("})
+        assert r.status_code == 400
+    _serve(app, fn)

@@ -1,0 +1,218 @@
+"""Structured outputs: grammars compiled by xgrammar, matched per request on the host.
+
+xgrammar is an optional dependency (`pip install 'vllm-parity[structured]'`); nothing
+here imports it until a request asks for structured outputs. The pieces:
+
+* ``grammar_of(spec)`` parses a StructuredOutputsParams into an ``xgrammar.Grammar``
+  without a tokenizer: SamplingParams calls it, so a bad schema, regex or EBNF is a
+  ValueError when the params are built (HTTP 400 on the server), before anything runs.
+* ``GrammarCompiler`` (one per engine) compiles a spec against the engine's tokenizer
+  and vocabulary, caching compiled grammars by spec.
+* ``GrammarState`` (one per sample: n > 1 gets n of them) wraps an xgrammar matcher. The
+  scheduler asks it for the packed bitmask of the next token when a step samples the
+  request, and feeds it each sampled token once that token is known on the host.
+
+The bitmask is int32 words, bit ``j`` of word ``i`` allowing token ``32 * i + j``; the
+sampler unpacks it on the device and fills the disallowed logits with -inf
+(vllm/sample/sampler.py, docs/sampling.md).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (upstream vLLM's names): exactly one of a JSON
+    schema (dict or JSON text), a regex, a list of choices, an EBNF grammar (its start
+    rule is `root`), or json_object=True (any JSON object). Enforced by masking the
+    sampler's logits (docs/sampling.md); needs the optional xgrammar package. Checked on
+    construction: a bad schema, regex or grammar is a ValueError."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON schema / object: no whitespace between tokens beyond what the schema's
+    # separators need (small models otherwise tend to emit whitespace for ever)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be an EBNF string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or c == "" for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        grammar_of(self)  # ValueError for a schema, regex or grammar xgrammar cannot parse
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams | None":
+        """A StructuredOutputsParams from itself or its fields as a dict (JSON bodies)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown structured_outputs fields {unknown}; known: "
+                                 f"{sorted(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+
+
+INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'vllm-parity[structured]' (or xgrammar)"
+
+
+def require_xgrammar():
+    """The xgrammar module, or a ValueError saying how to install it (a request asking for
+    what this install cannot do is refused, like any other unsupported request)."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    return xgrammar
+
+
+# json_object: OpenAI's "JSON mode", any JSON object (xgrammar's builtin JSON grammar
+# would also take a top-level array)
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _schema_text(schema) -> str:
+    if isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        return schema
+    return json.dumps(schema)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are valid
+    EBNF string escapes in xgrammar)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def grammar_of(spec: "StructuredOutputsParams"):
+    """The xgrammar Grammar of a spec, tokenizer-free; ValueError naming what is wrong."""
+    xgr = require_xgrammar()
+    kind = spec.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(_schema_text(spec.json), any_whitespace=not spec.disable_any_whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=not spec.disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- xgrammar reports parse errors as RuntimeError
+        raise ValueError(f"invalid structured_outputs.{kind}: {_short(err)}") from None
+
+
+def _short(err: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(err).strip()
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    # "/path/file.cc:94: message" -> "message"
+    head, sep, rest = text.partition(": ")
+    if sep and (".cc:" in head or ".h:" in head):
+        text = rest
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer and vocabulary (the model's logits width: ids
+    past the tokenizer's vocabulary are never allowed). Stop tokens are the engine's eos
+    ids: a grammar that is complete allows only them."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        xgr = require_xgrammar()
+        self.vocab_size = int(vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=list(stop_token_ids))
+        # one thread: the engine shares its host with the API server
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._xgr = xgr
+        self.bitmask_words = (self.vocab_size + 31) // 32
+
+    def compile(self, spec: "StructuredOutputsParams"):
+        kind = spec.kind
+        c = self._compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(_schema_text(spec.json), any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                return c.compile_json_schema(_ANY_OBJECT, any_whitespace=not spec.disable_any_whitespace)
+            if kind == "regex":
+                return c.compile_regex(spec.regex)
+            if kind == "choice":
+                return c.compile_grammar(choice_ebnf(spec.choice))
+            return c.compile_grammar(spec.grammar)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"invalid structured_outputs.{kind}: {_short(err)}") from None
+
+    def state(self, compiled) -> "GrammarState":
+        return GrammarState(self._xgr, compiled, self.bitmask_words)
+
+
+class GrammarState:
+    """One sample's matcher. Its state always covers exactly the sample's output tokens
+    known on the host: a preempted sample recomputes those same tokens, so nothing is
+    rolled back; with async scheduling the scheduler does not sample a constrained
+    request again until its last token is known (vllm/core/scheduler.py)."""
+
+    def __init__(self, xgr, compiled, words: int):
+        import torch
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._words = words
+        self._torch = torch
+        self.num_accepted = 0
+
+    def next_bitmask(self) -> np.ndarray:
+        """The packed mask of the next token: a fresh int32 [words] array (the runner may
+        still be reading the previous one)."""
+        buf = self._torch.zeros((1, self._words), dtype=self._torch.int32)
+        self._matcher.fill_next_token_bitmask(buf)
+        return buf.numpy()[0]
+
+    def accept(self, token_id: int) -> bool:
+        ok = bool(self._matcher.accept_token(int(token_id)))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar accepted a stop token: the sample is complete."""
+        return bool(self._matcher.is_terminated())
