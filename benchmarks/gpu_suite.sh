@@ -235,9 +235,12 @@ if has rlstep; then
 fi
 if has rlray; then
   # the RL step on Ray (trainer + one engine colocated on this GPU) vs the single-process step, Qwen3-4B
-  # dims; needs the ray package (the offline machine: its wheel in .whl/), docs/ray.md
+  # dims; needs the ray package (the offline machine: .whl/ray/ from scripts/slim_ray_wheel.py), docs/ray.md
   echo "== RL step on Ray ($SECONDS s)"
-  timeout "${RLRAY_TIMEOUT:-600}" python benchmarks/rl_step.py --modes invariant,invariant+ray ${RLRAY_ARGS:-} \
+  # ray travels slimmed (scripts/slim_ray_wheel.py: its full wheel is over what a call carries)
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ray_site \
+    .whl/ray/*.whl >>"$OUT/wheels.log" 2>&1 && echo "ray from .whl/ray installed"
+  PYTHONPATH="$PYTHONPATH:/tmp/ray_site" timeout "${RLRAY_TIMEOUT:-600}" python benchmarks/rl_step.py --modes invariant,invariant+ray ${RLRAY_ARGS:-} \
     --json-out "$OUT/rl_ray_step.json" >"$OUT/rl_ray_step.log" 2>&1
   tail -10 "$OUT/rl_ray_step.log"
 fi
