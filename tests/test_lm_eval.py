@@ -1,5 +1,5 @@
-"""The real lm-eval package (`pip install "lm-eval[api]"`; skipped without it: it pulls in ~30
-packages, so it is not in the `test` extra) against `vllm serve`'s /v1/completions as its
+"""The real lm-eval package (`lm-eval[api]`, in the `test` extra; skipped where it is not
+installed) against `vllm serve`'s /v1/completions as its
 `local-completions` model: a multiple-choice (loglikelihood: echo + logprobs) task and a
 generate_until task, both local JSONL, everything offline (tiny Qwen3, CPU).
 
