@@ -7,12 +7,12 @@ problem (batch-dependent cuBLAS tiles, flash prefill vs decode, ...).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import torch
 
+from json_out import write_json_out
 from vllm import LLM
 from vllm.testing.parity_battery import Battery
 from vllm.testing.tiny_models import make_tiny_checkpoint
@@ -55,9 +55,7 @@ def main() -> None:
     print(f"{'check':<58}" + "".join(m.rjust(14) for m in modes))
     for i, r in enumerate(table[modes[0]]):
         print(f"{r.name[:57]:<58}" + "".join(f"{table[m][i].differing}/{table[m][i].comparisons}".rjust(14) for m in modes))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({m: [vars(r) for r in rs] for m, rs in table.items()}, f, indent=1)
+    write_json_out(args.json_out, {m: [vars(r) for r in rs] for m, rs in table.items()})
 
 
 if __name__ == "__main__":

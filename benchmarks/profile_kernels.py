@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from json_out import write_json_out  # noqa: E402
 from throughput import make_model_dir  # noqa: E402
 
 FAMILIES = [
@@ -112,9 +113,7 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json_out(args.json_out, results)
 
 
 if __name__ == "__main__":

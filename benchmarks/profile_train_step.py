@@ -9,12 +9,12 @@ ops with the most self CPU time.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import train_common as tc
+from json_out import write_json_out
 
 
 def profile_one(name: str, step, steps: int, rows: int, host_rows: int, tokens: int) -> dict:
@@ -103,9 +103,7 @@ def main() -> None:
         ratio = f"{base / r['ms']:.3f}x transformers" if base else ""
         print(f"{k:<16}{r['ms']:>9.1f} ms {layout.tokens / r['ms'] * 1e3:>10,.0f} tok/s  kernels {r['kernel_ms']:7.1f} ms "
               f"x{r['kernels']:<6} {r['peak_gib']:>6.1f} GiB  {ratio}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json_out(args.json_out, out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 
+from json_out import write_json_out
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TIMED = ("time_generate_s", "time_train_s", "time_sync_s", "time_step_s", "tokens_per_s", "kv_freed_gib")
@@ -156,9 +158,7 @@ def main() -> None:
         overhead = 100 * (med(ray, "time_step_s") / med(local, "time_step_s") - 1)
         print(f"overhead of ray over one process ({local}, full step): {overhead:+.1f}%  (target <= +10%); "
               f"metrics other than timings equal on every step: {'yes' if same else 'NO'}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json_out(args.json_out, results)
 
 
 if __name__ == "__main__":

@@ -70,42 +70,45 @@ def tiny_models_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_models")
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3(tiny_models_root) -> str:
+def _tiny_qwen3_checkpoint(tiny_models_root, name: str, seed: int) -> str:
+    """tiny_qwen3's architecture and dims (untied, head_dim 32), weights drawn from `seed`."""
     from vllm.testing.tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint(
-        tiny_models_root / "qwen3", "qwen3", head_dim=32, tie_word_embeddings=False, seed=0
+        tiny_models_root / name, "qwen3", head_dim=32, tie_word_embeddings=False, seed=seed
     )
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_128(tiny_models_root) -> str:
+def tiny_qwen3(tiny_models_root) -> str:
+    return _tiny_qwen3_checkpoint(tiny_models_root, "qwen3", seed=0)
+
+
+def _tiny_qwen3_128_checkpoint(tiny_models_root, name: str, seed: int) -> str:
     """A tiny Qwen3 whose projections are multiples of 128 rows and columns (hidden 256, 4
-    heads of 64, 2 kv heads, intermediate 512): FP8 shards on 128-row blocks, and on CUDA
-    prefills of >= fp8_gemm.CUBLASLT_MIN_M tokens run cuBLASLt."""
+    heads of 64, 2 kv heads, intermediate 512), weights drawn from `seed`."""
     from vllm.testing.tiny_models import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(tiny_models_root / "qwen3_128", "qwen3", hidden_size=256, head_dim=64,
-                                intermediate_size=512, seed=2)
+    return make_tiny_checkpoint(tiny_models_root / name, "qwen3", hidden_size=256, head_dim=64,
+                                intermediate_size=512, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_128(tiny_models_root) -> str:
+    """128-multiple projections: FP8 shards on 128-row blocks, and on CUDA prefills of
+    >= fp8_gemm.CUBLASLT_MIN_M tokens run cuBLASLt."""
+    return _tiny_qwen3_128_checkpoint(tiny_models_root, "qwen3_128", seed=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_128_other(tiny_models_root) -> str:
     """tiny_qwen3_128's shapes, other weights (weight sync sources)."""
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tiny_models_root / "qwen3_128_seed7", "qwen3", hidden_size=256, head_dim=64,
-                                intermediate_size=512, seed=7)
+    return _tiny_qwen3_128_checkpoint(tiny_models_root, "qwen3_128_seed7", seed=7)
 
 
 @pytest.fixture(scope="session")
 def new_weights(tiny_models_root) -> str:
-    from vllm.testing.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(
-        tiny_models_root / "qwen3_seed5", "qwen3", head_dim=32, tie_word_embeddings=False, seed=5
-    )
+    return _tiny_qwen3_checkpoint(tiny_models_root, "qwen3_seed5", seed=5)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.testing.parity_battery import Battery
+from vllm.testing.parity_battery import Battery, battery_check_params, run_exercised_check
 
 
 @pytest.fixture(scope="module")
@@ -19,20 +19,9 @@ def battery(tiny_qwen3):
     return b
 
 
-@pytest.mark.parametrize("check", ["batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption"])
-def test_invariant_battery(battery, check):
-    res = getattr(battery, check)()
-    assert res.comparisons > 0
-    assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
-    if check == "prefix_cache":
-        assert res.detail.startswith("3 ")
-    if check == "preemption":
-        assert not res.detail.startswith("0 ")
-
-
-def test_identical_requests(battery):
-    res = battery.identical_requests(n=60, n_seeds=6)
-    assert res.differing == 0, res
+@pytest.mark.parametrize("check, options", battery_check_params(n_identical=60, n_seeds=6))
+def test_invariant_battery(battery, check, options):
+    run_exercised_check(battery, check, **options)
 
 
 def test_invariant_mode_qwen2_bias_and_llama(tiny_qwen2, tiny_llama):

@@ -9,7 +9,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.layers.moe import collect_router_stats
-from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check, signature
+from vllm.testing.parity_battery import battery_check_params, cpu_battery, run_exercised_check, signature
 
 
 @pytest.fixture(scope="module")
@@ -17,18 +17,9 @@ def battery(tiny_qwen3_moe):
     return cpu_battery(tiny_qwen3_moe)
 
 
-@pytest.mark.parametrize("check", BATTERY_CHECKS)
-def test_moe_invariant_battery(battery, check):
-    res = run_zero_check(battery, check)
-    if check == "prefix_cache":
-        assert res.detail.startswith("3 ")
-    if check == "preemption":
-        assert not res.detail.startswith("0 ")
-
-
-def test_moe_identical_requests(battery):
-    res = battery.identical_requests(n=24, n_seeds=4)
-    assert res.differing == 0, res
+@pytest.mark.parametrize("check, options", battery_check_params(n_identical=24, n_seeds=4))
+def test_moe_invariant_battery(battery, check, options):
+    run_exercised_check(battery, check, **options)
 
 
 def _zero_router(llm):

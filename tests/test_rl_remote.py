@@ -13,7 +13,6 @@ import pytest
 from vllm.entrypoints.cli.main import main
 from vllm.rl.metrics import read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "admin-rl"
 
 
@@ -33,11 +32,9 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    from vllm.testing.rollout_server import ServerProcess
-    srv = ServerProcess(tiny_qwen3, "--device", "cpu", "--admin-key", ADMIN, "--max-num-seqs", "16",
-                        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
-    yield srv
-    srv.stop()
+    from vllm.testing.rollout_server import cpu_server
+    with cpu_server(tiny_qwen3, "--admin-key", ADMIN, "--max-num-seqs", "16", env=dict(os.environ)) as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("sync", ["group", "path"])

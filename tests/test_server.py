@@ -14,11 +14,9 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -28,6 +26,7 @@ pytest.importorskip("uvicorn")
 
 from vllm import LLM, SamplingParams
 from vllm.entrypoints.openai.api_server import build_app_from_llm
+from vllm.testing.rollout_server import free_port, terminate_process, wait_until_healthy
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
@@ -363,14 +362,8 @@ def test_abandoned_stream_is_aborted(served):
 
 # ---- the real CLI -------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vllm_serve_cli_subprocess():
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -380,16 +373,7 @@ def test_vllm_serve_cli_subprocess():
     try:
         # trust_env=False: a proxy from the environment must never see loopback traffic.
         with httpx.Client(base_url=base, timeout=30, trust_env=False) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, "vllm serve exited early"
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "vllm serve did not become healthy in time"
-                time.sleep(0.25)
+            wait_until_healthy(client, proc, timeout_s=120)
             r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 5,
                                                      "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
@@ -405,14 +389,7 @@ def test_vllm_serve_cli_subprocess():
         print(log.read().decode(errors="replace")[-5000:])
         raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-            stopped_in_time = True
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            stopped_in_time = False
+        stopped_in_time = terminate_process(proc, timeout_s=20)
         log.seek(0)
         output = log.read().decode(errors="replace")
         log.close()

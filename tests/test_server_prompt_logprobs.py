@@ -106,8 +106,7 @@ def test_bad_requests_are_400_and_lose_nothing(server):
     bad = [{"prompt": "x", "max_tokens": 0},                               # max_tokens=0 needs echo
            {"prompt": "x", "prompt_logprobs": -1},
            {"prompt": "x", "prompt_logprobs": 10 ** 9},                    # beyond the vocabulary
-           {"prompt": "x", "echo": True, "stream": True},
-           {"prompt": "x", "prompt_logprobs": 1, "stream": True}]
+           {"prompt": "x", "echo": True, "stream": True, "prompt_logprobs": -1}]
     for body in bad:
         r = requests.post(f"{server}/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
@@ -183,8 +182,23 @@ def test_unscored_prompt_positions_fail_with_409():
     done = SimpleNamespace(request_id="a", prompt_logprobs=[None, {5: 0.0}, {6: 0.0}], outputs=[])
     cut = SimpleNamespace(request_id="b", prompt_logprobs=[None, {5: 0.0}, None],
                           outputs=[SimpleNamespace(finish_reason="abort")])
-    require_scored_prompts([done, SimpleNamespace(request_id="c", prompt_logprobs=None, outputs=[])])
+    require_scored_prompts([done])
+    require_scored_prompts([SimpleNamespace(request_id="c", prompt_logprobs=None, prompt_token_ids=[1, 2], outputs=[])],
+                           asked=False)
     with pytest.raises(PromptNotScoredError, match="1 of its 2 prompt positions") as err:
         require_scored_prompts([done, cut])
     resp = exception_response(err.value)
     assert resp.status_code == 409 and "send it again" in json.loads(resp.body)["error"]["message"]
+
+
+def test_prompt_logprobs_missing_altogether_fail_when_asked():
+    """Aborted before its first step, a request that asked for prompt logprobs has none: a
+    409 too; one that did not ask passes."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.errors import PromptNotScoredError, require_scored_prompts
+
+    out = SimpleNamespace(request_id="a", prompt_logprobs=None, prompt_token_ids=[1, 2, 3], outputs=[])
+    require_scored_prompts([out], asked=False)
+    with pytest.raises(PromptNotScoredError, match="before its prompt was scored"):
+        require_scored_prompts([out], asked=True)

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.rollout_server import free_port, terminate_process, wait_until_healthy
 from vllm.testing.tiny_models import load_hf_model
 from vllm.tokenizer import IncrementalDetokenizer
 from vllm.training import Policy
@@ -161,12 +160,6 @@ def test_engine_output_has_split_multibyte_characters(greedy, tok):
 
 # ---- `vllm serve` over HTTP -------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sse_events(text: str) -> list:
     events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", text[-300:]
@@ -179,7 +172,7 @@ def server(smollm2_dir):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    port = _free_port()
+    port = free_port()
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--model", smollm2_dir,
                              "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
@@ -187,16 +180,7 @@ def server(smollm2_dir):
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, trust_env=False)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "vllm serve exited early"
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not become healthy in time"
-            time.sleep(0.25)
+        wait_until_healthy(client, proc, timeout_s=300)
         yield client
     except BaseException:
         log.seek(0)
@@ -204,12 +188,7 @@ def server(smollm2_dir):
         raise
     finally:
         client.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate_process(proc, timeout_s=30)
         log.close()
 
 

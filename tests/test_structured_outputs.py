@@ -288,7 +288,8 @@ def test_server_bad_schema_is_400_and_others_finish(app):
                 {"prompt": "hi", "structured_outputs": {"regex": "a("}},
                 {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
                  "response_format": {"type": "json_object"}},
-                {"messages": MESSAGES, "tools": TOOLS, "stream": True}]
+                {"messages": MESSAGES, "tools": TOOLS, "stream": True, "tool_choice": "required",
+                 "response_format": {"type": "json_object"}}]
         rs = await asyncio.gather(http.post("/v1/chat/completions", json=good),
                                   *[http.post("/v1/completions" if "prompt" in b else "/v1/chat/completions", json=b)
                                     for b in bads])

@@ -69,11 +69,9 @@ def test_shared_memory_buckets_across_processes(tiny_qwen3, new_weights):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    from vllm.testing.rollout_server import ServerProcess
-    srv = ServerProcess(tiny_qwen3, "--device", "cpu", "--admin-key", ADMIN, "--max-num-seqs", "8",
-                        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
-    yield srv
-    srv.stop()
+    from vllm.testing.rollout_server import cpu_server
+    with cpu_server(tiny_qwen3, "--admin-key", ADMIN, "--max-num-seqs", "8", env=dict(os.environ)) as srv:
+        yield srv
 
 
 def _greedy(url, prompt):

@@ -13,7 +13,6 @@ to --json-out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from gemm import bench_graph  # noqa: E402
+from json_out import write_json_out  # noqa: E402
 
 from vllm.kernels.leaf_tree import tree_linear_leafwise, tree_linear_triton  # noqa: E402
 from vllm.kernels.matmul import invariant_matmul  # noqa: E402
@@ -61,9 +62,7 @@ def main() -> None:
                          "invariant_ms": t_inv, "cublas_ms": t_cub, "bits_equal_leafwise": same})
             print(f"{name:>6} {M:>6} {t_tree:9.4f} {t_inv:9.4f} {t_cub:9.4f} {t_tree / t_inv:9.3f} "
                   f"{t_tree / t_cub:11.3f} {'ok' if same else 'DIFFER'}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json_out(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,20 @@ def _base_type(tp) -> tuple[type, bool]:
     return tp, False
 
 
+def _coerce_number(name: str, value, parse, accepted, convert, noun: str):
+    """A number field's value: `convert(value)` for a non-bool instance of `accepted`, `parse(value)`
+    for a string that parses; anything else (bools included) is a ValueError naming `noun`."""
+    if not isinstance(value, bool):
+        if isinstance(value, accepted):
+            return convert(value)
+        if isinstance(value, str):
+            try:
+                return parse(value)
+            except ValueError:
+                pass
+    raise ValueError(f"{name}: expected {noun}, got {value!r}")
+
+
 def coerce(name: str, value, tp):
     """Check/convert one value against its field type; ValueError names the knob."""
     base, optional = _base_type(tp)
@@ -208,27 +222,10 @@ def coerce(name: str, value, tp):
             return value.lower() in ("true", "yes", "on", "1")
         raise ValueError(f"{name}: expected true or false, got {value!r}")
     if base is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{name}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
+        # an int is kept as it is; an int field takes no float
+        return _coerce_number(name, value, int, accepted=int, convert=lambda v: v, noun="an integer")
     if base is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{name}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{name}: expected a number, got {value!r}")
+        return _coerce_number(name, value, float, accepted=(int, float), convert=float, noun="a number")
     if base is str:
         if isinstance(value, str):
             return value

@@ -148,21 +148,24 @@ def make_plots(metrics_path: str, out_dir: str) -> list[str]:
     if not train:
         return []
     steps = [r["step"] for r in train]
-    out = []
 
+    def save(fig, ax, ylabel: str, name: str) -> str:
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        path = os.path.join(out_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    out = []
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["reward_mean"] for r in train], label="train reward (mean over rollouts)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_reward_mean"] for r in evals], "o-", label="eval reward (greedy)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = os.path.join(out_dir, "reward.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    out.append(path)
+    out.append(save(fig, ax, "reward", "reward.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("logprob_diff_max", "|logp_train - logp_rollout| max"),
@@ -170,13 +173,5 @@ def make_plots(metrics_path: str, out_dir: str) -> list[str]:
         ax.plot(steps, [r[key] for r in train], label=label)
     if all(r["logprob_diff_max"] == 0.0 for r in train):
         ax.set_title("rollout vs trainer logprobs: identical bits at every step")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mismatch")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = os.path.join(out_dir, "mismatch.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    out.append(path)
+    out.append(save(fig, ax, "mismatch", "mismatch.png"))
     return out

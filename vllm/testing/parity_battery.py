@@ -190,9 +190,29 @@ def cpu_battery(path: str, **engine_options) -> "Battery":
 BATTERY_CHECKS = ("batch_slots", "prefill_vs_decode", "chunked_prefill", "prefix_cache", "preemption")
 
 
-def run_zero_check(battery: "Battery", check: str):
+def battery_check_params(n_identical: int, n_seeds: int) -> list:
+    """pytest parameters (check, options): every BATTERY_CHECKS check, then identical_requests
+    with `n_identical` requests and `n_seeds` seeds."""
+    import pytest
+
+    return [*(pytest.param(c, {}, id=c) for c in BATTERY_CHECKS),
+            pytest.param("identical_requests", dict(n=n_identical, n_seeds=n_seeds), id="identical_requests")]
+
+
+def run_zero_check(battery: "Battery", check: str, **check_options):
     """One battery check, asserting it compared something and no bits differed; its result."""
-    res = getattr(battery, check)()
+    res = getattr(battery, check)(**check_options)
     assert res.comparisons > 0
     assert res.differing == 0, f"{res.name}: {res.differing}/{res.comparisons} differ ({res.detail})"
+    return res
+
+
+def run_exercised_check(battery: "Battery", check: str, **check_options):
+    """run_zero_check, also asserting the check exercised what it compares: every one of the
+    prefix-cache check's 3 tails hit the warm cache, and the preemption check preempted."""
+    res = run_zero_check(battery, check, **check_options)
+    if check == "prefix_cache":
+        assert res.detail.startswith("3 ")
+    if check == "preemption":
+        assert not res.detail.startswith("0 ")
     return res

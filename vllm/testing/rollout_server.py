@@ -22,6 +22,50 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def cpu_server(model: str, *args: str, env: dict) -> Iterator["ServerProcess"]:
+    """A ServerProcess serving `model` on CPU (`args` go to `vllm serve`), stopped on exit. `env`:
+    the caller's environment (the package reads none itself), to which this adds what makes the
+    server import the vllm this process imports (its parent folder on PYTHONPATH) and run one
+    OpenMP thread, so that it does not contend for the cores with the tests driving it."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    srv = ServerProcess(model, "--device", "cpu", *args,
+                        env={**env, "PYTHONPATH": checkout, "OMP_NUM_THREADS": "1"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def wait_until_healthy(client, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll GET /health through the httpx `client` until it answers 200, asserting all the while
+    that the `vllm serve` process `proc` is alive and `timeout_s` has not run out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, "vllm serve exited early"
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "vllm serve did not become healthy in time"
+        time.sleep(0.25)
+
+
+def terminate_process(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """SIGTERM `proc` and wait up to `timeout_s` for it, then SIGKILL it; whether it stopped on SIGTERM in time."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        return False
+
+
+@contextlib.contextmanager
 def serve_in_thread(app, startup_timeout_s: float = 30.0) -> Iterator[str]:
     """Serve the ASGI `app` on a free port from a daemon thread; yields its base URL and
     stops the server on exit."""

@@ -43,7 +43,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.config import default_model_path
 from vllm.entrypoints.openai.async_engine import AsyncLLM
 from vllm.entrypoints.openai.auth import AuthMiddleware
-from vllm.entrypoints.openai.errors import error_response, exception_response, validation_message
+from vllm.entrypoints.openai.errors import (
+    await_or_error, call_or_error, error_response, exception_response, health_response, validation_message,
+)
 from vllm.entrypoints.openai.metrics import metrics_registry
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, WeightsUpdateRequest,
@@ -92,9 +94,7 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
 
     @app.get("/health")
     async def health():
-        if llm.is_running:
-            return {"status": "ok"}
-        return error_response(f"the engine is not running: {llm.client.dead_reason}", 503)
+        return health_response(llm)
 
     @app.get("/version")
     async def version():
@@ -127,23 +127,11 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        try:
-            return serving.tokenize(req)
-        except Exception as err:  # noqa: BLE001
-            return exception_response(err)
+        return call_or_error(serving.tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        try:
-            return serving.detokenize(req)
-        except Exception as err:  # noqa: BLE001
-            return exception_response(err)
-
-    async def _admin(coro):
-        try:
-            return await coro
-        except Exception as err:  # noqa: BLE001
-            return exception_response(err)
+        return call_or_error(serving.detokenize, req)
 
     @app.get("/v1/weights/version")
     async def weights_version():
@@ -152,49 +140,49 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     @app.get("/v1/weights/contract")
     async def weights_contract():
         # the engine's execution contract: a trainer compares it with its own before any sync
-        return await _admin(llm.utility("execution_contract"))
+        return await await_or_error(llm.utility("execution_contract"))
 
     @app.post("/v1/weights/update_from_ipc")
     async def weights_update_from_ipc(raw: Request):
-        return await _admin(_utility_with_body(llm, "update_weights_from_ipc", raw))
+        return await await_or_error(_utility_with_body(llm, "update_weights_from_ipc", raw))
 
     @app.post("/v1/weights/update")
     async def weights_update(req: WeightsUpdateRequest):
-        return await _admin(llm.update_weights_from_path(req.path))
+        return await await_or_error(llm.update_weights_from_path(req.path))
 
     @app.post("/v1/weights/init_group")
     async def weights_init_group(raw: Request):
-        return await _admin(_utility_with_body(llm, "init_weight_group", raw))
+        return await await_or_error(_utility_with_body(llm, "init_weight_group", raw))
 
     @app.post("/v1/weights/update_from_group")
     async def weights_update_from_group(raw: Request):
-        return await _admin(_utility_with_body(llm, "update_weights_from_group", raw))
+        return await await_or_error(_utility_with_body(llm, "update_weights_from_group", raw))
 
     @app.post("/v1/pause")
     async def pause():
-        return await _admin(llm.pause())
+        return await await_or_error(llm.pause())
 
     @app.post("/v1/resume")
     async def resume():
-        return await _admin(llm.resume())
+        return await await_or_error(llm.resume())
 
     # upstream vLLM's RL routes: POST /pause?mode=abort|wait|keep&clear_cache=..., POST /resume,
     # GET /is_paused, POST /abort_requests {"request_ids": [...]}, GET /get_world_size
     @app.post("/pause")
     async def pause_generation(mode: str = "abort", clear_cache: bool = True):
-        return await _admin(_with_status("paused", llm.pause_generation(mode, clear_cache)))
+        return await await_or_error(_with_status("paused", llm.pause_generation(mode, clear_cache)))
 
     @app.post("/resume")
     async def resume_generation():
-        return await _admin(_with_status("resumed", llm.resume_generation()))
+        return await await_or_error(_with_status("resumed", llm.resume_generation()))
 
     @app.get("/is_paused")
     async def is_paused():
-        return await _admin(_is_paused(llm))
+        return await await_or_error(_is_paused(llm))
 
     @app.post("/abort_requests")
     async def abort_requests(raw: Request):
-        return await _admin(_abort_requests(llm, raw))
+        return await await_or_error(_abort_requests(llm, raw))
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: bool = True):

@@ -19,11 +19,14 @@ class PromptNotScoredError(RuntimeError):
     a complete one, so the request fails and can be sent again."""
 
 
-def require_scored_prompts(outputs) -> None:
+def require_scored_prompts(outputs, asked: bool = True) -> None:
     """Raise PromptNotScoredError unless every output's prompt logprobs cover every position
-    after the first (the first has none by definition)."""
+    after the first (the first has none by definition). `asked`: the request asked for them,
+    so none at all (aborted before its first step) fails too."""
     for out in outputs:
         lps = out.prompt_logprobs
+        if lps is None and asked and len(out.prompt_token_ids) > 1:
+            raise PromptNotScoredError(f"request {out.request_id} ended before its prompt was scored; send it again")
         if lps is not None and any(entry is None for entry in lps[1:]):
             done = sum(entry is not None for entry in lps[1:])
             raise PromptNotScoredError(
@@ -38,6 +41,29 @@ def error_response(message: str, status: int = 400, err_type: str | None = None,
             status, "internal_server_error" if status >= 500 else "invalid_request_error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+async def await_or_error(coro):
+    """What `coro` returns, or, when it raises, the error response for the exception."""
+    try:
+        return await coro
+    except Exception as err:  # noqa: BLE001
+        return exception_response(err)
+
+
+def call_or_error(fn, *args):
+    """What `fn(*args)` returns, or, when it raises, the error response for the exception."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001
+        return exception_response(err)
+
+
+def health_response(llm):
+    """GET /health: ok while the engine runs, else 503 with the reason it died."""
+    if llm.is_running:
+        return {"status": "ok"}
+    return error_response(f"the engine is not running: {llm.client.dead_reason}", 503)
 
 
 def exception_response(err: BaseException) -> JSONResponse:

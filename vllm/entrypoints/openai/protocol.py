@@ -218,8 +218,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must be unset or equal to n)")
-        if self.stream and (self.echo or self.prompt_logprobs is not None):
-            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         max_tokens = self.max_tokens
@@ -292,8 +290,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("tool_choice 'required' or a named function constrains the output itself: "
                                  "it cannot be combined with response_format or structured_outputs")
             structured = tool_grammar
-        if plan.parses and self.stream:
-            raise ValueError("tool calls are not parsed in streamed responses: use stream=false, or tool_choice 'none'")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -421,14 +417,46 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None   # upstream's, as completions'
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None      # JSON text: appended to what the call's earlier deltas sent
+
+    @model_serializer(mode="plain")
+    def _drop_unset(self) -> dict[str, Any]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed piece of a tool call: its first carries id, type and name, later ones
+    more of its arguments (OpenAI's shape; clients join the pieces by index)."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="plain")
+    def _drop_unset(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            d["id"] = self.id
+        if self.type is not None:
+            d["type"] = self.type
+        d["function"] = self.function._drop_unset()
+        return d
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="plain")
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI deltas carry only what changed: `role` on a choice's first chunk only.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        d: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            d["tool_calls"] = [t._drop_unset() for t in self.tool_calls]
+        return d
 
 
 class ChatStreamChoice(OpenAIBaseModel):

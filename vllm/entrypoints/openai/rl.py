@@ -26,7 +26,9 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
-from vllm.entrypoints.openai.errors import error_response, exception_response, require_scored_prompts
+from vllm.entrypoints.openai.errors import (
+    await_or_error, exception_response, health_response, require_scored_prompts,
+)
 from vllm.entrypoints.openai.protocol import (
     FinishWeightUpdateRequest, MessageResponse, StartWeightUpdateRequest, TrlChatRequest, TrlGenerateRequest,
     TrlGenerateResponse, TrlInitCommunicatorRequest, TrlSequenceLogprobsBinaryResponse, TrlSequenceLogprobsRequest,
@@ -102,24 +104,21 @@ def _log_failure(task: asyncio.Future) -> None:
         logger.warning("weight transfer collective failed: %s", task.exception())
 
 
+async def _with_message(message: str, coro) -> dict:
+    """upstream's {"message": ...} next to the engine's fields."""
+    return {"message": message, **await coro}
+
+
 def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
     llm = serving.llm
     trl = TrlSession(serving)
     serving.before_generate = trl.settle
 
-    async def _call(coro):
-        try:
-            return await coro
-        except Exception as err:  # noqa: BLE001
-            return exception_response(err)
-
     # ---- upstream vLLM ------------------------------------------------------------------
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(req: WeightTransferInitRequest):
-        async def go():
-            res = await llm.init_weight_transfer_engine(req.init_info)
-            return {"message": "Weight transfer initialized", **res}
-        return await _call(go())
+        return await await_or_error(_with_message("Weight transfer initialized",
+                                                  llm.init_weight_transfer_engine(req.init_info)))
 
     @app.post("/start_weight_update")
     async def start_weight_update(req: Optional[StartWeightUpdateRequest] = None):
@@ -129,38 +128,33 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             await trl.settle()
             res = await llm.start_weight_update()
             return MessageResponse(message="Weight update started", weight_version=res["weight_version"])
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.post("/update_weights")
     async def update_weights(req: WeightTransferUpdateRequest):
-        async def go():
-            res = await llm.update_weights(req.update_info)
-            return {"message": "Weights updated", **res}
-        return await _call(go())
+        return await await_or_error(_with_message("Weights updated", llm.update_weights(req.update_info)))
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(req: Optional[FinishWeightUpdateRequest] = None):
-        async def go():
-            res = await llm.finish_weight_update(req.weight_version if req is not None else None)
-            return {"message": "Weight update finished", **res}
-        return await _call(go())
+        return await await_or_error(_with_message(
+            "Weight update finished", llm.finish_weight_update(req.weight_version if req is not None else None)))
 
     @app.post("/abort_weight_update")
     async def abort_weight_update():
-        return await _call(llm.weight_transfer("abort"))
+        return await await_or_error(llm.weight_transfer("abort"))
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest):
         async def go():
             await llm.update_weight_version(req.new_version)
             return {"success": True, "new_version": req.new_version}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.get("/weight_info")
     async def weight_info():
         async def go():
             return {"weight_version": await llm.get_weight_version()}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.get("/server_info")
     async def server_info(config_format: str = "json"):
@@ -174,21 +168,19 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
                 "weight_transfer_config": {"backend": info["backend"]},
                 "device": info["device"],
             }}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         async def go():
             await trl.settle()
             return {"success": bool(await llm.utility("reset_prefix_cache"))}
-        return await _call(go())
+        return await await_or_error(go())
 
     # ---- TRL's server protocol ----------------------------------------------------------
     @app.get("/health/")
     async def trl_health():
-        if llm.is_running:
-            return {"status": "ok"}
-        return error_response(f"the engine is not running: {llm.client.dead_reason}", 503)
+        return health_response(llm)
 
     @app.get("/get_world_size/")
     async def trl_world_size():
@@ -288,7 +280,7 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             trl.background(llm.weight_transfer("init_trl", req.host, req.port, req.world_size,
                                                req.client_device_uuid, req.contract))
             return {"message": "Request received, initializing communicator"}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.post("/update_named_param/")
     async def trl_update_named_param(req: TrlUpdateNamedParamRequest):
@@ -304,7 +296,7 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             # the trainer broadcasts after this answer: the engine receives it in the background
             trl.background(llm.weight_transfer("receive_trl", req.name, req.dtype, list(req.shape)))
             return {"message": "Request received, updating named parameter"}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.post("/reset_prefix_cache/")
     async def trl_reset_prefix_cache():
@@ -312,7 +304,7 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             await trl.settle()
             ok = bool(await llm.utility("reset_prefix_cache"))
             return {"message": f"Request received, resetting prefix cache status: {ok}"}
-        return await _call(go())
+        return await await_or_error(go())
 
     @app.post("/close_communicator/")
     async def trl_close_communicator():
@@ -322,6 +314,6 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             finally:
                 await llm.weight_transfer("close")
             return {"message": "Request received, closing communicator"}
-        return await _call(go())
+        return await await_or_error(go())
 
     return trl

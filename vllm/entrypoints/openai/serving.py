@@ -20,11 +20,11 @@ from vllm.entrypoints.openai.errors import exception_response, exception_respons
 from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, DetokenizeRequest,
-    DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest,
+    CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
+    DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
-from vllm.entrypoints.openai.tool_calls import ToolPlan, new_tool_call_id
+from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -215,6 +215,14 @@ def _prompt_logprobs_json(prompt_lps: list | None) -> list | None:
             for entry in prompt_lps]
 
 
+def _prompt_logprobs_plain(prompt_lps: list | None) -> list | None:
+    """_prompt_logprobs_json as plain JSON values (the streamed chunks are built as dicts)."""
+    entries = _prompt_logprobs_json(prompt_lps)
+    if entries is None:
+        return None
+    return [None if e is None else {tid: lp.model_dump() for tid, lp in e.items()} for e in entries]
+
+
 def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
     """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
     content = []
@@ -341,7 +349,7 @@ class OpenAIServing:
                                req: CompletionRequest):
         try:
             finals = await _final_outputs(streams)
-            require_scored_prompts(finals)
+            require_scored_prompts(finals, asked=params.prompt_logprobs is not None)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         ids = req.want_token_ids
@@ -350,9 +358,7 @@ class OpenAIServing:
         choices, n_prompt, n_gen, version = [], 0, 0, 0
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
-            prompt_text = ""
-            if req.echo:
-                prompt_text = out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
+            prompt_text = self._echo_text(out) if req.echo else ""
             prompt_lps = _prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
             for c in out.outputs:
                 token_ids, lps, text = (([], [] if c.logprobs is not None else None, "") if prompt_only
@@ -362,8 +368,7 @@ class OpenAIServing:
                 logprobs = None
                 if lps is not None:
                     if req.echo:
-                        first = self.llm.tokenizer.decode(out.prompt_token_ids[:1])
-                        logprobs = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, first, as_ids)
+                        logprobs = self._echo_logprobs(out, k, as_ids)
                         gen = _completion_logprobs(token_ids, lps, k, len(prompt_text), as_ids)
                         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(logprobs, name).extend(getattr(gen, name))
@@ -377,6 +382,14 @@ class OpenAIServing:
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                         usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
 
+    def _echo_text(self, out: RequestOutput) -> str:
+        """echo's prompt text: the prompt as given, or its decoded token ids."""
+        return out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
+
+    def _echo_logprobs(self, out: RequestOutput, k: int, as_ids: bool) -> CompletionLogprobs:
+        first = self.llm.tokenizer.decode(out.prompt_token_ids[:1])
+        return _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, first, as_ids)
+
     async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
                                  req: CompletionRequest) -> AsyncIterator[str]:
         holdback = max((len(s) for s in params.stop_strings), default=1) - 1
@@ -384,12 +397,14 @@ class OpenAIServing:
         n_prompt: dict[int, int] = {}
         n_gen = 0
         want_ids = req.want_token_ids
+        k, as_ids, prompt_only = params.logprobs or 0, req.return_tokens_as_token_ids, req.scores_prompt_only
         # The chunk envelope is the same for every event: built once, choices spliced in.
         head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model})[:-1]
         try:
             async for i, out in _merge(streams):
                 n_prompt[i] = len(out.prompt_token_ids)
-                choices, version = [], None
+                # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish
+                prompt_chunks, choices, version = [], [], None
                 for c in out.outputs:
                     cur = cursors.setdefault((i, c.index), _ChoiceCursor())
                     if cur.done:
@@ -398,24 +413,51 @@ class OpenAIServing:
                     if delta is None:
                         continue
                     text, ids, lps = delta
+                    if prompt_only:   # the sampled token is left out, as in the non-streamed response
+                        text, ids, lps = "", [], ([] if lps is not None else None)
                     n_gen += len(ids)
                     choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    echo_lp = None
+                    if cur.first:
+                        # a choice's first chunk carries the prompt side: echo's text and logprobs,
+                        # prompt_logprobs, prompt_token_ids
+                        if params.prompt_logprobs is not None:
+                            require_scored_prompts([out])
+                        prompt = self._echo_text(out) if req.echo else ""
+                        if req.echo and lps is not None:
+                            echo_lp = self._echo_logprobs(out, k, as_ids)
+                        cur.text_offset = len(prompt)   # the generated tokens' offsets follow the prompt
+                        first = {**choice, "finish_reason": None, "stop_reason": None} if prompt_only else choice
+                        first["text"] = prompt + text
+                        if req.prompt_logprobs is not None:
+                            first["prompt_logprobs"] = _prompt_logprobs_plain(out.prompt_logprobs)
+                        if want_ids:
+                            first["token_ids"] = []
+                            first["prompt_token_ids"] = out.prompt_token_ids
+                        if prompt_only:
+                            first["logprobs"] = echo_lp.model_dump() if echo_lp is not None else None
+                            prompt_chunks.append(first)
+                            echo_lp = None
                     if lps is not None:
-                        lp = _completion_logprobs(ids, lps, params.logprobs or 0, cur.text_offset, req.return_tokens_as_token_ids)
-                        cur.text_offset += sum(len(t) for t in lp.tokens)
+                        lp = _completion_logprobs(ids, lps, k, cur.text_offset, as_ids)
+                        cur.text_offset += sum(len(e[t].decoded_token or "") for t, e in zip(ids, lps))
+                        if echo_lp is not None:
+                            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                                getattr(echo_lp, name).extend(getattr(lp, name))
+                            lp = echo_lp
                         choice["logprobs"] = lp.model_dump()
                     if want_ids:
                         choice["token_ids"] = ids
-                        if cur.first:
-                            choice["prompt_token_ids"] = out.prompt_token_ids
                     if c.finish_reason is not None:
                         choice["weight_versions"] = c.weight_versions
                     cur.first = False
                     version = c.weight_versions[-1] if c.weight_versions else version
-                    choices.append(choice)
-                if choices:
-                    yield f'data: {head}, "choices": {json.dumps(choices)}, "weight_version": {json.dumps(version)}}}\n\n'
+                    if not prompt_only or c.finish_reason is not None:
+                        choices.append(choice)
+                for chunk in (prompt_chunks, choices):
+                    if chunk:
+                        yield f'data: {head}, "choices": {json.dumps(chunk)}, "weight_version": {json.dumps(version)}}}\n\n'
             if req.stream_options is not None and req.stream_options.include_usage:
                 p = sum(n_prompt.values())
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
@@ -454,7 +496,7 @@ class OpenAIServing:
     async def _chat_full(self, stream, params: SamplingParams, rid: str, model: str, created: int, req: ChatCompletionRequest):
         try:
             (out,) = await _final_outputs([stream])
-            require_scored_prompts([out])
+            require_scored_prompts([out], asked=params.prompt_logprobs is not None)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         top_k = params.logprobs or 0
@@ -479,6 +521,8 @@ class OpenAIServing:
         holdback = max((len(s) for s in params.stop_strings), default=1) - 1
         top_k = params.logprobs or 0
         cursors = [_ChoiceCursor() for _ in range(params.n)]
+        plan = req.tool_plan()
+        parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
@@ -499,12 +543,24 @@ class OpenAIServing:
                     text, ids, lps = delta
                     n_gen += len(ids)
                     logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
-                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    version = c.weight_versions[-1] if c.weight_versions else None
+                    parser, finish = parsers[c.index], c.finish_reason
+                    if parser is None:
+                        deltas = [DeltaMessage(content=text)]
+                    else:
+                        deltas = [_delta_message(p) for p in parser.feed(text, finish is not None)] or [DeltaMessage()]
+                        if finish == "stop" and plan.mode in ("auto", "required") and parser.has_calls():
+                            finish = "tool_calls"
+                    # one piece per chunk; the step's tokens, logprobs and finish ride on the last
+                    for d in deltas[:-1]:
+                        yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, weight_version=version,
+                                                                choices=[ChatStreamChoice(index=c.index, delta=d)]))
+                    choice = ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs,
+                                              finish_reason=finish, stop_reason=c.stop_reason,
                                               token_ids=ids if want_ids else None,
                                               weight_versions=c.weight_versions if c.finish_reason is not None else None)
                     yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
-                                                            weight_version=c.weight_versions[-1] if c.weight_versions else None))
+                                                            weight_version=version))
             if req.stream_options is not None and req.stream_options.include_usage:
                 p = len(prompt_ids)
                 yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
@@ -544,6 +600,13 @@ def _chat_message(c: CompletionOutput, plan: ToolPlan) -> ChatResponseMessage:
     return ChatResponseMessage(content=content, tool_calls=[
         ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
+
+
+def _delta_message(p: StreamPiece) -> DeltaMessage:
+    if p.index is None:
+        return DeltaMessage(content=p.content)
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
+                                                  function=DeltaFunctionCall(name=p.name, arguments=p.arguments))])
 
 
 def _chat_finish(c: CompletionOutput, plan: ToolPlan) -> str | None:

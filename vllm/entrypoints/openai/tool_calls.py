@@ -153,3 +153,159 @@ def _arguments_text(text: str) -> str:
 
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---- streaming ----------------------------------------------------------------------------
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """One piece of a streamed chat message: content text, or part of tool call `index`
+    (its first piece has id and name, with arguments ""; later pieces more arguments)."""
+    content: str | None = None
+    index: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallStream:
+    """ToolPlan.parse done incrementally on one choice's text deltas.
+
+    The pieces fed so far, joined, give the parse of the finished text (the arguments
+    as JSON values): "auto" sends a call once its block has closed (before then it may
+    still turn out not to be a call, and then stays content) and holds back a trailing
+    partial ``<tool_call>`` tag and whitespace at the end of the content (the parsed
+    content is stripped when there are calls); "required" sends a call once its array
+    element is complete; a named function's arguments stream as generated.
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.buf = ""             # auto: text not yet sent; required: all the text so far
+        self.in_block = False
+        self.pos = 0              # required: where the next array element starts (-1: no more)
+        self.opened = False
+        self.calls = 0
+        self.content_sent = False
+        self.held_ws = ""         # auto: whitespace that ends the content so far
+
+    def has_calls(self) -> bool:
+        """Whether the finished text holds calls (finish_reason "tool_calls")."""
+        if self.plan.mode == "required":
+            return self.calls > 0 and self._array_parses()
+        return self.calls > 0
+
+    def feed(self, delta: str, finished: bool) -> list[StreamPiece]:
+        out: list[StreamPiece] = []
+        if self.plan.mode == "named":
+            if self.calls == 0:
+                out += self._call_pieces(ParsedToolCall(self.plan.named, ""))
+            if delta:
+                out.append(StreamPiece(index=0, arguments=delta))
+        elif self.plan.mode == "required":
+            self.buf += delta
+            self._feed_array(out, finished)
+            if finished and not self._array_parses():
+                out.append(StreamPiece(content=self.buf))   # as parse(): the text, cut short
+        elif self.plan.mode == "auto":
+            self.buf += delta
+            self._feed_blocks(out, finished)
+        elif delta or finished:
+            out.append(StreamPiece(content=delta))
+        return out
+
+    def _call_pieces(self, call: ParsedToolCall) -> list[StreamPiece]:
+        i = self.calls
+        self.calls += 1
+        head = StreamPiece(index=i, id=new_tool_call_id(), name=call.name, arguments="")
+        return [head, StreamPiece(index=i, arguments=call.arguments)] if call.arguments else [head]
+
+    def _feed_blocks(self, out: list[StreamPiece], finished: bool) -> None:
+        while True:
+            if not self.in_block:
+                j = self.buf.find(_OPEN)
+                if j < 0:
+                    keep = 0 if finished else _partial_tag(self.buf, _OPEN)
+                    self._content(self.buf[:len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                self._content(self.buf[:j], out)
+                self.buf, self.in_block = self.buf[j:], True
+            j = self.buf.find(_CLOSE, len(_OPEN))
+            if j < 0:
+                if finished:   # never closed: content, as parse() leaves it
+                    self._content(self.buf, out)
+                    self.buf = ""
+                break
+            end = j + len(_CLOSE)
+            call = _call_of(self.buf[len(_OPEN):j])
+            if call is None:
+                self._content(self.buf[:end], out)
+            else:
+                out += self._call_pieces(call)
+            self.buf, self.in_block = self.buf[end:], False
+        if finished and self.held_ws and not self.calls:
+            out.append(StreamPiece(content=self.held_ws))   # no calls: the content is not stripped
+            self.held_ws = ""
+
+    def _content(self, text: str, out: list[StreamPiece]) -> None:
+        """Send content, holding back trailing whitespace until more content follows, and
+        dropping leading whitespace after a call (parse() strips the content when there
+        are calls)."""
+        if not text:
+            return
+        text = self.held_ws + text
+        body = text.rstrip()
+        self.held_ws = text[len(body):]
+        if body and not self.content_sent and self.calls:
+            body = body.lstrip()
+        if body:
+            out.append(StreamPiece(content=body))
+            self.content_sent = True
+
+    def _feed_array(self, out: list[StreamPiece], finished: bool) -> None:
+        dec = json.JSONDecoder()
+        text = self.buf
+        while self.pos >= 0:
+            i = self.pos
+            while i < len(text) and text[i] in " \t\n\r,":
+                i += 1
+            if i >= len(text):
+                return
+            if not self.opened:
+                if text[i] != "[":
+                    self.pos = -1
+                    return
+                self.opened, self.pos = True, i + 1
+                continue
+            if text[i] == "]":
+                self.pos = -1
+                return
+            try:
+                item, end = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return
+            if end == len(text) and not finished and not isinstance(item, (dict, list)):
+                return   # a number at the end may still grow
+            self.pos = end
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                out += self._call_pieces(ParsedToolCall(item["name"], json.dumps(item.get("parameters", {}),
+                                                                                  ensure_ascii=False)))
+
+    def _array_parses(self) -> bool:
+        try:
+            json.loads(self.buf)
+        except json.JSONDecodeError:
+            return False
+        return True
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (a tag still arriving)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
