@@ -63,13 +63,16 @@ def test_config_fields_and_legacy_spellings():
     cfg = NemotronHConfig.from_hf(HUB_CONFIG)
     assert (cfg.head_dim, cfg.mamba_num_heads, cfg.mamba_head_dim) == (128, 128, 64)
     assert (cfg.n_groups, cfg.ssm_state_size) == (8, 128)
-    assert (cfg.chunk_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.time_step_min) == (128, 4, True, 1e-3)
+    assert (cfg.chunk_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.time_step_limit_low) == (128, 4, True, 0.0)
     assert (cfg.layer_norm_epsilon, cfg.intermediate_size, cfg.use_bias, cfg.mlp_bias) == (1e-5, 21504, False, False)
-    renamed = ("n_groups", "conv_kernel", "chunk_size", "time_step_min")
+    renamed = ("n_groups", "conv_kernel", "chunk_size")
     legacy = {k: v for k, v in HUB_CONFIG.items() if k not in renamed}
-    legacy.update(mamba_n_groups=4, mamba_d_conv=3, mamba_chunk_size=64, mamba_dt_min=0.01)
+    legacy.update(mamba_n_groups=4, mamba_d_conv=3, mamba_chunk_size=64)
     got = NemotronHConfig.from_hf(legacy)
-    assert (got.n_groups, got.conv_kernel, got.chunk_size, got.time_step_min) == (4, 3, 64, 0.01)
+    assert (got.n_groups, got.conv_kernel, got.chunk_size) == (4, 3, 64)
+    assert NemotronHConfig.from_hf({**HUB_CONFIG, "time_step_limit": [0.01, math.inf]}).time_step_limit_low == 0.01
+    with pytest.raises(ValueError, match="upper limit"):
+        NemotronHConfig.from_hf({**HUB_CONFIG, "time_step_limit": [0.0, 0.1]})
     no_mlp = NemotronHConfig.from_hf({**HUB_CONFIG, "hybrid_override_pattern": "M*M"})
     assert no_mlp.intermediate_size == 0
 

@@ -85,13 +85,17 @@ def _restart_idle_engine(job, engine: int) -> None:
     ray.kill(job.engines[engine], no_restart=False)
     deadline = time.monotonic() + 300
     while True:
+        # ray.kill returns before the actor is gone: a call made meanwhile can still reach the old
+        # instance, so wait for an answer from the restarted one
         try:
             state = ray.get(job.engines[engine].describe.remote(), timeout=300)
-            break
+            if state.restarted:
+                break
         except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline, "the killed engine did not come back"
-            time.sleep(0.1)
-    assert state.restarted and state.weights_version is None
+            pass
+        assert time.monotonic() < deadline, "the killed engine did not come back"
+        time.sleep(0.1)
+    assert state.weights_version is None
 
 
 def test_colocated_matches_single_process_and_restarts_killed_engines(cluster, reference, tmp_path):

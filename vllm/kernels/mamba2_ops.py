@@ -35,7 +35,7 @@ def softplus_clamped(x, dt_min):
 
 def dt_torch(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
     """max(softplus(dt + dt_bias), dt_min) in float32 [T, H] (transformers' Mamba-2 chunk path
-    clamps dt to (time_step_min, inf)); softplus on fixed chunks."""
+    clamps dt to time_step_limit, here [dt_min, inf)); softplus on fixed chunks."""
     return torch.clamp(_pointwise(F.softplus, dt.float() + dt_bias.float()), min=dt_min)
 
 

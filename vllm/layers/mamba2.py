@@ -31,7 +31,7 @@ class Mamba2Mixer(nn.Module):
                  use_bias: bool = False, use_conv_bias: bool = True, dtype: torch.dtype | None = None):
         """`state_idx`: the layer's index among the model's recurrent layers (its state in the
         state backend). `chunk_size`: the checkpoint's, the grid of the invariant mode's states.
-        `dt_min`: the lower clamp of the time step (transformers: time_step_min)."""
+        `dt_min`: the lower clamp of the time step (config time_step_limit[0])."""
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"mamba_num_heads={num_heads} must be a multiple of n_groups={n_groups}")

@@ -43,10 +43,29 @@ LEGACY_NAMES = {"mamba": MAMBA, "attention": ATTENTION}
 # transformers' defaults for keys a config.json may leave out, and the original checkpoints'
 # (trust_remote_code) spelling of some keys (transformers reads all but attention_head_dim)
 _DEFAULTS = {"max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "head_dim": 128, "n_groups": 8,
-             "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "time_step_min": 1e-3,
+             "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True,
+             "time_step_limit": (0.0, float("inf")),
              "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64}
 _LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
-                "use_conv_bias": "mamba_conv_bias", "time_step_min": "mamba_dt_min", "head_dim": "attention_head_dim"}
+                "use_conv_bias": "mamba_conv_bias", "head_dim": "attention_head_dim"}
+
+
+def _time_step_limit_low(limit) -> float:
+    """time_step_limit = [low, high] -> low; the scan clamps below only. transformers writes
+    infinity into config.json as {"__float__": "Infinity"}."""
+    def number(v) -> float:
+        return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+    try:
+        low, high = (number(v) for v in limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit must be [low, high], got {limit!r}") from None
+    if high != float("inf"):
+        raise ValueError(f"time_step_limit {list(limit)}: an upper limit on the time step is not implemented "
+                         f"(only [low, inf])")
+    if not 0.0 <= low < high:
+        raise ValueError(f"time_step_limit {list(limit)}: low must be >= 0")
+    return low
 
 
 @dataclass
@@ -76,7 +95,9 @@ class NemotronHConfig:
     conv_kernel: int
     use_conv_bias: bool
     chunk_size: int
-    time_step_min: float  # the time step's lower clamp (transformers: time_step_limit[0])
+    # the time step's lower clamp: time_step_limit[0] (mamba_ssm's dt_limit, as transformers'
+    # chunked scan applies it); an upper limit other than inf is refused
+    time_step_limit_low: float
 
     @classmethod
     def from_hf(cls, hf: dict) -> "NemotronHConfig":
@@ -120,7 +141,7 @@ class NemotronHConfig:
                 conv_kernel=int(get("conv_kernel")),
                 use_conv_bias=bool(get("use_conv_bias")),
                 chunk_size=int(get("chunk_size")),
-                time_step_min=float(get("time_step_min")),
+                time_step_limit_low=_time_step_limit_low(get("time_step_limit")),
             )
         except KeyError as err:
             raise ValueError(f"config.json of a {arch} lacks {err.args[0]!r}") from None
@@ -215,7 +236,7 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
         if self.block_type == MAMBA:
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
-                                     cfg.ssm_state_size, cfg.conv_kernel, cfg.chunk_size, cfg.time_step_min,
+                                     cfg.ssm_state_size, cfg.conv_kernel, cfg.chunk_size, cfg.time_step_limit_low,
                                      cfg.layer_norm_epsilon, state_idx=cfg.kind_index(layer_idx),
                                      use_bias=cfg.use_bias, use_conv_bias=cfg.use_conv_bias, dtype=dtype)
         elif self.block_type == ATTENTION:
