@@ -17,15 +17,7 @@ from vllm.core.messages import ModelRunnerOutput, SampledToken
 from vllm.core.request import Request
 from vllm.core.scheduler import Scheduler
 from vllm.sampling_params import SamplingParams
-
-
-class _Packer:
-    """The runner's step packing without a model (same code path)."""
-    block_size = 16
-
-    def __init__(self):
-        from vllm.worker.model_runner import ModelRunner
-        self._prepare = ModelRunner._prepare.__get__(self)
+from vllm.worker.step_inputs import pack_step
 
 
 def main() -> None:
@@ -40,13 +32,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for i in range(args.requests):
         sched.add_request(Request(str(i), rng.integers(0, 150000, args.prompt_len).tolist(), sp, i, [2], 1 << 20))
-    packer = _Packer()
     t = {"schedule": 0.0, "prepare": 0.0, "update": 0.0}
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        packer._prepare(out)
+        pack_step(out.requests, 16)   # the runner's step packing, without a model
         t2 = time.perf_counter()
         res = ModelRunnerOutput({r.req_id: SampledToken(int(rng.integers(0, 150000))) for r in out.requests if r.sample})
         t3 = time.perf_counter()

@@ -142,7 +142,7 @@ def test_graph_pointer_check_fires_on_new_storage(tiny_qwen3):
     with pytest.raises(StaleGraphPointers, match="moved since capture"):
         llm.check_graph_pointers()
     runner.weights_changed()
-    assert runner._pointers_unverified
+    assert runner.decode_graphs.pointers_unverified
 
 
 @pytest.mark.gpu
