@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from vllm import LLM
+from vllm import LLM, SamplingParams
 from vllm.models.nemotron_h import NemotronHConfig
 from vllm.testing.parity_battery import BATTERY_CHECKS, cpu_battery, run_zero_check
 from vllm.testing.rollouts import trainer_mismatches
@@ -233,3 +233,19 @@ def test_gpu_nemotron_axes_at_real_dims():
     assert {r.axis for r in rows} == set(NEMOTRON_AXES)
     for r in rows:
         assert r.layouts_differ == 0 and r.trainer_differ == 0, r
+
+
+@pytest.mark.parametrize("snapshots,hits", [(2, False), (4, True)])
+def test_num_state_snapshots_bounds_the_hybrid_prefix_cache(tiny_nemotron_h, snapshots, hits):
+    """One snapshot per cached prompt, least recently used replaced first: four prompts resent
+    in the same order hit nothing with two snapshots (each is evicted before its prompt comes
+    back) and all hit with four."""
+    llm = LLM(tiny_nemotron_h, device="cpu", num_state_snapshots=snapshots, max_num_seqs=1)
+    prompts = [{"prompt_token_ids": [5 + i + 7 * j for j in range(40)]} for i in range(4)]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    cold = llm.generate(prompts, params, use_tqdm=False)
+    warm = llm.generate(prompts, params, use_tqdm=False)
+    cached = [o.num_cached_tokens for o in warm]
+    assert all(c > 0 for c in cached) if hits else all(c == 0 for c in cached), cached
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    assert llm.llm_engine.executor.info.num_state_snapshots == snapshots

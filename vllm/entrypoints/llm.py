@@ -33,7 +33,7 @@ class LLM:
                  load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
-                 tensor_parallel_size: int = 1, tp_leaves: int | None = None):
+                 tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None):
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -50,7 +50,8 @@ class LLM:
             model=mc,
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode),
+                              enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode,
+                              num_state_snapshots=num_state_snapshots),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold),

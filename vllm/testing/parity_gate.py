@@ -263,7 +263,10 @@ class Gate:
         wanted = [w.removeprefix(prefix) for w in wanted]
         rows = []
         t0 = time.perf_counter()
-        llm = self.make(model, mode, enable_sleep_mode=self.args.device == "cuda")
+        # a recurrent model's prefix hits need a state snapshot per prompt: with fewer (LRU),
+        # a batch resent in the same order evicts each snapshot before its prompt comes back
+        snapshots = {} if model == "dense" else {"num_state_snapshots": len(self.prompts)}
+        llm = self.make(model, mode, enable_sleep_mode=self.args.device == "cuda", **snapshots)
         outs = self.roll(llm)
         ref = self.sigs(outs)
         self.refs[(model, mode)] = ref

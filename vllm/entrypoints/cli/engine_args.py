@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory the engine may use (weights, activations and KV cache)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="models with recurrent layers (Gated DeltaNet, Mamba-2): prefix-cache snapshots of their "
+                        "states, one per cached prompt, least recently used replaced first (default: max-num-seqs // 4; "
+                        "a batch of more distinct prompts than this, resent in the same order, hits none)")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="prefill each prompt in one step instead of splitting it across steps")
     p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
@@ -86,4 +90,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 fused_gumbel=args.fused_gumbel, step_profile=args.step_profile,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
                 keep_master_weights=getattr(args, "keep_master_weights", True),
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None),
+                num_state_snapshots=getattr(args, "num_state_snapshots", None))
