@@ -87,14 +87,6 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.cache_plan.num_blocks
 
-    @property
-    def num_state_slots(self) -> int:
-        return self.cache_plan.num_state_slots
-
-    @property
-    def num_state_snapshots(self) -> int:
-        return self.cache_plan.num_state_snapshots
-
     def kv_bytes_per_block(self) -> int:
         return self.cache_plan.kv_bytes_per_block
 
@@ -105,10 +97,6 @@ class ModelRunner:
     @property
     def graphs(self) -> dict:
         return self.decode_graphs.graphs
-
-    @property
-    def sampler(self):
-        return self.sampling.sampler
 
     # ---- sleep mode -----------------------------------------------------------------------
     @property
