@@ -9,6 +9,7 @@ most 1.05) and tree / cuBLAS (times: > 1 means the tree is slower), and writes e
 to --json-out.
 
     python benchmarks/kernels/tp_tree.py [--leaves 8] [--shapes o,down] [--json-out tp_tree.json]
+    python benchmarks/kernels/tp_tree.py --sweep    # every candidate tile per M (to set TREE_GPU_CONFIGS)
 """
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from gemm import bench_graph  # noqa: E402
 from json_out import write_json_out  # noqa: E402
 
-from vllm.kernels.leaf_tree import tree_linear_leafwise, tree_linear_triton  # noqa: E402
+from vllm.kernels.leaf_tree import _tree_config, tree_linear_leafwise, tree_linear_triton  # noqa: E402
 from vllm.kernels.matmul import invariant_matmul  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+SWEEP_MS = [1, 16, 64, 256, 1024, 4096, 16384]
+# (impl, BM, BN, BK, warps, stages); the 128 x 256 TMA tile does not fit shared memory with
+# the tree's float32 tiles
+CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("plain", 16, 64, 128, 4, 4), ("plain", 32, 64, 128, 4, 4),
+              ("plain", 64, 64, 128, 4, 4), ("tma", 64, 64, 128, 4, 4), ("tma", 64, 128, 64, 4, 4),
+              ("tma", 128, 64, 64, 4, 4), ("tma", 128, 128, 64, 8, 3), ("tma", 128, 128, 64, 8, 4)]
 
 
 def _time_graph(fn) -> float:
@@ -42,10 +49,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tile per M (bits checked for each)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     torch.manual_seed(0)
+    if args.sweep:
+        return sweep(args)
     rows = []
     print(f"{'shape':>6} {'M':>6} {'tree ms':>9} {'inv ms':>9} {'cublas ms':>9} {'tree/inv':>9} {'tree/cublas':>11} bits")
     for name in args.shapes.split(","):
@@ -62,6 +72,32 @@ def main() -> None:
                          "invariant_ms": t_inv, "cublas_ms": t_cub, "bits_equal_leafwise": same})
             print(f"{name:>6} {M:>6} {t_tree:9.4f} {t_inv:9.4f} {t_cub:9.4f} {t_tree / t_inv:9.3f} "
                   f"{t_tree / t_cub:11.3f} {'ok' if same else 'DIFFER'}")
+    write_json_out(args.json_out, rows)
+
+
+def sweep(args) -> None:
+    rows = []
+    print(f"{'shape':>6} {'M':>6} {'inv ms':>8} {'table':>32} {'ms':>8} {'best':>32} {'ms':>8} {'best/inv':>8}")
+    for name in args.shapes.split(","):
+        K, N = SHAPES[name]
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        for M in SWEEP_MS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
+            t_inv = _time_graph(lambda: invariant_matmul(x, w))
+            times = {}
+            for cfg in CANDIDATES:
+                out = tree_linear_triton(x, w, args.leaves, config=cfg)
+                if not torch.equal(out.view(torch.int32), ref):
+                    print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
+                    continue
+                times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
+            table = _tree_config(M)
+            best = min(times, key=times.get)
+            rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
+                         "times": {",".join(map(str, c)): t for c, t in times.items()}})
+            print(f"{name:>6} {M:>6} {t_inv:8.4f} {str(table):>32} {times.get(table, float('nan')):8.4f} "
+                  f"{str(best):>32} {times[best]:8.4f} {times[best] / t_inv:8.3f}", flush=True)
     write_json_out(args.json_out, rows)
 
 

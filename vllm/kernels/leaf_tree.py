@@ -13,8 +13,9 @@ Implementations (all return float32 [.., N], the subtree root; the caller adds t
 and rounds once, after the top of the tree):
 - `tree_linear_rows` (CPU, invariant): each row alone, each leaf `F.linear` of contiguous
   float32 copies (the rule of kernels/torch_ops.py's row forms);
-- `tree_linear_triton` (CUDA, invariant): one launch, each program computing its output
-  tile's leaves in turn and adding them in tree order in registers;
+- `tree_linear_triton` (CUDA, invariant): one persistent launch, each program computing
+  its output tiles' leaves in turn and adding them in tree order (the subtrees waiting for
+  a right sibling in an L2-resident scratch);
 - `tree_linear_leafwise`: one invariant GEMM launch per leaf (float32 out) and `tree_sum`:
   what the fused kernel must equal bit for bit (tests, benchmarks);
 - `tree_linear_reference`: float64;
@@ -106,87 +107,86 @@ def tree_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
-def _leaf(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    # leaf j: the invariant GEMM's float32 accumulation over [j KL, (j + 1) KL), from zero
-    return matmul._dot_k(a_ptr + j * KL * stride_ak, b_ptr + j * KL * stride_bk, rm, rn, rk, M, N, KL,
-                         stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-
-
-@triton.jit
-def _tree2(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk,
-           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    left = _leaf(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-    right = _leaf(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j + 1, stride_am, stride_ak, stride_bn, stride_bk,
-                  BM, BN, BK, EVEN_K)
-    return left + right
-
-
-@triton.jit
-def _tree4(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk,
-           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    left = _tree2(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-    right = _tree2(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j + 2, stride_am, stride_ak, stride_bn, stride_bk,
-                   BM, BN, BK, EVEN_K)
-    return left + right
-
-
-@triton.jit
-def _tree8(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk,
-           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    left = _tree4(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-    right = _tree4(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j + 4, stride_am, stride_ak, stride_bn, stride_bk,
-                   BM, BN, BK, EVEN_K)
-    return left + right
-
-
-@triton.jit
-def _tree16(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    left = _tree8(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j, stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-    right = _tree8(a_ptr, b_ptr, rm, rn, rk, M, N, KL, j + 8, stride_am, stride_ak, stride_bn, stride_bk,
-                   BM, BN, BK, EVEN_K)
-    return left + right
-
-
-@triton.jit
-def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, KL,
+def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, stack_ptr, M, N, KL,
                         stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                        LEAVES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = matmul._tile_coords(tl.program_id(0), M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+                        LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """Persistent: each program walks output tiles; per tile, the leaves in order, each the
+    invariant GEMM's float32 accumulation from zero over its K range. The tree is evaluated
+    as a binary counter: after leaf j, the finished subtrees waiting for a right sibling
+    (at most LEVELS of them, one per level) are added on the left, lower index first, and
+    the result waits at the first level where j's bit is 0. Those waiting subtrees live in
+    this program's rows of an L2-resident float32 scratch (`stack_ptr`), not in registers:
+    a register stack of log2(leaves) accumulator tiles spilled inside the K loop."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    lm = tl.arange(0, BM)
+    ln = tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    if LEAVES == 1:
-        total = _leaf(a_ptr, b_ptr, rm, rn, rk, M, N, KL, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                      BM, BN, BK, EVEN_K)
-    elif LEAVES == 2:
-        total = _tree2(a_ptr, b_ptr, rm, rn, rk, M, N, KL, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                       BM, BN, BK, EVEN_K)
-    elif LEAVES == 4:
-        total = _tree4(a_ptr, b_ptr, rm, rn, rk, M, N, KL, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                       BM, BN, BK, EVEN_K)
-    elif LEAVES == 8:
-        total = _tree8(a_ptr, b_ptr, rm, rn, rk, M, N, KL, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                       BM, BN, BK, EVEN_K)
-    else:
-        total = _tree16(a_ptr, b_ptr, rm, rn, rk, M, N, KL, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                        BM, BN, BK, EVEN_K)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, total, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    slot = stack_ptr + pid.to(tl.int64) * (LEVELS * BM * BN) + lm[:, None] * BN + ln[None, :]
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
+        rm = pid_m.to(tl.int64) * BM + lm
+        rn = pid_n.to(tl.int64) * BN + ln
+        for j in tl.static_range(LEAVES):
+            cur = matmul._dot_k(a_ptr + j * KL * stride_ak, b_ptr + j * KL * stride_bk, rm, rn, rk, M, N, KL,
+                                stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
+            for level in tl.static_range(LEVELS):
+                low = (2 << level) - 1
+                if (j & low) == low:
+                    # bits 0..level of j all set: the left sibling at this level finished
+                    # earlier (every thread stored its part of it before the barrier that
+                    # followed the store)
+                    cur = tl.load(slot + level * BM * BN) + cur
+                elif (j & low) == (low >> 1):
+                    # the lower bits set, this one clear: wait here for the right sibling
+                    tl.store(slot + level * BM * BN, cur)
+                    tl.debug_barrier()
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, cur,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# (max M, BM, BN, BK, warps, stages): up to log2(leaves) + 1 float32 accumulator tiles are
-# live at once, so tiles stay at 128 x 128 or below. Speed only: the per-leaf form fixes
-# the bits whatever the tile (as for the invariant GEMM); to be tuned on the H200
-# (benchmarks/kernels/tp_tree.py).
+@triton.jit
+def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
+                     LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_tree_matmul_kernel` with Hopper TMA loads and stores (the invariant GEMM's
+    `_tma_dot_k` form per leaf; KL a multiple of BK, so a leaf never reads its neighbour's
+    K; the waiting subtrees and the output through descriptors too): the same bits, with no
+    per-element pointer tensors held in registers."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
+        for j in tl.static_range(LEAVES):
+            cur = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(0, KL // BK):
+                a = a_desc.load([pid_m * BM, j * KL + ki * BK])
+                b = b_desc.load([pid_n * BN, j * KL + ki * BK])
+                cur = tl.dot(a, b.T, cur)
+            for level in tl.static_range(LEVELS):
+                low = (2 << level) - 1
+                if (j & low) == low:
+                    cur = stack_desc.load([(pid * LEVELS + level) * BM, 0]) + cur
+                elif (j & low) == (low >> 1):
+                    stack_desc.store([(pid * LEVELS + level) * BM, 0], cur)
+        c_desc.store([pid_m * BM, pid_n * BN], cur)
+
+
+# (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
+# whatever the tile and impl (as for the invariant GEMM). "tma" needs K / leaves to be a
+# multiple of BK and 16-byte aligned rows, else the entry runs as "plain". Register use read
+# offline for sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8
+# warps 210 registers, no spill, 164 KB shared; 128x256 does not fit shared memory; the
+# plain kernel spills at 128x128 (its pointer tensors). Timed by benchmarks/kernels/tp_tree.py.
 TREE_GPU_CONFIGS: list[tuple] = [
-    (16, 16, 64, 128, 4, 4),
-    (64, 64, 64, 128, 4, 4),
-    (1 << 62, 128, 128, 64, 8, 3),
+    (16, "plain", 16, 32, 128, 4, 4),
+    (64, "plain", 64, 64, 128, 4, 4),
+    (1 << 62, "tma", 128, 128, 64, 8, 3),
 ]
-TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
+TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
 def _tree_config(M: int) -> tuple:
@@ -194,11 +194,24 @@ def _tree_config(M: int) -> tuple:
     return next(tuple(cfg) for max_m, *cfg in table if M <= max_m)
 
 
+_STACKS: dict = {}
+
+
+def _stack(device: torch.device, numel: int) -> torch.Tensor:
+    """The programs' float32 scratch for waiting subtrees, kept per device (only grows).
+    Its contents never outlive a launch; launches on one stream are ordered."""
+    key = (device.type, device.index)
+    buf = _STACKS.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _STACKS[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+    return buf
+
+
 def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, config: tuple | None = None,
                        allow_cublaslt: bool = True) -> torch.Tensor:
     """CUDA (or the Triton interpreter), invariant: x [..., K], weight [N, K] -> float32
-    [..., N] in one launch. `config` = (BM, BN, BK, warps, stages) overrides the table
-    (speed only). `allow_cublaslt` is taken for the numerics table's kernel options and
+    [..., N] in one launch. `config` = (impl, BM, BN, BK, warps, stages) overrides the
+    table (speed only). `allow_cublaslt` is taken for the numerics table's kernel options and
     unused: every leaf runs in Triton."""
     del allow_cublaslt
     K = x.shape[-1]
@@ -214,9 +227,23 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     c = torch.empty((M, N), dtype=torch.float32, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    bm, bn, bk, warps, stages = config or _tree_config(M)
+    impl, bm, bn, bk, warps, stages = config or _tree_config(M)
     KL = K // leaves
-    _tree_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-        a, weight, c, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
-        LEAVES=leaves, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=KL % bk == 0, num_warps=warps, num_stages=stages)
+    levels = leaves.bit_length() - 1
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    programs = min(tiles, matmul._num_programs(x.device)) if x.device.type == "cuda" else tiles
+    # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
+    stack = _stack(x.device, programs * max(levels, 1) * bm * bn).narrow(0, 0, programs * max(levels, 1) * bm * bn)
+    if impl == "tma" and KL % bk == 0 and matmul._tma_ok(a, weight, c):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        _tree_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(c, [bm, bn]), TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]),
+            M, N, KL, LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps,
+            num_stages=stages)
+    else:
+        _tree_matmul_kernel[(programs,)](
+            a, weight, c, stack, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0),
+            c.stride(1), LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=KL % bk == 0,
+            num_warps=warps, num_stages=stages)
     return c.reshape(*lead, N)
