@@ -181,10 +181,11 @@ def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 # offline for sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8
 # warps 210 registers, no spill, 164 KB shared; 128x256 does not fit shared memory; the
 # plain kernel spills at 128x128 (its pointer tensors). Timed by benchmarks/kernels/tp_tree.py.
-TREE_GPU_CONFIGS: list[tuple] = [
+TREE_GPU_CONFIGS: list[tuple] = [   # the H200 sweep's winners (benchmarks/NOTES.md, session 13)
     (16, "plain", 16, 32, 128, 4, 4),
-    (64, "plain", 64, 64, 128, 4, 4),
-    (1 << 62, "tma", 128, 128, 64, 8, 3),
+    (64, "tma", 64, 64, 128, 4, 4),
+    (256, "tma", 64, 128, 64, 4, 4),
+    (1 << 62, "tma", 128, 128, 64, 8, 4),
 ]
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
