@@ -36,7 +36,8 @@ SWEEP_MS = [1, 16, 64, 256, 1024, 4096, 16384]
 CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("plain", 16, 64, 128, 4, 4), ("plain", 32, 64, 128, 4, 4),
               ("plain", 64, 64, 128, 4, 4), ("tma", 64, 64, 128, 4, 4), ("tma", 64, 128, 64, 4, 4),
               ("tma", 128, 64, 64, 4, 4), ("tma", 128, 128, 64, 8, 3), ("tma", 128, 128, 64, 8, 4),
-              ("tma", 128, 256, 64, 8, 2)]
+              ("tma", 128, 256, 64, 8, 2), ("tmaf", 64, 64, 128, 4, 4), ("tmaf", 64, 128, 64, 4, 4),
+              ("tmaf", 128, 64, 64, 4, 4), ("tmaf", 128, 64, 64, 8, 3)]
 
 
 def _time_graph(fn) -> float:
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile per M (bits checked for each)")
+    ap.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -82,7 +84,7 @@ def sweep(args) -> None:
     for name in args.shapes.split(","):
         K, N = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        for M in SWEEP_MS:
+        for M in map(int, args.sweep_ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
             t_inv = _time_graph(lambda: invariant_matmul(x, w))

@@ -175,8 +175,41 @@ def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
         c_desc.store([pid_m * BM, pid_n * BN], cur)
 
 
+@triton.jit
+def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
+                          LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_tree_tma_kernel` with one K loop over all leaves, so the TMA pipeline keeps loading
+    across leaf boundaries: at the end of leaf j the binary counter runs (as there), and the
+    accumulator restarts from exact zeros for leaf j + 1. Every leaf is still one float32
+    accumulation from zero over its own K: the same bits."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    steps = KL // BK
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
+        cur = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, LEAVES * steps):
+            a = a_desc.load([pid_m * BM, it * BK])
+            b = b_desc.load([pid_n * BN, it * BK])
+            cur = tl.dot(a, b.T, cur)
+            if (it + 1) % steps == 0:
+                j = it // steps
+                for level in tl.static_range(LEVELS):
+                    low = (2 << level) - 1
+                    if (j & low) == low:
+                        cur = stack_desc.load([(pid * LEVELS + level) * BM, 0]) + cur
+                    elif (j & low) == (low >> 1):
+                        stack_desc.store([(pid * LEVELS + level) * BM, 0], cur)
+                if j < LEAVES - 1:
+                    cur = tl.zeros((BM, BN), dtype=tl.float32)
+        c_desc.store([pid_m * BM, pid_n * BN], cur)
+
+
 # (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
-# whatever the tile and impl (as for the invariant GEMM). "tma" needs K / leaves to be a
+# whatever the tile and impl (as for the invariant GEMM). "tmaf" is "tma" with one K loop
+# over all leaves (the pipeline runs across leaf boundaries). "tma"/"tmaf" need K / leaves to be a
 # multiple of BK and 16-byte aligned rows, else the entry runs as "plain". Register use read
 # offline for sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8
 # warps 210 registers, no spill, 164 KB shared; 128x256 does not fit shared memory; the
@@ -235,9 +268,10 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     programs = min(tiles, matmul._num_programs(x.device)) if x.device.type == "cuda" else tiles
     # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
     stack = _stack(x.device, programs * max(levels, 1) * bm * bn).narrow(0, 0, programs * max(levels, 1) * bm * bn)
-    if impl == "tma" and KL % bk == 0 and matmul._tma_ok(a, weight, c):
+    if impl in ("tma", "tmaf") and KL % bk == 0 and matmul._tma_ok(a, weight, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
-        _tree_tma_kernel[(programs,)](
+        kernel = _tree_tma_flat_kernel if impl == "tmaf" else _tree_tma_kernel
+        kernel[(programs,)](
             TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
             TensorDescriptor.from_tensor(c, [bm, bn]), TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]),
             M, N, KL, LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps,
