@@ -79,6 +79,61 @@ def test_weight_update_from_path_equals_fresh_engine(app, new_weights, tiny_qwen
     assert after.choices[0].weight_versions == [v1]
 
 
+def test_weight_update_stages_while_serving(tiny_qwen3, new_weights, tmp_path):
+    """The checkpoint is staged while requests run (a hook holds the staging thread until a
+    whole completion has been served); a second update meanwhile is a 400; a non-finite
+    checkpoint is a 400 with the old weights serving; the answer times stage and pause."""
+    import os
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    own = build_app_from_llm(llm, ["tiny"], admin_key=ADMIN_KEY)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(staging, name):
+        entered.set()
+        while not gate.wait(0.01) and not staging.cancelled:
+            pass
+    own.state.serving.llm.client.core.staging_hook = hold
+    tensors = load_file(os.path.join(new_weights, "model.safetensors"))
+    tensors["model.norm.weight"][0] = float("inf")
+    os.makedirs(tmp_path / "inf")
+    save_file(tensors, str(tmp_path / "inf" / "model.safetensors"))
+
+    async def go():
+        async with _http(own, None) as http, _http(own, ADMIN_KEY) as admin:
+            client = _openai(http)
+            before = await _greedy(client)
+            update = asyncio.ensure_future(admin.post("/v1/weights/update", json={"path": new_weights}))
+            assert await asyncio.to_thread(entered.wait, 60)
+            during = await asyncio.wait_for(_greedy(client), 60)      # served while the update stages
+            second = await admin.post("/v1/weights/update", json={"path": new_weights})
+            staging_done = update.done()
+            gate.set()
+            ok = await asyncio.wait_for(update, 60)
+            after = await _greedy(client)
+            bad = await admin.post("/v1/weights/update", json={"path": str(tmp_path / "inf")})
+            after_bad = await _greedy(client)
+            return before, during, second, staging_done, ok, after, bad, after_bad
+    try:
+        before, during, second, staging_done, ok, after, bad, after_bad = _run(go())
+    finally:
+        gate.set()
+        own.state.serving.llm.shutdown()
+    assert during.choices[0].token_ids == before.choices[0].token_ids and during.weight_version == 0
+    assert not staging_done
+    assert second.status_code == 400 and "already being staged" in second.json()["error"]["message"]
+    assert ok.status_code == 200, ok.text
+    body = ok.json()
+    assert body["weight_version"] == 1 and body["staging"] == "host"
+    assert body["stage_s"] > 0 and 0 <= body["copy_s"] <= body["pause_s"]
+    assert after.weight_version == 1 and after.choices[0].token_ids != before.choices[0].token_ids
+    assert bad.status_code == 400 and "non-finite" in bad.json()["error"]["message"]
+    assert after_bad.choices[0].token_ids == after.choices[0].token_ids and after_bad.weight_version == 1
+
+
 def test_pause_holds_requests_until_resume(app):
     async def go():
         async with _http(app) as http, _http(app, ADMIN_KEY) as admin:

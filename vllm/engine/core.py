@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 # While idle the loop wakes this often to check that its parent is still alive.
 _IDLE_POLL_S = 1.0
+# ... and this often while a checkpoint is staged, so its update lands soon after
+_STAGING_POLL_S = 0.005
+# how long shutdown waits for a staging thread to notice its cancellation
+_STAGING_JOIN_S = 30.0
 PAUSE_MODES = ("abort", "wait", "keep")
 _DEFERRED = object()  # a utility whose answer comes later (pause(mode="wait"))
 
@@ -56,6 +60,9 @@ class EngineCore:
         self._held: list = []
         self._call_id: int | None = None  # the utility call being handled
         self.weight_group = None      # vllm.weight_sync.group.WeightGroup once init_weight_group ran
+        # update_weights_from_path: the checkpoint being staged on its thread (one at a time)
+        self._staging = None          # vllm.weight_sync.staging.CheckpointStaging
+        self.staging_hook = None      # tests: hook(staging, name) on the staging thread before each tensor is read
         self.group_contract = None    # the trainer's ExecutionContract given at init
         engine.output_builder = self._build_deltas
 
@@ -200,31 +207,109 @@ class EngineCore:
     def utility_execution_contract(self) -> dict:
         return self.engine.execution_contract().to_dict()
 
-    def utility_update_weights_from_path(self, path: str) -> dict:
-        """In-place update from a checkpoint directory, one bucket per safetensors file
-        (the load rule casts each tensor as a fresh load would). Running requests are
-        paused across it and continue under the new weights; a rejected checkpoint
-        changes nothing."""
-        from vllm.model_loader.loader import checkpoint_files, iterate_weights
-        from vllm.weight_sync import WeightUpdate
+    def utility_update_weights_from_path(self, path: str, staging: str = "host"):
+        """In-place update from a checkpoint directory. A thread reads, casts (the load rule)
+        and validates it into staging buffers (`staging`: "host" or "device";
+        vllm/weight_sync/staging.py) while requests keep running; then, at a step boundary,
+        the engine pauses only for the copy into the parameters, the version bump and the
+        prefix-cache drop (`_settle_staging`). The answer comes then: {"weight_version",
+        "stage_s", "pause_s", "copy_s", ...}. A rejected checkpoint changes nothing. One
+        update at a time: another while one stages is refused (ValueError)."""
+        from vllm.model_loader.loader import checkpoint_files
+        from vllm.weight_sync.staging import CheckpointStaging
 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise ValueError(f"weights path {path!r} is not a directory")
-        files = checkpoint_files(path)  # ValueError for a directory without weights, before pausing anything
-        t0 = time.perf_counter()
+        if self._staging is not None:
+            job = self._staging
+            where = ("staged, waiting for the open weight update to finish" if job.done.is_set()
+                     else f"{time.perf_counter() - job.started:.1f} s so far")
+            raise ValueError(f"a weight update from {job.path!r} is already being staged ({where}); one update "
+                             "from a path at a time: send this one after it answers (or abort it: "
+                             "abort_weight_staging)")
+        files = checkpoint_files(path)  # ValueError for a directory without weights, before anything starts
+        job = CheckpointStaging(self.engine, path, files, staging=staging, hook=self.staging_hook)
+        job.call_id = self._call_id
+        self._staging = job.start()
+        logger.info("staging weights from %s (%d file(s), %s staging)", path, len(files), staging)
+        return _DEFERRED
+
+    def _settle_staging(self) -> None:
+        """Between steps: once the staging thread is done, write the staged checkpoint (or
+        answer its error). Waits while another weight update is open (the four-phase
+        transfer keeps one open across calls)."""
+        job = self._staging
+        if job is None or not job.done.is_set() or self.engine.weight_update is not None:
+            return
+        self._staging = None
+        job.join()
+        try:
+            if job.error is not None:
+                raise job.error
+            result = self._write_staged(job)
+        except Exception as err:  # noqa: BLE001 -- the caller gets it
+            if not isinstance(err, ValueError):
+                logger.exception("weight update from %s failed", job.path)
+            logger.warning("weight update from %s refused: %s", job.path, err)
+            self._utility.append(UtilityResult(job.call_id, False, (type(err).__name__, str(err))))
+        else:
+            self._utility.append(UtilityResult(job.call_id, True, result))
+        finally:
+            self._release_staged(job)
+
+    def _write_staged(self, job) -> dict:
+        from vllm.weight_sync import WeightUpdate
+
+        staged, eng = job.result, self.engine
+        plan = staged.plan_for(eng.executor.model)   # this thread moves no parameter before the copy
         with self._paused():
-            update = WeightUpdate(self.engine)
-            try:
-                for f in files:
-                    update.load(list(iterate_weights([f])))
-            except Exception as err:
-                update.abort(f"{type(err).__name__}: {err}")
-                if isinstance(err, ValueError):
-                    raise
-                raise ValueError(f"could not read the checkpoint {path!r}: {type(err).__name__}: {err}") from err
+            t0 = time.perf_counter()  # the step boundary: the step still on the GPU has finished
+            update = WeightUpdate(eng, check_finite=False)   # the staging thread checked every byte
+            if plan is not None:
+                update.load_planned(plan)
+            else:
+                update.load(staged.pairs)    # the parameters moved since staging: place the tensors again
             version = update.finish()
-        logger.info("weights updated from %s in %.2f s: version %d", path, time.perf_counter() - t0, version)
-        return {"weight_version": version}
+        pause_s = time.perf_counter() - t0
+        gib = 1 / 2**30
+        logger.info("weights updated from %s: version %d; staged %.2f GiB (device %.2f, host %.2f) in %.2f s "
+                    "while serving, paused %.1f ms (copy %.1f ms)", job.path, version,
+                    (staged.device_bytes + staged.host_bytes) * gib, staged.device_bytes * gib,
+                    staged.host_bytes * gib, job.stage_s, pause_s * 1e3, update.copy_s * 1e3)
+        return {"weight_version": version, "stage_s": job.stage_s, "pause_s": pause_s, "copy_s": update.copy_s,
+                "staging": job.staging, "device_bytes": staged.device_bytes, "host_bytes": staged.host_bytes}
+
+    def _release_staged(self, job) -> None:
+        """Drop the staging buffers; device ones go back to the driver (they were free
+        memory outside the engine's share: the next update measures that again)."""
+        if job.result is not None:
+            job.result.release()
+        job.result = None
+        if job.device_bytes and not job.alive:
+            import torch
+            torch.cuda.empty_cache()
+
+    def utility_abort_weight_staging(self) -> dict:
+        """Cancel the update from a path still being staged (its call answers with a
+        ValueError; the previous weights keep serving). Once staged, an update is written
+        at the next step boundary and cannot be aborted."""
+        aborted = self._stop_staging("aborted by the caller")
+        return {"aborted": aborted, "weight_version": self.engine.weight_version}
+
+    def _stop_staging(self, reason: str) -> bool:
+        """Cancel the staging thread, wait for it, answer its call; False if none ran."""
+        job, self._staging = self._staging, None
+        if job is None:
+            return False
+        job.cancel(reason)
+        if not job.join(_STAGING_JOIN_S):
+            logger.warning("the weight staging thread did not stop within %.0f s (a read is blocked); "
+                           "it exits when the read returns", _STAGING_JOIN_S)
+        self._utility.append(UtilityResult(job.call_id, False, (
+            "ValueError", f"the weight update from {job.path!r} was cancelled while staging ({reason}); "
+                          f"the previous weights keep serving (version {self.engine.weight_version})")))
+        self._release_staged(job)
+        return True
 
     def utility_update_weights_from_ipc(self, spec: dict) -> dict:
         """Buckets another process on this node exported (vllm/weight_sync/ipc.py), as one update."""
@@ -325,7 +410,8 @@ class EngineCore:
         sender = _Sender(outbox)
         try:
             while not self._stop:
-                msgs = _receive(inbox, 0.0 if self.busy else _IDLE_POLL_S)
+                idle_s = _STAGING_POLL_S if self._staging is not None else _IDLE_POLL_S
+                msgs = _receive(inbox, 0.0 if self.busy else idle_s)
                 if msgs is None:
                     return  # the client is gone
                 for m in msgs:
@@ -338,14 +424,17 @@ class EngineCore:
                 if self.busy:
                     self.step()
                 self._settle_pause()
+                self._settle_staging()
                 out = self.take_outputs()
                 if out is not None:
                     sender.send(out)
-            # answer the shutdown call (and anything before it)
+            # answer the shutdown call (and anything before it, a staging update included)
+            self._stop_staging("the engine shut down")
             out = self.take_outputs()
             if out is not None:
                 sender.send(out)
         finally:
+            self._stop_staging("the engine loop ended")   # no thread outlives the loop
             sender.close()
 
 

@@ -119,6 +119,7 @@ class EngineCoreClient:
                 cmd_r.close()
         thread = threading.Thread(target=run, name="vllm-engine-core", daemon=True)
         client = cls(cmd_w, out_r, ready_info(engine), thread=thread)
+        client.core = core   # the loop's EngineCore, for tests that hold it between steps (staging_hook)
         thread.start()
         client._receiver.start()
         return client

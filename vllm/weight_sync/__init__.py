@@ -5,7 +5,8 @@
 - `bucket`: flat buffers of many tensors and their layout (what every transport moves);
 - transports: `ipc` (another process on this node: CUDA IPC handles, or shared memory on
   CPU), `group` (another GPU or node: a stateless process group the trainer broadcasts
-  over), a checkpoint path (EngineCore.utility_update_weights_from_path);
+  over), a checkpoint path (`staging`: read, cast and validated on a thread while the
+  engine serves, then copied in during a short pause; EngineCore.utility_update_weights_from_path);
 - `client`: the trainer's side of a server's HTTP weight endpoints;
 - `transfer`: upstream vLLM's four-phase transfer (init, start, update x N, finish) and
   TRL's per-tensor protocol, as sessions of one engine over a `group`.

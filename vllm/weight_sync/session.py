@@ -38,6 +38,7 @@ Rules, whatever the transport:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable, Mapping
 
 import torch
@@ -199,6 +200,7 @@ class WeightUpdate:
         self._written = False
         self.closed = False
         self.num_buckets = 0
+        self.copy_s = 0.0   # finish's write of the staged buckets (synchronized on CUDA)
         # a torn engine's pause belongs to the failed update: a complete update lifts it
         self._was_paused = engine.paused and not engine.weights_torn
         engine.paused = True  # from the first bucket to finish nothing steps
@@ -236,6 +238,15 @@ class WeightUpdate:
         except BaseException as err:
             self.abort(f"{type(err).__name__}: {err}")
             raise
+
+    def load_planned(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Stage (parameter view, source) pairs that a planner of this model already
+        validated and checked for finiteness, sources in the parameters' dtypes (a
+        checkpoint staged off the engine loop: vllm/weight_sync/staging.py); written at
+        finish. Nothing is checked again: the pause then covers the copy alone."""
+        self._check_open()
+        self.num_buckets += 1
+        self._staged += plan
 
     def _write_through(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not plan:
@@ -277,7 +288,9 @@ class WeightUpdate:
                 missing = self.planner.missing()
                 if missing:
                     raise ValueError(f"incomplete update: missing {missing[:6]}")
+            t0 = time.perf_counter()
             self._copy(self._staged + [(d, s) for d, s in tail if not _same_memory(d, s)])
+            self.copy_s = time.perf_counter() - t0
         except BaseException as err:
             self.abort(f"{type(err).__name__}: {err}")
             raise

@@ -323,8 +323,11 @@ class AsyncLLM:
             request_ids = list(request_ids)
         return await self.utility("abort_requests", request_ids or None)
 
-    async def update_weights_from_path(self, path: str) -> dict:
-        res = await self.utility("update_weights_from_path", path)
+    async def update_weights_from_path(self, path: str, staging: str = "host") -> dict:
+        """Stage the checkpoint while requests run, then pause only to copy it in
+        (EngineCore.utility_update_weights_from_path); {"weight_version", "stage_s",
+        "pause_s", "copy_s", ...}."""
+        res = await self.utility("update_weights_from_path", path, staging)
         self.weight_version = max(self.weight_version, res["weight_version"])
         return res
 

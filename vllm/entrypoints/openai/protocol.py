@@ -534,6 +534,8 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class WeightsUpdateRequest(OpenAIBaseModel):
     path: str
+    # where the checkpoint is staged before the pause: "host" or "device" (docs/serving.md)
+    staging: str = "host"
 
 
 class WeightsVersionResponse(OpenAIBaseModel):

@@ -1,0 +1,306 @@
+"""Weight update from a checkpoint path, staged off the engine loop (vllm/weight_sync/staging.py,
+EngineCore.utility_update_weights_from_path): requests keep producing tokens while the
+checkpoint is read and validated, the update lands at a step boundary (a request spanning it
+reports both versions), the result equals a fresh engine on the checkpoint, a bad checkpoint
+changes nothing, a second update while one stages is refused, and abort / shutdown end the
+staging thread.
+
+The EngineCore is driven by hand (step, then settle) so nothing depends on timing: a hook
+holds the staging thread before it reads a tensor until the test lets it go.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import threading
+import time
+from multiprocessing import Pipe
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm import LLM, SamplingParams
+from vllm.engine.core import EngineCore
+from vllm.engine.core_messages import AddRequest, UtilityCall
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def greedy_ids(llm, n: int, prompt=PROMPT) -> list[int]:
+    return llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, **GREEDY),
+                        use_tqdm=False)[0].outputs[0].token_ids
+
+
+def param_bits(llm) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in llm.llm_engine.executor.model.hf_state_dict().items()}
+
+
+class Gate:
+    """A staging hook that holds the thread before its first tensor until `open()` (or
+    until the staging is cancelled)."""
+
+    def __init__(self):
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.names: list[str] = []
+
+    def __call__(self, staging, name: str) -> None:
+        self.names.append(name)
+        if not self.entered.is_set():
+            self.threads.append(threading.current_thread())
+        self.entered.set()
+        deadline = time.monotonic() + 60
+        while not self.gate.wait(0.01) and not staging.cancelled:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never opened the gate")
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+class Driver:
+    """Runs an EngineCore's loop body by hand and sorts what comes out."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.tokens: dict[str, list[int]] = {}
+        self.versions: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.results: dict[int, tuple] = {}
+
+    def once(self) -> None:
+        core = self.core
+        if core.busy:
+            core.step()
+        core._settle_pause()
+        core._settle_staging()
+        out = core.take_outputs()
+        if out is None:
+            return
+        for d in out.deltas:
+            rid, _, ids, _, finish, _, versions = d[:7]
+            self.tokens.setdefault(rid, []).extend(ids)
+            self.versions[rid] = list(versions)
+            if finish is not None:
+                self.finished.add(rid)
+        for r in out.utility_results:
+            self.results[r.call_id] = (r.ok, r.value)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.once()
+
+    def until(self, cond, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "timed out"
+            self.once()
+            if not self.core.busy:
+                time.sleep(0.002)
+
+    def call(self, call_id: int, method: str, *args):
+        self.core.handle(UtilityCall(call_id, method, args))
+        self.once()
+        return self.results.get(call_id)
+
+    def add(self, rid: str, max_tokens: int, prompt=PROMPT) -> None:
+        self.core.handle(AddRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **GREEDY)))
+
+
+@pytest.fixture(scope="module")
+def old_llm(tiny_qwen3):
+    """An engine that only sees refused updates: it keeps tiny_qwen3's weights. Its greedy
+    reference is taken first: once an EngineCore drives it, it emits the core's deltas."""
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    llm.ref_old = greedy_ids(llm, 16)
+    return llm
+
+
+def test_requests_run_while_checkpoint_stages(tiny_qwen3, new_weights):
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    ref_old = greedy_ids(llm, 40)
+    ref_new = greedy_ids(LLM(new_weights, device="cpu"), 8)
+    gate = Gate()
+    core = EngineCore(llm.llm_engine)
+    core.staging_hook = gate
+    drv = Driver(core)
+    drv.add("a", 40)
+    drv.steps(2)
+    assert drv.call(1, "update_weights_from_path", new_weights) is None     # answered later
+    assert gate.entered.wait(60)
+    drv.steps(12)                                        # the staging thread is held: the engine steps on
+    during = list(drv.tokens["a"])
+    assert len(during) >= 12 and during == ref_old[:len(during)]            # the old weights serve meanwhile
+    assert 1 not in drv.results and llm.llm_engine.weight_version == 0 and not llm.llm_engine.paused
+    # a second update while one stages is refused at once
+    ok, (kind, msg) = drv.call(2, "update_weights_from_path", new_weights)
+    assert not ok and kind == "ValueError" and "already being staged" in msg
+    gate.open()
+    drv.until(lambda: 1 in drv.results)
+    ok, res = drv.results[1]
+    assert ok, res
+    assert res["weight_version"] == 1 and llm.llm_engine.weight_version == 1
+    assert set(res) >= {"weight_version", "stage_s", "pause_s", "copy_s"}
+    assert res["stage_s"] > 0 and 0 <= res["copy_s"] <= res["pause_s"]
+    assert res["host_bytes"] > 0 and res["device_bytes"] == 0
+    assert not gate.threads[0].is_alive() and core._staging is None
+    drv.until(lambda: "a" in drv.finished)
+    assert len(drv.tokens["a"]) == 40 and drv.versions["a"] == [0, 1]     # never lost: continued on the new weights
+    drv.add("b", 8)
+    drv.until(lambda: "b" in drv.finished)
+    assert drv.tokens["b"] == ref_new and drv.versions["b"] == [1]        # == a fresh engine on the checkpoint
+
+
+def _bad_checkpoint(src: str, dst: str, kind: str) -> str:
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    if kind == "nan":
+        tensors[name][3, 5] = float("nan")
+    elif kind == "inf_after_cast":          # finite in float32, infinite once cast to bfloat16
+        tensors[name][0, 0] = 3.4e38
+    elif kind == "unknown":
+        tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(4)
+    elif kind == "shape":
+        tensors[name] = tensors[name][:-1].contiguous()
+    elif kind == "int":
+        tensors[name] = torch.zeros_like(tensors[name], dtype=torch.int32)
+    path = os.path.join(dst, "model.safetensors")
+    save_file(tensors, path)
+    if kind == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    if kind == "garbage":
+        with open(path, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    return dst
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("nan", "non-finite"), ("unknown", "unknown weight"), ("shape", "shape"), ("int", "not a float dtype"),
+    ("truncated", "truncated"), ("garbage", "not a readable safetensors file"),
+])
+def test_bad_checkpoint_changes_nothing(old_llm, new_weights, tmp_path, kind, message):
+    bad = _bad_checkpoint(new_weights, str(tmp_path / kind), kind)
+    before = param_bits(old_llm)
+    drv = Driver(EngineCore(old_llm.llm_engine))
+    drv.add("a", 16)
+    drv.once()
+    drv.call(1, "update_weights_from_path", bad)
+    drv.until(lambda: 1 in drv.results)
+    ok, (err, msg) = drv.results[1]
+    assert not ok and err == "ValueError" and message in msg, msg
+    drv.until(lambda: "a" in drv.finished)
+    assert drv.tokens["a"] == old_llm.ref_old and drv.versions["a"] == [0]   # in flight, untouched
+    eng = old_llm.llm_engine
+    assert eng.weight_version == 0 and not eng.paused and eng.weight_update is None
+    after = param_bits(old_llm)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_overflow_on_cast_is_refused(tiny_qwen3, new_weights, tmp_path):
+    """The load rule's cast is what is checked: 3.4e38 is finite in float32, not in bfloat16."""
+    llm = LLM(tiny_qwen3, device="cpu", dtype="bfloat16", max_num_seqs=2)
+    bad = _bad_checkpoint(new_weights, str(tmp_path / "big"), "inf_after_cast")
+    drv = Driver(EngineCore(llm.llm_engine))
+    drv.call(1, "update_weights_from_path", bad)
+    drv.until(lambda: 1 in drv.results)
+    ok, (err, msg) = drv.results[1]
+    assert not ok and "non-finite" in msg and "up_proj" in msg
+    assert llm.llm_engine.weight_version == 0
+
+
+def test_tied_tensors_must_agree(tiny_llama, tmp_path):
+    llm = LLM(tiny_llama, device="cpu", max_num_seqs=2)
+    tensors = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    os.makedirs(tmp_path / "tied")
+    save_file(tensors, str(tmp_path / "tied" / "model.safetensors"))
+    drv = Driver(EngineCore(llm.llm_engine))
+    drv.call(1, "update_weights_from_path", str(tmp_path / "tied"))
+    drv.until(lambda: 1 in drv.results)
+    ok, (err, msg) = drv.results[1]
+    assert not ok and "tied" in msg
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "tied" / "model.safetensors"))
+    drv.call(2, "update_weights_from_path", str(tmp_path / "tied"))
+    drv.until(lambda: 2 in drv.results)
+    assert drv.results[2][0] and drv.results[2][1]["weight_version"] == 1
+
+
+@pytest.mark.parametrize("replan", [False, True])
+def test_sharded_checkpoint_cast_equals_fresh_load(tiny_qwen2, monkeypatch, replan):
+    """Several files + index, float32 -> bfloat16 by the load rule, staged in 100-byte chunks
+    and 4 KiB buckets; `replan`: the parameters 'moved' since staging, so the staged tensors
+    are placed again at the pause. Either way the bits equal a fresh bf16 load."""
+    from vllm.weight_sync import staging
+
+    if replan:
+        monkeypatch.setattr(staging.StagedCheckpoint, "plan_for", lambda self, model: None)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 100)
+    init = staging.CheckpointStaging.__init__
+    monkeypatch.setattr(staging.CheckpointStaging, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **{**kw, "chunk_bytes": 100, "bucket_bytes": 4096}))
+    llm = LLM(tiny_qwen2, device="cpu", dtype="bfloat16", max_num_seqs=2, load_format="dummy")
+    fresh = param_bits(LLM(tiny_qwen2, device="cpu", dtype="bfloat16"))
+    drv = Driver(EngineCore(llm.llm_engine))
+    drv.call(1, "update_weights_from_path", tiny_qwen2, "device")     # on CPU "device" is host memory
+    drv.until(lambda: 1 in drv.results)
+    assert drv.results[1][0], drv.results[1]
+    after = param_bits(llm)
+    assert after.keys() == fresh.keys()
+    assert all(torch.equal(after[n].view(torch.int16), fresh[n].view(torch.int16)) for n in fresh)
+
+
+def test_bad_arguments_answer_at_once(old_llm, tmp_path):
+    drv = Driver(EngineCore(old_llm.llm_engine))
+    ok, (_, msg) = drv.call(1, "update_weights_from_path", str(tmp_path))
+    assert not ok and "safetensors" in msg
+    ok, (_, msg) = drv.call(2, "update_weights_from_path", str(tmp_path / "missing"))
+    assert not ok and "not a directory" in msg
+    shutil.copy(__file__, tmp_path / "model.safetensors")
+    ok, (_, msg) = drv.call(3, "update_weights_from_path", str(tmp_path), "gpu")
+    assert not ok and "staging must be one of" in msg
+    assert drv.core._staging is None
+
+
+def test_abort_while_staging_ends_the_thread(old_llm, new_weights):
+    gate = Gate()
+    core = EngineCore(old_llm.llm_engine)
+    core.staging_hook = gate
+    drv = Driver(core)
+    drv.add("a", 12)
+    drv.call(1, "update_weights_from_path", new_weights)
+    assert gate.entered.wait(60)
+    ok, res = drv.call(2, "abort_weight_staging")       # the hook is still holding the thread
+    assert ok and res["aborted"] is True
+    ok, (_, msg) = drv.results[1]
+    assert not ok and "cancelled while staging" in msg and "aborted by the caller" in msg
+    assert not gate.threads[0].is_alive()
+    assert drv.call(3, "abort_weight_staging") == (True, {"aborted": False, "weight_version": 0})
+    drv.until(lambda: "a" in drv.finished)
+    assert drv.versions["a"] == [0] and old_llm.llm_engine.weight_version == 0
+
+
+def test_shutdown_while_staging_ends_the_thread(old_llm, new_weights):
+    gate = Gate()
+    core = EngineCore(old_llm.llm_engine)
+    core.staging_hook = gate
+    cmd_r, cmd_w = Pipe(duplex=False)
+    out_r, out_w = Pipe(duplex=False)
+    loop = threading.Thread(target=core.run, args=(cmd_r, out_w), daemon=True)
+    loop.start()
+    cmd_w.send_bytes(pickle.dumps([UtilityCall(1, "update_weights_from_path", (new_weights,))]))
+    assert gate.entered.wait(60)
+    cmd_w.send_bytes(pickle.dumps([UtilityCall(2, "shutdown", ())]))
+    loop.join(60)
+    assert not loop.is_alive() and not gate.threads[0].is_alive()
+    results = {}
+    while out_r.poll(1):
+        results.update({r.call_id: r for r in pickle.loads(out_r.recv_bytes()).utility_results})
+    assert results[2].ok
+    assert not results[1].ok and "engine shut down" in results[1].value[1]
+    assert old_llm.llm_engine.weight_version == 0 and not old_llm.llm_engine.paused
