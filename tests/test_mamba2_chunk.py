@@ -24,8 +24,8 @@ from vllm.kernels.mamba2_ops import (GatedNormFn, gated_norm_torch, gated_norm_t
 from vllm.testing.chunked_scan import (DEVICE as DEV, INVARIANCE_CASES, REAL_DIMS_LENS, REAL_DIMS_SLOTS, X_LEN,
                                        assert_cuts_match_alone, assert_fast_decode_differs,
                                        assert_real_dims_schedules_agree, assert_runs_close, assert_schedules_agree,
-                                       assert_unused_slots_untouched, bits, invariance_schedules, nan_state, rel_err,
-                                       run_steps, step_metadata, used_ids)
+                                       assert_unused_slots_untouched, bits, invariance_schedules, nan_state,
+                                       real_dims_schedules, rel_err, run_steps, step_metadata, used_ids)
 
 H, P, G, N, C = 4, 16, 2, 16, 16
 DT_MIN = 1e-3
@@ -238,6 +238,115 @@ def test_triton_several_tiles(small_tiles):
         x, y, ref64(*x, prm, [0, T]))
 
 
+# ---- 3b. row tiles: a step computes only the row tiles of a chunk that hold its rows --------------
+
+CR = 128                                # a chunk of eight 16-row tiles (mamba2_chunk.ROW_TILE)
+ROW_OFFSETS = (0, 15, 16, 17, 63, 127)  # first and last rows of tiles, the chunk's first and last
+
+
+def _trainer_outputs(op, seqs, prm, chunk):
+    """Every sequence of `seqs` from position 0 in one step without a cache (the trainer's call)."""
+    ids = list(seqs)
+    lens = [seqs[i][0].shape[0] for i in ids]
+    x, dt, B, Cm = _cat_rows([seqs[i] for i in ids])
+    y = op(x, dt, prm[0], prm[1], B, Cm, prm[2], DT_MIN, step_metadata([0] * len(ids), lens), None,
+           chunk_size=chunk, aligned=True).cpu()
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    return {i: y[cu[k]:cu[k + 1]] for k, i in enumerate(ids)}
+
+
+def _assert_runs_equal(got, base, slots, seqs, chunk, what):
+    """Outputs, state and the partial chunk's buffer rows of two runs (run_schedule's results), by bits."""
+    (outs, state), (ref, ref_state) = got, base
+    for sid, slot in slots.items():
+        assert torch.equal(bits(outs[sid]), bits(ref[sid])), (what, sid)
+        assert torch.equal(bits(state["ssm"][slot].cpu()), bits(ref_state["ssm"][slot].cpu())), (what, sid)
+        tail = seqs[sid][0].shape[0] % chunk
+        for b in ("buf_x", "buf_B", "buf_dt"):
+            assert torch.equal(bits(state[b][slot, :tail].cpu()), bits(ref_state[b][slot, :tail].cpu())), (what, sid, b)
+
+
+def _offset_case(dtype):
+    """One sequence per offset o of ROW_OFFSETS, CR + o + 1 tokens (its last token at row o of its
+    second chunk), and the schedules: one prefill of everything; a prefill of all but the last
+    token, then one decode step of all the sequences (each at its own offset)."""
+    seqs = {o: make_inputs(CR + o + 1, seed=60 + o, dtype=dtype) for o in ROW_OFFSETS}
+    slots = {o: i + 1 for i, o in enumerate(ROW_OFFSETS)}
+    steps = {"whole": [[(o, CR + o + 1) for o in ROW_OFFSETS]],
+             "decode": [[(o, CR + o) for o in ROW_OFFSETS], [(o, 1) for o in reversed(ROW_OFFSETS)]]}
+    return seqs, slots, steps
+
+
+def _spanning_case(dtype):
+    """Sequence "m" (2 CR + 20 tokens) cut into steps whose rows span several row tiles or end one
+    chunk and start the next, beside "d" (CR + 40) stepping through its second chunk by single
+    rows and short runs across tile edges; both in every step, in alternating order."""
+    m = [CR - 3, 20, 1, 42, 8, 1, 1, 78]  # rows 125..127|0..16, 17, 18..59, 60..67, 68, 69, 70..127|0..19
+    d = [CR + 14, 5, 1, 1, 11, 1, 1, 6]   # rows 0..127|0..13, 14..18, 19, 20, 21..31, 32, 33, 34..39
+    seqs = {"m": make_inputs(2 * CR + 20, seed=70, dtype=dtype), "d": make_inputs(CR + 40, seed=71, dtype=dtype)}
+    steps = {"whole": [[("m", 2 * CR + 20), ("d", CR + 40)]],
+             "cuts": [[("m", a), ("d", b)] if i % 2 else [("d", b), ("m", a)] for i, (a, b) in enumerate(zip(m, d))]}
+    return seqs, {"m": 1, "d": 2}, steps
+
+
+ROW_TILE_CASES = {"offsets": _offset_case, "spanning": _spanning_case}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ROW_TILE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_tiles_match_one_prefill(impl, case, dtype):
+    """Steps whose new rows lie in different row tiles of a 128-row chunk (a decode row at offsets
+    0, 15, 16, 17, 63, 127, all in one step; runs of rows across tile edges and chunk ends) give
+    one prefill's output, state and buffer bits, and the trainer's (no cache) outputs. The decode
+    rows read the cached state directly (the step stays inside one incomplete chunk), the
+    prefill reads the state kernel's copy."""
+    seqs, slots, steps = ROW_TILE_CASES[case](dtype)
+    prm = params(dtype=dtype)
+    run = functools.partial(run_schedule, IMPLS[impl], seqs, prm, slots, aligned=True, num_slots=len(slots) + 1,
+                            chunk=CR)
+    whole = run(steps["whole"])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for sid in seqs:
+        assert rel_err(whole[0][sid], ref64(*seqs[sid], prm, [0, seqs[sid][0].shape[0]], chunk=CR)) < tol, sid
+    for name, sched in steps.items():
+        if name != "whole":
+            _assert_runs_equal(run(sched), whole, slots, seqs, CR, name)
+    trainer = _trainer_outputs(IMPLS[impl], seqs, prm, CR)
+    for sid in seqs:
+        assert torch.equal(bits(trainer[sid]), bits(whole[0][sid])), ("trainer", sid)
+
+
+def test_row_tile_size_keeps_bits(monkeypatch):
+    """The row tile is only the M dim of the CB and output dots (their K dims and order stay): the
+    default 16-row tiles give the bits of whole-chunk tiles (every row of every chunk computed),
+    for prefill, decode and the trainer alike. On the GPU this checks the tile-shape fact the
+    kernels rely on (mma.sync tiles against wgmma ones)."""
+    from vllm.kernels import mamba2_chunk
+    results = {}
+    for tile in (mamba2_chunk.ROW_TILE, CR):
+        monkeypatch.setattr(mamba2_chunk, "ROW_TILE", tile)
+        for case, make in ROW_TILE_CASES.items():
+            seqs, slots, steps = make(torch.bfloat16)
+            prm = params(dtype=torch.bfloat16)
+            for name, sched in steps.items():
+                results[tile, case, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, sched, aligned=True,
+                                                         num_slots=len(slots) + 1, chunk=CR)
+            trainer = _trainer_outputs(mamba2_chunk_triton, seqs, prm, CR)
+            for sid in seqs:
+                results[tile, case, "trainer", sid] = trainer[sid]
+    base = mamba2_chunk.ROW_TILE
+    for key, got in results.items():
+        if key[0] == base:
+            continue
+        ref = results[(base, *key[1:])]
+        if key[2] == "trainer":
+            assert torch.equal(bits(got), bits(ref)), key
+        else:
+            seqs, slots, _ = ROW_TILE_CASES[key[1]](torch.bfloat16)
+            _assert_runs_equal(got, ref, slots, seqs, CR, key)
+
+
 # ---- 4. fast mode: continuation is accurate (not bit-equal to one prefill) -----------------------
 
 def _final_state64(seq, prm):
@@ -390,6 +499,31 @@ def test_conv_bias_matches_conv1d_and_trains():
 @pytest.mark.gpu
 def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits():
     _real_dims_check(128, 64, 8, 128, 128)
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_row_tile_keeps_bits(monkeypatch):
+    """At Nemotron-H's dims (bf16) the default row tiles (16 rows: mma.sync dots) give the bits of
+    whole-chunk tiles (128 rows: wgmma dots, every row of every chunk computed) in every
+    real-dims schedule (one prefill, cuts, prefill then decode, all decode) and the trainer's."""
+    from vllm.kernels import mamba2_chunk
+    h, p, g, n, c = 128, 64, 8, 128, 128
+    lens, slots = REAL_DIMS_LENS, REAL_DIMS_SLOTS
+    seqs = {sid: make_inputs(L, h, p, g, n, seed=40 + sid, dtype=torch.bfloat16) for sid, L in lens.items()}
+    prm = params(h=h, dtype=torch.bfloat16)
+    res = {}
+    base = mamba2_chunk.ROW_TILE
+    for tile in (base, c):
+        monkeypatch.setattr(mamba2_chunk, "ROW_TILE", tile)
+        for name, steps in real_dims_schedules().items():
+            res[tile, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, steps, aligned=True, chunk=c)
+        res[tile, "trainer"] = _trainer_outputs(mamba2_chunk_triton, seqs, prm, c)
+    for name in (*real_dims_schedules(), "trainer"):
+        if name == "trainer":
+            for sid in seqs:
+                assert torch.equal(bits(res[c, name][sid]), bits(res[base, name][sid])), (name, sid)
+        else:
+            _assert_runs_equal(res[c, name], res[base, name], slots, seqs, c, name)
 
 
 def _real_dims_check(h, p, g, n, c):

@@ -16,10 +16,18 @@ selective state update for decode), and mamba_ssm's `mamba_chunk_scan_combined` 
 native (mamba_ssm where present, else our fast mode). Decode is timed inside a CUDA graph (as
 the engine replays it). Also printed: whether invariant decode rows equal the prefill's rows bit
 for bit, and how many fast-mode decode rows differ from fast prefill rows.
+
+    python benchmarks/kernels/mamba2.py --bits-vs OTHER.py
+
+instead compares this tree's scan with another copy of vllm/kernels/mamba2_chunk.py (say the
+last commit's, `git show HEAD:vllm/kernels/mamba2_chunk.py > OTHER.py`) bit for bit at these
+dims, on the same inputs and cache contents: a change to the kernels that must keep every bit
+(tiling, what a step computes or stores) is checked with it.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 
@@ -157,7 +165,55 @@ def bits_check() -> dict:
     return decode_rows_differing(step, functools.partial(state, 2))
 
 
+def bits_vs(path: str) -> int:
+    """Outputs and cache contents of this tree's mamba2_chunk_triton against the one in `path`, same
+    inputs and starting cache, both modes: prefills from position 0 with partial last chunks, a
+    step resuming chunks mid-way with several rows (cache from random contents), decode 256 x 1
+    spread over the grid and at offsets 0, 15, 16, 127, and the trainer's call (no cache). Prints a
+    line per case; returns the number of cases that differ."""
+    spec = importlib.util.spec_from_file_location("mamba2_chunk_other", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    prm = params()
+    n = 256
+    lens = [2048, 300, 77, 1000]
+    cases = {
+        "prefill": (sum(lens), metadata([0] * 4, lens, [1, 2, 3, 4]), True),
+        "resume mid-chunk": (341, metadata([100, 500, 1000], [40, 300, 1], [1, 2, 3]), True),
+        "decode spread": (n, decode_metadata(n, C), True),
+        "trainer": (sum(lens), metadata([0] * 4, lens), False),
+    }
+    for off in (0, 15, 16, 127):
+        cases[f"decode offset {off}"] = (n, metadata([2048 + off] * n, [1] * n, list(range(1, n + 1)), host=False),
+                                         True)
+    differ = 0
+    for aligned in (True, False):
+        for name, (T, md, cached) in cases.items():
+            if not aligned and md.max_query_len == 1:
+                continue  # fast mode decodes with the selective state update
+            x, dt, B, Cm = inputs(T, 7)
+            st0 = state(n + 1, aligned) if cached else None
+            got = []
+            for fn in (mamba2_chunk_triton, other.mamba2_chunk_triton):
+                st = None if st0 is None else {k: v.clone() for k, v in st0.items()}
+                y = fn(x, dt, *prm[:2], B, Cm, prm[2], DT_MIN, md, st, chunk_size=C, aligned=aligned)
+                got.append((y, st or {}))
+            (ya, sa), (yb, sb) = got
+            bad = [k for k in sa if not torch.equal(sa[k].view(torch.int32 if sa[k].dtype == torch.float32
+                                                                  else torch.int16),
+                                                    sb[k].view(torch.int32 if sb[k].dtype == torch.float32
+                                                               else torch.int16))]
+            if not torch.equal(ya.view(torch.int16), yb.view(torch.int16)):
+                bad.insert(0, f"y ({int((ya.view(torch.int16) != yb.view(torch.int16)).sum())} elements)")
+            verdict = "same bits" if not bad else "DIFFER: " + ", ".join(bad)
+            print(f"{'invariant' if aligned else 'fast':<10}{name:<20}{verdict}")
+            differ += bool(bad)
+    return differ
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--bits-vs":
+        sys.exit(1 if bits_vs(sys.argv[2]) else 0)
     main(__doc__, "Mamba-2, one layer (H200, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)",
          {"train 1x8192 fwd+bwd": train_case, "prefill 4x2048": prefill_case, "decode 256x1": decode_case},
          bits_check, "mamba_ssm")

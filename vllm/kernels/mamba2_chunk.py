@@ -14,14 +14,20 @@ h' = exp(gamma_L) h + x^T (B exp(gamma_L - gamma) dt).
 Invariant mode (`aligned=True`) promises that the bits of a token's output and of the
 state written do not depend on the batch nor on how the sequence was cut into steps:
 
-* Chunks lie on the sequence's absolute grid of C rows. Every chunk is computed as one
-  full C-row tile, row i of the tile at row i, by the same code with the same tile shapes,
-  whether it is a prefill chunk, the resumed middle of one, or a decode step (a chunk with
-  one new row whose earlier rows are re-read from the state's buffer).
+* Chunks lie on the sequence's absolute grid of C rows, row i of a chunk at row i of its
+  C-row tile, by the same code with the same tile shapes whether it is a prefill chunk, the
+  resumed middle of one, or a decode step (a chunk with one new row whose earlier rows are
+  re-read from the state's buffer). What mixes rows is computed over the whole tile: gamma's
+  prefix scan, the fold, and the K dims of the dots (the chunk's C columns of M x, all of N
+  for C B^T and C h).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan, M is
   lower-inclusive, and products with later rows are masked to exact zeros; the state update
   sums a complete chunk's rows only. The zero rows of an incomplete chunk cannot move the
   bits of the rows before them.
+* The rows that have outputs are computed in row tiles of ROW_TILE rows: a step computes CB
+  and outputs for the tiles that hold its rows only (a decode step: one tile of the chunk's
+  eight at C = 128), each with the K dims above, so a row's arithmetic is the same in every
+  tile, whichever other rows the step computes.
 * A partial chunk is never folded into the state: the cached state is the boundary state of
   the sequence's current chunk, and the chunk's rows so far are kept in the buffer at the
   dtype they arrived in (x, B in the model dtype; dt in fp32 after softplus), so a re-read
@@ -34,12 +40,17 @@ its step began). Same kernels otherwise; decode steps take the selective state u
 (vllm/kernels/mamba2_ops.py) there.
 
 CUDA runs four Triton kernels, every chunk through the same tile code:
-  1. prep, per (chunk, group): CB = C B^T for the group, and per head of the group dt and
-     gamma into workspaces;
+  1. prep, per (chunk, group): the rows of CB = C B^T in the row tiles holding the step's
+     rows, and per head of the group dt and gamma (whole chunk) into workspaces;
   2. state, per (head, sequence, P tile): walks the sequence's chunks in order, stores each
-     chunk's boundary state for (3), folds complete chunks (fast mode: every chunk) into the
-     fp32 state, writes the cached state where it changed;
-  3. output, per (head, chunk, P tile): the new rows' outputs;
+     chunk's boundary state for (3) in the model dtype, folds complete chunks (fast mode:
+     every chunk) into the fp32 state, writes the cached state where it changed. A sequence
+     whose step stays inside one incomplete chunk (every decode step but the one completing
+     a chunk) has nothing to do: its state does not change and is that chunk's boundary;
+  3. output, per (head, chunk, P tile): the new rows' outputs, one row tile at a time over
+     the tiles holding them; for a step that stays inside one incomplete chunk the boundary
+     state is the cached fp32 state, cast in registers by the state kernel's `.to(DT)` (the
+     same rounding of the same values: the same bits as the copy it would have stored);
   4. (invariant mode, with a cache) buffer, per (sequence, head): the new rows of an
      incomplete last chunk into the state's buffer. A separate launch: a step that resumes a
      chunk and ends in a later partial one reads and writes the same buffer rows.
@@ -72,42 +83,76 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------
 # Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
 # any other step and the trainer always run the same compiled kernels. BLOCK_N_MAX changes
-# the bits (the N-tiling of the chained C B^T and C h dots); the P tiles and warps only
-# change speed.
+# the bits (the N-tiling of the chained C B^T and C h dots), and so does PREP_NUM_WARPS (the
+# register layout of gamma's cumsum, a tree whose shape follows the layout). The P tiles,
+# ROW_TILE and the state and output kernels' warps only change speed: they are the M and N
+# dims of dots whose K dim and K order they leave alone, and `acc = tl.dot(a, b, acc)` with
+# an fp32 accumulator gives every output element the same bits for any M / N tile and warp
+# count (measured on the H200; docs/numerics.md, the linear row).
 # --------------------------------------------------------------------------
 BLOCK_N_MAX = 64        # N tile of the C B^T and C h dots
 STATE_BLOCK_P_MAX = 32  # P tile of the state walk: programs = sequences x H x P / BP
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
+ROW_TILE = 16           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 8
 STATE_NUM_WARPS = 4
 OUT_NUM_WARPS = 8
 
 
 if HAS_TRITON:
+    @triton.jit
+    def _row_tile(t, start, first, end, tok0, slot, has_state, C: tl.constexpr, BM: tl.constexpr):
+        """Rows t * BM .. t * BM + BM - 1 of a chunk (chunk_tiles.chunk_rows for one row tile):
+        the rows, which come from the buffer or the step, their token and buffer rows."""
+        r = t * BM + tl.arange(0, BM)
+        pos = start + r
+        from_buf = (pos < first) & (has_state != 0)
+        from_step = (pos >= first) & (pos < end)
+        trow = (tok0 - first + pos).to(tl.int64)
+        brow = slot * C + r
+        return r, from_buf, from_step, trow, brow
+
+    @triton.jit
+    def _reads_cache(c0, c1, start, end, C: tl.constexpr, ALIGNED: tl.constexpr):
+        """Whether a sequence's step is one chunk that stays incomplete (aligned mode; every
+        decode step but the one that completes a chunk): nothing folds, so the cached state
+        stays as it is through the step and is that chunk's boundary state. The state kernel
+        then skips the sequence and the output kernel reads the cached state itself."""
+        if ALIGNED:
+            res = (c1 - c0 == 1) & (end - start < C)
+        else:  # fast mode folds every chunk
+            res = c1 < c0
+        return res
+
     @triton.jit(**_JIT)
     def _ssd_prep_kernel(
         b_ptr, c_ptr, dt_ptr, dtb_ptr, alog_ptr, bb_ptr, bdt_ptr, slots_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
         cb_ws, dt_ws, gam_ws, dt_min, sb, sc, sdt, has_state,
         H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
-        EMULATE: tl.constexpr, PREC: tl.constexpr,
+        BM: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (chunk, group): CB = C B^T over N tiles chained in increasing order
-        (C of the step's rows only: earlier rows have no output), then per head of the group
-        dt (softplus of the step's raw dt, or the buffer's) and gamma = cumsum(dt A)."""
+        """One program per (chunk, group): the rows of CB = C B^T in the row tiles that hold
+        the step's rows (the only rows with outputs; the output kernel reads those tiles), each
+        tile over N tiles chained in increasing order, then per head of the group dt (softplus
+        of the step's raw dt, or the buffer's) and gamma = cumsum(dt A) over the whole chunk."""
         n = tl.program_id(0)
         g = tl.program_id(1)
-        s, start, end, rows, from_buf, from_step, trow, brow, _ = _chunk_rows(
+        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
-        cb = tl.zeros([C, C], dtype=tl.float32)
-        for n0 in tl.static_range(0, NP, BN):
-            cols = n0 + tl.arange(0, BN)
-            ct = tl.load(c_ptr + g * N + trow[:, None] * sc + cols[None, :], mask=_mask2(from_step, cols, N, NP),
-                         other=0.0)
-            bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, cols, N, NP)
-            cb = _dot(ct, tl.trans(bt), cb, EMULATE, PREC)
+        first = tl.load(first_ptr + n)
+        tok0 = tl.load(tok0_ptr + n)
         nb = n.to(tl.int64) * G + g
-        tl.store(cb_ws + (nb * C + rows[:, None]) * C + rows[None, :], cb)
+        for t in range((first - start) // BM, (end - 1 - start) // BM + 1):
+            r, _, r_step, r_trow, _ = _row_tile(t, start, first, end, tok0, slot, has_state, C, BM)
+            cb = tl.zeros([BM, C], dtype=tl.float32)
+            for n0 in tl.static_range(0, NP, BN):
+                cols = n0 + tl.arange(0, BN)
+                ct = tl.load(c_ptr + g * N + r_trow[:, None] * sc + cols[None, :], mask=_mask2(r_step, cols, N, NP),
+                             other=0.0)
+                bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, cols, N, NP)
+                cb = _dot(ct, tl.trans(bt), cb, EMULATE, PREC)
+            tl.store(cb_ws + (nb * C + r[:, None]) * C + rows[None, :], cb)
         for hh in range(H // G):
             h = g * (H // G) + hh
             raw = tl.load(dt_ptr + trow * sdt + h, mask=from_step, other=0.0).to(tl.float32) \
@@ -133,7 +178,9 @@ if HAS_TRITON:
         read the same B rows): walk the sequence's chunks in order carrying the fp32 state tile
         [BP, N]; per chunk store its boundary state (model dtype, [N, P] for the output kernel),
         then fold a complete chunk (fast mode: any chunk): h = exp(gamma_L) h + x^T (B
-        exp(gamma_L - gamma) dt). Writes the cached state."""
+        exp(gamma_L - gamma) dt). Writes the cached state. A sequence whose step stays inside
+        one incomplete chunk (_reads_cache) has nothing here: its state does not change and the
+        output kernel reads it from the cache."""
         h = tl.program_id(0)
         s = tl.program_id(1)
         pt = tl.program_id(2)
@@ -148,13 +195,16 @@ if HAS_TRITON:
         slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
         st_ptrs = ssm_ptr + ((slot * H + h) * P + rp[:, None]) * N + rn[None, :]
         st_ok = (rp < P)[:, None] & (rn < N)[None, :]
+        cached = _reads_cache(c0, c1, tl.load(start_ptr + c0, mask=c1 > c0, other=0),
+                              tl.load(end_ptr + c0, mask=c1 > c0, other=0), C, ALIGNED)
         # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
-        read = (has_state != 0) & (sp > 0) & (c1 > c0)
+        read = (has_state != 0) & (sp > 0) & (c1 > c0) & (cached == 0)
         hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
         folds = 0
         for n in range(c0.to(tl.int64), c1.to(tl.int64)):
             base = n * H + h
-            tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
+            if cached == 0:
+                tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
             start = tl.load(start_ptr + n)
             L = tl.load(end_ptr + n) - start - 1
             if ALIGNED:
@@ -183,47 +233,74 @@ if HAS_TRITON:
 
     @triton.jit(**_JIT)
     def _ssd_output_kernel(
-        x_ptr, c_ptr, d_ptr, y_ptr, bx_ptr, slots_ptr,
-        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
+        x_ptr, c_ptr, d_ptr, y_ptr, bx_ptr, ssm_ptr, slots_ptr, start_pos_ptr,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
-        PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-        EMULATE: tl.constexpr, PREC: tl.constexpr,
+        PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
         the same CB and C rows): the outputs of the chunk's new rows, y = exp(gamma) (C h) + M x
         + D x with M the lower-inclusive CB exp(gamma_i - gamma_j) dt_j rounded to the model
-        dtype."""
+        dtype, one tile of BM rows at a time over the row tiles that hold the step's rows (a
+        decode step: one tile).
+
+        Row i's arithmetic is the same in every tile and step: the K dims and their order are
+        those of a whole-chunk tile (N in BN tiles for C h; the chunk's C columns for M x, the
+        rows after the step's last one exact zeros in x and in M), gamma and dt are the prep's
+        whole-chunk values, and every other op is elementwise. The boundary state h is the
+        state kernel's model-dtype copy, or for a step that stays inside one incomplete chunk
+        (_reads_cache) the cached fp32 state cast here by the same .to(DT): the state kernel's
+        copy is that very fp32 tile cast by the same round-to-nearest conversion, so both are
+        the same bits."""
         h = tl.program_id(0)
         n = tl.program_id(1)
         pt = tl.program_id(2)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
-        s, start, end, rows, from_buf, from_step, trow, brow, _ = _chunk_rows(
+        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
+        first = tl.load(first_ptr + n)
+        tok0 = tl.load(tok0_ptr + n)
         base = n.to(tl.int64) * H + h
         rp = pt * BP + tl.arange(0, BP)
         gam = tl.load(gam_ws + base * C + rows)
         d = tl.load(dt_ws + base * C + rows)
-        acc = tl.zeros([C, BP], dtype=tl.float32)
-        for n0 in tl.static_range(0, NP, BN):
-            cols = n0 + tl.arange(0, BN)
-            ct = tl.load(c_ptr + g * N + trow[:, None] * sc + cols[None, :], mask=_mask2(from_step, cols, N, NP),
-                         other=0.0)
-            hb = tl.load(h_ws + (base * NP + cols[:, None]) * PP + rp[None, :])
-            acc = _dot(ct, hb, acc, EMULATE, PREC)
-        acc = acc * tl.exp(gam)[:, None]
-        ii = rows[:, None]
-        jj = rows[None, :]
-        incl = jj <= ii
-        cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + ii) * C + jj)
-        m = tl.where(incl, cb * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)) * d[None, :], 0.0)
+        dh = tl.load(d_ptr + h).to(tl.float32)
+        # the whole chunk's x: the K operand of M x (rows after the step's last are zeros)
         xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
-        acc = _dot(m.to(DT), xt, acc, EMULATE, PREC)
-        y = acc + tl.load(d_ptr + h).to(tl.float32) * xt.to(tl.float32)
-        y = tl.where(y == 0.0, 0.0, y)  # only the sign of an exact zero could tell schedules apart
-        tl.store(y_ptr + trow[:, None] * (H * P) + h * P + rp[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=_mask2(from_step, rp, P, PP))
+        cached = _reads_cache(tl.load(seqc_ptr + s), tl.load(seqc_ptr + s + 1), start, end, C, ALIGNED)
+        # as the state kernel: a sequence at position 0 has the zero state (its slot is stale)
+        st_ok = (rp < P) & (has_state != 0) & (tl.load(start_pos_ptr + s) > 0)
+        st_row = ((slot * H + h) * P + rp) * N
+        for t in range((first - start) // BM, (end - 1 - start) // BM + 1):
+            r, r_buf, r_step, r_trow, r_brow = _row_tile(t, start, first, end, tok0, slot, has_state, C, BM)
+            acc = tl.zeros([BM, BP], dtype=tl.float32)
+            for n0 in tl.static_range(0, NP, BN):
+                cols = n0 + tl.arange(0, BN)
+                ct = tl.load(c_ptr + g * N + r_trow[:, None] * sc + cols[None, :], mask=_mask2(r_step, cols, N, NP),
+                             other=0.0)
+                if cached:
+                    hp = tl.load(ssm_ptr + st_row[:, None] + cols[None, :], mask=_mask2(st_ok, cols, N, NP),
+                                 other=0.0)
+                    hb = tl.trans(hp.to(DT))
+                else:
+                    hb = tl.load(h_ws + (base * NP + cols[:, None]) * PP + rp[None, :])
+                acc = _dot(ct, hb, acc, EMULATE, PREC)
+            gi = tl.load(gam_ws + base * C + r)
+            acc = acc * tl.exp(gi)[:, None]
+            ii = r[:, None]
+            jj = rows[None, :]
+            incl = jj <= ii
+            cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + ii) * C + jj)
+            m = tl.where(incl, cb * tl.exp(tl.where(incl, gi[:, None] - gam[None, :], 0.0)) * d[None, :], 0.0)
+            acc = _dot(m.to(DT), xt, acc, EMULATE, PREC)
+            xr = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, r_trow, r_brow, r_step, r_buf, rp, P, PP)
+            y = acc + dh * xr.to(tl.float32)
+            y = tl.where(y == 0.0, 0.0, y)  # only the sign of an exact zero could tell schedules apart
+            tl.store(y_ptr + r_trow[:, None] * (H * P) + h * P + rp[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=_mask2(r_step, rp, P, PP))
 
     @triton.jit(**_JIT)
     def _ssd_buffer_kernel(
@@ -316,11 +393,14 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     dev = x.device
     PP, NP = _next_pow2(P), _next_pow2(N)
     BN = min(NP, BLOCK_N_MAX)
+    bm = min(ROW_TILE, Cs)
     emulate, prec = dot_mode(x)
+    # rows of CB in the row tiles that hold a step's rows only (the rest is never read)
     cb_ws = torch.empty((NC, G, Cs, Cs), dtype=torch.float32, device=dev)
     dt_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
     gam_ws = torch.empty((NC, H, Cs), dtype=torch.float32, device=dev)
-    # every entry, padding included (zeros there), is written by the state kernel
+    # every entry, padding included (zeros there), is written by the state kernel, except for
+    # the chunks whose output kernel reads the cached state itself (_reads_cache)
     h_ws = torch.empty((NC, H, NP, PP), dtype=x.dtype, device=dev)
 
     has_state, ssm, slots, (bx, bb, bdt) = launch_state(md, state, aligned, BUFFERS, (x, B, dt_ws), dev)
@@ -330,7 +410,7 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
         B, C, dt, dt_bias, A_log, bb, bdt, slots,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
         cb_ws, dt_ws, gam_ws, float(dt_min), sb, sc, sdt, has_state,
-        H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, EMULATE=emulate, PREC=prec,
+        H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, BM=bm, EMULATE=emulate, PREC=prec,
         num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     bp_state = min(PP, STATE_BLOCK_P_MAX)
     _ssd_state_kernel[(H, S, PP // bp_state)](
@@ -341,11 +421,11 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=1, **launch)
     bp_out = min(PP, OUT_BLOCK_P_MAX)
     _ssd_output_kernel[(H, NC, PP // bp_out)](
-        x, C, D, y, bx, slots,
-        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
+        x, C, D, y, bx, ssm, slots, md.start_pos,
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
-        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out,
-        EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
+        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out, BM=bm,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
     if aligned and state is not None:
         _ssd_buffer_kernel[(S, H)](
             x, B, bx, bb, bdt, slots,
