@@ -22,8 +22,8 @@ from vllm.kernels.gdn_chunk import GatedDeltaRuleFn, gdn_chunk_torch, gdn_chunk_
 from vllm.testing.chunked_scan import (DEVICE as DEV, INVARIANCE_CASES, REAL_DIMS_LENS, REAL_DIMS_SLOTS, X_LEN,
                                        assert_cuts_match_alone, assert_fast_decode_differs,
                                        assert_real_dims_schedules_agree, assert_runs_close, assert_schedules_agree,
-                                       assert_unused_slots_untouched, bits, invariance_schedules, nan_state, rel_err,
-                                       run_steps, step_metadata, used_ids)
+                                       assert_unused_slots_untouched, bits, invariance_schedules, nan_state,
+                                       real_dims_schedules, rel_err, run_steps, step_metadata, used_ids)
 
 HK, HV, K, V, C = 2, 4, 16, 32, 16
 IMPLS = {"torch": gdn_chunk_torch, "triton": gdn_chunk_triton}
@@ -63,11 +63,12 @@ def ref64(q, k, v, g, beta, cu, scale):
 
 def new_state(num_slots, dtype, aligned, hk, hv, kd, vd, chunk=C, t_cache=True):
     """A NaN-filled cache: the matrix state and, aligned, the rows of a partial chunk (with
-    `t_cache`, also their rows of T, as the layer declares)."""
+    `t_cache`, also the decode caches, as the layer declares: their rows of T and of v_new)."""
     bufs = {"buf_k": ((chunk, hk, kd), dtype), "buf_v": ((chunk, hv, vd), dtype),
             "buf_g": ((chunk, hv), torch.float32), "buf_beta": ((chunk, hv), torch.float32)}
     if t_cache:
-        bufs.update(t_cache=((hv, chunk, chunk), torch.float32), t_pos=((hv,), torch.int32))
+        bufs.update(t_cache=((hv, chunk, chunk), torch.float32), t_pos=((hv,), torch.int32),
+                    buf_vn=((chunk, hv, vd), dtype))
     return nan_state(num_slots, {"ssm": ((hv, kd, vd), torch.float32), **(bufs if aligned else {})})
 
 
@@ -168,9 +169,10 @@ def test_invariance(impl, case):
 
 @pytest.mark.parametrize("schedule", ["cuts", "prefill_decode"])
 def test_t_cache_resumes_with_the_same_bits(schedule):
-    """A step that resumes a chunk from the T rows an earlier step left gives the bits of the
-    same step solving the chunk's T from row 1 (no T cache), outputs and states alike; and the
-    cache is used: after the last step its stamp is the sequence's end position."""
+    """A step that resumes a chunk from the T rows an earlier step left (and, on the decode
+    path, from its v_new rows) gives the bits of the same step solving the chunk's T from row 1
+    through the whole-chunk path (no decode caches), outputs and states alike; and the cache is
+    used: after the last step its stamp is the sequence's end position."""
     seqs = _x_seqs(torch.float32)
     slots, steps = invariance_schedules()[schedule]
     used = {s: seqs[s] for s in used_ids(steps)}
@@ -205,6 +207,88 @@ def test_t_cache_cleared_where_a_step_resumes_and_ends_in_a_later_chunk():
         assert (state["t_pos"][1] == stamp).all(), (lo, hi, state["t_pos"][1])
     n = 2 * C + 3
     assert torch.equal(bits(torch.cat(outs)), bits(whole[:n]))
+
+
+# ---- 3b. the decode path (gdn_chunk_triton with the decode caches) on the model's 64-row chunk ----
+# A chunk that is its sequence's only chunk in the step and stays partial computes its new rows
+# in tiles of DECODE_ROWS (16) rows from the cached state and the slot's earlier v_new rows; every
+# other chunk takes the whole-chunk path. Each schedule below must give one prefill's bits.
+
+DC = 64
+
+
+def _dc_inputs(lens: dict, dtype, seed: int) -> dict:
+    return {sid: make_inputs(n, 1, 2, K, V, seed=seed + i, dtype=dtype) for i, (sid, n) in enumerate(lens.items())}
+
+
+def _assert_one_prefill_bits(seqs: dict, slots: dict, steps: list):
+    """`steps` run with and without the decode caches give every sequence the bits of its one
+    prefill: outputs (against the trainer's forward, no cache), the state and the partial
+    chunk's buffer rows (against one cached prefill without the decode caches) and, with the
+    caches, the partial chunk's rows of v_new and of T (against one cached prefill with them)."""
+    scale = K ** -0.5
+    runs = {t_cache: run_schedule(gdn_chunk_triton, seqs, slots, steps, aligned=True, chunk=DC, t_cache=t_cache)
+            for t_cache in (True, False)}
+    for sid, x in seqs.items():
+        n = x[0].shape[0]
+        want = gdn_chunk_triton(*(t.to(DEV) for t in x), scale, step_metadata([0], [n]), None, chunk_size=DC,
+                                aligned=True).cpu()
+        _, plain = run_schedule(gdn_chunk_triton, {sid: x}, {sid: 0}, [[(sid, n)]], aligned=True, chunk=DC,
+                                t_cache=False)
+        _, cached = run_schedule(gdn_chunk_triton, {sid: x}, {sid: 0}, [[(sid, n)]], aligned=True, chunk=DC)
+        tail = n % DC
+        sl = slots[sid]
+        for t_cache, (outs, st) in runs.items():
+            where = (sid, "decode caches" if t_cache else "no decode caches")
+            assert torch.equal(bits(outs[sid]), bits(want)), where
+            assert torch.equal(bits(st["ssm"][sl]), bits(plain["ssm"][0])), where
+            for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):
+                assert torch.equal(bits(st[name][sl, :tail]), bits(plain[name][0, :tail])), (where, name)
+            if t_cache and tail:
+                assert torch.equal(bits(st["buf_vn"][sl, :tail]), bits(cached["buf_vn"][0, :tail])), where
+                if (st["t_pos"][sl] == n).all() and (cached["t_pos"][0] == n).all():
+                    assert torch.equal(bits(st["t_cache"][sl, :, :, :tail]), bits(cached["t_cache"][0, :, :, :tail]))
+
+
+def test_decode_path_row_tiles():
+    """One-token steps at rows 0, 15, 16, 17, 62 and 63 (the last one completes the chunk) of a
+    64-row chunk, multi-row steps inside one chunk that span two or three 16-row tiles, from
+    position 0 (a zero state) and resumed, and a step that completes a chunk from its row 21
+    (float32: a wrong bit in v_new or T shows in the outputs and states unrounded)."""
+    seqs = _dc_inputs({"x": 150, "y": 74}, torch.float32, 60)
+    steps = [[("x", 15), ("y", 20)],     # x rows 0..14; y rows 0..19 (two tiles, zero state)
+             [("x", 1), ("y", 1)],       # x row 15, y row 20
+             [("x", 1)],                 # 16
+             [("x", 1), ("y", 11)],      # 17; y rows 21..31
+             [("x", 44)],                # rows 18..61: three tiles
+             [("x", 1), ("y", 2)],       # 62; y rows 32, 33
+             [("x", 1)],                 # 63: the chunk completes (folded by the state kernel)
+             [("x", 1)],                 # 64: row 0 of the next chunk
+             [("x", 20)],                # rows 1..20 of chunk 1: tiles 0 and 1
+             [("x", 43)],                # rows 21..63: completes chunk 1 in one step
+             [("x", 10), ("y", 40)],     # x rows 0..9 of chunk 2; y resumes chunk 0 at 34, ends in chunk 1
+             [("x", 12)]]                # rows 10..21
+    _assert_one_prefill_bits(seqs, {"x": 1, "y": 3}, steps)
+
+
+def test_decode_path_beside_folds_and_prefills():
+    """One step holding a sequence that completes its chunk with one token (a), one resuming its
+    chunk with one token (b), a prefill from position 0 past a chunk (c) and a first token (d);
+    then a step where b resumes its chunk and ends in the next one (which clears its T stamp:
+    its next step solves T from row 1, the one after resumes from the rows that one left)."""
+    seqs = _dc_inputs({"a": 67, "b": 71, "c": 103, "d": 19}, torch.bfloat16, 70)
+    steps = [[("a", 63), ("b", 17)],
+             [("a", 1), ("b", 1), ("c", 100), ("d", 1)],
+             [("d", 16), ("a", 1), ("b", 51), ("c", 1)],
+             [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
+             [("b", 1), ("a", 1), ("d", 1), ("c", 1)]]
+    _assert_one_prefill_bits(seqs, {"a": 0, "b": 2, "c": 3, "d": 1}, steps)
+
+
+def test_decode_path_every_offset():
+    """All-decode through a chunk and into the next: every row offset of the 64-row chunk."""
+    seqs = _dc_inputs({"x": 67}, torch.bfloat16, 80)
+    _assert_one_prefill_bits(seqs, {"x": 2}, [[("x", 1)]] * 67)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -330,7 +414,13 @@ def _real_dims_check(hk, hv, kd, vd, c):
     lens, slots = REAL_DIMS_LENS, REAL_DIMS_SLOTS
     seqs = {sid: make_inputs(n, hk, hv, kd, vd, seed=40 + sid, dtype=torch.bfloat16) for sid, n in lens.items()}
     run = functools.partial(run_schedule, gdn_chunk_triton, seqs, slots, aligned=True, chunk=c)
-    ref, _ = assert_real_dims_schedules_agree(run)
+    ref, ref_state = assert_real_dims_schedules_agree(run)
+    # without the decode caches every decode step takes the whole-chunk path: the same bits
+    # as the decode path's 16-row tiles
+    got, state = run(real_dims_schedules()["prefill+decode"], t_cache=False)
+    for sid, slot in slots.items():
+        assert torch.equal(bits(got[sid]), bits(ref[sid])), sid
+        assert torch.equal(bits(state["ssm"][slot]), bits(ref_state["ssm"][slot])), sid
     # the trainer: no cache, both sequences from position 0
     q, k, v, g, beta = (torch.cat([seqs[s][i] for s in lens]).to(DEV) for i in range(5))
     md = step_metadata([0, 0], list(lens.values()))

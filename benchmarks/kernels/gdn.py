@@ -1,6 +1,7 @@
 """Gated DeltaNet per-layer cost on the H200: the invariant mode against the native forms.
 
     python benchmarks/kernels/gdn.py [--json-out F]
+    python benchmarks/kernels/gdn.py --bits-vs OTHER_gdn_chunk.py   (bits against another copy)
 
 Qwen3-Next's GDN dims (16 key / 32 value heads of 128, chunk 64, bf16), the three cases
 SkyRL IsoExec measured its CPR at (1.43x train, 1.67x prefill, 1.38x decode against native):
@@ -9,13 +10,14 @@ SkyRL IsoExec measured its CPR at (1.43x train, 1.67x prefill, 1.38x decode agai
 - prefill: 5 x 2,048 tokens from position 0, states written to the cache;
 - decode: 256 sequences x 1 token at positions spread over the chunk grid, states in the cache.
 
-Columns: ours invariant (the chunked form on the absolute grid; decode recomputes its partial
-chunk from the rows its state kept), ours fast (our native form: step-grid chunks, the fused
-recurrence for decode), and flash-linear-attention's chunk / fused-recurrent kernels where
-`fla` imports (else `-`). The ratio column is invariant / native (fla where present, else our
-fast mode); the issue's target is <= 1.15. Decode is timed inside a CUDA graph (as the engine
-replays it). Also printed: whether invariant decode rows equal the prefill's rows bit for bit,
-and how many fast-mode decode rows differ from fast prefill rows.
+Columns: ours invariant (the chunked form on the absolute grid; decode computes the new row of
+its partial chunk from the rows its state kept, with their rows of T and v_new), ours fast (our
+native form: step-grid chunks, the fused recurrence for decode), and flash-linear-attention's
+chunk / fused-recurrent kernels where `fla` imports (else `-`). The ratio column is invariant /
+native (fla where present, else our fast mode); the issue's target is <= 1.15. Decode is timed
+inside a CUDA graph (as the engine replays it). Also printed: whether invariant decode rows
+equal the prefill's rows bit for bit, and how many fast-mode decode rows differ from fast
+prefill rows.
 """
 from __future__ import annotations
 
@@ -54,14 +56,16 @@ def inputs(T: int, seed: int):
 def state(num_slots: int, aligned: bool, md=None) -> dict:
     """A cache as the layer declares it. With a decode step's metadata `md`, the T cache of
     slots md.slots holds the rows before each sequence's new token (as the previous step left
-    it); otherwise its stamps match nothing and the T of every chunk is solved in full."""
+    it); otherwise its stamps match nothing and the T of every chunk is solved in full. The
+    partial chunk's rows (buffers, v_new) are random: timing does not depend on their values."""
     st = {"ssm": torch.randn(num_slots, HV, K, V, device=DEV) * 0.1}
     if aligned:
         st.update(buf_k=F.normalize(torch.randn(num_slots, C, HK, K, device=DEV), dim=-1).to(torch.bfloat16),
                   buf_v=torch.randn(num_slots, C, HV, V, device=DEV).to(torch.bfloat16),
                   buf_g=-0.6 * torch.rand(num_slots, C, HV, device=DEV), buf_beta=torch.rand(num_slots, C, HV, device=DEV),
                   t_cache=torch.eye(C, device=DEV).expand(num_slots, HV, C, C).contiguous(),
-                  t_pos=torch.full((num_slots, HV), -1, dtype=torch.int32, device=DEV))
+                  t_pos=torch.full((num_slots, HV), -1, dtype=torch.int32, device=DEV),
+                  buf_vn=torch.randn(num_slots, C, HV, V, device=DEV).to(torch.bfloat16))
         if md is not None:
             st["t_pos"][md.slots.long()] = md.start_pos.to(torch.int32)[:, None]
     return st
@@ -139,7 +143,45 @@ def bits_check() -> dict:
     return decode_rows_differing(step, functools.partial(state, 2))
 
 
+def bits_vs(path: str) -> dict:
+    """This module's kernels against another copy of vllm/kernels/gdn_chunk.py at `path` (e.g. the
+    previous commit's, `git show HEAD~1:vllm/kernels/gdn_chunk.py > /tmp/gdn_chunk_old.py`), at
+    these dims, aligned, with the layer's cache (NaN-filled): every real_dims_schedules() schedule
+    (one prefill, cuts, prefill + decode steps, all decode). Per schedule the number of output and
+    state elements whose bits differ (0 and 0: not a bit changed)."""
+    import importlib.util
+
+    from vllm.testing.chunked_scan import REAL_DIMS_LENS, REAL_DIMS_SLOTS, nan_state, real_dims_schedules, run_steps
+
+    spec = importlib.util.spec_from_file_location("gdn_chunk_other", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    seqs = {sid: inputs(n, 40 + sid) for sid, n in REAL_DIMS_LENS.items()}
+    layout = {"ssm": ((HV, K, V), torch.float32), "buf_k": ((C, HK, K), torch.bfloat16),
+              "buf_v": ((C, HV, V), torch.bfloat16), "buf_g": ((C, HV), torch.float32),
+              "buf_beta": ((C, HV), torch.float32), "t_cache": ((HV, C, C), torch.float32),
+              "t_pos": ((HV,), torch.int32), "buf_vn": ((C, HV, V), torch.bfloat16)}
+    res = {}
+    for name, steps in real_dims_schedules().items():
+        got = []
+        for fn in (gdn_chunk_triton, other.gdn_chunk_triton):
+            st = nan_state(max(REAL_DIMS_SLOTS.values()) + 1, layout)
+            outs = run_steps(lambda x, md, fn=fn, st=st: fn(*x, SCALE, md, st, chunk_size=C, aligned=True), seqs,
+                             REAL_DIMS_SLOTS, steps)
+            got.append((outs, st))
+        (a, sa), (b, sb) = got
+        res[name] = {
+            "outputs": sum(int((a[s].view(torch.int16) != b[s].view(torch.int16)).sum()) for s in a),
+            "states": sum(int((sa["ssm"][sl].view(torch.int32) != sb["ssm"][sl].view(torch.int32)).sum())
+                          for sl in REAL_DIMS_SLOTS.values())}
+    return res
+
+
 if __name__ == "__main__":
+    if "--bits-vs" in sys.argv:
+        for name, r in bits_vs(sys.argv[sys.argv.index("--bits-vs") + 1]).items():
+            print(f"{name:<16} elements whose bits differ: outputs {r['outputs']}, states {r['states']}")
+        sys.exit(0)
     main(__doc__, "Gated DeltaNet, one layer (H200, Hk 16 / Hv 32 x 128, C 64, bf16; us, median)",
          {"train 1x10240 fwd+bwd": train_case, "prefill 5x2048": prefill_case, "decode 256x1": decode_case},
          bits_check, "fla")

@@ -56,6 +56,27 @@ if HAS_TRITON:
             return tl.dot(a, b, acc, input_precision=PREC)
 
     @triton.jit
+    def dot_rows(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ b as `dot`, for kernels that compute the same row in tiles of different
+        row counts (a decode path's few rows, a prefill's whole chunk). On the GPU it is `dot`:
+        a tl.dot row's bits do not depend on the tile's row or column count (measured on the
+        H200 with an fp32 accumulator, mma.sync and wgmma alike). Under the interpreter
+        np.matmul's BLAS kernels round a row differently as the row count changes, so there
+        every element is summed over K (a power of two) by one fixed binary tree."""
+        if EMULATE:
+            M: tl.constexpr = a.shape[0]
+            N: tl.constexpr = b.shape[1]
+            p = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+            for lvl in tl.static_range(1, 17):
+                half: tl.constexpr = a.shape[1] >> lvl
+                if half > 0:
+                    # pairs (j, j + half): x + y rounds as y + x, whatever order numpy takes
+                    p = tl.sum(tl.reshape(p, [M, 2, half, N]), 1)
+            return acc + tl.reshape(p, [M, N])
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
     def mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
         """row_ok x (cols < N). The column test only where the dim is padded (N < NP): a mask
         constant along the row keeps the loads vectorised (without it every element gets its

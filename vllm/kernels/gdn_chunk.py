@@ -16,10 +16,10 @@ Invariant mode (`aligned=True`) promises that the bits of a token's output and o
 state written do not depend on the batch nor on how the sequence was cut into steps.
 How that holds:
 
-* Chunks lie on the sequence's absolute grid of C rows. Every chunk is computed as one
-  full C-row tile, row i of the tile at row i, by the same code with the same tile
-  shapes, whether it is a prefill chunk, the resumed middle of one, or a decode step
-  (a chunk with one new row whose earlier rows are re-read from the state's buffer).
+* Chunks lie on the sequence's absolute grid of C rows. Every chunk is computed from its
+  row 0, row i of the chunk at row i, by the same code, whether it is a prefill chunk,
+  the resumed middle of one, or a decode step (a chunk with one new row whose earlier
+  rows are re-read from the state's buffer).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan,
   A is strictly lower, T is built by forward substitution that stops at the chunk's
   last row, and products with later rows are masked to exact zeros. The zero rows of an
@@ -29,21 +29,42 @@ How that holds:
   buffer at the dtype they arrived in (k, v in the model dtype, g, beta in fp32), so a
   re-read row equals the row a single prefill held. States are stored in fp32, the
   precision they are carried in.
+* The reductions whose order depends on a register layout (the gamma prefix scan, the
+  forward substitution) always run on whole C-row tiles in the prep kernel, in the layout
+  of its whole-tile k k^T dot. Everything else a row gets from dots that keep their K
+  dims, K tiling and operand roundings, and from elementwise math: a tl.dot row's bits do
+  not depend on the tile's row count (H200, fp32 accumulator), so a row computed in a
+  tile of 16 rows has the bits of the same row in a C-row tile.
 
 Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps no
 buffer and folds the partial last chunk into the state (the usual form: a token's bits
 depend on where its step began). Same kernels otherwise.
 
-CUDA runs three Triton kernels, every chunk through the same tile code:
+CUDA runs three Triton kernels:
   1. prep, one program per (chunk, value head): gamma, A, T, w, u, the decayed keys of
-     the state update, the chunk's key tile (the only reader of the buffer);
+     the state update, the chunk's key tile (the only reader of the buffer, except (3)'s
+     decode path, below);
   2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
      v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
      (fast mode: every chunk) into the fp32 state, writes the cached state where it changed;
   3. output, per (chunk, value head, V tile): the new rows' outputs, and the new rows of
      an incomplete last chunk into the buffer.
+The decode path (aligned, with the decode caches of the state, DECODE_CACHE) takes a chunk
+that is its sequence's only chunk in the step and stays partial after it: every decode
+step but the one that completes a chunk. Nothing is folded, so the chunk's boundary state
+is the cached fp32 state itself: the state kernel skips the sequence, and the output
+kernel reads the cached state and rounds it in registers (the same `.to(dtype)` the state
+kernel's copy took). Its earlier rows' T and v_new are in the slot (they depend on rows
+before them and on the boundary state only, so an earlier step computed them with these
+bits), so only the tiles of DECODE_ROWS rows holding the step's rows are computed: w and
+u in the prep kernel (with their rows of T read back from the T cache), v_new = u - w h
+and the outputs in the output kernel. A, the forward substitution and gamma stay whole
+C-row tiles (the layout-bound reductions above). Every other chunk takes the whole-chunk
+path.
 Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention
-does) with fp32 accumulation. The CPU runs `gdn_chunk_torch`, the same algorithm in
+does) with fp32 accumulation. Under the Triton interpreter (tests on CPU) every dot sums
+over K by one fixed tree, so that there too a row's bits do not depend on the tile's row
+count (chunk_tiles.dot_rows). The CPU runs `gdn_chunk_torch`, the same algorithm in
 float32 torch on fixed-shape tiles (same invariances, not the same bits).
 `gdn_reference` is the differentiable formula (float32 / float64) that the backward of
 `GatedDeltaRuleFn` and the tests use.
@@ -63,19 +84,20 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, dot as _dot, \
-        mask2 as _mask2, tile_rows as _tile
+    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, \
+        dot_rows as _dot, mask2 as _mask2, tile_rows as _tile
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
 # rollout step, any other step and the trainer always run the same compiled kernels.
-# BK changes the bits (the K-tiling of the chained k k^T / q k^T dots); the V tiles
-# and warps only change speed.
+# BK changes the bits (the K-tiling of the chained k k^T / q k^T dots); the V tiles,
+# the decode path's row tile and warps only change speed.
 # --------------------------------------------------------------------------
 BLOCK_K_MAX = 64        # K tile of the k k^T / q k^T / w dots (prep and output kernels)
 PREP_BLOCK_V_MAX = 64   # V tile of u = T (beta v) in the prep kernel
 STATE_BLOCK_V_MAX = 32  # V tile of the state walk: programs = sequences x Hv x V / BV
 OUT_BLOCK_V_MAX = 64    # V tile of the output kernel
+DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core tile)
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
@@ -83,7 +105,8 @@ OUT_NUM_WARPS = 4
 
 
 if HAS_TRITON:
-    _PREP_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_tcache"]}
+    # has_tcache is 0 or 1 by the state's tensors, not by the step: one compiled kernel for both
+    _GDN_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_tcache"]}
     _SUM = tl.standard._sum_combine
     _MAX = tl.standard._elementwise_max
 
@@ -97,7 +120,15 @@ if HAS_TRITON:
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         return n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot
 
-    @triton.jit(**_PREP_JIT)
+    @triton.jit
+    def _decode_path(c0, c1, start, end, has_state, has_decode_cache, C: tl.constexpr, ALIGNED: tl.constexpr):
+        """Whether a chunk takes the decode path: the only chunk of its sequence in the step,
+        and still partial after it (so nothing is folded into the state: the chunk's boundary
+        state is the cached fp32 state, and the rows before the step's first one have their
+        v_new in the slot). Only with the decode caches (DECODE_CACHE; aligned mode)."""
+        return (has_state != 0) & (has_decode_cache != 0) & (c1 - c0 == 1) & (end - start < C) & ALIGNED
+
+    @triton.jit(**_GDN_JIT)
     def _gdn_prep_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr,
         bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr, tc_ptr, tpos_ptr,
@@ -105,21 +136,25 @@ if HAS_TRITON:
         gam_ws, kc_ws, w_ws, kd_ws, u_ws,
         has_state, has_tcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, A, T = (I + A)^-1, then
-        w = T (beta e^gamma k), kd = e^(gamma_L - gamma) k (rows <= L) and u = T (beta v)
-        into the workspaces, and the chunk's key tile for the output kernel. The only
-        kernel that reads the buffer: the output kernel rewrites it once this one is done
-        (a step can resume a chunk and end in a later partial one, whose rows land on the
-        same buffer rows).
+        w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
+        path, kd = e^(gamma_L - gamma) k (rows <= L) and the chunk's key tile for the output
+        kernel. The only kernel that reads the buffer rows of a chunk that is not on the
+        decode path: the output kernel rewrites them once this one is done (a step can resume
+        a chunk and end in a later partial one, whose rows land on the same buffer rows).
 
         With the T cache (`has_tcache`, aligned mode), a resumed chunk starts its forward
         substitution at its first new row from the rows of T the chunk's earlier steps
         solved, and the last partial chunk of a sequence leaves its T there: row i of T is
         written once, by iteration i of the same loop of this kernel, from rows < i, so the
-        rows read back are the rows a single prefill computes."""
+        rows read back are the rows a single prefill computes.
+
+        On the decode path only the step's rows of w and u are computed, in tiles of DR rows
+        whose rows of T are read back from the T cache (a row tile cannot be cut out of the
+        register tile): the same dots, with the K of every dot (the chunk's rows) unchanged."""
         # value heads on axis 0: the value heads of a key head run side by side (its key tile)
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             tl.program_id(1), tl.program_id(0), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
@@ -135,7 +170,9 @@ if HAS_TRITON:
         gam = tl.associative_scan(g, 0, _SUM)  # prefix sums: row i sees rows <= i only
         tl.store(gam_ws + base * C + rows, gam)
 
-        # k k^T over K tiles, chained in increasing order
+        # k k^T over K tiles, chained in increasing order. Always the whole C x C tile: the
+        # forward substitution below reduces in the register layout of this dot's result, and
+        # that layout (with it the order of the reduction) is what every path must share.
         kk = tl.zeros([C, C], dtype=tl.float32)
         for k0 in tl.static_range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
@@ -166,53 +203,81 @@ if HAS_TRITON:
             a = tl.reduce(tl.where(ii == i, A, 0.0), 0, _SUM)      # A[i, :], indexed by j
             col = tl.reduce(TT * a[None, :], 1, _SUM)              # sum_j A[i, j] T[j, c]
             TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
+        c0 = tl.load(seqc_ptr + s)
+        c1 = tl.load(seqc_ptr + s + 1)
+        decode = _decode_path(c0, c1, start, end, has_state, has_tcache, C, ALIGNED)
         if ALIGNED:
-            # the last chunk of a sequence, incomplete: its rows of T for the chunk's next step.
-            # Written only when no chunk of this step reads the slot's T (the sequence's first
-            # chunk is this one or starts on the grid); otherwise the stamp is cleared and the
-            # next step solves the chunk from its row 1 (same bits, more work).
-            c0 = tl.load(seqc_ptr + s)
-            c1 = tl.load(seqc_ptr + s + 1)
+            # the last chunk of a sequence, incomplete: its rows of T for the chunk's next step
+            # (the rows this step solved; on a hit the ones before are there). Written only
+            # when no chunk of this step reads the slot's T (the sequence's first chunk is this
+            # one or starts on the grid); otherwise the stamp is cleared and the next step
+            # solves the chunk from its row 1 (same bits, more work).
             keep = (has_tcache != 0) & (n == c1 - 1) & (end - start < C)
             free = (c0 == n) | (tl.load(first_ptr + c0) == tl.load(start_ptr + c0))
+            solved = (jj >= tl.where(hit, r0, 0)) & (jj <= L)
             tl.debug_barrier()  # every thread's read of the cached rows precedes the writes
-            tl.store(tc_ptr + tc_base + ii * C + jj, TT, mask=keep & free & (ii >= 0))
+            tl.store(tc_ptr + tc_base + ii * C + jj, TT, mask=keep & free & solved)
             tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
-        Tm = tl.trans(TT).to(DT)
 
         eg = tl.exp(gam)
-        gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
-        dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
         kb_scale = b * eg
-        ws_rows = base * C + rows
-        kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
-        for k0 in tl.static_range(0, KP, BK):
-            cols = k0 + tl.arange(0, BK)
-            kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
-                       cols, K, KP)
-            ktf = kt.to(tl.float32)
-            w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
-            tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
-            # read only where the state kernel folds the chunk in (aligned: complete chunks)
-            tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT),
-                     mask=((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None])
-            # the key tile is shared by the value heads of a group: the group's first stores it
-            tl.store(kc_ws + kc_rows[:, None] * KP + cols[None, :], kt,
-                     mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
-        for v0 in tl.static_range(0, VP, BV):
-            cols = v0 + tl.arange(0, BV)
-            vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
-                       cols, V, VP)
-            u = _dot(Tm, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([C, BV], dtype=tl.float32),
-                     EMULATE, PREC)
-            tl.store(u_ws + ws_rows[:, None] * VP + cols[None, :], u)
+        if decode:
+            # rows r0 .. L of w and u, DR rows at a time; a decode chunk always leaves its T
+            # rows 0 .. L in the cache (it is its sequence's last and first chunk)
+            tl.debug_barrier()  # the rows of T stored above by other threads are read below
+            for t in range(r0 // DR, L // DR + 1):
+                rt = t * DR + tl.arange(0, DR)
+                new = ((rt >= r0) & (rt <= L))[:, None]
+                Tt = tl.load(tc_ptr + tc_base + jj * C + rt[:, None], mask=(rt <= L)[:, None], other=0.0,
+                             cache_modifier=".cg").to(DT)  # rows rt of T (L2: just written)
+                ws_t = base * C + rt
+                for k0 in tl.static_range(0, KP, BK):
+                    cols = k0 + tl.arange(0, BK)
+                    kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                               cols, K, KP)
+                    w = _dot(Tt, (kt.to(tl.float32) * kb_scale[:, None]).to(DT), tl.zeros([DR, BK], dtype=tl.float32),
+                             EMULATE, PREC)
+                    tl.store(w_ws + ws_t[:, None] * KP + cols[None, :], w.to(DT), mask=new)
+                for v0 in tl.static_range(0, VP, BV):
+                    cols = v0 + tl.arange(0, BV)
+                    vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
+                               cols, V, VP)
+                    u = _dot(Tt, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([DR, BV], dtype=tl.float32),
+                             EMULATE, PREC)
+                    tl.store(u_ws + ws_t[:, None] * VP + cols[None, :], u, mask=new)
+        else:
+            Tm = tl.trans(TT).to(DT)
+            gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
+            dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
+            ws_rows = base * C + rows
+            kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
+            for k0 in tl.static_range(0, KP, BK):
+                cols = k0 + tl.arange(0, BK)
+                kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                           cols, K, KP)
+                ktf = kt.to(tl.float32)
+                w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
+                tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
+                # read only where the state kernel folds the chunk in (aligned: complete chunks)
+                tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT),
+                         mask=((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None])
+                # the key tile is shared by the value heads of a group: the group's first stores it
+                tl.store(kc_ws + kc_rows[:, None] * KP + cols[None, :], kt,
+                         mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
+            for v0 in tl.static_range(0, VP, BV):
+                cols = v0 + tl.arange(0, BV)
+                vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
+                           cols, V, VP)
+                u = _dot(Tm, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([C, BV], dtype=tl.float32),
+                         EMULATE, PREC)
+                tl.store(u_ws + ws_rows[:, None] * VP + cols[None, :], u)
 
-    @triton.jit(**_JIT)
+    @triton.jit(**_GDN_JIT)
     def _gdn_state_kernel(
         start_pos_ptr, slots_ptr, ssm_ptr,
         start_ptr, end_ptr, seqc_ptr,
         gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws,
-        has_state,
+        has_state, has_tcache,
         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
@@ -220,13 +285,20 @@ if HAS_TRITON:
         """One program per (sequence, value head, V tile): walk the sequence's chunks in
         order carrying the fp32 state tile; per chunk store its boundary state and
         v_new = u - w h for the output kernel, then fold a complete chunk (fast mode: any
-        chunk) into the state. Writes the cached state at the end."""
+        chunk) into the state. Writes the cached state at the end. A chunk on the decode
+        path needs none of it (the output kernel reads the cached state itself); only a
+        sequence at position 0 gets its zero state written."""
         vt = tl.program_id(0)  # V tiles of a (sequence, head) side by side: they share w in L2
         h = tl.program_id(1)
         s = tl.program_id(2)
         DT = w_ws.dtype.element_ty
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
+        any_chunk = c1 > c0
+        decode = _decode_path(c0, c1, tl.load(start_ptr + c0, mask=any_chunk, other=0),
+                              tl.load(end_ptr + c0, mask=any_chunk, other=0), has_state, has_tcache, C,
+                              ALIGNED)
+        c_end = tl.where(decode, c0, c1)
         rk = tl.arange(0, KP)
         rv = vt * BV + tl.arange(0, BV)
         rows = tl.arange(0, C)
@@ -235,10 +307,10 @@ if HAS_TRITON:
         st_ptrs = ssm_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :]
         st_ok = _mask2(rk < K, rv, V, VP)
         # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
-        read = (has_state != 0) & (sp > 0) & (c1 > c0)
+        read = (has_state != 0) & (sp > 0) & (c_end > c0)
         hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
         folds = 0
-        for n in range(c0.to(tl.int64), c1.to(tl.int64)):
+        for n in range(c0.to(tl.int64), c_end.to(tl.int64)):
             base = n * HV + h
             tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
             w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
@@ -257,23 +329,29 @@ if HAS_TRITON:
                 folds += 1
         # written back where it changed: a chunk folded in, or a sequence at position 0 (its
         # slot holds another sequence's state); a decode step inside a chunk leaves it as is
-        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
+        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & any_chunk & ((folds > 0) | (sp == 0)))
 
-    @triton.jit(**_JIT)
+    @triton.jit(**_GDN_JIT)
     def _gdn_output_kernel(
-        q_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bb_ptr, bvn_ptr, slots_ptr, ssm_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
-        gam_ws, kc_ws, vn_ws, h_ws, scale,
-        has_state,
+        gam_ws, kc_ws, w_ws, u_ws, vn_ws, h_ws, scale,
+        has_state, has_tcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (chunk, value head, V tile): the outputs of the chunk's new rows,
         o = scale (e^gamma (q h) + (masked decayed q k^T) v_new); in aligned mode also the
         new rows of an incomplete last chunk into the buffer (no kernel reads it after the
-        prep kernel)."""
+        prep kernel, except the decode path of this one: rows before the step's, which no
+        program writes).
+
+        On the decode path the program computes the step's rows of v_new = u - w h itself,
+        from the cached fp32 state rounded in registers as the state kernel rounds it, in
+        tiles of DR rows: each tile's rows join the slot's v_new rows, which the tile's
+        outputs then read back with the rows of the chunk's earlier steps."""
         vt = tl.program_id(0)  # the V tiles of a (chunk, head) side by side: they share its tiles in L2
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             tl.program_id(2), tl.program_id(1), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
@@ -281,38 +359,22 @@ if HAS_TRITON:
         DT = vn_ws.dtype.element_ty
         base = n.to(tl.int64) * HV + h
         rv = vt * BV + tl.arange(0, BV)
-        gam = tl.load(gam_ws + base * C + rows)
-        kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
+        L = end - start - 1
+        c0 = tl.load(seqc_ptr + s)
+        c1 = tl.load(seqc_ptr + s + 1)
+        decode = _decode_path(c0, c1, start, end, has_state, has_tcache, C, ALIGNED)
         write_buf = False
         if ALIGNED:
-            is_last = n == tl.load(seqc_ptr + s + 1) - 1
-            write_buf = (has_state != 0) & is_last & (end - start < C)
-        qk = tl.zeros([C, C], dtype=tl.float32)
-        qh = tl.zeros([C, BV], dtype=tl.float32)
-        for k0 in tl.static_range(0, KP, BK):
-            cols = k0 + tl.arange(0, BK)
-            # q only for the step's rows: rows before first_new have no output
-            qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
-                         mask=_mask2(from_step, cols, K, KP), other=0.0)
-            kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
-            hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
-            qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
-            qh = _dot(qt, hb, qh, EMULATE, PREC)
-            if ALIGNED:
-                kw = from_step & write_buf & (vt == 0) & (h % (HV // HK) == 0)
-                tl.store(bk_ptr + hk * K + brow[:, None] * (HK * K) + cols[None, :], kt,
-                         mask=_mask2(kw, cols, K, KP))
-        ii = rows[:, None]
-        jj = rows[None, :]
-        incl = jj <= ii
-        P = tl.where(incl, qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        vn = tl.load(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :])
-        o = _dot(P.to(DT), vn, qh * tl.exp(gam)[:, None], EMULATE, PREC) * scale
-        o = tl.where(o == 0.0, 0.0, o)  # only the sign of an exact zero could tell schedules apart
-        tl.store(o_ptr + trow[:, None] * (HV * V) + h * V + rv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=_mask2(from_step, rv, V, VP))
-        if ALIGNED:
+            # the step's rows of an incomplete last chunk join the buffer (rows no program of
+            # this launch reads: the decode path reads the rows before the step's)
+            write_buf = (has_state != 0) & (n == c1 - 1) & (end - start < C)
             wv = from_step & write_buf
+            kw = wv & (vt == 0) & (h % (HV // HK) == 0)
+            for k0 in tl.static_range(0, KP, BK):
+                cols = k0 + tl.arange(0, BK)
+                ks = tl.load(k_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :], mask=_mask2(kw, cols, K, KP),
+                             other=0.0)
+                tl.store(bk_ptr + hk * K + brow[:, None] * (HK * K) + cols[None, :], ks, mask=_mask2(kw, cols, K, KP))
             vs = tl.load(v_ptr + trow[:, None] * (HV * V) + h * V + rv[None, :],
                          mask=_mask2(wv, rv, V, VP), other=0.0)
             tl.store(bv_ptr + h * V + brow[:, None] * (HV * V) + rv[None, :], vs,
@@ -322,17 +384,91 @@ if HAS_TRITON:
             bs = tl.load(beta_ptr + trow * HV + h, mask=wg, other=0.0)
             tl.store(bg_ptr + brow * HV + h, gs, mask=wg)
             tl.store(bb_ptr + brow * HV + h, bs, mask=wg)
+        # the slot's v_new rows of its partial chunk ("buf_vn" [slots, C, Hv, V])
+        vn_buf = bvn_ptr + h * V + brow[:, None] * (HV * V) + rv[None, :]
+        ii = rows[:, None]
+        jj = rows[None, :]
+        gam = tl.load(gam_ws + base * C + rows)
+        if decode:
+            first = tl.load(first_ptr + n)
+            r0 = first - start
+            trow0 = (tl.load(tok0_ptr + n) - first + start).to(tl.int64)
+            # the chunk's boundary state: the cached one, unchanged by this step (zero at
+            # position 0, not read)
+            st = ssm_ptr + (slot * HV + h) * (K * V)
+            rk = tl.arange(0, KP)
+            known = first > 0
+            for t in range(r0 // DR, L // DR + 1):
+                rt = t * DR + tl.arange(0, DR)
+                new = (rt >= r0) & (rt <= L)
+                trow_t = trow0 + rt
+                ws_t = base * C + rt
+                w = tl.load(w_ws + ws_t[:, None] * KP + rk[None, :], mask=new[:, None], other=0.0)
+                u = tl.load(u_ws + ws_t[:, None] * VP + rv[None, :], mask=new[:, None], other=0.0)
+                hs = tl.load(st + rk[:, None] * V + rv[None, :], mask=_mask2(rk < K, rv, V, VP) & known,
+                             other=0.0).to(DT)
+                vn_t = (u - _dot(w, hs, tl.zeros([DR, BV], dtype=tl.float32), EMULATE, PREC)).to(DT)
+                tl.store(bvn_ptr + h * V + (slot * C + rt)[:, None] * (HV * V) + rv[None, :], vn_t,
+                         mask=_mask2(new, rv, V, VP))
+                qk = tl.zeros([DR, C], dtype=tl.float32)
+                qh = tl.zeros([DR, BV], dtype=tl.float32)
+                for k0 in tl.static_range(0, KP, BK):
+                    cols = k0 + tl.arange(0, BK)
+                    qt = tl.load(q_ptr + hk * K + trow_t[:, None] * (HK * K) + cols[None, :],
+                                 mask=_mask2(new, cols, K, KP), other=0.0)
+                    kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                               cols, K, KP)
+                    hb = tl.load(st + cols[:, None] * V + rv[None, :], mask=_mask2(cols < K, rv, V, VP) & known,
+                                 other=0.0).to(DT)
+                    qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
+                    qh = _dot(qt, hb, qh, EMULATE, PREC)
+                tl.debug_barrier()  # this tile's rows of v_new, stored above by other threads, are read below
+                vn = tl.load(vn_buf, mask=_mask2(rows <= tl.minimum(L, t * DR + DR - 1), rv, V, VP), other=0.0,
+                             cache_modifier=".cg")
+                gt = tl.load(gam_ws + ws_t)
+                incl = jj <= rt[:, None]
+                P = tl.where(incl, qk * tl.exp(tl.where(incl, gt[:, None] - gam[None, :], 0.0)), 0.0)
+                o = _dot(P.to(DT), vn, qh * tl.exp(gt)[:, None], EMULATE, PREC) * scale
+                o = tl.where(o == 0.0, 0.0, o)  # only the sign of an exact zero could tell schedules apart
+                tl.store(o_ptr + trow_t[:, None] * (HV * V) + h * V + rv[None, :], o.to(o_ptr.dtype.element_ty),
+                         mask=_mask2(new, rv, V, VP))
+        else:
+            kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
+            qk = tl.zeros([C, C], dtype=tl.float32)
+            qh = tl.zeros([C, BV], dtype=tl.float32)
+            for k0 in tl.static_range(0, KP, BK):
+                cols = k0 + tl.arange(0, BK)
+                # q only for the step's rows: rows before first_new have no output
+                qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
+                             mask=_mask2(from_step, cols, K, KP), other=0.0)
+                kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
+                hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
+                qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
+                qh = _dot(qt, hb, qh, EMULATE, PREC)
+            incl = jj <= ii
+            P = tl.where(incl, qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+            vn = tl.load(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :])
+            o = _dot(P.to(DT), vn, qh * tl.exp(gam)[:, None], EMULATE, PREC) * scale
+            o = tl.where(o == 0.0, 0.0, o)  # only the sign of an exact zero could tell schedules apart
+            tl.store(o_ptr + trow[:, None] * (HV * V) + h * V + rv[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=_mask2(from_step, rv, V, VP))
+            if ALIGNED:
+                # the new rows of v_new join the slot's, for the decode path of the chunk's next step
+                tl.store(vn_buf, vn, mask=_mask2(from_step & write_buf & (has_tcache != 0), rv, V, VP))
 
 
 # ---- checks shared by both devices ------------------------------------------------------------
 
 # the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
 BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta")
-# optional (aligned mode, Triton): the partial chunk's rows of T = (I + A)^-1 ("t_cache" float32
-# [slots, Hv, C, C], kept transposed as the prep kernel holds it) and the end position of the
-# step that wrote them ("t_pos" int32 [slots, Hv]); without them a step solves its chunk's T
-# from row 1 (the same bits)
-T_CACHE = ("t_cache", "t_pos")
+# optional, together (aligned mode, Triton): what makes a decode step cheap. "t_cache" float32
+# [slots, Hv, C, C]: the partial chunk's rows of T = (I + A)^-1, kept transposed as the prep
+# kernel holds it, with "t_pos" int32 [slots, Hv], the end position of the step that wrote them
+# (a step resumes the forward substitution at its first new row); "buf_vn" [slots, C, Hv, V]
+# (model dtype): the partial chunk's rows of v_new (a decode step computes its own rows only).
+# Without them every step solves its chunk's T from row 1 and recomputes all its rows through
+# the state kernel (the same bits).
+DECODE_CACHE = ("t_cache", "t_pos", "buf_vn")
 
 
 def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned: bool):
@@ -352,8 +488,9 @@ def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned:
     C = chunk_size
     buffers = {"buf_k": ((C, Hk, K), q.dtype), "buf_v": ((C, Hv, V), q.dtype),
                "buf_g": ((C, Hv), torch.float32), "buf_beta": ((C, Hv), torch.float32)}
-    if state is not None and aligned and any(name in state for name in T_CACHE):
-        buffers.update({T_CACHE[0]: ((Hv, C, C), torch.float32), T_CACHE[1]: ((Hv,), torch.int32)})
+    if state is not None and aligned and any(name in state for name in DECODE_CACHE):
+        buffers.update({"t_cache": ((Hv, C, C), torch.float32), "t_pos": ((Hv,), torch.int32),
+                        "buf_vn": ((C, Hv, V), q.dtype)})
     check_state(md, state, aligned, (Hv, K, V), "Hv, K, V", buffers)
 
 
@@ -397,30 +534,33 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
 
     has_state, ssm, slots, (bk, bv, bg, bb) = launch_state(md, state, aligned, BUFFERS, (k, v, g, beta), dev)
-    if has_state and aligned and T_CACHE[0] in state:
-        has_tcache, tc, tpos = 1, state[T_CACHE[0]], state[T_CACHE[1]]
+    if has_state and aligned and DECODE_CACHE[0] in state:
+        has_dc = 1
+        tc, tpos, bvn = (state[name] for name in DECODE_CACHE)
+        if any(t.data_ptr() % 16 for t in (tc, tpos, bvn)):
+            raise ValueError("state tensors must be 16-byte aligned")
     else:  # never dereferenced
-        has_tcache, tc, tpos = 0, gam_ws, slots
+        has_dc, tc, tpos, bvn = 0, gam_ws, slots, v
     launch = dict(enable_fp_fusion=False)
     _gdn_prep_kernel[(Hv, N)](
         k, v, g, beta, bk, bv, bg, bb, slots, tc, tpos,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state, has_tcache,
-        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX),
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state, has_dc,
+        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
     _gdn_state_kernel[(VP // bv_state, Hv, S)](
         md.start_pos, slots, ssm, plan.start, plan.end, plan.seq_chunks,
-        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state,
+        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
         HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, **launch)
     bv_out = min(VP, OUT_BLOCK_V_MAX)
     _gdn_output_kernel[(VP // bv_out, Hv, N)](
-        q, v, g, beta, o, bk, bv, bg, bb, slots,
+        q, k, v, g, beta, o, bk, bv, bg, bb, bvn, slots, ssm,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
-        gam_ws, kc_ws, vn_ws, h_ws, float(scale), has_state,
-        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=bv_out,
+        gam_ws, kc_ws, w_ws, u_ws, vn_ws, h_ws, float(scale), has_state, has_dc,
+        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=bv_out, DR=DECODE_ROWS,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
     return o
 

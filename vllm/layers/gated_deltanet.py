@@ -6,8 +6,9 @@ The layer declares its cache (`cache_spec`): per sequence slot a conv window, th
 state and, in the invariant mode, the rows of the partial chunk. Its numerics are the
 chunked form everywhere in that mode (docs/hybrid.md): prefill, training and decode all
 compute a chunk of C rows from the state at the chunk's first row, on the absolute C grid
-of the sequence, by one kernel; a decode step recomputes its partial chunk from the rows
-it kept. The fast mode is the native form: chunked prefill, fused recurrent decode.
+of the sequence, by the same kernels; a decode step computes the new row of its partial
+chunk from the rows it kept (and their rows of T and v_new). The fast mode is the native
+form: chunked prefill, fused recurrent decode.
 
 Parameters keep transformers' names and layouts: `in_proj_qkvz` / `in_proj_ba` (Qwen3-Next:
 rows grouped per key head: q, k, then the value and z rows of its value heads; b, a per
@@ -69,10 +70,12 @@ class GatedDeltaNet(nn.Module):
             tensors += [StateTensor("buf_k", (C, self.hk, self.dk)), StateTensor("buf_v", (C, self.hv, self.dv)),
                         StateTensor("buf_g", (C, self.hv), torch.float32),
                         StateTensor("buf_beta", (C, self.hv), torch.float32),
-                        # the partial chunk's rows of T = (I + A)^-1, so a decode step solves its
-                        # new row only (gdn_chunk.T_CACHE)
+                        # the partial chunk's rows of T = (I + A)^-1 and of v_new, so a decode
+                        # step solves and computes its new row only (gdn_chunk.DECODE_CACHE);
+                        # a snapshot, at a multiple of C, has no partial chunk to keep
                         StateTensor("t_cache", (self.hv, C, C), torch.float32),
-                        StateTensor("t_pos", (self.hv,), torch.int32)]
+                        StateTensor("t_pos", (self.hv,), torch.int32),
+                        StateTensor("buf_vn", (C, self.hv, self.dv))]
         return RecurrentStateSpec(self.state_idx, "gated_deltanet", tuple(tensors), C, snapshot=("conv", "ssm"))
 
     def _project(self, x: torch.Tensor):
