@@ -76,16 +76,16 @@ def test_sleep_wake_same_bits_gpu_graphs(gpu_model):
               cuda_graph_batch_sizes=[1, 2, 4, 8])
     runner = llm.llm_engine.executor.worker
     assert runner.kv_cache.region is not None, "sleep mode on CUDA should place the KV cache in a driver VMM region"
-    assert runner.graphs, "the test needs captured CUDA graphs"
+    assert runner.decode_graphs.graphs, "the test needs captured CUDA graphs"
     before = _run(llm)
     ptrs = [c.data_ptr() for c in runner.kv_cache.k + runner.kv_cache.v]
-    graphs = dict(runner.graphs)
+    graphs = dict(runner.decode_graphs.graphs)
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
     freed = llm.sleep()
     free_asleep, _ = torch.cuda.mem_get_info()
     print(f"sleep released {freed / 2**30:.2f} GiB; driver free memory +{(free_asleep - free_before) / 2**30:.2f} GiB")
-    assert freed >= runner.num_blocks * runner.kv_bytes_per_block()
+    assert freed >= runner.num_blocks * runner.cache_plan.kv_bytes_per_block
     assert free_asleep - free_before >= 0.9 * freed
     # a trainer allocates (and frees) memory meanwhile
     scratch = torch.empty(freed // 2, dtype=torch.uint8, device="cuda")
@@ -93,7 +93,7 @@ def test_sleep_wake_same_bits_gpu_graphs(gpu_model):
     del scratch
     llm.wake_up()
     assert [c.data_ptr() for c in runner.kv_cache.k + runner.kv_cache.v] == ptrs
-    assert runner.graphs == graphs and all(runner.graphs[k] is graphs[k] for k in graphs)
+    assert runner.decode_graphs.graphs == graphs and all(runner.decode_graphs.graphs[k] is graphs[k] for k in graphs)
     after = _run(llm)
     assert _same_bits(before, after)
 

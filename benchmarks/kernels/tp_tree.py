@@ -61,50 +61,51 @@ def main() -> None:
         return sweep(args)
     rows = []
     print(f"{'shape':>6} {'M':>6} {'tree ms':>9} {'inv ms':>9} {'cublas ms':>9} {'tree/inv':>9} {'tree/cublas':>11} bits")
-    for name in args.shapes.split(","):
+    for name, K, N, M, x, w in _problems(args.shapes, args.ms):
+        same = torch.equal(tree_linear_triton(x, w, args.leaves).view(torch.int32),
+                           tree_linear_leafwise(x, w, args.leaves).view(torch.int32))
+        t_tree = _time_graph(lambda: tree_linear_triton(x, w, args.leaves).to(torch.bfloat16))
+        t_inv = _time_graph(lambda: invariant_matmul(x, w))
+        t_cub = _time_graph(lambda: F.linear(x, w))
+        rows.append({"shape": name, "K": K, "N": N, "M": M, "leaves": args.leaves, "tree_ms": t_tree,
+                     "invariant_ms": t_inv, "cublas_ms": t_cub, "bits_equal_leafwise": same})
+        print(f"{name:>6} {M:>6} {t_tree:9.4f} {t_inv:9.4f} {t_cub:9.4f} {t_tree / t_inv:9.3f} "
+              f"{t_tree / t_cub:11.3f} {'ok' if same else 'DIFFER'}")
+    write_json_out(args.json_out, rows)
+
+
+def _problems(shapes: str, ms: str):
+    """(name, K, N, M, x, w) for every shape and M: random bf16 operands on the GPU."""
+    for name in shapes.split(","):
         K, N = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        for M in map(int, args.ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            same = torch.equal(tree_linear_triton(x, w, args.leaves).view(torch.int32),
-                               tree_linear_leafwise(x, w, args.leaves).view(torch.int32))
-            t_tree = _time_graph(lambda: tree_linear_triton(x, w, args.leaves).to(torch.bfloat16))
-            t_inv = _time_graph(lambda: invariant_matmul(x, w))
-            t_cub = _time_graph(lambda: F.linear(x, w))
-            rows.append({"shape": name, "K": K, "N": N, "M": M, "leaves": args.leaves, "tree_ms": t_tree,
-                         "invariant_ms": t_inv, "cublas_ms": t_cub, "bits_equal_leafwise": same})
-            print(f"{name:>6} {M:>6} {t_tree:9.4f} {t_inv:9.4f} {t_cub:9.4f} {t_tree / t_inv:9.3f} "
-                  f"{t_tree / t_cub:11.3f} {'ok' if same else 'DIFFER'}")
-    write_json_out(args.json_out, rows)
+        for M in map(int, ms.split(",")):
+            yield name, K, N, M, torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w
 
 
 def sweep(args) -> None:
     rows = []
     print(f"{'shape':>6} {'M':>6} {'inv ms':>8} {'table':>32} {'ms':>8} {'best':>32} {'ms':>8} {'best/inv':>8}")
-    for name in args.shapes.split(","):
-        K, N = SHAPES[name]
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        for M in map(int, args.sweep_ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
-            t_inv = _time_graph(lambda: invariant_matmul(x, w))
-            times = {}
-            for cfg in CANDIDATES:
-                try:
-                    out = tree_linear_triton(x, w, args.leaves, config=cfg)
-                except Exception as err:  # noqa: BLE001 -- e.g. OutOfResources (shared memory): not a candidate
-                    print(f"{name} M={M} {cfg}: {type(err).__name__}")
-                    continue
-                if not torch.equal(out.view(torch.int32), ref):
-                    print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
-                    continue
-                times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
-            table = _tree_config(M)
-            best = min(times, key=times.get)
-            rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
-                         "times": {",".join(map(str, c)): t for c, t in times.items()}})
-            print(f"{name:>6} {M:>6} {t_inv:8.4f} {str(table):>32} {times.get(table, float('nan')):8.4f} "
-                  f"{str(best):>32} {times[best]:8.4f} {times[best] / t_inv:8.3f}", flush=True)
+    for name, K, N, M, x, w in _problems(args.shapes, args.sweep_ms):
+        ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
+        t_inv = _time_graph(lambda: invariant_matmul(x, w))
+        times = {}
+        for cfg in CANDIDATES:
+            try:
+                out = tree_linear_triton(x, w, args.leaves, config=cfg)
+            except Exception as err:  # noqa: BLE001 -- e.g. OutOfResources (shared memory): not a candidate
+                print(f"{name} M={M} {cfg}: {type(err).__name__}")
+                continue
+            if not torch.equal(out.view(torch.int32), ref):
+                print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
+                continue
+            times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
+        table = _tree_config(M)
+        best = min(times, key=times.get)
+        rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
+                     "times": {",".join(map(str, c)): t for c, t in times.items()}})
+        print(f"{name:>6} {M:>6} {t_inv:8.4f} {str(table):>32} {times.get(table, float('nan')):8.4f} "
+              f"{str(best):>32} {times[best]:8.4f} {times[best] / t_inv:8.3f}", flush=True)
     write_json_out(args.json_out, rows)
 
 

@@ -27,7 +27,7 @@ class InProcessExecutor(Executor):
     def info(self) -> ExecutorInfo:
         w = self.worker
         return ExecutorInfo(device=w.device, num_blocks=w.num_blocks, kv_capacity_tokens=w.kv_capacity_tokens,
-                            has_cuda_graphs=bool(w.graphs), self_check_report=w.self_check_report,
+                            has_cuda_graphs=bool(w.decode_graphs.graphs), self_check_report=w.self_check_report,
                             num_state_slots=w.cache_plan.num_state_slots,
                             num_state_snapshots=w.cache_plan.num_state_snapshots,
                             state_chunk_size=w.cache_specs.state_chunk_size)

@@ -87,16 +87,9 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.cache_plan.num_blocks
 
-    def kv_bytes_per_block(self) -> int:
-        return self.cache_plan.kv_bytes_per_block
-
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-    @property
-    def graphs(self) -> dict:
-        return self.decode_graphs.graphs
 
     # ---- sleep mode -----------------------------------------------------------------------
     @property
@@ -114,7 +107,7 @@ class ModelRunner:
     def wake_up(self) -> None:
         """Take the KV cache's memory back, zero-filled as at start-up. With the VMM region
         the addresses are unchanged, so the captured graphs are replayed as they are."""
-        if self.kv_cache.restore() and self.graphs:
+        if self.kv_cache.restore() and self.decode_graphs.graphs:
             self.decode_graphs.recapture()
 
     # ---- graph pointers (weights written in place) -------------------------------------------
