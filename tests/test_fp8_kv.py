@@ -194,7 +194,7 @@ def test_capacity_and_contract(tiny_qwen3):
     # float32 model dtype on CPU; at 2 layers the one-layer float32 read copy weighs as much
     # as the FP8 layers themselves, so the gain is smaller than at real depths (above)
     assert r8.kv_capacity_tokens > r32.kv_capacity_tokens
-    assert r8.kv_capacity_tokens == (1 << 20) // r8.kv_bytes_per_block() * r8.block_size
+    assert r8.kv_capacity_tokens == (1 << 20) // r8.cache_plan.kv_bytes_per_block * r8.block_size
     (copy, _), = r8.kv_cache.dequant.values()  # one layer shape: one read copy
     assert copy.dtype == torch.float32 and copy.shape == r8.kv_cache.k[0].shape
     c8, c32 = llm.execution_contract(), ref.execution_contract()
