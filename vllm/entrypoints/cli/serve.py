@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
+from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 
 def add_parser(sub) -> None:
@@ -34,6 +35,13 @@ def add_parser(sub) -> None:
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p) take the "
                         "model's generation_config.json values; vllm: SamplingParams defaults")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format tool_choice 'auto' reads from chat outputs (upstream's names): "
+                        "hermes: <tool_call>{json}</tool_call> blocks (Hermes, Qwen); llama3_json: "
+                        "{\"name\", \"parameters\"} objects separated by ';' (Llama 3.1/3.2); mistral: "
+                        "[TOOL_CALLS] then a JSON array; pythonic: [f(a=1), g()] (Llama 3.2/4)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for upstream command lines: tool_choice 'auto' is always parsed here")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (uvicorn)")
@@ -60,7 +68,7 @@ def run(args) -> int:
         run_server(engine_kwargs(args), host=args.host, port=args.port, served_model_names=args.served_model_name,
                    max_logprobs=args.max_logprobs, generation_config=args.generation_config,
                    log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
-                   api_key=args.api_key, admin_key=args.admin_key)
+                   api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser)
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

@@ -300,9 +300,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs, self.prompt_logprobs, structured)
 
-    def tool_plan(self):
+    def tool_plan(self, parser: str = "hermes"):
+        """What tools and tool_choice mean; `parser`: the server's --tool-call-parser."""
         from vllm.entrypoints.openai.tool_calls import plan_tools
-        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id
+from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -298,7 +299,7 @@ class OpenAIServing:
 
     def __init__(self, async_llm: AsyncLLM, served_model_names: Sequence[str], *, max_logprobs: int = 20,
                  generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -307,6 +308,7 @@ class OpenAIServing:
         self.defaults = dict(generation_defaults or {})
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.tool_call_parser = check_tool_call_parser(tool_call_parser)   # the format "auto" tool_choice reads
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -501,7 +503,7 @@ class OpenAIServing:
             return exception_response(err)
         top_k = params.logprobs or 0
         ids = req.want_token_ids
-        plan = req.tool_plan()
+        plan = req.tool_plan(self.tool_call_parser)
         choices = [ChatChoice(index=c.index, message=_chat_message(c, plan), finish_reason=_chat_finish(c, plan),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
@@ -521,7 +523,7 @@ class OpenAIServing:
         holdback = max((len(s) for s in params.stop_strings), default=1) - 1
         top_k = params.logprobs or 0
         cursors = [_ChoiceCursor() for _ in range(params.n)]
-        plan = req.tool_plan()
+        plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids

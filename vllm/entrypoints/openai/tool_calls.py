@@ -2,10 +2,10 @@
 the model's output into OpenAI `tool_calls` (docs/serving.md, "Tool calls").
 
 * "none": the output is plain content, never parsed.
-* "auto" (the default when tools are given): generation is free; Hermes / Qwen style
-  blocks ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output become
-  tool calls, the text outside them the content. A block that is not such a JSON object
-  stays in the content: nothing the model wrote is dropped.
+* "auto" (the default when tools are given): generation is free; the server's tool-call
+  parser (tool_parsers.py; Hermes / Qwen ``<tool_call>`` blocks by default) reads the calls
+  from the output, the rest is the content. Text that is not a call in that format stays
+  in the content: nothing the model wrote is dropped.
 * "required": generation is constrained to a JSON array of one or more
   ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` objects (exactly
   one with parallel_tool_calls=false).
@@ -15,20 +15,18 @@ the model's output into OpenAI `tool_calls` (docs/serving.md, "Tool calls").
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
+from vllm.entrypoints.openai.tool_parsers import (
+    DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, MISTRAL_MARKER, ParsedToolCall, check_tool_call_parser, could_be_calls,
+    hermes_block, mistral_block, parse_marked, parse_tool_calls,
+)
 from vllm.structured_outputs import StructuredOutputsParams
 
-TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ANY_PARAMETERS = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    name: str
-    arguments: str          # JSON text, as OpenAI sends it
+# marked formats: (the marker that opens a block, the block's reader)
+_MARKED = {"hermes": (HERMES_OPEN, hermes_block), "mistral": (MISTRAL_MARKER, mistral_block)}
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,7 @@ class ToolPlan:
     named: str | None = None
     parameters: tuple = ()                      # per function (same order), its parameters schema
     parallel: bool = True                       # "required": more than one call allowed
+    parser: str = DEFAULT_TOOL_CALL_PARSER      # "auto": the output's format (tool_parsers.py)
 
     @property
     def parses(self) -> bool:
@@ -73,12 +72,15 @@ class ToolPlan:
             return None, [ParsedToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
                           for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
         if self.mode == "auto":
-            return parse_tool_call_blocks(text)
+            return parse_tool_calls(self.parser, text)
         return text, []
 
 
-def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None = None) -> ToolPlan:
-    """Check tools and tool_choice (ValueError naming what is wrong) and return the plan."""
+def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None = None,
+               parser: str = DEFAULT_TOOL_CALL_PARSER) -> ToolPlan:
+    """Check tools and tool_choice (ValueError naming what is wrong) and return the plan;
+    `parser` is the format "auto" reads (the server's --tool-call-parser)."""
+    check_tool_call_parser(parser)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice other than 'none' or 'auto' needs tools")
@@ -99,7 +101,7 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None
     if len(set(names)) != len(names):
         raise ValueError("tool function names must be unique")
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan("auto", tuple(names), parameters=tuple(params))
+        return ToolPlan("auto", tuple(names), parameters=tuple(params), parser=parser)
     if tool_choice in ("none", "required"):
         return ToolPlan(tool_choice, tuple(names), parameters=tuple(params), parallel=parallel_tool_calls is not False)
     if isinstance(tool_choice, dict):
@@ -117,30 +119,7 @@ def parse_tool_call_blocks(text: str) -> tuple[str | None, list[ParsedToolCall]]
     """Hermes / Qwen style: every ``<tool_call>{json}</tool_call>`` block whose JSON is an
     object with a string "name" (and "arguments" or "parameters") is a call; the rest of
     the text, stripped, is the content (None when empty)."""
-    calls, kept, last = [], [], 0
-    for m in TOOL_CALL_BLOCK.finditer(text):
-        call = _call_of(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append(call)
-    if not calls:
-        return text, []
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return content or None, calls
-
-
-def _call_of(body: str) -> ParsedToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return parse_marked(text, HERMES_OPEN, hermes_block)
 
 
 def _arguments_text(text: str) -> str:
@@ -157,9 +136,6 @@ def new_tool_call_id() -> str:
 
 # ---- streaming ----------------------------------------------------------------------------
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
 @dataclass(frozen=True)
 class StreamPiece:
     """One piece of a streamed chat message: content text, or part of tool call `index`
@@ -175,11 +151,14 @@ class ToolCallStream:
     """ToolPlan.parse done incrementally on one choice's text deltas.
 
     The pieces fed so far, joined, give the parse of the finished text (the arguments
-    as JSON values): "auto" sends a call once its block has closed (before then it may
-    still turn out not to be a call, and then stays content) and holds back a trailing
-    partial ``<tool_call>`` tag and whitespace at the end of the content (the parsed
-    content is stripped when there are calls); "required" sends a call once its array
-    element is complete; a named function's arguments stream as generated.
+    as JSON values). "auto" with a marked format (hermes, mistral) sends a call once its
+    block is complete (before then it may still turn out not to be a call, and then stays
+    content) and holds back a trailing partial marker and whitespace at the end of the
+    content (the parsed content is stripped when there are calls); with an unmarked one
+    (llama3_json, pythonic) it holds the whole output while it may still be calls and
+    sends it as content as soon as it cannot be, else decides at the end. "required"
+    sends a call once its array element is complete; a named function's arguments
+    stream as generated.
     """
 
     def __init__(self, plan: ToolPlan):
@@ -190,7 +169,9 @@ class ToolCallStream:
         self.opened = False
         self.calls = 0
         self.content_sent = False
-        self.held_ws = ""         # auto: whitespace that ends the content so far
+        self.held_ws = ""         # auto, marked: whitespace that ends the content so far
+        self.marked = _MARKED.get(plan.parser)
+        self.passthrough = False  # auto, unmarked: the output is content, sent as it comes
 
     def has_calls(self) -> bool:
         """Whether the finished text holds calls (finish_reason "tool_calls")."""
@@ -210,9 +191,11 @@ class ToolCallStream:
             self._feed_array(out, finished)
             if finished and not self._array_parses():
                 out.append(StreamPiece(content=self.buf))   # as parse(): the text, cut short
-        elif self.plan.mode == "auto":
+        elif self.plan.mode == "auto" and self.marked is not None:
             self.buf += delta
             self._feed_blocks(out, finished)
+        elif self.plan.mode == "auto":
+            self._feed_whole(delta, out, finished)
         elif delta or finished:
             out.append(StreamPiece(content=delta))
         return out
@@ -224,32 +207,49 @@ class ToolCallStream:
         return [head, StreamPiece(index=i, arguments=call.arguments)] if call.arguments else [head]
 
     def _feed_blocks(self, out: list[StreamPiece], finished: bool) -> None:
+        marker, block = self.marked
         while True:
             if not self.in_block:
-                j = self.buf.find(_OPEN)
+                j = self.buf.find(marker)
                 if j < 0:
-                    keep = 0 if finished else _partial_tag(self.buf, _OPEN)
+                    keep = 0 if finished else _partial_tag(self.buf, marker)
                     self._content(self.buf[:len(self.buf) - keep], out)
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
                 self._content(self.buf[:j], out)
                 self.buf, self.in_block = self.buf[j:], True
-            j = self.buf.find(_CLOSE, len(_OPEN))
-            if j < 0:
-                if finished:   # never closed: content, as parse() leaves it
-                    self._content(self.buf, out)
-                    self.buf = ""
+            decided = block(self.buf, finished)
+            if decided is None:
                 break
-            end = j + len(_CLOSE)
-            call = _call_of(self.buf[len(_OPEN):j])
-            if call is None:
+            end, calls = decided
+            if calls is None:
                 self._content(self.buf[:end], out)
             else:
-                out += self._call_pieces(call)
+                for call in calls:
+                    out += self._call_pieces(call)
             self.buf, self.in_block = self.buf[end:], False
         if finished and self.held_ws and not self.calls:
             out.append(StreamPiece(content=self.held_ws))   # no calls: the content is not stripped
             self.held_ws = ""
+
+    def _feed_whole(self, delta: str, out: list[StreamPiece], finished: bool) -> None:
+        """An unmarked format: the output is all calls or all content, as it is sent."""
+        if self.passthrough:
+            if delta:
+                out.append(StreamPiece(content=delta))
+            return
+        self.buf += delta
+        if finished:
+            content, calls = parse_tool_calls(self.plan.parser, self.buf)
+            if content:
+                out.append(StreamPiece(content=content))
+            for call in calls:
+                out += self._call_pieces(call)
+            self.buf = ""
+        elif not could_be_calls(self.plan.parser, self.buf):
+            self.passthrough = True
+            out.append(StreamPiece(content=self.buf))
+            self.buf = ""
 
     def _content(self, text: str, out: list[StreamPiece]) -> None:
         """Send content, holding back trailing whitespace until more content follows, and
