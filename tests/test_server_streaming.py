@@ -6,7 +6,6 @@ float32 bits), prompt_logprobs, tool calls (arguments as JSON values), finish_re
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ pytest.importorskip("fastapi")
 
 from vllm import LLM  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
-from vllm.entrypoints.openai.tool_calls import ToolCallStream, plan_tools  # noqa: E402
+from vllm.entrypoints.openai.tool_calls import plan_tools  # noqa: E402
 from vllm.testing.rollout_server import serve_in_thread  # noqa: E402
+from vllm.testing.tool_call_stream import stream_in_pieces  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
@@ -34,25 +34,6 @@ def bits(values) -> list[int]:
 
 
 # ---- the incremental tool-call parser ---------------------------------------------------------
-
-def _streamed(plan, text: str, seed: int):
-    """Feed `text` in random pieces; (content, [(name, arguments value)], has_calls)."""
-    rng, parser, pieces, i = random.Random(seed), ToolCallStream(plan), [], 0
-    while i < len(text):
-        j = min(len(text), i + rng.randint(0, 5))
-        pieces += parser.feed(text[i:j], False)
-        i = j
-    pieces += parser.feed("", True)
-    calls: dict[int, list] = {}
-    for p in pieces:
-        if p.index is not None:
-            if p.id is not None:
-                assert p.index not in calls and p.name and p.arguments == ""   # the call's first piece
-                calls[p.index] = [p.name, ""]
-            calls[p.index][1] += p.arguments or ""
-    content = "".join(p.content for p in pieces if p.content is not None)
-    return content or None, [(n, json.loads(a)) for n, a in calls.values()], parser.has_calls()
-
 
 @pytest.mark.parametrize("text", [
     'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
@@ -69,9 +50,9 @@ def test_tool_call_stream_matches_parse(text):
         content, calls = plan.parse(text)
         want = ((content or None), [(c.name, json.loads(c.arguments)) for c in calls], bool(calls))
         for seed in range(12):
-            assert _streamed(plan, text, seed) == want, (mode, seed)
+            assert stream_in_pieces(plan, text, seed, max_piece=5) == want, (mode, seed)
     plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}})
-    assert _streamed(plan, '{"a":1,"b":true}', 0) == (None, [("add", {"a": 1, "b": True})], True)
+    assert stream_in_pieces(plan, '{"a":1,"b":true}', 0, max_piece=5) == (None, [("add", {"a": 1, "b": True})], True)
 
 
 def test_cut_short_required_array_keeps_its_text():
@@ -79,7 +60,7 @@ def test_cut_short_required_array_keeps_its_text():
     plan = plan_tools(TOOLS, "required")
     assert plan.parse(text) == (text, [])
     # the completed element was sent as it completed; the finish adds the text as content
-    assert _streamed(plan, text, 0) == (text, [("add", {"a": 1, "b": True})], False)
+    assert stream_in_pieces(plan, text, 0, max_piece=5) == (text, [("add", {"a": 1, "b": True})], False)
 
 
 # ---- the server -------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ embedded default model, CPU, the real `openai` client) with the output forced by
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -12,6 +11,7 @@ from vllm.entrypoints.openai.tool_calls import ToolCallStream, plan_tools
 from vllm.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS, check_tool_call_parser, could_be_calls, parse_tool_calls,
 )
+from vllm.testing.tool_call_stream import stream_in_pieces
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
@@ -110,34 +110,13 @@ def test_formats_are_per_parser():
                 assert parse_tool_calls(other, text) == (text, []), (parser, other, text)
 
 
-def _streamed(plan, text: str, seed: int):
-    """Feed `text` in random pieces; (content, [(name, arguments value)], has_calls)."""
-    rng, parser, pieces, i = random.Random(seed), ToolCallStream(plan), [], 0
-    while i < len(text):
-        j = min(len(text), i + rng.randint(0, 4))
-        pieces += parser.feed(text[i:j], False)
-        i = j
-    pieces += parser.feed("", True)
-    calls: dict[int, list] = {}
-    for p in pieces:
-        if p.index is not None:
-            if p.id is not None:
-                assert p.index not in calls and p.name and p.arguments == ""   # the call's first piece
-                assert p.id.startswith("call_") and all(p.id != q[2] for q in calls.values())
-                calls[p.index] = [p.name, "", p.id]
-            calls[p.index][1] += p.arguments or ""
-    assert sorted(calls) == list(range(len(calls)))
-    content = "".join(p.content for p in pieces if p.content is not None)
-    return content or None, [(n, json.loads(a)) for n, a, _ in calls.values()], parser.has_calls()
-
-
 @pytest.mark.parametrize("parser,text", [(p, t) for p, t, _, _ in CALLS] + CONTENT)
 def test_stream_matches_parse(parser, text):
     plan = plan_tools(TOOLS, "auto", parser=parser)
     content, calls = plan.parse(text)
     want = (content or None, [(c.name, json.loads(c.arguments)) for c in calls], bool(calls))
     for seed in range(16):
-        assert _streamed(plan, text, seed) == want, seed
+        assert stream_in_pieces(plan, text, seed, max_piece=4) == want, seed
 
 
 @pytest.mark.parametrize("parser,text", [

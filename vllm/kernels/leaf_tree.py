@@ -214,7 +214,7 @@ def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 # offline for sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8
 # warps 210 registers, no spill, 164 KB shared; 128x256 does not fit shared memory; the
 # plain kernel spills at 128x128 (its pointer tensors). Timed by benchmarks/kernels/tp_tree.py.
-TREE_GPU_CONFIGS: list[tuple] = [   # the H200 sweep's winners (benchmarks/NOTES.md, session 13)
+TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plain", 16, 32, 128, 4, 4),
     (64, "tma", 64, 64, 128, 4, 4),
     (256, "tma", 64, 128, 64, 4, 4),
