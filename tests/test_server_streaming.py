@@ -19,14 +19,8 @@ from vllm import LLM  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app_from_llm  # noqa: E402
 from vllm.entrypoints.openai.tool_calls import plan_tools  # noqa: E402
 from vllm.testing.rollout_server import serve_in_thread  # noqa: E402
-from vllm.testing.tool_call_stream import stream_in_pieces  # noqa: E402
+from vllm.testing.tool_call_stream import MESSAGES, TOOLS, stream_in_pieces  # noqa: E402
 
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
-    "required": ["a", "b"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
-                                                                     "additionalProperties": False}}}]
-MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
 def bits(values) -> list[int]:

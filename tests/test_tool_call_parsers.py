@@ -11,14 +11,8 @@ from vllm.entrypoints.openai.tool_calls import ToolCallStream, plan_tools
 from vllm.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS, check_tool_call_parser, could_be_calls, parse_tool_calls,
 )
-from vllm.testing.tool_call_stream import stream_in_pieces
+from vllm.testing.tool_call_stream import MESSAGES, TOOLS, stream_in_pieces
 
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
-    "required": ["a", "b"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
-                                                                     "additionalProperties": False}}}]
-MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 ARGS = {"city": "Paris", "n": [1, -2.5, None, True], "deep": {"k": {"z": []}}, "é": "ü"}
 

@@ -7,6 +7,15 @@ import random
 
 from vllm.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan
 
+# two tools the tests' chat requests offer: `add` with an enum and a boolean, `noop` without
+# parameters
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}},
+    "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                     "additionalProperties": False}}}]
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
 
 def stream_in_pieces(plan: ToolPlan, text: str, seed: int, max_piece: int = 5):
     """Feed `text` in random pieces of 0..max_piece characters, then finish. Returns
