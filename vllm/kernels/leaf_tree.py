@@ -148,6 +148,22 @@ def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, stack_ptr, M, N, KL,
 
 
 @triton.jit
+def _counter_step(stack_desc, cur, j, row0, LEVELS: tl.constexpr, BM: tl.constexpr):
+    """Leaf j's sum `cur` into the binary counter of waiting subtrees (rows row0 .. row0 +
+    LEVELS of the scratch, BM rows each): at each level where j closes a pair the waiting
+    left sibling is added on the left, where j opens one `cur` waits there. Returns the
+    subtree `cur` ended as (the whole tree after the last leaf). With j a compile-time
+    constant (one loop per leaf) the branches resolve at compile time."""
+    for level in tl.static_range(LEVELS):
+        low = (2 << level) - 1
+        if (j & low) == low:
+            cur = stack_desc.load([(row0 + level) * BM, 0]) + cur
+        elif (j & low) == (low >> 1):
+            stack_desc.store([(row0 + level) * BM, 0], cur)
+    return cur
+
+
+@triton.jit
 def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
                      LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr):
@@ -166,12 +182,7 @@ def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
                 a = a_desc.load([pid_m * BM, j * KL + ki * BK])
                 b = b_desc.load([pid_n * BN, j * KL + ki * BK])
                 cur = tl.dot(a, b.T, cur)
-            for level in tl.static_range(LEVELS):
-                low = (2 << level) - 1
-                if (j & low) == low:
-                    cur = stack_desc.load([(pid * LEVELS + level) * BM, 0]) + cur
-                elif (j & low) == (low >> 1):
-                    stack_desc.store([(pid * LEVELS + level) * BM, 0], cur)
+            cur = _counter_step(stack_desc, cur, j, pid * LEVELS, LEVELS, BM)
         c_desc.store([pid_m * BM, pid_n * BN], cur)
 
 
@@ -196,12 +207,7 @@ def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
             cur = tl.dot(a, b.T, cur)
             if (it + 1) % steps == 0:
                 j = it // steps
-                for level in tl.static_range(LEVELS):
-                    low = (2 << level) - 1
-                    if (j & low) == low:
-                        cur = stack_desc.load([(pid * LEVELS + level) * BM, 0]) + cur
-                    elif (j & low) == (low >> 1):
-                        stack_desc.store([(pid * LEVELS + level) * BM, 0], cur)
+                cur = _counter_step(stack_desc, cur, j, pid * LEVELS, LEVELS, BM)
                 if j < LEAVES - 1:
                     cur = tl.zeros((BM, BN), dtype=tl.float32)
         c_desc.store([pid_m * BM, pid_n * BN], cur)
@@ -216,7 +222,7 @@ def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 # plain kernel spills at 128x128 (its pointer tensors). Timed by benchmarks/kernels/tp_tree.py.
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plain", 16, 32, 128, 4, 4),
-    (64, "tma", 64, 64, 128, 4, 4),
+    (64, "tmaf", 64, 64, 128, 4, 4),
     (256, "tma", 64, 128, 64, 4, 4),
     (1 << 62, "tma", 128, 128, 64, 8, 4),
 ]
