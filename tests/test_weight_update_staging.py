@@ -304,3 +304,22 @@ def test_shutdown_while_staging_ends_the_thread(old_llm, new_weights):
     assert results[2].ok
     assert not results[1].ok and "engine shut down" in results[1].value[1]
     assert old_llm.llm_engine.weight_version == 0 and not old_llm.llm_engine.paused
+
+
+def test_host_pool_pins_in_pieces_once_and_reuses():
+    """Host staging memory is page-locked piece by piece (each driver call short, so the
+    engine's steps run between them) and kept: the next update of the same layout takes the
+    same buffers without pinning again; buffers of a failed staging go back to the pool."""
+    from vllm.weight_sync.staging import HostPool
+    calls = []
+    pool = HostPool(piece=1 << 10, page_lock=lambda buf, piece: calls.append((buf.numel(), piece)))
+    a, b = pool.take(3000), pool.take(1 << 10)
+    assert (a.numel(), b.numel()) == (3 << 10, 1 << 10)        # whole pieces
+    assert calls == [(3 << 10, 1 << 10), (1 << 10, 1 << 10)]
+    pool.give([a, b, torch.empty(5, dtype=torch.uint8)])        # a stranger is not kept
+    assert pool.free_bytes == 4 << 10
+    assert pool.take(900).data_ptr() == b.data_ptr()             # the smallest that fits
+    assert pool.take(3 << 10).data_ptr() == a.data_ptr()
+    assert len(calls) == 2 and pool.free_bytes == 0              # no second pinning
+    pool.give([a]); pool.give([a])                               # given twice: kept once
+    assert pool.free_bytes == 3 << 10

@@ -16,12 +16,16 @@ The engine core then pauses at a step boundary only for `WeightUpdate.finish`'s
 copy, the version bump and the prefix-cache drop (vllm/engine/core.py).
 
 Where the staged bytes live (`staging`):
-- "host" (the default): pinned host memory on CUDA (the copy is a DMA over PCIe),
+- "host" (the default): page-locked host memory on CUDA (the copy is a DMA over PCIe),
   ordinary memory on CPU. The KV cache is sized to fill the engine's share of the
   device (gpu_memory_utilization, less a headroom), so a checkpoint-sized buffer does
   not fit in that share, and memory beyond it may be a co-tenant's (a trainer on the
-  same GPU). torch keeps the pinned blocks cached for the next update: pinning takes
-  seconds, so a server that updates every RL step pins once.
+  same GPU). Page-locking holds driver-wide locks that every CUDA call of the engine's
+  steps waits on, for about half a second per GiB: one `cudaHostAlloc` per 1 GiB bucket
+  stalled a decode step for 7.4 s while 15 GiB were pinned (benchmarks/NOTES.md). So the
+  buffers are ordinary memory registered in PIN_PIECE_BYTES pieces (`cudaHostRegister`,
+  the GIL released), the engine's steps running between pieces, and `HOST_POOL` keeps
+  them for the next update: a server that updates every RL step pins once.
 - "device": buffers on the engine's device, as many 1 GiB buckets as the free device
   memory holds after keeping DEVICE_HEADROOM_BYTES free, the rest on the host as above.
   The copy is then a device memcpy. For a GPU the engine has to itself; the buffers are
@@ -56,6 +60,9 @@ DEVICE_HEADROOM_BYTES = 2 << 30
 # bytes read (and cast, and checked) per step: bounds the scratch memory, and how long a
 # cancel waits
 CHUNK_BYTES = 64 << 20
+# host staging memory is page-locked this many bytes per driver call: the longest the
+# engine's CUDA calls wait on the driver's pinning locks (benchmarks/pinned_staging.py)
+PIN_PIECE_BYTES = 64 << 20
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -117,6 +124,64 @@ def read_header(path: str) -> list[TensorRecord]:
     return records
 
 
+def _page_lock(buf: torch.Tensor, piece: int) -> None:
+    """Register `buf` (ordinary host memory) with the CUDA driver, `piece` bytes per call.
+    Each range is its own registration; a copy across ranges still runs as a pinned DMA
+    (benchmarks/pinned_staging.py measures it)."""
+    cudart = torch.cuda.cudart()
+    base, n = buf.data_ptr(), buf.numel()
+    for off in range(0, n, piece):
+        err = cudart.cudaHostRegister(base + off, min(piece, n - off), 0)
+        if int(err) != 0:
+            for done in range(0, off, piece):
+                cudart.cudaHostUnregister(base + done)
+            raise RuntimeError(f"cudaHostRegister of {min(piece, n - off)} bytes failed: "
+                               f"{cudart.cudaGetErrorString(err)}")
+
+
+class HostPool:
+    """Page-locked host buffers kept between weight updates. A buffer is registered once
+    (in pieces, `_page_lock`) and reused by any later update that needs as many bytes or
+    fewer; sizes are rounded up to whole pieces so the same checkpoint layout finds its
+    buffers again. Never unregistered: the memory stays the process's until it exits, as
+    torch's own pinned-memory cache keeps its blocks."""
+
+    def __init__(self, piece: int = PIN_PIECE_BYTES, page_lock: Callable[[torch.Tensor, int], None] = _page_lock):
+        self.piece = piece
+        self._page_lock = page_lock
+        self._free: list[torch.Tensor] = []
+        # every buffer ever registered stays referenced: freeing registered memory without
+        # unregistering it would leave the driver a stale registration over reused pages
+        self._all: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = -(-max(1, nbytes) // self.piece) * self.piece
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        buf = torch.empty(size, dtype=torch.uint8)
+        buf[::4096].zero_()     # fault the pages in outside the driver's lock
+        self._page_lock(buf, self.piece)
+        with self._lock:
+            self._all.append(buf)
+        return buf
+
+    def give(self, bufs) -> None:
+        with self._lock:
+            mine = {b.data_ptr() for b in self._all}
+            self._free.extend(b for b in bufs if b.device.type == "cpu" and b.data_ptr() in mine
+                              and all(f.data_ptr() != b.data_ptr() for f in self._free))
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
+
+
+HOST_POOL = HostPool()
+
+
 def _param_ptrs(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in model.parameters())
 
@@ -130,7 +195,8 @@ class StagedCheckpoint:
     staged source) pairs WeightUpdate.load_planned writes, valid while the parameters
     stay where they were when it was made (`plan_for`)."""
 
-    def __init__(self, plan, pairs, mapping, ptrs, buckets, device_bytes: int, host_bytes: int):
+    def __init__(self, plan, pairs, mapping, ptrs, buckets, device_bytes: int, host_bytes: int,
+                 pool: "HostPool | None" = None):
         self.plan = plan
         self.pairs = pairs              # (HF name, staged tensor): to place again if parameters moved
         self.mapping = mapping
@@ -138,6 +204,7 @@ class StagedCheckpoint:
         self.buckets = buckets
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
+        self.pool = pool                # where page-locked host buffers go back to
 
     def plan_for(self, model: torch.nn.Module):
         """The staged plan, or None when the model's parameters moved since staging."""
@@ -146,6 +213,8 @@ class StagedCheckpoint:
         return None
 
     def release(self) -> None:
+        if self.pool is not None:
+            self.pool.give(b.buffer for b in self.buckets)
         self.plan, self.pairs, self.buckets = [], [], []
 
 
@@ -251,6 +320,14 @@ class CheckpointStaging:
         # 2. buffers, in the parameters' dtypes
         layouts = plan_buckets([(r.name, dtype_name(dt), r.shape) for r, dt in staged], self.bucket_bytes)
         buckets, device_bytes, host_bytes = self._allocate(layouts)
+        try:
+            return self._fill(staged, buckets, device_bytes, host_bytes, mapping, ptrs)
+        except BaseException:
+            HOST_POOL.give(b.buffer for b in buckets)
+            raise
+
+    def _fill(self, staged, buckets, device_bytes, host_bytes, mapping, ptrs) -> StagedCheckpoint:
+        device = self.device
         views = {name: view for b in buckets for name, view in b.tensors()}
         # 3. read, cast, check
         flags: list = []
@@ -282,7 +359,8 @@ class CheckpointStaging:
         plan = [w for r, _ in staged if (w := planner.add(r.name, views[r.name])) is not None]
         plan += planner.finish()
         pairs = [(r.name, views[r.name]) for r, _ in staged]
-        return StagedCheckpoint(plan, pairs, mapping, ptrs, buckets, device_bytes, host_bytes)
+        return StagedCheckpoint(plan, pairs, mapping, ptrs, buckets, device_bytes, host_bytes,
+                                pool=HOST_POOL if device.type == "cuda" else None)
 
     def _allocate(self, layouts) -> tuple[list[FlatBucket], int, int]:
         device = self.device
@@ -305,7 +383,7 @@ class CheckpointStaging:
                 except torch.cuda.OutOfMemoryError:
                     budget = 0
             if buf is None:
-                buf = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                buf = HOST_POOL.take(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
                 on_host += n
             buckets.append(FlatBucket(buf, layout))
         return buckets, on_device, on_host
