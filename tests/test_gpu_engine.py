@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.gpu_checks import assert_launch_never_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -74,24 +75,10 @@ def test_gpu_async_launch_never_waits_for_the_gpu(gpu_model, numerics):
     read one value back per step for exact tie handling (docs/sampling.md)."""
     llm = LLM(gpu_model, device="cuda", numerics=numerics, gpu_memory_utilization=0.2, async_scheduling=True,
               cuda_graph_batch_sizes=[1, 2, 4, 8])
-    runner = llm.llm_engine.executor.worker
-    sps = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0),
-           SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, seed=2, logprobs=1),
-           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70)]
-    llm.generate(prompts, sps, use_tqdm=False)  # warm: compile, pinned-memory pool
-    launch, checked = runner.launch, []
-
-    def strict_launch(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            checked.append(1)
-    runner.launch = strict_launch
-    outs = llm.generate(prompts, sps, use_tqdm=False)
-    assert len(checked) >= 12 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert_launch_never_syncs(llm, [
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0),
+        SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, seed=2, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
 
 
 def test_gpu_kernel_options_are_bit_neutral(gpu_model):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm import LLM, SamplingParams
+from vllm import LLM
+from vllm.testing.gpu_checks import assert_rollout_equals_trainer
 from vllm.training import Policy
 
 pytestmark = pytest.mark.gpu
@@ -15,21 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_gpu_rollout_equals_trainer_bits(gpu_model):
     llm = LLM(gpu_model, device="cuda", numerics="invariant", gpu_memory_utilization=0.2,
               cuda_graph_batch_sizes=[1, 2, 4, 8, 16])
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 100, 37, 700, 12, 64)]
-    sp = SamplingParams(temperature=0.9, max_tokens=24, seed=5, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
-    roll = [torch.tensor([o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)]) for o in outs]
-    policy = Policy.from_pretrained(gpu_model, device="cuda", numerics="invariant")
-    plens = [len(p) for p in prompts]
-    for budget in (None, 800, 1):
-        got = policy.token_logprobs(seqs, plens, temperature=0.9, max_tokens_per_micro_batch=budget)
-        for a, b in zip(got, roll):
-            assert torch.equal(a.detach().cpu().view(torch.int32), b.view(torch.int32)), f"budget {budget}"
-    lps = policy.token_logprobs(seqs[:2], plens[:2], temperature=0.9)
-    sum(lp.sum() for lp in lps).backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in policy.parameters())
+    assert_rollout_equals_trainer(llm, gpu_model)
 
 
 def test_gpu_gradients_vs_transformers(gpu_model):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.gpu_checks import assert_launch_never_syncs, assert_rollout_equals_trainer
 from vllm.testing.parity_battery import Battery, signature
 from vllm.training import Policy
 
@@ -38,21 +39,7 @@ def test_gpu_moe_invariant_battery(gpu_moe_model):
 
 def test_gpu_moe_rollout_equals_trainer_bits(gpu_moe_model):
     llm = _llm(gpu_moe_model)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 100, 37, 700, 12, 64)]
-    sp = SamplingParams(temperature=0.9, max_tokens=24, seed=5, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
-    roll = [torch.tensor([o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)]) for o in outs]
-    policy = Policy.from_pretrained(gpu_moe_model, device="cuda", numerics="invariant")
-    plens = [len(p) for p in prompts]
-    for budget in (None, 800, 1):
-        got = policy.token_logprobs(seqs, plens, temperature=0.9, max_tokens_per_micro_batch=budget)
-        for a, b in zip(got, roll):
-            assert torch.equal(a.detach().cpu().view(torch.int32), b.view(torch.int32)), f"budget {budget}"
-    lps = policy.token_logprobs(seqs[:2], plens[:2], temperature=0.9)
-    sum(lp.sum() for lp in lps).backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in policy.parameters())
+    assert_rollout_equals_trainer(llm, gpu_moe_model)
 
 
 def test_gpu_moe_gradients_vs_transformers(gpu_moe_model):
@@ -117,19 +104,4 @@ def test_gpu_moe_async_launch_never_waits_for_the_gpu(gpu_moe_model, numerics):
     """The MoE step (routing, the expert plan, grouped GEMMs, merge) uses device ops only:
     launching a step under torch's sync debug mode set to raise must not synchronise."""
     llm = _llm(gpu_moe_model, numerics=numerics, async_scheduling=True, cuda_graph_batch_sizes=[1, 2, 4, 8])
-    runner = llm.llm_engine.executor.worker
-    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 70)]
-    llm.generate(prompts, sp, use_tqdm=False)  # warm: compile, pinned-memory pool
-    launch, checked = runner.launch, []
-
-    def strict_launch(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            checked.append(1)
-    runner.launch = strict_launch
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert len(checked) >= 12 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert_launch_never_syncs(llm, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, logprobs=0))

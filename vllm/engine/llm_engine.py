@@ -58,6 +58,18 @@ class _Group:
     state: RequestState | None = None
 
 
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt as `LLM.generate` and the server take it: a string, or
+    a dict with "prompt_token_ids" (its "prompt" kept as the text) or "prompt"."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+    raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
+
+
 def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
     """Checks every request gets before it is queued (the engine's and the server's)."""
     if len(token_ids) == 0:
@@ -124,13 +136,7 @@ class LLMEngine:
 
     # ---- input ------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
-        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)

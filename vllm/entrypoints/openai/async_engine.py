@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
-from vllm.engine.llm_engine import check_max_tokens, validate_prompt
+from vllm.engine.llm_engine import check_max_tokens, tokenize_prompt, validate_prompt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -198,13 +198,7 @@ class AsyncLLM:
         return f"{prefix}-{next(self._ids)}"
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
-        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
                            stream: bool = False) -> list[RequestStream]:
