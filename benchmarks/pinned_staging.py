@@ -12,7 +12,8 @@ run at the pinned rate, or piecewise registration is no win).
 
 Ways: `torch` (torch.empty(pin_memory=True): cudaHostAlloc, the GIL held), `register`
 (ordinary memory, then one cudaHostRegister per bucket, the GIL released), `pieces`
-(ordinary memory, one cudaHostRegister per --piece-mib piece).
+(ordinary memory, one cudaHostRegister per --piece-mib piece: on the H200 a copy spanning
+two registrations fails with "invalid argument", so the staging registers whole buffers).
 """
 from __future__ import annotations
 

@@ -166,7 +166,17 @@ def start_server(flags: list[str], port: int, log_path: str) -> subprocess.Popen
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *flags, "--host", "127.0.0.1",
            "--port", str(port), "--uvicorn-log-level", "warning"]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.log_path = log_path
+    return proc
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError as err:
+        return f"(no log: {err})"
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float) -> None:
@@ -175,7 +185,8 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with code {proc.returncode} while starting")
+            raise RuntimeError(f"vllm serve exited with code {proc.returncode} while starting; its log ends:\n"
+                           + _tail(proc.log_path))
         try:
             if httpx.get(base_url + "/health", timeout=2, trust_env=False).status_code == 200:
                 return
@@ -215,10 +226,6 @@ def main() -> None:
           f"numerics={args.numerics}, prefix caching {'on' if args.enable_prefix_caching else 'off'}", flush=True)
 
     results: dict = {}
-    if not args.skip_offline:
-        results["offline"] = run_offline(args, kw, vocab)
-        print(f"offline LLM.generate: {results['offline']['tok_s']:,.0f} output tok/s", flush=True)
-
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.gettempdir(), f"bench_serve_{port}.log")
@@ -247,12 +254,17 @@ def main() -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    # offline after the server is gone: the GPU is then the offline engine's alone, as it
+    # was the server's (the parent process holds no CUDA memory while the server runs)
+    if not args.skip_offline:
+        results["offline"] = run_offline(args, kw, vocab)
+        print(f"offline LLM.generate: {results['offline']['tok_s']:,.0f} output tok/s", flush=True)
     if "offline" in results:
         off = results["offline"]["tok_s"]
         for name in ("streaming", "non-streaming"):
             results[name]["ratio_vs_offline"] = results[name]["tok_s"] / off
         print(f"ratios vs offline: streaming {results['streaming']['ratio_vs_offline']:.2f}x, "
-              f"non-streaming {results['non-streaming']['ratio_vs_offline']:.2f}x (target >= 0.9x)")
+              f"non-streaming {results['non-streaming']['ratio_vs_offline']:.2f}x (target >= 0.95x)")
     print("RESULT " + json.dumps(results))
 
 

@@ -306,16 +306,16 @@ def test_shutdown_while_staging_ends_the_thread(old_llm, new_weights):
     assert old_llm.llm_engine.weight_version == 0 and not old_llm.llm_engine.paused
 
 
-def test_host_pool_pins_in_pieces_once_and_reuses():
-    """Host staging memory is page-locked piece by piece (each driver call short, so the
-    engine's steps run between them) and kept: the next update of the same layout takes the
-    same buffers without pinning again; buffers of a failed staging go back to the pool."""
+def test_host_pool_pins_once_and_reuses():
+    """Host staging memory is page-locked once per buffer and kept: the next update of the
+    same layout takes the same buffers without pinning again; only the pool's own buffers
+    are taken back, once each."""
     from vllm.weight_sync.staging import HostPool
     calls = []
-    pool = HostPool(piece=1 << 10, page_lock=lambda buf, piece: calls.append((buf.numel(), piece)))
+    pool = HostPool(round_bytes=1 << 10, page_lock=lambda buf: calls.append(buf.numel()))
     a, b = pool.take(3000), pool.take(1 << 10)
-    assert (a.numel(), b.numel()) == (3 << 10, 1 << 10)        # whole pieces
-    assert calls == [(3 << 10, 1 << 10), (1 << 10, 1 << 10)]
+    assert (a.numel(), b.numel()) == (3 << 10, 1 << 10)        # rounded up
+    assert calls == [3 << 10, 1 << 10]
     pool.give([a, b, torch.empty(5, dtype=torch.uint8)])        # a stranger is not kept
     assert pool.free_bytes == 4 << 10
     assert pool.take(900).data_ptr() == b.data_ptr()             # the smallest that fits

@@ -21,11 +21,13 @@ Where the staged bytes live (`staging`):
   device (gpu_memory_utilization, less a headroom), so a checkpoint-sized buffer does
   not fit in that share, and memory beyond it may be a co-tenant's (a trainer on the
   same GPU). Page-locking holds driver-wide locks that every CUDA call of the engine's
-  steps waits on, for about half a second per GiB: one `cudaHostAlloc` per 1 GiB bucket
-  stalled a decode step for 7.4 s while 15 GiB were pinned (benchmarks/NOTES.md). So the
-  buffers are ordinary memory registered in PIN_PIECE_BYTES pieces (`cudaHostRegister`,
-  the GIL released), the engine's steps running between pieces, and `HOST_POOL` keeps
-  them for the next update: a server that updates every RL step pins once.
+  steps waits on: `cudaHostAlloc` (`torch.empty(pin_memory=True)`, the GIL held) of
+  4 GiB stalled a step 1.66 s on the H200, and 15 GiB of 1 GiB buckets a decode step
+  7.4 s. So each buffer is ordinary memory registered by one `cudaHostRegister` (the GIL
+  released; 4 GiB in 0.76 s with the longest step 71 ms, benchmarks/pinned_staging.py),
+  and `HOST_POOL` keeps the buffers for the next update: a server that updates every RL
+  step pins once. (Registering a buffer in several pieces is no way around the lock: a
+  copy spanning two registrations fails with "invalid argument".)
 - "device": buffers on the engine's device, as many 1 GiB buckets as the free device
   memory holds after keeping DEVICE_HEADROOM_BYTES free, the rest on the host as above.
   The copy is then a device memcpy. For a GPU the engine has to itself; the buffers are
@@ -60,9 +62,9 @@ DEVICE_HEADROOM_BYTES = 2 << 30
 # bytes read (and cast, and checked) per step: bounds the scratch memory, and how long a
 # cancel waits
 CHUNK_BYTES = 64 << 20
-# host staging memory is page-locked this many bytes per driver call: the longest the
-# engine's CUDA calls wait on the driver's pinning locks (benchmarks/pinned_staging.py)
-PIN_PIECE_BYTES = 64 << 20
+# host staging buffers are whole multiples of this (so a checkpoint layout finds its pooled
+# buffers again)
+HOST_ROUND_BYTES = 2 << 20
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -124,30 +126,24 @@ def read_header(path: str) -> list[TensorRecord]:
     return records
 
 
-def _page_lock(buf: torch.Tensor, piece: int) -> None:
-    """Register `buf` (ordinary host memory) with the CUDA driver, `piece` bytes per call.
-    Each range is its own registration; a copy across ranges still runs as a pinned DMA
-    (benchmarks/pinned_staging.py measures it)."""
-    cudart = torch.cuda.cudart()
-    base, n = buf.data_ptr(), buf.numel()
-    for off in range(0, n, piece):
-        err = cudart.cudaHostRegister(base + off, min(piece, n - off), 0)
-        if int(err) != 0:
-            for done in range(0, off, piece):
-                cudart.cudaHostUnregister(base + done)
-            raise RuntimeError(f"cudaHostRegister of {min(piece, n - off)} bytes failed: "
-                               f"{cudart.cudaGetErrorString(err)}")
+def _page_lock(buf: torch.Tensor) -> None:
+    """Register `buf` (ordinary host memory) with the CUDA driver in one call: a copy
+    needs its whole source range inside one registration."""
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed: "
+                           f"{torch.cuda.cudart().cudaGetErrorString(err)}")
 
 
 class HostPool:
     """Page-locked host buffers kept between weight updates. A buffer is registered once
-    (in pieces, `_page_lock`) and reused by any later update that needs as many bytes or
-    fewer; sizes are rounded up to whole pieces so the same checkpoint layout finds its
+    (`_page_lock`) and reused by any later update that needs as many bytes or fewer;
+    sizes are rounded up to whole `round_bytes` so the same checkpoint layout finds its
     buffers again. Never unregistered: the memory stays the process's until it exits, as
     torch's own pinned-memory cache keeps its blocks."""
 
-    def __init__(self, piece: int = PIN_PIECE_BYTES, page_lock: Callable[[torch.Tensor, int], None] = _page_lock):
-        self.piece = piece
+    def __init__(self, round_bytes: int = HOST_ROUND_BYTES, page_lock: Callable[[torch.Tensor], None] = _page_lock):
+        self.round_bytes = round_bytes
         self._page_lock = page_lock
         self._free: list[torch.Tensor] = []
         # every buffer ever registered stays referenced: freeing registered memory without
@@ -156,14 +152,14 @@ class HostPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
-        size = -(-max(1, nbytes) // self.piece) * self.piece
+        size = -(-max(1, nbytes) // self.round_bytes) * self.round_bytes
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         buf = torch.empty(size, dtype=torch.uint8)
         buf[::4096].zero_()     # fault the pages in outside the driver's lock
-        self._page_lock(buf, self.piece)
+        self._page_lock(buf)
         with self._lock:
             self._all.append(buf)
         return buf
@@ -304,7 +300,7 @@ class CheckpointStaging:
             raise _Cancelled()
 
     def _stage(self) -> StagedCheckpoint:
-        model, device = self.model, self.device
+        model = self.model
         records = [r for f in self.files for r in read_header(f)]
         mapping = weight_mapping_of(model)
         ptrs = _param_ptrs(model)
