@@ -291,6 +291,31 @@ def test_decode_path_every_offset():
     _assert_one_prefill_bits(seqs, {"x": 2}, [[("x", 1)]] * 67)
 
 
+@pytest.mark.parametrize("block", [256, 2])
+def test_state_work_list(monkeypatch, block):
+    """The state kernel's sequences (built on the device): all with a chunk in the step but
+    those on the decode path at a position > 0 (a chunk that stays partial, one token or
+    more); with the decode caches only. `block` 2: the kernel's loop over blocks of sequences."""
+    from vllm.kernels import gdn_chunk
+    monkeypatch.setattr(gdn_chunk, "WORK_BLOCK", block)
+    # position 0 (its zero state is written), inside a chunk, completing one, row 0 of the
+    # next, 30 tokens inside one chunk, no token, a step across a chunk edge
+    start_pos, q_lens = [0, 5, 63, 64, 10, 7, 60], [1, 1, 1, 1, 30, 0, 5]
+    md = step_metadata(start_pos, q_lens, list(range(len(q_lens))))
+    for aligned, has_dc, want in ((True, 1, [0, 2, 6]), (True, 0, [0, 1, 2, 3, 4, 6]), (False, 0, [0, 1, 2, 3, 4, 6])):
+        work, count = gdn_chunk.state_work_list(md, md.chunk_plan(DC, aligned), 1, has_dc, DC, aligned)
+        assert count.tolist() == [len(want)], (aligned, has_dc)
+        assert work[:len(want)].tolist() == want, (aligned, has_dc)
+
+
+def test_state_programs_stride_over_the_work_list(monkeypatch):
+    """One state program per (V tile, head) walking every listed sequence in turn gives the
+    bits of one prefill (the decode path beside folds and prefills)."""
+    from vllm.kernels import gdn_chunk
+    monkeypatch.setattr(gdn_chunk, "STATE_PROGRAMS", 1)
+    test_decode_path_beside_folds_and_prefills()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_training_forward_equals_rollout(impl):
     """No cache (the trainer) gives the bits of the cached prefill and of decode steps."""

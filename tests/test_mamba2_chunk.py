@@ -347,6 +347,54 @@ def test_row_tile_size_keeps_bits(monkeypatch):
             _assert_runs_equal(got, ref, slots, seqs, CR, key)
 
 
+# ---- 3c. which programs run: the state kernel's work list, the buffer copy -----------------------
+
+# every program count and block at its smallest: one state program per (head, P tile) walking the
+# whole work list, a work list built two sequences at a time, one buffer program per sequence
+# along the rows, 16-element x blocks (several per row)
+FEW_PROGRAMS = {"STATE_PROGRAMS": 1, "WORK_LIST_BLOCK": 2, "BUFFER_ROW_PROGRAMS": 1, "BUFFER_BLOCK_MAX": 16}
+
+
+def _slot_reuse_case():
+    """"a" runs, then "b" takes its slot from position 0 (a's state and buffer rows stay there,
+    never to be read), first as a one-token step of its own (planned on the device), then beside
+    "c" and "d" in decode steps that end chunks (c at rows 15 and 31, d at 31) and mixed steps
+    (a prefill with a partial tail beside decode rows; three resumes across chunk ends)."""
+    seqs = {"a": make_inputs(37, seed=80), "b": make_inputs(20, seed=81), "c": make_inputs(40, seed=82),
+            "d": make_inputs(50, seed=83)}
+    slots = {"a": 1, "b": 1, "c": 2, "d": 3}
+    steps = ([[("a", 30), ("c", 14)], [("c", 1), ("a", 1)], [("a", 6), ("c", 1)], [("b", 1)], [("c", 1), ("b", 1)],
+              [("d", 23), ("b", 1), ("c", 1)]] + [[("b", 1), ("c", 1), ("d", 1)]] * 11
+             + [[("c", 11), ("b", 6), ("d", 16)]])
+    return seqs, slots, steps
+
+
+@pytest.mark.parametrize("impl,knobs", [("torch", {}), ("triton", {}), ("triton", FEW_PROGRAMS)],
+                         ids=["torch", "triton", "triton-few-programs"])
+def test_slot_reuse_and_program_counts(impl, knobs, monkeypatch):
+    """Every sequence of _slot_reuse_case gives its own one-step prefill's output bits (and, but
+    for "a", whose slot "b" took, its state and buffer rows): a sequence at position 0 never reads
+    its slot, decode steps that stay inside a chunk leave the state alone, the ones that end a
+    chunk fold it. In Triton the state kernel walks only its work list's sequences (prep builds
+    it) and the buffer copies rows in slices; with FEW_PROGRAMS every walk and copy lands on
+    other programs, and the bits stay."""
+    from vllm.kernels import mamba2_chunk
+    for name, value in knobs.items():
+        monkeypatch.setattr(mamba2_chunk, name, value)
+    seqs, slots, steps = _slot_reuse_case()
+    prm = params()
+    outs, state = run_schedule(IMPLS[impl], seqs, prm, slots, steps, aligned=True)
+    for sid, seq in seqs.items():
+        n = seq[0].shape[0]
+        alone, alone_state = run_schedule(IMPLS[impl], {sid: seq}, prm, {sid: 1}, [[(sid, n)]], aligned=True)
+        assert torch.equal(bits(outs[sid]), bits(alone[sid])), sid
+        if sid != "a":
+            sl = slots[sid]
+            assert torch.equal(bits(state["ssm"][sl].cpu()), bits(alone_state["ssm"][1].cpu())), sid
+            for b in ("buf_x", "buf_B", "buf_dt"):
+                assert torch.equal(bits(state[b][sl, :n % C].cpu()), bits(alone_state[b][1, :n % C].cpu())), (sid, b)
+
+
 # ---- 4. fast mode: continuation is accurate (not bit-equal to one prefill) -----------------------
 
 def _final_state64(seq, prm):

@@ -40,13 +40,16 @@ Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps n
 buffer and folds the partial last chunk into the state (the usual form: a token's bits
 depend on where its step began). Same kernels otherwise.
 
-CUDA runs three Triton kernels:
+CUDA runs three Triton kernels (and a one-program kernel listing the state kernel's sequences):
   1. prep, one program per (chunk, value head): gamma, A, T, w, u, the decayed keys of
      the state update, the chunk's key tile (the only reader of the buffer, except (3)'s
      decode path, below);
   2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
      v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
-     (fast mode: every chunk) into the fp32 state, writes the cached state where it changed;
+     (fast mode: every chunk) into the fp32 state, writes the cached state where it changed.
+     Only the sequences that need it (not a decode-path chunk, below), listed on the device
+     by a one-program kernel before it (no host sync: CUDA graphs replay it), the programs of
+     a (V tile, head) striding over the list (STATE_PROGRAMS);
   3. output, per (chunk, value head, V tile): the new rows' outputs, and the new rows of
      an incomplete last chunk into the buffer.
 The decode path (aligned, with the decode caches of the state, DECODE_CACHE) takes a chunk
@@ -95,12 +98,21 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------
 BLOCK_K_MAX = 64        # K tile of the k k^T / q k^T / w dots (prep and output kernels)
 PREP_BLOCK_V_MAX = 64   # V tile of u = T (beta v) in the prep kernel
-STATE_BLOCK_V_MAX = 32  # V tile of the state walk: programs = sequences x Hv x V / BV
+STATE_BLOCK_V_MAX = 32  # V tile of the state walk: one program's (sequence, head, V tile) walk
 OUT_BLOCK_V_MAX = 64    # V tile of the output kernel
 DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core tile)
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
+# the state kernel's programs, at most: V / BV x Hv x P, the P programs of a (V tile, head) striding
+# over the sequences that need the walk (an idle program costs a launch: most decode sequences
+# need none). Speed only, like the tiles: every walk is the same code wherever it runs
+STATE_PROGRAMS = 1024
+# the state kernel's loop over its sequences costs it ~10 registers (sm_90, real dims: 174 against
+# 164 without): capped so that three programs still share an SM (the spills are a few words per
+# sequence, outside the chunk loop)
+STATE_MAX_REGISTERS = 168
+WORK_BLOCK = 256        # sequences per iteration of the work-list kernel
 OUT_NUM_WARPS = 4
 
 
@@ -127,6 +139,51 @@ if HAS_TRITON:
         state is the cached fp32 state, and the rows before the step's first one have their
         v_new in the slot). Only with the decode caches (DECODE_CACHE; aligned mode)."""
         return (has_state != 0) & (has_decode_cache != 0) & (c1 - c0 == 1) & (end - start < C) & ALIGNED
+
+    @triton.jit
+    def _seq_decode(s, ok, seqc_ptr, start_ptr, end_ptr, has_state, has_decode_cache, C: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+        """Sequence s's chunks c0 .. c1 - 1 (where ok), whether it has any, and whether its
+        chunk takes the decode path."""
+        c0 = tl.load(seqc_ptr + s, mask=ok, other=0)
+        c1 = tl.load(seqc_ptr + s + 1, mask=ok, other=0)
+        any_chunk = c1 > c0
+        decode = _decode_path(c0, c1, tl.load(start_ptr + c0, mask=any_chunk, other=0),
+                              tl.load(end_ptr + c0, mask=any_chunk, other=0), has_state, has_decode_cache, C,
+                              ALIGNED)
+        return c0, c1, any_chunk, decode
+
+    @triton.jit
+    def _w_u_rows(Tr, ws_rows, row_ok, k_ptr, bk_ptr, v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h,
+                  kb_scale, b, w_ws, u_ws, kd_ws, kc_ws, kc_rows, dec, kd_ok, kc_ok,
+                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                  VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr,
+                  EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """Rows ws_rows of w = T (beta e^gamma k) and u = T (beta v) into the workspaces, from
+        Tr, those rows of T (model dtype) over all the chunk's C rows: the decode path's DR-row
+        tiles and the whole-chunk path's C-row tile run this same code (the same dots, K tiles
+        and roundings; a row's bits do not depend on the tile's row count). row_ok: the rows
+        stored ([R, 1]; None: all). With KEYS (whole-chunk path) also, per K tile, the decayed
+        keys kd = dec k (where kd_ok) and the chunk's key tile (rows kc_rows, where kc_ok)."""
+        R: tl.constexpr = Tr.shape[0]
+        DT = w_ws.dtype.element_ty
+        for k0 in tl.static_range(0, KP, BK):
+            kcols = k0 + tl.arange(0, BK)
+            kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                       kcols, K, KP)
+            ktf = kt.to(tl.float32)
+            w = _dot(Tr, (ktf * kb_scale[:, None]).to(DT), tl.zeros([R, BK], dtype=tl.float32), EMULATE, PREC)
+            tl.store(w_ws + ws_rows[:, None] * KP + kcols[None, :], w.to(DT), mask=row_ok)
+            if KEYS:
+                tl.store(kd_ws + ws_rows[:, None] * KP + kcols[None, :], (ktf * dec[:, None]).to(DT), mask=kd_ok)
+                tl.store(kc_ws + kc_rows[:, None] * KP + kcols[None, :], kt, mask=kc_ok)
+        for v0 in tl.static_range(0, VP, BV):
+            vcols = v0 + tl.arange(0, BV)
+            vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
+                       vcols, V, VP)
+            u = _dot(Tr, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([R, BV], dtype=tl.float32),
+                     EMULATE, PREC)
+            tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u, mask=row_ok)
 
     @triton.jit(**_GDN_JIT)
     def _gdn_prep_kernel(
@@ -227,109 +284,103 @@ if HAS_TRITON:
             tl.debug_barrier()  # the rows of T stored above by other threads are read below
             for t in range(r0 // DR, L // DR + 1):
                 rt = t * DR + tl.arange(0, DR)
-                new = ((rt >= r0) & (rt <= L))[:, None]
                 Tt = tl.load(tc_ptr + tc_base + jj * C + rt[:, None], mask=(rt <= L)[:, None], other=0.0,
                              cache_modifier=".cg").to(DT)  # rows rt of T (L2: just written)
-                ws_t = base * C + rt
-                for k0 in tl.static_range(0, KP, BK):
-                    cols = k0 + tl.arange(0, BK)
-                    kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
-                               cols, K, KP)
-                    w = _dot(Tt, (kt.to(tl.float32) * kb_scale[:, None]).to(DT), tl.zeros([DR, BK], dtype=tl.float32),
-                             EMULATE, PREC)
-                    tl.store(w_ws + ws_t[:, None] * KP + cols[None, :], w.to(DT), mask=new)
-                for v0 in tl.static_range(0, VP, BV):
-                    cols = v0 + tl.arange(0, BV)
-                    vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
-                               cols, V, VP)
-                    u = _dot(Tt, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([DR, BV], dtype=tl.float32),
-                             EMULATE, PREC)
-                    tl.store(u_ws + ws_t[:, None] * VP + cols[None, :], u, mask=new)
+                _w_u_rows(Tt, base * C + rt, ((rt >= r0) & (rt <= L))[:, None], k_ptr, bk_ptr, v_ptr, bv_ptr,
+                          trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
+                          kd_ws, kc_ws, 0, 0.0, False, False,
+                          HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
         else:
-            Tm = tl.trans(TT).to(DT)
             gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
             dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
-            ws_rows = base * C + rows
-            kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
-            for k0 in tl.static_range(0, KP, BK):
-                cols = k0 + tl.arange(0, BK)
-                kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
-                           cols, K, KP)
-                ktf = kt.to(tl.float32)
-                w = _dot(Tm, (ktf * kb_scale[:, None]).to(DT), tl.zeros([C, BK], dtype=tl.float32), EMULATE, PREC)
-                tl.store(w_ws + ws_rows[:, None] * KP + cols[None, :], w.to(DT))
-                # read only where the state kernel folds the chunk in (aligned: complete chunks)
-                tl.store(kd_ws + ws_rows[:, None] * KP + cols[None, :], (ktf * dec[:, None]).to(DT),
-                         mask=((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None])
-                # the key tile is shared by the value heads of a group: the group's first stores it
-                tl.store(kc_ws + kc_rows[:, None] * KP + cols[None, :], kt,
-                         mask=(rows >= 0)[:, None] & (h % (HV // HK) == 0))
-            for v0 in tl.static_range(0, VP, BV):
-                cols = v0 + tl.arange(0, BV)
-                vt = _tile(v_ptr + h * V, HV * V, bv_ptr + h * V, HV * V, trow, brow, from_step, from_buf,
-                           cols, V, VP)
-                u = _dot(Tm, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([C, BV], dtype=tl.float32),
-                         EMULATE, PREC)
-                tl.store(u_ws + ws_rows[:, None] * VP + cols[None, :], u)
+            # kd is read only where the state kernel folds the chunk in (aligned: complete
+            # chunks); the key tile is shared by the value heads of a group: the group's first
+            # stores it
+            _w_u_rows(tl.trans(TT).to(DT), base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
+                      trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
+                      kd_ws, kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, dec,
+                      ((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None],
+                      (rows >= 0)[:, None] & (h % (HV // HK) == 0),
+                      HK, HV, K, V, KP, VP, BK, BV, True, EMULATE, PREC)
+
+    @triton.jit(**{**_GDN_JIT, "do_not_specialize": [*_GDN_JIT["do_not_specialize"], "S"]})
+    def _gdn_work_kernel(
+        start_pos_ptr, start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr, S,
+        has_state, has_tcache,
+        C: tl.constexpr, ALIGNED: tl.constexpr, WB: tl.constexpr,
+    ):
+        """One program: the sequences the state kernel walks, in order, into work_ptr and their
+        count into nwork_ptr. Every sequence with a chunk in the step, except a decode-path
+        chunk's at a position > 0 (nothing to fold and the state stays as it is: the state
+        kernel's program would store nothing)."""
+        total = 0
+        for b0 in range(0, S, WB):
+            s = b0 + tl.arange(0, WB)
+            ok = s < S
+            _, _, any_chunk, decode = _seq_decode(s, ok, seqc_ptr, start_ptr, end_ptr, has_state, has_tcache, C,
+                                                  ALIGNED)
+            sp = tl.load(start_pos_ptr + s, mask=ok, other=0)
+            need = (any_chunk & ((decode == 0) | (sp == 0))).to(tl.int32)
+            tl.store(work_ptr + total + tl.cumsum(need, 0) - 1, s, mask=need != 0)
+            total += tl.sum(need, 0)
+        tl.store(nwork_ptr, total)
 
     @triton.jit(**_GDN_JIT)
     def _gdn_state_kernel(
         start_pos_ptr, slots_ptr, ssm_ptr,
-        start_ptr, end_ptr, seqc_ptr,
+        start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr,
         gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws,
         has_state, has_tcache,
         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (sequence, value head, V tile): walk the sequence's chunks in
-        order carrying the fp32 state tile; per chunk store its boundary state and
+        """Per (sequence, value head, V tile): walk the sequence's chunks in order carrying
+        the fp32 state tile; per chunk store its boundary state and
         v_new = u - w h for the output kernel, then fold a complete chunk (fast mode: any
         chunk) into the state. Writes the cached state at the end. A chunk on the decode
         path needs none of it (the output kernel reads the cached state itself); only a
-        sequence at position 0 gets its zero state written."""
+        sequence at position 0 gets its zero state written. The sequences come from the work
+        list (_gdn_work_kernel), the programs of a (V tile, head) striding over it."""
         vt = tl.program_id(0)  # V tiles of a (sequence, head) side by side: they share w in L2
         h = tl.program_id(1)
-        s = tl.program_id(2)
         DT = w_ws.dtype.element_ty
-        c0 = tl.load(seqc_ptr + s)
-        c1 = tl.load(seqc_ptr + s + 1)
-        any_chunk = c1 > c0
-        decode = _decode_path(c0, c1, tl.load(start_ptr + c0, mask=any_chunk, other=0),
-                              tl.load(end_ptr + c0, mask=any_chunk, other=0), has_state, has_tcache, C,
-                              ALIGNED)
-        c_end = tl.where(decode, c0, c1)
         rk = tl.arange(0, KP)
         rv = vt * BV + tl.arange(0, BV)
         rows = tl.arange(0, C)
-        sp = tl.load(start_pos_ptr + s)
-        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
-        st_ptrs = ssm_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :]
         st_ok = _mask2(rk < K, rv, V, VP)
-        # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
-        read = (has_state != 0) & (sp > 0) & (c_end > c0)
-        hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
-        folds = 0
-        for n in range(c0.to(tl.int64), c_end.to(tl.int64)):
-            base = n * HV + h
-            tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
-            w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
-            u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
-            vn = (u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)).to(DT)
-            tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vn)
-            L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
-            if ALIGNED:
-                fold = L == C - 1  # a partial chunk stays out of the state
-            else:
-                fold = L >= 0
-            if fold:
-                gl = tl.load(gam_ws + base * C + L)
-                kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
-                hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
-                folds += 1
-        # written back where it changed: a chunk folded in, or a sequence at position 0 (its
-        # slot holds another sequence's state); a decode step inside a chunk leaves it as is
-        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & any_chunk & ((folds > 0) | (sp == 0)))
+        for i in range(tl.program_id(2), tl.load(nwork_ptr), tl.num_programs(2)):
+            s = tl.load(work_ptr + i)
+            c0, c1, any_chunk, decode = _seq_decode(s, True, seqc_ptr, start_ptr, end_ptr, has_state, has_tcache,
+                                                    C, ALIGNED)
+            c_end = tl.where(decode, c0, c1)
+            sp = tl.load(start_pos_ptr + s)
+            slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+            st_ptrs = ssm_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :]
+            # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
+            read = (has_state != 0) & (sp > 0) & (c_end > c0)
+            hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
+            folds = 0
+            for n in range(c0.to(tl.int64), c_end.to(tl.int64)):
+                base = n * HV + h
+                tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
+                w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+                u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
+                vn = (u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)).to(DT)
+                tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vn)
+                L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
+                if ALIGNED:
+                    fold = L == C - 1  # a partial chunk stays out of the state
+                else:
+                    fold = L >= 0
+                if fold:
+                    gl = tl.load(gam_ws + base * C + L)
+                    kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+                    hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
+                    folds += 1
+            # written back where it changed: a chunk folded in, or a sequence at position 0 (its
+            # slot holds another sequence's state); a decode step inside a chunk leaves it as is
+            tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & any_chunk & ((folds > 0) | (sp == 0)))
 
     @triton.jit(**_GDN_JIT)
     def _gdn_output_kernel(
@@ -496,6 +547,21 @@ def _check(q, k, v, g, beta, md: StateMetadata, state, chunk_size: int, aligned:
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
 
+def state_work_list(md: StateMetadata, plan, has_state: int, has_decode_cache: int, chunk_size: int,
+                    aligned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences the state kernel walks (device int32 [S], the first `count` entries used,
+    in sequence order) and count (int32 [1]), built on the device (no host sync): every
+    sequence with a chunk in the step but those whose chunk takes the decode path at a
+    position > 0."""
+    S = md.start_pos.shape[0]
+    work = torch.empty(S, dtype=torch.int32, device=md.start_pos.device)
+    count = torch.empty(1, dtype=torch.int32, device=md.start_pos.device)
+    _gdn_work_kernel[(1,)](md.start_pos, plan.start, plan.end, plan.seq_chunks, work, count, S, has_state,
+                           has_decode_cache, C=chunk_size, ALIGNED=bool(aligned), WB=WORK_BLOCK, num_warps=4,
+                           enable_fp_fusion=False)
+    return work, count
+
+
 def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,
                      chunk_size: int = 64, aligned: bool) -> torch.Tensor:
@@ -548,13 +614,15 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state, has_dc,
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+    work, nwork = state_work_list(md, plan, has_state, has_dc, C, aligned)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
-    _gdn_state_kernel[(VP // bv_state, Hv, S)](
-        md.start_pos, slots, ssm, plan.start, plan.end, plan.seq_chunks,
+    seq_programs = min(S, max(1, STATE_PROGRAMS // (VP // bv_state * Hv)))
+    _gdn_state_kernel[(VP // bv_state, Hv, seq_programs)](
+        md.start_pos, slots, ssm, plan.start, plan.end, plan.seq_chunks, work, nwork,
         gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
         HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
-        num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, **launch)
+        num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, maxnreg=STATE_MAX_REGISTERS, **launch)
     bv_out = min(VP, OUT_BLOCK_V_MAX)
     _gdn_output_kernel[(VP // bv_out, Hv, N)](
         q, k, v, g, beta, o, bk, bv, bg, bb, bvn, slots, ssm,

@@ -41,19 +41,24 @@ its step began). Same kernels otherwise; decode steps take the selective state u
 
 CUDA runs four Triton kernels, every chunk through the same tile code:
   1. prep, per (chunk, group): the rows of CB = C B^T in the row tiles holding the step's
-     rows, and per head of the group dt and gamma (whole chunk) into workspaces;
-  2. state, per (head, sequence, P tile): walks the sequence's chunks in order, stores each
-     chunk's boundary state for (3) in the model dtype, folds complete chunks (fast mode:
-     every chunk) into the fp32 state, writes the cached state where it changed. A sequence
-     whose step stays inside one incomplete chunk (every decode step but the one completing
-     a chunk) has nothing to do: its state does not change and is that chunk's boundary;
+     rows, and per head of the group dt and gamma (whole chunk) into workspaces; its first
+     program also lists the sequences the state kernel has work for (below);
+  2. state, per (head, P tile) and a few programs per pair striding over that list: walks a
+     sequence's chunks in order, stores each chunk's boundary state for (3) in the model
+     dtype, folds complete chunks (fast mode: every chunk) into the fp32 state, writes the
+     cached state where it changed. A sequence whose step stays inside one incomplete chunk
+     (every decode step but the one completing a chunk) has nothing to do: its state does
+     not change and is that chunk's boundary. It is left off the list, so a decode step
+     launches a fixed, small grid whose programs find (almost) nothing to walk;
   3. output, per (head, chunk, P tile): the new rows' outputs, one row tile at a time over
      the tiles holding them; for a step that stays inside one incomplete chunk the boundary
      state is the cached fp32 state, cast in registers by the state kernel's `.to(DT)` (the
      same rounding of the same values: the same bits as the copy it would have stored);
-  4. (invariant mode, with a cache) buffer, per (sequence, head): the new rows of an
-     incomplete last chunk into the state's buffer. A separate launch: a step that resumes a
-     chunk and ends in a later partial one reads and writes the same buffer rows.
+  4. (invariant mode, with a cache) buffer, per (sequence, row slice, column block): the new
+     rows of an incomplete last chunk into the state's buffer, a whole row (all heads) at a
+     time, so a decode step copies just its one row per sequence. A separate launch: a step
+     that resumes a chunk and ends in a later partial one reads and writes the same buffer
+     rows.
 Dots take model-dtype operands (M, the boundary state, B scaled by its decays rounded to it,
 as mamba_ssm does) with fp32 accumulation. The CPU runs `mamba2_chunk_torch`, the same
 algorithm in float32 torch on fixed-shape tiles (same invariances, not the same bits).
@@ -88,15 +93,22 @@ if HAS_TRITON:
 # ROW_TILE and the state and output kernels' warps only change speed: they are the M and N
 # dims of dots whose K dim and K order they leave alone, and `acc = tl.dot(a, b, acc)` with
 # an fp32 accumulator gives every output element the same bits for any M / N tile and warp
-# count (measured on the H200; docs/numerics.md, the linear row).
+# count (measured on the H200; docs/numerics.md, the linear row). STATE_PROGRAMS,
+# WORK_LIST_BLOCK and the BUFFER_ ones decide which program walks a sequence or copies a row,
+# never how: speed only.
 # --------------------------------------------------------------------------
 BLOCK_N_MAX = 64        # N tile of the C B^T and C h dots
-STATE_BLOCK_P_MAX = 32  # P tile of the state walk: programs = sequences x H x P / BP
+STATE_BLOCK_P_MAX = 32  # P tile of the state walk
+STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile) pairs x programs per pair (<= sequences)
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
 ROW_TILE = 16           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 8
 STATE_NUM_WARPS = 4
 OUT_NUM_WARPS = 8
+WORK_LIST_BLOCK = 1024  # sequences per block of the state kernel's work list (built by prep)
+BUFFER_BLOCK_MAX = 1024  # x elements a buffer program copies per row (a power-of-two divisor of H P)
+BUFFER_ROW_PROGRAMS = 16  # buffer programs per sequence along the rows (at most the step's longest)
+BUFFER_NUM_WARPS = 4
 
 
 if HAS_TRITON:
@@ -124,20 +136,56 @@ if HAS_TRITON:
             res = c1 < c0
         return res
 
-    @triton.jit(**_JIT)
+    @triton.jit
+    def _walks_state(c0, c1, start, end, sp, C: tl.constexpr, ALIGNED: tl.constexpr):
+        """Whether the state kernel does anything for a sequence (scalars or vectors; start, end
+        of its first chunk c0, sp its start position): it has chunks in the step and either
+        reaches the state through them (not _reads_cache: boundary states to store, chunks to
+        fold) or starts at position 0 (the zero state goes over its slot's stale one). Any
+        other sequence would only load and mask: the state kernel's stores are exactly these."""
+        return (c1 > c0) & ((_reads_cache(c0, c1, start, end, C, ALIGNED) == 0) | (sp == 0))
+
+    @triton.jit
+    def _state_work_list(seqc_ptr, start_ptr, end_ptr, start_pos_ptr, work_ptr, num_seqs,
+                         C: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr):
+        """work[0] = how many sequences _walks_state, work[1 ..] = those sequences in increasing
+        order (compacted by a prefix sum of the flags, BS sequences at a time)."""
+        cnt = 0
+        for s0 in range(0, num_seqs, BS):
+            s = s0 + tl.arange(0, BS)
+            ok = s < num_seqs
+            c0 = tl.load(seqc_ptr + s, mask=ok, other=0)
+            c1 = tl.load(seqc_ptr + s + 1, mask=ok, other=0)
+            has = c1 > c0
+            walk = _walks_state(c0, c1, tl.load(start_ptr + c0, mask=has, other=0),
+                                tl.load(end_ptr + c0, mask=has, other=0),
+                                tl.load(start_pos_ptr + s, mask=ok, other=0), C, ALIGNED)
+            f = walk.to(tl.int32)
+            tl.store(work_ptr + cnt + tl.cumsum(f, 0), s, mask=walk)  # inclusive: entries from 1
+            cnt += tl.sum(f, 0)
+        tl.store(work_ptr, cnt)
+
+    # num_seqs varies per step: not specialised on, so every step runs one compiled prep kernel
+    _JIT_PREP = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "num_seqs"]}
+
+    @triton.jit(**_JIT_PREP)
     def _ssd_prep_kernel(
         b_ptr, c_ptr, dt_ptr, dtb_ptr, alog_ptr, bb_ptr, bdt_ptr, slots_ptr,
-        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr,
-        cb_ws, dt_ws, gam_ws, dt_min, sb, sc, sdt, has_state,
+        seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, start_pos_ptr, work_ptr,
+        cb_ws, dt_ws, gam_ws, dt_min, sb, sc, sdt, has_state, num_seqs,
         H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
-        BM: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        BM: tl.constexpr, ALIGNED: tl.constexpr, SBLK: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (chunk, group): the rows of CB = C B^T in the row tiles that hold
         the step's rows (the only rows with outputs; the output kernel reads those tiles), each
         tile over N tiles chained in increasing order, then per head of the group dt (softplus
-        of the step's raw dt, or the buffer's) and gamma = cumsum(dt A) over the whole chunk."""
+        of the step's raw dt, or the buffer's) and gamma = cumsum(dt A) over the whole chunk.
+        Program (0, 0) first writes the state kernel's work list (_state_work_list): built on
+        the device, so a decode step still needs no host work (CUDA graphs)."""
         n = tl.program_id(0)
         g = tl.program_id(1)
+        if (n == 0) & (g == 0):
+            _state_work_list(seqc_ptr, start_ptr, end_ptr, start_pos_ptr, work_ptr, num_seqs, C, ALIGNED, SBLK)
         s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         first = tl.load(first_ptr + n)
@@ -168,68 +216,74 @@ if HAS_TRITON:
     @triton.jit(**_JIT)
     def _ssd_state_kernel(
         x_ptr, b_ptr, bx_ptr, bb_ptr, ssm_ptr, slots_ptr, start_pos_ptr,
-        start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
+        start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, work_ptr,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (head, sequence, P tile) (the heads of a group side by side: they
-        read the same B rows): walk the sequence's chunks in order carrying the fp32 state tile
-        [BP, N]; per chunk store its boundary state (model dtype, [N, P] for the output kernel),
-        then fold a complete chunk (fast mode: any chunk): h = exp(gamma_L) h + x^T (B
-        exp(gamma_L - gamma) dt). Writes the cached state. A sequence whose step stays inside
-        one incomplete chunk (_reads_cache) has nothing here: its state does not change and the
-        output kernel reads it from the cache."""
+        """Programs (head, k, P tile) (the heads of a group side by side: they read the same B
+        rows); program k walks the k-th, (k + K)-th, ... sequence of the work list (prep's
+        _state_work_list; K programs per (head, P tile)), each on its own: walk the sequence's
+        chunks in order carrying the fp32 state tile [BP, N]; per chunk store its boundary
+        state (model dtype, [N, P] for the output kernel), then fold a complete chunk (fast
+        mode: any chunk): h = exp(gamma_L) h + x^T (B exp(gamma_L - gamma) dt). Writes the
+        cached state. A sequence whose step stays inside one incomplete chunk (_reads_cache)
+        and past position 0 has nothing here (its state does not change and the output kernel
+        reads it from the cache): it is not on the list and costs no program."""
         h = tl.program_id(0)
-        s = tl.program_id(1)
         pt = tl.program_id(2)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
-        c0 = tl.load(seqc_ptr + s)
-        c1 = tl.load(seqc_ptr + s + 1)
         rp = pt * BP + tl.arange(0, BP)
         rn = tl.arange(0, NP)
         rows = tl.arange(0, C)
-        sp = tl.load(start_pos_ptr + s)
-        slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
-        st_ptrs = ssm_ptr + ((slot * H + h) * P + rp[:, None]) * N + rn[None, :]
+        st_off = rp[:, None] * N + rn[None, :]
         st_ok = (rp < P)[:, None] & (rn < N)[None, :]
-        cached = _reads_cache(c0, c1, tl.load(start_ptr + c0, mask=c1 > c0, other=0),
-                              tl.load(end_ptr + c0, mask=c1 > c0, other=0), C, ALIGNED)
-        # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
-        read = (has_state != 0) & (sp > 0) & (c1 > c0) & (cached == 0)
-        hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
-        folds = 0
-        for n in range(c0.to(tl.int64), c1.to(tl.int64)):
-            base = n * H + h
-            if cached == 0:
-                tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
-            start = tl.load(start_ptr + n)
-            L = tl.load(end_ptr + n) - start - 1
-            if ALIGNED:
-                fold = L == C - 1  # a partial chunk stays out of the state
-            else:
-                fold = L >= 0
-            if fold:
-                first = tl.load(first_ptr + n)
-                pos = start + rows
-                from_buf = (pos < first) & (has_state != 0)
-                from_step = (pos >= first) & (pos <= start + L)
-                trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
-                brow = slot * C + rows
-                gam = tl.load(gam_ws + base * C + rows)
-                d = tl.load(dt_ws + base * C + rows)
-                gl = tl.max(tl.where(rows == L, gam, float("-inf")), axis=0)
-                w = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0) * d
-                xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
-                bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
-                bs = (bt.to(tl.float32) * w[:, None]).to(DT)
-                hs = _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC)
-                folds += 1
-        # written back where it changed: a chunk folded in, or a sequence at position 0 (its
-        # slot holds another sequence's state); a decode step inside a chunk leaves it as is
-        tl.store(st_ptrs, hs, mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
+        for i in range(tl.program_id(1), tl.load(work_ptr), tl.num_programs(1)):
+            s = tl.load(work_ptr + 1 + i)
+            c0 = tl.load(seqc_ptr + s)
+            c1 = tl.load(seqc_ptr + s + 1)
+            sp = tl.load(start_pos_ptr + s)
+            slot = tl.load(slots_ptr + s, mask=has_state != 0, other=0).to(tl.int64)
+            cached = _reads_cache(c0, c1, tl.load(start_ptr + c0, mask=c1 > c0, other=0),
+                                  tl.load(end_ptr + c0, mask=c1 > c0, other=0), C, ALIGNED)
+            # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
+            read = (has_state != 0) & (sp > 0) & (c1 > c0) & (cached == 0)
+            hs = tl.load(ssm_ptr + (slot * H + h) * (P * N) + st_off, mask=st_ok & read, other=0.0)
+            folds = 0
+            for n in range(c0.to(tl.int64), c1.to(tl.int64)):
+                base = n * H + h
+                if cached == 0:
+                    tl.store(h_ws + (base * NP + rn[None, :]) * PP + rp[:, None], hs.to(DT))
+                start = tl.load(start_ptr + n)
+                L = tl.load(end_ptr + n) - start - 1
+                if ALIGNED:
+                    fold = L == C - 1  # a partial chunk stays out of the state
+                else:
+                    fold = L >= 0
+                if fold:
+                    first = tl.load(first_ptr + n)
+                    pos = start + rows
+                    from_buf = (pos < first) & (has_state != 0)
+                    from_step = (pos >= first) & (pos <= start + L)
+                    trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
+                    brow = slot * C + rows
+                    gam = tl.load(gam_ws + base * C + rows)
+                    d = tl.load(dt_ws + base * C + rows)
+                    gl = tl.max(tl.where(rows == L, gam, float("-inf")), axis=0)
+                    w = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0) * d
+                    xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
+                    bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
+                    bs = (bt.to(tl.float32) * w[:, None]).to(DT)
+                    hs = _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC)
+                    folds += 1
+            # written back where it changed: a chunk folded in, or a sequence at position 0 (its
+            # slot holds another sequence's state); a decode step inside a chunk leaves it as is.
+            # The load's addresses summed anew (not CSE'd with it): its [BP, N] tile of 64-bit
+            # pointers is not kept live through the walk, where registers are short
+            tl.store(ssm_ptr + slot * (H * P * N) + (h * (P * N) + st_off), hs,
+                     mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
 
     @triton.jit(**_JIT)
     def _ssd_output_kernel(
@@ -307,33 +361,40 @@ if HAS_TRITON:
         x_ptr, b_ptr, bx_ptr, bb_ptr, bdt_ptr, slots_ptr,
         start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, dt_ws, sx, sb,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
-        PP: tl.constexpr, NP: tl.constexpr,
+        XB: tl.constexpr, HB: tl.constexpr, GNB: tl.constexpr,
     ):
-        """One program per (sequence, head): the step's rows of the sequence's last chunk, when
-        it is incomplete, into the buffer (x, dt; B by the group's first head)."""
+        """Programs (sequence, row slice r of R, column block j): when the sequence's last chunk
+        stays incomplete, the step's rows of it (first + r, first + r + R, ... < end) into the
+        buffer, one row at a time, each the row's x at columns [j XB, (j + 1) XB) of H P (XB
+        divides H P), or for the last block its dt (every head, from the prep's workspace) and
+        B (every group). Bit copies; a decode step copies its one row per sequence."""
         s = tl.program_id(0)
-        h = tl.program_id(1)
-        g = h // (H // G)
+        j = tl.program_id(2)
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
         n = tl.maximum(c1 - 1, 0).to(tl.int64)
         start = tl.load(start_ptr + n)
         first = tl.load(first_ptr + n)
         end = tl.load(end_ptr + n)
-        rows = tl.arange(0, C)
-        pos = start + rows
-        write = (pos >= first) & (pos < end) & (c1 > c0) & (end - start < C)
-        trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
-        brow = tl.load(slots_ptr + s).to(tl.int64) * C + rows
-        rp = tl.arange(0, PP)
-        xv = tl.load(x_ptr + h * P + trow[:, None] * sx + rp[None, :], mask=_mask2(write, rp, P, PP), other=0.0)
-        tl.store(bx_ptr + h * P + brow[:, None] * (H * P) + rp[None, :], xv, mask=_mask2(write, rp, P, PP))
-        dv = tl.load(dt_ws + (n * H + h) * C + rows, mask=write, other=0.0)
-        tl.store(bdt_ptr + brow * H + h, dv, mask=write)
-        rn = tl.arange(0, NP)
-        wb = write & (h % (H // G) == 0)
-        bv = tl.load(b_ptr + g * N + trow[:, None] * sb + rn[None, :], mask=_mask2(wb, rn, N, NP), other=0.0)
-        tl.store(bb_ptr + g * N + brow[:, None] * (G * N) + rn[None, :], bv, mask=_mask2(wb, rn, N, NP))
+        stop = tl.where((c1 > c0) & (end - start < C), end, first)  # no rows unless incomplete
+        tok = tl.load(tok0_ptr + n) - first  # token index = tok + position
+        slot = tl.load(slots_ptr + s).to(tl.int64)
+        r0 = first + tl.program_id(1)
+        R = tl.num_programs(1)
+        if j * XB < H * P:
+            cols = j * XB + tl.arange(0, XB)
+            for pos in range(r0, stop, R):
+                xv = tl.load(x_ptr + (tok + pos).to(tl.int64) * sx + cols)
+                tl.store(bx_ptr + (slot * C + pos - start) * (H * P) + cols, xv)
+        else:
+            hh = tl.arange(0, HB)
+            cn = tl.arange(0, GNB)
+            for pos in range(r0, stop, R):
+                brow = slot * C + pos - start
+                dv = tl.load(dt_ws + (n * H + hh) * C + pos - start, mask=hh < H)
+                tl.store(bdt_ptr + brow * H + hh, dv, mask=hh < H)
+                bv = tl.load(b_ptr + (tok + pos).to(tl.int64) * sb + cn, mask=cn < G * N)
+                tl.store(bb_ptr + brow * (G * N) + cn, bv, mask=cn < G * N)
 
 
 # ---- checks shared by both devices ------------------------------------------------------------
@@ -406,16 +467,20 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     has_state, ssm, slots, (bx, bb, bdt) = launch_state(md, state, aligned, BUFFERS, (x, B, dt_ws), dev)
     launch = dict(enable_fp_fusion=False)
     sx, sb, sc, sdt = x.stride(0), B.stride(0), C.stride(0), dt.stride(0)
+    # the state kernel's work list: [count, sequences...] (written by prep's first program)
+    work = torch.empty(S + 1, dtype=torch.int32, device=dev)
     _ssd_prep_kernel[(NC, G)](
         B, C, dt, dt_bias, A_log, bb, bdt, slots,
-        plan.seq, plan.start, plan.first_new, plan.end, plan.token0,
-        cb_ws, dt_ws, gam_ws, float(dt_min), sb, sc, sdt, has_state,
-        H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, BM=bm, EMULATE=emulate, PREC=prec,
-        num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+        plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, md.start_pos, work,
+        cb_ws, dt_ws, gam_ws, float(dt_min), sb, sc, sdt, has_state, S,
+        H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, BM=bm, ALIGNED=bool(aligned), SBLK=WORK_LIST_BLOCK,
+        EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     bp_state = min(PP, STATE_BLOCK_P_MAX)
-    _ssd_state_kernel[(H, S, PP // bp_state)](
+    # a fixed grid (shapes only: CUDA graphs); its programs stride over the listed sequences
+    per_pair = min(S, max(1, STATE_PROGRAMS // (H * (PP // bp_state))))
+    _ssd_state_kernel[(H, per_pair, PP // bp_state)](
         x, B, bx, bb, ssm, slots, md.start_pos,
-        plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
+        plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, work,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=1, **launch)
@@ -427,10 +492,13 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
         H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out, BM=bm,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
     if aligned and state is not None:
-        _ssd_buffer_kernel[(S, H)](
+        xb = min(BUFFER_BLOCK_MAX, (H * P) & -(H * P))  # the largest power of two dividing H P, capped
+        row_progs = max(1, min(md.max_query_len, Cs - 1, BUFFER_ROW_PROGRAMS))  # a decode step: 1
+        _ssd_buffer_kernel[(S, row_progs, H * P // xb + 1)](
             x, B, bx, bb, bdt, slots,
             plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, dt_ws, sx, sb,
-            H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, num_warps=4, **launch)
+            H=H, G=G, P=P, N=N, C=Cs, XB=xb, HB=_next_pow2(H), GNB=_next_pow2(G * N),
+            num_warps=BUFFER_NUM_WARPS, **launch)
     return y
 
 
