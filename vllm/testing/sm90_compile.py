@@ -248,7 +248,10 @@ def compile_launches(launches: Iterable[Launch], jobs: int | None = None) -> lis
 
 
 def _run_children(parts: list[list[Launch]]) -> list[Result]:
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # the child compiles, so Triton must not be its interpreter: it says so before anything
+    # imports Triton (the environment is otherwise inherited as it is)
+    boot = ("import os, sys; os.environ['TRITON_INTERPRET'] = '0'; "
+            "from vllm.testing.sm90_compile import _main; _main(*sys.argv[1:3])")
     with tempfile.TemporaryDirectory(prefix="sm90_compile_") as tmp:
         procs = []
         for i, part in enumerate(parts):
@@ -256,7 +259,7 @@ def _run_children(parts: list[list[Launch]]) -> list[Result]:
             with open(src, "wb") as f:
                 pickle.dump({"sys_path": list(sys.path), "launches": part}, f)
             with open(log, "w") as out:
-                proc = subprocess.Popen([sys.executable, "-m", __name__, src, dst], env=env, stdout=out,
+                proc = subprocess.Popen([sys.executable, "-c", boot, src, dst], stdout=out,
                                         stderr=subprocess.STDOUT)
             procs.append((proc, dst, log))
         results = []
@@ -360,9 +363,3 @@ def _main(src: str, dst: str) -> None:
     results = [_compile_one(launch) for launch in job["launches"]]
     with open(dst, "wb") as f:
         pickle.dump(results, f)
-
-
-if __name__ == "__main__":
-    # through the package's module, so the results pickle as its classes, not __main__'s
-    from vllm.testing.sm90_compile import _main as main
-    main(*sys.argv[1:3])
