@@ -68,7 +68,7 @@ def new_state(num_slots, dtype, aligned, hk, hv, kd, vd, chunk=C, t_cache=True):
             "buf_g": ((chunk, hv), torch.float32), "buf_beta": ((chunk, hv), torch.float32)}
     if t_cache:
         bufs.update(t_cache=((hv, chunk, chunk), torch.float32), t_pos=((hv,), torch.int32),
-                    buf_vn=((chunk, hv, vd), dtype))
+                    buf_vn=((chunk, hv, vd), dtype), ssm_rounded=((hv, kd, vd), dtype))
     return nan_state(num_slots, {"ssm": ((hv, kd, vd), torch.float32), **(bufs if aligned else {})})
 
 

@@ -78,7 +78,8 @@ def ref64(x, dt, B, Cm, prm, cu, chunk=C):
 
 def new_state(num_slots, dtype, aligned, h, p, g, n, chunk=C):
     """A NaN-filled cache: the state and, aligned, the rows of a partial chunk."""
-    bufs = {"buf_x": ((chunk, h, p), dtype), "buf_B": ((chunk, g, n), dtype), "buf_dt": ((chunk, h), torch.float32)}
+    bufs = {"buf_x": ((chunk, h, p), dtype), "buf_B": ((chunk, g, n), dtype), "buf_dt": ((chunk, h), torch.float32),
+            "ssm_rounded": ((h, p, n), dtype)}
     return nan_state(num_slots, {"ssm": ((h, p, n), torch.float32), **(bufs if aligned else {})})
 
 

@@ -133,8 +133,10 @@ def test_layer_plan_and_cache_specs(tiny_nemotron_h):
     spec = inv.recurrent[0]
     shapes = {t.name: (t.shape, t.dtype) for t in spec.tensors}
     assert shapes == {"conv": ((3, 64 + 2 * 2 * 16), None), "ssm": ((4, 16, 16), torch.float32),
-                      "buf_x": ((16, 4, 16), None), "buf_B": ((16, 2, 16), None), "buf_dt": ((16, 4), torch.float32)}
-    assert spec.kind == "mamba2" and spec.snapshot == ("conv", "ssm")
+                      "buf_x": ((16, 4, 16), None), "buf_B": ((16, 2, 16), None), "buf_dt": ((16, 4), torch.float32),
+                      "ssm_rounded": ((4, 16, 16), None)}
+    assert spec.kind == "mamba2" and spec.snapshot == ("conv", "ssm", "ssm_rounded")
+    assert fast.recurrent[0].snapshot == ("conv", "ssm")
     assert {t.name for t in fast.recurrent[0].tensors} == {"conv", "ssm"}
 
 
@@ -205,7 +207,7 @@ def test_execution_contract_names_the_state(tiny_nemotron_h):
     assert inv.semantic["layer_types"][:2] == ["linear_attention", "full_attention"]
     assert inv.numerical["recurrent_states"]["mamba2"] == {
         "chunk_size": 16, "tensors": {"conv": "float32", "ssm": "float32", "buf_x": "float32", "buf_B": "float32",
-                                      "buf_dt": "float32"}}
+                                      "buf_dt": "float32", "ssm_rounded": "float32"}}
     assert inv.numerical["kernels"]["mamba2_scan_decode"] == "kernels.mamba2_chunk.mamba2_chunk_torch(aligned=True)"
     fast = LLM(tiny_nemotron_h, device="cpu", numerics="fast").execution_contract()
     assert fast.numerical["kernels"]["mamba2_scan_decode"] == "kernels.mamba2_ops.selective_state_update_torch"

@@ -66,6 +66,7 @@ def state(num_slots: int, aligned: bool, md=None) -> dict:
                   t_cache=torch.eye(C, device=DEV).expand(num_slots, HV, C, C).contiguous(),
                   t_pos=torch.full((num_slots, HV), -1, dtype=torch.int32, device=DEV),
                   buf_vn=torch.randn(num_slots, C, HV, V, device=DEV).to(torch.bfloat16))
+        st["ssm_rounded"] = st["ssm"].to(torch.bfloat16)  # as the state kernel writes it with "ssm"
         if md is not None:
             st["t_pos"][md.slots.long()] = md.start_pos.to(torch.int32)[:, None]
     return st
@@ -160,7 +161,8 @@ def bits_vs(path: str) -> dict:
     layout = {"ssm": ((HV, K, V), torch.float32), "buf_k": ((C, HK, K), torch.bfloat16),
               "buf_v": ((C, HV, V), torch.bfloat16), "buf_g": ((C, HV), torch.float32),
               "buf_beta": ((C, HV), torch.float32), "t_cache": ((HV, C, C), torch.float32),
-              "t_pos": ((HV,), torch.int32), "buf_vn": ((C, HV, V), torch.bfloat16)}
+              "t_pos": ((HV,), torch.int32), "buf_vn": ((C, HV, V), torch.bfloat16),
+              "ssm_rounded": ((HV, K, V), torch.bfloat16)}
     res = {}
     for name, steps in real_dims_schedules().items():
         got = []

@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from vllm.forward_context import StateMetadata
 from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET
 
+# The cached state rounded to the model dtype (invariant mode), beside the fp32 "ssm": written
+# wherever "ssm" is, and read by the decode steps, which need the state in the model dtype
+# only (their dots take model-dtype operands) and read half the bytes.
+ROUNDED_STATE = "ssm_rounded"
+
 # ---- checks -------------------------------------------------------------------------------------
 
 
@@ -166,6 +171,8 @@ def scan_chunks_torch(chunks: HostChunks, out: torch.Tensor, inputs: Sequence[tu
                         state[buf][slot, nb:nv] = tile[nb:nv]
         if state is not None:
             state["ssm"][slot] = h
+            if ROUNDED_STATE in state:  # what the GPU's decode path reads; nothing here does
+                state[ROUNDED_STATE][slot] = h.to(state[ROUNDED_STATE].dtype)
 
 
 # ---- differentiable references --------------------------------------------------------------------

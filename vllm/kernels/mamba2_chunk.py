@@ -46,14 +46,17 @@ CUDA runs four Triton kernels, every chunk through the same tile code:
   2. state, per (head, P tile) and a few programs per pair striding over that list: walks a
      sequence's chunks in order, stores each chunk's boundary state for (3) in the model
      dtype, folds complete chunks (fast mode: every chunk) into the fp32 state, writes the
-     cached state where it changed. A sequence whose step stays inside one incomplete chunk
+     cached state where it changed (invariant mode: with its copy rounded to the model dtype,
+     "ssm_rounded", for (3)). A sequence whose step stays inside one incomplete chunk
      (every decode step but the one completing a chunk) has nothing to do: its state does
      not change and is that chunk's boundary. It is left off the list, so a decode step
      launches a fixed, small grid whose programs find (almost) nothing to walk;
   3. output, per (head, chunk, P tile): the new rows' outputs, one row tile at a time over
      the tiles holding them; for a step that stays inside one incomplete chunk the boundary
-     state is the cached fp32 state, cast in registers by the state kernel's `.to(DT)` (the
-     same rounding of the same values: the same bits as the copy it would have stored);
+     state is the cached state's rounded copy (the state kernel's `.to(DT)` of the fp32 state
+     it stored: the same bits as the boundary copy it would have stored, and half the bytes
+     of the fp32 state, the decode step's largest read). Two specialisations, one for those
+     chunks and one for the others, launched one after the other;
   4. (invariant mode, with a cache) buffer, per (sequence, row slice, column block): the new
      rows of an incomplete last chunk into the state's buffer, a whole row (all heads) at a
      time, so a decode step copies just its one row per sequence. A separate launch: a step
@@ -73,8 +76,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm.forward_context import StateMetadata
-from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
-    reference_dtype, reference_grads, require_triton, scan_chunks_torch
+from vllm.kernels.chunk_scan import ROUNDED_STATE, PaddedChunks, check_grid, check_state, dot_mode, host_chunks, \
+    launch_state, reference_dtype, reference_grads, require_triton, scan_chunks_torch
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
 from vllm.kernels.mamba2_ops import dt_torch, neg_exp_torch, softplus_clamped
 
@@ -102,9 +105,11 @@ STATE_BLOCK_P_MAX = 32  # P tile of the state walk
 STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile) pairs x programs per pair (<= sequences)
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
 ROW_TILE = 16           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
-PREP_NUM_WARPS = 8
+PREP_NUM_WARPS = 4      # 72 against 107 us at 8 (decode 256 x 1, H200)
 STATE_NUM_WARPS = 4
 OUT_NUM_WARPS = 8
+OUT_CACHED_BLOCK_P_MAX = 64  # the output kernel's specialisation for chunks on the cached state (decode)
+OUT_CACHED_NUM_WARPS = 4     # 546 against 639 us at 8 (decode 256 x 1, H200)
 WORK_LIST_BLOCK = 1024  # sequences per block of the state kernel's work list (built by prep)
 BUFFER_BLOCK_MAX = 1024  # x elements a buffer program copies per row (a power-of-two divisor of H P)
 BUFFER_ROW_PROGRAMS = 16  # buffer programs per sequence along the rows (at most the step's longest)
@@ -215,7 +220,7 @@ if HAS_TRITON:
 
     @triton.jit(**_JIT)
     def _ssd_state_kernel(
-        x_ptr, b_ptr, bx_ptr, bb_ptr, ssm_ptr, slots_ptr, start_pos_ptr,
+        x_ptr, b_ptr, bx_ptr, bb_ptr, ssm_ptr, hr_ptr, slots_ptr, start_pos_ptr,
         start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, work_ptr,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
@@ -282,32 +287,37 @@ if HAS_TRITON:
             # slot holds another sequence's state); a decode step inside a chunk leaves it as is.
             # The load's addresses summed anew (not CSE'd with it): its [BP, N] tile of 64-bit
             # pointers is not kept live through the walk, where registers are short
-            tl.store(ssm_ptr + slot * (H * P * N) + (h * (P * N) + st_off), hs,
-                     mask=st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0)))
+            changed = st_ok & (has_state != 0) & (c1 > c0) & ((folds > 0) | (sp == 0))
+            tl.store(ssm_ptr + slot * (H * P * N) + (h * (P * N) + st_off), hs, mask=changed)
+            if ALIGNED:  # and its copy in the model dtype, for the output kernel's cached path
+                tl.store(hr_ptr + slot * (H * P * N) + (h * (P * N) + st_off), hs.to(DT), mask=changed)
 
     @triton.jit(**_JIT)
     def _ssd_output_kernel(
-        x_ptr, c_ptr, d_ptr, y_ptr, bx_ptr, ssm_ptr, slots_ptr, start_pos_ptr,
+        x_ptr, c_ptr, d_ptr, y_ptr, bx_ptr, hr_ptr, slots_ptr, start_pos_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
-        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
-        the same CB and C rows): the outputs of the chunk's new rows, y = exp(gamma) (C h) + M x
-        + D x with M the lower-inclusive CB exp(gamma_i - gamma_j) dt_j rounded to the model
-        dtype, one tile of BM rows at a time over the row tiles that hold the step's rows (a
-        decode step: one tile).
+        the same CB and C rows), for the chunks that read their boundary state from the cache
+        (CACHED: _reads_cache, every decode step but the one completing a chunk) or for the
+        others (not CACHED; the other chunks' programs load nothing and return): two
+        specialisations, launched one after the other, so that each has the registers and
+        the occupancy its own path needs. The outputs of the chunk's new rows,
+        y = exp(gamma) (C h) + M x + D x with M the lower-inclusive CB exp(gamma_i - gamma_j)
+        dt_j rounded to the model dtype, one tile of BM rows at a time over the row tiles that
+        hold the step's rows (a decode step: one tile).
 
         Row i's arithmetic is the same in every tile and step: the K dims and their order are
         those of a whole-chunk tile (N in BN tiles for C h; the chunk's C columns for M x, the
         rows after the step's last one exact zeros in x and in M), gamma and dt are the prep's
         whole-chunk values, and every other op is elementwise. The boundary state h is the
         state kernel's model-dtype copy, or for a step that stays inside one incomplete chunk
-        (_reads_cache) the cached fp32 state cast here by the same .to(DT): the state kernel's
-        copy is that very fp32 tile cast by the same round-to-nearest conversion, so both are
-        the same bits."""
+        (_reads_cache) the cached state's rounded copy ("ssm_rounded"): the state kernel
+        stores both by the same .to(DT) of the same fp32 tile, so both are the same bits."""
         h = tl.program_id(0)
         n = tl.program_id(1)
         pt = tl.program_id(2)
@@ -322,21 +332,22 @@ if HAS_TRITON:
         gam = tl.load(gam_ws + base * C + rows)
         d = tl.load(dt_ws + base * C + rows)
         dh = tl.load(d_ptr + h).to(tl.float32)
+        mine = _reads_cache(tl.load(seqc_ptr + s), tl.load(seqc_ptr + s + 1), start, end, C, ALIGNED) == CACHED
         # the whole chunk's x: the K operand of M x (rows after the step's last are zeros)
-        xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
-        cached = _reads_cache(tl.load(seqc_ptr + s), tl.load(seqc_ptr + s + 1), start, end, C, ALIGNED)
+        xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step & mine, from_buf & mine, rp, P, PP)
         # as the state kernel: a sequence at position 0 has the zero state (its slot is stale)
         st_ok = (rp < P) & (has_state != 0) & (tl.load(start_pos_ptr + s) > 0)
         st_row = ((slot * H + h) * P + rp) * N
-        for t in range((first - start) // BM, (end - 1 - start) // BM + 1):
+        t0 = (first - start) // BM
+        for t in range(t0, tl.where(mine, (end - 1 - start) // BM + 1, t0)):
             r, r_buf, r_step, r_trow, r_brow = _row_tile(t, start, first, end, tok0, slot, has_state, C, BM)
             acc = tl.zeros([BM, BP], dtype=tl.float32)
             for n0 in tl.static_range(0, NP, BN):
                 cols = n0 + tl.arange(0, BN)
                 ct = tl.load(c_ptr + g * N + r_trow[:, None] * sc + cols[None, :], mask=_mask2(r_step, cols, N, NP),
                              other=0.0)
-                if cached:
-                    hp = tl.load(ssm_ptr + st_row[:, None] + cols[None, :], mask=_mask2(st_ok, cols, N, NP),
+                if CACHED:
+                    hp = tl.load(hr_ptr + st_row[:, None] + cols[None, :], mask=_mask2(st_ok, cols, N, NP),
                                  other=0.0)
                     hb = tl.trans(hp.to(DT))
                 else:
@@ -399,8 +410,8 @@ if HAS_TRITON:
 
 # ---- checks shared by both devices ------------------------------------------------------------
 
-# the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
-BUFFERS = ("buf_x", "buf_B", "buf_dt")
+# the state's rows of a partial chunk and the rounded state (aligned mode), as the Triton entry passes them
+BUFFERS = ("buf_x", "buf_B", "buf_dt", ROUNDED_STATE)
 
 
 def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size: int, aligned: bool):
@@ -420,7 +431,8 @@ def _check(x, dt, dt_bias, A_log, B, C, D, md: StateMetadata, state, chunk_size:
             raise ValueError("x, B, C and dt need contiguous rows (the row stride is free)")
     Cs = chunk_size
     check_state(md, state, aligned, (H, P, N), "H, P, N",
-                {"buf_x": ((Cs, H, P), x.dtype), "buf_B": ((Cs, G, N), x.dtype), "buf_dt": ((Cs, H), torch.float32)})
+                {"buf_x": ((Cs, H, P), x.dtype), "buf_B": ((Cs, G, N), x.dtype), "buf_dt": ((Cs, H), torch.float32),
+                 ROUNDED_STATE: ((H, P, N), x.dtype)})
 
 
 # ---- CUDA (Triton) -------------------------------------------------------------------------------
@@ -435,8 +447,9 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     contiguous rows at any row stride (views of the projection and conv outputs); dt_bias,
     A_log, D [H]. state: None (no cache: every sequence starts at position 0, nothing is
     written) or the layer's cache tensors by name, indexed by md.slots: "ssm" [slots, H, P,
-    N] float32 and, aligned, the partial-chunk buffer "buf_x" [slots, C, H, P], "buf_B"
-    [slots, C, G, N] (model dtype), "buf_dt" [slots, C, H] float32, updated in place.
+    N] float32 and, aligned, its copy rounded to the model dtype "ssm_rounded" [slots, H, P,
+    N] and the partial-chunk buffer "buf_x" [slots, C, H, P], "buf_B" [slots, C, G, N] (model
+    dtype), "buf_dt" [slots, C, H] float32, updated in place.
     Returns y [T, H, P] in the model dtype (D x included). Never syncs with the host beyond
     what md.chunk_plan does (nothing for decode steps)."""
     require_triton(x)
@@ -464,7 +477,7 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     # the chunks whose output kernel reads the cached state itself (_reads_cache)
     h_ws = torch.empty((NC, H, NP, PP), dtype=x.dtype, device=dev)
 
-    has_state, ssm, slots, (bx, bb, bdt) = launch_state(md, state, aligned, BUFFERS, (x, B, dt_ws), dev)
+    has_state, ssm, slots, (bx, bb, bdt, hr) = launch_state(md, state, aligned, BUFFERS, (x, B, dt_ws, h_ws), dev)
     launch = dict(enable_fp_fusion=False)
     sx, sb, sc, sdt = x.stride(0), B.stride(0), C.stride(0), dt.stride(0)
     # the state kernel's work list: [count, sequences...] (written by prep's first program)
@@ -479,18 +492,22 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     # a fixed grid (shapes only: CUDA graphs); its programs stride over the listed sequences
     per_pair = min(S, max(1, STATE_PROGRAMS // (H * (PP // bp_state))))
     _ssd_state_kernel[(H, per_pair, PP // bp_state)](
-        x, B, bx, bb, ssm, slots, md.start_pos,
+        x, B, bx, bb, ssm, hr, slots, md.start_pos,
         plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, work,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=1, **launch)
-    bp_out = min(PP, OUT_BLOCK_P_MAX)
-    _ssd_output_kernel[(H, NC, PP // bp_out)](
-        x, C, D, y, bx, ssm, slots, md.start_pos,
-        plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
-        cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
-        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out, BM=bm,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=OUT_NUM_WARPS, num_stages=1, **launch)
+    # the chunks whose boundary state is the cached one (_reads_cache: aligned mode only; the
+    # zero state without a cache), then the others
+    for cached in ((True, False) if aligned else (False,)):
+        bp_out = min(PP, OUT_CACHED_BLOCK_P_MAX if cached else OUT_BLOCK_P_MAX)
+        _ssd_output_kernel[(H, NC, PP // bp_out)](
+            x, C, D, y, bx, hr, slots, md.start_pos,
+            plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
+            cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
+            H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out, BM=bm, CACHED=cached,
+            ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
+            num_warps=OUT_CACHED_NUM_WARPS if cached else OUT_NUM_WARPS, num_stages=1, **launch)
     if aligned and state is not None:
         xb = min(BUFFER_BLOCK_MAX, (H * P) & -(H * P))  # the largest power of two dividing H P, capped
         row_progs = max(1, min(md.max_query_len, Cs - 1, BUFFER_ROW_PROGRAMS))  # a decode step: 1

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vllm.kernels import ops
+from vllm.kernels.chunk_scan import ROUNDED_STATE
 from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.linear import Linear
 from vllm.layers.recurrent_parts import Conv1dParams, NormParams, step_state
@@ -75,8 +76,11 @@ class GatedDeltaNet(nn.Module):
                         # a snapshot, at a multiple of C, has no partial chunk to keep
                         StateTensor("t_cache", (self.hv, C, C), torch.float32),
                         StateTensor("t_pos", (self.hv,), torch.int32),
-                        StateTensor("buf_vn", (C, self.hv, self.dv))]
-        return RecurrentStateSpec(self.state_idx, "gated_deltanet", tuple(tensors), C, snapshot=("conv", "ssm"))
+                        StateTensor("buf_vn", (C, self.hv, self.dv)),
+                        # the state rounded to the model dtype, which decode steps read
+                        StateTensor(ROUNDED_STATE, (self.hv, self.dk, self.dv))]
+        snapshot = ("conv", "ssm", ROUNDED_STATE) if numerics == "invariant" else ("conv", "ssm")
+        return RecurrentStateSpec(self.state_idx, "gated_deltanet", tuple(tensors), C, snapshot=snapshot)
 
     def _project(self, x: torch.Tensor):
         """(mixed q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) in transformers' order."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vllm.kernels import ops
+from vllm.kernels.chunk_scan import ROUNDED_STATE
 from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.linear import Linear
 from vllm.layers.recurrent_parts import Conv1dParams, NormParams, step_state
@@ -57,8 +58,11 @@ class Mamba2Mixer(nn.Module):
         if numerics == "invariant":
             # the rows of the partial chunk, which a later step of the chunk recomputes from
             tensors += [StateTensor("buf_x", (C, H, P)), StateTensor("buf_B", (C, G, N)),
-                        StateTensor("buf_dt", (C, H), torch.float32)]
-        return RecurrentStateSpec(self.state_idx, "mamba2", tuple(tensors), C, snapshot=("conv", "ssm"))
+                        StateTensor("buf_dt", (C, H), torch.float32),
+                        # the state rounded to the model dtype, which decode steps read
+                        StateTensor(ROUNDED_STATE, (H, P, N))]
+        snapshot = ("conv", "ssm", ROUNDED_STATE) if numerics == "invariant" else ("conv", "ssm")
+        return RecurrentStateSpec(self.state_idx, "mamba2", tuple(tensors), C, snapshot=snapshot)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         md, cache = step_state(self.state_idx)
