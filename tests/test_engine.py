@@ -218,3 +218,26 @@ def test_chat_and_default_model():
     llm = LLM(device="cpu")
     out = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "fast"])
+def test_dropped_engine_frees_its_caches_without_the_collector(tiny_qwen3, numerics):
+    """An LLM the user drops frees its model and caches at once, by reference counting alone: no
+    reference cycle holds them until the garbage collector happens to run (on the GPU the next
+    engine sizes its KV cache from the memory that is free, so a leaked one starves it)."""
+    import gc
+    import weakref
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(tiny_qwen3, device="cpu", numerics=numerics, enable_prefix_caching=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, SamplingParams(max_tokens=3, temperature=1.0, seed=1), use_tqdm=False)
+        runner = llm.llm_engine.executor.worker
+        refs = [weakref.ref(o) for o in (llm, runner, runner.kv_cache, runner.model, runner.kv_cache.k[0])]
+        del llm, runner
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -7,9 +7,9 @@ side (`sampling_launch`). The model itself is stateless between steps.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from vllm.worker.attention_backend import AttentionMetadata
 from vllm.worker.cache_budget import plan_caches
 from vllm.worker.cuda_graphs import DecodeGraphs
 from vllm.worker.kv_cache import cache_specs
+from vllm.worker.phase_timer import PhaseTimer
 from vllm.worker.sampling_launch import SamplingLauncher, StepHandle
 from vllm.worker.step_inputs import pack_step
 
@@ -42,6 +43,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         mem_before_load = 0
         if self.device.type == "cuda":
+            # an engine the caller dropped that something still holds in a reference cycle
+            # keeps its caches until the collector runs: collect now, before this engine
+            # counts the memory that is free for its own KV cache
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             mem_before_load = torch.cuda.memory_allocated(self.device)
@@ -56,12 +62,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        # synchronise at phase boundaries and accumulate wall time per phase (benchmarks
-        # print it; off by default because syncs cost time)
-        self.profile = config.step_profile
-        self.timings: dict[str, float] = defaultdict(float)
-        self._t = 0.0
-        self.sampling = SamplingLauncher(config, self.model, self.device, self._mark)
+        self.timer = PhaseTimer(self.device, config.step_profile)
+        # the timer's method, not one of this runner's: a bound method of the runner held by
+        # its own launcher would be a reference cycle, and a dropped engine's caches would stay
+        # allocated until the garbage collector happened to run
+        self.sampling = SamplingLauncher(config, self.model, self.device, self.timer.mark)
         self.cache_specs = cache_specs(self.model, config.numerics)  # what the model's layers declare
         self.cache_plan = plan_caches(config, self.model, self.cache_specs, self.device, mem_before_load)
         # sleep mode on CUDA: the caches live in one driver VMM region, so waking maps new
@@ -122,15 +127,17 @@ class ModelRunner:
         """Raise StaleGraphPointers if any tensor the graphs read moved (no-op without graphs)."""
         self.decode_graphs.verify_pointers()
 
-    def _mark(self, phase: str | None) -> None:
-        if not self.profile:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        if phase is not None:
-            self.timings[phase] += now - self._t
-        self._t = now
+    @property
+    def profile(self) -> bool:
+        return self.timer.enabled
+
+    @profile.setter
+    def profile(self, enabled: bool) -> None:
+        self.timer.enabled = enabled
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.timer.timings
 
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
@@ -151,7 +158,7 @@ class ModelRunner:
         step `prev`) are filled on the device from prev's sampled-token tensor."""
         if not sched.requests:
             return StepHandle([], [], None, {})
-        self._mark(None)
+        self.timer.mark(None)
         inputs = pack_step(sched.requests, self.block_size)
         cu = inputs.cu
         recurrent = bool(self.cache_specs.recurrent)
@@ -171,7 +178,7 @@ class ModelRunner:
             inputs.input_ids[fill_rows] = 0
         if (inputs.input_ids < 0).any():
             raise RuntimeError("a placeholder token reached the runner without the step that samples it")
-        self._mark("prepare")
+        self.timer.mark("prepare")
         max_q = inputs.max_query_len
         graph_bs = self.decode_graphs.size_for(inputs.num_seqs) if max_q == 1 else None
 
@@ -180,7 +187,7 @@ class ModelRunner:
                 ids_dev[self._h2d(fill_rows, torch.long)] = prev.token_ids[self._h2d(fill_src, torch.long)]
         if graph_bs is not None:
             hidden = self.decode_graphs.run(graph_bs, inputs, fill, state_slots)
-            self._mark("forward_graph")
+            self.timer.mark("forward_graph")
             rows = [i for i, r in enumerate(sched.requests) if r.sample]
         else:
             md = AttentionMetadata(
@@ -200,7 +207,7 @@ class ModelRunner:
             fill(ids_dev)
             with set_forward_context(ForwardContext(self.attn, self.config.numerics, self.config.kernels, state)):
                 hidden = self.model(ids_dev, self._h2d(inputs.positions))
-            self._mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
+            self.timer.mark("forward_decode_eager" if max_q == 1 else "forward_prefill")
             last = cu[1:] - 1
             rows = [int(last[i]) for i, r in enumerate(sched.requests) if r.sample]
         if recurrent:
@@ -218,9 +225,9 @@ class ModelRunner:
             # (nor the index copy) on the hot path; a copy would not change a bit anyway
             picked = hidden if len(rows) == hidden.shape[0] else hidden.index_select(0, self._h2d(rows, torch.long))
             logits = self.model.compute_logits(picked)
-        self._mark("logits")
+        self.timer.mark("logits")
         handle = self.sampling.launch(logits, sampled_reqs, prev)
         if prompt_parts:
             handle.prompt_parts = prompt_parts
-        self._mark("sample")
+        self.timer.mark("sample")
         return handle
