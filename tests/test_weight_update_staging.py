@@ -323,3 +323,28 @@ def test_host_pool_pins_once_and_reuses():
     assert len(calls) == 2 and pool.free_bytes == 0              # no second pinning
     pool.give([a]); pool.give([a])                               # given twice: kept once
     assert pool.free_bytes == 3 << 10
+
+
+def test_cancel_while_allocating_gives_host_buffers_back(monkeypatch):
+    """A staging cancelled between two host-buffer allocations gives the page-locked buffers it
+    already took back to the pool (registered memory is never freed: a buffer left out of the
+    pool would stay pinned and unused for the life of the process)."""
+    from vllm.weight_sync import staging as st
+    pool = st.HostPool(round_bytes=1 << 10, page_lock=lambda buf: None)
+    monkeypatch.setattr(st, "HOST_POOL", pool)
+    layouts = st.plan_buckets([(f"w{i}", "bfloat16", (1024,)) for i in range(3)], 2048)
+    assert len(layouts) == 3
+    job = st.CheckpointStaging.__new__(st.CheckpointStaging)
+    job.device, job.staging, job.chunk_bytes, job.device_bytes = torch.device("cuda"), "host", 1 << 20, 0
+    job._cancel = threading.Event()
+    take = pool.take
+
+    def take_then_cancel(n):
+        buf = take(n)
+        if len(pool._all) == 2:
+            job.cancel("aborted")
+        return buf
+    monkeypatch.setattr(pool, "take", take_then_cancel)
+    with pytest.raises(st._Cancelled):
+        job._allocate(layouts)
+    assert len(pool._all) == 2 and pool.free_bytes == 2 * 2048     # both back, none stranded

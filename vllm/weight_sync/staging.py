@@ -366,22 +366,28 @@ class CheckpointStaging:
             free, _ = torch.cuda.mem_get_info(device)
             budget = free - DEVICE_HEADROOM_BYTES - self.chunk_bytes
         buckets, on_device, on_host = [], 0, 0
-        for layout in layouts:
-            self._check_cancel()
-            n = max(1, layout.nbytes)
-            buf = None
-            if n <= budget:
-                try:
-                    buf = torch.empty(n, dtype=torch.uint8, device=device)
-                    budget -= n
-                    on_device += n
-                    self.device_bytes = on_device
-                except torch.cuda.OutOfMemoryError:
-                    budget = 0
-            if buf is None:
-                buf = HOST_POOL.take(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
-                on_host += n
-            buckets.append(FlatBucket(buf, layout))
+        try:
+            for layout in layouts:
+                self._check_cancel()
+                n = max(1, layout.nbytes)
+                buf = None
+                if n <= budget:
+                    try:
+                        buf = torch.empty(n, dtype=torch.uint8, device=device)
+                        budget -= n
+                        on_device += n
+                        self.device_bytes = on_device
+                    except torch.cuda.OutOfMemoryError:
+                        budget = 0
+                if buf is None:
+                    buf = HOST_POOL.take(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
+                    on_host += n
+                buckets.append(FlatBucket(buf, layout))
+        except BaseException:
+            # cancelled (or out of host memory) part way: the page-locked buffers taken so far
+            # go back to the pool, which would otherwise hold them registered and unusable
+            HOST_POOL.give(b.buffer for b in buckets)
+            raise
         return buckets, on_device, on_host
 
     def _stage_one(self, fh, r: TensorRecord, dt: torch.dtype, flat: torch.Tensor, scratch, check_buf) -> list:
