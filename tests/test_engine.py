@@ -220,23 +220,36 @@ def test_chat_and_default_model():
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) >= 1
 
 
-@pytest.mark.parametrize("numerics", ["invariant", "fast"])
-def test_dropped_engine_frees_its_caches_without_the_collector(tiny_qwen3, numerics):
+@pytest.mark.parametrize("model,numerics", [("tiny_qwen3", "invariant"), ("tiny_qwen3", "fast"),
+                                           ("tiny_qwen3_next", "invariant"), ("tiny_nemotron_h", "invariant")])
+def test_dropped_engine_frees_its_caches_without_the_collector(request, model, numerics):
     """An LLM the user drops frees its model and caches at once, by reference counting alone: no
     reference cycle holds them until the garbage collector happens to run (on the GPU the next
-    engine sizes its KV cache from the memory that is free, so a leaked one starves it)."""
+    engine sizes its KV cache from the memory that is free, so a leaked one starves it). The
+    same for a trainer's Policy after a forward and backward."""
     import gc
     import weakref
 
+    from vllm.training.policy import Policy
+
+    path = request.getfixturevalue(model)
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        llm = LLM(tiny_qwen3, device="cpu", numerics=numerics, enable_prefix_caching=True)
-        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, SamplingParams(max_tokens=3, temperature=1.0, seed=1), use_tqdm=False)
+        llm = LLM(path, device="cpu", numerics=numerics, enable_prefix_caching=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, SamplingParams(max_tokens=3, temperature=1.0, seed=1),
+                     use_tqdm=False)
         runner = llm.llm_engine.executor.worker
-        refs = [weakref.ref(o) for o in (llm, runner, runner.kv_cache, runner.model, runner.kv_cache.k[0])]
+        refs = [weakref.ref(o) for o in (llm, runner, runner.kv_cache, runner.model, *runner.kv_cache.tensors()[:1])]
         del llm, runner
+        assert [r() is None for r in refs] == [True] * len(refs)
+
+        policy = Policy.from_pretrained(path, device="cpu", numerics=numerics)
+        lp = policy.token_logprobs([[5, 6, 7, 8, 9]], [2])
+        sum(x.sum() for x in lp).backward()
+        refs = [weakref.ref(o) for o in (policy, policy.model, next(policy.model.parameters()))]
+        del policy, lp
         assert [r() is None for r in refs] == [True] * len(refs)
     finally:
         if was_enabled:
