@@ -614,13 +614,19 @@ def mamba2_reference(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A
     gl = gam[..., -1]                                                                # [S, nC, G, R]
     w = (gl[..., None] - gam).exp() * d
     local = (xb * w[..., None]).transpose(-1, -2) @ bg[:, :, :, None]                # [S, nC, G, R, P, N]
-    h = torch.zeros((S, G, R, P, N), dtype=acc, device=x.device)
-    outs = []
-    for c in range(nC):
-        y_off = (cg[:, c, :, None] @ h.transpose(-1, -2)) * gam[:, c, ..., None].exp()
-        outs.append(y_diag[:, c] + y_off)
-        h = h * gl[:, c, ..., None, None].exp() + local[:, c]
-    y = torch.stack(outs, 1).permute(0, 1, 4, 2, 3, 5).reshape(S, Pd, H, P)
+    # every chunk's boundary state at once (no loop over chunks: a handful of large ops for
+    # autograd, not nC small ones): h_c = sum_{c' < c} exp(gl_{c'+1} + ... + gl_{c-1}) local_c'.
+    # The exponents are sums over each segment (a masked cumsum), not differences of one long
+    # cumsum, which would lose a short segment's sum to the rounding of the long ones.
+    ci = torch.arange(nC, device=x.device)
+    glc = gl.permute(0, 2, 3, 1)                                                     # [S, G, R, nC]
+    upto = torch.where(ci[:, None] > ci[None, :], glc[..., :, None], 0.0).cumsum(-2)  # [.., c, c']: c' < i <= c
+    seg = torch.cat((torch.zeros_like(upto[..., :1, :]), upto[..., :-1, :]), -2)     # c' < i < c
+    Lc = torch.where(ci[:, None] > ci[None, :], torch.where(ci[:, None] > ci[None, :], seg, 0.0).exp(), 0.0)
+    h = (Lc @ local.permute(0, 2, 3, 1, 4, 5).reshape(S, G, R, nC, P * N)).reshape(S, G, R, nC, P, N)
+    h = h.permute(0, 3, 1, 2, 4, 5)                                                  # [S, nC, G, R, P, N]
+    y_off = (cg[:, :, :, None] @ h.transpose(-1, -2)) * gam.exp()[..., None]          # [S, nC, G, R, C, P]
+    y = (y_diag + y_off).permute(0, 1, 4, 2, 3, 5).reshape(S, Pd, H, P)
     y = y + D.to(acc)[:, None] * batch(x.to(acc)).reshape(S, Pd, H, P)
     return seqs.unpad(y).to(out_dtype)
 
