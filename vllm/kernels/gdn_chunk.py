@@ -46,18 +46,21 @@ CUDA runs three Triton kernels (and a one-program kernel listing the state kerne
      decode path, below);
   2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
      v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
-     (fast mode: every chunk) into the fp32 state, writes the cached state where it changed.
+     (fast mode: every chunk) into the fp32 state, writes the cached state where it changed
+     (with the decode caches also its copy rounded to the model dtype, "ssm_rounded").
      Only the sequences that need it (not a decode-path chunk, below), listed on the device
      by a one-program kernel before it (no host sync: CUDA graphs replay it), the programs of
      a (V tile, head) striding over the list (STATE_PROGRAMS);
   3. output, per (chunk, value head, V tile): the new rows' outputs, and the new rows of
-     an incomplete last chunk into the buffer.
+     an incomplete last chunk into the buffer; two specialisations launched one after the
+     other, one for the decode path's chunks (below) and one for the others.
 The decode path (aligned, with the decode caches of the state, DECODE_CACHE) takes a chunk
 that is its sequence's only chunk in the step and stays partial after it: every decode
 step but the one that completes a chunk. Nothing is folded, so the chunk's boundary state
 is the cached fp32 state itself: the state kernel skips the sequence, and the output
-kernel reads the cached state and rounds it in registers (the same `.to(dtype)` the state
-kernel's copy took). Its earlier rows' T and v_new are in the slot (they depend on rows
+kernel reads the cached state's model-dtype copy "ssm_rounded" (the state kernel's
+`.to(dtype)` of the fp32 state, the rounding its boundary copies take: the same bits, half
+the bytes). Its earlier rows' T and v_new are in the slot (they depend on rows
 before them and on the boundary state only, so an earlier step computed them with these
 bits), so only the tiles of DECODE_ROWS rows holding the step's rows are computed: w and
 u in the prep kernel (with their rows of T read back from the T cache), v_new = u - w h
