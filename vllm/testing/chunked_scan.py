@@ -45,6 +45,17 @@ def step_metadata(start_pos, q_lens, slots=None, host=True, device=DEVICE) -> St
         host_q_lens=np.asarray(q_lens) if host else None)
 
 
+def assert_rounded_state(state: dict[str, torch.Tensor], slots) -> None:
+    """Where the cache keeps the state's model-dtype copy ("ssm_rounded", invariant mode), it is
+    the fp32 state rounded, bit for bit, in every slot of `slots` (what decode steps read must be
+    what the whole-chunk path would round)."""
+    if state is None or "ssm_rounded" not in state:
+        return
+    for slot in slots:
+        rounded = state["ssm_rounded"][slot]
+        assert torch.equal(bits(rounded), bits(state["ssm"][slot].to(rounded.dtype))), slot
+
+
 def nan_state(num_slots: int, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
               device=DEVICE) -> dict[str, torch.Tensor]:
     """A cache filled with NaN, name -> (shape after the slot dim, dtype): reading any stale
