@@ -142,15 +142,15 @@ def run_ours(model_dir: str, prompts, warm_prompts, args, mode: str, kv_cache_dt
         # a second, synchronised run (fresh cache) that splits the step time into phases
         llm.reset_prefix_cache()
         runner = llm.llm_engine.executor.worker
-        runner.profile = True
-        runner.timings.clear()
+        runner.timer.enabled = True
+        runner.timer.timings.clear()
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         res["profile_total_s"] = time.perf_counter() - t0
-        res["profile"] = dict(runner.timings)
-        runner.profile = False
+        res["profile"] = dict(runner.timer.timings)
+        runner.timer.enabled = False
         print(f"[{mode}] phases (s, synchronised run of {res['profile_total_s']:.2f} s): "
-              + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timings.items(), key=lambda kv: -kv[1])), flush=True)
+              + ", ".join(f"{k}={v:.2f}" for k, v in sorted(runner.timer.timings.items(), key=lambda kv: -kv[1])), flush=True)
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()

@@ -36,8 +36,8 @@ def test_options_reach_the_runner_and_the_contract(tiny_qwen3):
                 step_profile=True)
     assert other.config.kernels == KernelConfig(gemm_cublaslt=False, fused_gumbel=False)
     runner = other.llm_engine.executor.worker
-    assert runner.sampling.sampler.fused_gumbel is False and runner.profile is True
-    assert base.llm_engine.executor.worker.sampling.sampler.fused_gumbel is True and base.llm_engine.executor.worker.profile is False
+    assert runner.sampling.sampler.fused_gumbel is False and runner.timer.enabled is True
+    assert base.llm_engine.executor.worker.sampling.sampler.fused_gumbel is True and base.llm_engine.executor.worker.timer.enabled is False
     a, b = base.execution_contract(), other.execution_contract()
     # on CPU no kernel option changes what computes: only the deployment part differs
     assert a.digests["numerical"] == b.digests["numerical"]

@@ -50,4 +50,4 @@ class InProcessExecutor(Executor):
 
     @property
     def step_timings(self) -> dict[str, float] | None:
-        return self.worker.timings if self.worker.profile else None
+        return self.worker.timer.timings if self.worker.timer.enabled else None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vllm.forward_context import StateMetadata
+from vllm.kernels.chunk_scan import ROUNDED_STATE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,10 +50,10 @@ def assert_rounded_state(state: dict[str, torch.Tensor], slots) -> None:
     """Where the cache keeps the state's model-dtype copy ("ssm_rounded", invariant mode), it is
     the fp32 state rounded, bit for bit, in every slot of `slots` (what decode steps read must be
     what the whole-chunk path would round)."""
-    if state is None or "ssm_rounded" not in state:
+    if state is None or ROUNDED_STATE not in state:
         return
     for slot in slots:
-        rounded = state["ssm_rounded"][slot]
+        rounded = state[ROUNDED_STATE][slot]
         assert torch.equal(bits(rounded), bits(state["ssm"][slot].to(rounded.dtype))), slot
 
 

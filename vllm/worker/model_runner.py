@@ -127,18 +127,6 @@ class ModelRunner:
         """Raise StaleGraphPointers if any tensor the graphs read moved (no-op without graphs)."""
         self.decode_graphs.verify_pointers()
 
-    @property
-    def profile(self) -> bool:
-        return self.timer.enabled
-
-    @profile.setter
-    def profile(self, enabled: bool) -> None:
-        self.timer.enabled = enabled
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return self.timer.timings
-
     def _h2d(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # never a host sync (vllm/host_copy.py)
 
