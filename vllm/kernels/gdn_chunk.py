@@ -82,6 +82,7 @@ from typing import Callable
 import torch
 
 from vllm.forward_context import StateMetadata
+from vllm.kernels.chunk_recurrence import ChunkRecurrenceFn
 from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
     reference_dtype, reference_grads, require_triton, scan_chunks_torch
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
@@ -760,42 +761,6 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     o = qd @ states + Pm @ vn                                                    # [B, Hv, nC, C, V]
     o = o.reshape(B, Hv, P, V).transpose(1, 2) * scale
     return seqs.unpad(o).to(out_dtype)
-
-
-class ChunkRecurrenceFn(torch.autograd.Function):
-    """The delta rule from chunk to chunk, as gdn_reference runs it: from the zero state,
-    v_new_c = u_c - w_c S_c and S_(c+1) = e_c S_c + kd_c^T v_new_c, for u [B, H, nC, C, V],
-    w, kd [B, H, nC, C, K] and the chunks' decays e [B, H, nC]. Returns every chunk's
-    boundary state S_c [B, H, nC, K, V] and v_new [B, H, nC, C, V]. The backward runs the
-    reverse recurrence itself (the gradient reaching S_(c+1) carried from the last chunk to
-    the first), a few plain ops per chunk instead of an autograd graph of them."""
-
-    @staticmethod
-    def forward(ctx, u, w, kd, e):
-        B, H, nC, _, V = u.shape
-        S = u.new_zeros((B, H, w.shape[-1], V))
-        states = u.new_empty((B, H, nC, w.shape[-1], V))
-        vn = torch.empty_like(u)
-        for c in range(nC):
-            states[:, :, c] = S
-            vn[:, :, c] = u[:, :, c] - w[:, :, c] @ S
-            S = S * e[:, :, c, None, None] + kd[:, :, c].transpose(-1, -2) @ vn[:, :, c]
-        ctx.save_for_backward(w, kd, e, states, vn)
-        return states, vn
-
-    @staticmethod
-    def backward(ctx, d_states, d_vn):
-        w, kd, e, states, vn = ctx.saved_tensors
-        du, dw, dkd, de = torch.empty_like(vn), torch.empty_like(w), torch.empty_like(kd), torch.empty_like(e)
-        dS = torch.zeros_like(states[:, :, 0])  # d loss / d S_(c+1): nothing reads the last chunk's end state
-        for c in reversed(range(e.shape[2])):
-            dvn = d_vn[:, :, c] + kd[:, :, c] @ dS
-            dkd[:, :, c] = vn[:, :, c] @ dS.transpose(-1, -2)
-            de[:, :, c] = (states[:, :, c] * dS).sum((-1, -2))
-            du[:, :, c] = dvn
-            dw[:, :, c] = -(dvn @ states[:, :, c].transpose(-1, -2))
-            dS = d_states[:, :, c] + dS * e[:, :, c, None, None] - w[:, :, c].transpose(-1, -2) @ dvn
-        return du, dw, dkd, de
 
 
 class GatedDeltaRuleFn(torch.autograd.Function):

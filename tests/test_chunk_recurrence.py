@@ -1,0 +1,79 @@
+"""The chunk-to-chunk delta rule of Gated DeltaNet's training backward
+(vllm/kernels/chunk_recurrence.py): the Triton programs (interpreted on CPU) and the torch
+loops against float64 autograd of the plain recurrence, and the float64 loops by gradcheck."""
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from vllm.kernels import chunk_recurrence as cr
+from vllm.testing.chunked_scan import DEVICE as DEV, rel_err
+
+
+def autograd_recurrence(u, w, kd, e):
+    """The recurrence as plain differentiable torch (the definition the backward must match)."""
+    S = u.new_zeros((*u.shape[:2], w.shape[-1], u.shape[-1]))
+    states, vns = [], []
+    for c in range(u.shape[2]):
+        states.append(S)
+        vn = u[:, :, c] - w[:, :, c] @ S
+        vns.append(vn)
+        S = S * e[:, :, c, None, None] + kd[:, :, c].transpose(-1, -2) @ vn
+    return torch.stack(states, 2), torch.stack(vns, 2)
+
+
+def make(B, H, nC, C, K, V, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(B, H, nC, C, V, generator=gen)
+    w = torch.randn(B, H, nC, C, K, generator=gen) / K
+    kd = torch.randn(B, H, nC, C, K, generator=gen) / K
+    e = torch.rand(B, H, nC, generator=gen) * 0.5 + 0.5
+    gs = torch.randn(B, H, nC, K, V, generator=gen)
+    gvn = torch.randn(B, H, nC, C, V, generator=gen)
+    return [t.to(dtype) for t in (u, w, kd, e)], [t.to(dtype) for t in (gs, gvn)]
+
+
+def reference(inputs, grads):
+    xs = [t.double().requires_grad_() for t in inputs]
+    states, vn = autograd_recurrence(*xs)
+    loss = (states * grads[0].double()).sum() + (vn * grads[1].double()).sum()
+    d = torch.autograd.grad(loss, xs, allow_unused=True)
+    return (states, vn), [torch.zeros_like(x) if g is None else g for g, x in zip(d, xs)]
+
+
+# (B, H, nC, C, K, V): padded tiles (C, K, V not powers of two) and V split over programs
+SHAPES = [(1, 2, 3, 16, 16, 32), (2, 1, 4, 5, 12, 20), (1, 1, 2, 16, 16, 80), (1, 1, 1, 16, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_forward_and_backward_match_float64(shape, impl, monkeypatch):
+    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)  # two V tiles at V 40/80: the per-tile sums
+    inputs, grads = make(*shape, seed=sum(shape))
+    (s64, v64), d64 = reference(inputs, grads)
+    fwd = getattr(cr, f"recurrence_forward_{impl}")
+    bwd = getattr(cr, f"recurrence_backward_{impl}")
+    on = [t.to(DEV) for t in inputs]
+    states, vn = fwd(*on)
+    assert rel_err(states.cpu(), s64) < 1e-5 and rel_err(vn.cpu(), v64) < 1e-5
+    got = bwd(on[1], on[2], on[3], states, vn, *(g.to(DEV) for g in grads))
+    for name, a, b in zip(("du", "dw", "dkd", "de"), got, d64):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert rel_err(a.cpu(), b) < 1e-5, name
+
+
+def test_function_gradcheck_float64():
+    inputs, _ = make(1, 2, 3, 3, 4, 5, seed=3, dtype=torch.float64)
+    xs = [t.requires_grad_() for t in inputs]
+    assert torch.autograd.gradcheck(lambda *a: cr.ChunkRecurrenceFn.apply(*a), xs)
+
+
+def test_triton_rejects_other_dtypes():
+    inputs, _ = make(1, 1, 2, 4, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float32"):
+        cr.recurrence_forward_triton(*(t.to(DEV) for t in inputs))

@@ -1,0 +1,227 @@
+"""The delta rule from chunk to chunk, the sequential part of Gated DeltaNet's training backward.
+
+`gdn_reference` (gdn_chunk.py) computes every per-chunk quantity (gamma, A, T, w, u, the
+decayed keys) as batched ops over all chunks at once; only the state has to be carried from
+one chunk to the next:
+
+    v_new_c = u_c - w_c S_c,      S_(c+1) = e_c S_c + kd_c^T v_new_c,      S_0 = 0
+
+for u [B, H, nC, C, V], w, kd [B, H, nC, C, K] and the chunks' decays e [B, H, nC]. This
+module is that recurrence with its hand-written backward (the gradient reaching S_(c+1)
+carried from the last chunk to the first):
+
+    dv_new_c = g_vn_c + kd_c dS,   dkd_c = v_new_c dS^T,   de_c = <S_c, dS>,
+    du_c = dv_new_c,   dw_c = -dv_new_c S_c^T,   dS <- g_S_c + e_c dS - w_c^T dv_new_c
+
+where g_S_c and g_vn_c are the gradients reaching the returned states and v_new.
+
+Two implementations of each direction, one per device:
+- CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
+  its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
+  small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in
+  a fixed order (deterministic, no atomics). Dots are 3xTF32 (near-fp32; ieee float32 dots
+  compile to FMA loops that spill at these tiles), so the results agree with the float32
+  torch loops within rounding, not bit for bit: this is a backward, checked against float64
+  (tests/test_chunk_recurrence.py), not a parity path.
+- CPU (and float64, which the gradchecks use): the same formulas as torch loops over chunks.
+Under TRITON_INTERPRET=1 the Triton entries run on CPU tensors (the tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.chunk_scan import require_triton
+from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
+
+# the V tile of one program (V above it is split over programs; the reductions over V are
+# then summed over the tiles)
+BLOCK_V_MAX = 32
+NUM_WARPS = 8
+NUM_STAGES = 1
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fwd_kernel(u_desc, w_desc, kd_desc, e_ptr, states_desc, vn_desc, NC,
+                    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """Program (sequence x head, V tile): S_0 = 0; per chunk c, store S_c, v_new_c = u_c - w_c S_c,
+        S_(c+1) = e_c S_c + kd_c^T v_new_c. Tiles move through tensor descriptors over the
+        [chunks, rows, cols] views (zero padding past C / K / V, clipped stores): no per-element
+        pointer tiles held in registers across the loop."""
+        bh = tl.program_id(0)
+        v0 = tl.program_id(1) * BV
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+        for c in range(NC):
+            chunk = bh * NC + c
+            states_desc.store([chunk, 0, v0], tl.reshape(S, (1, BK, BV)))
+            w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
+            u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV))
+            vn = u - tl.dot(w, S, input_precision=PREC)
+            vn_desc.store([chunk, 0, v0], tl.reshape(vn, (1, BC, BV)))
+            kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
+            e = tl.load(e_ptr + chunk)
+            S = S * e + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+
+    @triton.jit
+    def _bwd_kernel(w_desc, kd_desc, e_ptr, states_desc, vn_desc, gs_desc, gvn_desc, du_desc, dw_desc, dkd_desc,
+                    de_ptr, NC, NBH, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """Program (sequence x head, V tile): dS = 0; per chunk from the last: dv_new, this V tile's
+        parts of dkd, dw and de (its rows of their per-tile outputs: chunk + tile * chunks),
+        du, then dS of the chunk before."""
+        bh = tl.program_id(0)
+        iv = tl.program_id(1)
+        v0 = iv * BV
+        part = iv * NBH * NC
+        dS = tl.zeros((BK, BV), dtype=tl.float32)
+        for i in range(NC):
+            chunk = bh * NC + (NC - 1 - i)
+            kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
+            vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
+            dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + tl.dot(kd, dS, input_precision=PREC)
+            du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
+            dkd = tl.dot(vn, tl.trans(dS), input_precision=PREC)
+            dkd_desc.store([part + chunk, 0, 0], tl.reshape(dkd, (1, BC, BK)))
+            S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV))
+            tl.store(de_ptr + part + chunk, tl.sum(tl.sum(S * dS, 1), 0))
+            dw = -tl.dot(dvn, tl.trans(S), input_precision=PREC)
+            dw_desc.store([part + chunk, 0, 0], tl.reshape(dw, (1, BC, BK)))
+            w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
+            e = tl.load(e_ptr + chunk)
+            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV))
+            dS = gs + dS * e - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+
+
+def _blocks(C: int, K: int, V: int) -> tuple[int, int, int]:
+    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at BLOCK_V_MAX."""
+    def p2(n):
+        return max(16, next_pow2(n))
+    return p2(C), p2(K), min(p2(V), BLOCK_V_MAX)
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
+
+
+def _check(u, w, kd, e):
+    if u.dtype != torch.float32 or any(t.dtype != torch.float32 for t in (w, kd, e)):
+        raise ValueError("the Triton chunk recurrence takes float32 tensors")
+    B, H, nC, C, V = u.shape
+    if w.shape != kd.shape or w.shape[:4] != (B, H, nC, C) or tuple(e.shape) != (B, H, nC):
+        raise ValueError(f"chunk recurrence: u {tuple(u.shape)}, w {tuple(w.shape)}, kd {tuple(kd.shape)}, "
+                         f"e {tuple(e.shape)} do not agree")
+    if not _dims_ok(w.shape[-1], V):
+        raise ValueError(f"the Triton chunk recurrence needs K and V multiples of 4 (16-byte rows), got {w.shape[-1]}, {V}")
+
+
+def _dims_ok(K: int, V: int) -> bool:
+    return K % 4 == 0 and V % 4 == 0 and K > 0 and V > 0
+
+
+def _desc(t: torch.Tensor, block: tuple[int, int]):
+    """A descriptor over t as [matrices, rows, cols] (its last two dims), one matrix per box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), [1, *block])
+
+
+def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, H, nC, K, V], v_new [B, H, nC, C, V]), float32."""
+    require_triton(u)
+    _check(u, w, kd, e)
+    B, H, nC, C, V = u.shape
+    K = w.shape[-1]
+    u, w, kd, e = (aligned16(t) for t in (u, w, kd, e))
+    states = u.new_empty((B, H, nC, K, V))
+    vn = torch.empty_like(u)
+    if u.numel() == 0:
+        return states.zero_(), vn.copy_(u)
+    BC, BK, BV = _blocks(C, K, V)
+    _fwd_kernel[(B * H, -(-V // BV))](
+        _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=_prec(u), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return states, vn
+
+
+def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn):
+    """(du, dw, dkd, de) of the forward above, given the gradients reaching its outputs."""
+    require_triton(w)
+    B, H, nC, C, V = vn.shape
+    K = w.shape[-1]
+    w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
+    du = torch.empty_like(vn)
+    BC, BK, BV = _blocks(C, K, V)
+    NV = -(-V // BV)
+    dw_t = w.new_empty((NV, *w.shape))
+    dkd_t = w.new_empty((NV, *w.shape))
+    de_t = e.new_empty((NV, *e.shape))
+    if vn.numel():
+        _bwd_kernel[(B * H, NV)](
+            _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
+            _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
+            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=_prec(w), num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES)
+    else:
+        dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()
+    # the V tiles' parts, added in tile order
+    return du, _sum_tiles(dw_t, w), _sum_tiles(dkd_t, kd), _sum_tiles(de_t, e)
+
+
+def _sum_tiles(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if parts.shape[0] == 0:
+        return torch.zeros_like(like)
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def recurrence_forward_torch(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as a torch loop over chunks (CPU, float64)."""
+    B, H, nC, _, V = u.shape
+    S = u.new_zeros((B, H, w.shape[-1], V))
+    states = u.new_empty((B, H, nC, w.shape[-1], V))
+    vn = torch.empty_like(u)
+    for c in range(nC):
+        states[:, :, c] = S
+        vn[:, :, c] = u[:, :, c] - w[:, :, c] @ S
+        S = S * e[:, :, c, None, None] + kd[:, :, c].transpose(-1, -2) @ vn[:, :, c]
+    return states, vn
+
+
+def recurrence_backward_torch(w, kd, e, states, vn, g_states, g_vn):
+    """The backward as a torch loop over chunks, last to first (CPU, float64)."""
+    du, dw, dkd, de = torch.empty_like(vn), torch.empty_like(w), torch.empty_like(kd), torch.empty_like(e)
+    dS = torch.zeros_like(states[:, :, 0])  # d loss / d S_(c+1): nothing reads the last chunk's end state
+    for c in reversed(range(e.shape[2])):
+        dvn = g_vn[:, :, c] + kd[:, :, c] @ dS
+        dkd[:, :, c] = vn[:, :, c] @ dS.transpose(-1, -2)
+        de[:, :, c] = (states[:, :, c] * dS).sum((-1, -2))
+        du[:, :, c] = dvn
+        dw[:, :, c] = -(dvn @ states[:, :, c].transpose(-1, -2))
+        dS = g_states[:, :, c] + dS * e[:, :, c, None, None] - w[:, :, c].transpose(-1, -2) @ dvn
+    return du, dw, dkd, de
+
+
+def _use_triton(values: torch.Tensor, keys: torch.Tensor) -> bool:
+    return (HAS_TRITON and values.is_cuda and values.dtype == torch.float32
+            and _dims_ok(keys.shape[-1], values.shape[-1]))
+
+
+class ChunkRecurrenceFn(torch.autograd.Function):
+    """(states, v_new) = recurrence(u, w, kd, e) with the backward above: the Triton programs
+    for float32 CUDA tensors, the torch loops otherwise."""
+
+    @staticmethod
+    def forward(ctx, u, w, kd, e):
+        fwd = recurrence_forward_triton if _use_triton(u, w) else recurrence_forward_torch
+        states, vn = fwd(u, w, kd, e)
+        ctx.save_for_backward(w, kd, e, states, vn)
+        return states, vn
+
+    @staticmethod
+    def backward(ctx, g_states, g_vn):
+        w, kd, e, states, vn = ctx.saved_tensors
+        bwd = recurrence_backward_triton if _use_triton(vn, w) else recurrence_backward_torch
+        return bwd(w, kd, e, states, vn, g_states, g_vn)
