@@ -91,3 +91,17 @@ def test_custom_reward_module_and_file(tmp_path, monkeypatch):
         build_reward("my_rewards:bad_value")("a", "b", {})
     with pytest.raises(ValueError):
         build_reward("rouge")
+
+
+def test_digit_fraction_varies_for_the_random_weight_recipes():
+    """The dims recipes' reward: a group of random responses gets different rewards, so GRPO's
+    advantages (and the step's update) are not all zero."""
+    reward = build_reward("vllm.rl.rewards:digit_fraction")
+    assert reward("a1b2", "", {}) == 0.5 and reward("", "", {}) == 0.0 and reward("12", "x", {}) == 1.0
+    import os
+
+    from vllm.rl.config import TrainConfig
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("qwen3_dims_grpo", "qwen3_next_dims_grpo"):
+        cfg = TrainConfig.from_yaml(os.path.join(repo, "training", f"{name}.yaml")).validate()
+        assert cfg.reward.reward == "vllm.rl.rewards:digit_fraction"

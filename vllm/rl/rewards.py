@@ -165,6 +165,16 @@ def exact_match_reward(correct: float = 1.0, wrong: float = 0.0) -> RewardFn:
     return reward
 
 
+def digit_fraction(response: str, answer: str, record: dict) -> float:
+    """The fraction of the response's characters that are digits. For random-weight recipes
+    (`reward: vllm.rl.rewards:digit_fraction`): such a model never answers, so `math` gives
+    every response 0, every GRPO advantage is 0 and the weights never move; this reward
+    varies within a group, so every step updates the weights and the rollout/trainer diff
+    is checked on updated weights."""
+    del answer, record
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
 def load_custom(spec: str) -> RewardFn:
     """`module:function` or `path/to/file.py:function`, checked to accept (response, answer, record)."""
     mod_name, _, fn_name = spec.rpartition(":")
