@@ -132,12 +132,18 @@ def _mamba2_ops():
 
 
 def _leaf_tree():
-    """The TP leaf tree at every H200 config (plain and TMA) of its table, 8 leaves, bf16."""
+    """The TP leaf tree at every H200 config (plain and TMA) of its table, 8 leaves, bf16;
+    the register-counter kernels ("tmar" and its pointer form "plainr") at every depth of
+    the counter they unroll (1, 2, 8, 16 leaves)."""
     from vllm.kernels import leaf_tree
 
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
     for _, *cfg in leaf_tree.TREE_GPU_CONFIGS:
         leaf_tree.tree_linear_triton(x, w, 8, config=tuple(cfg))
+    for leaves in (1, 2, 8, 16):
+        leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
+    leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 32, 128, 4, 4))
+    leaf_tree.tree_linear_triton(x, w, 8, config=("plainr", 16, 32, 128, 4, 4))
 
 
 def _gemm():
@@ -180,7 +186,8 @@ FAMILIES = {
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),
     "mamba2_ops": (_mamba2_ops, True, {"_ssu_kernel", "_gated_norm_kernel"}),
-    "leaf_tree": (_leaf_tree, False, {"_tree_matmul_kernel", "_tree_tma_kernel", "_tree_tma_flat_kernel"}),
+    "leaf_tree": (_leaf_tree, False, {"_tree_matmul_kernel", "_tree_tma_kernel", "_tree_tma_flat_kernel",
+                                      "_tree_tma_regs_kernel", "_tree_regs_kernel"}),
     "gemm": (_gemm, False, {"_invariant_matmul_kernel", "_invariant_matmul_tma_kernel"}),
     "attention": (_attention, False, {"_paged_attn_kernel", "_merge_splits_kernel"}),
 }

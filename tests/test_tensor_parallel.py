@@ -52,13 +52,13 @@ def test_rank_subtrees_finish_to_the_same_bits(size, impl):
     assert torch.equal(bits(leaf_tree.tree_sum(roots)), bits(whole))
 
 
-@pytest.mark.parametrize("impl", ["plain", "tma", "tmaf"])
+@pytest.mark.parametrize("impl", ["plain", "tma", "tmaf", "plainr", "tmar"])
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8, 16])
 def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
-    """Both kernels (pointer loads, TMA descriptors), each with its subtrees waiting in the
-    scratch, against one GEMM per leaf and the tree; the interpreter's tile (its emulated dot
-    rounds per K tile, so BK stays the invariant GEMM's 16 there)."""
-    if impl != "plain" and 128 // leaves < 16:
+    """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in the scratch or
+    in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
+    emulated dot rounds per K tile, so BK stays the invariant GEMM's 16 there)."""
+    if impl.startswith("tma") and 128 // leaves < 16:
         pytest.skip("a TMA leaf needs K / leaves to be a multiple of BK")
     x, w = _xw(M=19, N=40, K=128, seed=leaves)
     fused = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
@@ -67,6 +67,51 @@ def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
     assert torch.equal(bits(fused), bits(leafwise))
     ref = leaf_tree.tree_linear_reference(x, w)
     assert torch.allclose(fused.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["plainr", "tmar"])
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 128), (5, 30, 128), (33, 40, 96)])
+def test_register_counter_kernels_equal_one_gemm_per_leaf(M, N, K, leaves, impl):
+    """The one-K-loop kernels with the waiting subtrees in registers, at several M, N not a
+    multiple of BN, and K / leaves not a multiple of BK (K = 96: the pointer kernel masks
+    each leaf's last K tile; "tmar" then runs it, as where N * 4 bytes is not 16-aligned)."""
+    x, w = _xw(M=M, N=N, K=K, seed=M * 100 + leaves)
+    fused = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
+    assert torch.equal(bits(fused), bits(leaf_tree.tree_linear_leafwise(x, w, leaves)))
+
+
+@pytest.mark.parametrize("impl", ["plainr", "tmar"])
+@pytest.mark.parametrize("leaves", [4, 8])
+def test_register_counter_adds_in_tree_order(leaves, impl):
+    """Leaf sums chosen so that every other pairing gives other bits: leaf j's sum is exactly
+    v_j (one nonzero product per leaf), v = 1e8, 1, -1e8, 1, ...; the tree gives
+    ((1e8 + 1) + (-1e8 + 1)) = 0 per group of four (each 1 lost next to 1e8), a left-to-right
+    sum 1 or 2, the pairing (l0 + l2) + (l1 + l3) gives 2."""
+    K, N = 16 * leaves, 24
+    v = torch.tensor([1e8, 1.0, -1e8, 1.0] * (leaves // 4))
+    x, w = torch.zeros(3, K), torch.zeros(N, K)
+    x[:, ::16] = 1.0
+    w[:, ::16] = v
+    fused = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
+    assert torch.equal(fused, torch.zeros(3, N))
+    assert torch.equal(bits(fused), bits(leaf_tree.tree_linear_leafwise(x, w, leaves)))
+    left_to_right = torch.zeros(())
+    for value in v:
+        left_to_right = left_to_right + value
+    assert left_to_right.item() != 0.0
+
+
+def test_tmar_takes_the_tma_kernel_where_it_can(monkeypatch):
+    """On TMA-able operands (K / leaves a multiple of BK, 16-byte aligned rows) "tmar" runs
+    the TMA kernel (the interpreter emulates the descriptors), not its pointer fallback."""
+    x, w = _xw(M=5, N=40, K=128)
+    monkeypatch.setattr(leaf_tree, "_tree_regs_kernel", None)
+    leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 16, 16, 1, 1))
+    with pytest.raises(TypeError):  # N * 4 bytes not 16-aligned: the pointer kernel
+        leaf_tree.tree_linear_triton(*_xw(M=5, N=30, K=128), 8, config=("tmar", 16, 16, 16, 1, 1))
+    with pytest.raises(ValueError, match="tree impl"):
+        leaf_tree.tree_linear_triton(x, w, 8, config=("regs", 16, 16, 16, 1, 1))
 
 
 def test_tree_rows_are_batch_invariant_and_close_to_float64():

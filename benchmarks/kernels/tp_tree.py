@@ -32,12 +32,23 @@ SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SWEEP_MS = [1, 16, 64, 256, 1024, 4096, 16384]
 # (impl, BM, BN, BK, warps, stages); a 128 x 256 TMA tile fits shared memory with the tree's
-# float32 tile only at 2 stages
+# float32 tile only at 2 stages. "tmar" / "plainr" (one K loop over all leaves, the waiting
+# subtrees in registers: four float32 tiles live at 8 leaves) are listed only where they do
+# not spill, read offline for sm_90 at 8 leaves (ptxas -v on the recorded launches): none of
+# 64x128 at 4 warps nor 128x128 fits; 16x64x128 "tmar" spills 12 bytes.
 CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("plain", 16, 64, 128, 4, 4), ("plain", 32, 64, 128, 4, 4),
               ("plain", 64, 64, 128, 4, 4), ("tma", 64, 64, 128, 4, 4), ("tma", 64, 128, 64, 4, 4),
               ("tma", 128, 64, 64, 4, 4), ("tma", 128, 128, 64, 8, 3), ("tma", 128, 128, 64, 8, 4),
               ("tma", 128, 256, 64, 8, 2), ("tmaf", 64, 64, 128, 4, 4), ("tmaf", 64, 128, 64, 4, 4),
-              ("tmaf", 128, 64, 64, 4, 4), ("tmaf", 128, 64, 64, 8, 3)]
+              ("tmaf", 128, 64, 64, 4, 4), ("tmaf", 128, 64, 64, 8, 3),
+              ("tmar", 16, 32, 128, 4, 4), ("tmar", 16, 64, 64, 4, 4), ("tmar", 16, 64, 64, 4, 5),
+              ("tmar", 16, 128, 64, 4, 4), ("tmar", 16, 128, 128, 4, 3), ("tmar", 32, 32, 128, 4, 4),
+              ("tmar", 32, 64, 64, 4, 4), ("tmar", 32, 64, 128, 4, 3), ("tmar", 32, 64, 128, 4, 4),
+              ("tmar", 32, 128, 64, 4, 4), ("tmar", 32, 128, 128, 4, 3), ("tmar", 64, 32, 128, 4, 4),
+              ("tmar", 64, 64, 64, 4, 4), ("tmar", 64, 64, 64, 4, 5), ("tmar", 64, 64, 128, 4, 3),
+              ("tmar", 64, 64, 128, 4, 4), ("tmar", 64, 128, 64, 8, 4), ("tmar", 128, 64, 64, 8, 4),
+              ("tmar", 128, 64, 128, 8, 3), ("plainr", 16, 32, 128, 4, 4), ("plainr", 16, 64, 128, 4, 4),
+              ("plainr", 32, 64, 128, 4, 4)]
 
 
 def _time_graph(fn) -> float:

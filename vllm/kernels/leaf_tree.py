@@ -15,7 +15,8 @@ and rounds once, after the top of the tree):
   float32 copies (the rule of kernels/torch_ops.py's row forms);
 - `tree_linear_triton` (CUDA, invariant): one persistent launch, each program computing
   its output tiles' leaves in turn and adding them in tree order (the subtrees waiting for
-  a right sibling in an L2-resident scratch);
+  a right sibling in an L2-resident scratch, or with "tmar" / "plainr" in registers, the
+  leaves then one K loop);
 - `tree_linear_leafwise`: one invariant GEMM launch per leaf (float32 out) and `tree_sum`:
   what the fused kernel must equal bit for bit (tests, benchmarks);
 - `tree_linear_reference`: float64;
@@ -213,19 +214,169 @@ def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
         c_desc.store([pid_m * BM, pid_n * BN], cur)
 
 
+@triton.jit
+def _counter_level(cur, s, j, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
+    """One level of the binary counter of waiting subtrees held in registers, at the end
+    of leaf j (a runtime scalar, the same in every thread). Where bits 0 .. LEVEL of j are
+    all set the pair at this level closes: the waiting left sibling `s` is added on the
+    left and `cur` (the pair) moves up; where only the bits below LEVEL are set `cur`
+    waits in `s` for its right sibling. The top level also holds the root: its pair closes
+    only at the last leaf (every bit set), and the sum stays in `s`."""
+    low = (2 << LEVEL) - 1
+    if (j & low) == low:
+        if LEVEL == LEVELS - 1:
+            s = s + cur
+        else:
+            cur = s + cur
+    elif (j & low) == (low >> 1):
+        s = cur
+    return cur, s
+
+
+@triton.jit
+def _counter_regs(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr):
+    """Leaf j's sum `cur` into the register counter s0 .. s{LEVELS-1} (LEVELS <= 4; unused
+    ones pass through and the compiler drops them), level by level up from 0. After the
+    last leaf the whole tree is in s{LEVELS-1}: at 8 leaves
+    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as `tree_sum`. One branch per level
+    on j: Triton keeps the MMA asynchronous with the accumulator read only under these
+    branches (a wait there), where fully nested branches made it wait after every dot, and
+    the branches cost fewer instructions and registers than selects over every level."""
+    cur, s0 = _counter_level(cur, s0, j, 0, LEVELS)
+    if LEVELS > 1:
+        cur, s1 = _counter_level(cur, s1, j, 1, LEVELS)
+    if LEVELS > 2:
+        cur, s2 = _counter_level(cur, s2, j, 2, LEVELS)
+    if LEVELS > 3:
+        cur, s3 = _counter_level(cur, s3, j, 3, LEVELS)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _counter_root(s0, s1, s2, s3, LEVELS: tl.constexpr):
+    """The tree's root after the last leaf: the top level of the register counter."""
+    if LEVELS == 1:
+        root = s0
+    elif LEVELS == 2:
+        root = s1
+    elif LEVELS == 3:
+        root = s2
+    else:
+        root = s3
+    return root
+
+
+@triton.jit
+def _tree_regs_kernel(a_ptr, b_ptr, c_ptr, M, N, KL,
+                      stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                      LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """Persistent, pointer loads: per output tile ONE K loop over all leaves (the pipeline
+    keeps loading across leaf boundaries), the subtrees waiting for a right sibling held in
+    registers (`_counter_regs`, at most LEVELS float32 tiles next to the accumulator). Leaf
+    j is iterations [j steps, (j + 1) steps) of the loop, its K tiles masked to its own K
+    range when BK does not divide K / leaves; at its last iteration the counter takes the
+    leaf's sum and the accumulator restarts from exact zeros. Every leaf is still one
+    float32 accumulation from zero over its K, added in the fixed tree: the bits of
+    `tree_linear_leafwise`. One leaf (LEVELS = 0) is the invariant GEMM."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    lm = tl.arange(0, BM)
+    ln = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    steps = tl.cdiv(KL, BK)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
+        rm = pid_m.to(tl.int64) * BM + lm
+        rn = pid_n.to(tl.int64) * BN + ln
+        if LEVELS == 0:
+            root = matmul._dot_k(a_ptr, b_ptr, rm, rn, rk, M, N, KL, stride_am, stride_ak, stride_bn, stride_bk,
+                                 BM, BN, BK, EVEN_K)
+        else:
+            a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+            b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
+            m_ok = rm[:, None] < M
+            n_ok = rn[None, :] < N
+            cur = tl.zeros((BM, BN), dtype=tl.float32)
+            s0 = tl.zeros((BM, BN), dtype=tl.float32)
+            s1 = tl.zeros((BM, BN), dtype=tl.float32)
+            s2 = tl.zeros((BM, BN), dtype=tl.float32)
+            s3 = tl.zeros((BM, BN), dtype=tl.float32)
+            for it in range(0, LEAVES * steps):
+                j = it // steps
+                ki = it - j * steps
+                k0 = j * KL + ki * BK
+                if EVEN_K:
+                    a = tl.load(a_ptrs + k0 * stride_ak, mask=m_ok, other=0.0)
+                    b = tl.load(b_ptrs + k0 * stride_bk, mask=n_ok, other=0.0)
+                else:
+                    k_left = KL - ki * BK
+                    a = tl.load(a_ptrs + k0 * stride_ak, mask=m_ok & (rk[None, :] < k_left), other=0.0)
+                    b = tl.load(b_ptrs + k0 * stride_bk, mask=n_ok & (rk[:, None] < k_left), other=0.0)
+                cur = tl.dot(a, b, cur)
+                if ki == steps - 1:
+                    s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, j, LEVELS)
+                    cur = tl.zeros((BM, BN), dtype=tl.float32)
+            root = _counter_root(s0, s1, s2, s3, LEVELS)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, root,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
+                          LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_tree_regs_kernel` with Hopper TMA loads and store (KL a multiple of BK, so a K tile
+    never straddles two leaves): one K loop over all leaves, the waiting subtrees in
+    registers, no scratch. The leaf-end work sits under `if` (the form of Triton's
+    persistent-matmul tutorial): the wgmma stays asynchronous (one group in flight) and
+    waits for the accumulator only in that branch, where the counter reads it; the reset
+    to zeros is register moves there. (Triton 3.8 runs OptimizeAccumulatorInit, which would
+    turn the reset into the MMA's use-accumulator flag, only for sm_100 and newer.)"""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    steps = KL // BK
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
+        if LEVELS == 0:
+            root = matmul._tma_dot_k(a_desc, b_desc, pid_m * BM, pid_n * BN, KL, BM, BN, BK)
+        else:
+            cur = tl.zeros((BM, BN), dtype=tl.float32)
+            s0 = tl.zeros((BM, BN), dtype=tl.float32)
+            s1 = tl.zeros((BM, BN), dtype=tl.float32)
+            s2 = tl.zeros((BM, BN), dtype=tl.float32)
+            s3 = tl.zeros((BM, BN), dtype=tl.float32)
+            for it in range(0, LEAVES * steps):
+                a = a_desc.load([pid_m * BM, it * BK])
+                b = b_desc.load([pid_n * BN, it * BK])
+                cur = tl.dot(a, b.T, cur)
+                if (it + 1) % steps == 0:
+                    s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, it // steps, LEVELS)
+                    cur = tl.zeros((BM, BN), dtype=tl.float32)
+            root = _counter_root(s0, s1, s2, s3, LEVELS)
+        c_desc.store([pid_m * BM, pid_n * BN], root)
+
+
 # (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
 # whatever the tile and impl (as for the invariant GEMM). "tmaf" is "tma" with one K loop
-# over all leaves (the pipeline runs across leaf boundaries). "tma"/"tmaf" need K / leaves to be a
-# multiple of BK and 16-byte aligned rows, else the entry runs as "plain". Register use read
-# offline for sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8
-# warps 210 registers, no spill, 164 KB shared; 128x256 does not fit shared memory; the
-# plain kernel spills at 128x128 (its pointer tensors). Timed by benchmarks/kernels/tp_tree.py.
+# over all leaves (the pipeline runs across leaf boundaries). "tmar" / "plainr": one K loop
+# over all leaves with the waiting subtrees in registers (no scratch). "tma"/"tmaf"/"tmar"
+# need K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
+# "plain" ("tmar" as "plainr"). Register use read offline for sm_90 (triton.compile +
+# cuobjdump -res-usage / ptxas -v, 8 leaves): tma 128x128x64 at 8 warps 210 registers, no
+# spill, 164 KB shared; 128x256 does not fit shared memory; the plain kernel spills at
+# 128x128 (its pointer tensors); tmar (four float32 tiles live) 183 registers at 64x64 /
+# 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128.
+# Timed by benchmarks/kernels/tp_tree.py.
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plain", 16, 32, 128, 4, 4),
     (64, "tmaf", 64, 64, 128, 4, 4),
     (256, "tma", 64, 128, 64, 4, 4),
     (1 << 62, "tma", 128, 128, 64, 8, 4),
 ]
+TREE_IMPLS = ("plain", "tma", "tmaf", "plainr", "tmar")
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
@@ -268,23 +419,32 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     if M == 0:
         return c.reshape(*lead, N)
     impl, bm, bn, bk, warps, stages = config or _tree_config(M)
+    if impl not in TREE_IMPLS:
+        raise ValueError(f"tree impl must be one of {TREE_IMPLS}, got {impl!r}")
     KL = K // leaves
     levels = leaves.bit_length() - 1
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     programs = min(tiles, matmul._num_programs(x.device)) if x.device.type == "cuda" else tiles
-    # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
-    stack = _stack(x.device, programs * max(levels, 1) * bm * bn).narrow(0, 0, programs * max(levels, 1) * bm * bn)
-    if impl in ("tma", "tmaf") and KL % bk == 0 and matmul._tma_ok(a, weight, c):
+    tma = impl.startswith("tma") and KL % bk == 0 and matmul._tma_ok(a, weight, c)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
+        descs = (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+                 TensorDescriptor.from_tensor(c, [bm, bn]))
+    opts = dict(LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    ptr_args = (a, weight, c, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0),
+                c.stride(1))
+    if impl in ("tmar", "plainr"):  # the waiting subtrees in registers, no scratch
+        if tma:
+            _tree_tma_regs_kernel[(programs,)](*descs, M, N, KL, **opts)
+        else:
+            _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts)
+        return c.reshape(*lead, N)
+    # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
+    numel = programs * max(levels, 1) * bm * bn
+    stack = _stack(x.device, numel).narrow(0, 0, numel)
+    if tma:
         kernel = _tree_tma_flat_kernel if impl == "tmaf" else _tree_tma_kernel
-        kernel[(programs,)](
-            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-            TensorDescriptor.from_tensor(c, [bm, bn]), TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]),
-            M, N, KL, LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps,
-            num_stages=stages)
+        kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL, **opts)
     else:
-        _tree_matmul_kernel[(programs,)](
-            a, weight, c, stack, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0),
-            c.stride(1), LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=KL % bk == 0,
-            num_warps=warps, num_stages=stages)
+        _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts)
     return c.reshape(*lead, N)
