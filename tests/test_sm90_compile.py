@@ -140,6 +140,8 @@ def _leaf_tree():
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
     for _, *cfg in leaf_tree.TREE_GPU_CONFIGS:
         leaf_tree.tree_linear_triton(x, w, 8, config=tuple(cfg))
+    # "plain": what the table's "tma" entry runs where TMA cannot
+    leaf_tree.tree_linear_triton(x, w, 8, config=("plain", 16, 32, 128, 4, 4))
     for leaves in (1, 2, 8, 16):
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 32, 128, 4, 4))
@@ -179,15 +181,27 @@ def _attention():
         attention.INTERPRET_PREFILL_BLOCK_M = saved
 
 
+def _chunk_recurrence():
+    """GDN's training recurrence at a padded tile and at a split V (tests/test_chunk_recurrence.py)."""
+    from vllm.kernels import chunk_recurrence as cr
+    for shape in ((1, 2, 3, 16, 16, 32), (1, 1, 2, 5, 12, 80)):
+        B, H, nC, C, K, V = shape
+        u, w, kd = torch.randn(B, H, nC, C, V), torch.randn(B, H, nC, C, K), torch.randn(B, H, nC, C, K)
+        e = torch.rand(B, H, nC)
+        states, vn = cr.recurrence_forward_triton(u, w, kd, e)
+        cr.recurrence_backward_triton(w, kd, e, states, vn, torch.randn_like(states), torch.randn_like(vn))
+
+
 # name -> (driver, execute on the interpreter, kernels it must launch)
 FAMILIES = {
     "gdn_chunk": (_gdn_chunk, True, {"_gdn_prep_kernel", "_gdn_state_kernel", "_gdn_output_kernel"}),
     "gdn_ops": (_gdn_ops, True, {"_recurrent_kernel", "_rms_norm_gated_kernel"}),
+    "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),
     "mamba2_ops": (_mamba2_ops, True, {"_ssu_kernel", "_gated_norm_kernel"}),
-    "leaf_tree": (_leaf_tree, False, {"_tree_matmul_kernel", "_tree_tma_kernel", "_tree_tma_flat_kernel",
-                                      "_tree_tma_regs_kernel", "_tree_regs_kernel"}),
+    "leaf_tree": (_leaf_tree, False, {"_tree_matmul_kernel", "_tree_tma_kernel", "_tree_tma_regs_kernel",
+                                      "_tree_regs_kernel"}),
     "gemm": (_gemm, False, {"_invariant_matmul_kernel", "_invariant_matmul_tma_kernel"}),
     "attention": (_attention, False, {"_paged_attn_kernel", "_merge_splits_kernel"}),
 }

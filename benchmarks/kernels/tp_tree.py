@@ -37,7 +37,6 @@ SWEEP_MS = [1, 16, 64, 256, 1024, 4096, 16384]
 # not spill, read offline for sm_90 at 8 leaves (ptxas -v on the recorded launches): none of
 # 64x128 at 4 warps nor 128x128 fits; 16x64x128 "tmar" spills 12 bytes.
 CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 128, 128, 64, 8, 4),
-              ("tmaf", 64, 64, 128, 4, 4),
               ("tmar", 16, 32, 128, 4, 4), ("tmar", 16, 32, 256, 4, 4), ("tmar", 64, 16, 128, 4, 4),
               ("tmar", 64, 32, 128, 4, 4), ("tmar", 64, 32, 128, 4, 6), ("tmar", 64, 32, 256, 4, 3),
               ("tmar", 64, 64, 128, 4, 4), ("tmar", 128, 32, 128, 4, 4), ("tmar", 64, 128, 64, 8, 4),

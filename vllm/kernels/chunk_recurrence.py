@@ -33,11 +33,15 @@ import torch
 from vllm.kernels.chunk_scan import require_triton
 from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
 
-# the V tile of one program (V above it is split over programs; the reductions over V are
-# then summed over the tiles)
+# The V tile of one program (V above it is split over programs; the reductions over V are
+# then summed over the tiles), warps and pipeline stages. H200, 32 heads x 160 chunks of 64,
+# K = V = 128, forward / backward us: 32, 8 warps, 2 stages 770 / 3,933 (kept); 32/8/1
+# 1,154 / 4,592; 32/4/1 1,006 / 3,938; 64/8/1 1,671 / 4,838; 64/4/1 1,844 / 5,255; 16/4/1
+# 917 / 5,037. A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not looked
+# into; V >= 32 never takes that tile). benchmarks/NOTES.md, session 16.
 BLOCK_V_MAX = 32
 NUM_WARPS = 8
-NUM_STAGES = 1
+NUM_STAGES = 2
 
 
 if HAS_TRITON:

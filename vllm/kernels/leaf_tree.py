@@ -188,33 +188,6 @@ def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 
 
 @triton.jit
-def _tree_tma_flat_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
-                          LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """`_tree_tma_kernel` with one K loop over all leaves, so the TMA pipeline keeps loading
-    across leaf boundaries: at the end of leaf j the binary counter runs (as there), and the
-    accumulator restarts from exact zeros for leaf j + 1. Every leaf is still one float32
-    accumulation from zero over its own K: the same bits."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    steps = KL // BK
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
-        cur = tl.zeros((BM, BN), dtype=tl.float32)
-        for it in range(0, LEAVES * steps):
-            a = a_desc.load([pid_m * BM, it * BK])
-            b = b_desc.load([pid_n * BN, it * BK])
-            cur = tl.dot(a, b.T, cur)
-            if (it + 1) % steps == 0:
-                j = it // steps
-                cur = _counter_step(stack_desc, cur, j, pid * LEVELS, LEVELS, BM)
-                if j < LEAVES - 1:
-                    cur = tl.zeros((BM, BN), dtype=tl.float32)
-        c_desc.store([pid_m * BM, pid_n * BN], cur)
-
-
-@triton.jit
 def _counter_level(cur, s, j, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
     """One level of the binary counter of waiting subtrees held in registers, at the end
     of leaf j (a runtime scalar, the same in every thread). Where bits 0 .. LEVEL of j are
@@ -360,10 +333,8 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
 
 
 # (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
-# whatever the tile and impl (as for the invariant GEMM). "tmaf" is "tma" with one K loop
-# over all leaves (the pipeline runs across leaf boundaries). "tmar" / "plainr": one K loop
-# over all leaves with the waiting subtrees in registers (no scratch). "tma"/"tmaf"/"tmar"
-# need K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
+# whatever the tile and impl (as for the invariant GEMM). "tmar" / "plainr": one K loop
+# over all leaves with the waiting subtrees in registers (no scratch). "tma"/"tmar" need K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
 # "plain" ("tmar" as "plainr"). Register use read offline for sm_90 (triton.compile +
 # cuobjdump -res-usage / ptxas -v, 8 leaves): tma 128x128x64 at 8 warps 210 registers, no
 # spill, 164 KB shared; 128x256 does not fit shared memory; the plain kernel spills at
@@ -371,12 +342,12 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
 # 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128.
 # Timed by benchmarks/kernels/tp_tree.py.
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
-    (16, "plain", 16, 32, 128, 4, 4),
-    (64, "tmaf", 64, 64, 128, 4, 4),
-    (256, "tma", 64, 128, 64, 4, 4),
-    (1 << 62, "tma", 128, 128, 64, 8, 4),
+    (16, "plainr", 16, 32, 256, 4, 4),
+    (64, "tmar", 64, 32, 128, 4, 6),
+    (256, "tmar", 128, 64, 128, 8, 3),
+    (1 << 62, "tma", 128, 128, 64, 8, 4),   # tmar 128x64x128 ties here (faster on o_proj, slower on down)
 ]
-TREE_IMPLS = ("plain", "tma", "tmaf", "plainr", "tmar")
+TREE_IMPLS = ("plain", "tma", "plainr", "tmar")
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
@@ -443,8 +414,7 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     numel = programs * max(levels, 1) * bm * bn
     stack = _stack(x.device, numel).narrow(0, 0, numel)
     if tma:
-        kernel = _tree_tma_flat_kernel if impl == "tmaf" else _tree_tma_kernel
-        kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL, **opts)
+        _tree_tma_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL, **opts)
     else:
         _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts)
     return c.reshape(*lead, N)
