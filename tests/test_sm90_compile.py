@@ -138,8 +138,8 @@ def _leaf_tree():
     from vllm.kernels import leaf_tree
 
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
-    for _, *cfg in leaf_tree.TREE_GPU_CONFIGS:
-        leaf_tree.tree_linear_triton(x, w, 8, config=tuple(cfg))
+    for cfg in [tuple(c) for _, *c in leaf_tree.TREE_GPU_CONFIGS] + [leaf_tree.TREE_GPU_SHORT_LEAF_LARGE_M]:
+        leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
     # "plain": what the table's "tma" entry runs where TMA cannot
     leaf_tree.tree_linear_triton(x, w, 8, config=("plain", 16, 32, 128, 4, 4))
     for leaves in (1, 2, 8, 16):

@@ -235,3 +235,12 @@ def test_refusals(tiny_qwen3, tiny_qwen3_next):
         apply_tensor_parallel(Policy.from_pretrained(tiny_qwen3, device="cpu").model, 3)
     with pytest.raises(ValueError, match="does not cover"):
         apply_tensor_parallel(Policy.from_pretrained(tiny_qwen3_next, device="cpu").model, 2)
+
+
+def test_tree_kernel_refuses_host_tensors_without_the_interpreter(monkeypatch):
+    """Where Triton compiles for a GPU, host tensors are refused before any launch (a TMA
+    descriptor over host memory faults on the device instead)."""
+    from vllm.kernels import matmul
+    monkeypatch.setattr(matmul, "_interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        leaf_tree.tree_linear_triton(*_xw(M=5, N=40, K=128), 8, config=("tmar", 16, 16, 16, 1, 1))

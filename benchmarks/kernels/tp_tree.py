@@ -106,7 +106,7 @@ def sweep(args) -> None:
                 print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
                 continue
             times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
-        table = _tree_config(M)
+        table = _tree_config(M, K // args.leaves)
         best = min(times, key=times.get)
         rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
                      "times": {",".join(map(str, c)): t for c, t in times.items()}})

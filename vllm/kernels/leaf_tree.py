@@ -341,18 +341,30 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
 # 128x128 (its pointer tensors); tmar (four float32 tiles live) 183 registers at 64x64 /
 # 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128.
 # Timed by benchmarks/kernels/tp_tree.py.
+# Above M = 256 the choice follows the leaf width K / leaves: short leaves (o_proj, 512 at 8
+# leaves) lose the most to "tma"'s pipeline restart per leaf, long ones (down_proj, 1,536)
+# to "tmar"'s narrower tile (o M=4096: tmar 1.81x, tma 2.30x the invariant GEMM; down:
+# tmar 1.75x, tma 1.56x).
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plainr", 16, 32, 256, 4, 4),
     (64, "tmar", 64, 32, 128, 4, 6),
     (256, "tmar", 128, 64, 128, 8, 3),
-    (1 << 62, "tma", 128, 128, 64, 8, 4),   # tmar 128x64x128 ties here (faster on o_proj, slower on down)
+    (1 << 62, "tma", 128, 128, 64, 8, 4),
 ]
+TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it: the large-M entry below
+TREE_GPU_SHORT_LEAF_LARGE_M = ("tmar", 128, 64, 128, 8, 3)
 TREE_IMPLS = ("plain", "tma", "plainr", "tmar")
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
-def _tree_config(M: int) -> tuple:
-    table = TREE_INTERPRET_CONFIGS if matmul._interpreting() else TREE_GPU_CONFIGS
+def _tree_config(M: int, leaf_width: int) -> tuple:
+    """(impl, BM, BN, BK, warps, stages) for M rows and leaves of `leaf_width` (K / leaves)."""
+    if matmul._interpreting():
+        table = TREE_INTERPRET_CONFIGS
+    else:
+        table = TREE_GPU_CONFIGS
+        if M > table[-2][0] and leaf_width <= TREE_GPU_SHORT_LEAF:
+            return TREE_GPU_SHORT_LEAF_LARGE_M
     return next(tuple(cfg) for max_m, *cfg in table if M <= max_m)
 
 
@@ -381,6 +393,10 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     check_leaves(leaves, K)
     if Kw != K:
         raise ValueError(f"tree_linear: x has K={K}, weight has K={Kw}")
+    if not (x.is_cuda and weight.is_cuda) and not matmul._interpreting():
+        # a tensor descriptor over host memory is not checked at launch: the kernel would
+        # fault on the device (and poison the CUDA context) instead of raising here
+        raise RuntimeError("tree_linear_triton needs CUDA tensors (CPU tensors: TRITON_INTERPRET=1)")
     if leaves > MAX_KERNEL_LEAVES:
         return tree_linear_leafwise(x, weight, leaves)
     lead = x.shape[:-1]
@@ -389,7 +405,7 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     c = torch.empty((M, N), dtype=torch.float32, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    impl, bm, bn, bk, warps, stages = config or _tree_config(M)
+    impl, bm, bn, bk, warps, stages = config or _tree_config(M, K // leaves)
     if impl not in TREE_IMPLS:
         raise ValueError(f"tree impl must be one of {TREE_IMPLS}, got {impl!r}")
     KL = K // leaves
