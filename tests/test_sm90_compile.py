@@ -184,6 +184,14 @@ def _attention():
 def _chunk_recurrence():
     """GDN's training recurrence at a padded tile and at a split V (tests/test_chunk_recurrence.py)."""
     from vllm.kernels import chunk_recurrence as cr
+    saved, cr._prec = cr._prec, (lambda x: "tf32x3")
+    try:
+        _recurrence_shapes(cr)
+    finally:
+        cr._prec = saved
+
+
+def _recurrence_shapes(cr):
     for shape in ((1, 2, 3, 16, 16, 32), (1, 1, 2, 5, 12, 80)):
         B, H, nC, C, K, V = shape
         u, w, kd = torch.randn(B, H, nC, C, V), torch.randn(B, H, nC, C, K), torch.randn(B, H, nC, C, K)
@@ -192,11 +200,28 @@ def _chunk_recurrence():
         cr.recurrence_backward_triton(w, kd, e, states, vn, torch.randn_like(states), torch.randn_like(vn))
 
 
+def _gdn_backward():
+    """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
+    GPU's 3xTF32 dots."""
+    from test_gdn_backward import make
+
+    from vllm.kernels import chunk_recurrence, gdn_backward
+    saved = gdn_backward._prec, chunk_recurrence._prec
+    gdn_backward._prec = chunk_recurrence._prec = lambda x: "tf32x3"
+    try:
+        xs, do = make(30, 2, 4, 16, 32, seed=0)
+        gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+    finally:
+        gdn_backward._prec, chunk_recurrence._prec = saved
+
+
 # name -> (driver, execute on the interpreter, kernels it must launch)
 FAMILIES = {
     "gdn_chunk": (_gdn_chunk, True, {"_gdn_prep_kernel", "_gdn_state_kernel", "_gdn_output_kernel"}),
     "gdn_ops": (_gdn_ops, True, {"_recurrent_kernel", "_rms_norm_gated_kernel"}),
     "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_kernel"}),
+    "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",
+                                           "_final_wu_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),
     "mamba2_ops": (_mamba2_ops, True, {"_ssu_kernel", "_gated_norm_kernel"}),

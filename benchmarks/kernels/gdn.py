@@ -2,6 +2,7 @@
 
     python benchmarks/kernels/gdn.py [--json-out F]
     python benchmarks/kernels/gdn.py --bits-vs OTHER_gdn_chunk.py   (bits against another copy)
+    python benchmarks/kernels/gdn.py --backward   (the trainer's backward against the fused kernels)
 
 Qwen3-Next's GDN dims (16 key / 32 value heads of 128, chunk 64, bf16), the three cases
 SkyRL IsoExec measured its CPR at (1.43x train, 1.67x prefill, 1.38x decode against native):
@@ -187,7 +188,31 @@ def bits_vs(path: str) -> dict:
     return res
 
 
+def backward_case(T: int = 10240) -> None:
+    """The backward alone at the train shape: the trainer's path today (float32 autograd of
+    gdn_reference, with the Triton chunk recurrence) against the fused kernels of
+    vllm/kernels/gdn_backward.py, and how far each gradient of the fused path is from it."""
+    from vllm.kernels.chunk_scan import reference_grads
+    from vllm.kernels.gdn_backward import gdn_backward_triton
+    from vllm.kernels.gdn_chunk import gdn_reference
+    x = inputs(T, 0)
+    do = torch.randn(T, HV, V, device=DEV).to(torch.bfloat16)
+    cu = [0, T]
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, do)
+    got = gdn_backward_triton(*x, do, cu, SCALE)
+    t_ref = bench(lambda: reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, do))
+    t_fused = bench(lambda: gdn_backward_triton(*x, do, cu, SCALE))
+    print(f"backward 1x{T}: reference autograd {t_ref:.1f} us, fused kernels {t_fused:.1f} us "
+          f"({t_ref / t_fused:.2f}x)")
+    for name, a, b in zip("q k v g beta".split(), got, ref):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        print(f"  d{name}: fused vs reference relative error {err:.2e}")
+
+
 if __name__ == "__main__":
+    if "--backward" in sys.argv:
+        backward_case()
+        sys.exit(0)
     if "--bits-vs" in sys.argv:
         for name, r in bits_vs(sys.argv[sys.argv.index("--bits-vs") + 1]).items():
             print(f"{name:<16} elements whose bits differ: outputs {r['outputs']}, states {r['states']}")

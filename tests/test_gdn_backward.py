@@ -1,0 +1,78 @@
+"""Gated DeltaNet's fused training backward (vllm/kernels/gdn_backward.py) against float64
+autograd of the reference it differentiates (gdn_reference), in the Triton interpreter on CPU."""
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.kernels.chunk_scan import reference_grads
+from vllm.kernels.gdn_backward import gdn_backward_triton
+from vllm.kernels.gdn_chunk import gdn_reference
+from vllm.testing.chunked_scan import DEVICE as DEV, rel_err
+
+
+def make(T, hk, hv, K, V, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(T, hk, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(T, hk, K, generator=gen), dim=-1)
+    v = torch.randn(T, hv, V, generator=gen)
+    g = -0.6 * torch.rand(T, hv, generator=gen)
+    beta = torch.rand(T, hv, generator=gen)
+    do = torch.randn(T, hv, V, generator=gen)
+    return (q, k, v, g, beta), do
+
+
+# (lens, Hk, Hv, K, V, C): grouped heads, sequences ending mid-chunk, padded tiles (C, K, V
+# below their power-of-two tiles)
+CASES = [([21, 9], 2, 4, 16, 32, 16), ([37], 1, 1, 12, 20, 8), ([5, 16, 3], 1, 2, 16, 16, 16)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_autograd_of_the_reference(case):
+    lens, hk, hv, K, V, C = case
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    xs, do = make(cu[-1], hk, hv, K, V, seed=sum(lens) + K)
+    scale = K ** -0.5
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, scale, chunk_size=C),
+                          [x.double() for x in xs], [True] * 5, do.double())
+    got = gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, scale, chunk_size=C)
+    for name, a, b, x in zip("q k v g beta".split(), got, ref, xs):
+        assert a.dtype == x.dtype and a.shape == x.shape, name
+        assert rel_err(a.cpu(), b) < 1e-5, name
+
+
+def test_refuses_unaligned_head_dims():
+    xs, do = make(4, 1, 1, 6, 8, seed=0)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), [0, 4], 1.0, chunk_size=4)
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_match_the_reference_backward():
+    """Qwen3-Next's head dims (16 / 32 heads of 128, chunk 64), bf16 inputs as the layer
+    passes them, two sequences ending mid-chunk: the fused kernels (3xTF32 dots) against
+    the path the trainer runs today (float32 autograd of gdn_reference), and both against
+    float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cu = [0, 1000, 1700]
+    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
+    xs = [x.cuda().to(torch.bfloat16) if i < 3 else x.cuda() for i, x in enumerate(xs)]
+    do = do.cuda().to(torch.bfloat16)
+    scale = 128 ** -0.5
+    ref64 = reference_grads(lambda *a: gdn_reference(*a, cu, scale), [x.double() for x in xs], [True] * 5,
+                            do.double())
+    ref32 = reference_grads(lambda *a: gdn_reference(*a, cu, scale), xs, [True] * 5, do)
+    got = gdn_backward_triton(*xs, do, cu, scale)
+    for name, a, b, c in zip("q k v g beta".split(), got, ref32, ref64):
+        assert a.dtype == b.dtype, name
+        # the bf16 outputs round both; compare their float32 sources' distance to float64
+        assert rel_err(a.float().cpu(), c.cpu()) <= 2 * rel_err(b.float().cpu(), c.cpu()) + 1e-6, name

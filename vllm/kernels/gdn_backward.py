@@ -1,0 +1,259 @@
+"""Gated DeltaNet's training backward as fused per-chunk Triton kernels around the chunk
+recurrence (chunk_recurrence.py): the gradients of `gdn_reference` (gdn_chunk.py) without
+its autograd graph of batched torch ops.
+
+Per chunk of C rows (padded sequences, every one from position 0 with a zero state; all math
+float32), with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
+
+    A = strict_lower(beta_i (k k^T)_ij D_ij),  T = (I + A)^-1,
+    w = T (k * beta e^gamma),  u = T (v * beta),  kd = k * e^(gamma_L - gamma),  e = e^gamma_L,
+    (S_c, v_new) = the recurrence over chunks of (u, w, kd, e),
+    o = scale (q e^gamma S_c + incl_lower(q k^T * D) v_new)
+
+and the backward runs six launches:
+  1. prep (per chunk x value head): gamma, T (forward substitution), w, u, kd, e;
+  2. the recurrence forward (S_c, v_new);
+  3. output grads (per chunk x value head): dS_c = (q e^gamma)^T do, dv_new = P^T do;
+  4. the recurrence backward (du, dw, dkd, de);
+  5. final, in two launches per (chunk x value head) that each fit shared memory: the
+     output's and the decays' side (dq, part of dk and d gamma), then the w / u side (dv,
+     dbeta, the rest of dk, dg as the reverse cumsum of d gamma, through w = T X and
+     dA = -T^T dT T^T).
+Key-head gradients are the sums over the value heads of the group, taken after.
+
+Dots are 3xTF32 on the GPU ("ieee" under the interpreter). This is a backward, checked
+against float64 autograd of `gdn_reference` (tests/test_gdn_backward.py), not a parity path.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.chunk_recurrence import recurrence_backward_triton, recurrence_forward_triton
+from vllm.kernels.chunk_scan import PaddedChunks, require_triton
+from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
+
+NUM_WARPS = 8
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(desc, ch, R: tl.constexpr, X: tl.constexpr):
+        return tl.reshape(desc.load([ch, 0, 0]), (R, X))
+
+    @triton.jit
+    def _put(desc, ch, x, R: tl.constexpr, X: tl.constexpr):
+        desc.store([ch, 0, 0], tl.reshape(x, (1, R, X)))
+
+    @triton.jit
+    def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
+                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, value head): gamma, T = (I + A)^-1 (forward substitution,
+        rows past C stay unit rows), w, u, kd and e. T goes out whole for the final kernel."""
+        ch = tl.program_id(0)
+        rows = tl.arange(0, BC)
+        rm = rows < C
+        g = tl.load(g_ptr + ch * C + rows, mask=rm, other=0.0)
+        b = tl.load(b_ptr + ch * C + rows, mask=rm, other=0.0)
+        gam = tl.cumsum(g, 0)
+        tl.store(gam_ptr + ch * C + rows, gam, mask=rm)
+        k = _tile(k_desc, ch, BC, BK)
+        ii = rows[:, None]
+        jj = rows[None, :]
+        lower = jj < ii
+        kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+        A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        # TT[c, j] = T[j, c]; T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]
+        TT = tl.where(ii == jj, 1.0, 0.0)
+        for i in range(1, C):
+            a = tl.sum(tl.where(ii == i, A, 0.0), 0)
+            col = tl.sum(TT * a[None, :], 1)
+            TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
+        T = tl.trans(TT)
+        tl.store(t_ptr + ch * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
+        eg = tl.exp(gam)
+        _put(w_desc, ch, tl.dot(T, k * (b * eg)[:, None], input_precision=PREC), BC, BK)
+        v = _tile(v_desc, ch, BC, BV)
+        _put(u_desc, ch, tl.dot(T, v * b[:, None], input_precision=PREC), BC, BV)
+        gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        _put(kd_desc, ch, k * tl.exp(gl - gam)[:, None], BC, BK)
+        tl.store(e_ptr + ch, tl.exp(gl))
+
+    @triton.jit
+    def _out_grad_kernel(q_desc, k_desc, do_desc, gam_ptr, ds_desc, dvn_desc, scale, C,
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
+        dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
+        ch = tl.program_id(0)
+        rows = tl.arange(0, BC)
+        gam = tl.load(gam_ptr + ch * C + rows, mask=rows < C, other=0.0)
+        q = _tile(q_desc, ch, BC, BK)
+        k = _tile(k_desc, ch, BC, BK)
+        do = _tile(do_desc, ch, BC, BV) * scale
+        incl = rows[None, :] <= rows[:, None]
+        P = tl.where(incl, tl.dot(q, tl.trans(k), input_precision=PREC)
+                     * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        _put(dvn_desc, ch, tl.dot(tl.trans(P), do, input_precision=PREC), BC, BV)
+        qd = q * tl.exp(gam)[:, None]
+        _put(ds_desc, ch, tl.dot(tl.trans(qd), do, input_precision=PREC), BK, BV)
+
+    @triton.jit
+    def _final_out_kernel(q_desc, k_desc, do_desc, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_desc, dk_desc,
+                          dgam_ptr, dgl_ptr, scale, C,
+                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, value head), the output's and the decays' side: dq (whole),
+        the parts of dk and d gamma through o = q e^gamma S + P v_new and kd, and d gamma_L."""
+        ch = tl.program_id(0)
+        rows = tl.arange(0, BC)
+        rm = rows < C
+        incl = rows[None, :] <= rows[:, None]
+        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
+        q = _tile(q_desc, ch, BC, BK)
+        k = _tile(k_desc, ch, BC, BK)
+        do = _tile(do_desc, ch, BC, BV) * scale
+        eg = tl.exp(gam)
+        dqd = tl.dot(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), input_precision=PREC)
+        dq = dqd * eg[:, None]
+        dgam = tl.sum(dqd * q, 1) * eg
+        D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        P = tl.dot(q, tl.trans(k), input_precision=PREC) * D
+        dP = tl.where(incl, tl.dot(do, tl.trans(_tile(vn_desc, ch, BC, BV)), input_precision=PREC), 0.0)
+        dqk = dP * D
+        dq += tl.dot(dqk, k, input_precision=PREC)
+        dk = tl.dot(tl.trans(dqk), q, input_precision=PREC)
+        MP = dP * P
+        dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
+        # kd = k e^(gamma_L - gamma), e = e^gamma_L
+        gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        dec = tl.exp(gl - gam)
+        dkd = _tile(dkd_desc, ch, BC, BK)
+        dk += dkd * dec[:, None]
+        t = tl.sum(dkd * k, 1) * dec
+        dgam -= t
+        tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.load(de_ptr + ch) * tl.exp(gl))
+        _put(dq_desc, ch, dq, BC, BK)
+        _put(dk_desc, ch, dk, BC, BK)
+        tl.store(dgam_ptr + ch * C + rows, dgam, mask=rm)
+
+    @triton.jit
+    def _final_wu_kernel(k_desc, v_desc, b_ptr, gam_ptr, t_ptr, du_desc, dw_desc, dgam_ptr, dgl_ptr, dk_desc,
+                         dv_desc, dg_ptr, db_ptr, C,
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
+        and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's)
+        and of d gamma, then dg as its reverse cumsum."""
+        ch = tl.program_id(0)
+        rows = tl.arange(0, BC)
+        rm = rows < C
+        ii = rows[:, None]
+        jj = rows[None, :]
+        lower = jj < ii
+        b = tl.load(b_ptr + ch * C + rows, mask=rm, other=0.0)
+        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
+        T = tl.load(t_ptr + ch * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        k = _tile(k_desc, ch, BC, BK)
+        eg = tl.exp(gam)
+        be = b * eg
+        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta
+        dw = _tile(dw_desc, ch, BC, BK)
+        du = _tile(du_desc, ch, BC, BV)
+        v = _tile(v_desc, ch, BC, BV)
+        dT = tl.dot(dw, tl.trans(k * be[:, None]), input_precision=PREC) \
+            + tl.dot(du, tl.trans(v * b[:, None]), input_precision=PREC)
+        dXu = tl.dot(tl.trans(T), du, input_precision=PREC)
+        _put(dv_desc, ch, dXu * b[:, None], BC, BV)
+        db = tl.sum(dXu * v, 1)
+        dXw = tl.dot(tl.trans(T), dw, input_precision=PREC)
+        dk = _tile(dk_desc, ch, BC, BK) + dXw * be[:, None]
+        kdot = tl.sum(dXw * k, 1)
+        db += kdot * eg
+        dgam = tl.load(dgam_ptr + ch * C + rows, mask=rm, other=0.0) + kdot * be
+        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle;
+        # A = beta_i (k k^T)_ij D_ij
+        dA = tl.where(lower, -tl.dot(tl.dot(tl.trans(T), dT, input_precision=PREC), tl.trans(T),
+                                     input_precision=PREC), 0.0)
+        Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        dAkD = dA * tl.dot(k, tl.trans(k), input_precision=PREC) * Dl
+        db += tl.sum(dAkD, 1)
+        MA = dAkD * b[:, None]
+        dgam += tl.sum(MA, 1) - tl.sum(MA, 0)
+        dkk = dA * b[:, None] * Dl
+        dk += tl.dot(dkk, k, input_precision=PREC) + tl.dot(tl.trans(dkk), k, input_precision=PREC)
+        _put(dk_desc, ch, dk, BC, BK)
+        # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
+        dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
+        tl.store(dg_ptr + ch * C + rows, tl.cumsum(dgam, 0, reverse=True), mask=rm)
+        tl.store(db_ptr + ch * C + rows, db, mask=rm)
+
+
+def _desc(t: torch.Tensor, block: tuple[int, int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), [1, *block])
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
+
+
+def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Where the fused kernels apply: Triton, and K, V multiples of 4 (16-byte rows)."""
+    return HAS_TRITON and q.shape[-1] % 4 == 0 and v.shape[-1] % 4 == 0
+
+
+def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_size: int = 64):
+    """(dq, dk, dv, dg, dbeta) of o = gdn_reference(q, k, v, g, beta, cu_seqlens, scale,
+    chunk_size) against do, in the inputs' dtypes, computed in float32."""
+    require_triton(q)
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    G = Hv // Hk
+    C = chunk_size
+    seqs = PaddedChunks(cu_seqlens, C)
+    if T == 0 or not seqs.lens:
+        return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta))
+    if not fused_backward_ok(q, v):
+        raise ValueError(f"the fused GDN backward needs K and V multiples of 4, got {K}, {V}")
+    nC, B = seqs.num_chunks, len(seqs.lens)
+
+    def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...] float32, contiguous
+        x = seqs.pad(x.float()).transpose(1, 2)
+        return aligned16(x.reshape(x.shape[0], x.shape[1], nC, C, *x.shape[3:]))
+
+    def unbatch(x):  # [B, H, nC, C, ...] -> [T, H, ...]
+        return seqs.unpad(x.reshape(B, x.shape[1], nC * C, *x.shape[4:]).transpose(1, 2))
+
+    qb, kb = batch(q.repeat_interleave(G, dim=1)), batch(k.repeat_interleave(G, dim=1))
+    vb, gb, bb, dob = batch(v), batch(g), batch(beta), batch(do)
+    BC, BK, BV = max(16, next_pow2(C)), max(16, next_pow2(K)), max(16, next_pow2(V))
+    n = B * Hv * nC
+    f32 = dict(dtype=torch.float32, device=q.device)
+    w, kd = torch.empty_like(kb), torch.empty_like(kb)
+    u = torch.empty_like(vb)
+    e = torch.empty((B, Hv, nC), **f32)
+    tmat = torch.empty((n, C, C), **f32)
+    gam = torch.empty_like(gb)
+    prec = _prec(q)
+    opts = dict(BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
+    ck, cv = (BC, BK), (BC, BV)
+    _prep_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), gb, bb, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat,
+                       gam, C, **opts)
+    states, vn = recurrence_forward_triton(u, w, kd, e)
+    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
+    _out_grad_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(d_states, (BK, BV)),
+                           _desc(d_vn, cv), scale, C, **opts)
+    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn)
+    dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+    dg, db, dgam = torch.empty_like(gb), torch.empty_like(bb), torch.empty_like(gb)
+    dgl = torch.empty_like(e)
+    du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
+    _final_out_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(states, (BK, BV)),
+                            _desc(vn, cv), _desc(dkd, ck), de, _desc(dq, ck), _desc(dk, ck), dgam, dgl, scale, C,
+                            **opts)
+    _final_wu_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), bb, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
+                           _desc(dk, ck), _desc(dv, cv), dg, db, C, **opts)
+    # key heads: the sum over the value heads of the group
+    dq = unbatch(dq).reshape(T, Hk, G, K).sum(2)
+    dk = unbatch(dk).reshape(T, Hk, G, K).sum(2)
+    return (dq.to(q.dtype), dk.to(k.dtype), unbatch(dv).to(v.dtype), unbatch(dg).to(g.dtype),
+            unbatch(db).to(beta.dtype))
