@@ -215,11 +215,28 @@ def _gdn_backward():
         gdn_backward._prec, chunk_recurrence._prec = saved
 
 
+def _mamba2_backward():
+    """Mamba-2's fused training backward with the GPU's 3xTF32 dots, at N = 16 and at
+    N = 128 (B and C in column slices on the chunk-rows side)."""
+    from test_mamba2_backward import make
+
+    from vllm.kernels import mamba2_backward
+    saved, mamba2_backward._prec = mamba2_backward._prec, (lambda x: "tf32x3")
+    try:
+        for n in (16, 128):
+            xs, dy = make(30, 2, 16, 1, n, seed=0)
+            mamba2_backward.mamba2_backward_triton(*xs, dy, 1e-3, [0, 21, 30], 16)
+    finally:
+        mamba2_backward._prec = saved
+
+
 # name -> (driver, execute on the interpreter, kernels it must launch)
 FAMILIES = {
     "gdn_chunk": (_gdn_chunk, True, {"_gdn_prep_kernel", "_gdn_state_kernel", "_gdn_output_kernel"}),
     "gdn_ops": (_gdn_ops, True, {"_recurrent_kernel", "_rms_norm_gated_kernel"}),
     "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_kernel"}),
+    "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_final_diag_kernel",
+                                                 "_final_local_kernel"}),
     "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",
                                            "_final_wu_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",

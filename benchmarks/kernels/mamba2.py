@@ -1,6 +1,7 @@
 """Mamba-2 scan per-layer cost on the H200: the invariant mode against the native forms.
 
     python benchmarks/kernels/mamba2.py [--json-out F]
+    python benchmarks/kernels/mamba2.py --backward   (the trainer's backward against the fused kernels)
 
 Nemotron-H's Mamba-2 dims (128 heads of 64, d_state 128, 8 groups, chunk 128, bf16), the
 cases benchmarks/kernels/gdn.py measures for Gated DeltaNet:
@@ -214,7 +215,36 @@ def bits_vs(path: str) -> int:
     return differ
 
 
+def backward_case(T: int = 8192) -> None:
+    """The backward alone at the train shape: the trainer's path today (float32 autograd of
+    mamba2_reference) against the fused kernels of vllm/kernels/mamba2_backward.py, and how
+    far each gradient of the fused path is from it."""
+    from vllm.kernels.chunk_scan import reference_grads
+    from vllm.kernels.mamba2_backward import mamba2_backward_triton
+    from vllm.kernels.mamba2_chunk import mamba2_reference
+    x, dt, B, Cm = inputs(T, 0)
+    dt_bias, A_log, D = params()
+    xs = (x, dt, dt_bias, A_log, B, Cm, D)
+    dy = torch.randn(T, H, P, device=DEV).to(torch.bfloat16)
+    cu = [0, T]
+
+    def ref_step():
+        return reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, C), xs, [True] * 7, dy)
+
+    ref, got = ref_step(), mamba2_backward_triton(*xs, dy, DT_MIN, cu, C)
+    t_ref = bench(ref_step)
+    t_fused = bench(lambda: mamba2_backward_triton(*xs, dy, DT_MIN, cu, C))
+    print(f"backward 1x{T}: reference autograd {t_ref:.1f} us, fused kernels {t_fused:.1f} us "
+          f"({t_ref / t_fused:.2f}x)")
+    for name, a, b in zip("x dt dt_bias A_log B C D".split(), got, ref):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        print(f"  d{name}: fused vs reference relative error {err:.2e}")
+
+
 if __name__ == "__main__":
+    if "--backward" in sys.argv:
+        backward_case()
+        sys.exit(0)
     if len(sys.argv) == 3 and sys.argv[1] == "--bits-vs":
         sys.exit(1 if bits_vs(sys.argv[2]) else 0)
     main(__doc__, "Mamba-2, one layer (H200, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)",

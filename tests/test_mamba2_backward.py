@@ -1,0 +1,91 @@
+"""Mamba-2's fused training backward (vllm/kernels/mamba2_backward.py) against float64
+autograd of the reference it differentiates (mamba2_reference), in the Triton interpreter on CPU."""
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from vllm.kernels.chunk_scan import reference_grads
+from vllm.kernels.mamba2_backward import mamba2_backward_triton
+from vllm.kernels.mamba2_chunk import mamba2_reference
+from vllm.testing.chunked_scan import DEVICE as DEV, rel_err
+
+DT_MIN = 1e-3
+
+
+def make(T, h, p, g, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, p, generator=gen)
+    dt = torch.randn(T, h, generator=gen) - 2.0
+    B = torch.randn(T, g, n, generator=gen)
+    C = torch.randn(T, g, n, generator=gen)
+    dt_bias = 0.5 * torch.randn(h, generator=gen)
+    A_log = torch.log(0.5 + 4 * torch.rand(h, generator=gen))
+    D = torch.randn(h, generator=gen)
+    dy = torch.randn(T, h, p, generator=gen)
+    return (x, dt, dt_bias, A_log, B, C, D), dy
+
+
+# (lens, H, P, G, N, chunk): grouped heads, sequences ending mid-chunk, padded tiles, N = 128
+CASES = [([21, 9], 4, 16, 2, 16, 16), ([37], 2, 12, 1, 20, 8), ([5, 16, 3], 2, 16, 2, 16, 16),
+         ([20, 7], 2, 16, 1, 128, 16)]   # N = 128: B, C in column slices
+NAMES = "x dt dt_bias A_log B C D".split()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_autograd_of_the_reference(case):
+    lens, h, p, g, n, chunk = case
+    cu = [0]
+    for m in lens:
+        cu.append(cu[-1] + m)
+    xs, dy = make(cu[-1], h, p, g, n, seed=sum(lens) + p)
+    ref = reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, chunk), [t.double() for t in xs],
+                          [True] * 7, dy.double())
+    got = mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, cu, chunk)
+    for name, a, b, t in zip(NAMES, got, ref, xs):
+        assert a.dtype == t.dtype and a.shape == t.shape, name
+        assert rel_err(a.cpu(), b) < 1e-5, name
+
+
+def test_clamped_steps_pass_no_gradient():
+    """Steps below dt_min are clamped: their dt gets no gradient (as autograd's clamp)."""
+    xs, dy = make(20, 2, 16, 1, 16, seed=3)
+    xs = list(xs)
+    xs[1] = xs[1] - 30.0                            # softplus far below dt_min everywhere
+    ref = reference_grads(lambda *a: mamba2_reference(*a, 0.05, [0, 20], 16), [t.double() for t in xs],
+                          [True] * 7, dy.double())
+    got = mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), 0.05, [0, 20], 16)
+    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(ref[1]) == 0
+    assert rel_err(got[3].cpu(), ref[3]) < 1e-5
+
+
+def test_refuses_unaligned_dims():
+    xs, dy = make(4, 1, 6, 1, 8, seed=0)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, [0, 4], 4)
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_match_the_reference_backward():
+    """NemotronH's mixer dims (128 heads of 64, 8 groups, d_state 128, chunk 128), bf16
+    inputs as the layer passes them, two sequences ending mid-chunk: the fused kernels
+    (3xTF32 dots) against the trainer's path today (float32 autograd of mamba2_reference),
+    both measured against float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cu = [0, 900, 1500]
+    xs, dy = make(cu[-1], 128, 64, 8, 128, seed=7)
+    xs = [t.cuda().to(torch.bfloat16) if i in (0, 4, 5) else t.cuda() for i, t in enumerate(xs)]
+    dy = dy.cuda().to(torch.bfloat16)
+    ref64 = reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, 128), [t.double() for t in xs],
+                            [True] * 7, dy.double())
+    ref32 = reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, 128), xs, [True] * 7, dy)
+    got = mamba2_backward_triton(*xs, dy, DT_MIN, cu, 128)
+    for name, a, b, c in zip(NAMES, got, ref32, ref64):
+        assert a.dtype == b.dtype, name
+        assert rel_err(a.float().cpu(), c.cpu()) <= 2 * rel_err(b.float().cpu(), c.cpu()) + 1e-6, name
