@@ -5,7 +5,8 @@
 # kernels, rlstep, rlray, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
 # every numerics, kernel, cache or model change runs before it lands; `gdn` the Gated DeltaNet
 # tests, per-layer cost and hybrid throughput (GDN_PARTS=breakdown adds the per-kernel times of
-# both recurrences); `mamba2` the Mamba-2 tests and per-layer cost), e.g.
+# both recurrences, GDN_PARTS=backward the training backward against the fused kernels);
+# `mamba2` the Mamba-2 tests, per-layer cost and backward), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -203,6 +204,7 @@ if has gdn; then
   gdn_has() { [[ ",$GDN_PARTS," == *",$1,"* ]]; }
   if gdn_has tests; then
     timeout "${GDN_TESTS_TIMEOUT:-400}" python -m pytest -q -p no:cacheprovider tests/test_gdn_chunk.py tests/test_gdn_ops.py \
+      tests/test_chunk_recurrence.py tests/test_gdn_backward.py \
       ${GDN_PYTEST_ARGS:-} >"$OUT/gdn_tests.log" 2>&1
     grep -E "passed|failed|Error|FAILED|fast mode:" "$OUT/gdn_tests.log" | tail -15
   fi
@@ -219,6 +221,12 @@ if has gdn; then
       >"$OUT/gdn_throughput.log" 2>&1
     tail -8 "$OUT/gdn_throughput.log"
   fi
+  if gdn_has backward; then
+    # the training backward alone: today's path (autograd of the reference, Triton recurrence)
+    # against the fused kernels (vllm/kernels/gdn_backward.py), time and distance
+    timeout "${GDN_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/gdn.py --backward >"$OUT/gdn_backward.log" 2>&1
+    grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -7
+  fi
   if gdn_has breakdown; then
     # per kernel, GDN and Mamba-2, decode at several chunk offsets and prefill (torch profiler)
     timeout "${BREAKDOWN_TIMEOUT:-120}" python benchmarks/kernels/scan_breakdown.py >"$OUT/scan_breakdown.log" 2>&1
@@ -230,10 +238,13 @@ if has mamba2; then
   # native forms (mamba_ssm where it imports, else our fast mode)
   echo "== Mamba-2 ($SECONDS s)"
   timeout "${MAMBA2_TESTS_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_mamba2_chunk.py \
-    tests/test_nemotron_h.py >"$OUT/mamba2_tests.log" 2>&1
+    tests/test_mamba2_backward.py tests/test_nemotron_h.py >"$OUT/mamba2_tests.log" 2>&1
   grep -E "passed|failed|Error|FAILED" "$OUT/mamba2_tests.log" | tail -8
   timeout "${MAMBA2_KERNELS_TIMEOUT:-200}" python benchmarks/kernels/mamba2.py >"$OUT/mamba2_kernels.log" 2>&1
   tail -10 "$OUT/mamba2_kernels.log"
+  # the training backward alone: today's path against the fused kernels (vllm/kernels/mamba2_backward.py)
+  timeout "${MAMBA2_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/mamba2.py --backward >"$OUT/mamba2_backward.log" 2>&1
+  grep -vE "^\[W" "$OUT/mamba2_backward.log" | tail -9
 fi
 if has defaultjob; then
   # the README's main job (`vllm train`, no arguments: the default recipe on the embedded model) on the GPU
@@ -278,9 +289,11 @@ has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; } 2>/dev/null
 has gdn && { grep -E "passed|failed" "$OUT/gdn_tests.log" | tail -1; sed -n '/== Gated DeltaNet, one layer/,$p' "$OUT/gdn_kernels.log"; \
   grep -E "^(floor|engine|fast|invariant)" "$OUT/gdn_throughput.log"; } 2>/dev/null
+has gdn && grep -E "^backward|fused vs reference" "$OUT/gdn_backward.log" 2>/dev/null
 has gdn && grep -E "^(decode 256x1 invariant, spread, T cached|decode 256x1 fast|mamba2 decode 256x1 (invariant, spread|fast))" \
   "$OUT/scan_breakdown.log" 2>/dev/null | cut -c1-120
-has mamba2 && { grep -E "passed|failed" "$OUT/mamba2_tests.log" | tail -1; sed -n '/== Mamba-2, one layer/,$p' "$OUT/mamba2_kernels.log"; } 2>/dev/null
+has mamba2 && { grep -E "passed|failed" "$OUT/mamba2_tests.log" | tail -1; sed -n '/== Mamba-2, one layer/,$p' "$OUT/mamba2_kernels.log"; \
+  grep -E "^backward|fused vs reference" "$OUT/mamba2_backward.log"; } 2>/dev/null
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 has rlray && sed -n '/^RL step/,$p' "$OUT/rl_ray_step.log"
