@@ -14,6 +14,7 @@ sm_90 with the GPU's constexprs (EMULATE=False), offline.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 if not __import__("torch").cuda.is_available():
@@ -181,14 +182,22 @@ def _attention():
         attention.INTERPRET_PREFILL_BLOCK_M = saved
 
 
+@contextlib.contextmanager
+def _gpu_dot_precision():
+    """The training kernels' dots as the GPU compiles them (3xTF32; "ieee" under the interpreter)."""
+    from vllm.kernels import training_tiles
+    saved, training_tiles.dot_precision = training_tiles.dot_precision, (lambda x: "tf32x3")
+    try:
+        yield
+    finally:
+        training_tiles.dot_precision = saved
+
+
 def _chunk_recurrence():
     """GDN's training recurrence at a padded tile and at a split V (tests/test_chunk_recurrence.py)."""
     from vllm.kernels import chunk_recurrence as cr
-    saved, cr._prec = cr._prec, (lambda x: "tf32x3")
-    try:
+    with _gpu_dot_precision():
         _recurrence_shapes(cr)
-    finally:
-        cr._prec = saved
 
 
 def _recurrence_shapes(cr):
@@ -205,14 +214,10 @@ def _gdn_backward():
     GPU's 3xTF32 dots."""
     from test_gdn_backward import make
 
-    from vllm.kernels import chunk_recurrence, gdn_backward
-    saved = gdn_backward._prec, chunk_recurrence._prec
-    gdn_backward._prec = chunk_recurrence._prec = lambda x: "tf32x3"
-    try:
+    from vllm.kernels import gdn_backward
+    with _gpu_dot_precision():
         xs, do = make(30, 2, 4, 16, 32, seed=0)
         gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
-    finally:
-        gdn_backward._prec, chunk_recurrence._prec = saved
 
 
 def _mamba2_backward():
@@ -221,13 +226,10 @@ def _mamba2_backward():
     from test_mamba2_backward import make
 
     from vllm.kernels import mamba2_backward
-    saved, mamba2_backward._prec = mamba2_backward._prec, (lambda x: "tf32x3")
-    try:
+    with _gpu_dot_precision():
         for n in (16, 128):
             xs, dy = make(30, 2, 16, 1, n, seed=0)
             mamba2_backward.mamba2_backward_triton(*xs, dy, 1e-3, [0, 21, 30], 16)
-    finally:
-        mamba2_backward._prec = saved
 
 
 # name -> (driver, execute on the interpreter, kernels it must launch)

@@ -31,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels.chunk_scan import require_triton
-from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
+from vllm.kernels import training_tiles
+from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 # The V tile of one program (V above it is split over programs; the reductions over V are
 # then summed over the tiles), warps and pipeline stages. H200, 32 heads x 160 chunks of 64,
@@ -105,10 +107,6 @@ def _blocks(C: int, K: int, V: int) -> tuple[int, int, int]:
     return p2(C), p2(K), min(p2(V), BLOCK_V_MAX)
 
 
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
-
-
 def _check(u, w, kd, e):
     if u.dtype != torch.float32 or any(t.dtype != torch.float32 for t in (w, kd, e)):
         raise ValueError("the Triton chunk recurrence takes float32 tensors")
@@ -121,13 +119,7 @@ def _check(u, w, kd, e):
 
 
 def _dims_ok(K: int, V: int) -> bool:
-    return K % 4 == 0 and V % 4 == 0 and K > 0 and V > 0
-
-
-def _desc(t: torch.Tensor, block: tuple[int, int]):
-    """A descriptor over t as [matrices, rows, cols] (its last two dims), one matrix per box."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), [1, *block])
+    return rows_aligned(K, V)
 
 
 def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +136,7 @@ def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
     BC, BK, BV = _blocks(C, K, V)
     _fwd_kernel[(B * H, -(-V // BV))](
         _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
-        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=_prec(u), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(u), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return states, vn
 
 
@@ -164,7 +156,7 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn):
         _bwd_kernel[(B * H, NV)](
             _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
             _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
-            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=_prec(w), num_warps=NUM_WARPS,
+            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(w), num_warps=NUM_WARPS,
             num_stages=NUM_STAGES)
     else:
         dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()

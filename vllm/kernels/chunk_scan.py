@@ -188,6 +188,7 @@ class PaddedChunks:
     earlier row)."""
 
     def __init__(self, cu_seqlens, chunk_size: int):
+        self.chunk_size = chunk_size
         self.cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
         self.lens = [self.cu[i + 1] - self.cu[i] for i in range(len(self.cu) - 1)]
         self.num_chunks = max(1, max((-(-n // chunk_size) for n in self.lens), default=0))
@@ -202,6 +203,15 @@ class PaddedChunks:
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """[S, rows, ...] -> [T, ...]"""
         return torch.cat([t[i, :n] for i, n in enumerate(self.lens)])
+
+    def by_chunk(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[T, H, ...] -> [S, H, chunks, C, ...], contiguous (in `dtype` when given)."""
+        x = self.pad(t if dtype is None else t.to(dtype)).transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], self.num_chunks, self.chunk_size, *x.shape[3:]).contiguous()
+
+    def from_chunks(self, t: torch.Tensor) -> torch.Tensor:
+        """[S, H, chunks, C, ...] -> [T, H, ...]"""
+        return self.unpad(t.reshape(t.shape[0], t.shape[1], self.rows, *t.shape[4:]).transpose(1, 2))
 
 
 def reference_grads(reference: Callable, inputs, needs, dy: torch.Tensor) -> list:

@@ -30,7 +30,9 @@ import torch
 
 from vllm.kernels.chunk_recurrence import recurrence_backward_triton, recurrence_forward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
-from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
+from vllm.kernels import training_tiles
+from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 NUM_WARPS = 8
 
@@ -38,13 +40,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _tile(desc, ch, R: tl.constexpr, X: tl.constexpr):
-        return tl.reshape(desc.load([ch, 0, 0]), (R, X))
-
-    @triton.jit
-    def _put(desc, ch, x, R: tl.constexpr, X: tl.constexpr):
-        desc.store([ch, 0, 0], tl.reshape(x, (1, R, X)))
+    from vllm.kernels.training_tiles import load_tile as _tile, store_tile as _put
 
     @triton.jit
     def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
@@ -187,18 +183,9 @@ if HAS_TRITON:
         tl.store(db_ptr + ch * C + rows, db, mask=rm)
 
 
-def _desc(t: torch.Tensor, block: tuple[int, int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), [1, *block])
-
-
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
-
-
 def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Where the fused kernels apply: Triton, and K, V multiples of 4 (16-byte rows)."""
-    return HAS_TRITON and q.shape[-1] % 4 == 0 and v.shape[-1] % 4 == 0
+    return HAS_TRITON and rows_aligned(q.shape[-1], v.shape[-1])
 
 
 def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_size: int = 64):
@@ -217,12 +204,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     nC, B = seqs.num_chunks, len(seqs.lens)
 
     def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...] float32, contiguous
-        x = seqs.pad(x.float()).transpose(1, 2)
-        return aligned16(x.reshape(x.shape[0], x.shape[1], nC, C, *x.shape[3:]))
+        return aligned16(seqs.by_chunk(x, torch.float32))
 
-    def unbatch(x):  # [B, H, nC, C, ...] -> [T, H, ...]
-        return seqs.unpad(x.reshape(B, x.shape[1], nC * C, *x.shape[4:]).transpose(1, 2))
-
+    unbatch = seqs.from_chunks
     qb, kb = batch(q.repeat_interleave(G, dim=1)), batch(k.repeat_interleave(G, dim=1))
     vb, gb, bb, dob = batch(v), batch(g), batch(beta), batch(do)
     BC, BK, BV = max(16, next_pow2(C)), max(16, next_pow2(K)), max(16, next_pow2(V))
@@ -233,7 +217,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     e = torch.empty((B, Hv, nC), **f32)
     tmat = torch.empty((n, C, C), **f32)
     gam = torch.empty_like(gb)
-    prec = _prec(q)
+    prec = training_tiles.dot_precision(q)
     opts = dict(BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
     ck, cv = (BC, BK), (BC, BV)
     _prep_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), gb, bb, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat,

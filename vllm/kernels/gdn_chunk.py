@@ -732,15 +732,9 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     seqs = PaddedChunks(cu_seqlens, C)
     if T == 0 or not seqs.lens:
         return v.new_zeros((T, Hv, V), dtype=out_dtype)
-    nC, P, B = seqs.num_chunks, seqs.rows, len(seqs.lens)
-
-    def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...]
-        x = seqs.pad(x.to(acc)).transpose(1, 2)
-        return x.reshape(x.shape[0], x.shape[1], nC, C, *x.shape[3:])
-
-    qb = batch(q.repeat_interleave(G, dim=1))
-    kb = batch(k.repeat_interleave(G, dim=1))
-    vb, gb, bb = batch(v), batch(g), batch(beta)
+    qb = seqs.by_chunk(q.repeat_interleave(G, dim=1), acc)
+    kb = seqs.by_chunk(k.repeat_interleave(G, dim=1), acc)
+    vb, gb, bb = (seqs.by_chunk(t, acc) for t in (v, g, beta))
     gam = gb.cumsum(-1)
     idx = torch.arange(C, device=q.device)
     lower = idx[:, None] > idx[None, :]
@@ -759,8 +753,7 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     # products
     states, vn = ChunkRecurrenceFn.apply(u, w, kd, gl[..., 0].exp())
     o = qd @ states + Pm @ vn                                                    # [B, Hv, nC, C, V]
-    o = o.reshape(B, Hv, P, V).transpose(1, 2) * scale
-    return seqs.unpad(o).to(out_dtype)
+    return seqs.from_chunks(o * scale).to(out_dtype)
 
 
 class GatedDeltaRuleFn(torch.autograd.Function):

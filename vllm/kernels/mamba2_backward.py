@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
-from vllm.kernels.chunk_tiles import HAS_TRITON, INTERPRET, aligned16, next_pow2
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
+from vllm.kernels import training_tiles
+from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 NUM_WARPS = 8
 
@@ -40,13 +42,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _tile(desc, ch, R: tl.constexpr, X: tl.constexpr):
-        return tl.reshape(desc.load([ch, 0, 0]), (R, X))
-
-    @triton.jit
-    def _put(desc, ch, x, R: tl.constexpr, X: tl.constexpr):
-        desc.store([ch, 0, 0], tl.reshape(x, (1, R, X)))
+    from vllm.kernels.training_tiles import load_tile as _tile, store_tile as _put
 
     @triton.jit
     def _group_chunk(ch, NCH, HEADS, R):
@@ -175,18 +171,9 @@ if HAS_TRITON:
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
 
 
-def _desc(t: torch.Tensor, block: tuple[int, int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2], t.shape[-1]), [1, *block])
-
-
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
-
-
 def fused_backward_ok(x: torch.Tensor, B: torch.Tensor) -> bool:
     """Where the fused kernels apply: Triton, and P, N multiples of 4 (16-byte rows)."""
-    return HAS_TRITON and x.shape[-1] % 4 == 0 and B.shape[-1] % 4 == 0
+    return HAS_TRITON and rows_aligned(x.shape[-1], B.shape[-1])
 
 
 def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu_seqlens, chunk_size: int = 128):
@@ -210,11 +197,9 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     A = -torch.exp(A_log.float())
 
     def batch(t):  # [T, heads, ...] -> [S, heads, nC, C, ...] float32, contiguous
-        t = seqs.pad(t.float()).transpose(1, 2)
-        return aligned16(t.reshape(t.shape[0], t.shape[1], nC, Cs, *t.shape[3:]))
+        return aligned16(seqs.by_chunk(t, torch.float32))
 
-    def unbatch(t):  # [S, heads, nC, C, ...] -> [T, heads, ...]
-        return seqs.unpad(t.reshape(S, t.shape[1], nC * Cs, *t.shape[4:]).transpose(1, 2))
+    unbatch = seqs.from_chunks
 
     xb, bb, cb, dyb, db_ = batch(x), batch(B), batch(C), batch(dy), batch(dtv)
     BC, BP, BN = max(16, next_pow2(Cs)), max(16, next_pow2(P)), max(16, next_pow2(N))
@@ -224,7 +209,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     e = torch.empty((S, H, nC), **f32)
     local = torch.empty((S, H, nC, P, N), **f32)
     ds = torch.empty_like(local)
-    opts = dict(BC=BC, BP=BP, BN=BN, PREC=_prec(x), num_warps=NUM_WARPS)
+    opts = dict(BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x), num_warps=NUM_WARPS)
     cp, cn, pn = (BC, BP), (BC, BN), (BP, BN)
     a = aligned16(A)
     _prep_kernel[(n,)](_desc(xb, cp), _desc(bb, cn), _desc(cb, cn), _desc(dyb, cp), db_, a, gam, e,
