@@ -15,7 +15,7 @@ and the backward runs four launches:
   1. prep (per chunk x head): gamma, e = e^gamma_L, local_c, and the gradient reaching S_c
      from y_off, (dy e^gamma)^T C;
   2. the recurrence (per sequence x head): S_c forward, then its gradient from the last
-     chunk back (d local_c = dS_(c+1), de_c = <S_c, dS_(c+1)>);
+     chunk back (d local_c = dS_(c+1));
   3. final, in two launches per (chunk x head) that each fit shared memory: the chunk's
      own rows (y_diag, D x: parts of dx, dB, dC, d d, d gamma, the chunk's part of dD), then
      the states' side (y_off, local, e: the rest, then d d through gamma = cumsum(d A) and
@@ -74,11 +74,12 @@ if HAS_TRITON:
         _put(ds_desc, ch, tl.dot(tl.trans(dyo), _tile(c_desc, gch, BC, BN), input_precision=PREC), BP, BN)
 
     @triton.jit
-    def _recurrence_kernel(local_desc, e_ptr, ds_desc, s_desc, dl_desc, de_ptr, NCH,
-                           BP: tl.constexpr, BN: tl.constexpr):
+    def _recurrence_kernel(local_desc, e_ptr, ds_desc, s_desc, dl_desc, NCH, BP: tl.constexpr, BN: tl.constexpr):
         """One program per (sequence, head): S_0 = 0, S_(c+1) = e_c S_c + local_c (every S_c
         stored), then from the last chunk back dS = ds_c + e_c dS with d local_c = dS_(c+1)
-        and de_c = <S_c, dS_(c+1)> (nothing reads the last chunk's end state)."""
+        (nothing reads the last chunk's end state). The backward loop never reads a stored S_c
+        back: a TMA store is not ordered before a later TMA load of the same address in one
+        program, so de_c = <S_c, dS_(c+1)> is left to the final kernel, a later launch."""
         base = tl.program_id(0) * NCH
         S = tl.zeros((BP, BN), dtype=tl.float32)
         for c in range(NCH):
@@ -88,7 +89,6 @@ if HAS_TRITON:
         for i in range(NCH):
             c = base + NCH - 1 - i
             _put(dl_desc, c, dS, BP, BN)
-            tl.store(de_ptr + c, tl.sum(tl.sum(_tile(s_desc, c, BP, BN) * dS, 1), 0))
             dS = _tile(ds_desc, c, BP, BN) + tl.load(e_ptr + c) * dS
 
     @triton.jit
@@ -134,7 +134,7 @@ if HAS_TRITON:
         tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
 
     @triton.jit
-    def _final_local_kernel(x_desc, b_desc, c_desc, dy_desc, d_ptr, a_ptr, gam_ptr, s_desc, dl_desc, de_ptr,
+    def _final_local_kernel(x_desc, b_desc, c_desc, dy_desc, d_ptr, a_ptr, gam_ptr, s_desc, dl_desc,
                             dx_desc, db_desc, dc_desc, dd_ptr, dgam_ptr, da_ptr, C, NCH, HEADS, R,
                             BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head), the states' side: through y_off = (C S^T) e^gamma,
@@ -165,7 +165,8 @@ if HAS_TRITON:
         dw = tl.sum(dxw * x, 1)
         dd = tl.load(dd_ptr + ch * C + rows, mask=rm, other=0.0) + dw * ew
         dgam -= dw * w
-        dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + tl.load(de_ptr + ch) * tl.exp(gl), 0.0)
+        de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
+        dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
         rc = tl.cumsum(dgam, 0, reverse=True)
         tl.store(dd_ptr + ch * C + rows, dd + rc * A, mask=rm)
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
@@ -215,8 +216,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     _prep_kernel[(n,)](_desc(xb, cp), _desc(bb, cn), _desc(cb, cn), _desc(dyb, cp), db_, a, gam, e,
                        _desc(local, pn), _desc(ds, pn), Cs, nC, H, R, **opts)
     states, dl = torch.empty_like(local), torch.empty_like(local)
-    de = torch.empty_like(e)
-    _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), de, nC,
+    _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), nC,
                                  BP=BP, BN=BN, num_warps=NUM_WARPS)
     dx, dB, dC = torch.empty_like(xb), torch.empty((S, H, nC, Cs, N), **f32), torch.empty((S, H, nC, Cs, N), **f32)
     dd, dgam = torch.empty_like(db_), torch.empty_like(db_)
@@ -228,7 +228,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
                              gam, _desc(dx, cp), _desc(dB, cs), _desc(dC, cs), dd, dgam, dD_part, Cs, nC, H, R,
                              **{**opts, "BN": BN // ns}, NS=ns)
     _final_local_kernel[(n,)](_desc(xb, cp), _desc(bb, cn), _desc(cb, cn), _desc(dyb, cp), db_, a, gam,
-                              _desc(states, pn), _desc(dl, pn), de, _desc(dx, cp), _desc(dB, cn), _desc(dC, cn), dd,
+                              _desc(states, pn), _desc(dl, pn), _desc(dx, cp), _desc(dB, cn), _desc(dC, cn), dd,
                               dgam, dA_part, Cs, nC, H, R, **opts)
     # the group's B and C: the sum over its heads (in head order)
     dB = unbatch(dB.view(S, G, R, nC, Cs, N).sum(2))
