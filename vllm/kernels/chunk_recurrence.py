@@ -40,7 +40,7 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # K = V = 128, forward / backward us: 32, 8 warps, 2 stages 770 / 3,933 (kept); 32/8/1
 # 1,154 / 4,592; 32/4/1 1,006 / 3,938; 64/8/1 1,671 / 4,838; 64/4/1 1,844 / 5,255; 16/4/1
 # 917 / 5,037. A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not looked
-# into; V >= 32 never takes that tile). benchmarks/NOTES.md, session 16.
+# into; `_blocks` never takes that tile). benchmarks/NOTES.md, session 16.
 BLOCK_V_MAX = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
@@ -101,10 +101,12 @@ if HAS_TRITON:
 
 
 def _blocks(C: int, K: int, V: int) -> tuple[int, int, int]:
-    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at BLOCK_V_MAX."""
+    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at BLOCK_V_MAX and
+    never under 32 (the zero-filled columns of a V of 16 cost little; the 16-wide tile is the
+    one that faulted)."""
     def p2(n):
         return max(16, next_pow2(n))
-    return p2(C), p2(K), min(p2(V), BLOCK_V_MAX)
+    return p2(C), p2(K), min(max(32, p2(V)), BLOCK_V_MAX)
 
 
 def _check(u, w, kd, e):
@@ -115,7 +117,8 @@ def _check(u, w, kd, e):
         raise ValueError(f"chunk recurrence: u {tuple(u.shape)}, w {tuple(w.shape)}, kd {tuple(kd.shape)}, "
                          f"e {tuple(e.shape)} do not agree")
     if not _dims_ok(w.shape[-1], V):
-        raise ValueError(f"the Triton chunk recurrence needs K and V multiples of 4 (16-byte rows), got {w.shape[-1]}, {V}")
+        raise ValueError(f"the Triton chunk recurrence needs K and V multiples of 4 (16-byte rows), "
+                         f"got {w.shape[-1]}, {V}")
 
 
 def _dims_ok(K: int, V: int) -> bool:
@@ -136,7 +139,8 @@ def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
     BC, BK, BV = _blocks(C, K, V)
     _fwd_kernel[(B * H, -(-V // BV))](
         _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
-        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(u), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(u), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return states, vn
 
 
@@ -156,8 +160,8 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn):
         _bwd_kernel[(B * H, NV)](
             _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
             _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
-            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(w), num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES)
+            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(w),
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     else:
         dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()
     # the V tiles' parts, added in tile order

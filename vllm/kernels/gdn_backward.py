@@ -35,6 +35,9 @@ from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 NUM_WARPS = 8
+# the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
+# kernels take C = 64 (Qwen3-Next): 196 KB of it)
+MAX_CHUNK = 64
 
 if HAS_TRITON:
     import triton
@@ -50,14 +53,14 @@ if HAS_TRITON:
         ch = tl.program_id(0)
         rows = tl.arange(0, BC)
         rm = rows < C
-        g = tl.load(g_ptr + ch * C + rows, mask=rm, other=0.0)
-        b = tl.load(b_ptr + ch * C + rows, mask=rm, other=0.0)
+        g = tl.load(g_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        b = tl.load(b_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         gam = tl.cumsum(g, 0)
-        tl.store(gam_ptr + ch * C + rows, gam, mask=rm)
+        tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
         k = _tile(k_desc, ch, BC, BK)
         ii = rows[:, None]
         jj = rows[None, :]
-        lower = jj < ii
+        lower = (jj < ii) & (ii < C)
         kk = tl.dot(k, tl.trans(k), input_precision=PREC)
         A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
         # TT[c, j] = T[j, c]; T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]
@@ -67,7 +70,7 @@ if HAS_TRITON:
             col = tl.sum(TT * a[None, :], 1)
             TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
         T = tl.trans(TT)
-        tl.store(t_ptr + ch * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
+        tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
         _put(w_desc, ch, tl.dot(T, k * (b * eg)[:, None], input_precision=PREC), BC, BK)
         v = _tile(v_desc, ch, BC, BV)
@@ -83,11 +86,12 @@ if HAS_TRITON:
         dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
         ch = tl.program_id(0)
         rows = tl.arange(0, BC)
-        gam = tl.load(gam_ptr + ch * C + rows, mask=rows < C, other=0.0)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
         q = _tile(q_desc, ch, BC, BK)
         k = _tile(k_desc, ch, BC, BK)
         do = _tile(do_desc, ch, BC, BV) * scale
-        incl = rows[None, :] <= rows[:, None]
+        # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
+        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
         P = tl.where(incl, tl.dot(q, tl.trans(k), input_precision=PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         _put(dvn_desc, ch, tl.dot(tl.trans(P), do, input_precision=PREC), BC, BV)
@@ -103,8 +107,9 @@ if HAS_TRITON:
         ch = tl.program_id(0)
         rows = tl.arange(0, BC)
         rm = rows < C
-        incl = rows[None, :] <= rows[:, None]
-        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
+        # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
+        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         q = _tile(q_desc, ch, BC, BK)
         k = _tile(k_desc, ch, BC, BK)
         do = _tile(do_desc, ch, BC, BV) * scale
@@ -130,7 +135,7 @@ if HAS_TRITON:
         tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.load(de_ptr + ch) * tl.exp(gl))
         _put(dq_desc, ch, dq, BC, BK)
         _put(dk_desc, ch, dk, BC, BK)
-        tl.store(dgam_ptr + ch * C + rows, dgam, mask=rm)
+        tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
     @triton.jit
     def _final_wu_kernel(k_desc, v_desc, b_ptr, gam_ptr, t_ptr, du_desc, dw_desc, dgam_ptr, dgl_ptr, dk_desc,
@@ -144,10 +149,10 @@ if HAS_TRITON:
         rm = rows < C
         ii = rows[:, None]
         jj = rows[None, :]
-        lower = jj < ii
-        b = tl.load(b_ptr + ch * C + rows, mask=rm, other=0.0)
-        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
-        T = tl.load(t_ptr + ch * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        lower = (jj < ii) & (ii < C)
+        b = tl.load(b_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
         k = _tile(k_desc, ch, BC, BK)
         eg = tl.exp(gam)
         be = b * eg
@@ -164,7 +169,7 @@ if HAS_TRITON:
         dk = _tile(dk_desc, ch, BC, BK) + dXw * be[:, None]
         kdot = tl.sum(dXw * k, 1)
         db += kdot * eg
-        dgam = tl.load(dgam_ptr + ch * C + rows, mask=rm, other=0.0) + kdot * be
+        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + kdot * be
         # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle;
         # A = beta_i (k k^T)_ij D_ij
         dA = tl.where(lower, -tl.dot(tl.dot(tl.trans(T), dT, input_precision=PREC), tl.trans(T),
@@ -179,8 +184,8 @@ if HAS_TRITON:
         _put(dk_desc, ch, dk, BC, BK)
         # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
         dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
-        tl.store(dg_ptr + ch * C + rows, tl.cumsum(dgam, 0, reverse=True), mask=rm)
-        tl.store(db_ptr + ch * C + rows, db, mask=rm)
+        tl.store(dg_ptr + ch.to(tl.int64) * C + rows, tl.cumsum(dgam, 0, reverse=True), mask=rm)
+        tl.store(db_ptr + ch.to(tl.int64) * C + rows, db, mask=rm)
 
 
 def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -201,6 +206,8 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
         return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta))
     if not fused_backward_ok(q, v):
         raise ValueError(f"the fused GDN backward needs K and V multiples of 4, got {K}, {V}")
+    if C > MAX_CHUNK:
+        raise ValueError(f"the fused GDN backward takes chunks of at most {MAX_CHUNK} rows, got {C}")
     nC, B = seqs.num_chunks, len(seqs.lens)
 
     def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...] float32, contiguous

@@ -37,6 +37,9 @@ from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 NUM_WARPS = 8
+# the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
+# kernels take C = 128 (Nemotron-H): 196 KB of it)
+MAX_CHUNK = 128
 
 if HAS_TRITON:
     import triton
@@ -61,9 +64,9 @@ if HAS_TRITON:
         A = tl.load(a_ptr + (ch // NCH) % HEADS)
         rows = tl.arange(0, BC)
         rm = rows < C
-        d = tl.load(d_ptr + ch * C + rows, mask=rm, other=0.0)
+        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         gam = tl.cumsum(d * A, 0)
-        tl.store(gam_ptr + ch * C + rows, gam, mask=rm)
+        tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         tl.store(e_ptr + ch, tl.exp(gl))
         x = _tile(x_desc, ch, BC, BP)
@@ -105,9 +108,10 @@ if HAS_TRITON:
         head = (ch // NCH) % HEADS
         rows = tl.arange(0, BC)
         rm = rows < C
-        incl = rows[None, :] <= rows[:, None]
-        d = tl.load(d_ptr + ch * C + rows, mask=rm, other=0.0)
-        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
+        # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
+        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
+        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         x = _tile(x_desc, ch, BC, BP)
         dy = _tile(dy_desc, ch, BC, BP)
         # y_diag = M x, M = (C B^T) * decay * d_j
@@ -129,8 +133,8 @@ if HAS_TRITON:
             db_desc.store([ch, 0, s * BN], tl.reshape(tl.dot(tl.trans(dcb), Cs, input_precision=PREC), (1, BC, BN)))
         dMc = dM * cbd
         Q = dMc * d[None, :]
-        tl.store(dd_ptr + ch * C + rows, tl.sum(dMc, 0), mask=rm)
-        tl.store(dgam_ptr + ch * C + rows, tl.sum(Q, 1) - tl.sum(Q, 0), mask=rm)
+        tl.store(dd_ptr + ch.to(tl.int64) * C + rows, tl.sum(dMc, 0), mask=rm)
+        tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, tl.sum(Q, 1) - tl.sum(Q, 0), mask=rm)
         tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
 
     @triton.jit
@@ -145,15 +149,15 @@ if HAS_TRITON:
         A = tl.load(a_ptr + (ch // NCH) % HEADS)
         rows = tl.arange(0, BC)
         rm = rows < C
-        d = tl.load(d_ptr + ch * C + rows, mask=rm, other=0.0)
-        gam = tl.load(gam_ptr + ch * C + rows, mask=rm, other=0.0)
+        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         x = _tile(x_desc, ch, BC, BP)
         Bm = _tile(b_desc, gch, BC, BN)
         # y_off = (C S^T) e^gamma
         S = _tile(s_desc, ch, BP, BN)
         dyo = _tile(dy_desc, ch, BC, BP) * tl.exp(gam)[:, None]
         _put(dc_desc, ch, _tile(dc_desc, ch, BC, BN) + tl.dot(dyo, S, input_precision=PREC), BC, BN)
-        dgam = tl.load(dgam_ptr + ch * C + rows, mask=rm, other=0.0) \
+        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) \
             + tl.sum(dyo * tl.dot(_tile(c_desc, gch, BC, BN), tl.trans(S), input_precision=PREC), 1)
         dl = _tile(dl_desc, ch, BP, BN)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
@@ -163,12 +167,12 @@ if HAS_TRITON:
         _put(db_desc, ch, _tile(db_desc, ch, BC, BN) + tl.dot(x * w[:, None], dl, input_precision=PREC), BC, BN)
         _put(dx_desc, ch, _tile(dx_desc, ch, BC, BP) + dxw * w[:, None], BC, BP)
         dw = tl.sum(dxw * x, 1)
-        dd = tl.load(dd_ptr + ch * C + rows, mask=rm, other=0.0) + dw * ew
+        dd = tl.load(dd_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + dw * ew
         dgam -= dw * w
         de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
         dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
         rc = tl.cumsum(dgam, 0, reverse=True)
-        tl.store(dd_ptr + ch * C + rows, dd + rc * A, mask=rm)
+        tl.store(dd_ptr + ch.to(tl.int64) * C + rows, dd + rc * A, mask=rm)
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
 
 
@@ -191,6 +195,8 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
         return tuple(torch.zeros_like(t) for t in (x, dt, dt_bias, A_log, B, C, D))
     if not fused_backward_ok(x, B):
         raise ValueError(f"the fused Mamba-2 backward needs P and N multiples of 4, got {P}, {N}")
+    if Cs > MAX_CHUNK:
+        raise ValueError(f"the fused Mamba-2 backward takes chunks of at most {MAX_CHUNK} rows, got {Cs}")
     nC, S = seqs.num_chunks, len(seqs.lens)
     pre = dt.float() + dt_bias.float()
     sp = F.softplus(pre)
