@@ -42,6 +42,12 @@ if compgen -G ".whl/fla_core-*.whl" >/dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
     .whl/fla_core-*.whl >>"$OUT/wheels.log" 2>&1 && echo "fla in /tmp/fla_site (GDN kernel benchmark only)"
 fi
+# mamba_ssm's Triton SSD ops (scripts/mamba_ssm_triton_wheel.py builds the wheel): the Mamba-2
+# benchmark's native baseline, likewise off the tests' path
+if compgen -G ".whl/mamba_ssm-*.whl" >/dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mamba_site \
+    .whl/mamba_ssm-*.whl .whl/einops-*.whl >>"$OUT/wheels.log" 2>&1 && echo "mamba_ssm in /tmp/mamba_site (Mamba-2 kernel benchmark only)"
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -240,7 +246,8 @@ if has mamba2; then
   timeout "${MAMBA2_TESTS_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_mamba2_chunk.py \
     tests/test_mamba2_backward.py tests/test_nemotron_h.py >"$OUT/mamba2_tests.log" 2>&1
   grep -E "passed|failed|Error|FAILED" "$OUT/mamba2_tests.log" | tail -8
-  timeout "${MAMBA2_KERNELS_TIMEOUT:-200}" python benchmarks/kernels/mamba2.py >"$OUT/mamba2_kernels.log" 2>&1
+  PYTHONPATH="$PYTHONPATH:/tmp/mamba_site" timeout "${MAMBA2_KERNELS_TIMEOUT:-300}" python benchmarks/kernels/mamba2.py \
+    >"$OUT/mamba2_kernels.log" 2>&1
   tail -10 "$OUT/mamba2_kernels.log"
   # the training backward alone: today's path against the fused kernels (vllm/kernels/mamba2_backward.py)
   timeout "${MAMBA2_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/mamba2.py --backward >"$OUT/mamba2_backward.log" 2>&1
