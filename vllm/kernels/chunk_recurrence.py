@@ -40,7 +40,7 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # K = V = 128, forward / backward us: 32, 8 warps, 2 stages 770 / 3,933 (kept); 32/8/1
 # 1,154 / 4,592; 32/4/1 1,006 / 3,938; 64/8/1 1,671 / 4,838; 64/4/1 1,844 / 5,255; 16/4/1
 # 917 / 5,037. A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not looked
-# into; `_blocks` never takes that tile). benchmarks/NOTES.md, session 16.
+# into; `_blocks` never takes that tile). benchmarks/NOTES.md has the sweep.
 BLOCK_V_MAX = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
