@@ -30,7 +30,7 @@ from vllm.kernels.matmul import invariant_matmul  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-SWEEP_MS = [1, 16, 64, 256, 1024, 4096, 16384]
+SWEEP_MS = [1, 16, 32, 64, 256, 1024, 4096, 16384]   # 32: the table's 64-row entry costs 1.9-2.5x there
 # (impl, BM, BN, BK, warps, stages); a 128 x 256 TMA tile fits shared memory with the tree's
 # float32 tile only at 2 stages. "tmar" / "plainr" (one K loop over all leaves, the waiting
 # subtrees in registers: four float32 tiles live at 8 leaves) are listed only where they do
