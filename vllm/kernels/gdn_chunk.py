@@ -21,20 +21,21 @@ How that holds:
   the resumed middle of one, or a decode step (a chunk with one new row whose earlier
   rows are re-read from the state's buffer).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan,
-  A is strictly lower, T is built by forward substitution that stops at the chunk's
-  last row, and products with later rows are masked to exact zeros. The zero rows of an
-  incomplete chunk therefore cannot move the bits of the rows before them.
+  A is strictly lower, T = (I + A)^-1 is built block by block from A's rows <= i (rows
+  past the chunk's last are zero rows of A, which make rows e_i of T), and products with
+  later rows are masked to exact zeros. The zero rows of an incomplete chunk therefore
+  cannot move the bits of the rows before them.
 * A partial chunk is never folded into the state: the cached state is the boundary
   state of the sequence's current chunk, and the chunk's rows so far are kept in the
   buffer at the dtype they arrived in (k, v in the model dtype, g, beta in fp32), so a
   re-read row equals the row a single prefill held. States are stored in fp32, the
   precision they are carried in.
-* The reductions whose order depends on a register layout (the gamma prefix scan, the
-  forward substitution) always run on whole C-row tiles in the prep kernel, in the layout
-  of its whole-tile k k^T dot. Everything else a row gets from dots that keep their K
-  dims, K tiling and operand roundings, and from elementwise math: a tl.dot row's bits do
-  not depend on the tile's row count (H200, fp32 accumulator), so a row computed in a
-  tile of 16 rows has the bits of the same row in a C-row tile.
+* The reductions whose order depends on a register layout (the gamma prefix scan, T's
+  blocked inverse) always run on whole C-row tiles in the prep kernel, on every path.
+  Everything else a row gets from dots that keep their K dims, K tiling and operand
+  roundings, and from elementwise math: a tl.dot row's bits do not depend on the tile's
+  row count (H200, fp32 accumulator), so a row computed in a tile of 16 rows has the bits
+  of the same row in a C-row tile.
 
 Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps no
 buffer and folds the partial last chunk into the state (the usual form: a token's bits
@@ -60,13 +61,14 @@ step but the one that completes a chunk. Nothing is folded, so the chunk's bound
 is the cached fp32 state itself: the state kernel skips the sequence, and the output
 kernel reads the cached state's model-dtype copy "ssm_rounded" (the state kernel's
 `.to(dtype)` of the fp32 state, the rounding its boundary copies take: the same bits, half
-the bytes). Its earlier rows' T and v_new are in the slot (they depend on rows
-before them and on the boundary state only, so an earlier step computed them with these
-bits), so only the tiles of DECODE_ROWS rows holding the step's rows are computed: w and
-u in the prep kernel (with their rows of T read back from the T cache), v_new = u - w h
-and the outputs in the output kernel. A, the forward substitution and gamma stay whole
-C-row tiles (the layout-bound reductions above). Every other chunk takes the whole-chunk
-path.
+the bytes). Its earlier rows' v_new are in the slot (they depend on rows before them and
+on the boundary state only, so an earlier step computed them with these bits), so only
+the tiles of DECODE_ROWS rows holding the step's rows are computed: w and u in the prep
+kernel (their rows of T cut out of T), v_new = u - w h and the outputs in the output
+kernel. A, T and gamma stay whole C-row tiles (the layout-bound reductions above); T's
+rows that earlier steps of the chunk solved are read back from the T cache, so a step
+solves only its new rows: one step of the diagonal blocks' substitution and its block
+row's two dots. Every other chunk takes the whole-chunk path.
 Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention
 does) with fp32 accumulation. Under the Triton interpreter (tests on CPU) every dot sums
 over K by one fixed tree, so that there too a row's bits do not depend on the tile's row
@@ -125,8 +127,9 @@ OUT_DECODE_NUM_WARPS = 8
 
 
 if HAS_TRITON:
-    # has_tcache is 0 or 1 by the state's tensors, not by the step: one compiled kernel for both
-    _GDN_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_tcache"]}
+    # has_dcache (the decode caches) is 0 or 1 by the state's tensors, not by the step: one
+    # compiled kernel for both
+    _GDN_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_dcache"]}
     _SUM = tl.standard._sum_combine
     _MAX = tl.standard._elementwise_max
 
@@ -193,33 +196,77 @@ if HAS_TRITON:
                      EMULATE, PREC)
             tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u, mask=row_ok)
 
+    @triton.jit
+    def _unit_lower_inverse(A, tc_ptr, hit, r0, L, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
+        """T = (I + A)^-1 of a strictly lower C x C tile as [C / DB, DB, C] (T's rows in tiles of
+        DB). Blocked: forward substitution inside the DB x DB diagonal blocks, all blocks side by
+        side (step i solves row i of every block), then block row by block row
+        T[b, :b] = -T[b, b] (A[b, :b] T[:b, :b]) as two dots; block rows past L's are e_i rows
+        (A's rows past L are zero).
+
+        With `hit`, rows < r0 of T are read from tc_ptr (row-major C x C, written by an earlier
+        step of the chunk with these bits): the substitution then starts at r0's step and the
+        block rows at r0's. Row i of T is computed from rows <= i of A and rows < i of T, by the
+        same operations in the same layouts on every path, so the rows a step reads back or
+        recomputes have the bits a single prefill gives them. Results are written as 0 - x, so
+        T holds no -0 (a tile is cut out of T by a sum with zeros, which must keep its bits)."""
+        NB: tl.constexpr = C // DB
+        blk = tl.arange(0, NB)
+        r = tl.arange(0, DB)
+        cols = tl.arange(0, C)
+        tiles = blk[:, None, None]
+        ri = r[None, :, None]
+        rj = r[None, None, :]
+        row3 = tiles * DB + ri                                           # [NB, DB, 1]: T's row
+        cached = hit & (row3 < r0)
+        # the diagonal blocks, Ad[b, i, j] = A[b DB + i, b DB + j]
+        same = blk[:, None, None, None] == blk[None, None, :, None]
+        Ad = tl.sum(tl.where(same, tl.reshape(A, (NB, DB, NB, DB)), 0.0), 2)
+        Td = tl.where((ri == rj) & (tiles >= 0), 1.0, 0.0)
+        Td = tl.where(cached, tl.load(tc_ptr + row3 * C + tiles * DB + rj, mask=cached, other=0.0), Td)
+        # on a hit whose new rows lie in one block, only their steps (the others' rows would be
+        # recomputed with their cached bits)
+        one_block = hit & (r0 // DB == L // DB)
+        for i in range(tl.where(one_block, r0 % DB, 1), tl.where(one_block, L % DB, DB - 1) + 1):
+            a = tl.sum(tl.where(ri == i, Ad, 0.0), 1)                    # Ad[b, i, :]
+            col = tl.sum(a[:, :, None] * Td, 1)                          # sum_j Ad[b, i, j] Td[b, j, :]
+            Td = tl.where(ri == i, (tl.where(r[None, :] == i, 1.0, 0.0) - col)[:, None, :], Td)
+        T3 = tl.reshape(tl.where(same, Td[:, :, None, :], 0.0), (NB, DB, C))
+        T3 = tl.where(cached, tl.load(tc_ptr + row3 * C + cols[None, None, :], mask=cached, other=0.0), T3)
+        A3 = tl.reshape(A, (NB, DB, C))
+        for bi in range(tl.where(hit, tl.maximum(r0 // DB, 1), 1), L // DB + 1):
+            Ab = tl.sum(tl.where(tiles == bi, A3, 0.0), 0)                # rows of block bi
+            Ab = tl.where(cols[None, :] < bi * DB, Ab, 0.0)             # A[bi, :bi]
+            X = _dot(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (C, C)),
+                     tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
+            Tbb = tl.sum(tl.where(tiles == bi, Td, 0.0), 0)
+            Y = 0.0 - _dot(Tbb, X, tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
+            T3 = tl.where((tiles == bi) & (cols[None, None, :] < bi * DB), Y[None, :, :], T3)
+        return T3
+
     @triton.jit(**_GDN_JIT)
     def _gdn_prep_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr,
         bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr, tc_ptr, tpos_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
         gam_ws, kc_ws, w_ws, kd_ws, u_ws,
-        has_state, has_tcache,
+        has_state, has_dcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (chunk, value head): gamma, A, T = (I + A)^-1, then
-        w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
+        """One program per (chunk, value head): gamma, A, T = (I + A)^-1 (_unit_lower_inverse),
+        then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
         path, kd = e^(gamma_L - gamma) k (rows <= L) and the chunk's key tile for the output
         kernel. The only kernel that reads the buffer rows of a chunk that is not on the
         decode path: the output kernel rewrites them once this one is done (a step can resume
         a chunk and end in a later partial one, whose rows land on the same buffer rows).
 
-        With the T cache (`has_tcache`, aligned mode), a resumed chunk starts its forward
-        substitution at its first new row from the rows of T the chunk's earlier steps
-        solved, and the last partial chunk of a sequence leaves its T there: row i of T is
-        written once, by iteration i of the same loop of this kernel, from rows < i, so the
-        rows read back are the rows a single prefill computes.
-
-        On the decode path only the step's rows of w and u are computed, in tiles of DR rows
-        whose rows of T are read back from the T cache (a row tile cannot be cut out of the
-        register tile): the same dots, with the K of every dot (the chunk's rows) unchanged."""
+        Every path builds T the same way from the chunk's rows so far (the buffer's and the
+        step's), its rows that earlier steps solved read back from the T cache when it holds
+        them (`has_dcache`), so a row of T has the bits a single prefill gives it. On the
+        decode path only the step's rows of w and u are computed, in tiles of DR rows cut out
+        of T: the same dots, with the K of every dot (the chunk's rows) unchanged."""
         # value heads on axis 0: the value heads of a key head run side by side (its key tile)
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             tl.program_id(1), tl.program_id(0), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
@@ -235,9 +282,7 @@ if HAS_TRITON:
         gam = tl.associative_scan(g, 0, _SUM)  # prefix sums: row i sees rows <= i only
         tl.store(gam_ws + base * C + rows, gam)
 
-        # k k^T over K tiles, chained in increasing order. Always the whole C x C tile: the
-        # forward substitution below reduces in the register layout of this dot's result, and
-        # that layout (with it the order of the reduction) is what every path must share.
+        # k k^T over K tiles, chained in increasing order, always the whole C x C tile
         kk = tl.zeros([C, C], dtype=tl.float32)
         for k0 in tl.static_range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
@@ -248,52 +293,40 @@ if HAS_TRITON:
         jj = rows[None, :]
         lower = jj < ii
         A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-
-        # T = (I + A)^-1 by forward substitution, kept transposed (TT[c, j] = T[j, c]) so
-        # both reductions run along the axis their result is consumed on:
-        # T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]. Row i reads rows < i only; rows past
-        # L stay e_i (their inputs are zero rows).
-        TT = tl.where(ii == jj, 1.0, 0.0)
         first = tl.load(first_ptr + n)
         r0 = first - start  # the chunk's first new row; rows before it come from the buffer
         tc_base = (slot * HV + h) * (C * C)
-        # the cache holds rows < r0 of this chunk's T when its stamp (the end position of the
+        # the T cache holds rows < r0 of this chunk's T when its stamp (the end position of the
         # step that wrote it) lies in this chunk at or past the first new row
-        tpos = tl.load(tpos_ptr + slot * HV + h, mask=(has_tcache != 0) & (r0 > 0), other=-1)
-        hit = (has_tcache != 0) & (r0 > 0) & (tpos >= first) & (tpos <= start + C)
-        cached = tl.load(tc_ptr + tc_base + ii * C + jj, mask=hit & (jj < r0), other=0.0)
-        TT = tl.where(hit & (jj < r0), cached, TT)
-        i0 = tl.where(hit, r0, 1)
-        for i in range(i0, L + 1):
-            a = tl.reduce(tl.where(ii == i, A, 0.0), 0, _SUM)      # A[i, :], indexed by j
-            col = tl.reduce(TT * a[None, :], 1, _SUM)              # sum_j A[i, j] T[j, c]
-            TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
+        tpos = tl.load(tpos_ptr + slot * HV + h, mask=(has_dcache != 0) & (r0 > 0), other=-1)
+        hit = (has_dcache != 0) & (r0 > 0) & (tpos >= first) & (tpos <= start + C)
+        T3 = _unit_lower_inverse(A, tc_ptr + tc_base, hit, r0, L, C, DR, EMULATE)  # [C / DR, DR, C]
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
-        decode = _decode_path(c0, c1, start, end, has_state, has_tcache, C, ALIGNED)
+        decode = _decode_path(c0, c1, start, end, has_state, has_dcache, C, ALIGNED)
         if ALIGNED:
             # the last chunk of a sequence, incomplete: its rows of T for the chunk's next step
             # (the rows this step solved; on a hit the ones before are there). Written only
             # when no chunk of this step reads the slot's T (the sequence's first chunk is this
             # one or starts on the grid); otherwise the stamp is cleared and the next step
-            # solves the chunk from its row 1 (same bits, more work).
-            keep = (has_tcache != 0) & (n == c1 - 1) & (end - start < C)
+            # solves the chunk whole (same bits, more work).
+            keep = (has_dcache != 0) & (n == c1 - 1) & (end - start < C)
             free = (c0 == n) | (tl.load(first_ptr + c0) == tl.load(start_ptr + c0))
-            solved = (jj >= tl.where(hit, r0, 0)) & (jj <= L)
+            row3 = tl.arange(0, C // DR)[:, None, None] * DR + tl.arange(0, DR)[None, :, None]
+            solved = (row3 >= tl.where(hit, r0, 0)) & (row3 <= L)
             tl.debug_barrier()  # every thread's read of the cached rows precedes the writes
-            tl.store(tc_ptr + tc_base + ii * C + jj, TT, mask=keep & free & solved)
+            tl.store(tc_ptr + tc_base + row3 * C + rows[None, None, :], T3, mask=keep & free & solved)
             tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
 
         eg = tl.exp(gam)
         kb_scale = b * eg
         if decode:
-            # rows r0 .. L of w and u, DR rows at a time; a decode chunk always leaves its T
-            # rows 0 .. L in the cache (it is its sequence's last and first chunk)
-            tl.debug_barrier()  # the rows of T stored above by other threads are read below
+            # rows r0 .. L of w and u, DR rows at a time
+            tiles = tl.arange(0, C // DR)[:, None, None]
             for t in range(r0 // DR, L // DR + 1):
                 rt = t * DR + tl.arange(0, DR)
-                Tt = tl.load(tc_ptr + tc_base + jj * C + rt[:, None], mask=(rt <= L)[:, None], other=0.0,
-                             cache_modifier=".cg").to(DT)  # rows rt of T (L2: just written)
+                # tile t of T: a sum with exact zeros (T holds no -0), the bits of T's rows
+                Tt = tl.sum(tl.where(tiles == t, T3, 0.0), 0).to(DT)
                 _w_u_rows(Tt, base * C + rt, ((rt >= r0) & (rt <= L))[:, None], k_ptr, bk_ptr, v_ptr, bv_ptr,
                           trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                           kd_ws, kc_ws, 0, 0.0, False, False,
@@ -304,7 +337,7 @@ if HAS_TRITON:
             # kd is read only where the state kernel folds the chunk in (aligned: complete
             # chunks); the key tile is shared by the value heads of a group: the group's first
             # stores it
-            _w_u_rows(tl.trans(TT).to(DT), base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
+            _w_u_rows(tl.reshape(T3, (C, C)).to(DT), base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
                       trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                       kd_ws, kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, dec,
                       ((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None],
@@ -314,7 +347,7 @@ if HAS_TRITON:
     @triton.jit(**{**_GDN_JIT, "do_not_specialize": [*_GDN_JIT["do_not_specialize"], "S"]})
     def _gdn_work_kernel(
         start_pos_ptr, start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr, S,
-        has_state, has_tcache,
+        has_state, has_dcache,
         C: tl.constexpr, ALIGNED: tl.constexpr, WB: tl.constexpr,
     ):
         """One program: the sequences the state kernel walks, in order, into work_ptr and their
@@ -325,7 +358,7 @@ if HAS_TRITON:
         for b0 in range(0, S, WB):
             s = b0 + tl.arange(0, WB)
             ok = s < S
-            _, _, any_chunk, decode = _seq_decode(s, ok, seqc_ptr, start_ptr, end_ptr, has_state, has_tcache, C,
+            _, _, any_chunk, decode = _seq_decode(s, ok, seqc_ptr, start_ptr, end_ptr, has_state, has_dcache, C,
                                                   ALIGNED)
             sp = tl.load(start_pos_ptr + s, mask=ok, other=0)
             need = (any_chunk & ((decode == 0) | (sp == 0))).to(tl.int32)
@@ -338,7 +371,7 @@ if HAS_TRITON:
         start_pos_ptr, slots_ptr, ssm_ptr, hr_ptr,
         start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr,
         gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws,
-        has_state, has_tcache,
+        has_state, has_dcache,
         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
@@ -360,7 +393,7 @@ if HAS_TRITON:
         st_ok = _mask2(rk < K, rv, V, VP)
         for i in range(tl.program_id(2), tl.load(nwork_ptr), tl.num_programs(2)):
             s = tl.load(work_ptr + i)
-            c0, c1, any_chunk, decode = _seq_decode(s, True, seqc_ptr, start_ptr, end_ptr, has_state, has_tcache,
+            c0, c1, any_chunk, decode = _seq_decode(s, True, seqc_ptr, start_ptr, end_ptr, has_state, has_dcache,
                                                     C, ALIGNED)
             c_end = tl.where(decode, c0, c1)
             sp = tl.load(start_pos_ptr + s)
@@ -392,7 +425,7 @@ if HAS_TRITON:
             changed = st_ok & (has_state != 0) & any_chunk & ((folds > 0) | (sp == 0))
             tl.store(st_ptrs, hs, mask=changed)
             tl.store(hr_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :], hs.to(DT),
-                     mask=changed & (has_tcache != 0))
+                     mask=changed & (has_dcache != 0))
 
     @triton.jit(**_GDN_JIT)
     def _gdn_output_kernel(
@@ -400,7 +433,7 @@ if HAS_TRITON:
         bk_ptr, bv_ptr, bg_ptr, bb_ptr, bvn_ptr, slots_ptr, hr_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
         gam_ws, kc_ws, w_ws, u_ws, vn_ws, h_ws, scale,
-        has_state, has_tcache,
+        has_state, has_dcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         DECODE: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
@@ -430,7 +463,7 @@ if HAS_TRITON:
         L = end - start - 1
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
-        decode = _decode_path(c0, c1, start, end, has_state, has_tcache, C, ALIGNED)
+        decode = _decode_path(c0, c1, start, end, has_state, has_dcache, C, ALIGNED)
         if decode == DECODE:
             write_buf = False
             if ALIGNED:
@@ -524,7 +557,7 @@ if HAS_TRITON:
                          mask=_mask2(from_step, rv, V, VP))
                 if ALIGNED:
                     # the new rows of v_new join the slot's, for the decode path of the chunk's next step
-                    tl.store(vn_buf, vn, mask=_mask2(from_step & write_buf & (has_tcache != 0), rv, V, VP))
+                    tl.store(vn_buf, vn, mask=_mask2(from_step & write_buf & (has_dcache != 0), rv, V, VP))
 
 
 # ---- checks shared by both devices ------------------------------------------------------------
@@ -532,15 +565,16 @@ if HAS_TRITON:
 # the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
 BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta")
 # optional, together (aligned mode, Triton): what makes a decode step cheap. "t_cache" float32
-# [slots, Hv, C, C]: the partial chunk's rows of T = (I + A)^-1, kept transposed as the prep
-# kernel holds it, with "t_pos" int32 [slots, Hv], the end position of the step that wrote them
-# (a step resumes the forward substitution at its first new row); "buf_vn" [slots, C, Hv, V]
+# [slots, Hv, C, C]: the partial chunk's rows of T = (I + A)^-1, with "t_pos" int32 [slots, Hv],
+# the end position of the step that wrote them (a step solves only its new rows: the diagonal
+# blocks' substitution resumes at its first new row, the block rows before its own are read
+# back); "buf_vn" [slots, C, Hv, V]
 # (model dtype): the partial chunk's rows of v_new (a decode step computes its own rows only);
 # "ssm_rounded" [slots, Hv, K, V] (model dtype): the cached state rounded to the model dtype,
 # written with it by the state kernel, the boundary state the decode path reads (half the
 # bytes of the fp32 state, the step's largest read: the output kernel's 338 against 545 us per
 # layer at the same tiles, H200, 256 sequences). Without them every step solves its chunk's T
-# from row 1 and recomputes all its rows through the state kernel (the same bits).
+# whole and recomputes all its rows through the state kernel (the same bits).
 DECODE_CACHE = ("t_cache", "t_pos", "buf_vn", "ssm_rounded")
 
 
