@@ -32,7 +32,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (fla, fla_core-*.whl) goes to its own folder, on the path only for
 # the GDN kernel benchmark: where it imports, transformers' Qwen3-Next swaps its torch
 # reference functions for fla's kernels, which the tests use as independent references.
-wheels=$(ls .whl/*.whl 2>/dev/null | grep -v "/fla_core-")
+# The kernel baselines (fla_core, mamba_ssm and einops, which both import) stay off the tests'
+# path: transformers' model classes swap in their kernels when they import.
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -vE "/(fla_core|mamba_ssm|einops)-")
 if [[ -n "$wheels" ]]; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" && echo "wheels from .whl installed" \
@@ -40,7 +42,7 @@ if [[ -n "$wheels" ]]; then
 fi
 if compgen -G ".whl/fla_core-*.whl" >/dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla_site \
-    .whl/fla_core-*.whl >>"$OUT/wheels.log" 2>&1 && echo "fla in /tmp/fla_site (GDN kernel benchmark only)"
+    .whl/fla_core-*.whl .whl/einops-*.whl >>"$OUT/wheels.log" 2>&1 && echo "fla in /tmp/fla_site (GDN kernel benchmark only)"
 fi
 # mamba_ssm's Triton SSD ops (scripts/mamba_ssm_triton_wheel.py builds the wheel): the Mamba-2
 # benchmark's native baseline, likewise off the tests' path
@@ -231,7 +233,7 @@ if has gdn; then
     # the training backward alone: today's path (autograd of the reference, Triton recurrence)
     # against the fused kernels (vllm/kernels/gdn_backward.py), time and distance
     timeout "${GDN_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/gdn.py --backward >"$OUT/gdn_backward.log" 2>&1
-    grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -7
+    grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -9
   fi
   if gdn_has breakdown; then
     # per kernel, GDN and Mamba-2, decode at several chunk offsets and prefill (torch profiler)
@@ -296,11 +298,11 @@ has train && sed -n '/== train step/,$p' "$OUT/train_step.log"
 has moe && { tail -1 "$OUT/moe_tests.log"; grep -E "^bits:" "$OUT/moe_gemm.log"; grep -E "^(floor|invariant)" "$OUT/moe_throughput.log"; grep -E "^invariant / plain" "$OUT/moe_train_step.log"; } 2>/dev/null
 has gdn && { grep -E "passed|failed" "$OUT/gdn_tests.log" | tail -1; sed -n '/== Gated DeltaNet, one layer/,$p' "$OUT/gdn_kernels.log"; \
   grep -E "^(floor|engine|fast|invariant)" "$OUT/gdn_throughput.log"; } 2>/dev/null
-has gdn && grep -E "^backward|fused vs reference" "$OUT/gdn_backward.log" 2>/dev/null
+has gdn && grep -E "^backward| vs float64:" "$OUT/gdn_backward.log" 2>/dev/null
 has gdn && grep -E "^(decode 256x1 invariant, spread, T cached|decode 256x1 fast|mamba2 decode 256x1 (invariant, spread|fast))" \
   "$OUT/scan_breakdown.log" 2>/dev/null | cut -c1-120
 has mamba2 && { grep -E "passed|failed" "$OUT/mamba2_tests.log" | tail -1; sed -n '/== Mamba-2, one layer/,$p' "$OUT/mamba2_kernels.log"; \
-  grep -E "^backward|fused vs reference" "$OUT/mamba2_backward.log"; } 2>/dev/null
+  grep -E "^backward| vs float64:" "$OUT/mamba2_backward.log"; } 2>/dev/null
 has defaultjob && tr '\r' '\n' <"$OUT/defaultjob.log" | grep -E "^done" 
 has rlstep && sed -n '/^RL step/,$p' "$OUT/rl_step.log"
 has rlray && sed -n '/^RL step/,$p' "$OUT/rl_ray_step.log"

@@ -189,24 +189,37 @@ def bits_vs(path: str) -> dict:
 
 
 def backward_case(T: int = 10240) -> None:
-    """The backward alone at the train shape: the trainer's path today (float32 autograd of
-    gdn_reference, with the Triton chunk recurrence) against the fused kernels of
-    vllm/kernels/gdn_backward.py, and how far each gradient of the fused path is from it."""
+    """The backward alone at the train shape: autograd of gdn_reference in float32 (with the
+    Triton chunk recurrence) against the fused kernels of vllm/kernels/gdn_backward.py (the
+    trainer's path on a GPU), their distance from float64 autograd, the fused kernels' GPU time
+    per kernel, and the fused kernels with single-pass TF32 dots beside their 3xTF32."""
+    from scan_bench import kernel_times, precision_variant, report
+
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.gdn_backward import gdn_backward_triton
     from vllm.kernels.gdn_chunk import gdn_reference
     x = inputs(T, 0)
     do = torch.randn(T, HV, V, device=DEV).to(torch.bfloat16)
     cu = [0, T]
-    ref = reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, do)
-    got = gdn_backward_triton(*x, do, cu, SCALE)
-    t_ref = bench(lambda: reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, do))
-    t_fused = bench(lambda: gdn_backward_triton(*x, do, cu, SCALE))
-    print(f"backward 1x{T}: reference autograd {t_ref:.1f} us, fused kernels {t_fused:.1f} us "
-          f"({t_ref / t_fused:.2f}x)")
-    for name, a, b in zip("q k v g beta".split(), got, ref):
-        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-        print(f"  d{name}: fused vs reference relative error {err:.2e}")
+
+    def ref_step(dy=do):
+        return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
+
+    exact = ref_step(do.double())  # float64 autograd (dy in float64)
+    t_ref = bench(ref_step)
+    rows = [("reference autograd (float32)", ref_step(), t_ref)]
+    for prec in ("tf32x3", "tf32"):
+        with precision_variant(prec):
+            got = gdn_backward_triton(*x, do, cu, SCALE)
+            t = bench(lambda: gdn_backward_triton(*x, do, cu, SCALE))
+            if prec == "tf32x3":
+                report("backward kernels (fused, tf32x3)", kernel_times(lambda: gdn_backward_triton(*x, do, cu, SCALE)))
+        rows.append((f"fused kernels ({prec})", got, t))
+    print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
+          + f" (fused {t_ref / rows[1][2]:.2f}x the reference)")
+    for name, got, _ in rows:
+        errs = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, exact)]
+        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip("q k v g beta".split(), errs)))
 
 
 if __name__ == "__main__":

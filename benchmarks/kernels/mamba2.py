@@ -216,9 +216,12 @@ def bits_vs(path: str) -> int:
 
 
 def backward_case(T: int = 8192) -> None:
-    """The backward alone at the train shape: the trainer's path today (float32 autograd of
-    mamba2_reference) against the fused kernels of vllm/kernels/mamba2_backward.py, and how
-    far each gradient of the fused path is from it."""
+    """The backward alone at the train shape: autograd of mamba2_reference in float32 against
+    the fused kernels of vllm/kernels/mamba2_backward.py (the trainer's path on a GPU), their
+    distance from float64 autograd, the fused kernels' GPU time per kernel, and the fused
+    kernels with single-pass TF32 dots beside their 3xTF32."""
+    from scan_bench import kernel_times, precision_variant, report
+
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.mamba2_backward import mamba2_backward_triton
     from vllm.kernels.mamba2_chunk import mamba2_reference
@@ -228,17 +231,27 @@ def backward_case(T: int = 8192) -> None:
     dy = torch.randn(T, H, P, device=DEV).to(torch.bfloat16)
     cu = [0, T]
 
-    def ref_step():
-        return reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, C), xs, [True] * 7, dy)
+    def ref_step(d=dy):
+        return reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, C), xs, [True] * 7, d)
 
-    ref, got = ref_step(), mamba2_backward_triton(*xs, dy, DT_MIN, cu, C)
+    def fused():
+        return mamba2_backward_triton(*xs, dy, DT_MIN, cu, C)
+
+    exact = ref_step(dy.double())
     t_ref = bench(ref_step)
-    t_fused = bench(lambda: mamba2_backward_triton(*xs, dy, DT_MIN, cu, C))
-    print(f"backward 1x{T}: reference autograd {t_ref:.1f} us, fused kernels {t_fused:.1f} us "
-          f"({t_ref / t_fused:.2f}x)")
-    for name, a, b in zip("x dt dt_bias A_log B C D".split(), got, ref):
-        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-        print(f"  d{name}: fused vs reference relative error {err:.2e}")
+    rows = [("reference autograd (float32)", ref_step(), t_ref)]
+    for prec in ("tf32x3", "tf32"):
+        with precision_variant(prec):
+            got, t = fused(), bench(fused)
+            if prec == "tf32x3":
+                report("backward kernels (fused, tf32x3)", kernel_times(fused))
+        rows.append((f"fused kernels ({prec})", got, t))
+    print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
+          + f" (fused {t_ref / rows[1][2]:.2f}x the reference)")
+    names = "x dt dt_bias A_log B C D".split()
+    for name, got, _ in rows:
+        errs = [((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item() for a, b in zip(got, exact)]
+        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip(names, errs)))
 
 
 if __name__ == "__main__":

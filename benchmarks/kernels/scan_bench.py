@@ -74,7 +74,10 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    results = {name: case() for name, case in cases.items()}
+    results = {}
+    for name, case in cases.items():  # each case as it ends: a run cut short keeps what it measured
+        results[name] = case()
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[name].items()), flush=True)
     b = bits_check()
     print(f"\n== {title}")
     print(f"{'case':<24}{'invariant':>12}{'fast':>12}{baseline:>12}{'inv/native':>12}{'inv/fast':>10}")
@@ -91,3 +94,47 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"results": results, "bits": b}, f, indent=1)
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """GPU time per call of each kernel fn launches (torch profiler, mean over `calls`), us."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            out[e.name[:40]] += t / calls
+    return dict(out)
+
+
+def report(label: str, times: dict[str, float]) -> None:
+    total = sum(times.values())
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0)
+    print(f"{label:<34} total {total:8.1f} us | {parts}")
+
+
+def precision_variant(prec: str):
+    """A context in which the training backwards' dots take `prec` (vllm.kernels.training_tiles
+    .dot_precision patched): for a side-by-side measure of what a cheaper precision would buy."""
+    import contextlib
+
+    from vllm.kernels import training_tiles
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = training_tiles.dot_precision
+        training_tiles.dot_precision = lambda x: prec
+        try:
+            yield
+        finally:
+            training_tiles.dot_precision = saved
+    return ctx()

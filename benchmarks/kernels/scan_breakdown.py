@@ -17,42 +17,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mamba2  # noqa: E402
 from gdn import C, SCALE, inputs, ours, state  # noqa: E402
-from scan_bench import decode_metadata, metadata, prefill_metadata  # noqa: E402
+from scan_bench import decode_metadata, kernel_times, metadata, prefill_metadata, report  # noqa: E402
 
 from vllm.kernels.gdn_ops import gdn_recurrent_triton  # noqa: E402
 from vllm.kernels.mamba2_ops import selective_state_update_triton  # noqa: E402
-
-CALLS = 20
-
-
-def kernel_times(fn) -> dict[str, float]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    out = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:40]] += e.device_time_total / CALLS if hasattr(e, "device_time_total") else e.cuda_time_total / CALLS
-    return dict(out)
-
-
-def report(label: str, times: dict[str, float]) -> None:
-    total = sum(times.values())
-    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0)
-    print(f"{label:<34} total {total:8.1f} us | {parts}")
-
 
 def main() -> None:
     n = 256
