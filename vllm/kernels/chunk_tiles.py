@@ -77,6 +77,37 @@ if HAS_TRITON:
             return tl.dot(a, b, acc, input_precision=PREC)
 
     @triton.jit
+    def unit_lower_block_row(Ab, Tprev, bi, DB: tl.constexpr, EMULATE: tl.constexpr):
+        """Block row bi (rows bi DB .. bi DB + DB - 1) of T = (I + A)^-1 for a strictly lower
+        C x C matrix A, from Ab, A's rows of the block [DB, C], and Tprev, T's rows before
+        the block ([C, C], zero rows from bi DB on). The diagonal block is (I + N)^-1 of N,
+        A's DB x DB diagonal block, as the product (I - N)(I + N^2)(I + N^4)... (N^DB = 0);
+        the rest is T[b, :b] = -T[b, b] (A[b, :b] T[:b, :b]). Only dots (3xTF32) and exact
+        copies: their bits depend on the operands' values and shapes alone, so every path
+        that computes a block row from the same rows of A and T gets the same bits, however
+        it got them (registers, the T cache) and whatever else it computes. Row i of the
+        block reads A's rows <= i (the others enter multiplied by exact zeros), so a zero
+        row of A (past a chunk's last row) gives the row e_i. No entry is -0."""
+        C: tl.constexpr = Ab.shape[1]
+        NB: tl.constexpr = C // DB
+        r = tl.arange(0, DB)
+        cols = tl.arange(0, C)
+        sel = tl.arange(0, NB)[None, :, None] == bi
+        N = tl.sum(tl.where(sel, tl.reshape(Ab, (DB, NB, DB)), 0.0), 1)      # A[b, b]: a copy
+        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - N                 # I - N
+        Np = N
+        for lvl in tl.static_range(1, 16):
+            if (DB >> lvl) > 1:
+                Np = dot_rows(Np, Np, tl.zeros([DB, DB], dtype=tl.float32), EMULATE, "tf32x3")
+                P = dot_rows(P, Np, P, EMULATE, "tf32x3")                    # P (I + N^(2^lvl))
+        X = dot_rows(tl.where(cols[None, :] < bi * DB, Ab, 0.0), Tprev, tl.zeros([DB, C], dtype=tl.float32),
+                     EMULATE, "tf32x3")
+        # 0 - x: no -0 (X's columns from bi DB on are exact zeros)
+        Y = 0.0 - dot_rows(P, X, tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
+        diag = tl.reshape(tl.where(sel, P[:, None, :], 0.0), (DB, C))
+        return tl.where(cols[None, :] < bi * DB, Y, diag)
+
+    @triton.jit
     def mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
         """row_ok x (cols < N). The column test only where the dim is padded (N < NP): a mask
         constant along the row keeps the loads vectorised (without it every element gets its

@@ -11,7 +11,7 @@ float32), with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
     o = scale (q e^gamma S_c + incl_lower(q k^T * D) v_new)
 
 and the backward runs six launches:
-  1. prep (per chunk x value head): gamma, T (forward substitution), w, u, kd, e;
+  1. prep (per chunk x value head): gamma, T (by block rows, as the forward), w, u, kd, e;
   2. the recurrence forward (S_c, v_new);
   3. output grads (per chunk x value head): dS_c = (q e^gamma)^T do, dv_new = P^T do;
   4. the recurrence backward (du, dw, dkd, de);
@@ -43,13 +43,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
     from vllm.kernels.training_tiles import load_tile as _tile, store_tile as _put
 
     @triton.jit
     def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
                      BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-        """One program per (chunk, value head): gamma, T = (I + A)^-1 (forward substitution,
-        rows past C stay unit rows), w, u, kd and e. T goes out whole for the final kernel."""
+        """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
+        forward: chunk_tiles.unit_lower_block_row), w, u, kd and e. T goes out whole for the
+        final kernel."""
         ch = tl.program_id(0)
         rows = tl.arange(0, BC)
         rm = rows < C
@@ -63,13 +65,16 @@ if HAS_TRITON:
         lower = (jj < ii) & (ii < C)
         kk = tl.dot(k, tl.trans(k), input_precision=PREC)
         A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        # TT[c, j] = T[j, c]; T[i, :] = e_i - sum_{j<i} A[i, j] T[j, :]
-        TT = tl.where(ii == jj, 1.0, 0.0)
-        for i in range(1, C):
-            a = tl.sum(tl.where(ii == i, A, 0.0), 0)
-            col = tl.sum(TT * a[None, :], 1)
-            TT = tl.where(jj == i, (tl.where(rows == i, 1.0, 0.0) - col)[:, None], TT)
-        T = tl.trans(TT)
+        # T block row by block row, as the forward builds it; rows past C (zero rows of A) are e_i
+        NB: tl.constexpr = BC // 16
+        tiles = tl.arange(0, NB)[:, None, None]
+        T3 = tl.reshape(tl.where(ii == jj, 1.0, 0.0), (NB, 16, BC))
+        for bi in tl.static_range(NB):
+            Ab = tl.sum(tl.where(tiles == bi, tl.reshape(A, (NB, 16, BC)), 0.0), 0)
+            Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16,
+                                       PREC == "ieee")
+            T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
+        T = tl.reshape(T3, (BC, BC))
         tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
         _put(w_desc, ch, tl.dot(T, k * (b * eg)[:, None], input_precision=PREC), BC, BK)
@@ -216,7 +221,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     unbatch = seqs.from_chunks
     qb, kb = batch(q.repeat_interleave(G, dim=1)), batch(k.repeat_interleave(G, dim=1))
     vb, gb, bb, dob = batch(v), batch(g), batch(beta), batch(do)
-    BC, BK, BV = max(16, next_pow2(C)), max(16, next_pow2(K)), max(16, next_pow2(V))
+    # tiles of at least 32 columns: at C = 64, 16-column tiles (K = 16) fault with an illegal
+    # memory access on the H200 (Triton 3.6); the padding columns are the descriptors' zeros
+    BC, BK, BV = max(16, next_pow2(C)), max(32, next_pow2(K)), max(32, next_pow2(V))
     n = B * Hv * nC
     f32 = dict(dtype=torch.float32, device=q.device)
     w, kd = torch.empty_like(kb), torch.empty_like(kb)

@@ -21,21 +21,22 @@ How that holds:
   the resumed middle of one, or a decode step (a chunk with one new row whose earlier
   rows are re-read from the state's buffer).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan,
-  A is strictly lower, T = (I + A)^-1 is built block by block from A's rows <= i (rows
-  past the chunk's last are zero rows of A, which make rows e_i of T), and products with
-  later rows are masked to exact zeros. The zero rows of an incomplete chunk therefore
+  A is strictly lower, T = (I + A)^-1 is built block row by block row from A's rows <= i
+  (rows past the chunk's last are zero rows of A, which make rows e_i of T), and products
+  with later rows are masked to exact zeros. The zero rows of an incomplete chunk therefore
   cannot move the bits of the rows before them.
 * A partial chunk is never folded into the state: the cached state is the boundary
   state of the sequence's current chunk, and the chunk's rows so far are kept in the
   buffer at the dtype they arrived in (k, v in the model dtype, g, beta in fp32), so a
   re-read row equals the row a single prefill held. States are stored in fp32, the
   precision they are carried in.
-* The reductions whose order depends on a register layout (the gamma prefix scan, T's
-  blocked inverse) always run on whole C-row tiles in the prep kernel, on every path.
-  Everything else a row gets from dots that keep their K dims, K tiling and operand
-  roundings, and from elementwise math: a tl.dot row's bits do not depend on the tile's
-  row count (H200, fp32 accumulator), so a row computed in a tile of 16 rows has the bits
-  of the same row in a C-row tile.
+* The one reduction whose order depends on a register layout, the gamma prefix scan,
+  always runs on whole C-row tiles in the prep kernel, on every path. T is built from dots
+  and exact copies only (chunk_tiles.unit_lower_block_row), its block rows of DECODE_ROWS
+  rows from the [DECODE_ROWS, C] rows of k k^T. Everything else a row gets from dots that
+  keep their K dims, K tiling and operand roundings, and from elementwise math: a tl.dot
+  row's bits do not depend on the tile's row count (H200, fp32 accumulator), so a row
+  computed in a tile of 16 rows has the bits of the same row in a C-row tile.
 
 Fast mode (`aligned=False`) chunks from each sequence's first new token, keeps no
 buffer and folds the partial last chunk into the state (the usual form: a token's bits
@@ -65,10 +66,10 @@ the bytes). Its earlier rows' v_new are in the slot (they depend on rows before 
 on the boundary state only, so an earlier step computed them with these bits), so only
 the tiles of DECODE_ROWS rows holding the step's rows are computed: w and u in the prep
 kernel (their rows of T cut out of T), v_new = u - w h and the outputs in the output
-kernel. A, T and gamma stay whole C-row tiles (the layout-bound reductions above); T's
-rows that earlier steps of the chunk solved are read back from the T cache, so a step
-solves only its new rows: one step of the diagonal blocks' substitution and its block
-row's two dots. Every other chunk takes the whole-chunk path.
+kernel. Gamma stays a whole C-row tile (the layout-bound scan above); T's block rows
+that earlier steps of the chunk solved are read back from the T cache, so a step solves
+only the block rows holding its new rows (one, for a single token). Every other chunk
+takes the whole-chunk path.
 Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention
 does) with fp32 accumulation. Under the Triton interpreter (tests on CPU) every dot sums
 over K by one fixed tree, so that there too a row's bits do not depend on the tile's row
@@ -85,6 +86,7 @@ import torch
 
 from vllm.forward_context import StateMetadata
 from vllm.kernels.chunk_recurrence import ChunkRecurrenceFn
+from vllm.kernels.gdn_backward import fused_backward_ok, gdn_backward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
     reference_dtype, reference_grads, require_triton, scan_chunks_torch
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
@@ -94,7 +96,8 @@ if HAS_TRITON:
     import triton.language as tl
 
     from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, \
-        dot_rows as _dot, mask2 as _mask2, tile_rows as _tile
+        dot_rows as _dot, mask2 as _mask2, tile_rows as _tile, \
+        unit_lower_block_row as _unit_lower_block_row
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
@@ -196,54 +199,6 @@ if HAS_TRITON:
                      EMULATE, PREC)
             tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u, mask=row_ok)
 
-    @triton.jit
-    def _unit_lower_inverse(A, tc_ptr, hit, r0, L, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
-        """T = (I + A)^-1 of a strictly lower C x C tile as [C / DB, DB, C] (T's rows in tiles of
-        DB). Blocked: forward substitution inside the DB x DB diagonal blocks, all blocks side by
-        side (step i solves row i of every block), then block row by block row
-        T[b, :b] = -T[b, b] (A[b, :b] T[:b, :b]) as two dots; block rows past L's are e_i rows
-        (A's rows past L are zero).
-
-        With `hit`, rows < r0 of T are read from tc_ptr (row-major C x C, written by an earlier
-        step of the chunk with these bits): the substitution then starts at r0's step and the
-        block rows at r0's. Row i of T is computed from rows <= i of A and rows < i of T, by the
-        same operations in the same layouts on every path, so the rows a step reads back or
-        recomputes have the bits a single prefill gives them. Results are written as 0 - x, so
-        T holds no -0 (a tile is cut out of T by a sum with zeros, which must keep its bits)."""
-        NB: tl.constexpr = C // DB
-        blk = tl.arange(0, NB)
-        r = tl.arange(0, DB)
-        cols = tl.arange(0, C)
-        tiles = blk[:, None, None]
-        ri = r[None, :, None]
-        rj = r[None, None, :]
-        row3 = tiles * DB + ri                                           # [NB, DB, 1]: T's row
-        cached = hit & (row3 < r0)
-        # the diagonal blocks, Ad[b, i, j] = A[b DB + i, b DB + j]
-        same = blk[:, None, None, None] == blk[None, None, :, None]
-        Ad = tl.sum(tl.where(same, tl.reshape(A, (NB, DB, NB, DB)), 0.0), 2)
-        Td = tl.where((ri == rj) & (tiles >= 0), 1.0, 0.0)
-        Td = tl.where(cached, tl.load(tc_ptr + row3 * C + tiles * DB + rj, mask=cached, other=0.0), Td)
-        # on a hit whose new rows lie in one block, only their steps (the others' rows would be
-        # recomputed with their cached bits)
-        one_block = hit & (r0 // DB == L // DB)
-        for i in range(tl.where(one_block, r0 % DB, 1), tl.where(one_block, L % DB, DB - 1) + 1):
-            a = tl.sum(tl.where(ri == i, Ad, 0.0), 1)                    # Ad[b, i, :]
-            col = tl.sum(a[:, :, None] * Td, 1)                          # sum_j Ad[b, i, j] Td[b, j, :]
-            Td = tl.where(ri == i, (tl.where(r[None, :] == i, 1.0, 0.0) - col)[:, None, :], Td)
-        T3 = tl.reshape(tl.where(same, Td[:, :, None, :], 0.0), (NB, DB, C))
-        T3 = tl.where(cached, tl.load(tc_ptr + row3 * C + cols[None, None, :], mask=cached, other=0.0), T3)
-        A3 = tl.reshape(A, (NB, DB, C))
-        for bi in range(tl.where(hit, tl.maximum(r0 // DB, 1), 1), L // DB + 1):
-            Ab = tl.sum(tl.where(tiles == bi, A3, 0.0), 0)                # rows of block bi
-            Ab = tl.where(cols[None, :] < bi * DB, Ab, 0.0)             # A[bi, :bi]
-            X = _dot(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (C, C)),
-                     tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
-            Tbb = tl.sum(tl.where(tiles == bi, Td, 0.0), 0)
-            Y = 0.0 - _dot(Tbb, X, tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
-            T3 = tl.where((tiles == bi) & (cols[None, None, :] < bi * DB), Y[None, :, :], T3)
-        return T3
-
     @triton.jit(**_GDN_JIT)
     def _gdn_prep_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr,
@@ -255,7 +210,7 @@ if HAS_TRITON:
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (chunk, value head): gamma, A, T = (I + A)^-1 (_unit_lower_inverse),
+        """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows of A),
         then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
         path, kd = e^(gamma_L - gamma) k (rows <= L) and the chunk's key tile for the output
         kernel. The only kernel that reads the buffer rows of a chunk that is not on the
@@ -263,10 +218,11 @@ if HAS_TRITON:
         a chunk and end in a later partial one, whose rows land on the same buffer rows).
 
         Every path builds T the same way from the chunk's rows so far (the buffer's and the
-        step's), its rows that earlier steps solved read back from the T cache when it holds
-        them (`has_dcache`), so a row of T has the bits a single prefill gives it. On the
-        decode path only the step's rows of w and u are computed, in tiles of DR rows cut out
-        of T: the same dots, with the K of every dot (the chunk's rows) unchanged."""
+        step's), its block rows that earlier steps solved read back from the T cache when it
+        holds them (`has_dcache`), so a row of T has the bits a single prefill gives it. On
+        the decode path only the step's rows of w and u are computed, from the block rows of T
+        the step solves (DR rows each): the same dots, with the K of every dot (the chunk's
+        rows) unchanged."""
         # value heads on axis 0: the value heads of a key head run side by side (its key tile)
         n, h, hk, s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
             tl.program_id(1), tl.program_id(0), seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr,
@@ -282,17 +238,6 @@ if HAS_TRITON:
         gam = tl.associative_scan(g, 0, _SUM)  # prefix sums: row i sees rows <= i only
         tl.store(gam_ws + base * C + rows, gam)
 
-        # k k^T over K tiles, chained in increasing order, always the whole C x C tile
-        kk = tl.zeros([C, C], dtype=tl.float32)
-        for k0 in tl.static_range(0, KP, BK):
-            cols = k0 + tl.arange(0, BK)
-            kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
-                       cols, K, KP)
-            kk = _dot(kt, tl.trans(kt), kk, EMULATE, PREC)
-        ii = rows[:, None]
-        jj = rows[None, :]
-        lower = jj < ii
-        A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
         first = tl.load(first_ptr + n)
         r0 = first - start  # the chunk's first new row; rows before it come from the buffer
         tc_base = (slot * HV + h) * (C * C)
@@ -300,38 +245,65 @@ if HAS_TRITON:
         # step that wrote it) lies in this chunk at or past the first new row
         tpos = tl.load(tpos_ptr + slot * HV + h, mask=(has_dcache != 0) & (r0 > 0), other=-1)
         hit = (has_dcache != 0) & (r0 > 0) & (tpos >= first) & (tpos <= start + C)
-        T3 = _unit_lower_inverse(A, tc_ptr + tc_base, hit, r0, L, C, DR, EMULATE)  # [C / DR, DR, C]
         c0 = tl.load(seqc_ptr + s)
         c1 = tl.load(seqc_ptr + s + 1)
         decode = _decode_path(c0, c1, start, end, has_state, has_dcache, C, ALIGNED)
-        if ALIGNED:
-            # the last chunk of a sequence, incomplete: its rows of T for the chunk's next step
-            # (the rows this step solved; on a hit the ones before are there). Written only
-            # when no chunk of this step reads the slot's T (the sequence's first chunk is this
-            # one or starts on the grid); otherwise the stamp is cleared and the next step
-            # solves the chunk whole (same bits, more work).
-            keep = (has_dcache != 0) & (n == c1 - 1) & (end - start < C)
-            free = (c0 == n) | (tl.load(first_ptr + c0) == tl.load(start_ptr + c0))
-            row3 = tl.arange(0, C // DR)[:, None, None] * DR + tl.arange(0, DR)[None, :, None]
-            solved = (row3 >= tl.where(hit, r0, 0)) & (row3 <= L)
-            tl.debug_barrier()  # every thread's read of the cached rows precedes the writes
-            tl.store(tc_ptr + tc_base + row3 * C + rows[None, None, :], T3, mask=keep & free & solved)
-            tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
-
+        # the last chunk of a sequence, incomplete (aligned): its rows of T go to the T cache for
+        # the chunk's next step. Only when no chunk of this step reads the slot's T (the
+        # sequence's first chunk is this one or starts on the grid); otherwise the stamp is
+        # cleared and the next step solves the chunk whole (same bits, more work).
+        keep = (has_dcache != 0) & (n == c1 - 1) & (end - start < C) & ALIGNED
+        free = (c0 == n) | (tl.load(first_ptr + c0) == tl.load(start_ptr + c0))
         eg = tl.exp(gam)
         kb_scale = b * eg
-        if decode:
-            # rows r0 .. L of w and u, DR rows at a time
-            tiles = tl.arange(0, C // DR)[:, None, None]
-            for t in range(r0 // DR, L // DR + 1):
-                rt = t * DR + tl.arange(0, DR)
-                # tile t of T: a sum with exact zeros (T holds no -0), the bits of T's rows
-                Tt = tl.sum(tl.where(tiles == t, T3, 0.0), 0).to(DT)
-                _w_u_rows(Tt, base * C + rt, ((rt >= r0) & (rt <= L))[:, None], k_ptr, bk_ptr, v_ptr, bv_ptr,
-                          trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
+
+        # T = (I + A)^-1, A = strict_lower(beta_i (k k^T)_ij e^(gamma_i - gamma_j)), block row
+        # by block row of DR rows (chunk_tiles.unit_lower_block_row), each from its rows of A
+        # (a [DR, C] k k^T dot) and T's rows before it. On a hit the block rows before the one
+        # holding row r0 are the T cache's; the others are computed here, the same way on
+        # every path. Rows past L are e_i (zero rows of A).
+        tok0 = tl.load(tok0_ptr + n)
+        NB: tl.constexpr = C // DR
+        tiles = tl.arange(0, NB)[:, None, None]
+        row3 = tiles * DR + tl.arange(0, DR)[None, :, None]
+        bi0 = tl.where(hit, r0 // DR, 0)
+        cached = hit & (row3 < bi0 * DR)
+        T3 = tl.where(row3 == rows[None, None, :], 1.0, 0.0)
+        T3 = tl.where(cached, tl.load(tc_ptr + tc_base + row3 * C + rows[None, None, :], mask=cached, other=0.0), T3)
+        gam2 = tl.reshape(gam, (NB, DR))
+        for bi in range(bi0, L // DR + 1):
+            rb = bi * DR + tl.arange(0, DR)
+            pos = start + rb
+            fb = (pos < first) & (has_state != 0)
+            fs = (pos >= first) & (pos < end)
+            tb = (tok0 - first + pos).to(tl.int64)
+            bb = slot * C + rb
+            b_b = tl.where(fb, tl.load(bb_ptr + bb * HV + h, mask=fb, other=0.0),
+                           tl.load(beta_ptr + tb * HV + h, mask=fs, other=0.0))
+            gam_b = tl.sum(tl.where(tl.arange(0, NB)[:, None] == bi, gam2, 0.0), 0)   # a copy
+            # rows rb of k k^T over K tiles, chained in increasing order
+            kk = tl.zeros([DR, C], dtype=tl.float32)
+            for k0 in tl.static_range(0, KP, BK):
+                kcols = k0 + tl.arange(0, BK)
+                kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
+                           kcols, K, KP)
+                kr = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, tb, bb, fs, fb, kcols, K, KP)
+                kk = _dot(kr, tl.trans(kt), kk, EMULATE, PREC)
+            lower = rows[None, :] < rb[:, None]
+            Ab = tl.where(lower, b_b[:, None] * kk * tl.exp(tl.where(lower, gam_b[:, None] - gam[None, :], 0.0)),
+                          0.0)
+            Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (C, C)), bi, DR, EMULATE)
+            T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
+            tl.store(tc_ptr + tc_base + rb[:, None] * C + rows[None, :], Tb, mask=keep & free & (rb <= L)[:, None])
+            if decode:
+                # the step's rows of w and u in this block
+                _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr, v_ptr,
+                          bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                           kd_ws, kc_ws, 0, 0.0, False, False,
                           HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
-        else:
+        tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
+
+        if not decode:
             gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
             dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
             # kd is read only where the state kernel folds the chunk in (aligned: complete
@@ -792,8 +764,9 @@ def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 class GatedDeltaRuleFn(torch.autograd.Function):
     """o = fwd(q, k, v, g, beta, scale, md, None): the engine's kernel (so a training
-    forward has the rollout's bits); the backward differentiates gdn_reference,
-    recomputed in float32 (float64 for float64 inputs). Every sequence starts at 0."""
+    forward has the rollout's bits); the backward is gdn_reference's: the fused kernels on a
+    GPU, else autograd of the reference recomputed in float32 (float64 for float64 inputs).
+    Every sequence starts at 0."""
 
     @staticmethod
     def forward(ctx, fwd: Callable, q, k, v, g, beta, scale: float, md: StateMetadata):
@@ -804,6 +777,11 @@ class GatedDeltaRuleFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        grads = reference_grads(lambda *xs: gdn_reference(*xs, ctx.cu, ctx.scale), ctx.saved_tensors,
-                                ctx.needs_input_grad[1:6], do)
+        needs, xs = ctx.needs_input_grad[1:6], ctx.saved_tensors
+        if any(needs) and do.is_cuda and do.dtype != torch.float64 and fused_backward_ok(xs[0], xs[2]):
+            # the fused kernels (gdn_backward.py): the same gradients, 1.3x faster on the H200
+            grads = gdn_backward_triton(*xs, do, ctx.cu, ctx.scale)
+            grads = [d if n else None for d, n in zip(grads, needs)]
+        else:
+            grads = reference_grads(lambda *a: gdn_reference(*a, ctx.cu, ctx.scale), xs, needs, do)
         return (None, *grads, None, None)
