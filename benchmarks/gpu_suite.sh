@@ -212,7 +212,7 @@ if has gdn; then
   gdn_has() { [[ ",$GDN_PARTS," == *",$1,"* ]]; }
   if gdn_has tests; then
     timeout "${GDN_TESTS_TIMEOUT:-400}" python -m pytest -q -p no:cacheprovider tests/test_gdn_chunk.py tests/test_gdn_ops.py \
-      tests/test_chunk_recurrence.py tests/test_gdn_backward.py \
+      tests/test_chunk_recurrence.py tests/test_gdn_backward.py tests/test_chunk_tiles.py \
       ${GDN_PYTEST_ARGS:-} >"$OUT/gdn_tests.log" 2>&1
     grep -E "passed|failed|Error|FAILED|fast mode:" "$OUT/gdn_tests.log" | tail -15
   fi

@@ -74,7 +74,8 @@ Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-at
 does) with fp32 accumulation. Under the Triton interpreter (tests on CPU) every dot sums
 over K by one fixed tree, so that there too a row's bits do not depend on the tile's row
 count (chunk_tiles.dot_rows). The CPU runs `gdn_chunk_torch`, the same algorithm in
-float32 torch on fixed-shape tiles (same invariances, not the same bits).
+float32 torch on fixed-shape tiles, T by forward substitution on the whole tile (same
+invariances, not the same bits).
 `gdn_reference` is the differentiable formula (float32 / float64) that the backward of
 `GatedDeltaRuleFn` and the tests use.
 """
