@@ -68,7 +68,7 @@ def require_triton(x: torch.Tensor) -> None:
 
 
 def dot_mode(x: torch.Tensor) -> tuple[bool, str]:
-    """(EMULATE, PREC) of chunk_tiles.dot for the model dtype's tensors."""
+    """(EMULATE, PREC) of chunk_tiles.dot_rows for the model dtype's tensors."""
     emulate = INTERPRET or not x.is_cuda
     # fp32 models (GPU tests only): 3xTF32 tensor-core dots, near-fp32 accuracy (ieee fp32
     # dots compile to FMA loops that spill heavily at these tiles)

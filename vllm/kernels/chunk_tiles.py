@@ -47,22 +47,15 @@ if HAS_TRITON:
             "slots_ptr", "seq_ptr", "start_ptr", "first_ptr", "end_ptr", "tok0_ptr", "seqc_ptr", "start_pos_ptr"]
 
     @triton.jit
-    def dot(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
-        """acc + a @ b, fp32 accumulation. The interpreter keeps bf16 as raw uint16 and hands
-        tl.dot to np.matmul, so it gets fp32 copies there (exact for bf16)."""
-        if EMULATE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            return tl.dot(a, b, acc, input_precision=PREC)
-
-    @triton.jit
     def dot_rows(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
-        """acc + a @ b as `dot`, for kernels that compute the same row in tiles of different
-        row counts (a decode path's few rows, a prefill's whole chunk). On the GPU it is `dot`:
-        a tl.dot row's bits do not depend on the tile's row or column count (measured on the
-        H200 with an fp32 accumulator, mma.sync and wgmma alike). Under the interpreter
-        np.matmul's BLAS kernels round a row differently as the row count changes, so there
-        every element is summed over K (a power of two) by one fixed binary tree."""
+        """acc + a @ b with fp32 accumulation, for kernels that compute the same row in tiles
+        of different row counts (a decode path's few rows, a prefill's whole chunk). On the GPU
+        it is tl.dot at PREC: a tl.dot row's bits do not depend on the tile's row or column
+        count (measured on the H200 with an fp32 accumulator, mma.sync and wgmma alike). Under
+        the interpreter (EMULATE) tl.dot is np.matmul, whose BLAS kernels round a row
+        differently as the row count changes (and differently across numpy releases), so there
+        every element is summed over K (a power of two) by one fixed binary tree, from fp32
+        copies of the operands (the interpreter keeps bf16 as raw uint16)."""
         if EMULATE:
             M: tl.constexpr = a.shape[0]
             N: tl.constexpr = b.shape[1]
@@ -75,6 +68,18 @@ if HAS_TRITON:
             return acc + tl.reshape(p, [M, N])
         else:
             return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def row_tile(t, start, first, end, tok0, slot, has_state, C: tl.constexpr, BM: tl.constexpr):
+        """Rows t * BM .. t * BM + BM - 1 of a chunk (chunk_rows for one row tile):
+        the rows, which come from the buffer or the step, their token and buffer rows."""
+        r = t * BM + tl.arange(0, BM)
+        pos = start + r
+        from_buf = (pos < first) & (has_state != 0)
+        from_step = (pos >= first) & (pos < end)
+        trow = (tok0 - first + pos).to(tl.int64)
+        brow = slot * C + r
+        return r, from_buf, from_step, trow, brow
 
     @triton.jit
     def unit_lower_block_row(Ab, Tprev, bi, DB: tl.constexpr, EMULATE: tl.constexpr):

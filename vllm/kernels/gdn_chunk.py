@@ -98,7 +98,7 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, \
         dot_rows as _dot, mask2 as _mask2, tile_rows as _tile, \
-        unit_lower_block_row as _unit_lower_block_row
+        row_tile as _row_tile, unit_lower_block_row as _unit_lower_block_row
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
@@ -273,12 +273,7 @@ if HAS_TRITON:
         T3 = tl.where(cached, tl.load(tc_ptr + tc_base + row3 * C + rows[None, None, :], mask=cached, other=0.0), T3)
         gam2 = tl.reshape(gam, (NB, DR))
         for bi in range(bi0, L // DR + 1):
-            rb = bi * DR + tl.arange(0, DR)
-            pos = start + rb
-            fb = (pos < first) & (has_state != 0)
-            fs = (pos >= first) & (pos < end)
-            tb = (tok0 - first + pos).to(tl.int64)
-            bb = slot * C + rb
+            rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
             b_b = tl.where(fb, tl.load(bb_ptr + bb * HV + h, mask=fb, other=0.0),
                            tl.load(beta_ptr + tb * HV + h, mask=fs, other=0.0))
             gam_b = tl.sum(tl.where(tl.arange(0, NB)[:, None] == bi, gam2, 0.0), 0)   # a copy

@@ -86,8 +86,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _chunk_rows, dot as _dot, \
-        mask2 as _mask2, tile_rows as _tile
+    from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _chunk_rows, dot_rows as _dot, \
+        mask2 as _mask2, row_tile as _row_tile, tile_rows as _tile
 
 # --------------------------------------------------------------------------
 # Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
@@ -118,18 +118,6 @@ BUFFER_NUM_WARPS = 4
 
 
 if HAS_TRITON:
-    @triton.jit
-    def _row_tile(t, start, first, end, tok0, slot, has_state, C: tl.constexpr, BM: tl.constexpr):
-        """Rows t * BM .. t * BM + BM - 1 of a chunk (chunk_tiles.chunk_rows for one row tile):
-        the rows, which come from the buffer or the step, their token and buffer rows."""
-        r = t * BM + tl.arange(0, BM)
-        pos = start + r
-        from_buf = (pos < first) & (has_state != 0)
-        from_step = (pos >= first) & (pos < end)
-        trow = (tok0 - first + pos).to(tl.int64)
-        brow = slot * C + r
-        return r, from_buf, from_step, trow, brow
-
     @triton.jit
     def _reads_cache(c0, c1, start, end, C: tl.constexpr, ALIGNED: tl.constexpr):
         """Whether a sequence's step is one chunk that stays incomplete (aligned mode; every
