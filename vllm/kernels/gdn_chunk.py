@@ -533,10 +533,9 @@ if HAS_TRITON:
 # the state's rows of a partial chunk (aligned mode), as the Triton entry passes them
 BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta")
 # optional, together (aligned mode, Triton): what makes a decode step cheap. "t_cache" float32
-# [slots, Hv, C, C]: the partial chunk's rows of T = (I + A)^-1, with "t_pos" int32 [slots, Hv],
-# the end position of the step that wrote them (a step solves only its new rows: the diagonal
-# blocks' substitution resumes at its first new row, the block rows before its own are read
-# back); "buf_vn" [slots, C, Hv, V]
+# [slots, Hv, C, C]: the partial chunk's rows of T = (I + A)^-1 (row-major), with "t_pos" int32
+# [slots, Hv], the end position of the step that wrote them (a step solves only the block rows
+# holding its new rows; the block rows before them are read back); "buf_vn" [slots, C, Hv, V]
 # (model dtype): the partial chunk's rows of v_new (a decode step computes its own rows only);
 # "ssm_rounded" [slots, Hv, K, V] (model dtype): the cached state rounded to the model dtype,
 # written with it by the state kernel, the boundary state the decode path reads (half the
