@@ -55,6 +55,31 @@ def test_execution_contract(tiny_qwen3):
         ExecutionContract.from_dict(tampered)
 
 
+def test_contract_names_the_code_that_computes(tiny_qwen3, tmp_path):
+    """The numerical part carries the source digests of the packages that compute a token: a
+    peer from another build (here: other kernel sources) is refused, naming code_sha256."""
+    import copy
+
+    from vllm.contract import ExecutionContract, code_digests, source_digest
+    from vllm.kernels.numerics_table import CODE_PACKAGES
+    inv = LLM(tiny_qwen3, device="cpu", numerics="invariant").execution_contract()
+    assert inv.numerical["code_sha256"] == code_digests()
+    assert set(code_digests()) == set(CODE_PACKAGES)
+    numerical = copy.deepcopy(inv.numerical)
+    numerical["code_sha256"]["kernels"] = "0" * 64
+    other = ExecutionContract(copy.deepcopy(inv.semantic), numerical, copy.deepcopy(inv.deployment))
+    with pytest.raises(ValueError, match=r"numerical differs in \['code_sha256'\]"):
+        inv.check_compatible(other)
+    # the digest follows every byte of every .py file below the package, and their paths
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "k.py").write_text("x = 1\n")
+    before = source_digest(tmp_path)
+    (tmp_path / "sub" / "k.py").write_text("x = 1  # why\n")
+    edited = source_digest(tmp_path)
+    (tmp_path / "sub" / "k.py").rename(tmp_path / "k.py")
+    assert len({before, edited, source_digest(tmp_path)}) == 3
+
+
 def test_invariant_refuses_unverified_device():
     from vllm.kernels.selfcheck import check_supported
     with pytest.raises(ValueError):

@@ -5,7 +5,8 @@ Three parts, each hashed separately (canonical JSON: sorted keys, no spaces):
 - semantic: the logical model (architecture, dims, dtype, vocabulary, rope, eps,
   tied embeddings, a digest of the weights' names and shapes);
 - numerical: everything that changes bits (numerics mode, device kind and
-  compute capability, torch/triton versions, each kernel and its version, tile
+  compute capability, torch/triton versions, each kernel, the SHA-256 of the source of
+  the packages that compute a token (kernels, layers, models, sampler), tile
   and split sizes, accumulation dtypes, quantization rule, sampler rules and
   tie-breaking, logprobs definition; under `layer_kernels`, what layers with kernels
   of their own name, e.g. an MoE block's routing and grouped GEMM);
@@ -20,9 +21,11 @@ when the semantic or numerical digests differ (`check_compatible`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -32,6 +35,26 @@ from vllm.config import NumericsSpec
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def code_digests() -> dict[str, str]:
+    """{package: SHA-256 of its Python source (file paths and bytes, in path order)} for the
+    packages whose code decides a token's bits (numerics_table.CODE_PACKAGES). Two peers whose code differs in any of them may round differently, so the
+    contract carries the digests themselves rather than a version someone must remember to
+    bump: a rollout engine and a trainer from different builds are refused, even where the
+    difference is a comment (the check cannot tell)."""
+    from vllm.kernels.numerics_table import CODE_PACKAGES
+    root = Path(__file__).resolve().parent
+    return {pkg: source_digest(root / pkg) for pkg in CODE_PACKAGES}
+
+
+def source_digest(directory: Path) -> str:
+    """SHA-256 over the .py files below `directory`: each one's relative path and bytes."""
+    h = hashlib.sha256()
+    for f in sorted(directory.rglob("*.py")):
+        h.update(f.relative_to(directory).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def device_kind(device: str | torch.device) -> dict:
@@ -50,7 +73,7 @@ def numerical_policy(spec: NumericsSpec, device: str | torch.device) -> dict:
     from vllm.kernels import attention as attn
     from vllm.kernels import fp8
     from vllm.kernels import matmul
-    from vllm.kernels.numerics_table import KERNEL_VERSION, describe
+    from vllm.kernels.numerics_table import describe
 
     numerics, dtype, kernels = spec.numerics, spec.dtype, spec.kernels
     quantization, kv_cache_dtype = spec.quantization, spec.kv_cache_dtype
@@ -62,7 +85,7 @@ def numerical_policy(spec: NumericsSpec, device: str | torch.device) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__.split("+")[0],
         "triton": triton.__version__,
-        "kernel_version": KERNEL_VERSION,
+        "code_sha256": code_digests(),
         "kernels": describe(numerics, dev, kernels),
         # linear layers: None (model dtype) or the block-scaled FP8 rule (scales, rounding, GEMM order)
         "quantization": None if quantization is None else {
