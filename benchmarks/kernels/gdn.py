@@ -193,8 +193,7 @@ def backward_case(T: int = 10240) -> None:
     Triton chunk recurrence) against the fused kernels of vllm/kernels/gdn_backward.py (the
     trainer's path on a GPU), their distance from float64 autograd, the fused kernels' GPU time
     per kernel, and the fused kernels with single-pass TF32 dots beside their 3xTF32."""
-    import triton
-    from scan_bench import kernel_times, precision_variant, report
+    from scan_bench import backward_report
 
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.gdn_backward import gdn_backward_triton
@@ -206,26 +205,8 @@ def backward_case(T: int = 10240) -> None:
     def ref_step(dy=do):
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
-    exact = ref_step(do.double())  # float64 autograd (dy in float64)
-    t_ref = bench(ref_step)
-    rows = [("reference autograd (float32)", ref_step(), t_ref)]
-    for prec in ("tf32x3", "tf32"):
-        try:
-            with precision_variant(prec):
-                got = gdn_backward_triton(*x, do, cu, SCALE)
-                t = bench(lambda: gdn_backward_triton(*x, do, cu, SCALE))
-                if prec == "tf32x3":
-                    report("backward kernels (fused, tf32x3)", kernel_times(lambda: gdn_backward_triton(*x, do, cu, SCALE)))
-        except triton.runtime.errors.OutOfResources as e:  # the single pass can need more shared memory
-            print(f"fused kernels ({prec}): does not fit ({str(e)[:90]})")
-            continue
-        rows.append((f"fused kernels ({prec})", got, t))
-    print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
-          + f" (fused {t_ref / rows[1][2]:.2f}x the reference)")
-    for name, got, _ in rows:
-        errs = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, exact)]
-        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip("q k v g beta".split(), errs)))
-
+    backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
+                    ref_step(do.double()), "q k v g beta".split())  # exact: float64 autograd
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

@@ -220,8 +220,7 @@ def backward_case(T: int = 8192) -> None:
     the fused kernels of vllm/kernels/mamba2_backward.py (the trainer's path on a GPU), their
     distance from float64 autograd, the fused kernels' GPU time per kernel, and the fused
     kernels with single-pass TF32 dots beside their 3xTF32."""
-    import triton
-    from scan_bench import kernel_times, precision_variant, report
+    from scan_bench import backward_report
 
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.mamba2_backward import mamba2_backward_triton
@@ -238,26 +237,7 @@ def backward_case(T: int = 8192) -> None:
     def fused():
         return mamba2_backward_triton(*xs, dy, DT_MIN, cu, C)
 
-    exact = ref_step(dy.double())
-    t_ref = bench(ref_step)
-    rows = [("reference autograd (float32)", ref_step(), t_ref)]
-    for prec in ("tf32x3", "tf32"):
-        try:
-            with precision_variant(prec):
-                got, t = fused(), bench(fused)
-                if prec == "tf32x3":
-                    report("backward kernels (fused, tf32x3)", kernel_times(fused))
-        except triton.runtime.errors.OutOfResources as e:  # the single pass can need more shared memory
-            print(f"fused kernels ({prec}): does not fit ({str(e)[:90]})")
-            continue
-        rows.append((f"fused kernels ({prec})", got, t))
-    print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
-          + f" (fused {t_ref / rows[1][2]:.2f}x the reference)")
-    names = "x dt dt_bias A_log B C D".split()
-    for name, got, _ in rows:
-        errs = [((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item() for a, b in zip(got, exact)]
-        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip(names, errs)))
-
+    backward_report(T, ref_step, fused, ref_step(dy.double()), "x dt dt_bias A_log B C D".split())
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:
