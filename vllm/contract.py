@@ -37,23 +37,30 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
 def code_digests() -> dict[str, str]:
-    """{package: SHA-256 of its Python source (file paths and bytes, in path order)} for the
-    packages whose code decides a token's bits (numerics_table.CODE_PACKAGES). Two peers whose code differs in any of them may round differently, so the
-    contract carries the digests themselves rather than a version someone must remember to
-    bump: a rollout engine and a trainer from different builds are refused, even where the
-    difference is a comment (the check cannot tell)."""
+    """{part: SHA-256 of its Python source (file paths and bytes, in path order)} for the
+    parts of vllm whose code decides a token's bits (numerics_table.CODE_PACKAGES). Two peers
+    whose code differs in any of them may round differently, so the contract carries the
+    digests themselves rather than a version someone must remember to bump: a rollout engine
+    and a trainer from different builds are refused, even where the difference is a comment
+    (the check cannot tell)."""
+    return dict(_code_digests())  # a copy: contracts keep it, the cache must not change
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digests() -> dict[str, str]:
     from vllm.kernels.numerics_table import CODE_PACKAGES
     root = Path(__file__).resolve().parent
     return {pkg: source_digest(root / pkg) for pkg in CODE_PACKAGES}
 
 
-def source_digest(directory: Path) -> str:
-    """SHA-256 over the .py files below `directory`: each one's relative path and bytes."""
+def source_digest(path: Path) -> str:
+    """SHA-256 over the .py files at or below `path`: each one's relative path and bytes."""
     h = hashlib.sha256()
-    for f in sorted(directory.rglob("*.py")):
-        h.update(f.relative_to(directory).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    for f in files:
+        name = f.name if f == path else f.relative_to(path).as_posix()
+        h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 

@@ -87,10 +87,11 @@ if HAS_TRITON:
         C x C matrix A, from Ab, A's rows of the block [DB, C], and Tprev, T's rows before
         the block ([C, C], zero rows from bi DB on). The diagonal block is (I + N)^-1 of N,
         A's DB x DB diagonal block, as the product (I - N)(I + N^2)(I + N^4)... (N^DB = 0);
-        the rest is T[b, :b] = -T[b, b] (A[b, :b] T[:b, :b]). Only dots (3xTF32) and exact
-        copies: their bits depend on the operands' values and shapes alone, so every path
-        that computes a block row from the same rows of A and T gets the same bits, however
-        it got them (registers, the T cache) and whatever else it computes. Row i of the
+        the rest is T[b, :b] = -T[b, b] (A[b, :b] T[:b, :b]). Only dots (3xTF32; under
+        EMULATE dot_rows' fixed-tree float32 sums) and exact copies: their bits depend on
+        the operands' values and shapes alone, so every path that computes a block row from
+        the same rows of A and T gets the same bits, however it got them (registers, the T
+        cache) and whatever else it computes. Row i of the
         block reads A's rows <= i (the others enter multiplied by exact zeros), so a zero
         row of A (past a chunk's last row) gives the row e_i. No entry is -0."""
         C: tl.constexpr = Ab.shape[1]

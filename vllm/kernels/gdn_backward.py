@@ -48,7 +48,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
-                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                     EMULATE: tl.constexpr):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
         forward: chunk_tiles.unit_lower_block_row), w, u, kd and e. T goes out whole for the
         final kernel."""
@@ -71,8 +72,7 @@ if HAS_TRITON:
         T3 = tl.reshape(tl.where(ii == jj, 1.0, 0.0), (NB, 16, BC))
         for bi in tl.static_range(NB):
             Ab = tl.sum(tl.where(tiles == bi, tl.reshape(A, (NB, 16, BC)), 0.0), 0)
-            Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16,
-                                       PREC == "ieee")
+            Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16, EMULATE)
             T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
         T = tl.reshape(T3, (BC, BC))
         tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
@@ -235,7 +235,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     opts = dict(BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
     ck, cv = (BC, BK), (BC, BV)
     _prep_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), gb, bb, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat,
-                       gam, C, **opts)
+                       gam, C, EMULATE=training_tiles.INTERPRET or not q.is_cuda, **opts)
     states, vn = recurrence_forward_triton(u, w, kd, e)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
     _out_grad_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(d_states, (BK, BV)),

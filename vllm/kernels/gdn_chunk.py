@@ -297,6 +297,7 @@ if HAS_TRITON:
                           bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                           kd_ws, kc_ws, 0, 0.0, False, False,
                           HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
+        tl.debug_barrier()  # every thread's read of the stamp precedes its write
         tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
 
         if not decode:
@@ -773,7 +774,8 @@ class GatedDeltaRuleFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         needs, xs = ctx.needs_input_grad[1:6], ctx.saved_tensors
-        if any(needs) and do.is_cuda and do.dtype != torch.float64 and fused_backward_ok(xs[0], xs[2]):
+        if (any(needs) and do.is_cuda and torch.float64 not in (do.dtype, xs[0].dtype)
+                and fused_backward_ok(xs[0], xs[2])):
             # the fused kernels (gdn_backward.py): the same gradients, 1.3x faster on the H200
             grads = gdn_backward_triton(*xs, do, ctx.cu, ctx.scale)
             grads = [d if n else None for d, n in zip(grads, needs)]

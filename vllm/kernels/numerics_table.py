@@ -29,10 +29,11 @@ from vllm.kernels import (attention, attention_cpu, cache_dequant, cache_write, 
                           gdn_chunk, gdn_ops, leaf_tree, mamba2_chunk, mamba2_ops, matmul, moe, rowwise, torch_ops)
 from vllm.sample import sampler
 
-# the packages of vllm whose code decides a token's bits: these kernels, the layers and models
-# that call them (operation order, roundings) and the sampler. The execution contract carries
-# their source digests (contract.code_digests).
-CODE_PACKAGES = ("kernels", "layers", "models", "sample")
+# the parts of vllm whose code decides a token's bits: these kernels, the layers and models
+# that call them (operation order, roundings), the sampler and the per-step metadata (the
+# chunk plans of the recurrent layers). The execution contract carries their source digests
+# (contract.code_digests).
+CODE_PACKAGES = ("kernels", "layers", "models", "sample", "forward_context.py")
 
 
 @dataclass(frozen=True)

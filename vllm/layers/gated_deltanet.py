@@ -72,7 +72,8 @@ class GatedDeltaNet(nn.Module):
                         StateTensor("buf_g", (C, self.hv), torch.float32),
                         StateTensor("buf_beta", (C, self.hv), torch.float32),
                         # the partial chunk's rows of T = (I + A)^-1 and of v_new, so a decode
-                        # step solves and computes its new row only (gdn_chunk.DECODE_CACHE);
+                        # step solves only its 16-row block row of T and computes its new rows
+                        # of v_new (gdn_chunk.DECODE_CACHE);
                         # a snapshot, at a multiple of C, has no partial chunk to keep
                         StateTensor("t_cache", (self.hv, C, C), torch.float32),
                         StateTensor("t_pos", (self.hv,), torch.int32),
