@@ -63,6 +63,26 @@ def test_strong_decay_with_a_chunk_of_padded_rows():
         assert rel_err(a.cpu(), b) < 1e-5, name
 
 
+def test_bfloat16_inputs_take_bf16_dots():
+    """bfloat16 inputs (the trainer's) take the dots with operands rounded to bfloat16
+    (training_tiles.mm, emulated here as the GPU computes them): within 1e-2 of float64
+    autograd of the same rounded inputs (3e-3 measured; rounding the float32 reference's
+    gradients to bf16 alone is 1.7e-3), and not the float32 dots' result."""
+    from vllm.kernels import training_tiles
+    cu = [0, 21, 30]
+    xs, do = make(30, 2, 4, 16, 32, seed=0)
+    xs, do = [x.bfloat16() for x in xs], do.bfloat16()
+    assert training_tiles.dot_precision(xs[0].to(DEV)) in ("bf16", "bf16_emulated")
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
+                          [True] * 5, do.double())
+    got = gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, 0.25, chunk_size=16)
+    f32 = gdn_backward_triton(*(x.float().to(DEV) for x in xs), do.float().to(DEV), cu, 0.25, chunk_size=16)
+    for name, a, b, c in zip("q k v g beta".split(), got, ref, f32):
+        assert a.dtype == torch.bfloat16, name
+        assert rel_err(a.float().cpu(), b) < 1e-2, name
+        assert not torch.equal(a, c.to(a.dtype)), name
+
+
 def test_refuses_unaligned_head_dims():
     xs, do = make(4, 1, 1, 6, 8, seed=0)
     with pytest.raises(ValueError, match="multiples of 4"):
@@ -76,10 +96,10 @@ def test_refuses_unaligned_head_dims():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_real_dims_match_the_reference_backward(dtype):
     """Qwen3-Next's head dims (16 / 32 heads of 128, chunk 64), two sequences ending
-    mid-chunk: the fused kernels (3xTF32 dots) against float64 autograd of the reference.
-    float32 inputs: within 1e-4 (every gradient float32, no rounding to hide behind); bf16
-    inputs as the layer passes them: no farther from float64 than twice the trainer's path
-    today (float32 autograd of gdn_reference), both rounded to bf16."""
+    mid-chunk: the fused kernels against float64 autograd of the reference. float32 inputs
+    (3xTF32 dots): within 1e-4 (every gradient float32, no rounding to hide behind); bf16
+    inputs as the layer passes them (bf16 dots): within 1e-2 (float32 g and beta included,
+    whose gradients the bf16 dots feed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     cu = [0, 1000, 1700]
@@ -94,7 +114,6 @@ def test_gpu_real_dims_match_the_reference_backward(dtype):
         for name, a, c in zip("q k v g beta".split(), got, ref64):
             assert rel_err(a.cpu(), c.cpu()) < 1e-4, name
         return
-    ref32 = reference_grads(lambda *a: gdn_reference(*a, cu, scale), xs, [True] * 5, do)
-    for name, a, b, c in zip("q k v g beta".split(), got, ref32, ref64):
-        assert a.dtype == b.dtype, name
-        assert rel_err(a.float().cpu(), c.cpu()) <= 2 * rel_err(b.float().cpu(), c.cpu()) + 1e-6, name
+    for name, a, x, c in zip("q k v g beta".split(), got, xs, ref64):
+        assert a.dtype == x.dtype, name
+        assert rel_err(a.float().cpu(), c.cpu()) < 1e-2, name

@@ -182,11 +182,15 @@ def _attention():
         attention.INTERPRET_PREFILL_BLOCK_M = saved
 
 
+GPU_DOT_PRECISIONS = ("tf32x3", "bf16")
+
+
 @contextlib.contextmanager
-def _gpu_dot_precision():
-    """The training kernels' dots as the GPU compiles them (3xTF32; "ieee" under the interpreter)."""
+def _gpu_dot_precision(prec):
+    """The training kernels' dots as the GPU compiles them (3xTF32 for float32 inputs, bf16
+    operands for bfloat16 ones; "ieee" under the interpreter)."""
     from vllm.kernels import training_tiles
-    saved, training_tiles.dot_precision = training_tiles.dot_precision, (lambda x: "tf32x3")
+    saved, training_tiles.dot_precision = training_tiles.dot_precision, (lambda x: prec)
     try:
         yield
     finally:
@@ -196,8 +200,9 @@ def _gpu_dot_precision():
 def _chunk_recurrence():
     """GDN's training recurrence at a padded tile and at a split V (tests/test_chunk_recurrence.py)."""
     from vllm.kernels import chunk_recurrence as cr
-    with _gpu_dot_precision():
-        _recurrence_shapes(cr)
+    for prec in GPU_DOT_PRECISIONS:
+        with _gpu_dot_precision(prec):
+            _recurrence_shapes(cr)
 
 
 def _recurrence_shapes(cr):
@@ -211,25 +216,27 @@ def _recurrence_shapes(cr):
 
 def _gdn_backward():
     """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
-    GPU's 3xTF32 dots."""
+    GPU's dots at each precision."""
     from test_gdn_backward import make
 
     from vllm.kernels import gdn_backward
-    with _gpu_dot_precision():
-        xs, do = make(30, 2, 4, 16, 32, seed=0)
-        gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+    for prec in GPU_DOT_PRECISIONS:
+        with _gpu_dot_precision(prec):
+            xs, do = make(30, 2, 4, 16, 32, seed=0)
+            gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
 
 
 def _mamba2_backward():
-    """Mamba-2's fused training backward with the GPU's 3xTF32 dots, at N = 16 and at
-    N = 128 (B and C in column slices on the chunk-rows side)."""
+    """Mamba-2's fused training backward with the GPU's dots at each precision, at N = 16
+    and at N = 128 (B and C in column slices on the chunk-rows side)."""
     from test_mamba2_backward import make
 
     from vllm.kernels import mamba2_backward
-    with _gpu_dot_precision():
-        for n in (16, 128):
-            xs, dy = make(30, 2, 16, 1, n, seed=0)
-            mamba2_backward.mamba2_backward_triton(*xs, dy, 1e-3, [0, 21, 30], 16)
+    for prec in GPU_DOT_PRECISIONS:
+        with _gpu_dot_precision(prec):
+            for n in (16, 128):
+                xs, dy = make(30, 2, 16, 1, n, seed=0)
+                mamba2_backward.mamba2_backward_triton(*xs, dy, 1e-3, [0, 21, 30], 16)
 
 
 # name -> (driver, execute on the interpreter, kernels it must launch)

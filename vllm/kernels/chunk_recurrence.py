@@ -19,10 +19,11 @@ Two implementations of each direction, one per device:
 - CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
   its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
   small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in
-  a fixed order (deterministic, no atomics). Dots are 3xTF32 (near-fp32; ieee float32 dots
-  compile to FMA loops that spill at these tiles), so the results agree with the float32
-  torch loops within rounding, not bit for bit: this is a backward, checked against float64
-  (tests/test_chunk_recurrence.py), not a parity path.
+  a fixed order (deterministic, no atomics). Dots are 3xTF32 for float32 callers (near-fp32;
+  ieee float32 dots compile to FMA loops that spill at these tiles), or bf16 operands where
+  the GDN backward of bfloat16 inputs asks (training_tiles.dot_precision), so the results
+  agree with the float32 torch loops within rounding, not bit for bit: this is a backward,
+  checked against float64 (tests/test_chunk_recurrence.py), not a parity path.
 - CPU (and float64, which the gradchecks use): the same formulas as torch loops over chunks.
 Under TRITON_INTERPRET=1 the Triton entries run on CPU tensors (the tests).
 """
@@ -50,6 +51,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm.kernels.training_tiles import mm as _mm
+
     @triton.jit
     def _fwd_kernel(u_desc, w_desc, kd_desc, e_ptr, states_desc, vn_desc, NC,
                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
@@ -65,11 +68,11 @@ if HAS_TRITON:
             states_desc.store([chunk, 0, v0], tl.reshape(S, (1, BK, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV))
-            vn = u - tl.dot(w, S, input_precision=PREC)
+            vn = u - _mm(w, S, PREC)
             vn_desc.store([chunk, 0, v0], tl.reshape(vn, (1, BC, BV)))
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
-            S = S * e + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+            S = S * e + _mm(tl.trans(kd), vn, PREC)
 
     @triton.jit
     def _bwd_kernel(w_desc, kd_desc, e_ptr, states_desc, vn_desc, gs_desc, gvn_desc, du_desc, dw_desc, dkd_desc,
@@ -86,18 +89,18 @@ if HAS_TRITON:
             chunk = bh * NC + (NC - 1 - i)
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
-            dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + tl.dot(kd, dS, input_precision=PREC)
+            dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + _mm(kd, dS, PREC)
             du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
-            dkd = tl.dot(vn, tl.trans(dS), input_precision=PREC)
+            dkd = _mm(vn, tl.trans(dS), PREC)
             dkd_desc.store([part + chunk, 0, 0], tl.reshape(dkd, (1, BC, BK)))
             S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV))
             tl.store(de_ptr + part + chunk, tl.sum(tl.sum(S * dS, 1), 0))
-            dw = -tl.dot(dvn, tl.trans(S), input_precision=PREC)
+            dw = -_mm(dvn, tl.trans(S), PREC)
             dw_desc.store([part + chunk, 0, 0], tl.reshape(dw, (1, BC, BK)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
             gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV))
-            dS = gs + dS * e - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+            dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
 
 def _blocks(C: int, K: int, V: int) -> tuple[int, int, int]:
@@ -125,8 +128,9 @@ def _dims_ok(K: int, V: int) -> bool:
     return rows_aligned(K, V)
 
 
-def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states [B, H, nC, K, V], v_new [B, H, nC, C, V]), float32."""
+def recurrence_forward_triton(u, w, kd, e, precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, H, nC, K, V], v_new [B, H, nC, C, V]), float32; the dots at `precision`
+    (training_tiles.dot_precision of the float32 inputs where None)."""
     require_triton(u)
     _check(u, w, kd, e)
     B, H, nC, C, V = u.shape
@@ -139,12 +143,12 @@ def recurrence_forward_triton(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:
     BC, BK, BV = _blocks(C, K, V)
     _fwd_kernel[(B * H, -(-V // BV))](
         _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
-        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(u), num_warps=NUM_WARPS,
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=precision or training_tiles.dot_precision(u), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES)
     return states, vn
 
 
-def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn):
+def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None):
     """(du, dw, dkd, de) of the forward above, given the gradients reaching its outputs."""
     require_triton(w)
     B, H, nC, C, V = vn.shape
@@ -160,7 +164,7 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn):
         _bwd_kernel[(B * H, NV)](
             _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
             _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
-            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=training_tiles.dot_precision(w),
+            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=precision or training_tiles.dot_precision(w),
             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     else:
         dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()

@@ -21,8 +21,10 @@ and the backward runs six launches:
      dA = -T^T dT T^T).
 Key-head gradients are the sums over the value heads of the group, taken after.
 
-Dots are 3xTF32 on the GPU ("ieee" under the interpreter). This is a backward, checked
-against float64 autograd of `gdn_reference` (tests/test_gdn_backward.py), not a parity path.
+Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
+bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. This is a backward,
+checked against float64 autograd of `gdn_reference` (tests/test_gdn_backward.py), not a
+parity path.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
-    from vllm.kernels.training_tiles import load_tile as _tile, store_tile as _put
+    from vllm.kernels.training_tiles import load_tile as _tile, mm as _mm, store_tile as _put
 
     @triton.jit
     def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
@@ -64,7 +66,7 @@ if HAS_TRITON:
         ii = rows[:, None]
         jj = rows[None, :]
         lower = (jj < ii) & (ii < C)
-        kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+        kk = _mm(k, tl.trans(k), PREC)
         A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
         # T block row by block row, as the forward builds it; rows past C (zero rows of A) are e_i
         NB: tl.constexpr = BC // 16
@@ -77,9 +79,9 @@ if HAS_TRITON:
         T = tl.reshape(T3, (BC, BC))
         tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
-        _put(w_desc, ch, tl.dot(T, k * (b * eg)[:, None], input_precision=PREC), BC, BK)
+        _put(w_desc, ch, _mm(T, k * (b * eg)[:, None], PREC), BC, BK)
         v = _tile(v_desc, ch, BC, BV)
-        _put(u_desc, ch, tl.dot(T, v * b[:, None], input_precision=PREC), BC, BV)
+        _put(u_desc, ch, _mm(T, v * b[:, None], PREC), BC, BV)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         _put(kd_desc, ch, k * tl.exp(gl - gam)[:, None], BC, BK)
         tl.store(e_ptr + ch, tl.exp(gl))
@@ -97,11 +99,11 @@ if HAS_TRITON:
         do = _tile(do_desc, ch, BC, BV) * scale
         # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
-        P = tl.where(incl, tl.dot(q, tl.trans(k), input_precision=PREC)
+        P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        _put(dvn_desc, ch, tl.dot(tl.trans(P), do, input_precision=PREC), BC, BV)
+        _put(dvn_desc, ch, _mm(tl.trans(P), do, PREC), BC, BV)
         qd = q * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, tl.dot(tl.trans(qd), do, input_precision=PREC), BK, BV)
+        _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
     def _final_out_kernel(q_desc, k_desc, do_desc, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_desc, dk_desc,
@@ -119,15 +121,15 @@ if HAS_TRITON:
         k = _tile(k_desc, ch, BC, BK)
         do = _tile(do_desc, ch, BC, BV) * scale
         eg = tl.exp(gam)
-        dqd = tl.dot(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), input_precision=PREC)
+        dqd = _mm(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), PREC)
         dq = dqd * eg[:, None]
         dgam = tl.sum(dqd * q, 1) * eg
         D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        P = tl.dot(q, tl.trans(k), input_precision=PREC) * D
-        dP = tl.where(incl, tl.dot(do, tl.trans(_tile(vn_desc, ch, BC, BV)), input_precision=PREC), 0.0)
+        P = _mm(q, tl.trans(k), PREC) * D
+        dP = tl.where(incl, _mm(do, tl.trans(_tile(vn_desc, ch, BC, BV)), PREC), 0.0)
         dqk = dP * D
-        dq += tl.dot(dqk, k, input_precision=PREC)
-        dk = tl.dot(tl.trans(dqk), q, input_precision=PREC)
+        dq += _mm(dqk, k, PREC)
+        dk = _mm(tl.trans(dqk), q, PREC)
         MP = dP * P
         dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
         # kd = k e^(gamma_L - gamma), e = e^gamma_L
@@ -165,27 +167,26 @@ if HAS_TRITON:
         dw = _tile(dw_desc, ch, BC, BK)
         du = _tile(du_desc, ch, BC, BV)
         v = _tile(v_desc, ch, BC, BV)
-        dT = tl.dot(dw, tl.trans(k * be[:, None]), input_precision=PREC) \
-            + tl.dot(du, tl.trans(v * b[:, None]), input_precision=PREC)
-        dXu = tl.dot(tl.trans(T), du, input_precision=PREC)
+        dT = _mm(dw, tl.trans(k * be[:, None]), PREC) \
+            + _mm(du, tl.trans(v * b[:, None]), PREC)
+        dXu = _mm(tl.trans(T), du, PREC)
         _put(dv_desc, ch, dXu * b[:, None], BC, BV)
         db = tl.sum(dXu * v, 1)
-        dXw = tl.dot(tl.trans(T), dw, input_precision=PREC)
+        dXw = _mm(tl.trans(T), dw, PREC)
         dk = _tile(dk_desc, ch, BC, BK) + dXw * be[:, None]
         kdot = tl.sum(dXw * k, 1)
         db += kdot * eg
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + kdot * be
         # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle;
         # A = beta_i (k k^T)_ij D_ij
-        dA = tl.where(lower, -tl.dot(tl.dot(tl.trans(T), dT, input_precision=PREC), tl.trans(T),
-                                     input_precision=PREC), 0.0)
+        dA = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0)
         Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        dAkD = dA * tl.dot(k, tl.trans(k), input_precision=PREC) * Dl
+        dAkD = dA * _mm(k, tl.trans(k), PREC) * Dl
         db += tl.sum(dAkD, 1)
         MA = dAkD * b[:, None]
         dgam += tl.sum(MA, 1) - tl.sum(MA, 0)
         dkk = dA * b[:, None] * Dl
-        dk += tl.dot(dkk, k, input_precision=PREC) + tl.dot(tl.trans(dkk), k, input_precision=PREC)
+        dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
         _put(dk_desc, ch, dk, BC, BK)
         # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
         dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
@@ -236,11 +237,11 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     ck, cv = (BC, BK), (BC, BV)
     _prep_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), gb, bb, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat,
                        gam, C, EMULATE=training_tiles.INTERPRET or not q.is_cuda, **opts)
-    states, vn = recurrence_forward_triton(u, w, kd, e)
+    states, vn = recurrence_forward_triton(u, w, kd, e, prec)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
     _out_grad_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(d_states, (BK, BV)),
                            _desc(d_vn, cv), scale, C, **opts)
-    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn)
+    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
     dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
     dg, db, dgam = torch.empty_like(gb), torch.empty_like(bb), torch.empty_like(gb)
     dgl = torch.empty_like(e)

@@ -23,8 +23,10 @@ and the backward runs four launches:
 The rest is elementwise in torch: the group's dB, dC as sums over its heads, d through the
 clamp and softplus to dt and dt_bias, A = -exp(A_log).
 
-Dots are 3xTF32 on the GPU ("ieee" under the interpreter). A backward, checked against
-float64 autograd of `mamba2_reference` (tests/test_mamba2_backward.py), not a parity path.
+Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
+bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. A backward, checked
+against float64 autograd of `mamba2_reference` (tests/test_mamba2_backward.py), not a parity
+path.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.training_tiles import load_tile as _tile, store_tile as _put
+    from vllm.kernels.training_tiles import load_tile as _tile, mm as _mm, store_tile as _put
 
     @triton.jit
     def _group_chunk(ch, NCH, HEADS, R):
@@ -72,9 +74,9 @@ if HAS_TRITON:
         x = _tile(x_desc, ch, BC, BP)
         Bm = _tile(b_desc, gch, BC, BN)
         w = tl.exp(gl - gam) * d
-        _put(local_desc, ch, tl.dot(tl.trans(x * w[:, None]), Bm, input_precision=PREC), BP, BN)
+        _put(local_desc, ch, _mm(tl.trans(x * w[:, None]), Bm, PREC), BP, BN)
         dyo = _tile(dy_desc, ch, BC, BP) * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, tl.dot(tl.trans(dyo), _tile(c_desc, gch, BC, BN), input_precision=PREC), BP, BN)
+        _put(ds_desc, ch, _mm(tl.trans(dyo), _tile(c_desc, gch, BC, BN), PREC), BP, BN)
 
     @triton.jit
     def _recurrence_kernel(local_desc, e_ptr, ds_desc, s_desc, dl_desc, NCH, BP: tl.constexpr, BN: tl.constexpr):
@@ -120,17 +122,17 @@ if HAS_TRITON:
         for s in tl.static_range(NS):
             Cs = tl.reshape(c_desc.load([gch, 0, s * BN]), (BC, BN))
             Bs = tl.reshape(b_desc.load([gch, 0, s * BN]), (BC, BN))
-            cb += tl.dot(Cs, tl.trans(Bs), input_precision=PREC)
+            cb += _mm(Cs, tl.trans(Bs), PREC)
         cbd = cb * decay
-        dM = tl.where(incl, tl.dot(dy, tl.trans(x), input_precision=PREC), 0.0)
-        _put(dx_desc, ch, tl.dot(tl.trans(cbd * d[None, :]), dy, input_precision=PREC)
+        dM = tl.where(incl, _mm(dy, tl.trans(x), PREC), 0.0)
+        _put(dx_desc, ch, _mm(tl.trans(cbd * d[None, :]), dy, PREC)
              + tl.load(dskip_ptr + head) * dy, BC, BP)
         dcb = dM * decay * d[None, :]
         for s in tl.static_range(NS):
             Bs = tl.reshape(b_desc.load([gch, 0, s * BN]), (BC, BN))
-            dc_desc.store([ch, 0, s * BN], tl.reshape(tl.dot(dcb, Bs, input_precision=PREC), (1, BC, BN)))
+            dc_desc.store([ch, 0, s * BN], tl.reshape(_mm(dcb, Bs, PREC), (1, BC, BN)))
             Cs = tl.reshape(c_desc.load([gch, 0, s * BN]), (BC, BN))
-            db_desc.store([ch, 0, s * BN], tl.reshape(tl.dot(tl.trans(dcb), Cs, input_precision=PREC), (1, BC, BN)))
+            db_desc.store([ch, 0, s * BN], tl.reshape(_mm(tl.trans(dcb), Cs, PREC), (1, BC, BN)))
         dMc = dM * cbd
         Q = dMc * d[None, :]
         tl.store(dd_ptr + ch.to(tl.int64) * C + rows, tl.sum(dMc, 0), mask=rm)
@@ -156,15 +158,15 @@ if HAS_TRITON:
         # y_off = (C S^T) e^gamma
         S = _tile(s_desc, ch, BP, BN)
         dyo = _tile(dy_desc, ch, BC, BP) * tl.exp(gam)[:, None]
-        _put(dc_desc, ch, _tile(dc_desc, ch, BC, BN) + tl.dot(dyo, S, input_precision=PREC), BC, BN)
+        _put(dc_desc, ch, _tile(dc_desc, ch, BC, BN) + _mm(dyo, S, PREC), BC, BN)
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) \
-            + tl.sum(dyo * tl.dot(_tile(c_desc, gch, BC, BN), tl.trans(S), input_precision=PREC), 1)
+            + tl.sum(dyo * _mm(_tile(c_desc, gch, BC, BN), tl.trans(S), PREC), 1)
         dl = _tile(dl_desc, ch, BP, BN)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         ew = tl.exp(gl - gam)
         w = ew * d
-        dxw = tl.dot(Bm, tl.trans(dl), input_precision=PREC)
-        _put(db_desc, ch, _tile(db_desc, ch, BC, BN) + tl.dot(x * w[:, None], dl, input_precision=PREC), BC, BN)
+        dxw = _mm(Bm, tl.trans(dl), PREC)
+        _put(db_desc, ch, _tile(db_desc, ch, BC, BN) + _mm(x * w[:, None], dl, PREC), BC, BN)
         _put(dx_desc, ch, _tile(dx_desc, ch, BC, BP) + dxw * w[:, None], BC, BP)
         dw = tl.sum(dxw * x, 1)
         dd = tl.load(dd_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + dw * ew

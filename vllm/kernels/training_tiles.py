@@ -1,7 +1,7 @@
 """What the training backwards' Triton kernels share (chunk_recurrence.py, gdn_backward.py,
 mamba2_backward.py): float32 tiles of [matrices, rows, cols] tensors moved through TMA tensor
 descriptors (zero fill past the edges, clipped stores, no per-element pointer tiles held in
-registers), and the precision of their dots."""
+registers), and their dots (`mm`) at the precision `dot_precision` picks."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +21,27 @@ if HAS_TRITON:
     def store_tile(desc, i, x, R: tl.constexpr, X: tl.constexpr):
         desc.store([i, 0, 0], tl.reshape(x, (1, R, X)))
 
+    @triton.jit
+    def round_bf16(x):
+        """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32 (finite x)."""
+        i = x.to(tl.int32, bitcast=True)
+        i = (i + 0x7FFF + ((i >> 16) & 1)) & -65536
+        return i.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def mm(a, b, PREC: tl.constexpr):
+        """a @ b of float32 tiles, accumulated in float32: "bf16" rounds both operands to
+        bfloat16 first (one tensor-core pass); "bf16_emulated" is the same product for the
+        interpreter (whose bfloat16 dot multiplies raw bit patterns and whose cast does not
+        round to nearest): operands rounded to nearest, then an ieee float32 dot (each product
+        of two bfloat16 values is exact in float32); anything else is tl.dot's input_precision."""
+        if PREC == "bf16":
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        elif PREC == "bf16_emulated":
+            return tl.dot(round_bf16(a), round_bf16(b), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision=PREC)
+
 
 def matrix_desc(t: torch.Tensor, block: tuple[int, int]):
     """A descriptor over t as [matrices, rows, cols] (its last two dims), one matrix a box."""
@@ -29,9 +50,16 @@ def matrix_desc(t: torch.Tensor, block: tuple[int, int]):
 
 
 def dot_precision(x: torch.Tensor) -> str:
-    """3xTF32 on the GPU (near float32; ieee float32 dots compile to FMA loops that spill at
-    these tiles), ieee under the interpreter."""
-    return "ieee" if INTERPRET or not x.is_cuda else "tf32x3"
+    """The dots' precision for a backward whose inputs are x's dtype. On the GPU: for bfloat16
+    (or float16) inputs "bf16", operands rounded to bfloat16 and float32 accumulation, as
+    every bf16 linear layer's backward computes its gradients (and fla's and mamba_ssm's
+    backwards theirs); for float32 inputs 3xTF32 (near float32; ieee float32 dots compile to
+    FMA loops that spill at these tiles). Under the interpreter (CPU tensors) the same
+    choice: "bf16_emulated" for bfloat16 inputs, "ieee" for float32."""
+    emulated = INTERPRET or not x.is_cuda
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return "bf16_emulated" if emulated else "bf16"
+    return "ieee" if emulated else "tf32x3"
 
 
 def rows_aligned(*dims: int) -> bool:
