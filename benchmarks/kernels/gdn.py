@@ -1,6 +1,6 @@
 """Gated DeltaNet per-layer cost on the H200: the invariant mode against the native forms.
 
-    python benchmarks/kernels/gdn.py [--json-out F]
+    python benchmarks/kernels/gdn.py [--json-out F] [--cases train,prefill,decode]
     python benchmarks/kernels/gdn.py --bits-vs OTHER_gdn_chunk.py   (bits against another copy)
     python benchmarks/kernels/gdn.py --backward   (the trainer's backward against the fused kernels)
 

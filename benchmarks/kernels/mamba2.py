@@ -1,6 +1,6 @@
 """Mamba-2 scan per-layer cost on the H200: the invariant mode against the native forms.
 
-    python benchmarks/kernels/mamba2.py [--json-out F]
+    python benchmarks/kernels/mamba2.py [--json-out F] [--cases train,prefill,decode]
     python benchmarks/kernels/mamba2.py --backward   (the trainer's backward against the fused kernels)
 
 Nemotron-H's Mamba-2 dims (128 heads of 64, d_state 128, 8 groups, chunk 128, bf16), the

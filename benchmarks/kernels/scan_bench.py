@@ -73,7 +73,11 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
     `baseline` where it ran, else our fast mode) and with --json-out write the numbers."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--cases", default=None, help="comma-separated first words of the cases to run "
+                    "(e.g. train,prefill; default all)")
+    args, _ = ap.parse_known_args()
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k.split()[0] in args.cases.split(",")}
     results = {}
     for name, case in cases.items():  # each case as it ends: a run cut short keeps what it measured
         results[name] = case()
@@ -86,9 +90,10 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
         ref = f"{r[baseline]:.1f}" if baseline in r else "-"
         print(f"{case:<24}{r['invariant']:>12.1f}{r['fast']:>12.1f}{ref:>12}{r['invariant'] / native:>12.2f}"
               f"{r['invariant'] / r['fast']:>10.2f}")
-    t = results[next(iter(cases))]
-    fwd_ref = f", {baseline} {t[baseline + '_fwd']:.1f}" if baseline + "_fwd" in t else ""
-    print(f"train forward alone: invariant {t['invariant_fwd']:.1f}, fast {t['fast_fwd']:.1f}{fwd_ref} us")
+    t = next((r for r in results.values() if "invariant_fwd" in r), None)
+    if t is not None:
+        fwd_ref = f", {baseline} {t[baseline + '_fwd']:.1f}" if baseline + "_fwd" in t else ""
+        print(f"train forward alone: invariant {t['invariant_fwd']:.1f}, fast {t['fast_fwd']:.1f}{fwd_ref} us")
     print(f"decode rows after a 100-token prefill vs one 300-token prefill, rows differing of 200: "
           f"invariant {b['invariant']}, fast {b['fast']}")
     if args.json_out:

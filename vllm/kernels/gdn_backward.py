@@ -2,8 +2,7 @@
 recurrence (chunk_recurrence.py): the gradients of `gdn_reference` (gdn_chunk.py) without
 its autograd graph of batched torch ops.
 
-Per chunk of C rows (padded sequences, every one from position 0 with a zero state; all math
-float32), with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
+Per chunk of C rows (every sequence from position 0 with a zero state; all math float32), with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
 
     A = strict_lower(beta_i (k k^T)_ij D_ij),  T = (I + A)^-1,
     w = T (k * beta e^gamma),  u = T (v * beta),  kd = k * e^(gamma_L - gamma),  e = e^gamma_L,
@@ -19,7 +18,11 @@ and the backward runs six launches:
      output's and the decays' side (dq, part of dk and d gamma), then the w / u side (dv,
      dbeta, the rest of dk, dg as the reverse cumsum of d gamma, through w = T X and
      dA = -T^T dT T^T).
-Key-head gradients are the sums over the value heads of the group, taken after.
+The kernels read q, k, v, g, beta and do where the caller keeps them ([T, heads, ...], its
+dtype; a chunk's rows past its sequence's end load as zeros, a key head serves the G value
+heads of its group in place) and write dv, dg, dbeta there; what passes from kernel to kernel
+is float32 by chunk ([B, Hv, nC, C, ...]). Key-head gradients are the sums over the value
+heads of the group, taken after.
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
 bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. This is a backward,
@@ -46,23 +49,34 @@ if HAS_TRITON:
     import triton.language as tl
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
-    from vllm.kernels.training_tiles import load_tile as _tile, mm as _mm, store_tile as _put
+    from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
+    from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put
 
     @triton.jit
-    def _prep_kernel(k_desc, v_desc, g_ptr, b_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C,
-                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                     EMULATE: tl.constexpr):
+    def _load_rows(ptr, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        """Tokens t0 .. t0 + n - 1 of one head of a [T, HS, X] tensor as a float32 [BC, BX] tile."""
+        return _rows_in(ptr, t0, n, head * X, HS * X, X, BC, BX)
+
+    @triton.jit
+    def _store_rows(ptr, x, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        _rows_out(ptr, x, t0, n, head * X, HS * X, X, BC, BX)
+
+    @triton.jit
+    def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C, NC,
+                     HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
         forward: chunk_tiles.unit_lower_block_row), w, u, kd and e. T goes out whole for the
         final kernel."""
         ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         rm = rows < C
-        g = tl.load(g_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        b = tl.load(b_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        g = tl.load(g_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
         gam = tl.cumsum(g, 0)
         tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
-        k = _tile(k_desc, ch, BC, BK)
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         ii = rows[:, None]
         jj = rows[None, :]
         lower = (jj < ii) & (ii < C)
@@ -80,23 +94,25 @@ if HAS_TRITON:
         tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
         _put(w_desc, ch, _mm(T, k * (b * eg)[:, None], PREC), BC, BK)
-        v = _tile(v_desc, ch, BC, BV)
+        v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
         _put(u_desc, ch, _mm(T, v * b[:, None], PREC), BC, BV)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         _put(kd_desc, ch, k * tl.exp(gl - gam)[:, None], BC, BK)
         tl.store(e_ptr + ch, tl.exp(gl))
 
     @triton.jit
-    def _out_grad_kernel(q_desc, k_desc, do_desc, gam_ptr, ds_desc, dvn_desc, scale, C,
-                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    def _out_grad_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, ds_desc, dvn_desc, scale, C, NC, HV, HK, G,
+                         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         PREC: tl.constexpr):
         """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
         dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
         ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
-        q = _tile(q_desc, ch, BC, BK)
-        k = _tile(k_desc, ch, BC, BK)
-        do = _tile(do_desc, ch, BC, BV) * scale
+        q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
+        do = _load_rows(do_ptr, t0, n, h, HV, V, BC, BV) * scale
         # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
         P = tl.where(incl, _mm(q, tl.trans(k), PREC)
@@ -106,20 +122,22 @@ if HAS_TRITON:
         _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
-    def _final_out_kernel(q_desc, k_desc, do_desc, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_desc, dk_desc,
-                          dgam_ptr, dgl_ptr, scale, C,
+    def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_ptr, dk_desc,
+                          dgam_ptr, dgl_ptr, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
                           BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-        """One program per (chunk, value head), the output's and the decays' side: dq (whole),
-        the parts of dk and d gamma through o = q e^gamma S + P v_new and kd, and d gamma_L."""
+        """One program per (chunk, value head), the output's and the decays' side: dq (whole,
+        per value head), the parts of dk and d gamma through o = q e^gamma S + P v_new and kd,
+        and d gamma_L."""
         ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         rm = rows < C
         # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        q = _tile(q_desc, ch, BC, BK)
-        k = _tile(k_desc, ch, BC, BK)
-        do = _tile(do_desc, ch, BC, BV) * scale
+        q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
+        do = _load_rows(do_ptr, t0, n, h, HV, V, BC, BV) * scale
         eg = tl.exp(gam)
         dqd = _mm(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), PREC)
         dq = dqd * eg[:, None]
@@ -140,40 +158,41 @@ if HAS_TRITON:
         t = tl.sum(dkd * k, 1) * dec
         dgam -= t
         tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.load(de_ptr + ch) * tl.exp(gl))
-        _put(dq_desc, ch, dq, BC, BK)
+        _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
         _put(dk_desc, ch, dk, BC, BK)
         tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
     @triton.jit
-    def _final_wu_kernel(k_desc, v_desc, b_ptr, gam_ptr, t_ptr, du_desc, dw_desc, dgam_ptr, dgl_ptr, dk_desc,
-                         dv_desc, dg_ptr, db_ptr, C,
+    def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, du_desc, dw_desc, dgam_ptr, dgl_ptr, dkp_desc,
+                         dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
-        and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's)
-        and of d gamma, then dg as its reverse cumsum."""
+        and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's,
+        dkp) and of d gamma, then dg as its reverse cumsum."""
         ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         rm = rows < C
         ii = rows[:, None]
         jj = rows[None, :]
         lower = (jj < ii) & (ii < C)
-        b = tl.load(b_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
-        k = _tile(k_desc, ch, BC, BK)
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         eg = tl.exp(gam)
         be = b * eg
         # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta
         dw = _tile(dw_desc, ch, BC, BK)
         du = _tile(du_desc, ch, BC, BV)
-        v = _tile(v_desc, ch, BC, BV)
+        v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
         dT = _mm(dw, tl.trans(k * be[:, None]), PREC) \
             + _mm(du, tl.trans(v * b[:, None]), PREC)
         dXu = _mm(tl.trans(T), du, PREC)
-        _put(dv_desc, ch, dXu * b[:, None], BC, BV)
+        _store_rows(dv_ptr, dXu * b[:, None], t0, n, h, HV, V, BC, BV)
         db = tl.sum(dXu * v, 1)
         dXw = _mm(tl.trans(T), dw, PREC)
-        dk = _tile(dk_desc, ch, BC, BK) + dXw * be[:, None]
+        dk = _tile(dkp_desc, ch, BC, BK) + dXw * be[:, None]
         kdot = tl.sum(dXw * k, 1)
         db += kdot * eg
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + kdot * be
@@ -187,11 +206,12 @@ if HAS_TRITON:
         dgam += tl.sum(MA, 1) - tl.sum(MA, 0)
         dkk = dA * b[:, None] * Dl
         dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
-        _put(dk_desc, ch, dk, BC, BK)
+        _store_rows(dk_ptr, dk, t0, n, h, HV, K, BC, BK)
         # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
         dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
-        tl.store(dg_ptr + ch.to(tl.int64) * C + rows, tl.cumsum(dgam, 0, reverse=True), mask=rm)
-        tl.store(db_ptr + ch.to(tl.int64) * C + rows, db, mask=rm)
+        tok = (t0 + rows).to(tl.int64) * HV + h
+        tl.store(dg_ptr + tok, tl.cumsum(dgam, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=rows < n)
+        tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
 
 
 def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -215,44 +235,44 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     if C > MAX_CHUNK:
         raise ValueError(f"the fused GDN backward takes chunks of at most {MAX_CHUNK} rows, got {C}")
     nC, B = seqs.num_chunks, len(seqs.lens)
-
-    def batch(x):  # [T, H, ...] -> [B, H, nC, C, ...] float32, contiguous
-        return aligned16(seqs.by_chunk(x, torch.float32))
-
-    unbatch = seqs.from_chunks
-    qb, kb = batch(q.repeat_interleave(G, dim=1)), batch(k.repeat_interleave(G, dim=1))
-    vb, gb, bb, dob = batch(v), batch(g), batch(beta), batch(do)
+    # the inputs and the gradients stay in the caller's [T, heads, ...] layout and dtypes (the
+    # kernels read a chunk's rows in place, zeros past its sequence's end); what passes
+    # between the kernels is float32 by chunk, [B, Hv, nC, C, ...]
+    q, k, v, g, beta, do = (aligned16(x) for x in (q, k, v, g, beta, do))
+    cu = torch.tensor(seqs.cu, dtype=torch.int32, device=q.device)
     # tiles of at least 32 columns: at C = 64, 16-column tiles (K = 16) fault with an illegal
     # memory access on the H200 (Triton 3.6); the padding columns are the descriptors' zeros
     BC, BK, BV = max(16, next_pow2(C)), max(32, next_pow2(K)), max(32, next_pow2(V))
     n = B * Hv * nC
     f32 = dict(dtype=torch.float32, device=q.device)
-    w, kd = torch.empty_like(kb), torch.empty_like(kb)
-    u = torch.empty_like(vb)
+    w, kd = torch.empty((B, Hv, nC, C, K), **f32), torch.empty((B, Hv, nC, C, K), **f32)
+    u = torch.empty((B, Hv, nC, C, V), **f32)
     e = torch.empty((B, Hv, nC), **f32)
     tmat = torch.empty((n, C, C), **f32)
-    gam = torch.empty_like(gb)
+    gam = torch.empty((B, Hv, nC, C), **f32)
     prec = training_tiles.dot_precision(q)
-    opts = dict(BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
+    dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
+    heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
-    _prep_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), gb, bb, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat,
-                       gam, C, EMULATE=training_tiles.INTERPRET or not q.is_cuda, **opts)
+    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, C, *heads,
+                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, **dims)
     states, vn = recurrence_forward_triton(u, w, kd, e, prec)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
-    _out_grad_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(d_states, (BK, BV)),
-                           _desc(d_vn, cv), scale, C, **opts)
+    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims)
     du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
-    dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-    dg, db, dgam = torch.empty_like(gb), torch.empty_like(bb), torch.empty_like(gb)
-    dgl = torch.empty_like(e)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
-    _final_out_kernel[(n,)](_desc(qb, ck), _desc(kb, ck), _desc(dob, cv), gam, _desc(states, (BK, BV)),
-                            _desc(vn, cv), _desc(dkd, ck), de, _desc(dq, ck), _desc(dk, ck), dgam, dgl, scale, C,
-                            **opts)
-    _final_wu_kernel[(n,)](_desc(kb, ck), _desc(vb, cv), bb, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
-                           _desc(dk, ck), _desc(dv, cv), dg, db, C, **opts)
-    # key heads: the sum over the value heads of the group
-    dq = unbatch(dq).reshape(T, Hk, G, K).sum(2)
-    dk = unbatch(dk).reshape(T, Hk, G, K).sum(2)
-    return (dq.to(q.dtype), dk.to(k.dtype), unbatch(dv).to(v.dtype), unbatch(dg).to(g.dtype),
-            unbatch(db).to(beta.dtype))
+    # dq, dk per value head: float32 where the group's G heads are summed after, else the
+    # caller's dtype straight from the kernel
+    dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
+    dk = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else k.dtype, device=q.device)
+    dk_out_side = torch.empty_like(w)
+    dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+    dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
+    _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
+                            _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims)
+    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
+                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims)
+    if G > 1:  # key heads: the sum over the value heads of the group
+        dq = dq.view(T, Hk, G, K).sum(2).to(q.dtype)
+        dk = dk.view(T, Hk, G, K).sum(2).to(k.dtype)
+    return dq, dk, dv, dg, db

@@ -2,9 +2,9 @@
 `mamba2_reference` (mamba2_chunk.py) without its autograd graph of batched torch ops (whose
 [chunk, head, C, C] temporaries dominate its time).
 
-Per chunk of C rows (padded sequences, every one from position 0 with a zero state; all math
-float32), per head h of group g, with d = clamp(softplus(dt + dt_bias), dt_min) (zero on
-padding rows), gamma = cumsum(d A_h), decay_ij = exp(gamma_i - gamma_j) (j <= i), the
+Per chunk of C rows (every sequence from position 0 with a zero state; all math float32),
+per head h of group g, with d = clamp(softplus(dt + dt_bias), dt_min) (zero on rows past
+a sequence's end), gamma = cumsum(d A_h), decay_ij = exp(gamma_i - gamma_j) (j <= i), the
 forward is
 
     y_diag = ((C B^T) * decay * d_j) x,      local = (x * e^(gamma_L - gamma) d)^T B,
@@ -20,8 +20,11 @@ and the backward runs four launches:
      own rows (y_diag, D x: parts of dx, dB, dC, d d, d gamma, the chunk's part of dD), then
      the states' side (y_off, local, e: the rest, then d d through gamma = cumsum(d A) and
      the chunk's part of dA).
-The rest is elementwise in torch: the group's dB, dC as sums over its heads, d through the
-clamp and softplus to dt and dt_bias, A = -exp(A_log).
+The kernels read x, B, C, dy and d where the caller keeps them ([T, heads, ...], its dtype; a
+chunk's rows past its sequence's end load as zeros) and write dx, d d and each head's dB, dC
+there; what passes from kernel to kernel is float32 by chunk. The rest is elementwise in
+torch: the group's dB, dC as sums over its heads, d through the clamp and softplus to dt and
+dt_bias, A = -exp(A_log).
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
 bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. A backward, checked
@@ -47,36 +50,31 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.training_tiles import load_tile as _tile, mm as _mm, store_tile as _put
+    from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
+    from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put
 
     @triton.jit
-    def _group_chunk(ch, NCH, HEADS, R):
-        """The chunk of the head's group that chunk `ch` (of [seqs, heads, chunks]) reads."""
-        c = ch % NCH
-        sh = ch // NCH
-        return ((sh // HEADS) * (HEADS // R) + (sh % HEADS) // R) * NCH + c
-
-    @triton.jit
-    def _prep_kernel(x_desc, b_desc, c_desc, dy_desc, d_ptr, a_ptr, gam_ptr, e_ptr, local_desc, ds_desc,
-                     C, NCH, HEADS, R, BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    def _prep_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, gam_ptr, e_ptr, local_desc, ds_desc,
+                     C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
+                     BN: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head): gamma, e^gamma_L, the chunk's local state and the
         gradient its boundary state gets from y_off."""
         ch = tl.program_id(0)
-        gch = _group_chunk(ch, NCH, HEADS, R)
-        A = tl.load(a_ptr + (ch // NCH) % HEADS)
+        t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
+        A = tl.load(a_ptr + h)
         rows = tl.arange(0, BC)
         rm = rows < C
-        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
         gam = tl.cumsum(d * A, 0)
         tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         tl.store(e_ptr + ch, tl.exp(gl))
-        x = _tile(x_desc, ch, BC, BP)
-        Bm = _tile(b_desc, gch, BC, BN)
+        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        Bm = _rows_in(b_ptr, t0, n, (h // R) * N, G * N, N, BC, BN)
         w = tl.exp(gl - gam) * d
         _put(local_desc, ch, _mm(tl.trans(x * w[:, None]), Bm, PREC), BP, BN)
-        dyo = _tile(dy_desc, ch, BC, BP) * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, _mm(tl.trans(dyo), _tile(c_desc, gch, BC, BN), PREC), BP, BN)
+        dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
+        _put(ds_desc, ch, _mm(tl.trans(dyo), _rows_in(c_ptr, t0, n, (h // R) * N, G * N, N, BC, BN), PREC), BP, BN)
 
     @triton.jit
     def _recurrence_kernel(local_desc, e_ptr, ds_desc, s_desc, dl_desc, NCH, BP: tl.constexpr, BN: tl.constexpr):
@@ -97,41 +95,41 @@ if HAS_TRITON:
             dS = _tile(ds_desc, c, BP, BN) + tl.load(e_ptr + c) * dS
 
     @triton.jit
-    def _final_diag_kernel(x_desc, b_desc, c_desc, dy_desc, d_ptr, dskip_ptr, gam_ptr,
-                           dx_desc, db_desc, dc_desc, dd_ptr, dgam_ptr, dskip_out_ptr, C, NCH, HEADS, R,
-                           BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
-                           PREC: tl.constexpr):
+    def _final_diag_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, dskip_ptr, gam_ptr,
+                           dx_desc, db_desc, dc_desc, dd_ptr, dgam_ptr, dskip_out_ptr, C, NCH, HEADS, G, R,
+                           P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                           NS: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head), the chunk's own rows: through y_diag and D x, the
         parts of dx, dB, dC, d d and d gamma, and the chunk's part of dD. B, C, dB and dC move
-        in NS column slices of BN (their descriptors' boxes): a C x C by C x N product of
-        3xTF32 operands whole would not fit shared memory."""
+        in NS column slices of BN: a C x C by C x N product of 3xTF32 operands whole would not
+        fit shared memory."""
         ch = tl.program_id(0)
-        gch = _group_chunk(ch, NCH, HEADS, R)
-        head = (ch // NCH) % HEADS
+        t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
         rows = tl.arange(0, BC)
         rm = rows < C
         # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
-        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        x = _tile(x_desc, ch, BC, BP)
-        dy = _tile(dy_desc, ch, BC, BP)
+        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        gcol = (h // R) * N
         # y_diag = M x, M = (C B^T) * decay * d_j
         decay = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         cb = tl.zeros((BC, BC), dtype=tl.float32)
         for s in tl.static_range(NS):
-            Cs = tl.reshape(c_desc.load([gch, 0, s * BN]), (BC, BN))
-            Bs = tl.reshape(b_desc.load([gch, 0, s * BN]), (BC, BN))
+            Cs = _rows_in(c_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
+            Bs = _rows_in(b_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
             cb += _mm(Cs, tl.trans(Bs), PREC)
         cbd = cb * decay
         dM = tl.where(incl, _mm(dy, tl.trans(x), PREC), 0.0)
         _put(dx_desc, ch, _mm(tl.trans(cbd * d[None, :]), dy, PREC)
-             + tl.load(dskip_ptr + head) * dy, BC, BP)
+             + tl.load(dskip_ptr + h) * dy, BC, BP)
         dcb = dM * decay * d[None, :]
         for s in tl.static_range(NS):
-            Bs = tl.reshape(b_desc.load([gch, 0, s * BN]), (BC, BN))
+            Bs = _rows_in(b_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
             dc_desc.store([ch, 0, s * BN], tl.reshape(_mm(dcb, Bs, PREC), (1, BC, BN)))
-            Cs = tl.reshape(c_desc.load([gch, 0, s * BN]), (BC, BN))
+            Cs = _rows_in(c_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
             db_desc.store([ch, 0, s * BN], tl.reshape(_mm(tl.trans(dcb), Cs, PREC), (1, BC, BN)))
         dMc = dM * cbd
         Q = dMc * d[None, :]
@@ -140,41 +138,45 @@ if HAS_TRITON:
         tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
 
     @triton.jit
-    def _final_local_kernel(x_desc, b_desc, c_desc, dy_desc, d_ptr, a_ptr, gam_ptr, s_desc, dl_desc,
-                            dx_desc, db_desc, dc_desc, dd_ptr, dgam_ptr, da_ptr, C, NCH, HEADS, R,
-                            BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    def _final_local_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, gam_ptr, s_desc, dl_desc,
+                            dxp_desc, dbp_desc, dcp_desc, ddp_ptr, dgam_ptr, dx_ptr, db_ptr, dc_ptr, dd_ptr, da_ptr,
+                            C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr,
+                            BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head), the states' side: through y_off = (C S^T) e^gamma,
         local = (x w)^T B and e = e^gamma_L, the rest of dx, dB, dC, d d and d gamma (added to
-        the chunk-rows side's), then gamma = cumsum(d A): d d and the chunk's part of dA."""
+        the chunk-rows side's, the partial ..p), then gamma = cumsum(d A): d d and the chunk's
+        part of dA. dx, d d and the head's dB, dC go out to the tokens' rows."""
         ch = tl.program_id(0)
-        gch = _group_chunk(ch, NCH, HEADS, R)
-        A = tl.load(a_ptr + (ch // NCH) % HEADS)
+        t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
+        A = tl.load(a_ptr + h)
         rows = tl.arange(0, BC)
         rm = rows < C
-        d = tl.load(d_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        x = _tile(x_desc, ch, BC, BP)
-        Bm = _tile(b_desc, gch, BC, BN)
+        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        gcol = (h // R) * N
+        Bm = _rows_in(b_ptr, t0, n, gcol, G * N, N, BC, BN)
         # y_off = (C S^T) e^gamma
         S = _tile(s_desc, ch, BP, BN)
-        dyo = _tile(dy_desc, ch, BC, BP) * tl.exp(gam)[:, None]
-        _put(dc_desc, ch, _tile(dc_desc, ch, BC, BN) + _mm(dyo, S, PREC), BC, BN)
+        dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
+        _rows_out(dc_ptr, _tile(dcp_desc, ch, BC, BN) + _mm(dyo, S, PREC), t0, n, h * N, HEADS * N, N, BC, BN)
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) \
-            + tl.sum(dyo * _mm(_tile(c_desc, gch, BC, BN), tl.trans(S), PREC), 1)
+            + tl.sum(dyo * _mm(_rows_in(c_ptr, t0, n, gcol, G * N, N, BC, BN), tl.trans(S), PREC), 1)
         dl = _tile(dl_desc, ch, BP, BN)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         ew = tl.exp(gl - gam)
         w = ew * d
         dxw = _mm(Bm, tl.trans(dl), PREC)
-        _put(db_desc, ch, _tile(db_desc, ch, BC, BN) + _mm(x * w[:, None], dl, PREC), BC, BN)
-        _put(dx_desc, ch, _tile(dx_desc, ch, BC, BP) + dxw * w[:, None], BC, BP)
+        _rows_out(db_ptr, _tile(dbp_desc, ch, BC, BN) + _mm(x * w[:, None], dl, PREC), t0, n, h * N, HEADS * N, N,
+                  BC, BN)
+        _rows_out(dx_ptr, _tile(dxp_desc, ch, BC, BP) + dxw * w[:, None], t0, n, h * P, HEADS * P, P, BC, BP)
         dw = tl.sum(dxw * x, 1)
-        dd = tl.load(dd_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + dw * ew
+        dd = tl.load(ddp_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + dw * ew
         dgam -= dw * w
         de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
         dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
         rc = tl.cumsum(dgam, 0, reverse=True)
-        tl.store(dd_ptr + ch.to(tl.int64) * C + rows, dd + rc * A, mask=rm)
+        tl.store(dd_ptr + (t0 + rows).to(tl.int64) * HEADS + h, dd + rc * A, mask=rows < n)
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
 
 
@@ -202,47 +204,52 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     nC, S = seqs.num_chunks, len(seqs.lens)
     pre = dt.float() + dt_bias.float()
     sp = F.softplus(pre)
-    dtv = torch.clamp(sp, min=dt_min)
+    dtv = aligned16(torch.clamp(sp, min=dt_min))
     A = -torch.exp(A_log.float())
-
-    def batch(t):  # [T, heads, ...] -> [S, heads, nC, C, ...] float32, contiguous
-        return aligned16(seqs.by_chunk(t, torch.float32))
-
-    unbatch = seqs.from_chunks
-
-    xb, bb, cb, dyb, db_ = batch(x), batch(B), batch(C), batch(dy), batch(dtv)
+    # x, B, C, dy and d stay in the caller's [T, heads, ...] layout (the kernels read a chunk's
+    # rows in place, zeros past its sequence's end); what passes between the kernels is
+    # float32 by chunk, [S, H, nC, ...]
+    x, B, C, dy = (aligned16(t) for t in (x, B, C, dy))
+    cu = torch.tensor(seqs.cu, dtype=torch.int32, device=x.device)
     BC, BP, BN = max(16, next_pow2(Cs)), max(16, next_pow2(P)), max(16, next_pow2(N))
     n = S * H * nC
     f32 = dict(dtype=torch.float32, device=x.device)
-    gam = torch.empty_like(db_)
+    gam = torch.empty((S, H, nC, Cs), **f32)
     e = torch.empty((S, H, nC), **f32)
     local = torch.empty((S, H, nC, P, N), **f32)
     ds = torch.empty_like(local)
-    opts = dict(BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x), num_warps=NUM_WARPS)
-    cp, cn, pn = (BC, BP), (BC, BN), (BP, BN)
+    dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x), num_warps=NUM_WARPS)
+    heads = (nC, H, G, R)
+    pn = (BP, BN)
     a = aligned16(A)
-    _prep_kernel[(n,)](_desc(xb, cp), _desc(bb, cn), _desc(cb, cn), _desc(dyb, cp), db_, a, gam, e,
-                       _desc(local, pn), _desc(ds, pn), Cs, nC, H, R, **opts)
+    _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims)
     states, dl = torch.empty_like(local), torch.empty_like(local)
     _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), nC,
                                  BP=BP, BN=BN, num_warps=NUM_WARPS)
-    dx, dB, dC = torch.empty_like(xb), torch.empty((S, H, nC, Cs, N), **f32), torch.empty((S, H, nC, Cs, N), **f32)
-    dd, dgam = torch.empty_like(db_), torch.empty_like(db_)
+    # the chunk-rows side's parts, by chunk; it takes B, C, dB, dC in column slices from N = 128
+    # (shared memory)
+    dx_part = torch.empty((S, H, nC, Cs, P), **f32)
+    dB_part, dC_part = torch.empty((S, H, nC, Cs, N), **f32), torch.empty((S, H, nC, Cs, N), **f32)
+    dd_part, dgam = torch.empty_like(gam), torch.empty_like(gam)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
-    # the chunk-rows side takes B, C, dB, dC in column slices from N = 128 (shared memory)
     ns = 2 if BN >= 128 else 1
     cs = (BC, BN // ns)
-    _final_diag_kernel[(n,)](_desc(xb, cp), _desc(bb, cs), _desc(cb, cs), _desc(dyb, cp), db_, aligned16(D.float()),
-                             gam, _desc(dx, cp), _desc(dB, cs), _desc(dC, cs), dd, dgam, dD_part, Cs, nC, H, R,
-                             **{**opts, "BN": BN // ns}, NS=ns)
-    _final_local_kernel[(n,)](_desc(xb, cp), _desc(bb, cn), _desc(cb, cn), _desc(dyb, cp), db_, a, gam,
-                              _desc(states, pn), _desc(dl, pn), _desc(dx, cp), _desc(dB, cn), _desc(dC, cn), dd,
-                              dgam, dA_part, Cs, nC, H, R, **opts)
+    _final_diag_kernel[(n,)](x, B, C, dy, dtv, cu, aligned16(D.float()), gam, _desc(dx_part, (BC, BP)),
+                             _desc(dB_part, cs), _desc(dC_part, cs), dd_part, dgam, dD_part, Cs, *heads,
+                             **{**dims, "BN": BN // ns}, NS=ns)
+    # dB, dC per head (float32 where the group's R heads are summed after)
+    dx = torch.empty_like(x)
+    dBh = torch.empty((T, H, N), dtype=torch.float32 if R > 1 else B.dtype, device=x.device)
+    dCh = torch.empty((T, H, N), dtype=torch.float32 if R > 1 else C.dtype, device=x.device)
+    dd = torch.empty((T, H), **f32)
+    _final_local_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, _desc(states, pn), _desc(dl, pn),
+                              _desc(dx_part, (BC, BP)), _desc(dB_part, (BC, BN)), _desc(dC_part, (BC, BN)), dd_part,
+                              dgam, dx, dBh, dCh, dd, dA_part, Cs, *heads, **dims)
     # the group's B and C: the sum over its heads (in head order)
-    dB = unbatch(dB.view(S, G, R, nC, Cs, N).sum(2))
-    dC = unbatch(dC.view(S, G, R, nC, Cs, N).sum(2))
+    dB = dBh.view(T, G, R, N).sum(2).to(B.dtype) if R > 1 else dBh
+    dC = dCh.view(T, G, R, N).sum(2).to(C.dtype) if R > 1 else dCh
     # d = clamp(softplus(dt + dt_bias), dt_min): the gradient passes where softplus >= dt_min
-    dpre = unbatch(dd) * (sp >= dt_min) * torch.sigmoid(pre)
+    dpre = dd * (sp >= dt_min) * torch.sigmoid(pre)
     dA = dA_part.sum((0, 2))
-    return (unbatch(dx).to(x.dtype), dpre.to(dt.dtype), dpre.sum(0).to(dt_bias.dtype), (dA * A).to(A_log.dtype),
-            dB.to(B.dtype), dC.to(C.dtype), dD_part.sum((0, 2)).to(D.dtype))
+    return (dx, dpre.to(dt.dtype), dpre.sum(0).to(dt_bias.dtype), (dA * A).to(A_log.dtype), dB, dC,
+            dD_part.sum((0, 2)).to(D.dtype))

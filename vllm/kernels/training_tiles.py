@@ -22,6 +22,41 @@ if HAS_TRITON:
         desc.store([i, 0, 0], tl.reshape(x, (1, R, X)))
 
     @triton.jit
+    def chunk_of(ch, cu_ptr, NC, H, C):
+        """Chunk ch of [sequences, heads, chunks] over packed sequences (cu_ptr: their int32
+        offsets): its first token, its number of tokens (0 for a chunk past its sequence's
+        end) and its head."""
+        c = ch % NC
+        s = ch // NC // H
+        start = tl.load(cu_ptr + s)
+        n = tl.minimum(tl.maximum(tl.load(cu_ptr + s + 1) - start - c * C, 0), C)
+        return start + c * C, n, (ch // NC) % H
+
+    @triton.jit
+    def _rows_cols(t0, n, c0, stride, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        r = tl.arange(0, BC)
+        cols = tl.arange(0, BX)
+        off = (t0 + r).to(tl.int64)[:, None] * stride + c0 + cols[None, :]
+        if W >= BX:  # a mask constant along the row keeps the accesses vectorised
+            return off, (r < n)[:, None]
+        else:
+            return off, (r < n)[:, None] & (cols < W)[None, :]
+
+    @triton.jit
+    def load_rows(ptr, t0, n, c0, stride, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        """Rows t0 .. t0 + n - 1, columns c0 .. c0 + min(W, BX) - 1 of a row-major tensor of
+        `stride` columns (the caller's, in its dtype, e.g. one head of [T, heads, X]) as a
+        float32 [BC, BX] tile, zeros elsewhere."""
+        off, m = _rows_cols(t0, n, c0, stride, W, BC, BX)
+        return tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def store_rows(ptr, x, t0, n, c0, stride, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        """x's first n rows (and min(W, BX) columns) to the box load_rows reads, cast to ptr's dtype."""
+        off, m = _rows_cols(t0, n, c0, stride, W, BC, BX)
+        tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def round_bf16(x):
         """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32 (finite x)."""
         i = x.to(tl.int32, bitcast=True)
