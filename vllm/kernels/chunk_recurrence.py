@@ -36,15 +36,19 @@ from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-# The V tile of one program (V above it is split over programs; the reductions over V are
-# then summed over the tiles), warps and pipeline stages. H200, 32 heads x 160 chunks of 64,
-# K = V = 128, forward / backward us: 32, 8 warps, 2 stages 770 / 3,933 (kept); 32/8/1
-# 1,154 / 4,592; 32/4/1 1,006 / 3,938; 64/8/1 1,671 / 4,838; 64/4/1 1,844 / 5,255; 16/4/1
-# 917 / 5,037. A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not looked
-# into; `_blocks` never takes that tile). benchmarks/NOTES.md has the sweep.
-BLOCK_V_MAX = 32
-NUM_WARPS = 8
-NUM_STAGES = 2
+# (V tile, warps, pipeline stages) of one program per direction and dot precision (V above
+# the tile is split over programs; the reductions over V are then summed over the tiles).
+# H200, 32 heads x 160 chunks of 64, K = V = 128, us with the tile sums (V tile / warps /
+# stages): forward bf16 32/4/2 383 (32/8/2 453, 64/4/2 430, 32/4/1 728); tf32x3 32/4/2 678
+# (32/8/2 770, 32/4/1 1,006). Backward bf16 64/4/2 1,642 (32/8/2 2,163, 64/8/2 1,751, 32/4/2
+# 2,089); tf32x3 32/4/2 3,270 (32/8/2 3,919; 64 wide at 2 stages needs 278,600 B of shared
+# memory, over 232,448). A 16-wide tile at 8 warps hit an illegal memory access at K = 128
+# (not looked into; `_blocks` never takes that tile). benchmarks/NOTES.md has the sweeps.
+FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
+BACKWARD_CONFIG = {"bf16": (64, 4, 2), "tf32x3": (32, 4, 2)}
+INTERPRETER_CONFIG = (32, 4, 2)
+# a cap on the V tile over every config (the tests lower it to split small V)
+BLOCK_V_MAX = 64
 
 
 if HAS_TRITON:
@@ -103,13 +107,13 @@ if HAS_TRITON:
             dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
 
-def _blocks(C: int, K: int, V: int) -> tuple[int, int, int]:
-    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at BLOCK_V_MAX and
-    never under 32 (the zero-filled columns of a V of 16 cost little; the 16-wide tile is the
-    one that faulted)."""
+def _blocks(C: int, K: int, V: int, block_v: int) -> tuple[int, int, int]:
+    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at block_v (and
+    BLOCK_V_MAX) and never under 32 (the zero-filled columns of a V of 16 cost little; the
+    16-wide tile is the one that faulted)."""
     def p2(n):
         return max(16, next_pow2(n))
-    return p2(C), p2(K), min(max(32, p2(V)), BLOCK_V_MAX)
+    return p2(C), p2(K), min(max(32, p2(V)), block_v, BLOCK_V_MAX)
 
 
 def _check(u, w, kd, e):
@@ -140,11 +144,12 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None) -> tupl
     vn = torch.empty_like(u)
     if u.numel() == 0:
         return states.zero_(), vn.copy_(u)
-    BC, BK, BV = _blocks(C, K, V)
+    prec = precision or training_tiles.dot_precision(u)
+    block_v, warps, stages = FORWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
+    BC, BK, BV = _blocks(C, K, V, block_v)
     _fwd_kernel[(B * H, -(-V // BV))](
         _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
-        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=precision or training_tiles.dot_precision(u), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps, num_stages=stages)
     return states, vn
 
 
@@ -155,7 +160,9 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     K = w.shape[-1]
     w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
     du = torch.empty_like(vn)
-    BC, BK, BV = _blocks(C, K, V)
+    prec = precision or training_tiles.dot_precision(w)
+    block_v, warps, stages = BACKWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
+    BC, BK, BV = _blocks(C, K, V, block_v)
     NV = -(-V // BV)
     dw_t = w.new_empty((NV, *w.shape))
     dkd_t = w.new_empty((NV, *w.shape))
@@ -164,8 +171,8 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
         _bwd_kernel[(B * H, NV)](
             _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
             _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
-            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=precision or training_tiles.dot_precision(w),
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps,
+            num_stages=stages)
     else:
         dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()
     # the V tiles' parts, added in tile order

@@ -45,6 +45,9 @@ NUM_WARPS = 8
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 128 (Nemotron-H): 196 KB of it)
 MAX_CHUNK = 128
+# the chunk-rows side's column slices of B, C, dB, dC (N = 128 whole does not fit shared
+# memory with 3xTF32 operands)
+SLICE_N = 64
 
 if HAS_TRITON:
     import triton
@@ -232,7 +235,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     dB_part, dC_part = torch.empty((S, H, nC, Cs, N), **f32), torch.empty((S, H, nC, Cs, N), **f32)
     dd_part, dgam = torch.empty_like(gam), torch.empty_like(gam)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
-    ns = 2 if BN >= 128 else 1
+    ns = max(1, BN // SLICE_N)
     cs = (BC, BN // ns)
     _final_diag_kernel[(n,)](x, B, C, dy, dtv, cu, aligned16(D.float()), gam, _desc(dx_part, (BC, BP)),
                              _desc(dB_part, cs), _desc(dC_part, cs), dd_part, dgam, dD_part, Cs, *heads,
