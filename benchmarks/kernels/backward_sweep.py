@@ -1,0 +1,75 @@
+"""Launch configurations of the training backwards' kernels on the GPU, side by side.
+
+    python benchmarks/kernels/backward_sweep.py
+
+- The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
+  (32 heads x 160 chunks of 64, K = V = 128): forward and backward time (with the V tiles'
+  sums) for each (V tile, warps, stages) and dot precision; the configs it keeps are
+  FORWARD_CONFIG / BACKWARD_CONFIG there.
+- Mamba-2's fused backward (vllm/kernels/mamba2_backward.py) at Nemotron-H's dims (128 heads of
+  64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16) with B and C in column slices
+  of SLICE_N = 64 against whole (128), and whether the two differ in any bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from vllm.kernels import chunk_recurrence as cr
+from vllm.kernels import mamba2_backward as mb
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=30) * 1e3
+
+
+def recurrence_sweep() -> None:
+    B, H, nC, C, K, V = 1, 32, 160, 64, 128, 128
+    u = torch.randn(B, H, nC, C, V, device="cuda")
+    w, kd = (torch.randn(B, H, nC, C, K, device="cuda") * 0.05 for _ in range(2))
+    e = torch.rand(B, H, nC, device="cuda")
+    gs, gv = torch.randn(B, H, nC, K, V, device="cuda"), torch.randn_like(u)
+    saved = cr.FORWARD_CONFIG.copy(), cr.BACKWARD_CONFIG.copy()
+    try:
+        for prec in ("bf16", "tf32x3"):
+            for cfg in ((32, 4, 1), (32, 4, 2), (32, 8, 1), (32, 8, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)):
+                cr.FORWARD_CONFIG[prec] = cr.BACKWARD_CONFIG[prec] = cfg
+                try:
+                    states, vn = cr.recurrence_forward_triton(u, w, kd, e, prec)
+                    f = bench(lambda: cr.recurrence_forward_triton(u, w, kd, e, prec))
+                    b = bench(lambda: cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gv, prec))
+                    print(f"recurrence {prec} V tile {cfg[0]} warps {cfg[1]} stages {cfg[2]}: forward {f:.0f} us, "
+                          f"backward {b:.0f} us", flush=True)
+                except triton.runtime.errors.OutOfResources as ex:
+                    print(f"recurrence {prec} V tile {cfg[0]} warps {cfg[1]} stages {cfg[2]}: does not fit "
+                          f"({str(ex)[:70]})", flush=True)
+    finally:
+        cr.FORWARD_CONFIG.update(saved[0])
+        cr.BACKWARD_CONFIG.update(saved[1])
+
+
+def mamba2_slices() -> None:
+    T, H, P, G, N = 8192, 128, 64, 8, 128
+    x, dy = (torch.randn(T, H, P, device="cuda").bfloat16() for _ in range(2))
+    Bm, Cm = (torch.randn(T, G, N, device="cuda").bfloat16() for _ in range(2))
+    dt = torch.randn(T, H, device="cuda") - 2
+    dt_bias, D = 0.5 * torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    A_log = torch.log(0.5 + 4 * torch.rand(H, device="cuda"))
+    saved, outs = mb.SLICE_N, {}
+    try:
+        for sl in (64, 128):
+            mb.SLICE_N = sl
+
+            def step():
+                return mb.mamba2_backward_triton(x, dt, dt_bias, A_log, Bm, Cm, D, dy, 1e-3, [0, T], 128)
+            outs[sl] = step()
+            print(f"mamba2 backward, B and C in slices of {sl}: {bench(step):.0f} us", flush=True)
+    finally:
+        mb.SLICE_N = saved
+    same = all(torch.equal(a, b) for a, b in zip(outs[64], outs[128]))
+    print(f"mamba2 backward, slices of 64 vs 128: {'the same bits' if same else 'bits differ'}")
+
+
+if __name__ == "__main__":
+    recurrence_sweep()
+    mamba2_slices()
