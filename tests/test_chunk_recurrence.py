@@ -77,3 +77,24 @@ def test_triton_rejects_other_dtypes():
     inputs, _ = make(1, 1, 2, 4, 4, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32"):
         cr.recurrence_forward_triton(*(t.to(DEV) for t in inputs))
+
+
+def test_dot_precision_follows_the_inputs_dtype(monkeypatch):
+    """The training backwards' dots: bf16 operands for a bf16 (or fp16) model, 3xTF32 for
+    float32 on the GPU; the interpreter's stand-ins for them on CPU tensors; and the
+    recurrence picks its launch config by that precision."""
+    from types import SimpleNamespace
+
+    from vllm.kernels import training_tiles
+
+    def x(dtype, cuda):
+        return SimpleNamespace(dtype=dtype, is_cuda=cuda)
+    monkeypatch.setattr(training_tiles, "INTERPRET", False)
+    assert training_tiles.dot_precision(x(torch.bfloat16, True)) == "bf16"
+    assert training_tiles.dot_precision(x(torch.float16, True)) == "bf16"
+    assert training_tiles.dot_precision(x(torch.float32, True)) == "tf32x3"
+    assert training_tiles.dot_precision(x(torch.bfloat16, False)) == "bf16_emulated"
+    assert training_tiles.dot_precision(x(torch.float32, False)) == "ieee"
+    monkeypatch.setattr(training_tiles, "INTERPRET", True)
+    assert training_tiles.dot_precision(x(torch.bfloat16, True)) == "bf16_emulated"
+    assert set(cr.FORWARD_CONFIG) == set(cr.BACKWARD_CONFIG) == {"bf16", "tf32x3"}
