@@ -10,8 +10,11 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from vllm.kernels import chunk_recurrence as cr
+from vllm.kernels.training_tiles import round_bf16
 from vllm.testing.chunked_scan import DEVICE as DEV, rel_err
 
 
@@ -80,8 +83,8 @@ def test_triton_rejects_other_dtypes():
 
 
 def test_dot_precision_follows_the_inputs_dtype(monkeypatch):
-    """The training backwards' dots: bf16 operands for a bf16 (or fp16) model, 3xTF32 for
-    float32 on the GPU; the interpreter's stand-ins for them on CPU tensors; and the
+    """The training backwards' dots: bf16 operands for a bf16 model, 3xTF32 for float32 (and
+    float16) on the GPU; the interpreter's stand-ins for them on CPU tensors; and the
     recurrence picks its launch config by that precision."""
     from types import SimpleNamespace
 
@@ -91,10 +94,31 @@ def test_dot_precision_follows_the_inputs_dtype(monkeypatch):
         return SimpleNamespace(dtype=dtype, is_cuda=cuda)
     monkeypatch.setattr(training_tiles, "INTERPRET", False)
     assert training_tiles.dot_precision(x(torch.bfloat16, True)) == "bf16"
-    assert training_tiles.dot_precision(x(torch.float16, True)) == "bf16"
+    assert training_tiles.dot_precision(x(torch.float16, True)) == "tf32x3"
     assert training_tiles.dot_precision(x(torch.float32, True)) == "tf32x3"
     assert training_tiles.dot_precision(x(torch.bfloat16, False)) == "bf16_emulated"
     assert training_tiles.dot_precision(x(torch.float32, False)) == "ieee"
     monkeypatch.setattr(training_tiles, "INTERPRET", True)
     assert training_tiles.dot_precision(x(torch.bfloat16, True)) == "bf16_emulated"
     assert set(cr.FORWARD_CONFIG) == set(cr.BACKWARD_CONFIG) == {"bf16", "tf32x3"}
+
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, round_bf16(tl.load(x_ptr + i)))
+
+
+def test_bf16_emulation_rounds_as_torch():
+    """The interpreter's stand-in for bf16 operands (training_tiles.round_bf16) rounds float32
+    to the nearest bfloat16, ties to even, bit for bit as torch does (ties, both signs, tiny
+    and huge values included)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3584, generator=gen) * torch.logspace(-30, 30, 3584)
+    ties = ((torch.arange(1, 257, dtype=torch.int32) << 16) | 0x8000).view(torch.float32)   # exactly halfway
+    x = torch.cat([x, ties, -ties])
+    x[-3:] = torch.tensor([0.0, -0.0, 1e-40])
+    xd = x.to(DEV)
+    yd = torch.empty_like(xd)
+    _round_bf16_kernel[(1,)](xd, yd, N=x.numel())
+    assert torch.equal(yd.cpu().view(torch.int32), x.bfloat16().float().view(torch.int32))

@@ -63,14 +63,15 @@ def test_strong_decay_with_a_chunk_of_padded_rows():
         assert rel_err(a.cpu(), b) < 1e-5, name
 
 
-def test_bfloat16_inputs_take_bf16_dots():
+@pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])   # grouped (float32 sums of dq, dk) and not (stored as bf16)
+def test_bfloat16_inputs_take_bf16_dots(hk, hv):
     """bfloat16 inputs (the trainer's) take the dots with operands rounded to bfloat16
     (training_tiles.mm, emulated here as the GPU computes them): within 1e-2 of float64
     autograd of the same rounded inputs (3e-3 measured; rounding the float32 reference's
     gradients to bf16 alone is 1.7e-3), and not the float32 dots' result."""
     from vllm.kernels import training_tiles
     cu = [0, 21, 30]
-    xs, do = make(30, 2, 4, 16, 32, seed=0)
+    xs, do = make(30, hk, hv, 16, 32, seed=0)
     xs, do = [x.bfloat16() for x in xs], do.bfloat16()
     assert training_tiles.dot_precision(xs[0].to(DEV)) in ("bf16", "bf16_emulated")
     ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
@@ -81,6 +82,15 @@ def test_bfloat16_inputs_take_bf16_dots():
         assert a.dtype == torch.bfloat16, name
         assert rel_err(a.float().cpu(), b) < 1e-2, name
         assert not torch.equal(a, c.to(a.dtype)), name
+
+
+def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
+    """The gradients are written in place, row by row of each sequence: sequences that miss
+    tokens (or do not start at 0) would leave rows unwritten, so they are refused."""
+    xs, do = make(10, 1, 1, 8, 8, seed=0)
+    for cu in ([0, 8], [2, 10], [0, 6, 4, 10]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, 1.0, chunk_size=4)
 
 
 def test_refuses_unaligned_head_dims():

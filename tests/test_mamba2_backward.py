@@ -80,13 +80,14 @@ def test_clamped_steps_pass_no_gradient():
     assert rel_err(got[3].cpu(), ref[3]) < 1e-5
 
 
-def test_bfloat16_inputs_take_bf16_dots():
+@pytest.mark.parametrize("h,g", [(4, 2), (2, 2)])   # heads sharing a group's B, C (float32 sums) and not
+def test_bfloat16_inputs_take_bf16_dots(h, g):
     """bfloat16 x, B, C, dy (the trainer's) take the dots with operands rounded to bfloat16
     (training_tiles.mm, emulated here as the GPU computes them): within 1e-2 of float64
     autograd of the same rounded inputs, and not the float32 dots' result."""
     from vllm.kernels import training_tiles
     cu = [0, 21, 30]
-    xs, dy = make(30, 4, 16, 2, 16, seed=0)
+    xs, dy = make(30, h, 16, g, 16, seed=0)
     xs = [t.bfloat16() if i in (0, 4, 5) else t for i, t in enumerate(xs)]
     dy = dy.bfloat16()
     assert training_tiles.dot_precision(xs[0].to(DEV)) in ("bf16", "bf16_emulated")
@@ -97,6 +98,13 @@ def test_bfloat16_inputs_take_bf16_dots():
     for name, a, b in zip(NAMES, got, ref):
         assert rel_err(a.float().cpu(), b) < 1e-2, name
     assert not torch.equal(got[0], f32[0].to(got[0].dtype))
+
+
+def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
+    xs, dy = make(10, 1, 8, 1, 8, seed=0)
+    for cu in ([0, 8], [2, 10]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, cu, 4)
 
 
 def test_refuses_unaligned_dims():

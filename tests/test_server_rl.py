@@ -319,14 +319,21 @@ def test_upstream_pause_modes_abort_wait_keep(app):
             res["abort_paused"] = (await admin.get("/is_paused")).json()
             res["abort_out"] = (await asyncio.wait_for(task, 60)).json()
             await admin.post("/resume")
-            # wait: the request in flight finishes first; one sent meanwhile waits for /resume
+            # wait: the request in flight finishes first; one sent meanwhile waits for /resume.
+            # The first is generating before the pause is sent, and the engine has taken the
+            # pause (a utility call after it returned: the engine answers them in order) before
+            # the late one is sent, whatever the machine's load.
+            before = app.state.serving.llm.num_generation_tokens
             task = asyncio.ensure_future(_long(http, 40))
-            await asyncio.sleep(0.2)
+            await _until_generating(app, before)
             pause = asyncio.ensure_future(admin.post("/pause", params={"mode": "wait", "clear_cache": "false"}))
             await asyncio.sleep(0.1)
+            await admin.get("/is_paused")
             late = asyncio.ensure_future(_long(http, 5))
             res["wait_pause"] = (await asyncio.wait_for(pause, 60)).json()
-            res["wait_first_done_before_pause"] = task.done()
+            # every token of the first request was generated (and counted) before the answer;
+            # its HTTP response may still be on its way to this client
+            res["wait_tokens_before_pause"] = app.state.serving.llm.num_generation_tokens - before
             res["wait_out"] = (await asyncio.wait_for(task, 60)).json()
             await asyncio.sleep(0.3)
             res["late_waiting"] = not late.done()
@@ -341,7 +348,7 @@ def test_upstream_pause_modes_abort_wait_keep(app):
     assert r["abort_pause"]["paused"] is True and r["abort_paused"] == {"is_paused": True}
     choice = r["abort_out"]["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < r["abort_out"]["usage"]["completion_tokens"] < 900
-    assert r["wait_pause"]["paused"] is True and r["wait_first_done_before_pause"]
+    assert r["wait_pause"]["paused"] is True and r["wait_tokens_before_pause"] == 40
     assert r["wait_out"]["choices"][0]["finish_reason"] == "length" and r["wait_out"]["usage"]["completion_tokens"] == 40
     assert r["late_waiting"] and r["late_out"]["usage"]["completion_tokens"] == 5
     assert r["bad"].status_code == 400 and "pause mode" in r["bad"].json()["error"]["message"]

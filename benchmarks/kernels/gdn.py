@@ -192,7 +192,7 @@ def backward_case(T: int = 10240) -> None:
     """The backward alone at the train shape: autograd of gdn_reference in float32 (with the
     Triton chunk recurrence) against the fused kernels of vllm/kernels/gdn_backward.py (the
     trainer's path on a GPU), their distance from float64 autograd, the fused kernels' GPU time
-    per kernel, and the fused kernels with single-pass TF32 dots beside their 3xTF32."""
+    per kernel, at the bf16 dots a bf16 model's backward takes beside the 3xTF32 of a float32 one."""
     from scan_bench import backward_report
 
     from vllm.kernels.chunk_scan import reference_grads

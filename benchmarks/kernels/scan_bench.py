@@ -75,7 +75,7 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--cases", default=None, help="comma-separated first words of the cases to run "
                     "(e.g. train,prefill; default all)")
-    args, _ = ap.parse_known_args()
+    args = ap.parse_args()
     if args.cases:
         cases = {k: v for k, v in cases.items() if k.split()[0] in args.cases.split(",")}
     results = {}
@@ -154,12 +154,16 @@ def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, n
     t_ref = bench(ref_step)
     rows = [("reference autograd (float32)", ref_step(), t_ref)]
     for prec in ("bf16", "tf32x3"):
-        with precision_variant(prec):
-            got, t = fused(), bench(fused)
-            report(f"backward kernels (fused, {prec})", kernel_times(fused))
+        try:
+            with precision_variant(prec):
+                got, t = fused(), bench(fused)
+                report(f"backward kernels (fused, {prec})", kernel_times(fused))
+        except triton.runtime.errors.OutOfResources as e:  # a launch config that does not fit
+            print(f"fused kernels ({prec}): does not fit ({str(e)[:90]})")
+            continue
         rows.append((f"fused kernels ({prec})", got, t))
     print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
-          + f" (fused {t_ref / rows[1][2]:.2f}x the reference)")
+          + "".join(f" ({name} {t_ref / t:.2f}x faster than the reference)" for name, _, t in rows[1:2]))
     for name, got, _ in rows:
         errs = [((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item() for a, b in zip(got, exact)]
         print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip(names, errs)))

@@ -159,6 +159,13 @@ class EngineCoreClient:
                     out: EngineCoreOutputs = pickle.loads(self._outbox.recv_bytes())
                 except (EOFError, OSError):
                     break
+                # the batch's outputs first, then its utility answers: what the engine generated
+                # before it answered (say the last tokens of the requests a pause(mode="wait")
+                # let finish) is delivered and counted before the answer reaches its caller
+                try:
+                    self.on_outputs(out)
+                except Exception:  # noqa: BLE001 -- one bad batch must not stop the receiver
+                    logger.exception("handling engine outputs failed")
                 for res in out.utility_results:
                     fut = self._calls.pop(res.call_id, None)
                     if fut is None:
@@ -168,10 +175,6 @@ class EngineCoreClient:
                     else:
                         name, message = res.value
                         fut.set_exception(_ERRORS.get(name, RuntimeError)(message))
-                try:
-                    self.on_outputs(out)
-                except Exception:  # noqa: BLE001 -- one bad batch must not stop the receiver
-                    logger.exception("handling engine outputs failed")
         except BaseException as err:  # noqa: BLE001
             reason = f"the output receiver failed: {err!r}"
             logger.exception("engine output receiver crashed")

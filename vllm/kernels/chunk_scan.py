@@ -194,6 +194,12 @@ class PaddedChunks:
         self.num_chunks = max(1, max((-(-n // chunk_size) for n in self.lens), default=0))
         self.rows = self.num_chunks * chunk_size
 
+    def require_covers(self, T: int) -> None:
+        """ValueError unless the sequences are T tokens from token 0 on, back to back (a kernel
+        that writes each sequence's rows in place leaves no row unwritten)."""
+        if self.cu and (self.cu[0] != 0 or self.cu[-1] != T or any(n < 0 for n in self.lens)):
+            raise ValueError(f"cu_seqlens must run from 0 to the {T} tokens, nondecreasing; got {self.cu}")
+
     def pad(self, t: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [S, rows, ...]"""
         cu = self.cu

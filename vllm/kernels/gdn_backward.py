@@ -228,6 +228,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     G = Hv // Hk
     C = chunk_size
     seqs = PaddedChunks(cu_seqlens, C)
+    seqs.require_covers(T)
     if T == 0 or not seqs.lens:
         return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta))
     if not fused_backward_ok(q, v):

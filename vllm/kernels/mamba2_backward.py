@@ -199,6 +199,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     R = H // G
     Cs = chunk_size
     seqs = PaddedChunks(cu_seqlens, Cs)
+    seqs.require_covers(T)
     if T == 0 or not seqs.lens:
         return tuple(torch.zeros_like(t) for t in (x, dt, dt_bias, A_log, B, C, D))
     if not fused_backward_ok(x, B):

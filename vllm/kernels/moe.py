@@ -48,8 +48,6 @@ from vllm.kernels.moe_autograd import GroupedGemmFn
 
 logger = logging.getLogger(__name__)
 
-MOE_KERNEL_VERSION = "moe-invariant-v1"
-
 
 # ============================================================================ routing
 @dataclass
@@ -553,7 +551,6 @@ def moe_numerical_policy(numerics: str, device: str | torch.device) -> dict:
         return {"routing": "torch softmax + topk (ties unspecified)",
                 "experts": "torch._grouped_mm / per-expert F.linear, model dtype", "merge": "torch sum over slots"}
     return {
-        "kernel_version": MOE_KERNEL_VERSION,
         "routing": "float32 logits (invariant GEMM); softmax = exp(x - max) / fixed pairwise sum; "
                    "top-k by stable descending sort (ties: lower expert id); norm_topk_prob: / slot-order sum",
         "experts": ({"kernel": "triton grouped gemm, rows sorted by expert, blocks never mix experts",

@@ -86,13 +86,14 @@ def matrix_desc(t: torch.Tensor, block: tuple[int, int]):
 
 def dot_precision(x: torch.Tensor) -> str:
     """The dots' precision for a backward whose inputs are x's dtype. On the GPU: for bfloat16
-    (or float16) inputs "bf16", operands rounded to bfloat16 and float32 accumulation, as
-    every bf16 linear layer's backward computes its gradients (and fla's and mamba_ssm's
-    backwards theirs); for float32 inputs 3xTF32 (near float32; ieee float32 dots compile to
-    FMA loops that spill at these tiles). Under the interpreter (CPU tensors) the same
-    choice: "bf16_emulated" for bfloat16 inputs, "ieee" for float32."""
+    inputs "bf16", operands rounded to bfloat16 and float32 accumulation, as every bf16
+    linear layer's backward computes its gradients (and fla's and mamba_ssm's backwards
+    theirs); for any other dtype 3xTF32 (near float32; ieee float32 dots compile to FMA loops
+    that spill at these tiles; float16 operands would lose bits to bfloat16). Under the
+    interpreter (CPU tensors) the same choice: "bf16_emulated" for bfloat16 inputs, "ieee"
+    otherwise."""
     emulated = INTERPRET or not x.is_cuda
-    if x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype == torch.bfloat16:
         return "bf16_emulated" if emulated else "bf16"
     return "ieee" if emulated else "tf32x3"
 
