@@ -223,6 +223,8 @@ def _gdn_backward():
     for prec in GPU_DOT_PRECISIONS:
         with _gpu_dot_precision(prec):
             xs, do = make(30, 2, 4, 16, 32, seed=0)
+            if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
+                xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
             gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
 
 
@@ -236,6 +238,8 @@ def _mamba2_backward():
         with _gpu_dot_precision(prec):
             for n in (16, 128):
                 xs, dy = make(30, 2, 16, 1, n, seed=0)
+                if prec == "bf16":  # the trainer's case: bf16 x, B, C, dy
+                    xs, dy = [t.bfloat16() if i in (0, 4, 5) else t for i, t in enumerate(xs)], dy.bfloat16()
                 mamba2_backward.mamba2_backward_triton(*xs, dy, 1e-3, [0, 21, 30], 16)
 
 
