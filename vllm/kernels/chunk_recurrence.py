@@ -44,7 +44,7 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # 2,089); tf32x3 32/4/2 3,270 (32/8/2 3,919; 64 wide at 2 stages needs 278,600 B of shared
 # memory, over 232,448). A 16-wide tile at 8 warps hit an illegal memory access at K = 128
 # (not looked into; `_blocks` never takes that tile). `benchmarks/kernels/backward_sweep.py`
-# measures them (benchmarks/NOTES.md, "Session 19").
+# measures them.
 FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
 BACKWARD_CONFIG = {"bf16": (64, 4, 2), "tf32x3": (32, 4, 2)}
 INTERPRETER_CONFIG = (32, 4, 2)
