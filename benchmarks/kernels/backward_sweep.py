@@ -8,11 +8,15 @@
   FORWARD_CONFIG / BACKWARD_CONFIG there.
 - Mamba-2's fused backward (vllm/kernels/mamba2_backward.py) at Nemotron-H's dims (128 heads of
   64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16) with B and C in column slices
-  of SLICE_N = 64 against whole (128), and whether the two differ in any bit.
+  of SLICE_N = 64 against whole (128), at 8 and 4 warps, and whether the slicings differ in
+  any bit.
+- GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16)
+  at 8 and 4 warps for its per-chunk kernels (NUM_WARPS there).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from vllm.kernels import chunk_recurrence as cr
@@ -55,21 +59,46 @@ def mamba2_slices() -> None:
     dt = torch.randn(T, H, device="cuda") - 2
     dt_bias, D = 0.5 * torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
     A_log = torch.log(0.5 + 4 * torch.rand(H, device="cuda"))
-    saved, outs = mb.SLICE_N, {}
-    try:
-        for sl in (64, 128):
-            mb.SLICE_N = sl
+    saved, outs = (mb.SLICE_N, mb.NUM_WARPS), {}
 
-            def step():
-                return mb.mamba2_backward_triton(x, dt, dt_bias, A_log, Bm, Cm, D, dy, 1e-3, [0, T], 128)
-            outs[sl] = step()
-            print(f"mamba2 backward, B and C in slices of {sl}: {bench(step):.0f} us", flush=True)
+    def step():
+        return mb.mamba2_backward_triton(x, dt, dt_bias, A_log, Bm, Cm, D, dy, 1e-3, [0, T], 128)
+    try:
+        for warps in (8, 4):
+            for sl in (64, 128):
+                mb.SLICE_N, mb.NUM_WARPS = sl, warps
+                try:
+                    outs[sl] = step()
+                    print(f"mamba2 backward, B and C in slices of {sl}, {warps} warps: {bench(step):.0f} us", flush=True)
+                except triton.runtime.errors.OutOfResources as ex:
+                    print(f"mamba2 backward, slices of {sl}, {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
     finally:
-        mb.SLICE_N = saved
-    same = all(torch.equal(a, b) for a, b in zip(outs[64], outs[128]))
-    print(f"mamba2 backward, slices of 64 vs 128: {'the same bits' if same else 'bits differ'}")
+        mb.SLICE_N, mb.NUM_WARPS = saved
+    if len(outs) == 2:
+        same = all(torch.equal(a, b) for a, b in zip(outs[64], outs[128]))
+        print(f"mamba2 backward, slices of 64 vs 128: {'the same bits' if same else 'bits differ'}")
+
+
+def gdn_warps() -> None:
+    from vllm.kernels import gdn_backward as gb
+    T, HK, HV, K, V = 10240, 16, 32, 128, 128
+    q, k = (F.normalize(torch.randn(T, HK, K, device="cuda"), dim=-1).bfloat16() for _ in range(2))
+    v, do = (torch.randn(T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g, beta = -0.6 * torch.rand(T, HV, device="cuda"), torch.rand(T, HV, device="cuda")
+    saved = gb.NUM_WARPS
+    try:
+        for warps in (8, 4):
+            gb.NUM_WARPS = warps
+            try:
+                t = bench(lambda: gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5))
+                print(f"gdn backward, per-chunk kernels at {warps} warps: {t:.0f} us", flush=True)
+            except triton.runtime.errors.OutOfResources as ex:
+                print(f"gdn backward, {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
+    finally:
+        gb.NUM_WARPS = saved
 
 
 if __name__ == "__main__":
     recurrence_sweep()
     mamba2_slices()
+    gdn_warps()
