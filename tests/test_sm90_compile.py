@@ -230,7 +230,7 @@ def _gdn_backward():
 
 def _mamba2_backward():
     """Mamba-2's fused training backward with the GPU's dots at each precision, at N = 16
-    and at N = 128 (B and C in column slices on the chunk-rows side)."""
+    and at N = 128 (B and C in column slices for C B^T, dB / dC in column blocks)."""
     from test_mamba2_backward import make
 
     from vllm.kernels import mamba2_backward
@@ -248,8 +248,8 @@ FAMILIES = {
     "gdn_chunk": (_gdn_chunk, True, {"_gdn_prep_kernel", "_gdn_state_kernel", "_gdn_output_kernel"}),
     "gdn_ops": (_gdn_ops, True, {"_recurrent_kernel", "_rms_norm_gated_kernel"}),
     "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_kernel"}),
-    "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_final_diag_kernel",
-                                                 "_final_local_kernel"}),
+    "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_dcb_kernel",
+                                                 "_dbc_kernel", "_dx_kernel"}),
     "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",
                                            "_final_wu_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",

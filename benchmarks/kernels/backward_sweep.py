@@ -1,19 +1,20 @@
 """Launch configurations of the training backwards' kernels on the GPU, side by side.
 
-    python benchmarks/kernels/backward_sweep.py
+    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
   (32 heads x 160 chunks of 64, K = V = 128): forward and backward time (with the V tiles'
   sums) for each (V tile, warps, stages) and dot precision; the configs it keeps are
   FORWARD_CONFIG / BACKWARD_CONFIG there.
 - Mamba-2's fused backward (vllm/kernels/mamba2_backward.py) at Nemotron-H's dims (128 heads of
-  64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16) with B and C in column slices
-  of SLICE_N = 64 against whole (128), at 8 and 4 warps, and whether the slicings differ in
-  any bit.
+  64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16): each kernel's (warps,
+  stages) in turn (LAUNCH there), and whether a config changes any bit.
 - GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16)
   at 8 and 4 warps for its per-chunk kernels (NUM_WARPS there).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -52,31 +53,35 @@ def recurrence_sweep() -> None:
         cr.BACKWARD_CONFIG.update(saved[1])
 
 
-def mamba2_slices() -> None:
+def mamba2_launch() -> None:
+    """Each final kernel's (warps, stages) in turn, the others at LAUNCH's, and whether any
+    config changes a bit of the result (it should not: tiles and dots are the same)."""
     T, H, P, G, N = 8192, 128, 64, 8, 128
     x, dy = (torch.randn(T, H, P, device="cuda").bfloat16() for _ in range(2))
     Bm, Cm = (torch.randn(T, G, N, device="cuda").bfloat16() for _ in range(2))
     dt = torch.randn(T, H, device="cuda") - 2
     dt_bias, D = 0.5 * torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
     A_log = torch.log(0.5 + 4 * torch.rand(H, device="cuda"))
-    saved, outs = (mb.SLICE_N, mb.NUM_WARPS), {}
+    saved = dict(mb.LAUNCH)
 
     def step():
         return mb.mamba2_backward_triton(x, dt, dt_bias, A_log, Bm, Cm, D, dy, 1e-3, [0, T], 128)
+    base = step()
+    print(f"mamba2 backward at {saved}: {bench(step):.0f} us", flush=True)
     try:
-        for warps in (8, 4):
-            for sl in (64, 128):
-                mb.SLICE_N, mb.NUM_WARPS = sl, warps
+        for kernel in ("dcb", "dbc", "dx", "prep"):
+            for cfg in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 3), (16, 1), (16, 2)):
+                mb.LAUNCH.update(saved)
+                mb.LAUNCH[kernel] = cfg
                 try:
-                    outs[sl] = step()
-                    print(f"mamba2 backward, B and C in slices of {sl}, {warps} warps: {bench(step):.0f} us", flush=True)
+                    same = all(torch.equal(a, b) for a, b in zip(step(), base))
+                    print(f"mamba2 backward, {kernel} at {cfg[0]} warps / {cfg[1]} stages: {bench(step):.0f} us"
+                          f"{'' if same else ' (bits differ)'}", flush=True)
                 except triton.runtime.errors.OutOfResources as ex:
-                    print(f"mamba2 backward, slices of {sl}, {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
+                    print(f"mamba2 backward, {kernel} at {cfg}: does not fit ({str(ex)[:70]})", flush=True)
     finally:
-        mb.SLICE_N, mb.NUM_WARPS = saved
-    if len(outs) == 2:
-        same = all(torch.equal(a, b) for a, b in zip(outs[64], outs[128]))
-        print(f"mamba2 backward, slices of 64 vs 128: {'the same bits' if same else 'bits differ'}")
+        mb.LAUNCH.clear()
+        mb.LAUNCH.update(saved)
 
 
 def gdn_warps() -> None:
@@ -99,6 +104,10 @@ def gdn_warps() -> None:
 
 
 if __name__ == "__main__":
-    recurrence_sweep()
-    mamba2_slices()
-    gdn_warps()
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
+    if "recurrence" in parts:
+        recurrence_sweep()
+    if "mamba2" in parts:
+        mamba2_launch()
+    if "gdn" in parts:
+        gdn_warps()

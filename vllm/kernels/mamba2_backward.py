@@ -41,20 +41,23 @@ from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-NUM_WARPS = 8
-# the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
-# kernels take C = 128 (Nemotron-H): 196 KB of it)
+# (warps, pipeline stages) per kernel
+LAUNCH = {"prep": (8, 3), "recurrence": (8, 3), "dcb": (8, 3), "dbc": (8, 3), "dx": (8, 3)}
+# the largest chunk whose kernels fit sm_90's shared memory (227 KB a block)
 MAX_CHUNK = 128
-# the chunk-rows side's column slices of B, C, dB, dC: N = 128 whole does not fit shared
-# memory with 3xTF32 operands; with bf16 ones it fits and does not help (H200, Nemotron-H
-# dims, 1 x 8,192: whole 4,691 us, two slices 4,619, the same bits)
+# C B^T in the dx kernel takes B and C in column slices of SLICE_N (shared memory with 3xTF32
+# operands at N = 128)
 SLICE_N = 64
+# the dB / dC kernel's columns of N per program: its two float32 [C, GROUP_BLOCK_N]
+# accumulators stay in registers across the group's heads
+GROUP_BLOCK_N = 64
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
+    from vllm.kernels.training_tiles import load_block as _block_in, store_block as _block_out
     from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put
 
     @triton.jit
@@ -99,57 +102,75 @@ if HAS_TRITON:
             dS = _tile(ds_desc, c, BP, BN) + tl.load(e_ptr + c) * dS
 
     @triton.jit
-    def _final_diag_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, dskip_ptr, gam_ptr,
-                           dx_desc, db_desc, dc_desc, dd_ptr, dgam_ptr, dskip_out_ptr, C, NCH, HEADS, G, R,
-                           P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                           NS: tl.constexpr, PREC: tl.constexpr):
-        """One program per (chunk, head), the chunk's own rows: through y_diag and D x, the
-        parts of dx, dB, dC, d d and d gamma, and the chunk's part of dD. B, C, dB and dC move
-        in NS column slices of BN: a C x C by C x N product of 3xTF32 operands whole would not
-        fit shared memory."""
-        ch = tl.program_id(0)
-        t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
-        rows = tl.arange(0, BC)
-        rm = rows < C
-        # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
-        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
-        d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
-        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-        dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-        gcol = (h // R) * N
-        # y_diag = M x, M = (C B^T) * decay * d_j
-        decay = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        cb = tl.zeros((BC, BC), dtype=tl.float32)
-        for s in tl.static_range(NS):
-            Cs = _rows_in(c_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
-            Bs = _rows_in(b_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
-            cb += _mm(Cs, tl.trans(Bs), PREC)
-        cbd = cb * decay
-        dM = tl.where(incl, _mm(dy, tl.trans(x), PREC), 0.0)
-        _put(dx_desc, ch, _mm(tl.trans(cbd * d[None, :]), dy, PREC)
-             + tl.load(dskip_ptr + h) * dy, BC, BP)
-        dcb = dM * decay * d[None, :]
-        for s in tl.static_range(NS):
-            Bs = _rows_in(b_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
-            dc_desc.store([ch, 0, s * BN], tl.reshape(_mm(dcb, Bs, PREC), (1, BC, BN)))
-            Cs = _rows_in(c_ptr, t0, n, gcol + s * BN, G * N, N - s * BN, BC, BN)
-            db_desc.store([ch, 0, s * BN], tl.reshape(_mm(tl.trans(dcb), Cs, PREC), (1, BC, BN)))
-        dMc = dM * cbd
-        Q = dMc * d[None, :]
-        tl.store(dd_ptr + ch.to(tl.int64) * C + rows, tl.sum(dMc, 0), mask=rm)
-        tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, tl.sum(Q, 1) - tl.sum(Q, 0), mask=rm)
-        tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
+    def _decay(gam):
+        """exp(gamma_i - gamma_j), exact for j <= i and at most 1 everywhere: gamma = cumsum(d A)
+        does not increase (d >= 0, A < 0), so min(., 0) only clips the entries above the
+        diagonal (and rows past C, whose gamma loads as 0), which callers mask out; no tile of
+        masks is held across a loop."""
+        return tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0))
 
     @triton.jit
-    def _final_local_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, gam_ptr, s_desc, dl_desc,
-                            dxp_desc, dbp_desc, dcp_desc, ddp_ptr, dgam_ptr, dx_ptr, db_ptr, dc_ptr, dd_ptr, da_ptr,
-                            C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr,
-                            BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-        """One program per (chunk, head), the states' side: through y_off = (C S^T) e^gamma,
-        local = (x w)^T B and e = e^gamma_L, the rest of dx, dB, dC, d d and d gamma (added to
-        the chunk-rows side's, the partial ..p), then gamma = cumsum(d A): d d and the chunk's
-        part of dA. dx, d d and the head's dB, dC go out to the tokens' rows."""
+    def _dcb_kernel(x_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, C, NCH, HEADS, G, R, P: tl.constexpr,
+                    BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, group): the gradient of the group's C B^T through every
+        head's y_diag, summed over the group's heads in head order,
+        dCB = sum_h (dy_h x_h^T) * decay_h * d_h,j (j <= i)."""
+        ch = tl.program_id(0)
+        t0, n, g = _chunk_of(ch, cu_ptr, NCH, G, C)
+        c = ch % NCH
+        s = ch // NCH // G
+        rows = tl.arange(0, BC)
+        acc = tl.zeros((BC, BC), dtype=tl.float32)
+        for r in range(R):
+            h = g * R + r
+            hc = (s * HEADS + h) * NCH + c
+            d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
+            gam = tl.load(gam_ptr + hc.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
+            x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+            dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+            dM = _mm(dy, tl.trans(x), PREC)
+            acc += dM * _decay(gam) * d[None, :]
+        # above the diagonal and on rows past C (zero tiles) the sum is finite and not wanted
+        _put(dcb_desc, ch, tl.where((rows[None, :] <= rows[:, None]) & (rows[:, None] < C), acc, 0.0), BC, BC)
+
+    @triton.jit
+    def _dbc_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, s_desc, dl_desc, db_ptr, dc_ptr,
+                    C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
+                    BN: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, group, BN columns of N): the group's dB and dC, each head's
+        parts summed in head order in registers and written once to the tokens' rows:
+        dC = dCB B + sum_h (dy_h e^gamma_h) S_h,   dB = dCB^T C + sum_h (x_h w_h) dS_h,
+        with w = e^(gamma_L - gamma) d and dS_h the gradient of the chunk's end state."""
+        ch = tl.program_id(0)
+        n0 = tl.program_id(1) * BN
+        t0, n, g = _chunk_of(ch, cu_ptr, NCH, G, C)
+        c = ch % NCH
+        s = ch // NCH // G
+        rows = tl.arange(0, BC)
+        dcb = _tile(dcb_desc, ch, BC, BC)
+        dC = _mm(dcb, _block_in(b_ptr, t0, n, g * N, G * N, n0, N, BC, BN), PREC)
+        dB = _mm(tl.trans(dcb), _block_in(c_ptr, t0, n, g * N, G * N, n0, N, BC, BN), PREC)
+        for r in range(R):
+            h = g * R + r
+            hc = (s * HEADS + h) * NCH + c
+            d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
+            gam = tl.load(gam_ptr + hc.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
+            gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+            dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
+            dC += _mm(dyo, tl.reshape(s_desc.load([hc, 0, n0]), (BP, BN)), PREC)
+            xw = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * (tl.exp(gl - gam) * d)[:, None]
+            dB += _mm(xw, tl.reshape(dl_desc.load([hc, 0, n0]), (BP, BN)), PREC)
+        _block_out(db_ptr, dB, t0, n, g * N, G * N, n0, N, BC, BN)
+        _block_out(dc_ptr, dC, t0, n, g * N, G * N, n0, N, BC, BN)
+
+    @triton.jit
+    def _dx_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, dskip_ptr, gam_ptr, s_desc, dl_desc,
+                   dx_ptr, dd_ptr, da_ptr, dskip_out_ptr, C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr,
+                   BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, PREC: tl.constexpr):
+        """One program per (chunk, head): everything but dB and dC. Through y_diag = M x with
+        M = (C B^T) * decay * d_j, D x, y_off = (C S^T) e^gamma, local = (x w)^T B and
+        e = e^gamma_L: dx, d d (through gamma = cumsum(d A) too), the chunk's parts of dA and
+        dD. C B^T takes B and C in NS column slices of BN (shared memory at 3xTF32)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
         A = tl.load(a_ptr + h)
@@ -157,31 +178,43 @@ if HAS_TRITON:
         rm = rows < C
         d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-        gcol = (h // R) * N
-        Bm = _rows_in(b_ptr, t0, n, gcol, G * N, N, BC, BN)
-        # y_off = (C S^T) e^gamma
-        S = _tile(s_desc, ch, BP, BN)
-        dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
-        _rows_out(dc_ptr, _tile(dcp_desc, ch, BC, BN) + _mm(dyo, S, PREC), t0, n, h * N, HEADS * N, N, BC, BN)
-        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) \
-            + tl.sum(dyo * _mm(_rows_in(c_ptr, t0, n, gcol, G * N, N, BC, BN), tl.trans(S), PREC), 1)
-        dl = _tile(dl_desc, ch, BP, BN)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         ew = tl.exp(gl - gam)
         w = ew * d
-        dxw = _mm(Bm, tl.trans(dl), PREC)
-        _rows_out(db_ptr, _tile(dbp_desc, ch, BC, BN) + _mm(x * w[:, None], dl, PREC), t0, n, h * N, HEADS * N, N,
-                  BC, BN)
-        _rows_out(dx_ptr, _tile(dxp_desc, ch, BC, BP) + dxw * w[:, None], t0, n, h * P, HEADS * P, P, BC, BP)
+        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        gcol = (h // R) * N
+        # the states' side first (fewer tiles live at once): local = (x w)^T B, y_off = (C S^T) e^gamma
+        dl = _tile(dl_desc, ch, BP, BN * NS)
+        dxw = _mm(_rows_in(b_ptr, t0, n, gcol, G * N, N, BC, BN * NS), tl.trans(dl), PREC)
+        dx = dxw * w[:, None] + tl.load(dskip_ptr + h) * dy
         dw = tl.sum(dxw * x, 1)
-        dd = tl.load(ddp_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + dw * ew
-        dgam -= dw * w
+        S = _tile(s_desc, ch, BP, BN * NS)
         de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
+        dgam = tl.sum(dy * tl.exp(gam)[:, None] * _mm(_rows_in(c_ptr, t0, n, gcol, G * N, N, BC, BN * NS),
+                                                      tl.trans(S), PREC), 1) - dw * w
         dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
+        # the chunk's own rows: y_diag = M x, M = (C B^T) * decay * d_j
+        cb = tl.zeros((BC, BC), dtype=tl.float32)
+        for sl in tl.static_range(NS):
+            Cs = _rows_in(c_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN)
+            Bs = _rows_in(b_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN)
+            cb += _mm(Cs, tl.trans(Bs), PREC)
+        cbd = tl.where((rows[None, :] <= rows[:, None]) & (rows[:, None] < C), cb * _decay(gam), 0.0)
+        dx += _mm(tl.trans(cbd * d[None, :]), dy, PREC)
+        _rows_out(dx_ptr, dx, t0, n, h * P, HEADS * P, P, BC, BP)
+        dMc = _mm(dy, tl.trans(x), PREC) * cbd
+        Q = dMc * d[None, :]
+        dgam += tl.sum(Q, 1) - tl.sum(Q, 0)
         rc = tl.cumsum(dgam, 0, reverse=True)
-        tl.store(dd_ptr + (t0 + rows).to(tl.int64) * HEADS + h, dd + rc * A, mask=rows < n)
+        tl.store(dd_ptr + (t0 + rows).to(tl.int64) * HEADS + h, tl.sum(dMc, 0) + dw * ew + rc * A, mask=rows < n)
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
+        tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
+
+
+def _launch(kernel: str) -> dict:
+    warps, stages = LAUNCH[kernel]
+    return dict(num_warps=warps, num_stages=stages)
 
 
 def fused_backward_ok(x: torch.Tensor, B: torch.Tensor) -> bool:
@@ -223,36 +256,31 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     e = torch.empty((S, H, nC), **f32)
     local = torch.empty((S, H, nC, P, N), **f32)
     ds = torch.empty_like(local)
-    dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x), num_warps=NUM_WARPS)
+    dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x))
     heads = (nC, H, G, R)
     pn = (BP, BN)
     a = aligned16(A)
-    _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims)
+    _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims,
+                       **_launch("prep"))
     states, dl = torch.empty_like(local), torch.empty_like(local)
     _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), nC,
-                                 BP=BP, BN=BN, num_warps=NUM_WARPS)
-    # the chunk-rows side's parts, by chunk; it takes B, C, dB, dC in column slices from N = 128
-    # (shared memory)
-    dx_part = torch.empty((S, H, nC, Cs, P), **f32)
-    dB_part, dC_part = torch.empty((S, H, nC, Cs, N), **f32), torch.empty((S, H, nC, Cs, N), **f32)
-    dd_part, dgam = torch.empty_like(gam), torch.empty_like(gam)
+                                 BP=BP, BN=BN, **_launch("recurrence"))
+    # dB, dC: the group's sum over its heads inside the kernels (dCB, then the states' side),
+    # written once per group; everything else per (chunk, head)
+    ng = S * G * nC
+    dcb = torch.empty((S, G, nC, Cs, Cs), **f32)
+    _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
+                       PREC=dims["PREC"], **_launch("dcb"))
+    dB, dC = torch.empty_like(B), torch.empty_like(C)
+    bn = min(BN, GROUP_BLOCK_N)
+    _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
+                                   _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn}, **_launch("dbc"))
+    dx = torch.empty_like(x)
+    dd = torch.empty((T, H), **f32)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
     ns = max(1, BN // SLICE_N)
-    cs = (BC, BN // ns)
-    _final_diag_kernel[(n,)](x, B, C, dy, dtv, cu, aligned16(D.float()), gam, _desc(dx_part, (BC, BP)),
-                             _desc(dB_part, cs), _desc(dC_part, cs), dd_part, dgam, dD_part, Cs, *heads,
-                             **{**dims, "BN": BN // ns}, NS=ns)
-    # dB, dC per head (float32 where the group's R heads are summed after)
-    dx = torch.empty_like(x)
-    dBh = torch.empty((T, H, N), dtype=torch.float32 if R > 1 else B.dtype, device=x.device)
-    dCh = torch.empty((T, H, N), dtype=torch.float32 if R > 1 else C.dtype, device=x.device)
-    dd = torch.empty((T, H), **f32)
-    _final_local_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, _desc(states, pn), _desc(dl, pn),
-                              _desc(dx_part, (BC, BP)), _desc(dB_part, (BC, BN)), _desc(dC_part, (BC, BN)), dd_part,
-                              dgam, dx, dBh, dCh, dd, dA_part, Cs, *heads, **dims)
-    # the group's B and C: the sum over its heads (in head order)
-    dB = dBh.view(T, G, R, N).sum(2).to(B.dtype) if R > 1 else dBh
-    dC = dCh.view(T, G, R, N).sum(2).to(C.dtype) if R > 1 else dCh
+    _dx_kernel[(n,)](x, B, C, dy, dtv, cu, a, aligned16(D.float()), gam, _desc(states, pn), _desc(dl, pn), dx, dd,
+                     dA_part, dD_part, Cs, *heads, **{**dims, "BN": BN // ns}, NS=ns, **_launch("dx"))
     # d = clamp(softplus(dt + dt_bias), dt_min): the gradient passes where softplus >= dt_min
     dpre = dd * (sp >= dt_min) * torch.sigmoid(pre)
     dA = dA_part.sum((0, 2))

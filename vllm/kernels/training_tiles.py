@@ -57,6 +57,28 @@ if HAS_TRITON:
         tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _block_cols(t0, n, c0, stride, n0, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        if W % BX == 0:  # every block whole: no column mask (vectorised accesses)
+            return _rows_cols(t0, n, c0 + n0, stride, BX, BC, BX)
+        else:
+            r = tl.arange(0, BC)
+            cols = tl.arange(0, BX)
+            off = (t0 + r).to(tl.int64)[:, None] * stride + c0 + n0 + cols[None, :]
+            return off, (r < n)[:, None] & (cols < W - n0)[None, :]
+
+    @triton.jit
+    def load_block(ptr, t0, n, c0, stride, n0, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        """load_rows of the BX columns from n0 (a program's block, n0 not a constexpr) of the
+        W columns at c0."""
+        off, m = _block_cols(t0, n, c0, stride, n0, W, BC, BX)
+        return tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def store_block(ptr, x, t0, n, c0, stride, n0, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        off, m = _block_cols(t0, n, c0, stride, n0, W, BC, BX)
+        tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def round_bf16(x):
         """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32 (finite x)."""
         i = x.to(tl.int32, bitcast=True)
