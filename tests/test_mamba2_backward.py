@@ -52,6 +52,20 @@ def test_matches_float64_autograd_of_the_reference(case):
         assert rel_err(a.cpu(), b) < 1e-5, name
 
 
+def test_row_blocks_of_the_chunk(monkeypatch):
+    """The dx kernel's [C, C] matrices in row blocks (ROW_BLOCK below the chunk's tile: 4 blocks
+    of 16 rows at chunk 64), a sequence ending mid-chunk: the same gradients as float64."""
+    from vllm.kernels import mamba2_backward
+    monkeypatch.setattr(mamba2_backward, "ROW_BLOCK", 16)
+    cu = [0, 45, 70]
+    xs, dy = make(cu[-1], 4, 16, 2, 16, seed=5)
+    ref = reference_grads(lambda *a: mamba2_reference(*a, DT_MIN, cu, 64), [t.double() for t in xs],
+                          [True] * 7, dy.double())
+    got = mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, cu, 64)
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_err(a.cpu(), b) < 1e-5, name
+
+
 def test_strong_decay_with_a_chunk_of_padded_rows():
     """chunk 12 (a 16-row tile: four pad rows) and A down to -245: a pad row's
     exp(gamma_i - gamma_j) would overflow and turn every gradient to NaN if it took part."""

@@ -8,9 +8,10 @@
   FORWARD_CONFIG / BACKWARD_CONFIG there.
 - Mamba-2's fused backward (vllm/kernels/mamba2_backward.py) at Nemotron-H's dims (128 heads of
   64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16): each kernel's (warps,
-  stages) in turn (LAUNCH there), and whether a config changes any bit.
-- GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16)
-  at 8 and 4 warps for its per-chunk kernels (NUM_WARPS there).
+  stages) in turn (LAUNCH there), the dx kernel's row blocks (ROW_BLOCK), and whether a
+  config changes any bit.
+- GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16):
+  each per-chunk kernel's warps in turn (WARPS there).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def mamba2_launch() -> None:
     dt = torch.randn(T, H, device="cuda") - 2
     dt_bias, D = 0.5 * torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
     A_log = torch.log(0.5 + 4 * torch.rand(H, device="cuda"))
-    saved = dict(mb.LAUNCH)
+    saved, saved_rows = dict(mb.LAUNCH["bf16"]), mb.ROW_BLOCK
 
     def step():
         return mb.mamba2_backward_triton(x, dt, dt_bias, A_log, Bm, Cm, D, dy, 1e-3, [0, T], 128)
@@ -71,36 +72,48 @@ def mamba2_launch() -> None:
     try:
         for kernel in ("dcb", "dbc", "dx", "prep"):
             for cfg in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 3), (16, 1), (16, 2)):
-                mb.LAUNCH.update(saved)
-                mb.LAUNCH[kernel] = cfg
+                mb.LAUNCH["bf16"].update(saved)
+                mb.LAUNCH["bf16"][kernel] = cfg
                 try:
                     same = all(torch.equal(a, b) for a, b in zip(step(), base))
                     print(f"mamba2 backward, {kernel} at {cfg[0]} warps / {cfg[1]} stages: {bench(step):.0f} us"
                           f"{'' if same else ' (bits differ)'}", flush=True)
                 except triton.runtime.errors.OutOfResources as ex:
                     print(f"mamba2 backward, {kernel} at {cfg}: does not fit ({str(ex)[:70]})", flush=True)
+        mb.LAUNCH["bf16"].update(saved)
+        for rows in (32, 64, 128):
+            mb.ROW_BLOCK = rows
+            same = all(torch.equal(a, b) for a, b in zip(step(), base))
+            print(f"mamba2 backward, dx kernel in row blocks of {rows}: {bench(step):.0f} us"
+                  f"{'' if same else ' (bits differ)'}", flush=True)
     finally:
-        mb.LAUNCH.clear()
-        mb.LAUNCH.update(saved)
+        mb.LAUNCH["bf16"].update(saved)
+        mb.ROW_BLOCK = saved_rows
 
 
 def gdn_warps() -> None:
+    """Each per-chunk kernel's warps in turn (bf16 dots), the others at WARPS's."""
     from vllm.kernels import gdn_backward as gb
     T, HK, HV, K, V = 10240, 16, 32, 128, 128
     q, k = (F.normalize(torch.randn(T, HK, K, device="cuda"), dim=-1).bfloat16() for _ in range(2))
     v, do = (torch.randn(T, HV, V, device="cuda").bfloat16() for _ in range(2))
     g, beta = -0.6 * torch.rand(T, HV, device="cuda"), torch.rand(T, HV, device="cuda")
-    saved = gb.NUM_WARPS
+    saved = dict(gb.WARPS["bf16"])
+
+    def step():
+        return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5)
+    print(f"gdn backward at {saved}: {bench(step):.0f} us", flush=True)
     try:
-        for warps in (8, 4):
-            gb.NUM_WARPS = warps
-            try:
-                t = bench(lambda: gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5))
-                print(f"gdn backward, per-chunk kernels at {warps} warps: {t:.0f} us", flush=True)
-            except triton.runtime.errors.OutOfResources as ex:
-                print(f"gdn backward, {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
+        for kernel in saved:
+            for warps in (2, 4, 8):
+                gb.WARPS["bf16"].update(saved)
+                gb.WARPS["bf16"][kernel] = warps
+                try:
+                    print(f"gdn backward, {kernel} at {warps} warps: {bench(step):.0f} us", flush=True)
+                except triton.runtime.errors.OutOfResources as ex:
+                    print(f"gdn backward, {kernel} at {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
     finally:
-        gb.NUM_WARPS = saved
+        gb.WARPS["bf16"].update(saved)
 
 
 if __name__ == "__main__":

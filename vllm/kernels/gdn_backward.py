@@ -39,7 +39,11 @@ from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-NUM_WARPS = 8
+# warps of the per-chunk kernels by dot precision: bf16 operands need fewer registers than
+# 3xTF32's (H200, Qwen3-Next dims, 1 x 10,240, bf16: all four at 4 warps 4,499 us, at 8
+# warps 5,202; `benchmarks/kernels/backward_sweep.py gdn`)
+WARPS = {"bf16": {"prep": 4, "out_grad": 4, "final_out": 4, "final_wu": 4},
+         "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -252,14 +256,17 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     tmat = torch.empty((n, C, C), **f32)
     gam = torch.empty((B, Hv, nC, C), **f32)
     prec = training_tiles.dot_precision(q)
-    dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=NUM_WARPS)
+    dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec)
+    warps = WARPS.get(prec, WARPS["tf32x3"])
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
     _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, C, *heads,
-                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, **dims)
+                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, **dims,
+                       num_warps=warps["prep"])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
-    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims)
+    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims,
+                           num_warps=warps["out_grad"])
     du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
@@ -270,9 +277,11 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
-                            _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims)
+                            _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims,
+                            num_warps=warps["final_out"])
     _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
-                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims)
+                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims,
+                           num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
         dq = dq.view(T, Hk, G, K).sum(2).to(q.dtype)
         dk = dk.view(T, Hk, G, K).sum(2).to(k.dtype)

@@ -41,13 +41,19 @@ from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-# (warps, pipeline stages) per kernel
-LAUNCH = {"prep": (8, 3), "recurrence": (8, 3), "dcb": (8, 3), "dbc": (8, 3), "dx": (8, 3)}
+# (warps, pipeline stages) per kernel and dot precision; H200, Nemotron-H dims, 1 x 8,192, bf16
+# (`benchmarks/kernels/backward_sweep.py mamba2`): dCB at 4 warps / 1 stage 2,724 us against
+# 2,877 at 8 / 3; the dB / dC kernel at 1 stage 3,040-3,251; the dx kernel at 4 or 16 warps
+# 3,285 / 5,520. 3xTF32's dB / dC kernel takes 2 stages (3 need 232,480 B of shared memory).
+LAUNCH = {"bf16": {"prep": (8, 3), "recurrence": (8, 3), "dcb": (4, 1), "dbc": (8, 3), "dx": (8, 3)},
+          "tf32x3": {"prep": (8, 3), "recurrence": (8, 3), "dcb": (8, 3), "dbc": (8, 2), "dx": (8, 3)}}
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block)
 MAX_CHUNK = 128
 # C B^T in the dx kernel takes B and C in column slices of SLICE_N (shared memory with 3xTF32
 # operands at N = 128)
 SLICE_N = 64
+# the dx kernel's row blocks of the chunk's [C, C] matrices
+ROW_BLOCK = 64
 # the dB / dC kernel's columns of N per program: its two float32 [C, GROUP_BLOCK_N]
 # accumulators stay in registers across the group's heads
 GROUP_BLOCK_N = 64
@@ -57,7 +63,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
-    from vllm.kernels.training_tiles import load_block as _block_in, store_block as _block_out
+    from vllm.kernels.training_tiles import load_block as _block_in, load_operand as _opnd, store_block as _block_out
     from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put
 
     @triton.jit
@@ -166,11 +172,14 @@ if HAS_TRITON:
     @triton.jit
     def _dx_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, dskip_ptr, gam_ptr, s_desc, dl_desc,
                    dx_ptr, dd_ptr, da_ptr, dskip_out_ptr, C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr,
-                   BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, PREC: tl.constexpr):
+                   BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, BR: tl.constexpr,
+                   PREC: tl.constexpr):
         """One program per (chunk, head): everything but dB and dC. Through y_diag = M x with
         M = (C B^T) * decay * d_j, D x, y_off = (C S^T) e^gamma, local = (x w)^T B and
         e = e^gamma_L: dx, d d (through gamma = cumsum(d A) too), the chunk's parts of dA and
-        dD. C B^T takes B and C in NS column slices of BN (shared memory at 3xTF32)."""
+        dD. The chunk's [C, C] matrices are taken BR rows i at a time (two [C, C] float32
+        tiles whole would not fit the registers beside the rest); C B^T takes B and C in NS
+        column slices of BN (shared memory at 3xTF32)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NCH, HEADS, C)
         A = tl.load(a_ptr + h)
@@ -181,39 +190,48 @@ if HAS_TRITON:
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         ew = tl.exp(gl - gam)
         w = ew * d
-        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-        dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+        x = _opnd(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP, PREC)
+        dy = _opnd(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP, PREC)
+        tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), 1), 0))
         gcol = (h // R) * N
-        # the states' side first (fewer tiles live at once): local = (x w)^T B, y_off = (C S^T) e^gamma
+        # the states' side: local = (x w)^T B, y_off = (C S^T) e^gamma
         dl = _tile(dl_desc, ch, BP, BN * NS)
-        dxw = _mm(_rows_in(b_ptr, t0, n, gcol, G * N, N, BC, BN * NS), tl.trans(dl), PREC)
+        dxw = _mm(_opnd(b_ptr, t0, n, gcol, G * N, N, BC, BN * NS, PREC), tl.trans(dl), PREC)
         dx = dxw * w[:, None] + tl.load(dskip_ptr + h) * dy
         dw = tl.sum(dxw * x, 1)
         S = _tile(s_desc, ch, BP, BN * NS)
         de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
-        dgam = tl.sum(dy * tl.exp(gam)[:, None] * _mm(_rows_in(c_ptr, t0, n, gcol, G * N, N, BC, BN * NS),
+        dgam = tl.sum(dy * tl.exp(gam)[:, None] * _mm(_opnd(c_ptr, t0, n, gcol, G * N, N, BC, BN * NS, PREC),
                                                       tl.trans(S), PREC), 1) - dw * w
         dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
-        # the chunk's own rows: y_diag = M x, M = (C B^T) * decay * d_j
-        cb = tl.zeros((BC, BC), dtype=tl.float32)
-        for sl in tl.static_range(NS):
-            Cs = _rows_in(c_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN)
-            Bs = _rows_in(b_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN)
-            cb += _mm(Cs, tl.trans(Bs), PREC)
-        cbd = tl.where((rows[None, :] <= rows[:, None]) & (rows[:, None] < C), cb * _decay(gam), 0.0)
-        dx += _mm(tl.trans(cbd * d[None, :]), dy, PREC)
+        dd = dw * ew
+        # the chunk's own rows: y_diag = M x, M = (C B^T) * decay * d_j, by row blocks ri
+        for blk in tl.static_range(BC // BR):
+            ri = blk * BR + tl.arange(0, BR)
+            gi = tl.load(gam_ptr + ch.to(tl.int64) * C + ri, mask=ri < C, other=0.0)
+            dyi = _opnd(dy_ptr, t0 + blk * BR, n - blk * BR, h * P, HEADS * P, P, BR, BP, PREC)
+            cb = tl.zeros((BR, BC), dtype=tl.float32)
+            for sl in tl.static_range(NS):
+                Ci = _opnd(c_ptr, t0 + blk * BR, n - blk * BR, gcol + sl * BN, G * N, N - sl * BN, BR, BN, PREC)
+                Bs = _opnd(b_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN, PREC)
+                cb += _mm(Ci, tl.trans(Bs), PREC)
+            # exp(gamma_i - gamma_j) for j <= i; rows past C (zero tiles) stay out (their gamma loads as 0)
+            cbd = tl.where((rows[None, :] <= ri[:, None]) & (ri[:, None] < C),
+                           cb * tl.exp(tl.minimum(gi[:, None] - gam[None, :], 0.0)), 0.0)
+            dx += _mm(tl.trans(cbd * d[None, :]), dyi, PREC)
+            dMc = _mm(dyi, tl.trans(x), PREC) * cbd
+            Q = dMc * d[None, :]
+            dd += tl.sum(dMc, 0)
+            # d gamma_i: Q's row sums (rows ri) minus its column sums (every row j)
+            dgam += tl.sum(tl.where(ri[:, None] == rows[None, :], tl.sum(Q, 1)[:, None], 0.0), 0) - tl.sum(Q, 0)
         _rows_out(dx_ptr, dx, t0, n, h * P, HEADS * P, P, BC, BP)
-        dMc = _mm(dy, tl.trans(x), PREC) * cbd
-        Q = dMc * d[None, :]
-        dgam += tl.sum(Q, 1) - tl.sum(Q, 0)
         rc = tl.cumsum(dgam, 0, reverse=True)
-        tl.store(dd_ptr + (t0 + rows).to(tl.int64) * HEADS + h, tl.sum(dMc, 0) + dw * ew + rc * A, mask=rows < n)
+        tl.store(dd_ptr + (t0 + rows).to(tl.int64) * HEADS + h, dd + rc * A, mask=rows < n)
         tl.store(da_ptr + ch, tl.sum(rc * d, 0))
-        tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy * x, 1), 0))
 
 
-def _launch(kernel: str) -> dict:
-    warps, stages = LAUNCH[kernel]
+def _launch(prec: str, kernel: str) -> dict:
+    warps, stages = LAUNCH.get(prec, LAUNCH["tf32x3"])[kernel]
     return dict(num_warps=warps, num_stages=stages)
 
 
@@ -256,31 +274,33 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     e = torch.empty((S, H, nC), **f32)
     local = torch.empty((S, H, nC, P, N), **f32)
     ds = torch.empty_like(local)
-    dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=training_tiles.dot_precision(x))
+    prec = training_tiles.dot_precision(x)
+    dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=prec)
     heads = (nC, H, G, R)
     pn = (BP, BN)
     a = aligned16(A)
     _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims,
-                       **_launch("prep"))
+                       **_launch(prec, "prep"))
     states, dl = torch.empty_like(local), torch.empty_like(local)
     _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), nC,
-                                 BP=BP, BN=BN, **_launch("recurrence"))
+                                 BP=BP, BN=BN, **_launch(prec, "recurrence"))
     # dB, dC: the group's sum over its heads inside the kernels (dCB, then the states' side),
     # written once per group; everything else per (chunk, head)
     ng = S * G * nC
     dcb = torch.empty((S, G, nC, Cs, Cs), **f32)
     _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
-                       PREC=dims["PREC"], **_launch("dcb"))
+                       PREC=dims["PREC"], **_launch(prec, "dcb"))
     dB, dC = torch.empty_like(B), torch.empty_like(C)
     bn = min(BN, GROUP_BLOCK_N)
     _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
-                                   _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn}, **_launch("dbc"))
+                                   _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn}, **_launch(prec, "dbc"))
     dx = torch.empty_like(x)
     dd = torch.empty((T, H), **f32)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
     ns = max(1, BN // SLICE_N)
     _dx_kernel[(n,)](x, B, C, dy, dtv, cu, a, aligned16(D.float()), gam, _desc(states, pn), _desc(dl, pn), dx, dd,
-                     dA_part, dD_part, Cs, *heads, **{**dims, "BN": BN // ns}, NS=ns, **_launch("dx"))
+                     dA_part, dD_part, Cs, *heads, **{**dims, "BN": BN // ns}, NS=ns,
+                     BR=min(BC, max(16, ROW_BLOCK)), **_launch(prec, "dx"))
     # d = clamp(softplus(dt + dt_bias), dt_min): the gradient passes where softplus >= dt_min
     dpre = dd * (sp >= dt_min) * torch.sigmoid(pre)
     dA = dA_part.sum((0, 2))

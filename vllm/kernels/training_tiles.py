@@ -51,6 +51,19 @@ if HAS_TRITON:
         return tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
 
     @triton.jit
+    def load_operand(ptr, t0, n, c0, stride, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr,
+                     PREC: tl.constexpr):
+        """load_rows for a tile that is mostly a dot's operand: with bf16 dots it stays in the
+        caller's dtype (half the registers of a float32 copy for bfloat16 inputs; mm rounds it
+        to bfloat16 and an elementwise use widens it exactly), else float32 as load_rows."""
+        off, m = _rows_cols(t0, n, c0, stride, W, BC, BX)
+        t = tl.load(ptr + off, mask=m, other=0.0)
+        if PREC == "bf16":
+            return t
+        else:
+            return t.to(tl.float32)
+
+    @triton.jit
     def store_rows(ptr, x, t0, n, c0, stride, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
         """x's first n rows (and min(W, BX) columns) to the box load_rows reads, cast to ptr's dtype."""
         off, m = _rows_cols(t0, n, c0, stride, W, BC, BX)
