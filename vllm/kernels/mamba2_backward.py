@@ -293,7 +293,8 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     dB, dC = torch.empty_like(B), torch.empty_like(C)
     bn = min(BN, GROUP_BLOCK_N)
     _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
-                                   _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn}, **_launch(prec, "dbc"))
+                                   _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn},
+                                   **_launch(prec, "dbc"))
     dx = torch.empty_like(x)
     dd = torch.empty((T, H), **f32)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
