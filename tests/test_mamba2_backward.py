@@ -66,6 +66,22 @@ def test_row_blocks_of_the_chunk(monkeypatch):
         assert rel_err(a.cpu(), b) < 1e-5, name
 
 
+def test_row_strided_views_give_the_gradients_of_copies():
+    """x, B, C as views of one projection row (a row stride that is a multiple of 16, as the
+    layer passes them) are read in place: the same gradients as from contiguous copies."""
+    xs, dy = make(30, 2, 16, 1, 16, seed=9)
+    row = torch.zeros(30, 80)
+    row[:, :32], row[:, 32:48], row[:, 48:64] = xs[0].flatten(1), xs[4][:, 0], xs[5][:, 0]
+    row = row.to(DEV)
+    views = list(xs)
+    views[0], views[4], views[5] = row[:, :32].view(30, 2, 16), row[:, 32:48].view(30, 1, 16), \
+        row[:, 48:64].view(30, 1, 16)
+    got = mamba2_backward_triton(*(t.to(DEV) for t in views), dy.to(DEV), DT_MIN, [0, 21, 30], 16)
+    want = mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, [0, 21, 30], 16)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.is_contiguous() and torch.equal(a, b), name
+
+
 def test_strong_decay_with_a_chunk_of_padded_rows():
     """chunk 12 (a 16-row tile: four pad rows) and A down to -245: a pad row's
     exp(gamma_i - gamma_j) would overflow and turn every gradient to NaN if it took part."""

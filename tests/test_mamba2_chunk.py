@@ -160,6 +160,25 @@ def test_prefill_matches_reference(impl, aligned, chunk):
     assert rel_err(y.cpu(), ref64(x, dt, B, Cm, prm, cu)) < 1e-5
 
 
+def test_row_strided_views_are_read_in_place_with_the_bits_of_copies():
+    """x, B, C, dt as views of a projection row whose stride is a multiple of 16 elements (and
+    16-byte aligned) are read in place, not copied, and give the bits of contiguous copies."""
+    from vllm.kernels.chunk_tiles import rows_aligned16
+    T = 40
+    prm = params(dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    row = torch.randn(T, 144, generator=gen).to(torch.bfloat16).to(DEV)   # 132 columns used
+    x = row[:, :H * P].view(T, H, P)
+    B = row[:, H * P:H * P + G * N].view(T, G, N)
+    Cm = row[:, H * P + G * N:H * P + 2 * G * N].view(T, G, N)
+    dt = row[:, H * P + 2 * G * N:H * P + 2 * G * N + H]
+    assert all(rows_aligned16(t) is t for t in (x, B, Cm, dt))
+    md = step_metadata([0, 0], [23, 17])
+    ys = [mamba2_chunk_triton(*(t.contiguous().clone() if copy else t for t in (x, dt, prm[0], prm[1], B, Cm)),
+                              prm[2], DT_MIN, md, None, chunk_size=C, aligned=True) for copy in (False, True)]
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_and_padded_dims(impl):
     """bf16 inputs and parameters, head_dim and d_state multiples of 16 that are not powers of

@@ -36,6 +36,18 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def rows_aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its rows are contiguous, 16-byte aligned and a multiple of 16 elements
+    apart (a view of a wider projection row, read at its row stride), else aligned16(t). The
+    kernel specialisation is the same either way: an aligned pointer and a row stride that
+    Triton sees as divisible by 16."""
+    inner = t[0] if t.dim() > 1 and t.shape[0] > 0 else t
+    if (t.dim() > 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+            and inner.is_contiguous() and t.numel() > 0):
+        return t
+    return aligned16(t)
+
+
 if HAS_TRITON:
     # One compiled kernel per model, whatever the step: `has_state` (0 for the trainer, 1 for
     # the engine) is not specialised on, and neither is the alignment of the int32 metadata

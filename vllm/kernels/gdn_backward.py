@@ -40,9 +40,11 @@ from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
 # warps of the per-chunk kernels by dot precision: bf16 operands need fewer registers than
-# 3xTF32's (H200, Qwen3-Next dims, 1 x 10,240, bf16: all four at 4 warps 4,499 us, at 8
-# warps 5,202; `benchmarks/kernels/backward_sweep.py gdn`)
-WARPS = {"bf16": {"prep": 4, "out_grad": 4, "final_out": 4, "final_wu": 4},
+# 3xTF32's. H200, Qwen3-Next dims, 1 x 10,240, bf16 (`benchmarks/kernels/backward_sweep.py
+# gdn`; runs vary by about 100 us): all four at 8 warps 5,202 us, at 4 4,499 / 4,742; then one
+# kernel at a time: prep at 2 warps 4,550, the final w/u kernel at 8 4,482, the final output
+# kernel at 2 12,425 and the w/u one 11,143.
+WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
          "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)

@@ -37,23 +37,26 @@ import torch
 import torch.nn.functional as F
 
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
-from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
+from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2, rows_aligned16
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-# (warps, pipeline stages) per kernel and dot precision; H200, Nemotron-H dims, 1 x 8,192, bf16
-# (`benchmarks/kernels/backward_sweep.py mamba2`): dCB at 4 warps / 1 stage 2,724 us against
-# 2,877 at 8 / 3; the dB / dC kernel at 1 stage 3,040-3,251; the dx kernel at 4 or 16 warps
-# 3,285 / 5,520. 3xTF32's dB / dC kernel takes 2 stages (3 need 232,480 B of shared memory).
-LAUNCH = {"bf16": {"prep": (8, 3), "recurrence": (8, 3), "dcb": (4, 1), "dbc": (8, 3), "dx": (8, 3)},
+# (warps, pipeline stages) per kernel and dot precision; H200, Nemotron-H dims, 1 x 8,192, bf16,
+# the whole backward as one kernel's config moves (`benchmarks/kernels/backward_sweep.py
+# mamba2`, two runs; they vary by about 100 us): dCB at 4 warps 2,724 / 3,025 us against
+# 2,877 / 3,156 at 8; the dB / dC kernel at 4 warps / 2 stages 2,891 / 2,965 against 2,924 /
+# 3,070 at 8 / 3, at 1 stage 3,040-3,439; the dx kernel at 16 warps 5,520. 3xTF32's dB / dC
+# kernel takes 2 stages (3 need 232,480 B of shared memory).
+LAUNCH = {"bf16": {"prep": (8, 3), "recurrence": (8, 3), "dcb": (4, 1), "dbc": (4, 2), "dx": (8, 3)},
           "tf32x3": {"prep": (8, 3), "recurrence": (8, 3), "dcb": (8, 3), "dbc": (8, 2), "dx": (8, 3)}}
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block)
 MAX_CHUNK = 128
 # C B^T in the dx kernel takes B and C in column slices of SLICE_N (shared memory with 3xTF32
 # operands at N = 128)
 SLICE_N = 64
-# the dx kernel's row blocks of the chunk's [C, C] matrices
-ROW_BLOCK = 64
+# the dx kernel's row blocks of the chunk's [C, C] matrices (H200, as above: the backward
+# 2,456 us in blocks of 32 rows, 3,097 in 64, 2,722 whole; fewer registers spill)
+ROW_BLOCK = 32
 # the dB / dC kernel's columns of N per program: its two float32 [C, GROUP_BLOCK_N]
 # accumulators stay in registers across the group's heads
 GROUP_BLOCK_N = 64
@@ -68,8 +71,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _prep_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, gam_ptr, e_ptr, local_desc, ds_desc,
-                     C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
-                     BN: tl.constexpr, PREC: tl.constexpr):
+                     C, NCH, HEADS, G, R, SX, SB, SC, SDY, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr,
+                     BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head): gamma, e^gamma_L, the chunk's local state and the
         gradient its boundary state gets from y_off."""
         ch = tl.program_id(0)
@@ -82,12 +85,12 @@ if HAS_TRITON:
         tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         tl.store(e_ptr + ch, tl.exp(gl))
-        x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-        Bm = _rows_in(b_ptr, t0, n, (h // R) * N, G * N, N, BC, BN)
+        x = _rows_in(x_ptr, t0, n, h * P, SX, P, BC, BP)
+        Bm = _rows_in(b_ptr, t0, n, (h // R) * N, SB, N, BC, BN)
         w = tl.exp(gl - gam) * d
         _put(local_desc, ch, _mm(tl.trans(x * w[:, None]), Bm, PREC), BP, BN)
-        dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, _mm(tl.trans(dyo), _rows_in(c_ptr, t0, n, (h // R) * N, G * N, N, BC, BN), PREC), BP, BN)
+        dyo = _rows_in(dy_ptr, t0, n, h * P, SDY, P, BC, BP) * tl.exp(gam)[:, None]
+        _put(ds_desc, ch, _mm(tl.trans(dyo), _rows_in(c_ptr, t0, n, (h // R) * N, SC, N, BC, BN), PREC), BP, BN)
 
     @triton.jit
     def _recurrence_kernel(local_desc, e_ptr, ds_desc, s_desc, dl_desc, NCH, BP: tl.constexpr, BN: tl.constexpr):
@@ -116,8 +119,8 @@ if HAS_TRITON:
         return tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0))
 
     @triton.jit
-    def _dcb_kernel(x_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, C, NCH, HEADS, G, R, P: tl.constexpr,
-                    BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    def _dcb_kernel(x_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, C, NCH, HEADS, G, R, SX, SB, SC, SDY,
+                    P: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, group): the gradient of the group's C B^T through every
         head's y_diag, summed over the group's heads in head order,
         dCB = sum_h (dy_h x_h^T) * decay_h * d_h,j (j <= i)."""
@@ -132,8 +135,8 @@ if HAS_TRITON:
             hc = (s * HEADS + h) * NCH + c
             d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
             gam = tl.load(gam_ptr + hc.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
-            x = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
-            dy = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP)
+            x = _rows_in(x_ptr, t0, n, h * P, SX, P, BC, BP)
+            dy = _rows_in(dy_ptr, t0, n, h * P, SDY, P, BC, BP)
             dM = _mm(dy, tl.trans(x), PREC)
             acc += dM * _decay(gam) * d[None, :]
         # above the diagonal and on rows past C (zero tiles) the sum is finite and not wanted
@@ -141,8 +144,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _dbc_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, s_desc, dl_desc, db_ptr, dc_ptr,
-                    C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
-                    BN: tl.constexpr, PREC: tl.constexpr):
+                    C, NCH, HEADS, G, R, SX, SB, SC, SDY, P: tl.constexpr, N: tl.constexpr, BC: tl.constexpr,
+                    BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, group, BN columns of N): the group's dB and dC, each head's
         parts summed in head order in registers and written once to the tokens' rows:
         dC = dCB B + sum_h (dy_h e^gamma_h) S_h,   dB = dCB^T C + sum_h (x_h w_h) dS_h,
@@ -154,26 +157,26 @@ if HAS_TRITON:
         s = ch // NCH // G
         rows = tl.arange(0, BC)
         dcb = _tile(dcb_desc, ch, BC, BC)
-        dC = _mm(dcb, _block_in(b_ptr, t0, n, g * N, G * N, n0, N, BC, BN), PREC)
-        dB = _mm(tl.trans(dcb), _block_in(c_ptr, t0, n, g * N, G * N, n0, N, BC, BN), PREC)
+        dC = _mm(dcb, _block_in(b_ptr, t0, n, g * N, SB, n0, N, BC, BN), PREC)
+        dB = _mm(tl.trans(dcb), _block_in(c_ptr, t0, n, g * N, SC, n0, N, BC, BN), PREC)
         for r in range(R):
             h = g * R + r
             hc = (s * HEADS + h) * NCH + c
             d = tl.load(d_ptr + (t0 + rows).to(tl.int64) * HEADS + h, mask=rows < n, other=0.0)
             gam = tl.load(gam_ptr + hc.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
             gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
-            dyo = _rows_in(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * tl.exp(gam)[:, None]
+            dyo = _rows_in(dy_ptr, t0, n, h * P, SDY, P, BC, BP) * tl.exp(gam)[:, None]
             dC += _mm(dyo, tl.reshape(s_desc.load([hc, 0, n0]), (BP, BN)), PREC)
-            xw = _rows_in(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP) * (tl.exp(gl - gam) * d)[:, None]
+            xw = _rows_in(x_ptr, t0, n, h * P, SX, P, BC, BP) * (tl.exp(gl - gam) * d)[:, None]
             dB += _mm(xw, tl.reshape(dl_desc.load([hc, 0, n0]), (BP, BN)), PREC)
         _block_out(db_ptr, dB, t0, n, g * N, G * N, n0, N, BC, BN)
         _block_out(dc_ptr, dC, t0, n, g * N, G * N, n0, N, BC, BN)
 
     @triton.jit
     def _dx_kernel(x_ptr, b_ptr, c_ptr, dy_ptr, d_ptr, cu_ptr, a_ptr, dskip_ptr, gam_ptr, s_desc, dl_desc,
-                   dx_ptr, dd_ptr, da_ptr, dskip_out_ptr, C, NCH, HEADS, G, R, P: tl.constexpr, N: tl.constexpr,
-                   BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, BR: tl.constexpr,
-                   PREC: tl.constexpr):
+                   dx_ptr, dd_ptr, da_ptr, dskip_out_ptr, C, NCH, HEADS, G, R, SX, SB, SC, SDY, P: tl.constexpr,
+                   N: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
+                   BR: tl.constexpr, PREC: tl.constexpr):
         """One program per (chunk, head): everything but dB and dC. Through y_diag = M x with
         M = (C B^T) * decay * d_j, D x, y_off = (C S^T) e^gamma, local = (x w)^T B and
         e = e^gamma_L: dx, d d (through gamma = cumsum(d A) too), the chunk's parts of dA and
@@ -190,18 +193,18 @@ if HAS_TRITON:
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         ew = tl.exp(gl - gam)
         w = ew * d
-        x = _opnd(x_ptr, t0, n, h * P, HEADS * P, P, BC, BP, PREC)
-        dy = _opnd(dy_ptr, t0, n, h * P, HEADS * P, P, BC, BP, PREC)
+        x = _opnd(x_ptr, t0, n, h * P, SX, P, BC, BP, PREC)
+        dy = _opnd(dy_ptr, t0, n, h * P, SDY, P, BC, BP, PREC)
         tl.store(dskip_out_ptr + ch, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), 1), 0))
         gcol = (h // R) * N
         # the states' side: local = (x w)^T B, y_off = (C S^T) e^gamma
         dl = _tile(dl_desc, ch, BP, BN * NS)
-        dxw = _mm(_opnd(b_ptr, t0, n, gcol, G * N, N, BC, BN * NS, PREC), tl.trans(dl), PREC)
+        dxw = _mm(_opnd(b_ptr, t0, n, gcol, SB, N, BC, BN * NS, PREC), tl.trans(dl), PREC)
         dx = dxw * w[:, None] + tl.load(dskip_ptr + h) * dy
         dw = tl.sum(dxw * x, 1)
         S = _tile(s_desc, ch, BP, BN * NS)
         de = tl.sum(tl.sum(S * dl, 1), 0)                  # e = e^gamma_L: <S_c, dS_(c+1)>
-        dgam = tl.sum(dy * tl.exp(gam)[:, None] * _mm(_opnd(c_ptr, t0, n, gcol, G * N, N, BC, BN * NS, PREC),
+        dgam = tl.sum(dy * tl.exp(gam)[:, None] * _mm(_opnd(c_ptr, t0, n, gcol, SC, N, BC, BN * NS, PREC),
                                                       tl.trans(S), PREC), 1) - dw * w
         dgam += tl.where(rows == C - 1, tl.sum(dw * w, 0) + de * tl.exp(gl), 0.0)
         dd = dw * ew
@@ -209,11 +212,11 @@ if HAS_TRITON:
         for blk in tl.static_range(BC // BR):
             ri = blk * BR + tl.arange(0, BR)
             gi = tl.load(gam_ptr + ch.to(tl.int64) * C + ri, mask=ri < C, other=0.0)
-            dyi = _opnd(dy_ptr, t0 + blk * BR, n - blk * BR, h * P, HEADS * P, P, BR, BP, PREC)
+            dyi = _opnd(dy_ptr, t0 + blk * BR, n - blk * BR, h * P, SDY, P, BR, BP, PREC)
             cb = tl.zeros((BR, BC), dtype=tl.float32)
             for sl in tl.static_range(NS):
-                Ci = _opnd(c_ptr, t0 + blk * BR, n - blk * BR, gcol + sl * BN, G * N, N - sl * BN, BR, BN, PREC)
-                Bs = _opnd(b_ptr, t0, n, gcol + sl * BN, G * N, N - sl * BN, BC, BN, PREC)
+                Ci = _opnd(c_ptr, t0 + blk * BR, n - blk * BR, gcol + sl * BN, SC, N - sl * BN, BR, BN, PREC)
+                Bs = _opnd(b_ptr, t0, n, gcol + sl * BN, SB, N - sl * BN, BC, BN, PREC)
                 cb += _mm(Ci, tl.trans(Bs), PREC)
             # exp(gamma_i - gamma_j) for j <= i; rows past C (zero tiles) stay out (their gamma loads as 0)
             cbd = tl.where((rows[None, :] <= ri[:, None]) & (ri[:, None] < C),
@@ -262,10 +265,10 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     sp = F.softplus(pre)
     dtv = aligned16(torch.clamp(sp, min=dt_min))
     A = -torch.exp(A_log.float())
-    # x, B, C, dy and d stay in the caller's [T, heads, ...] layout (the kernels read a chunk's
-    # rows in place, zeros past its sequence's end); what passes between the kernels is
-    # float32 by chunk, [S, H, nC, ...]
-    x, B, C, dy = (aligned16(t) for t in (x, B, C, dy))
+    # x, B, C, dy and d stay in the caller's [T, heads, ...] layout at its row stride (views of
+    # the projection: the kernels read a chunk's rows in place, zeros past its sequence's end);
+    # what passes between the kernels is float32 by chunk, [S, H, nC, ...]
+    x, B, C, dy = (rows_aligned16(t) for t in (x, B, C, dy))
     cu = torch.tensor(seqs.cu, dtype=torch.int32, device=x.device)
     BC, BP, BN = max(16, next_pow2(Cs)), max(16, next_pow2(P)), max(16, next_pow2(N))
     n = S * H * nC
@@ -276,7 +279,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     ds = torch.empty_like(local)
     prec = training_tiles.dot_precision(x)
     dims = dict(P=P, N=N, BC=BC, BP=BP, BN=BN, PREC=prec)
-    heads = (nC, H, G, R)
+    heads = (nC, H, G, R, x.stride(0), B.stride(0), C.stride(0), dy.stride(0))
     pn = (BP, BN)
     a = aligned16(A)
     _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims,
@@ -290,12 +293,12 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     dcb = torch.empty((S, G, nC, Cs, Cs), **f32)
     _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
                        PREC=dims["PREC"], **_launch(prec, "dcb"))
-    dB, dC = torch.empty_like(B), torch.empty_like(C)
+    dB, dC = B.new_empty(B.shape), C.new_empty(C.shape)
     bn = min(BN, GROUP_BLOCK_N)
     _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
                                    _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn},
                                    **_launch(prec, "dbc"))
-    dx = torch.empty_like(x)
+    dx = x.new_empty(x.shape)
     dd = torch.empty((T, H), **f32)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
     ns = max(1, BN // SLICE_N)

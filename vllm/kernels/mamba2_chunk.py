@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from vllm.forward_context import StateMetadata
 from vllm.kernels.chunk_scan import ROUNDED_STATE, PaddedChunks, check_grid, check_state, dot_mode, host_chunks, \
     launch_state, reference_dtype, reference_grads, require_triton, scan_chunks_torch
-from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
+from vllm.kernels.chunk_tiles import HAS_TRITON, next_pow2 as _next_pow2, rows_aligned16 as _rows_aligned16
 from vllm.kernels.mamba2_backward import MAX_CHUNK as FUSED_MAX_CHUNK, fused_backward_ok, mamba2_backward_triton
 from vllm.kernels.mamba2_ops import dt_torch, neg_exp_torch, softplus_clamped
 
@@ -452,7 +452,7 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     S = md.start_pos.shape[0]
     if NC == 0 or T == 0:
         return y
-    x, dt, B, C = (_aligned16(t) for t in (x, dt, B, C))
+    x, dt, B, C = (_rows_aligned16(t) for t in (x, dt, B, C))
     dev = x.device
     PP, NP = _next_pow2(P), _next_pow2(N)
     BN = min(NP, BLOCK_N_MAX)
