@@ -228,7 +228,9 @@ def backward_case(T: int = 8192) -> None:
     x, dt, B, Cm = inputs(T, 0)
     dt_bias, A_log, D = params()
     xs = (x, dt, dt_bias, A_log, B, Cm, D)
-    dy = torch.randn(T, H, P, device=DEV).to(torch.bfloat16)
+    # seeded: the distances from float64 (dA_log above all: a long sum with cancellation) move
+    # with the gradient drawn
+    dy = torch.randn(T, H, P, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(torch.bfloat16)
     cu = [0, T]
 
     def ref_step(d=dy):

@@ -11,20 +11,23 @@ forward is
     S_(c+1) = e^gamma_L S_c + local_c (S_0 = 0),     y_off = (C S_c^T) * e^gamma,
     y = y_diag + y_off + D_h x
 
-and the backward runs four launches:
+and the backward runs five launches:
   1. prep (per chunk x head): gamma, e = e^gamma_L, local_c, and the gradient reaching S_c
      from y_off, (dy e^gamma)^T C;
   2. the recurrence (per sequence x head): S_c forward, then its gradient from the last
      chunk back (d local_c = dS_(c+1));
-  3. final, in two launches per (chunk x head) that each fit shared memory: the chunk's
-     own rows (y_diag, D x: parts of dx, dB, dC, d d, d gamma, the chunk's part of dD), then
-     the states' side (y_off, local, e: the rest, then d d through gamma = cumsum(d A) and
-     the chunk's part of dA).
-The kernels read x, B, C, dy and d where the caller keeps them ([T, heads, ...], its dtype; a
-chunk's rows past its sequence's end load as zeros) and write dx, d d and each head's dB, dC
-there; what passes from kernel to kernel is float32 by chunk. The rest is elementwise in
-torch: the group's dB, dC as sums over its heads, d through the clamp and softplus to dt and
-dt_bias, A = -exp(A_log).
+  3. dCB (per chunk x group): the gradient of the group's C B^T, summed over its heads;
+  4. dB, dC (per chunk x group x columns of N): dCB's part plus every head's states' side,
+     summed over the heads in registers and written once to the group's rows;
+  5. dx (per chunk x head): everything else, through y_diag, D x, y_off, local and e: dx, d d
+     (then through gamma = cumsum(d A)), the chunk's parts of dA and dD.
+B and C belong to a group of R heads, so a per-head gradient of them would be R float32
+copies of [T, N] written and summed after; (3) and (4) sum inside instead, in head order
+(deterministic). The kernels read x, B, C, dy and d where the caller keeps them ([T, heads,
+...] at its row stride, its dtype; a chunk's rows past its sequence's end load as zeros) and
+write dx, d d, dB and dC there; what passes from kernel to kernel is float32 by chunk. The
+rest is elementwise in torch: d through the clamp and softplus to dt and dt_bias,
+A = -exp(A_log).
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
 bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. A backward, checked
