@@ -33,7 +33,8 @@ def make(T, h, p, g, n, seed):
 
 # (lens, H, P, G, N, chunk): grouped heads, sequences ending mid-chunk, padded tiles, N = 128
 CASES = [([21, 9], 4, 16, 2, 16, 16), ([37], 2, 12, 1, 20, 8), ([5, 16, 3], 2, 16, 2, 16, 16),
-         ([20, 7], 2, 16, 1, 128, 16)]   # N = 128: B, C in column slices
+         ([20, 7], 2, 16, 1, 128, 16),   # N = 128: B, C in column slices, dB / dC in two whole blocks
+         ([19, 6], 2, 8, 1, 100, 16)]    # N = 100: dB / dC in a block of 64 columns and one of 36
 NAMES = "x dt dt_bias A_log B C D".split()
 
 

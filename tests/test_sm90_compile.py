@@ -229,14 +229,15 @@ def _gdn_backward():
 
 
 def _mamba2_backward():
-    """Mamba-2's fused training backward with the GPU's dots at each precision, at N = 16
-    and at N = 128 (B and C in column slices for C B^T, dB / dC in column blocks)."""
+    """Mamba-2's fused training backward with the GPU's dots at each precision, at N = 16,
+    N = 100 (a partial column block of dB / dC: its masked loads and stores) and N = 128 (B
+    and C in column slices for C B^T, dB / dC in two whole column blocks)."""
     from test_mamba2_backward import make
 
     from vllm.kernels import mamba2_backward
     for prec in GPU_DOT_PRECISIONS:
         with _gpu_dot_precision(prec):
-            for n in (16, 128):
+            for n in (16, 100, 128):
                 xs, dy = make(30, 2, 16, 1, n, seed=0)
                 if prec == "bf16":  # the trainer's case: bf16 x, B, C, dy
                     xs, dy = [t.bfloat16() if i in (0, 4, 5) else t for i, t in enumerate(xs)], dy.bfloat16()
