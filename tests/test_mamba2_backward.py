@@ -34,7 +34,8 @@ def make(T, h, p, g, n, seed):
 # (lens, H, P, G, N, chunk): grouped heads, sequences ending mid-chunk, padded tiles, N = 128
 CASES = [([21, 9], 4, 16, 2, 16, 16), ([37], 2, 12, 1, 20, 8), ([5, 16, 3], 2, 16, 2, 16, 16),
          ([20, 7], 2, 16, 1, 128, 16),   # N = 128: B, C in column slices, dB / dC in two whole blocks
-         ([19, 6], 2, 8, 1, 100, 16)]    # N = 100: dB / dC in a block of 64 columns and one of 36
+         ([19, 6], 4, 8, 2, 100, 16),    # N = 100: dB / dC in a block of 64 columns and one of 36, two groups
+         ([13], 2, 8, 1, 8, 6)]          # a chunk of 6 rows (not a multiple of 4) in a 16-row tile
 NAMES = "x dt dt_bias A_log B C D".split()
 
 
@@ -67,17 +68,26 @@ def test_row_blocks_of_the_chunk(monkeypatch):
         assert rel_err(a.cpu(), b) < 1e-5, name
 
 
-def test_row_strided_views_give_the_gradients_of_copies():
-    """x, B, C as views of one projection row (a row stride that is a multiple of 16, as the
-    layer passes them) are read in place: the same gradients as from contiguous copies."""
+@pytest.mark.parametrize("width", [80, 70])
+def test_row_strided_views_give_the_gradients_of_copies(width):
+    """x, B, C, dy as views of one projection row, as the layer passes them: read in place
+    where the row stride is a multiple of 16 (80), copied into rows padded to one otherwise
+    (70); the same gradients as from contiguous copies either way."""
+    from vllm.kernels.chunk_tiles import rows_aligned16
     xs, dy = make(30, 2, 16, 1, 16, seed=9)
-    row = torch.zeros(30, 80)
+    row = torch.zeros(30, width)
     row[:, :32], row[:, 32:48], row[:, 48:64] = xs[0].flatten(1), xs[4][:, 0], xs[5][:, 0]
     row = row.to(DEV)
-    views = list(xs)
+    dyrow = torch.zeros(30, width, device=DEV)
+    dyrow[:, :32] = dy.flatten(1).to(DEV)
+    views = list(t.to(DEV) for t in xs)
     views[0], views[4], views[5] = row[:, :32].view(30, 2, 16), row[:, 32:48].view(30, 1, 16), \
         row[:, 48:64].view(30, 1, 16)
-    got = mamba2_backward_triton(*(t.to(DEV) for t in views), dy.to(DEV), DT_MIN, [0, 21, 30], 16)
+    dyv = dyrow[:, :32].view(30, 2, 16)
+    for t in (views[0], views[4], views[5], dyv):
+        got = rows_aligned16(t)
+        assert (got is t) == (width % 16 == 0) and got.stride(0) % 16 == 0 and torch.equal(got, t)
+    got = mamba2_backward_triton(*views, dyv, DT_MIN, [0, 21, 30], 16)
     want = mamba2_backward_triton(*(t.to(DEV) for t in xs), dy.to(DEV), DT_MIN, [0, 21, 30], 16)
     for name, a, b in zip(NAMES, got, want):
         assert a.is_contiguous() and torch.equal(a, b), name

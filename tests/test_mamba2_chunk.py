@@ -179,6 +179,20 @@ def test_row_strided_views_are_read_in_place_with_the_bits_of_copies():
     assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_row_stride_divisible_by_16_for_every_step(T):
+    """What the kernels get from rows_aligned16 specialises one way for every step: a 16-byte
+    aligned pointer and a row stride divisible by 16, for a one-token step's views (whose row
+    stride torch sets as it likes) as for a prefill's, read in place or copied."""
+    from vllm.kernels.chunk_tiles import rows_aligned16
+    for width in (37, 48, 70):
+        row = torch.randn(T, width)
+        for t in (row[:, 3:7], row[:, :32].view(T, 2, 16), row[:, 4:36].view(T, 2, 16), row[:, :32].clone()):
+            got = rows_aligned16(t)
+            assert got.stride(0) % 16 == 0 and got.data_ptr() % 16 == 0 and torch.equal(got, t)
+            assert got.stride()[1:] == torch.empty(t.shape[1:]).stride()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_and_padded_dims(impl):
     """bf16 inputs and parameters, head_dim and d_state multiples of 16 that are not powers of

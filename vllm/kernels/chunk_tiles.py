@@ -37,15 +37,24 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
 
 
 def rows_aligned16(t: torch.Tensor) -> torch.Tensor:
-    """t itself where its rows are contiguous, 16-byte aligned and a multiple of 16 elements
-    apart (a view of a wider projection row, read at its row stride), else aligned16(t). The
-    kernel specialisation is the same either way: an aligned pointer and a row stride that
-    Triton sees as divisible by 16."""
-    inner = t[0] if t.dim() > 1 and t.shape[0] > 0 else t
-    if (t.dim() > 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-            and inner.is_contiguous() and t.numel() > 0):
+    """[T, ...] with rows contiguous inside, 16-byte aligned and a multiple of 16 elements apart:
+    t itself where it already is (a view of a wider projection row, read at its row stride),
+    else a copy into rows padded to a multiple of 16 elements. Every call then passes the
+    kernels an aligned pointer and a row stride Triton specialises as divisible by 16, whatever
+    the step: a [1, ...] step's row stride is arbitrary (torch keeps or resets it as it likes)
+    and a plain contiguous copy's would be the row's width, which need not be divisible by 16
+    when the view's stride is; either would compile another kernel, with its own reductions."""
+    if t.dim() < 2 or t.numel() == 0:
+        return aligned16(t)
+    inner = t[0]
+    if t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 and inner.is_contiguous():
         return t
-    return aligned16(t)
+    width = inner.numel()
+    padded = -(-width // 16) * 16
+    inner_strides = torch.empty(t.shape[1:], device="meta").stride()
+    out = torch.empty((t.shape[0], padded), dtype=t.dtype, device=t.device)
+    out = out.as_strided(t.shape, (padded, *inner_strides))
+    return out.copy_(t)
 
 
 if HAS_TRITON:

@@ -115,11 +115,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _decay(gam):
-        """exp(gamma_i - gamma_j), exact for j <= i and at most 1 everywhere: gamma = cumsum(d A)
-        does not increase (d >= 0, A < 0), so min(., 0) only clips the entries above the
-        diagonal (and rows past C, whose gamma loads as 0), which callers mask out; no tile of
-        masks is held across a loop."""
-        return tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0))
+        """exp(gamma_i - gamma_j) for j <= i, at most 1 everywhere: gamma = cumsum(d A) does not
+        increase (d >= 0, A < 0; a tree-ordered cumsum may rise by an ulp, which the clip turns
+        into a relative 1e-7), so min(., 0) clips the entries above the diagonal (and rows past
+        C, whose gamma loads as 0), which callers mask out; no tile of masks is held across a
+        loop. A NaN stays NaN."""
+        return tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
 
     @triton.jit
     def _dcb_kernel(x_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, C, NCH, HEADS, G, R, SX, SB, SC, SDY,
@@ -223,7 +224,8 @@ if HAS_TRITON:
                 cb += _mm(Ci, tl.trans(Bs), PREC)
             # exp(gamma_i - gamma_j) for j <= i; rows past C (zero tiles) stay out (their gamma loads as 0)
             cbd = tl.where((rows[None, :] <= ri[:, None]) & (ri[:, None] < C),
-                           cb * tl.exp(tl.minimum(gi[:, None] - gam[None, :], 0.0)), 0.0)
+                           cb * tl.exp(tl.minimum(gi[:, None] - gam[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL)),
+                           0.0)
             dx += _mm(tl.trans(cbd * d[None, :]), dyi, PREC)
             dMc = _mm(dyi, tl.trans(x), PREC) * cbd
             Q = dMc * d[None, :]
@@ -293,7 +295,8 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     # dB, dC: the group's sum over its heads inside the kernels (dCB, then the states' side),
     # written once per group; everything else per (chunk, head)
     ng = S * G * nC
-    dcb = torch.empty((S, G, nC, Cs, Cs), **f32)
+    # BC columns: a descriptor's rows must be 16-byte multiples, whatever the chunk size
+    dcb = torch.empty((S, G, nC, Cs, BC), **f32)
     _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
                        PREC=dims["PREC"], **_launch(prec, "dcb"))
     dB, dC = B.new_empty(B.shape), C.new_empty(C.shape)
