@@ -71,13 +71,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _block_cols(t0, n, c0, stride, n0, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        off, m = _rows_cols(t0, n, c0 + n0, stride, BX, BC, BX)
         if W % BX == 0:  # every block whole: no column mask (vectorised accesses)
-            return _rows_cols(t0, n, c0 + n0, stride, BX, BC, BX)
+            return off, m
         else:
-            r = tl.arange(0, BC)
-            cols = tl.arange(0, BX)
-            off = (t0 + r).to(tl.int64)[:, None] * stride + c0 + n0 + cols[None, :]
-            return off, (r < n)[:, None] & (cols < W - n0)[None, :]
+            return off, m & (tl.arange(0, BX) < W - n0)[None, :]
 
     @triton.jit
     def load_block(ptr, t0, n, c0, stride, n0, W: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
