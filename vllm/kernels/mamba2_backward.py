@@ -114,13 +114,14 @@ if HAS_TRITON:
             dS = _tile(ds_desc, c, BP, BN) + tl.load(e_ptr + c) * dS
 
     @triton.jit
-    def _decay(gam):
-        """exp(gamma_i - gamma_j) for j <= i, at most 1 everywhere: gamma = cumsum(d A) does not
+    def _decay(gi, gam):
+        """exp(gamma_i - gamma_j) for rows i (gi: gamma at some of the chunk's rows) and every row j,
+        exact for j <= i and at most 1 everywhere: gamma = cumsum(d A) does not
         increase (d >= 0, A < 0; a tree-ordered cumsum may rise by an ulp, which the clip turns
         into a relative 1e-7), so min(., 0) clips the entries above the diagonal (and rows past
         C, whose gamma loads as 0), which callers mask out; no tile of masks is held across a
         loop. A NaN stays NaN."""
-        return tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+        return tl.exp(tl.minimum(gi[:, None] - gam[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
 
     @triton.jit
     def _dcb_kernel(x_ptr, dy_ptr, d_ptr, cu_ptr, gam_ptr, dcb_desc, C, NCH, HEADS, G, R, SX, SB, SC, SDY,
@@ -142,7 +143,7 @@ if HAS_TRITON:
             x = _rows_in(x_ptr, t0, n, h * P, SX, P, BC, BP)
             dy = _rows_in(dy_ptr, t0, n, h * P, SDY, P, BC, BP)
             dM = _mm(dy, tl.trans(x), PREC)
-            acc += dM * _decay(gam) * d[None, :]
+            acc += dM * _decay(gam, gam) * d[None, :]
         # above the diagonal and on rows past C (zero tiles) the sum is finite and not wanted
         _put(dcb_desc, ch, tl.where((rows[None, :] <= rows[:, None]) & (rows[:, None] < C), acc, 0.0), BC, BC)
 
@@ -224,8 +225,7 @@ if HAS_TRITON:
                 cb += _mm(Ci, tl.trans(Bs), PREC)
             # exp(gamma_i - gamma_j) for j <= i; rows past C (zero tiles) stay out (their gamma loads as 0)
             cbd = tl.where((rows[None, :] <= ri[:, None]) & (ri[:, None] < C),
-                           cb * tl.exp(tl.minimum(gi[:, None] - gam[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL)),
-                           0.0)
+                           cb * _decay(gi, gam), 0.0)
             dx += _mm(tl.trans(cbd * d[None, :]), dyi, PREC)
             dMc = _mm(dyi, tl.trans(x), PREC) * cbd
             Q = dMc * d[None, :]
@@ -298,7 +298,7 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     # BC columns: a descriptor's rows must be 16-byte multiples, whatever the chunk size
     dcb = torch.empty((S, G, nC, Cs, BC), **f32)
     _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
-                       PREC=dims["PREC"], **_launch(prec, "dcb"))
+                       PREC=prec, **_launch(prec, "dcb"))
     dB, dC = B.new_empty(B.shape), C.new_empty(C.shape)
     bn = min(BN, GROUP_BLOCK_N)
     _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
