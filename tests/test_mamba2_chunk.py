@@ -280,8 +280,8 @@ def test_triton_several_tiles(small_tiles):
 
 # ---- 3b. row tiles: a step computes only the row tiles of a chunk that hold its rows --------------
 
-CR = 128                                # a chunk of eight 16-row tiles (mamba2_chunk.ROW_TILE)
-ROW_OFFSETS = (0, 15, 16, 17, 63, 127)  # first and last rows of tiles, the chunk's first and last
+CR = 128                                # a chunk of four 32-row tiles (mamba2_chunk.ROW_TILE)
+ROW_OFFSETS = (0, 15, 16, 31, 32, 63, 127)  # first and last rows of 16- and 32-row tiles, the chunk's first and last
 
 
 def _trainer_outputs(op, seqs, prm, chunk):
@@ -332,15 +332,27 @@ def _spanning_case(dtype):
 ROW_TILE_CASES = {"offsets": _offset_case, "spanning": _spanning_case}
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# the output kernel's K block of M x and its decode row tile beside the defaults (32 and 16,
+# ROW_TILE 32): the whole chunk in one block, 16-column blocks, one row tile for every step
+TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128},
+              "k16-one-tile": {"OUT_K_BLOCK": 16, "OUT_CACHED_ROW_TILE": 32}}
+
+
+@pytest.mark.parametrize("impl,knobs", [("torch", "default")] + [("triton", k) for k in TILE_KNOBS],
+                         ids=["torch"] + [f"triton-{k}" for k in TILE_KNOBS])
 @pytest.mark.parametrize("case", ROW_TILE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_tiles_match_one_prefill(impl, case, dtype):
+def test_row_tiles_match_one_prefill(impl, knobs, case, dtype, monkeypatch):
     """Steps whose new rows lie in different row tiles of a 128-row chunk (a decode row at offsets
-    0, 15, 16, 17, 63, 127, all in one step; runs of rows across tile edges and chunk ends) give
+    0, 15, 16, 31, 32, 63, 127, all in one step; runs of rows across tile edges and chunk ends) give
     one prefill's output, state and buffer bits, and the trainer's (no cache) outputs. The decode
     rows read the cached state directly (the step stays inside one incomplete chunk), the
-    prefill reads the state kernel's copy."""
+    prefill reads the state kernel's copy. knobs: the output kernel's M x dots in blocks of
+    OUT_K_BLOCK columns stop at the block holding the tile's last row, whatever the row tile (a
+    decode step's or a prefill's), so a row's sums are the same in every step."""
+    from vllm.kernels import mamba2_chunk
+    for name, value in TILE_KNOBS[knobs].items():
+        monkeypatch.setattr(mamba2_chunk, name, value)
     seqs, slots, steps = ROW_TILE_CASES[case](dtype)
     prm = params(dtype=dtype)
     run = functools.partial(run_schedule, IMPLS[impl], seqs, prm, slots, aligned=True, num_slots=len(slots) + 1,
@@ -591,27 +603,31 @@ def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits():
 
 @pytest.mark.gpu
 def test_gpu_real_dims_row_tile_keeps_bits(monkeypatch):
-    """At Nemotron-H's dims (bf16) the default row tiles (16 rows: mma.sync dots) give the bits of
-    whole-chunk tiles (128 rows: wgmma dots, every row of every chunk computed) in every
-    real-dims schedule (one prefill, cuts, prefill then decode, all decode) and the trainer's."""
+    """At Nemotron-H's dims (bf16) the default tiles (32-row tiles, 16 for decode: mma.sync dots;
+    M x in 32-column blocks up to the tile's last row; C h over all of N) give the bits of
+    whole-chunk tiles (128 rows: wgmma dots, every row of every chunk computed) with M x over the
+    whole chunk in one dot and C h, C B^T in other N blocks, in every real-dims schedule (one
+    prefill, cuts, prefill then decode, all decode) and the trainer's: on the GPU the K blocking
+    and the row tiles do not move a bit."""
     from vllm.kernels import mamba2_chunk
     h, p, g, n, c = 128, 64, 8, 128, 128
     lens, slots = REAL_DIMS_LENS, REAL_DIMS_SLOTS
     seqs = {sid: make_inputs(L, h, p, g, n, seed=40 + sid, dtype=torch.bfloat16) for sid, L in lens.items()}
     prm = params(h=h, dtype=torch.bfloat16)
     res = {}
-    base = mamba2_chunk.ROW_TILE
-    for tile in (base, c):
-        monkeypatch.setattr(mamba2_chunk, "ROW_TILE", tile)
+    whole = {"ROW_TILE": c, "OUT_CACHED_ROW_TILE": c, "OUT_K_BLOCK": c, "OUT_BLOCK_N_MAX": 32, "BLOCK_N_MAX": 128}
+    for variant in ("default", "whole"):
+        for name, value in (whole.items() if variant == "whole" else ()):
+            monkeypatch.setattr(mamba2_chunk, name, value)
         for name, steps in real_dims_schedules().items():
-            res[tile, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, steps, aligned=True, chunk=c)
-        res[tile, "trainer"] = _trainer_outputs(mamba2_chunk_triton, seqs, prm, c)
+            res[variant, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, steps, aligned=True, chunk=c)
+        res[variant, "trainer"] = _trainer_outputs(mamba2_chunk_triton, seqs, prm, c)
     for name in (*real_dims_schedules(), "trainer"):
         if name == "trainer":
             for sid in seqs:
-                assert torch.equal(bits(res[c, name][sid]), bits(res[base, name][sid])), (name, sid)
+                assert torch.equal(bits(res["whole", name][sid]), bits(res["default", name][sid])), (name, sid)
         else:
-            _assert_runs_equal(res[c, name], res[base, name], slots, seqs, c, name)
+            _assert_runs_equal(res["whole", name], res["default", name], slots, seqs, c, name)
 
 
 def _real_dims_check(h, p, g, n, c):

@@ -167,16 +167,11 @@ def bits_check() -> dict:
     return decode_rows_differing(step, functools.partial(state, 2))
 
 
-def bits_vs(path: str) -> int:
-    """Outputs and cache contents of this tree's mamba2_chunk_triton against the one in `path`, same
-    inputs and starting cache, both modes: prefills from position 0 with partial last chunks, a
-    step resuming chunks mid-way with several rows (cache from random contents), decode 256 x 1
-    spread over the grid and at offsets 0, 15, 16, 127, and the trainer's call (no cache). Prints a
-    line per case; returns the number of cases that differ."""
-    spec = importlib.util.spec_from_file_location("mamba2_chunk_other", path)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
-    prm = params()
+def bits_cases() -> dict:
+    """The cases --bits-vs and the output kernel's sweep compare bit for bit: prefills from
+    position 0 with partial last chunks, a step resuming chunks mid-way with several rows (cache
+    from random contents), decode 256 x 1 spread over the grid and at offsets 0, 15, 16, 127,
+    and the trainer's call (no cache). name -> (tokens, metadata, with a cache)."""
     n = 256
     lens = [2048, 300, 77, 1000]
     cases = {
@@ -188,31 +183,57 @@ def bits_vs(path: str) -> int:
     for off in (0, 15, 16, 127):
         cases[f"decode offset {off}"] = (n, metadata([2048 + off] * n, [1] * n, list(range(1, n + 1)), host=False),
                                          True)
-    differ = 0
+    return cases
+
+
+def scan_outputs(fn) -> dict:
+    """fn (a mamba2_chunk_triton) on every bits case in both modes, from the same inputs and
+    starting cache: (mode, case) -> (y, cache tensors after the step)."""
+    prm = params()
+    out = {}
     for aligned in (True, False):
-        for name, (T, md, cached) in cases.items():
+        for name, (T, md, cached) in bits_cases().items():
             if not aligned and md.max_query_len == 1:
                 continue  # fast mode decodes with the selective state update
             x, dt, B, Cm = inputs(T, 7)
-            st0 = state(n + 1, aligned) if cached else None
-            got = []
-            for fn in (mamba2_chunk_triton, other.mamba2_chunk_triton):
-                st = None if st0 is None else {k: v.clone() for k, v in st0.items()}
-                y = fn(x, dt, *prm[:2], B, Cm, prm[2], DT_MIN, md, st, chunk_size=C, aligned=aligned)
-                got.append((y, st or {}))
-            (ya, sa), (yb, sb) = got
-            # a copy that predates the rounded state leaves it as it found it
-            keys = [k for k in sa if k != "ssm_rounded" or "ssm_rounded" in getattr(other, "BUFFERS", ())]
-            bad = [k for k in keys if not torch.equal(sa[k].view(torch.int32 if sa[k].dtype == torch.float32
-                                                                  else torch.int16),
-                                                    sb[k].view(torch.int32 if sb[k].dtype == torch.float32
-                                                               else torch.int16))]
-            if not torch.equal(ya.view(torch.int16), yb.view(torch.int16)):
-                bad.insert(0, f"y ({int((ya.view(torch.int16) != yb.view(torch.int16)).sum())} elements)")
-            verdict = "same bits" if not bad else "DIFFER: " + ", ".join(bad)
-            print(f"{'invariant' if aligned else 'fast':<10}{name:<20}{verdict}")
-            differ += bool(bad)
+            torch.manual_seed(11)  # the same starting cache for every fn
+            st = state(257, aligned) if cached else None
+            y = fn(x, dt, *prm[:2], B, Cm, prm[2], DT_MIN, md, st, chunk_size=C, aligned=aligned)
+            out["invariant" if aligned else "fast", name] = (y, st or {})
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def compare_outputs(a: dict, b: dict, keys=None, quiet: bool = False) -> int:
+    """Prints a line per case (unless quiet): same bits, or which outputs differ; returns how many
+    cases differ. keys: the cache tensors to compare (default: all of a's)."""
+    differ = 0
+    for case, (ya, sa) in a.items():
+        yb, sb = b[case]
+        bad = [k for k in (keys or sa) if k in sa and not torch.equal(_bits(sa[k]), _bits(sb[k]))]
+        if not torch.equal(_bits(ya), _bits(yb)):
+            bad.insert(0, f"y ({int((_bits(ya) != _bits(yb)).sum())} elements)")
+        if not quiet:
+            print(f"{case[0]:<10}{case[1]:<20}" + ("same bits" if not bad else "DIFFER: " + ", ".join(bad)))
+        differ += bool(bad)
     return differ
+
+
+def bits_vs(path: str) -> int:
+    """This tree's mamba2_chunk_triton against the one in `path` on bits_cases(); returns the
+    number of cases that differ."""
+    spec = importlib.util.spec_from_file_location("mamba2_chunk_other", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    ours_out = scan_outputs(mamba2_chunk_triton)
+    keys = {k for _, st in ours_out.values() for k in st}
+    # a copy that predates the rounded state leaves it as it found it
+    if "ssm_rounded" not in getattr(other, "BUFFERS", ()):
+        keys.discard("ssm_rounded")
+    return compare_outputs(ours_out, scan_outputs(other.mamba2_chunk_triton), sorted(keys))
 
 
 def backward_case(T: int = 8192) -> None:

@@ -18,16 +18,17 @@ state written do not depend on the batch nor on how the sequence was cut into st
   C-row tile, by the same code with the same tile shapes whether it is a prefill chunk, the
   resumed middle of one, or a decode step (a chunk with one new row whose earlier rows are
   re-read from the state's buffer). What mixes rows is computed over the whole tile: gamma's
-  prefix scan, the fold, and the K dims of the dots (the chunk's C columns of M x, all of N
-  for C B^T and C h).
+  prefix scan, the fold, and the K dims of the dots (all of N for C B^T and C h; for M x the
+  chunk's columns up to the block of OUT_K_BLOCK holding the row, the rest being exact zeros).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan, M is
   lower-inclusive, and products with later rows are masked to exact zeros; the state update
   sums a complete chunk's rows only. The zero rows of an incomplete chunk cannot move the
   bits of the rows before them.
-* The rows that have outputs are computed in row tiles of ROW_TILE rows: a step computes CB
-  and outputs for the tiles that hold its rows only (a decode step: one tile of the chunk's
-  eight at C = 128), each with the K dims above, so a row's arithmetic is the same in every
-  tile, whichever other rows the step computes.
+* The rows that have outputs are computed in row tiles of ROW_TILE rows (OUT_CACHED_ROW_TILE
+  for steps inside one incomplete chunk, decode steps among them): a step computes CB and
+  outputs for the tiles that hold its rows only (a decode step: one tile of the chunk's eight
+  at C = 128), each with the K dims above, so a row's arithmetic is the same in every tile,
+  whichever other rows the step computes.
 * A partial chunk is never folded into the state: the cached state is the boundary state of
   the sequence's current chunk, and the chunk's rows so far are kept in the buffer at the
   dtype they arrived in (x, B in the model dtype; dt in fp32 after softplus), so a re-read
@@ -91,26 +92,36 @@ if HAS_TRITON:
 
 # --------------------------------------------------------------------------
 # Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
-# any other step and the trainer always run the same compiled kernels. BLOCK_N_MAX changes
-# the bits (the N-tiling of the chained C B^T and C h dots), and so does PREP_NUM_WARPS (the
-# register layout of gamma's cumsum, a tree whose shape follows the layout). The P tiles,
-# ROW_TILE and the state and output kernels' warps only change speed: they are the M and N
-# dims of dots whose K dim and K order they leave alone, and `acc = tl.dot(a, b, acc)` with
-# an fp32 accumulator gives every output element the same bits for any M / N tile and warp
-# count (measured on the H200; docs/numerics.md, the linear row). STATE_PROGRAMS,
-# WORK_LIST_BLOCK and the BUFFER_ ones decide which program walks a sequence or copies a row,
-# never how: speed only.
+# any other step and the trainer always run the same compiled kernels. PREP_NUM_WARPS changes
+# the bits (the register layout of gamma's cumsum, a tree whose shape follows the layout). The
+# K blockings (BLOCK_N_MAX, OUT_BLOCK_N_MAX: N of the C B^T and C h dots; OUT_K_BLOCK: the
+# chunk's columns of M x) change the bits only under the interpreter, whose emulated dot sums
+# each dot's K by its own tree: on the H200 dots chained over K blocks in increasing order give
+# the one whole-K dot's bits (benchmarks/kernels/mamba2_output_sweep.py: every blocking, same
+# bits). Row i's M x always takes blocks 0 .. i // OUT_K_BLOCK (a tile's dots stop at the block
+# holding its last row; the later ones would add exact zeros), whatever the row tile, so both
+# devices keep the invariance. The P tiles, the row tiles and the state and output kernels'
+# warps and stages only change speed: they are the M and N dims of dots whose K dims and order
+# they leave alone, and `acc = tl.dot(a, b, acc)` with an fp32 accumulator gives every output
+# element the same bits for any M / N tile and warp count (measured on the H200;
+# docs/numerics.md, the linear row). STATE_PROGRAMS, WORK_LIST_BLOCK and the BUFFER_ ones
+# decide which program walks a sequence or copies a row, never how: speed only.
 # --------------------------------------------------------------------------
-BLOCK_N_MAX = 64        # N tile of the C B^T and C h dots
-STATE_BLOCK_P_MAX = 32  # P tile of the state walk
+BLOCK_N_MAX = 64        # N tile of the C B^T dots
+OUT_BLOCK_N_MAX = 128   # N tile of the output kernel's C h dots (all of N: its state operand is loaded once)
+STATE_BLOCK_P_MAX = 64  # P tile of the state walk
 STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile) pairs x programs per pair (<= sequences)
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
-ROW_TILE = 16           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
+ROW_TILE = 32           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 4      # 72 against 107 us at 8 (decode 256 x 1, H200)
 STATE_NUM_WARPS = 4
-OUT_NUM_WARPS = 8
+OUT_NUM_WARPS = 4
+OUT_K_BLOCK = 32        # columns of M per M x dot; a tile's dots stop at the block holding its last row
+OUT_NUM_STAGES = 1
 OUT_CACHED_BLOCK_P_MAX = 64  # the output kernel's specialisation for chunks on the cached state (decode)
 OUT_CACHED_NUM_WARPS = 4     # 546 against 639 us at 8 (decode 256 x 1, H200)
+OUT_CACHED_NUM_STAGES = 1
+OUT_CACHED_ROW_TILE = 16     # its row tile (a divisor of ROW_TILE: prep's CB tiles cover its tiles)
 WORK_LIST_BLOCK = 1024  # sequences per block of the state kernel's work list (built by prep)
 BUFFER_BLOCK_MAX = 1024  # x elements a buffer program copies per row (a power-of-two divisor of H P)
 BUFFER_ROW_PROGRAMS = 16  # buffer programs per sequence along the rows (at most the step's longest)
@@ -288,7 +299,7 @@ if HAS_TRITON:
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
-        CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        KB: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
         the same CB and C rows), for the chunks that read their boundary state from the cache
@@ -318,16 +329,18 @@ if HAS_TRITON:
         tok0 = tl.load(tok0_ptr + n)
         base = n.to(tl.int64) * H + h
         rp = pt * BP + tl.arange(0, BP)
-        gam = tl.load(gam_ws + base * C + rows)
-        d = tl.load(dt_ws + base * C + rows)
         dh = tl.load(d_ptr + h).to(tl.float32)
         mine = _reads_cache(tl.load(seqc_ptr + s), tl.load(seqc_ptr + s + 1), start, end, C, ALIGNED) == CACHED
-        # the whole chunk's x: the K operand of M x (rows after the step's last are zeros)
-        xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step & mine, from_buf & mine, rp, P, PP)
         # as the state kernel: a sequence at position 0 has the zero state (its slot is stale)
         st_ok = (rp < P) & (has_state != 0) & (tl.load(start_pos_ptr + s) > 0)
         st_row = ((slot * H + h) * P + rp) * N
         t0 = (first - start) // BM
+        # one N tile: the boundary state's [N, BP] operand of C h is the same for every row tile,
+        # loaded once (the state kernel's copy; the cached path computes one tile anyway)
+        HOIST: tl.constexpr = (BN == NP) and not CACHED
+        if HOIST:
+            h_all = tl.load(h_ws + (base * NP + tl.arange(0, NP)[:, None]) * PP + rp[None, :],
+                            mask=(tl.arange(0, NP) < NP)[:, None] & mine, other=0.0)
         for t in range(t0, tl.where(mine, (end - 1 - start) // BM + 1, t0)):
             r, r_buf, r_step, r_trow, r_brow = _row_tile(t, start, first, end, tok0, slot, has_state, C, BM)
             acc = tl.zeros([BM, BP], dtype=tl.float32)
@@ -339,17 +352,24 @@ if HAS_TRITON:
                     hp = tl.load(hr_ptr + st_row[:, None] + cols[None, :], mask=_mask2(st_ok, cols, N, NP),
                                  other=0.0)
                     hb = tl.trans(hp.to(DT))
+                elif HOIST:
+                    hb = h_all
                 else:
                     hb = tl.load(h_ws + (base * NP + cols[:, None]) * PP + rp[None, :])
                 acc = _dot(ct, hb, acc, EMULATE, PREC)
             gi = tl.load(gam_ws + base * C + r)
             acc = acc * tl.exp(gi)[:, None]
-            ii = r[:, None]
-            jj = rows[None, :]
-            incl = jj <= ii
-            cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + ii) * C + jj)
-            m = tl.where(incl, cb * tl.exp(tl.where(incl, gi[:, None] - gam[None, :], 0.0)) * d[None, :], 0.0)
-            acc = _dot(m.to(DT), xt, acc, EMULATE, PREC)
+            # M x over the chunk's columns in blocks of KB, up to the block holding the tile's
+            # last row: the later columns of M are exact zeros for every row of the tile
+            for kb in range(0, ((t + 1) * BM + KB - 1) // KB):
+                k, k_buf, k_step, k_trow, k_brow = _row_tile(kb, start, first, end, tok0, slot, has_state, C, KB)
+                incl = k[None, :] <= r[:, None]
+                cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + r[:, None]) * C + k[None, :])
+                gk = tl.load(gam_ws + base * C + k)
+                dk = tl.load(dt_ws + base * C + k)
+                m = tl.where(incl, cb * tl.exp(tl.where(incl, gi[:, None] - gk[None, :], 0.0)) * dk[None, :], 0.0)
+                xk = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, k_trow, k_brow, k_step, k_buf, rp, P, PP)
+                acc = _dot(m.to(DT), xk, acc, EMULATE, PREC)
             xr = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, r_trow, r_brow, r_step, r_buf, rp, P, PP)
             y = acc + dh * xr.to(tl.float32)
             y = tl.where(y == 0.0, 0.0, y)  # only the sign of an exact zero could tell schedules apart
@@ -457,6 +477,9 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     PP, NP = _next_pow2(P), _next_pow2(N)
     BN = min(NP, BLOCK_N_MAX)
     bm = min(ROW_TILE, Cs)
+    bm_cached = min(OUT_CACHED_ROW_TILE, bm)
+    if bm % bm_cached:
+        raise ValueError(f"OUT_CACHED_ROW_TILE ({OUT_CACHED_ROW_TILE}) must divide ROW_TILE ({ROW_TILE})")
     emulate, prec = dot_mode(x)
     # rows of CB in the row tiles that hold a step's rows only (the rest is never read)
     cb_ws = torch.empty((NC, G, Cs, Cs), dtype=torch.float32, device=dev)
@@ -494,9 +517,11 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
             x, C, D, y, bx, hr, slots, md.start_pos,
             plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
             cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
-            H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=BN, BP=bp_out, BM=bm, CACHED=cached,
+            H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=min(NP, OUT_BLOCK_N_MAX), BP=bp_out,
+            BM=bm_cached if cached else bm, KB=min(OUT_K_BLOCK, Cs), CACHED=cached,
             ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
-            num_warps=OUT_CACHED_NUM_WARPS if cached else OUT_NUM_WARPS, num_stages=1, **launch)
+            num_warps=OUT_CACHED_NUM_WARPS if cached else OUT_NUM_WARPS,
+            num_stages=OUT_CACHED_NUM_STAGES if cached else OUT_NUM_STAGES, **launch)
     if aligned and state is not None:
         xb = min(BUFFER_BLOCK_MAX, (H * P) & -(H * P))  # the largest power of two dividing H P, capped
         row_progs = max(1, min(md.max_query_len, Cs - 1, BUFFER_ROW_PROGRAMS))  # a decode step: 1

@@ -1,0 +1,79 @@
+"""The Mamba-2 forward kernels' tiles and warps (vllm/kernels/mamba2_chunk.py) against prefill and decode time.
+
+    PYTHONPATH=$PYTHONPATH:/tmp/mamba_site python benchmarks/kernels/mamba2_output_sweep.py \
+        [--configs "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8;OUT_BLOCK_N_MAX=128;..."]
+
+Each config (`;`-separated) sets some of mamba2_chunk's tunables (NAME=VALUE, space-separated)
+over the module's defaults; the first config ("" = the defaults) is the bits reference. Every
+tunable here keeps the invariance (a row's arithmetic depends on its place in the chunk only);
+whether the bits change is printed against the first config on benchmarks/kernels/mamba2.py's
+bits cases (every mode and case: prefill, resume, decode spread and at tile edges, trainer).
+Per config: prefill 4 x 2,048 and decode 256 x 1 (CUDA graph) at Nemotron-H's dims beside
+mamba_ssm where it imports, and whether invariant decode rows still equal one prefill's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mamba2 as m2  # noqa: E402
+
+from vllm.kernels import mamba2_chunk  # noqa: E402
+
+DEFAULT = ";".join([
+    "",                                                   # the defaults: the bits reference
+    "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8",        # the whole-chunk M x of before
+    "OUT_BLOCK_N_MAX=128",
+    "OUT_K_BLOCK=16",
+    "OUT_NUM_WARPS=2",
+    "ROW_TILE=64 OUT_K_BLOCK=64 OUT_BLOCK_N_MAX=128",
+    "ROW_TILE=64 OUT_K_BLOCK=32 OUT_NUM_WARPS=8 OUT_BLOCK_N_MAX=128",
+    "OUT_CACHED_ROW_TILE=32",
+    "OUT_CACHED_NUM_WARPS=2",
+    "OUT_CACHED_BLOCK_P_MAX=32",
+    "STATE_BLOCK_P_MAX=16",
+    "STATE_BLOCK_P_MAX=64",
+    "STATE_NUM_WARPS=8",
+    "STATE_NUM_WARPS=8 STATE_BLOCK_P_MAX=64",
+])
+
+
+def parse(cfg: str) -> dict[str, int]:
+    out = {}
+    for item in cfg.split():
+        name, _, value = item.partition("=")
+        if not hasattr(mamba2_chunk, name) or not value.isdigit():
+            raise ValueError(f"{item!r} is not NAME=INT for a tunable of vllm/kernels/mamba2_chunk.py")
+        out[name] = int(value)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=DEFAULT, help="';'-separated configs of NAME=VALUE; the first is the "
+                    "bits reference")
+    configs = [parse(c) for c in ap.parse_args().configs.split(";")]
+    saved = {k: getattr(mamba2_chunk, k) for cfg in configs for k in cfg}
+    print(f"{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}{'cases differ':>14}   config"
+          "   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
+    ref = None
+    try:
+        for cfg in configs:
+            for k, v in saved.items():
+                setattr(mamba2_chunk, k, cfg.get(k, v))
+            out = m2.scan_outputs(mamba2_chunk.mamba2_chunk_triton)
+            differ = "-" if ref is None else m2.compare_outputs(ref, out, quiet=True)
+            ref = ref or out
+            pre, dec, inv = m2.prefill_case(), m2.decode_case(), m2.bits_check()
+            label = " ".join(f"{k}={v}" for k, v in cfg.items()) or "defaults"
+            print(f"{pre['invariant']:9.1f}{pre.get('mamba_ssm', float('nan')):11.1f}{dec['invariant']:9.1f}"
+                  f"{dec.get('mamba_ssm', float('nan')):11.1f}{inv['invariant']:>10}{differ:>14}   {label}", flush=True)
+    finally:
+        for k, v in saved.items():
+            setattr(mamba2_chunk, k, v)
+
+
+if __name__ == "__main__":
+    main()
