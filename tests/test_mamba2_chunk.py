@@ -261,9 +261,10 @@ def test_empty_sequence_and_unused_slots_untouched(impl):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """16-wide N / P tiles: several tiles per dim at test sizes."""
+    """16-wide N / P tiles: several tiles per dim at test sizes (the output kernel's C h over N
+    blocks, its state operand loaded per row tile)."""
     from vllm.kernels import mamba2_chunk
-    for name in ("BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "OUT_BLOCK_P_MAX"):
+    for name in ("BLOCK_N_MAX", "OUT_BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "OUT_BLOCK_P_MAX"):
         monkeypatch.setattr(mamba2_chunk, name, 16)
 
 

@@ -105,7 +105,8 @@ def _mamba2_chunk():
         run_schedule(op, seqs, prm, {"x": 1, "y": 3}, steps, aligned=aligned)
     bf = {"x": make_inputs(20, seed=4, dtype=torch.bfloat16)}
     run_schedule(op, bf, params(dtype=torch.bfloat16), {"x": 0}, [[("x", 19)], [("x", 1)]], aligned=True, chunk=128)
-    saved = {n: getattr(mamba2_chunk, n) for n in ("BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "OUT_BLOCK_P_MAX")}
+    saved = {n: getattr(mamba2_chunk, n) for n in ("BLOCK_N_MAX", "OUT_BLOCK_N_MAX", "STATE_BLOCK_P_MAX",
+                                                     "OUT_BLOCK_P_MAX")}
     try:
         for n in saved:
             setattr(mamba2_chunk, n, 16)

@@ -114,6 +114,14 @@ def train_case(T: int = 8192) -> dict:
     return out
 
 
+def train_forward(T: int = 8192) -> float:
+    """The invariant forward alone at the train shape (no cache), us."""
+    x, dt, B, Cm = inputs(T, 0)
+    dt_bias, A_log, D = params()
+    md = metadata([0], [T])
+    return bench(lambda: ours(True)(x, dt, dt_bias, A_log, B, Cm, D, DT_MIN, md, None))
+
+
 def prefill_case(n: int = 4, L: int = 2048) -> dict:
     x, dt, B, Cm = inputs(n * L, 1)
     dt_bias, A_log, D = params()

@@ -8,7 +8,8 @@ over the module's defaults; the first config ("" = the defaults) is the bits ref
 tunable here keeps the invariance (a row's arithmetic depends on its place in the chunk only);
 whether the bits change is printed against the first config on benchmarks/kernels/mamba2.py's
 bits cases (every mode and case: prefill, resume, decode spread and at tile edges, trainer).
-Per config: prefill 4 x 2,048 and decode 256 x 1 (CUDA graph) at Nemotron-H's dims beside
+Per config: the training forward 1 x 8,192 (no cache: one sequence's state walk over 64
+chunks), prefill 4 x 2,048 and decode 256 x 1 (CUDA graph) at Nemotron-H's dims beside
 mamba_ssm where it imports, and whether invariant decode rows still equal one prefill's.
 """
 from __future__ import annotations
@@ -24,19 +25,11 @@ from vllm.kernels import mamba2_chunk  # noqa: E402
 
 DEFAULT = ";".join([
     "",                                                   # the defaults: the bits reference
-    "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8",        # the whole-chunk M x of before
-    "OUT_BLOCK_N_MAX=128",
-    "OUT_K_BLOCK=16",
-    "OUT_NUM_WARPS=2",
-    "ROW_TILE=64 OUT_K_BLOCK=64 OUT_BLOCK_N_MAX=128",
-    "ROW_TILE=64 OUT_K_BLOCK=32 OUT_NUM_WARPS=8 OUT_BLOCK_N_MAX=128",
-    "OUT_CACHED_ROW_TILE=32",
-    "OUT_CACHED_NUM_WARPS=2",
-    "OUT_CACHED_BLOCK_P_MAX=32",
-    "STATE_BLOCK_P_MAX=16",
-    "STATE_BLOCK_P_MAX=64",
-    "STATE_NUM_WARPS=8",
-    "STATE_NUM_WARPS=8 STATE_BLOCK_P_MAX=64",
+    "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8 OUT_BLOCK_N_MAX=64",   # the whole-chunk M x
+    "STATE_NUM_WARPS=4 STATE_NUM_STAGES=1",
+    "STATE_NUM_WARPS=8 STATE_NUM_STAGES=1",
+    "STATE_NUM_STAGES=3",
+    "STATE_NUM_STAGES=2 STATE_BLOCK_P_MAX=32",
 ])
 
 
@@ -56,7 +49,7 @@ def main() -> None:
                     "bits reference")
     configs = [parse(c) for c in ap.parse_args().configs.split(";")]
     saved = {k: getattr(mamba2_chunk, k) for cfg in configs for k in cfg}
-    print(f"{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}{'cases differ':>14}   config"
+    print(f"{'train fwd':>9}{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}{'cases differ':>14}   config"
           "   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
     ref = None
     try:
@@ -67,8 +60,9 @@ def main() -> None:
             differ = "-" if ref is None else m2.compare_outputs(ref, out, quiet=True)
             ref = ref or out
             pre, dec, inv = m2.prefill_case(), m2.decode_case(), m2.bits_check()
+            fwd = m2.train_forward()
             label = " ".join(f"{k}={v}" for k, v in cfg.items()) or "defaults"
-            print(f"{pre['invariant']:9.1f}{pre.get('mamba_ssm', float('nan')):11.1f}{dec['invariant']:9.1f}"
+            print(f"{fwd:9.1f}{pre['invariant']:9.1f}{pre.get('mamba_ssm', float('nan')):11.1f}{dec['invariant']:9.1f}"
                   f"{dec.get('mamba_ssm', float('nan')):11.1f}{inv['invariant']:>10}{differ:>14}   {label}", flush=True)
     finally:
         for k, v in saved.items():

@@ -114,7 +114,8 @@ STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile) pairs x prog
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
 ROW_TILE = 32           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 4      # 72 against 107 us at 8 (decode 256 x 1, H200)
-STATE_NUM_WARPS = 4
+STATE_NUM_WARPS = 8
+STATE_NUM_STAGES = 2    # the walk prefetches the next chunk's x and B tiles (241 registers, no spill)
 OUT_NUM_WARPS = 4
 OUT_K_BLOCK = 32        # columns of M per M x dot; a tile's dots stop at the block holding its last row
 OUT_NUM_STAGES = 1
@@ -267,22 +268,24 @@ if HAS_TRITON:
                     fold = L == C - 1  # a partial chunk stays out of the state
                 else:
                     fold = L >= 0
-                if fold:
-                    first = tl.load(first_ptr + n)
-                    pos = start + rows
-                    from_buf = (pos < first) & (has_state != 0)
-                    from_step = (pos >= first) & (pos <= start + L)
-                    trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
-                    brow = slot * C + rows
-                    gam = tl.load(gam_ws + base * C + rows)
-                    d = tl.load(dt_ws + base * C + rows)
-                    gl = tl.max(tl.where(rows == L, gam, float("-inf")), axis=0)
-                    w = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0) * d
-                    xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
-                    bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
-                    bs = (bt.to(tl.float32) * w[:, None]).to(DT)
-                    hs = _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC)
-                    folds += 1
+                # loaded and multiplied whatever `fold` says (an unfolded chunk's rows load as
+                # zeros and its product is dropped), so the loads carry no branch and the walk
+                # can prefetch the next chunk's tiles (STATE_NUM_STAGES)
+                first = tl.load(first_ptr + n)
+                pos = start + rows
+                from_buf = (pos < first) & (has_state != 0) & fold
+                from_step = (pos >= first) & (pos <= start + L) & fold
+                trow = (tl.load(tok0_ptr + n) - first + pos).to(tl.int64)
+                brow = slot * C + rows
+                gam = tl.load(gam_ws + base * C + rows)
+                d = tl.load(dt_ws + base * C + rows)
+                gl = tl.max(tl.where(rows == L, gam, float("-inf")), axis=0)
+                w = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0) * d
+                xt = _tile(x_ptr + h * P, sx, bx_ptr + h * P, H * P, trow, brow, from_step, from_buf, rp, P, PP)
+                bt = _tile(b_ptr + g * N, sb, bb_ptr + g * N, G * N, trow, brow, from_step, from_buf, rn, N, NP)
+                bs = (bt.to(tl.float32) * w[:, None]).to(DT)
+                hs = tl.where(fold, _dot(tl.trans(xt), bs, hs * tl.exp(gl), EMULATE, PREC), hs)
+                folds += fold.to(tl.int32)
             # written back where it changed: a chunk folded in, or a sequence at position 0 (its
             # slot holds another sequence's state); a decode step inside a chunk leaves it as is.
             # The load's addresses summed anew (not CSE'd with it): its [BP, N] tile of 64-bit
@@ -508,7 +511,8 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
         plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, work,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=1, **launch)
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES,
+        **launch)
     # the chunks whose boundary state is the cached one (_reads_cache: aligned mode only; the
     # zero state without a cache), then the others
     for cached in ((True, False) if aligned else (False,)):
