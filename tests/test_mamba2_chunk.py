@@ -264,7 +264,7 @@ def small_tiles(monkeypatch):
     """16-wide N / P tiles: several tiles per dim at test sizes (the output kernel's C h over N
     blocks, its state operand loaded per row tile)."""
     from vllm.kernels import mamba2_chunk
-    for name in ("BLOCK_N_MAX", "OUT_BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "OUT_BLOCK_P_MAX"):
+    for name in ("BLOCK_N_MAX", "OUT_BLOCK_N_MAX", "STATE_BLOCK_P_MAX", "STATE_BLOCK_N_MAX", "OUT_BLOCK_P_MAX"):
         monkeypatch.setattr(mamba2_chunk, name, 16)
 
 
@@ -277,6 +277,25 @@ def test_triton_several_tiles(small_tiles):
     assert_cuts_match_alone(
         lambda seqs, slots, steps: run_schedule(mamba2_chunk_triton, seqs, prm, slots, steps, aligned=True),
         x, y, ref64(*x, prm, [0, T]))
+
+
+def test_state_walk_tiles_keep_bits(monkeypatch):
+    """The state walk's P and N tiles are the M and N dims of its fold's dot (K: the chunk's
+    rows), so 16 x 16 tiles (three P tiles, two N tiles at P = 48, N = 32) give the outputs,
+    states and buffer rows of the default whole-state tile, bit for bit, over prefills, cuts
+    and decode steps."""
+    from vllm.kernels import mamba2_chunk
+    p, n_ = 48, 32
+    prm = params()
+    seqs = {"x": make_inputs(37, p=p, n=n_, seed=30), "y": make_inputs(20, p=p, n=n_, seed=31)}
+    steps = [[("x", 17), ("y", 5)], [("y", 1), ("x", 1)], [("x", 19), ("y", 14)]]
+    got = {}
+    for tiles in ("default", "16x16"):
+        if tiles == "16x16":
+            monkeypatch.setattr(mamba2_chunk, "STATE_BLOCK_P_MAX", 16)
+            monkeypatch.setattr(mamba2_chunk, "STATE_BLOCK_N_MAX", 16)
+        got[tiles] = run_schedule(mamba2_chunk_triton, seqs, prm, {"x": 1, "y": 2}, steps, aligned=True)
+    _assert_runs_equal(got["16x16"], got["default"], {"x": 1, "y": 2}, seqs, C, "state tiles")
 
 
 # ---- 3b. row tiles: a step computes only the row tiles of a chunk that hold its rows --------------
@@ -333,10 +352,10 @@ def _spanning_case(dtype):
 ROW_TILE_CASES = {"offsets": _offset_case, "spanning": _spanning_case}
 
 
-# the output kernel's K block of M x and its decode row tile beside the defaults (32 and 16,
-# ROW_TILE 32): the whole chunk in one block, 16-column blocks, one row tile for every step
-TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128},
-              "k16-one-tile": {"OUT_K_BLOCK": 16, "OUT_CACHED_ROW_TILE": 32}}
+# the output kernel's K block of M x beside the default (32; ROW_TILE 32, 16 for decode): the
+# whole chunk in one block; 16-column blocks, where a prefill's 32-row tile takes a block more
+# than a decode step's 16-row tile for the rows of its first half (exact zeros for them)
+TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128}, "k16": {"OUT_K_BLOCK": 16}}
 
 
 @pytest.mark.parametrize("impl,knobs", [("torch", "default")] + [("triton", k) for k in TILE_KNOBS],
@@ -372,7 +391,7 @@ def test_row_tiles_match_one_prefill(impl, knobs, case, dtype, monkeypatch):
 
 def test_row_tile_size_keeps_bits(monkeypatch):
     """The row tile is only the M dim of the CB and output dots (their K dims and order stay): the
-    default 16-row tiles give the bits of whole-chunk tiles (every row of every chunk computed),
+    default 32-row tiles give the bits of whole-chunk tiles (every row of every chunk computed),
     for prefill, decode and the trainer alike. On the GPU this checks the tile-shape fact the
     kernels rely on (mma.sync tiles against wgmma ones)."""
     from vllm.kernels import mamba2_chunk
@@ -608,15 +627,16 @@ def test_gpu_real_dims_row_tile_keeps_bits(monkeypatch):
     M x in 32-column blocks up to the tile's last row; C h over all of N) give the bits of
     whole-chunk tiles (128 rows: wgmma dots, every row of every chunk computed) with M x over the
     whole chunk in one dot and C h, C B^T in other N blocks, in every real-dims schedule (one
-    prefill, cuts, prefill then decode, all decode) and the trainer's: on the GPU the K blocking
-    and the row tiles do not move a bit."""
+    prefill, cuts, prefill then decode, all decode) and the trainer's, and so does the state
+    walk in 32 x 32 tiles: on the GPU the K blocking and the tiles do not move a bit."""
     from vllm.kernels import mamba2_chunk
     h, p, g, n, c = 128, 64, 8, 128, 128
     lens, slots = REAL_DIMS_LENS, REAL_DIMS_SLOTS
     seqs = {sid: make_inputs(L, h, p, g, n, seed=40 + sid, dtype=torch.bfloat16) for sid, L in lens.items()}
     prm = params(h=h, dtype=torch.bfloat16)
     res = {}
-    whole = {"ROW_TILE": c, "OUT_CACHED_ROW_TILE": c, "OUT_K_BLOCK": c, "OUT_BLOCK_N_MAX": 32, "BLOCK_N_MAX": 128}
+    whole = {"ROW_TILE": c, "OUT_CACHED_ROW_TILE": c, "OUT_K_BLOCK": c, "OUT_BLOCK_N_MAX": 32, "BLOCK_N_MAX": 128,
+             "STATE_BLOCK_N_MAX": 32, "STATE_BLOCK_P_MAX": 32}
     for variant in ("default", "whole"):
         for name, value in (whole.items() if variant == "whole" else ()):
             monkeypatch.setattr(mamba2_chunk, name, value)

@@ -26,10 +26,11 @@ from vllm.kernels import mamba2_chunk  # noqa: E402
 DEFAULT = ";".join([
     "",                                                   # the defaults: the bits reference
     "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8 OUT_BLOCK_N_MAX=64",   # the whole-chunk M x
-    "STATE_NUM_WARPS=4 STATE_NUM_STAGES=1",
-    "STATE_NUM_WARPS=8 STATE_NUM_STAGES=1",
-    "STATE_NUM_STAGES=3",
-    "STATE_NUM_STAGES=2 STATE_BLOCK_P_MAX=32",
+    "STATE_NUM_WARPS=4 STATE_NUM_STAGES=1",               # the walk without prefetch
+    "STATE_BLOCK_N_MAX=64",                               # more walks, less shared memory each
+    "STATE_BLOCK_N_MAX=64 STATE_NUM_WARPS=4",
+    "STATE_BLOCK_N_MAX=32 STATE_NUM_WARPS=4",
+    "STATE_BLOCK_N_MAX=64 STATE_NUM_STAGES=3",
 ])
 
 

@@ -1,6 +1,6 @@
 """Where a Gated DeltaNet or Mamba-2 step spends its GPU time, kernel by kernel (H200).
 
-    python benchmarks/kernels/scan_breakdown.py
+    python benchmarks/kernels/scan_breakdown.py [--only gdn|mamba2]
 
 Times every kernel of the invariant and the fast path with the torch profiler (mean GPU
 time per call over 20 calls) for: decode 256 x 1 with every sequence at the same offset in
@@ -11,10 +11,13 @@ engine's decode: earlier rows of T = (I + A)^-1 read back), and prefill 5 x 2,04
 Mamba-2: decode 256 x 1 with every
 sequence at offset 0, 63 or 127 of its 128-row chunk (127 completes the chunk: the state kernel
 folds it, the other offsets leave the state to the output kernel) and spread over the grid,
-invariant and fast, and prefill 4 x 2,048. Same dims as gdn.py and mamba2.py.
+invariant and fast, prefill 4 x 2,048 and the training forward 1 x 8,192 (no cache), each
+beside mamba_ssm's kernels where it imports (PYTHONPATH=$PYTHONPATH:/tmp/mamba_site). Same dims
+as gdn.py and mamba2.py.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -29,7 +32,16 @@ from vllm.kernels.gdn_ops import gdn_recurrent_triton  # noqa: E402
 from vllm.kernels.mamba2_ops import selective_state_update_triton  # noqa: E402
 
 def main() -> None:
-    n = 256
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("gdn", "mamba2"), default=None, help="one recurrence's rows only")
+    only = ap.parse_args().only
+    if only != "mamba2":
+        gdn_rows()
+    if only != "gdn":
+        mamba2_rows()
+
+
+def gdn_rows(n: int = 256) -> None:
     x = inputs(n, 2)
     print("== GDN kernel breakdown (us per call, GPU time; 'T cached': the rows of T before the new token come "
           "from the state, as in the engine)")
@@ -50,6 +62,9 @@ def main() -> None:
     for name, aligned in (("invariant", True), ("fast", False)):
         st = state(6, aligned)
         report(f"prefill 5x2048 {name}", kernel_times(lambda: ours(aligned)(*xp, SCALE, mdp, st)))
+
+
+def mamba2_rows(n: int = 256) -> None:
     print("== Mamba-2 kernel breakdown (us per call, GPU time)")
     xm = mamba2.inputs(n, 2)
     pm = mamba2.params()
@@ -74,6 +89,25 @@ def main() -> None:
         report(f"mamba2 prefill 4x2048 {name}",
                kernel_times(lambda: mamba2.ours(aligned)(xp[0], xp[1], pm[0], pm[1], xp[2], xp[3], pm[2],
                                                          mamba2.DT_MIN, mdp, st)))
+    if mamba2.ssm_chunk is not None:
+        A = -torch.exp(pm[1].float())
+        kw = dict(D=pm[2].float(), dt_bias=pm[0].float(), dt_softplus=True, dt_limit=(mamba2.DT_MIN, float("inf")))
+        cu = mdp.cu_seqlens.long()
+        seq_idx = torch.repeat_interleave(torch.arange(4, device=cu.device, dtype=torch.int32), 2048)[None]
+        report("mamba2 prefill 4x2048 mamba_ssm",
+               kernel_times(lambda: mamba2.ssm_chunk(xp[0][None], xp[1][None], A, xp[2][None], xp[3][None], mamba2.C,
+                                                     seq_idx=seq_idx, cu_seqlens=cu, return_varlen_states=True,
+                                                     **kw)))
+    xt = mamba2.inputs(8192, 0)
+    mdt = metadata([0], [8192])
+    report("mamba2 train fwd 1x8192 invariant",
+           kernel_times(lambda: mamba2.ours(True)(xt[0], xt[1], pm[0], pm[1], xt[2], xt[3], pm[2], mamba2.DT_MIN, mdt,
+                                                  None)))
+    if mamba2.ssm_chunk is not None:
+        with torch.no_grad():
+            report("mamba2 train fwd 1x8192 mamba_ssm",
+                   kernel_times(lambda: mamba2.ssm_chunk(xt[0][None], xt[1][None], A, xt[2][None], xt[3][None],
+                                                         mamba2.C, **kw)))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ state written do not depend on the batch nor on how the sequence was cut into st
   resumed middle of one, or a decode step (a chunk with one new row whose earlier rows are
   re-read from the state's buffer). What mixes rows is computed over the whole tile: gamma's
   prefix scan, the fold, and the K dims of the dots (all of N for C B^T and C h; for M x the
-  chunk's columns up to the block of OUT_K_BLOCK holding the row, the rest being exact zeros).
+  chunk's columns in blocks of OUT_K_BLOCK up to at least the block holding the row: any
+  later block a tile takes adds exact zeros to the row).
 * Row i of every per-chunk quantity depends on rows <= i only: gamma is a prefix scan, M is
   lower-inclusive, and products with later rows are masked to exact zeros; the state update
   sums a complete chunk's rows only. The zero rows of an incomplete chunk cannot move the
@@ -44,7 +45,7 @@ CUDA runs four Triton kernels, every chunk through the same tile code:
   1. prep, per (chunk, group): the rows of CB = C B^T in the row tiles holding the step's
      rows, and per head of the group dt and gamma (whole chunk) into workspaces; its first
      program also lists the sequences the state kernel has work for (below);
-  2. state, per (head, P tile) and a few programs per pair striding over that list: walks a
+  2. state, per (head, P tile, N tile) and a few programs per triple striding over that list: walks a
      sequence's chunks in order, stores each chunk's boundary state for (3) in the model
      dtype, folds complete chunks (fast mode: every chunk) into the fp32 state, writes the
      cached state where it changed (invariant mode: with its copy rounded to the model dtype,
@@ -95,12 +96,13 @@ if HAS_TRITON:
 # any other step and the trainer always run the same compiled kernels. PREP_NUM_WARPS changes
 # the bits (the register layout of gamma's cumsum, a tree whose shape follows the layout). The
 # K blockings (BLOCK_N_MAX, OUT_BLOCK_N_MAX: N of the C B^T and C h dots; OUT_K_BLOCK: the
-# chunk's columns of M x) change the bits only under the interpreter, whose emulated dot sums
-# each dot's K by its own tree: on the H200 dots chained over K blocks in increasing order give
-# the one whole-K dot's bits (benchmarks/kernels/mamba2_output_sweep.py: every blocking, same
-# bits). Row i's M x always takes blocks 0 .. i // OUT_K_BLOCK (a tile's dots stop at the block
-# holding its last row; the later ones would add exact zeros), whatever the row tile, so both
-# devices keep the invariance. The P tiles, the row tiles and the state and output kernels'
+# chunk's columns of M x) keep the invariance and may change the bits: under the interpreter,
+# whose emulated dot sums each dot's K by its own tree, they do; with bf16 operands on the
+# H200 they do not (dots chained over K blocks in increasing order give the one whole-K dot's
+# bits: benchmarks/kernels/mamba2_output_sweep.py, every blocking the same bits); 3xTF32 (fp32
+# models) is unmeasured. Row i's M x takes blocks 0 .. i // OUT_K_BLOCK and, where its tile's
+# last row lies in a later block, that block too, whose columns add exact zeros to row i: the
+# same sum in every tile (the sign of a zero aside, which the store clears). The P tiles, the row tiles and the state and output kernels'
 # warps and stages only change speed: they are the M and N dims of dots whose K dims and order
 # they leave alone, and `acc = tl.dot(a, b, acc)` with an fp32 accumulator gives every output
 # element the same bits for any M / N tile and warp count (measured on the H200;
@@ -110,7 +112,8 @@ if HAS_TRITON:
 BLOCK_N_MAX = 64        # N tile of the C B^T dots
 OUT_BLOCK_N_MAX = 128   # N tile of the output kernel's C h dots (all of N: its state operand is loaded once)
 STATE_BLOCK_P_MAX = 64  # P tile of the state walk
-STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile) pairs x programs per pair (<= sequences)
+STATE_BLOCK_N_MAX = 128  # N tile of the state walk (smaller: more walks, less shared memory each)
+STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile, N tile) x programs per triple (<= sequences)
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
 ROW_TILE = 32           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 4      # 72 against 107 us at 8 (decode 256 x 1, H200)
@@ -225,24 +228,26 @@ if HAS_TRITON:
         start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr, work_ptr,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
-        PP: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr,
+        PP: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, BNS: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
-        """Programs (head, k, P tile) (the heads of a group side by side: they read the same B
-        rows); program k walks the k-th, (k + K)-th, ... sequence of the work list (prep's
-        _state_work_list; K programs per (head, P tile)), each on its own: walk the sequence's
-        chunks in order carrying the fp32 state tile [BP, N]; per chunk store its boundary
+        """Programs (head, k, (P tile, N tile)) (the heads of a group side by side: they read
+        the same B rows); program k walks the k-th, (k + K)-th, ... sequence of the work list
+        (prep's _state_work_list; K programs per (head, P tile, N tile)), each on its own: walk
+        the sequence's chunks in order carrying the fp32 state tile [BP, BNS] (P and N are the
+        M and N dims of the fold's dot, whose K dim is the chunk's rows: any tiling gives the
+        same bits); per chunk store its boundary
         state (model dtype, [N, P] for the output kernel), then fold a complete chunk (fast
         mode: any chunk): h = exp(gamma_L) h + x^T (B exp(gamma_L - gamma) dt). Writes the
         cached state. A sequence whose step stays inside one incomplete chunk (_reads_cache)
         and past position 0 has nothing here (its state does not change and the output kernel
         reads it from the cache): it is not on the list and costs no program."""
         h = tl.program_id(0)
-        pt = tl.program_id(2)
+        pt = tl.program_id(2) // (NP // BNS)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
         rp = pt * BP + tl.arange(0, BP)
-        rn = tl.arange(0, NP)
+        rn = (tl.program_id(2) % (NP // BNS)) * BNS + tl.arange(0, BNS)
         rows = tl.arange(0, C)
         st_off = rp[:, None] * N + rn[None, :]
         st_ok = (rp < P)[:, None] & (rn < N)[None, :]
@@ -315,8 +320,9 @@ if HAS_TRITON:
         hold the step's rows (a decode step: one tile).
 
         Row i's arithmetic is the same in every tile and step: the K dims and their order are
-        those of a whole-chunk tile (N in BN tiles for C h; the chunk's C columns for M x, the
-        rows after the step's last one exact zeros in x and in M), gamma and dt are the prep's
+        fixed per row (N in BN tiles for C h; for M x the chunk's columns in KB blocks up to the
+        block holding the tile's last row, any block past row i's own adding exact zeros, as do
+        the rows after the step's last one in x and in M), gamma and dt are the prep's
         whole-chunk values, and every other op is elementwise. The boundary state h is the
         state kernel's model-dtype copy, or for a step that stays inside one incomplete chunk
         (_reads_cache) the cached state's rounded copy ("ssm_rounded"): the state kernel
@@ -326,7 +332,7 @@ if HAS_TRITON:
         pt = tl.program_id(2)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
-        s, start, end, rows, from_buf, from_step, trow, brow, slot = _chunk_rows(
+        s, start, end, _, _, _, _, _, slot = _chunk_rows(
             n, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state, C)
         first = tl.load(first_ptr + n)
         tok0 = tl.load(tok0_ptr + n)
@@ -364,7 +370,7 @@ if HAS_TRITON:
             acc = acc * tl.exp(gi)[:, None]
             # M x over the chunk's columns in blocks of KB, up to the block holding the tile's
             # last row: the later columns of M are exact zeros for every row of the tile
-            for kb in range(0, ((t + 1) * BM + KB - 1) // KB):
+            for kb in range(((t + 1) * BM + KB - 1) // KB):
                 k, k_buf, k_step, k_trow, k_brow = _row_tile(kb, start, first, end, tok0, slot, has_state, C, KB)
                 incl = k[None, :] <= r[:, None]
                 cb = tl.load(cb_ws + ((n.to(tl.int64) * G + g) * C + r[:, None]) * C + k[None, :])
@@ -503,14 +509,15 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
         cb_ws, dt_ws, gam_ws, float(dt_min), sb, sc, sdt, has_state, S,
         H=H, G=G, N=N, C=Cs, NP=NP, BN=BN, BM=bm, ALIGNED=bool(aligned), SBLK=WORK_LIST_BLOCK,
         EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
-    bp_state = min(PP, STATE_BLOCK_P_MAX)
+    bp_state, bn_state = min(PP, STATE_BLOCK_P_MAX), min(NP, STATE_BLOCK_N_MAX)
+    tiles = (PP // bp_state) * (NP // bn_state)
     # a fixed grid (shapes only: CUDA graphs); its programs stride over the listed sequences
-    per_pair = min(S, max(1, STATE_PROGRAMS // (H * (PP // bp_state))))
-    _ssd_state_kernel[(H, per_pair, PP // bp_state)](
+    per_pair = min(S, max(1, STATE_PROGRAMS // (H * tiles)))
+    _ssd_state_kernel[(H, per_pair, tiles)](
         x, B, bx, bb, ssm, hr, slots, md.start_pos,
         plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks, work,
         dt_ws, gam_ws, h_ws, sx, sb, has_state,
-        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state,
+        H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BP=bp_state, BNS=bn_state,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES,
         **launch)
     # the chunks whose boundary state is the cached one (_reads_cache: aligned mode only; the
