@@ -54,9 +54,13 @@ SHAPES = [(1, 2, 3, 16, 16, 32), (2, 1, 4, 5, 12, 20), (1, 1, 2, 16, 16, 80), (1
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "triton-split", "torch"])
 def test_forward_and_backward_match_float64(shape, impl, monkeypatch):
+    """triton-split: the backward's walk and per-chunk parts in two launches (BACKWARD_SPLIT)."""
     monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)  # two V tiles at V 40/80: the per-tile sums
+    if impl == "triton-split":
+        monkeypatch.setattr(cr, "BACKWARD_SPLIT", True)
+        impl = "triton"
     inputs, grads = make(*shape, seed=sum(shape))
     (s64, v64), d64 = reference(inputs, grads)
     fwd = getattr(cr, f"recurrence_forward_{impl}")

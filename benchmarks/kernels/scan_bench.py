@@ -177,23 +177,28 @@ def precision_variant(prec: str):
     return ctx()
 
 
-def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, names: list[str]) -> None:
+def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, names: list[str],
+                    variants: dict[str, Callable] | None = None) -> None:
     """The training backward at T tokens: autograd of the reference (ref_step) against the
     fused kernels (fused), their time, the fused kernels' GPU time per kernel, at the dots'
     precision for bfloat16 inputs (bf16 operands, the trainer's) beside 3xTF32 (float32
     inputs'), and each one's distance from `exact` (float64 autograd), one relative error per
-    input gradient."""
+    input gradient. variants: name -> a context manager factory under which the fused kernels
+    run another way (timed and checked beside the default, same inputs)."""
+    import contextlib
     t_ref = bench(ref_step)
     rows = [("reference autograd (float32)", ref_step(), t_ref)]
-    for prec in ("bf16", "tf32x3"):
-        try:
-            with precision_variant(prec):
-                got, t = fused(), bench(fused)
-                report(f"backward kernels (fused, {prec})", kernel_times(fused))
-        except triton.runtime.errors.OutOfResources as e:  # a launch config that does not fit
-            print(f"fused kernels ({prec}): does not fit ({str(e)[:90]})")
-            continue
-        rows.append((f"fused kernels ({prec})", got, t))
+    for variant, ctx in {"": contextlib.nullcontext, **(variants or {})}.items():
+        for prec in ("bf16", "tf32x3"):
+            label = f"{prec}{', ' + variant if variant else ''}"
+            try:
+                with precision_variant(prec), ctx():
+                    got, t = fused(), bench(fused)
+                    report(f"backward kernels (fused, {label})", kernel_times(fused))
+            except triton.runtime.errors.OutOfResources as e:  # a launch config that does not fit
+                print(f"fused kernels ({label}): does not fit ({str(e)[:90]})")
+                continue
+            rows.append((f"fused kernels ({label})", got, t))
     print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
           + "".join(f" ({name} {t_ref / t:.2f}x faster than the reference)" for name, _, t in rows[1:2]))
     for name, got, _ in rows:

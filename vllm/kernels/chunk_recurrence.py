@@ -19,7 +19,9 @@ Two implementations of each direction, one per device:
 - CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
   its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
   small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in
-  a fixed order (deterministic, no atomics). Dots are 3xTF32 for float32 callers (near-fp32;
+  a fixed order (deterministic, no atomics). With BACKWARD_SPLIT the backward walk keeps
+  only dv_new and the state's gradient, storing each chunk's incoming dS, and a program per
+  chunk takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are 3xTF32 for float32 callers (near-fp32;
   ieee float32 dots compile to FMA loops that spill at these tiles), or bf16 operands where
   the GDN backward of bfloat16 inputs asks (training_tiles.dot_precision), so the results
   agree with the float32 torch loops within rounding, not bit for bit: this is a backward,
@@ -48,6 +50,15 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
 BACKWARD_CONFIG = {"bf16": (64, 4, 2), "tf32x3": (32, 4, 2)}
 INTERPRETER_CONFIG = (32, 4, 2)
+# The backward in two launches (BACKWARD_SPLIT): the walk keeps to what must be sequential
+# (dv_new and the state's gradient, two dots a chunk) and stores each chunk's incoming
+# state gradient; a program per (sequence x head, chunk) then takes dkd, dw and de over all
+# of V (no per-V-tile parts to sum). (V tile, warps, stages) of the walk; (V tile, warps) of
+# the per-chunk program. Unmeasured on the H200: the one-walk backward stays the default
+# until benchmarks/kernels/gdn.py --backward compares them.
+BACKWARD_SPLIT = False
+SPLIT_WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
+SPLIT_PARTS_CONFIG = {"bf16": (32, 8), "tf32x3": (32, 8)}
 # a cap on the V tile over every config (the tests lower it to split small V)
 BLOCK_V_MAX = 64
 
@@ -108,6 +119,49 @@ if HAS_TRITON:
             dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
 
+    @triton.jit
+    def _bwd_walk_kernel(w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc, ds_desc, NC,
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """Program (sequence x head, V tile): dS = 0; per chunk from the last: store dS (the
+        gradient reaching the chunk's end state), dv_new = g_vn + kd dS (= du), then dS of the
+        chunk before. _bwd_parts_kernel takes the rest from what it stored."""
+        bh = tl.program_id(0)
+        v0 = tl.program_id(1) * BV
+        dS = tl.zeros((BK, BV), dtype=tl.float32)
+        for i in range(NC):
+            chunk = bh * NC + (NC - 1 - i)
+            ds_desc.store([chunk, 0, v0], tl.reshape(dS, (1, BK, BV)))
+            kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
+            dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + _mm(kd, dS, PREC)
+            du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
+            w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
+            e = tl.load(e_ptr + chunk)
+            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV))
+            dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
+
+    @triton.jit
+    def _bwd_parts_kernel(states_desc, vn_desc, du_desc, ds_desc, dw_desc, dkd_desc, de_ptr, NV,
+                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+        """Program (sequence x head x chunk): dkd = v_new dS^T, dw = -dv_new S^T, de = <S, dS>
+        over the V tiles in order, accumulated in registers, written once."""
+        chunk = tl.program_id(0)
+        dkd = tl.zeros((BC, BK), dtype=tl.float32)
+        dw = tl.zeros((BC, BK), dtype=tl.float32)
+        de = tl.zeros((BK, BV), dtype=tl.float32)
+        for iv in range(NV):
+            v0 = iv * BV
+            dS = tl.reshape(ds_desc.load([chunk, 0, v0]), (BK, BV))
+            S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV))
+            vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
+            dvn = tl.reshape(du_desc.load([chunk, 0, v0]), (BC, BV))
+            dkd += _mm(vn, tl.trans(dS), PREC)
+            dw -= _mm(dvn, tl.trans(S), PREC)
+            de += S * dS
+        dkd_desc.store([chunk, 0, 0], tl.reshape(dkd, (1, BC, BK)))
+        dw_desc.store([chunk, 0, 0], tl.reshape(dw, (1, BC, BK)))
+        tl.store(de_ptr + chunk, tl.sum(tl.sum(de, 1), 0))
+
+
 def _blocks(C: int, K: int, V: int, block_v: int) -> tuple[int, int, int]:
     """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at block_v (and
     BLOCK_V_MAX) and never under 32 (the zero-filled columns of a V of 16 cost little; the
@@ -162,6 +216,8 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
     du = torch.empty_like(vn)
     prec = precision or training_tiles.dot_precision(w)
+    if BACKWARD_SPLIT:
+        return _backward_split(w, kd, e, states, vn, g_states, g_vn, du, prec)
     block_v, warps, stages = BACKWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     NV = -(-V // BV)
@@ -178,6 +234,30 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
         dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()
     # the V tiles' parts, added in tile order
     return du, _sum_tiles(dw_t, w), _sum_tiles(dkd_t, kd), _sum_tiles(de_t, e)
+
+
+def _backward_split(w, kd, e, states, vn, g_states, g_vn, du, prec):
+    """recurrence_backward_triton in two launches (BACKWARD_SPLIT): the walk, then the
+    per-chunk parts."""
+    B, H, nC, C, V = vn.shape
+    K = w.shape[-1]
+    dw, dkd, de = torch.empty_like(w), torch.empty_like(kd), torch.empty_like(e)
+    if vn.numel() == 0:
+        return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()
+    d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state
+    block_v, warps, stages = SPLIT_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
+    BC, BK, BV = _blocks(C, K, V, block_v)
+    _bwd_walk_kernel[(B * H, -(-V // BV))](
+        _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)),
+        _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps,
+        num_stages=stages)
+    block_v, warps = SPLIT_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
+    BC, BK, BV = _blocks(C, K, V, block_v)
+    _bwd_parts_kernel[(B * H * nC,)](
+        _desc(states, (BK, BV)), _desc(vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)),
+        _desc(dw, (BC, BK)), _desc(dkd, (BC, BK)), de, -(-V // BV), BC=BC, BK=BK, BV=BV, PREC=prec,
+        num_warps=warps)
+    return du, dw, dkd, de
 
 
 def _sum_tiles(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
