@@ -354,8 +354,10 @@ ROW_TILE_CASES = {"offsets": _offset_case, "spanning": _spanning_case}
 
 # the output kernel's K block of M x beside the default (32; ROW_TILE 32, 16 for decode): the
 # whole chunk in one block; 16-column blocks, where a prefill's 32-row tile takes a block more
-# than a decode step's 16-row tile for the rows of its first half (exact zeros for them)
-TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128}, "k16": {"OUT_K_BLOCK": 16}}
+# than a decode step's 16-row tile for the rows of its first half (exact zeros for them); and
+# a program per row tile rather than per chunk
+TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128}, "k16": {"OUT_K_BLOCK": 16},
+              "tiles-in-grid": {"OUT_ROW_TILES_IN_GRID": True}}
 
 
 @pytest.mark.parametrize("impl,knobs", [("torch", "default")] + [("triton", k) for k in TILE_KNOBS],
@@ -392,26 +394,29 @@ def test_row_tiles_match_one_prefill(impl, knobs, case, dtype, monkeypatch):
 def test_row_tile_size_keeps_bits(monkeypatch):
     """The row tile is only the M dim of the CB and output dots (their K dims and order stay): the
     default 32-row tiles give the bits of whole-chunk tiles (every row of every chunk computed),
-    for prefill, decode and the trainer alike. On the GPU this checks the tile-shape fact the
-    kernels rely on (mma.sync tiles against wgmma ones)."""
+    and so does a program per row tile (OUT_ROW_TILES_IN_GRID), for prefill, decode and the
+    trainer alike. On the GPU this checks the tile-shape fact the kernels rely on (mma.sync
+    tiles against wgmma ones)."""
     from vllm.kernels import mamba2_chunk
+    variants = {"default": {}, "whole-chunk tiles": {"ROW_TILE": CR}, "tiles in grid": {"OUT_ROW_TILES_IN_GRID": True}}
     results = {}
-    for tile in (mamba2_chunk.ROW_TILE, CR):
-        monkeypatch.setattr(mamba2_chunk, "ROW_TILE", tile)
-        for case, make in ROW_TILE_CASES.items():
-            seqs, slots, steps = make(torch.bfloat16)
-            prm = params(dtype=torch.bfloat16)
-            for name, sched in steps.items():
-                results[tile, case, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, sched, aligned=True,
-                                                         num_slots=len(slots) + 1, chunk=CR)
-            trainer = _trainer_outputs(mamba2_chunk_triton, seqs, prm, CR)
-            for sid in seqs:
-                results[tile, case, "trainer", sid] = trainer[sid]
-    base = mamba2_chunk.ROW_TILE
+    for variant, knobs in variants.items():
+        with monkeypatch.context() as m:
+            for name, value in knobs.items():
+                m.setattr(mamba2_chunk, name, value)
+            for case, make in ROW_TILE_CASES.items():
+                seqs, slots, steps = make(torch.bfloat16)
+                prm = params(dtype=torch.bfloat16)
+                for name, sched in steps.items():
+                    results[variant, case, name] = run_schedule(mamba2_chunk_triton, seqs, prm, slots, sched,
+                                                                aligned=True, num_slots=len(slots) + 1, chunk=CR)
+                trainer = _trainer_outputs(mamba2_chunk_triton, seqs, prm, CR)
+                for sid in seqs:
+                    results[variant, case, "trainer", sid] = trainer[sid]
     for key, got in results.items():
-        if key[0] == base:
+        if key[0] == "default":
             continue
-        ref = results[(base, *key[1:])]
+        ref = results[("default", *key[1:])]
         if key[2] == "trainer":
             assert torch.equal(bits(got), bits(ref)), key
         else:

@@ -122,6 +122,7 @@ STATE_NUM_STAGES = 2    # the walk prefetches the next chunk's x and B tiles (24
 OUT_NUM_WARPS = 4
 OUT_K_BLOCK = 32        # columns of M per M x dot; a tile's dots stop at the block holding its last row
 OUT_NUM_STAGES = 1
+OUT_ROW_TILES_IN_GRID = False  # a program per row tile of a chunk, not per chunk (prefill's many tiles)
 OUT_CACHED_BLOCK_P_MAX = 64  # the output kernel's specialisation for chunks on the cached state (decode)
 OUT_CACHED_NUM_WARPS = 4     # 546 against 639 us at 8 (decode 256 x 1, H200)
 OUT_CACHED_NUM_STAGES = 1
@@ -307,7 +308,7 @@ if HAS_TRITON:
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
-        KB: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        KB: tl.constexpr, RT: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
         the same CB and C rows), for the chunks that read their boundary state from the cache
@@ -329,7 +330,7 @@ if HAS_TRITON:
         stores both by the same .to(DT) of the same fp32 tile, so both are the same bits."""
         h = tl.program_id(0)
         n = tl.program_id(1)
-        pt = tl.program_id(2)
+        pt = tl.program_id(2) // RT
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
         s, start, end, _, _, _, _, _, slot = _chunk_rows(
@@ -344,13 +345,19 @@ if HAS_TRITON:
         st_ok = (rp < P) & (has_state != 0) & (tl.load(start_pos_ptr + s) > 0)
         st_row = ((slot * H + h) * P + rp) * N
         t0 = (first - start) // BM
-        # one N tile: the boundary state's [N, BP] operand of C h is the same for every row tile,
-        # loaded once (the state kernel's copy; the cached path computes one tile anyway)
-        HOIST: tl.constexpr = (BN == NP) and not CACHED
+        t1 = tl.where(mine, (end - 1 - start) // BM + 1, t0)
+        if RT > 1:  # one row tile a program (RT of them per chunk and P tile): tile j, if the step has rows there
+            j = tl.program_id(2) % RT
+            t0 = tl.maximum(t0, j)
+            t1 = tl.minimum(t1, j + 1)
+        # one N tile and every row tile in this program: the boundary state's [N, BP] operand of
+        # C h is the same for every row tile, loaded once (the state kernel's copy; the cached
+        # path computes one tile anyway)
+        HOIST: tl.constexpr = (BN == NP) and (not CACHED) and (RT == 1)
         if HOIST:
             h_all = tl.load(h_ws + (base * NP + tl.arange(0, NP)[:, None]) * PP + rp[None, :],
                             mask=(tl.arange(0, NP) < NP)[:, None] & mine, other=0.0)
-        for t in range(t0, tl.where(mine, (end - 1 - start) // BM + 1, t0)):
+        for t in range(t0, t1):
             r, r_buf, r_step, r_trow, r_brow = _row_tile(t, start, first, end, tok0, slot, has_state, C, BM)
             acc = tl.zeros([BM, BP], dtype=tl.float32)
             for n0 in tl.static_range(0, NP, BN):
@@ -524,12 +531,13 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     # zero state without a cache), then the others
     for cached in ((True, False) if aligned else (False,)):
         bp_out = min(PP, OUT_CACHED_BLOCK_P_MAX if cached else OUT_BLOCK_P_MAX)
-        _ssd_output_kernel[(H, NC, PP // bp_out)](
+        rt = Cs // bm if OUT_ROW_TILES_IN_GRID and not cached else 1
+        _ssd_output_kernel[(H, NC, PP // bp_out * rt)](
             x, C, D, y, bx, hr, slots, md.start_pos,
             plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
             cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
             H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=min(NP, OUT_BLOCK_N_MAX), BP=bp_out,
-            BM=bm_cached if cached else bm, KB=min(OUT_K_BLOCK, Cs), CACHED=cached,
+            BM=bm_cached if cached else bm, KB=min(OUT_K_BLOCK, Cs), RT=rt, CACHED=cached,
             ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
             num_warps=OUT_CACHED_NUM_WARPS if cached else OUT_NUM_WARPS,
             num_stages=OUT_CACHED_NUM_STAGES if cached else OUT_NUM_STAGES, **launch)
