@@ -53,8 +53,8 @@ def main() -> None:
                     "bits reference")
     configs = [parse(c) for c in ap.parse_args().configs.split(";")]
     saved = {k: getattr(mamba2_chunk, k) for cfg in configs for k in cfg}
-    print(f"{'train fwd':>9}{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}{'cases differ':>14}   config"
-          "   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
+    print(f"{'train fwd':>9}{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}"
+          f"{'cases differ':>14}   config   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
     ref = None
     try:
         for cfg in configs:

@@ -18,14 +18,15 @@ where g_S_c and g_vn_c are the gradients reaching the returned states and v_new.
 Two implementations of each direction, one per device:
 - CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
   its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
-  small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in
-  a fixed order (deterministic, no atomics). With BACKWARD_SPLIT the backward walk keeps
-  only dv_new and the state's gradient, storing each chunk's incoming dS, and a program per
-  chunk takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are 3xTF32 for float32 callers (near-fp32;
-  ieee float32 dots compile to FMA loops that spill at these tiles), or bf16 operands where
-  the GDN backward of bfloat16 inputs asks (training_tiles.dot_precision), so the results
-  agree with the float32 torch loops within rounding, not bit for bit: this is a backward,
-  checked against float64 (tests/test_chunk_recurrence.py), not a parity path.
+  small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in a
+  fixed order (deterministic, no atomics). With BACKWARD_SPLIT the backward walk keeps only
+  dv_new and the state's gradient, storing each chunk's incoming dS, and a program per chunk
+  takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are
+  3xTF32 for float32 callers (near-fp32; ieee float32 dots compile to FMA loops that spill at
+  these tiles), or bf16 operands where the GDN backward of bfloat16 inputs asks
+  (training_tiles.dot_precision), so the results agree with the float32 torch loops within
+  rounding, not bit for bit: this is a backward, checked against float64
+  (tests/test_chunk_recurrence.py), not a parity path.
 - CPU (and float64, which the gradchecks use): the same formulas as torch loops over chunks.
 Under TRITON_INTERPRET=1 the Triton entries run on CPU tensors (the tests).
 """

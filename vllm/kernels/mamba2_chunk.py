@@ -92,22 +92,22 @@ if HAS_TRITON:
         mask2 as _mask2, row_tile as _row_tile, tile_rows as _tile
 
 # --------------------------------------------------------------------------
-# Tunables. Every one is fixed per model (head dims), never per step, so a rollout step,
-# any other step and the trainer always run the same compiled kernels. PREP_NUM_WARPS changes
-# the bits (the register layout of gamma's cumsum, a tree whose shape follows the layout). The
-# K blockings (BLOCK_N_MAX, OUT_BLOCK_N_MAX: N of the C B^T and C h dots; OUT_K_BLOCK: the
-# chunk's columns of M x) keep the invariance and may change the bits: under the interpreter,
-# whose emulated dot sums each dot's K by its own tree, they do; with bf16 operands on the
-# H200 they do not (dots chained over K blocks in increasing order give the one whole-K dot's
-# bits: benchmarks/kernels/mamba2_output_sweep.py, every blocking the same bits); 3xTF32 (fp32
-# models) is unmeasured. Row i's M x takes blocks 0 .. i // OUT_K_BLOCK and, where its tile's
-# last row lies in a later block, that block too, whose columns add exact zeros to row i: the
-# same sum in every tile (the sign of a zero aside, which the store clears). The P tiles, the row tiles and the state and output kernels'
-# warps and stages only change speed: they are the M and N dims of dots whose K dims and order
-# they leave alone, and `acc = tl.dot(a, b, acc)` with an fp32 accumulator gives every output
-# element the same bits for any M / N tile and warp count (measured on the H200;
-# docs/numerics.md, the linear row). STATE_PROGRAMS, WORK_LIST_BLOCK and the BUFFER_ ones
-# decide which program walks a sequence or copies a row, never how: speed only.
+# Tunables. Every one is fixed per model (head dims), never per step, so a rollout step, any
+# other step and the trainer always run the same compiled kernels. PREP_NUM_WARPS changes the
+# bits (the register layout of gamma's cumsum, a tree whose shape follows the layout). The K
+# blockings (BLOCK_N_MAX, OUT_BLOCK_N_MAX: N of the C B^T and C h dots; OUT_K_BLOCK: the chunk's
+# columns of M x) keep the invariance and may change the bits: under the interpreter, whose
+# emulated dot sums each dot's K by its own tree, they do; with bf16 operands on the H200 they
+# do not (dots chained over K blocks in increasing order give the one whole-K dot's bits:
+# benchmarks/kernels/mamba2_output_sweep.py, every blocking the same bits); 3xTF32 (fp32 models)
+# is unmeasured. Row i's M x takes blocks 0 .. i // OUT_K_BLOCK and, where its tile's last row
+# lies in a later block, that block too, whose columns add exact zeros to row i: the same sum in
+# every tile (the sign of a zero aside, which the store clears). The P tiles, the row tiles and
+# the state and output kernels' warps and stages only change speed: they are the M and N dims of
+# dots whose K dims and order they leave alone, and `acc = tl.dot(a, b, acc)` with an fp32
+# accumulator gives every output element the same bits for any M / N tile and warp count
+# (measured on the H200; docs/numerics.md, the linear row). STATE_PROGRAMS, WORK_LIST_BLOCK and
+# the BUFFER_ ones decide which program walks a sequence or copies a row, never how: speed only.
 # --------------------------------------------------------------------------
 BLOCK_N_MAX = 64        # N tile of the C B^T dots
 OUT_BLOCK_N_MAX = 128   # N tile of the output kernel's C h dots (all of N: its state operand is loaded once)
@@ -308,7 +308,8 @@ if HAS_TRITON:
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
-        KB: tl.constexpr, RT: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        KB: tl.constexpr, RT: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
+        PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
         the same CB and C rows), for the chunks that read their boundary state from the cache
