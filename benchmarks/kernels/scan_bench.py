@@ -186,8 +186,13 @@ def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, n
     input gradient. variants: name -> a context manager factory under which the fused kernels
     run another way (timed and checked beside the default, same inputs)."""
     import contextlib
+    def errors(name, got):  # printed as each row is measured: a later variant's failure loses nothing
+        errs = [((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item() for a, b in zip(got, exact)]
+        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip(names, errs)), flush=True)
+
     t_ref = bench(ref_step)
     rows = [("reference autograd (float32)", ref_step(), t_ref)]
+    errors(*rows[0][:2])
     for variant, ctx in {"": contextlib.nullcontext, **(variants or {})}.items():
         for prec in ("bf16", "tf32x3"):
             label = f"{prec}{', ' + variant if variant else ''}"
@@ -199,8 +204,7 @@ def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, n
                 print(f"fused kernels ({label}): does not fit ({str(e)[:90]})")
                 continue
             rows.append((f"fused kernels ({label})", got, t))
+            print(f"fused kernels ({label}) {t:.1f} us", flush=True)
+            errors(*rows[-1][:2])
     print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
           + "".join(f" ({name} {t_ref / t:.2f}x faster than the reference)" for name, _, t in rows[1:2]))
-    for name, got, _ in rows:
-        errs = [((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item() for a, b in zip(got, exact)]
-        print(f"  {name} vs float64: " + ", ".join(f"d{n} {e:.1e}" for n, e in zip(names, errs)))

@@ -164,12 +164,12 @@ if HAS_TRITON:
 
 
 def _blocks(C: int, K: int, V: int, block_v: int) -> tuple[int, int, int]:
-    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), V split at block_v (and
-    BLOCK_V_MAX) and never under 32 (the zero-filled columns of a V of 16 cost little; the
-    16-wide tile is the one that faulted)."""
+    """(BC, BK, BV): powers of two >= 16 (tl.dot's smallest tile), K and V never under 32 (the
+    zero-filled columns of a K or V of 16 cost little; 16-wide tiles at 8 warps faulted on the
+    H200) and V split at block_v (and BLOCK_V_MAX)."""
     def p2(n):
         return max(16, next_pow2(n))
-    return p2(C), p2(K), min(max(32, p2(V)), block_v, BLOCK_V_MAX)
+    return p2(C), max(32, p2(K)), min(max(32, p2(V)), block_v, BLOCK_V_MAX)
 
 
 def _check(u, w, kd, e):
