@@ -54,13 +54,9 @@ SHAPES = [(1, 2, 3, 16, 16, 32), (2, 1, 4, 5, 12, 20), (1, 1, 2, 16, 16, 80), (1
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("impl", ["triton", "triton-split", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_forward_and_backward_match_float64(shape, impl, monkeypatch):
-    """triton-split: the backward's walk and per-chunk parts in two launches (BACKWARD_SPLIT)."""
-    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)  # two V tiles at V 40/80: the per-tile sums
-    if impl == "triton-split":
-        monkeypatch.setattr(cr, "BACKWARD_SPLIT", True)
-        impl = "triton"
+    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)  # two V tiles at V 40/80: the parts program's V loop
     inputs, grads = make(*shape, seed=sum(shape))
     (s64, v64), d64 = reference(inputs, grads)
     fwd = getattr(cr, f"recurrence_forward_{impl}")
@@ -104,7 +100,7 @@ def test_dot_precision_follows_the_inputs_dtype(monkeypatch):
     assert training_tiles.dot_precision(x(torch.float32, False)) == "ieee"
     monkeypatch.setattr(training_tiles, "INTERPRET", True)
     assert training_tiles.dot_precision(x(torch.bfloat16, True)) == "bf16_emulated"
-    assert set(cr.FORWARD_CONFIG) == set(cr.BACKWARD_CONFIG) == {"bf16", "tf32x3"}
+    assert set(cr.FORWARD_CONFIG) == set(cr.BACKWARD_WALK_CONFIG) == set(cr.BACKWARD_PARTS_CONFIG) == {"bf16", "tf32x3"}
 
 
 @triton.jit

@@ -103,19 +103,15 @@ def test_refuses_unaligned_head_dims():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["one-walk", "split-recurrence"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_real_dims_match_the_reference_backward(dtype, split, monkeypatch):
+def test_gpu_real_dims_match_the_reference_backward(dtype):
     """Qwen3-Next's head dims (16 / 32 heads of 128, chunk 64), two sequences ending
     mid-chunk: the fused kernels against float64 autograd of the reference. float32 inputs
     (3xTF32 dots): within 1e-4 (every gradient float32, no rounding to hide behind); bf16
     inputs as the layer passes them (bf16 dots): within 1e-2 (float32 g and beta included,
-    whose gradients the bf16 dots feed). split: the chunk recurrence's backward as its walk
-    and per-chunk parts (chunk_recurrence.BACKWARD_SPLIT)."""
+    whose gradients the bf16 dots feed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from vllm.kernels import chunk_recurrence
-    monkeypatch.setattr(chunk_recurrence, "BACKWARD_SPLIT", split)
     cu = [0, 1000, 1700]
     xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
     xs = [x.cuda().to(dtype) if i < 3 else x.cuda() for i, x in enumerate(xs)]

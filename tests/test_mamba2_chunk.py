@@ -354,10 +354,8 @@ ROW_TILE_CASES = {"offsets": _offset_case, "spanning": _spanning_case}
 
 # the output kernel's K block of M x beside the default (32; ROW_TILE 32, 16 for decode): the
 # whole chunk in one block; 16-column blocks, where a prefill's 32-row tile takes a block more
-# than a decode step's 16-row tile for the rows of its first half (exact zeros for them); and
-# a program per row tile rather than per chunk
-TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128}, "k16": {"OUT_K_BLOCK": 16},
-              "tiles-in-grid": {"OUT_ROW_TILES_IN_GRID": True}}
+# than a decode step's 16-row tile for the rows of its first half (exact zeros for them)
+TILE_KNOBS = {"default": {}, "k128": {"OUT_K_BLOCK": 128}, "k16": {"OUT_K_BLOCK": 16}}
 
 
 # both dtypes at the default tiles; the other tilings (the same code on the dtype's dots) in bf16
@@ -398,11 +396,10 @@ def test_row_tiles_match_one_prefill(impl, knobs, case, dtype, monkeypatch):
 def test_row_tile_size_keeps_bits(monkeypatch):
     """The row tile is only the M dim of the CB and output dots (their K dims and order stay): the
     default 32-row tiles give the bits of whole-chunk tiles (every row of every chunk computed),
-    and so does a program per row tile (OUT_ROW_TILES_IN_GRID), for prefill, decode and the
-    trainer alike. On the GPU this checks the tile-shape fact the kernels rely on (mma.sync
+    for prefill, decode and the trainer alike. On the GPU this checks the tile-shape fact the kernels rely on (mma.sync
     tiles against wgmma ones)."""
     from vllm.kernels import mamba2_chunk
-    variants = {"default": {}, "whole-chunk tiles": {"ROW_TILE": CR}, "tiles in grid": {"OUT_ROW_TILES_IN_GRID": True}}
+    variants = {"default": {}, "whole-chunk tiles": {"ROW_TILE": CR}}
     results = {}
     for variant, knobs in variants.items():
         with monkeypatch.context() as m:

@@ -200,17 +200,11 @@ def _gpu_dot_precision(prec):
 
 def _chunk_recurrence():
     """GDN's training recurrence at a padded tile and at a split V (tests/test_chunk_recurrence.py),
-    its backward in one walk and as the walk plus per-chunk parts (BACKWARD_SPLIT)."""
+    forward and backward (its walk and per-chunk parts)."""
     from vllm.kernels import chunk_recurrence as cr
-    saved = cr.BACKWARD_SPLIT
-    try:
-        for split in (False, True):
-            cr.BACKWARD_SPLIT = split
-            for prec in GPU_DOT_PRECISIONS:
-                with _gpu_dot_precision(prec):
-                    _recurrence_shapes(cr)
-    finally:
-        cr.BACKWARD_SPLIT = saved
+    for prec in GPU_DOT_PRECISIONS:
+        with _gpu_dot_precision(prec):
+            _recurrence_shapes(cr)
 
 
 def _recurrence_shapes(cr):
@@ -256,8 +250,7 @@ def _mamba2_backward():
 FAMILIES = {
     "gdn_chunk": (_gdn_chunk, True, {"_gdn_prep_kernel", "_gdn_state_kernel", "_gdn_output_kernel"}),
     "gdn_ops": (_gdn_ops, True, {"_recurrent_kernel", "_rms_norm_gated_kernel"}),
-    "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_kernel", "_bwd_walk_kernel",
-                                                   "_bwd_parts_kernel"}),
+    "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_walk_kernel", "_bwd_parts_kernel"}),
     "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_dcb_kernel",
                                                  "_dbc_kernel", "_dx_kernel"}),
     "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",

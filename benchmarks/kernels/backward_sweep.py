@@ -3,9 +3,10 @@
     python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
-  (32 heads x 160 chunks of 64, K = V = 128): forward and backward time (with the V tiles'
-  sums) for each (V tile, warps, stages) and dot precision; the configs it keeps are
-  FORWARD_CONFIG / BACKWARD_CONFIG there.
+  (32 heads x 160 chunks of 64, K = V = 128): forward and backward time for each (V tile,
+  warps, stages) of the forward walk and the backward walk, and dot precision (the backward's
+  per-chunk parts at BACKWARD_PARTS_CONFIG); the configs it keeps are FORWARD_CONFIG /
+  BACKWARD_WALK_CONFIG there.
 - Mamba-2's fused backward (vllm/kernels/mamba2_backward.py) at Nemotron-H's dims (128 heads of
   64, 8 groups, d_state 128, chunk 128, 1 x 8,192 tokens, bf16): each kernel's (warps,
   stages) in turn (LAUNCH there), the dx kernel's row blocks (ROW_BLOCK), and whether a
@@ -35,11 +36,11 @@ def recurrence_sweep() -> None:
     w, kd = (torch.randn(B, H, nC, C, K, device="cuda") * 0.05 for _ in range(2))
     e = torch.rand(B, H, nC, device="cuda")
     gs, gv = torch.randn(B, H, nC, K, V, device="cuda"), torch.randn_like(u)
-    saved = cr.FORWARD_CONFIG.copy(), cr.BACKWARD_CONFIG.copy()
+    saved = cr.FORWARD_CONFIG.copy(), cr.BACKWARD_WALK_CONFIG.copy()
     try:
         for prec in ("bf16", "tf32x3"):
             for cfg in ((32, 4, 1), (32, 4, 2), (32, 8, 1), (32, 8, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)):
-                cr.FORWARD_CONFIG[prec] = cr.BACKWARD_CONFIG[prec] = cfg
+                cr.FORWARD_CONFIG[prec] = cr.BACKWARD_WALK_CONFIG[prec] = cfg
                 try:
                     states, vn = cr.recurrence_forward_triton(u, w, kd, e, prec)
                     f = bench(lambda: cr.recurrence_forward_triton(u, w, kd, e, prec))
@@ -51,7 +52,7 @@ def recurrence_sweep() -> None:
                           f"({str(ex)[:70]})", flush=True)
     finally:
         cr.FORWARD_CONFIG.update(saved[0])
-        cr.BACKWARD_CONFIG.update(saved[1])
+        cr.BACKWARD_WALK_CONFIG.update(saved[1])
 
 
 def mamba2_launch() -> None:

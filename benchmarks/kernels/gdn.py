@@ -195,9 +195,6 @@ def backward_case(T: int = 10240) -> None:
     per kernel, at the bf16 dots a bf16 model's backward takes beside the 3xTF32 of a float32 one."""
     from scan_bench import backward_report
 
-    import contextlib
-
-    from vllm.kernels import chunk_recurrence
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.gdn_backward import gdn_backward_triton
     from vllm.kernels.gdn_chunk import gdn_reference
@@ -209,18 +206,8 @@ def backward_case(T: int = 10240) -> None:
     def ref_step(dy=do):
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
-    @contextlib.contextmanager
-    def split_recurrence():
-        saved = chunk_recurrence.BACKWARD_SPLIT
-        chunk_recurrence.BACKWARD_SPLIT = True
-        try:
-            yield
-        finally:
-            chunk_recurrence.BACKWARD_SPLIT = saved
-
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
-                    ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
-                    {"recurrence walk + per-chunk parts": split_recurrence})
+                    ref_step(do.double()), "q k v g beta".split())  # exact: float64 autograd
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

@@ -26,14 +26,13 @@ from vllm.kernels import mamba2_chunk  # noqa: E402
 DEFAULT = ";".join([
     "",                                                   # the defaults: the bits reference
     "ROW_TILE=16 OUT_K_BLOCK=128 OUT_NUM_WARPS=8 OUT_BLOCK_N_MAX=64",   # the whole-chunk M x
-    "STATE_NUM_WARPS=4 STATE_NUM_STAGES=1",               # the walk without prefetch
-    "STATE_BLOCK_N_MAX=64",                               # more walks, less shared memory each
-    "STATE_BLOCK_N_MAX=64 STATE_NUM_WARPS=4",
-    "STATE_BLOCK_N_MAX=32 STATE_NUM_WARPS=4",
-    "STATE_BLOCK_N_MAX=64 STATE_NUM_STAGES=3",
-    "OUT_ROW_TILES_IN_GRID=1",                            # a program per row tile
-    "OUT_ROW_TILES_IN_GRID=1 OUT_NUM_STAGES=2",
-    "OUT_ROW_TILES_IN_GRID=1 ROW_TILE=64 OUT_NUM_WARPS=8 OUT_NUM_STAGES=2",
+    "STATE_BLOCK_N_MAX=128 STATE_NUM_WARPS=8",            # the whole-N walk
+    "STATE_NUM_STAGES=1",                                 # the walk without prefetch
+    "STATE_NUM_WARPS=2",
+    "STATE_BLOCK_P_MAX=32",                               # 4x the walks of the whole state
+    "STATE_BLOCK_P_MAX=32 STATE_NUM_WARPS=2",
+    "STATE_PROGRAMS=2048",                                # more programs a (head, tile) pair
+    "STATE_PROGRAMS=512",
 ])
 
 

@@ -18,10 +18,9 @@ where g_S_c and g_vn_c are the gradients reaching the returned states and v_new.
 Two implementations of each direction, one per device:
 - CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
   its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
-  small ops. The reductions over V (dkd, dw, de) are written per V tile and summed after, in a
-  fixed order (deterministic, no atomics). With BACKWARD_SPLIT the backward walk keeps only
-  dv_new and the state's gradient, storing each chunk's incoming dS, and a program per chunk
-  takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are
+  small ops. The backward walk keeps only dv_new and the
+  state's gradient, storing the gradient reaching each chunk's end state, and a program per
+  chunk takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are
   3xTF32 for float32 callers (near-fp32; ieee float32 dots compile to FMA loops that spill at
   these tiles), or bf16 operands where the GDN backward of bfloat16 inputs asks
   (training_tiles.dot_precision), so the results agree with the float32 torch loops within
@@ -39,27 +38,25 @@ from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
 from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 
-# (V tile, warps, pipeline stages) of one program per direction and dot precision (V above
-# the tile is split over programs; the reductions over V are then summed over the tiles).
-# H200, 32 heads x 160 chunks of 64, K = V = 128, us with the tile sums (V tile / warps /
-# stages): forward bf16 32/4/2 383 (32/8/2 453, 64/4/2 430, 32/4/1 728); tf32x3 32/4/2 678
-# (32/8/2 770, 32/4/1 1,006). Backward bf16 64/4/2 1,642 (32/8/2 2,163, 64/8/2 1,751, 32/4/2
-# 2,089); tf32x3 32/4/2 3,270 (32/8/2 3,919; 64 wide at 2 stages needs 278,600 B of shared
-# memory, over 232,448). A 16-wide tile at 8 warps hit an illegal memory access at K = 128
-# (not looked into; `_blocks` never takes that tile). `benchmarks/kernels/backward_sweep.py`
+# (V tile, warps, pipeline stages) of the forward walk per dot precision (V above the tile is
+# split over programs). H200, 32 heads x 160 chunks of 64, K = V = 128 (V tile / warps /
+# stages): bf16 32/4/2 383 us (32/8/2 453, 64/4/2 430, 32/4/1 728); tf32x3 32/4/2 678 (32/8/2
+# 770, 32/4/1 1,006). A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not
+# looked into; `_blocks` never takes that tile). `benchmarks/kernels/backward_sweep.py`
 # measures them.
 FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
-BACKWARD_CONFIG = {"bf16": (64, 4, 2), "tf32x3": (32, 4, 2)}
 INTERPRETER_CONFIG = (32, 4, 2)
-# The backward in two launches (BACKWARD_SPLIT): the walk keeps to what must be sequential
-# (dv_new and the state's gradient, two dots a chunk) and stores each chunk's incoming
-# state gradient; a program per (sequence x head, chunk) then takes dkd, dw and de over all
-# of V (no per-V-tile parts to sum). (V tile, warps, stages) of the walk; (V tile, warps) of
-# the per-chunk program. Unmeasured on the H200: the one-walk backward stays the default
-# until benchmarks/kernels/gdn.py --backward compares them.
-BACKWARD_SPLIT = False
-SPLIT_WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
-SPLIT_PARTS_CONFIG = {"bf16": (32, 8), "tf32x3": (32, 8)}
+# The backward in two launches: the walk keeps to what must be sequential (dv_new and the
+# state's gradient, two dots a chunk: 166 registers / 106 kB at V tile 32, so twice the walks
+# the one-walk form had at 249 / 205 kB) and stores the gradient reaching each chunk's end
+# state; a program per (sequence x head, chunk) then takes dkd, dw and de over all of V (no
+# per-V-tile parts to sum). (V tile, warps, stages) of the walk; (V tile, warps) of the
+# per-chunk program. H200, the same shapes (benchmarks/kernels/gdn.py --backward): bf16 walk
+# 643 + parts 351 us against the one walk's 1,196 us at 64/4/2 (GDN backward 4,433 -> 3,705
+# us); tf32x3 walk 1,047 + parts 732 against 2,284 (13,674 -> 12,217 us). The one-walk form
+# is gone.
+BACKWARD_WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
+BACKWARD_PARTS_CONFIG = {"bf16": (32, 8), "tf32x3": (32, 8)}
 # a cap on the V tile over every config (the tests lower it to split small V)
 BLOCK_V_MAX = 64
 
@@ -90,35 +87,6 @@ if HAS_TRITON:
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
             S = S * e + _mm(tl.trans(kd), vn, PREC)
-
-    @triton.jit
-    def _bwd_kernel(w_desc, kd_desc, e_ptr, states_desc, vn_desc, gs_desc, gvn_desc, du_desc, dw_desc, dkd_desc,
-                    de_ptr, NC, NBH, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-        """Program (sequence x head, V tile): dS = 0; per chunk from the last: dv_new, this V tile's
-        parts of dkd, dw and de (its rows of their per-tile outputs: chunk + tile * chunks),
-        du, then dS of the chunk before."""
-        bh = tl.program_id(0)
-        iv = tl.program_id(1)
-        v0 = iv * BV
-        part = iv * NBH * NC
-        dS = tl.zeros((BK, BV), dtype=tl.float32)
-        for i in range(NC):
-            chunk = bh * NC + (NC - 1 - i)
-            kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
-            vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
-            dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + _mm(kd, dS, PREC)
-            du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
-            dkd = _mm(vn, tl.trans(dS), PREC)
-            dkd_desc.store([part + chunk, 0, 0], tl.reshape(dkd, (1, BC, BK)))
-            S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV))
-            tl.store(de_ptr + part + chunk, tl.sum(tl.sum(S * dS, 1), 0))
-            dw = -_mm(dvn, tl.trans(S), PREC)
-            dw_desc.store([part + chunk, 0, 0], tl.reshape(dw, (1, BC, BK)))
-            w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
-            e = tl.load(e_ptr + chunk)
-            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV))
-            dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
-
 
     @triton.jit
     def _bwd_walk_kernel(w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc, ds_desc, NC,
@@ -217,57 +185,23 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
     du = torch.empty_like(vn)
     prec = precision or training_tiles.dot_precision(w)
-    if BACKWARD_SPLIT:
-        return _backward_split(w, kd, e, states, vn, g_states, g_vn, du, prec)
-    block_v, warps, stages = BACKWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
-    BC, BK, BV = _blocks(C, K, V, block_v)
-    NV = -(-V // BV)
-    dw_t = w.new_empty((NV, *w.shape))
-    dkd_t = w.new_empty((NV, *w.shape))
-    de_t = e.new_empty((NV, *e.shape))
-    if vn.numel():
-        _bwd_kernel[(B * H, NV)](
-            _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)), _desc(vn, (BC, BV)),
-            _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(dw_t, (BC, BK)),
-            _desc(dkd_t, (BC, BK)), de_t, nC, B * H, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps,
-            num_stages=stages)
-    else:
-        dw_t.zero_(), dkd_t.zero_(), de_t.zero_(), du.zero_()
-    # the V tiles' parts, added in tile order
-    return du, _sum_tiles(dw_t, w), _sum_tiles(dkd_t, kd), _sum_tiles(de_t, e)
-
-
-def _backward_split(w, kd, e, states, vn, g_states, g_vn, du, prec):
-    """recurrence_backward_triton in two launches (BACKWARD_SPLIT): the walk, then the
-    per-chunk parts."""
-    B, H, nC, C, V = vn.shape
-    K = w.shape[-1]
     dw, dkd, de = torch.empty_like(w), torch.empty_like(kd), torch.empty_like(e)
     if vn.numel() == 0:
         return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()
     d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state
-    block_v, warps, stages = SPLIT_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
+    block_v, warps, stages = BACKWARD_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_walk_kernel[(B * H, -(-V // BV))](
         _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)),
         _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps,
         num_stages=stages)
-    block_v, warps = SPLIT_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
+    block_v, warps = BACKWARD_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_parts_kernel[(B * H * nC,)](
         _desc(states, (BK, BV)), _desc(vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)),
         _desc(dw, (BC, BK)), _desc(dkd, (BC, BK)), de, -(-V // BV), BC=BC, BK=BK, BV=BV, PREC=prec,
         num_warps=warps)
     return du, dw, dkd, de
-
-
-def _sum_tiles(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if parts.shape[0] == 0:
-        return torch.zeros_like(like)
-    out = parts[0].clone()
-    for p in parts[1:]:
-        out += p
-    return out
 
 
 def recurrence_forward_torch(u, w, kd, e) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,17 +112,16 @@ if HAS_TRITON:
 BLOCK_N_MAX = 64        # N tile of the C B^T dots
 OUT_BLOCK_N_MAX = 128   # N tile of the output kernel's C h dots (all of N: its state operand is loaded once)
 STATE_BLOCK_P_MAX = 64  # P tile of the state walk
-STATE_BLOCK_N_MAX = 128  # N tile of the state walk (smaller: more walks, less shared memory each)
+STATE_BLOCK_N_MAX = 64  # N tile of the state walk: 2x the walks of whole N, less shared memory each
 STATE_PROGRAMS = 1024   # state programs to aim for: (head, P tile, N tile) x programs per triple (<= sequences)
 OUT_BLOCK_P_MAX = 64    # P tile of the output kernel
 ROW_TILE = 32           # rows of a chunk per CB / output tile: only tiles holding new rows are computed
 PREP_NUM_WARPS = 4      # 72 against 107 us at 8 (decode 256 x 1, H200)
-STATE_NUM_WARPS = 8
-STATE_NUM_STAGES = 2    # the walk prefetches the next chunk's x and B tiles (241 registers, no spill)
+STATE_NUM_WARPS = 4     # with N tile 64 (H200, prefill 4 x 2,048): 727 us; whole N at 8 warps 780, N 64 at 8 868
+STATE_NUM_STAGES = 2    # the walk prefetches the next chunk's x and B tiles
 OUT_NUM_WARPS = 4
 OUT_K_BLOCK = 32        # columns of M per M x dot; a tile's dots stop at the block holding its last row
 OUT_NUM_STAGES = 1
-OUT_ROW_TILES_IN_GRID = False  # a program per row tile of a chunk, not per chunk (prefill's many tiles)
 OUT_CACHED_BLOCK_P_MAX = 64  # the output kernel's specialisation for chunks on the cached state (decode)
 OUT_CACHED_NUM_WARPS = 4     # 546 against 639 us at 8 (decode 256 x 1, H200)
 OUT_CACHED_NUM_STAGES = 1
@@ -308,7 +307,7 @@ if HAS_TRITON:
         cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
         PP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr,
-        KB: tl.constexpr, RT: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
+        KB: tl.constexpr, CACHED: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
         PREC: tl.constexpr,
     ):
         """One program per (head, chunk, P tile) (the heads of a group side by side: they read
@@ -331,7 +330,7 @@ if HAS_TRITON:
         stores both by the same .to(DT) of the same fp32 tile, so both are the same bits."""
         h = tl.program_id(0)
         n = tl.program_id(1)
-        pt = tl.program_id(2) // RT
+        pt = tl.program_id(2)
         g = h // (H // G)
         DT = h_ws.dtype.element_ty
         s, start, end, _, _, _, _, _, slot = _chunk_rows(
@@ -347,14 +346,10 @@ if HAS_TRITON:
         st_row = ((slot * H + h) * P + rp) * N
         t0 = (first - start) // BM
         t1 = tl.where(mine, (end - 1 - start) // BM + 1, t0)
-        if RT > 1:  # one row tile a program (RT of them per chunk and P tile): tile j, if the step has rows there
-            j = tl.program_id(2) % RT
-            t0 = tl.maximum(t0, j)
-            t1 = tl.minimum(t1, j + 1)
         # one N tile and every row tile in this program: the boundary state's [N, BP] operand of
         # C h is the same for every row tile, loaded once (the state kernel's copy; the cached
         # path computes one tile anyway)
-        HOIST: tl.constexpr = (BN == NP) and (not CACHED) and (RT == 1)
+        HOIST: tl.constexpr = (BN == NP) and (not CACHED)
         if HOIST:
             h_all = tl.load(h_ws + (base * NP + tl.arange(0, NP)[:, None]) * PP + rp[None, :],
                             mask=(tl.arange(0, NP) < NP)[:, None] & mine, other=0.0)
@@ -532,13 +527,12 @@ def mamba2_chunk_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor
     # zero state without a cache), then the others
     for cached in ((True, False) if aligned else (False,)):
         bp_out = min(PP, OUT_CACHED_BLOCK_P_MAX if cached else OUT_BLOCK_P_MAX)
-        rt = Cs // bm if OUT_ROW_TILES_IN_GRID and not cached else 1
-        _ssd_output_kernel[(H, NC, PP // bp_out * rt)](
+        _ssd_output_kernel[(H, NC, PP // bp_out)](
             x, C, D, y, bx, hr, slots, md.start_pos,
             plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
             cb_ws, dt_ws, gam_ws, h_ws, sx, sc, has_state,
             H=H, G=G, P=P, N=N, C=Cs, PP=PP, NP=NP, BN=min(NP, OUT_BLOCK_N_MAX), BP=bp_out,
-            BM=bm_cached if cached else bm, KB=min(OUT_K_BLOCK, Cs), RT=rt, CACHED=cached,
+            BM=bm_cached if cached else bm, KB=min(OUT_K_BLOCK, Cs), CACHED=cached,
             ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
             num_warps=OUT_CACHED_NUM_WARPS if cached else OUT_NUM_WARPS,
             num_stages=OUT_CACHED_NUM_STAGES if cached else OUT_NUM_STAGES, **launch)
