@@ -47,14 +47,13 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
 INTERPRETER_CONFIG = (32, 4, 2)
 # The backward in two launches: the walk keeps to what must be sequential (dv_new and the
-# state's gradient, two dots a chunk: 166 registers / 106 kB at V tile 32, so twice the walks
-# the one-walk form had at 249 / 205 kB) and stores the gradient reaching each chunk's end
-# state; a program per (sequence x head, chunk) then takes dkd, dw and de over all of V (no
-# per-V-tile parts to sum). (V tile, warps, stages) of the walk; (V tile, warps) of the
-# per-chunk program. H200, the same shapes (benchmarks/kernels/gdn.py --backward): bf16 walk
-# 643 + parts 351 us against the one walk's 1,196 us at 64/4/2 (GDN backward 4,433 -> 3,705
-# us); tf32x3 walk 1,047 + parts 732 against 2,284 (13,674 -> 12,217 us). The one-walk form
-# is gone.
+# state's gradient, two dots a chunk: 166 registers / 106 kB at V tile 32, so twice the walks a
+# walk that also took dkd, dw and de could run at 249 / 205 kB) and stores the gradient reaching
+# each chunk's end state; a program per (sequence x head, chunk) then takes dkd, dw and de over
+# all of V (no per-V-tile parts to sum). (V tile, warps, stages) of the walk; (V tile, warps)
+# of the per-chunk program. H200, the same shapes (benchmarks/kernels/gdn.py --backward): bf16
+# walk 643 + parts 351 us against 1,196 for the single walk at 64/4/2 (GDN backward 4,433 ->
+# 3,705 us); tf32x3 walk 1,047 + parts 732 against 2,284 (13,674 -> 12,217 us).
 BACKWARD_WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
 BACKWARD_PARTS_CONFIG = {"bf16": (32, 8), "tf32x3": (32, 8)}
 # a cap on the V tile over every config (the tests lower it to split small V)
