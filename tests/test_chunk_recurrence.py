@@ -80,6 +80,31 @@ def test_triton_rejects_other_dtypes():
     inputs, _ = make(1, 1, 2, 4, 4, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32"):
         cr.recurrence_forward_triton(*(t.to(DEV) for t in inputs))
+    u, w, kd, e = (t.to(DEV) for t in make(1, 1, 2, 8, 8, 8)[0])
+    with pytest.raises(ValueError, match="bf16 dots"):  # bfloat16 operands with float32 dots
+        cr.recurrence_forward_triton(u, w.bfloat16(), kd.bfloat16(), e, "ieee")
+    with pytest.raises(ValueError, match="bf16 dots"):
+        cr.recurrence_forward_triton(u, w, kd, e, "ieee", vn_dtype=torch.bfloat16)
+
+
+BF16_DOTS = "bf16" if DEV == "cuda" else "bf16_emulated"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3, 16, 16, 32), (1, 1, 2, 16, 16, 80)])
+def test_bf16_operands_give_the_same_bits(shape, monkeypatch):
+    """With bf16 dots, w and kd in bfloat16 and v_new stored in it give the bits of float32
+    operands, forward and backward (the dots round those operands to bfloat16 anyway)."""
+    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)
+    (u, w, kd, e), (gs, gvn) = ([t.to(DEV) for t in ts] for ts in make(*shape, seed=7))
+    states, vn = cr.recurrence_forward_triton(u, w, kd, e, BF16_DOTS)
+    grads = cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gvn, BF16_DOTS)
+    wb, kdb = w.bfloat16(), kd.bfloat16()
+    states_b, vn_b = cr.recurrence_forward_triton(u, wb, kdb, e, BF16_DOTS, vn_dtype=torch.bfloat16)
+    assert vn_b.dtype == torch.bfloat16 and torch.equal(states_b, states)
+    assert torch.equal(vn_b, vn.bfloat16())  # v_new rounded to nearest
+    grads_b = cr.recurrence_backward_triton(wb, kdb, e, states_b, vn_b, gs, gvn, BF16_DOTS)
+    for name, a, b in zip(("du", "dw", "dkd", "de"), grads_b, grads):
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
 
 
 def test_dot_precision_follows_the_inputs_dtype(monkeypatch):

@@ -84,6 +84,34 @@ def test_bfloat16_inputs_take_bf16_dots(hk, hv):
         assert not torch.equal(a, c.to(a.dtype)), name
 
 
+@pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
+def test_bf16_operands_give_the_same_gradients(hk, hv, monkeypatch):
+    """BF16_OPERANDS: with bf16 dots, w, kd, T and v_new passed between the kernels in
+    bfloat16 give the gradients of float32 operands bit for bit (each of their uses is a bf16
+    dot's operand, rounded to nearest either way), and the flag does take that path."""
+    from vllm.kernels import gdn_backward
+    cu = [0, 21, 30]
+    xs, do = make(30, hk, hv, 16, 32, seed=0)
+    xs, do = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)], do.bfloat16().to(DEV)
+    base = gdn_backward_triton(*xs, do, cu, 0.25, chunk_size=16)
+    seen = []
+    real = gdn_backward.recurrence_forward_triton
+
+    def spy(u, w, kd, e, prec, vn_dtype=torch.float32):
+        seen.append((w.dtype, kd.dtype, vn_dtype))
+        return real(u, w, kd, e, prec, vn_dtype=vn_dtype)
+    monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
+    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
+    got = gdn_backward_triton(*xs, do, cu, 0.25, chunk_size=16)
+    assert seen == [(torch.bfloat16,) * 3]
+    for name, a, b in zip("q k v g beta".split(), got, base):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    # float32 inputs (3xTF32 / ieee dots) keep float32 operands
+    seen.clear()
+    gdn_backward_triton(*(x.float() for x in xs), do.float(), cu, 0.25, chunk_size=16)
+    assert seen == [(torch.float32,) * 3]
+
+
 def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
     """The gradients are written in place, row by row of each sequence: sequences that miss
     tokens (or do not start at 0) would leave rows unwritten, so they are refused."""
@@ -100,6 +128,25 @@ def test_refuses_unaligned_head_dims():
     xs, do = make(4, 1, 1, 8, 8, seed=0)
     with pytest.raises(ValueError, match="at most 64 rows"):
         gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), [0, 4], 1.0, chunk_size=128)
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_bf16_operands_same_bits(monkeypatch):
+    """At Qwen3-Next's dims on the GPU (bf16 dots: tensor-core products of the operands as
+    stored, where the interpreter emulates them): BF16_OPERANDS gives the float32-operand
+    gradients bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from vllm.kernels import gdn_backward
+    cu = [0, 1000, 1700]
+    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
+    xs = [x.cuda().bfloat16() if i < 3 else x.cuda() for i, x in enumerate(xs)]
+    do = do.cuda().bfloat16()
+    base = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
+    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
+    got = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
+    for name, a, b in zip("q k v g beta".split(), got, base):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -208,26 +208,36 @@ def _chunk_recurrence():
 
 
 def _recurrence_shapes(cr):
+    from vllm.kernels import training_tiles
+    bf16_ops = training_tiles.dot_precision(torch.zeros(1)) == "bf16"
     for shape in ((1, 2, 3, 16, 16, 32), (1, 1, 2, 5, 12, 80)):
         B, H, nC, C, K, V = shape
         u, w, kd = torch.randn(B, H, nC, C, V), torch.randn(B, H, nC, C, K), torch.randn(B, H, nC, C, K)
         e = torch.rand(B, H, nC)
-        states, vn = cr.recurrence_forward_triton(u, w, kd, e)
-        cr.recurrence_backward_triton(w, kd, e, states, vn, torch.randn_like(states), torch.randn_like(vn))
+        for ops in (torch.float32, torch.bfloat16) if bf16_ops and K % 8 == 0 else (torch.float32,):
+            states, vn = cr.recurrence_forward_triton(u, w.to(ops), kd.to(ops), e, vn_dtype=ops)
+            cr.recurrence_backward_triton(w.to(ops), kd.to(ops), e, states, vn, torch.randn_like(states),
+                                          torch.randn_like(vn, dtype=torch.float32))
 
 
 def _gdn_backward():
     """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
-    GPU's dots at each precision."""
+    GPU's dots at each precision (bf16: with float32 and with bfloat16 operands between the
+    kernels, BF16_OPERANDS)."""
     from test_gdn_backward import make
 
     from vllm.kernels import gdn_backward
-    for prec in GPU_DOT_PRECISIONS:
-        with _gpu_dot_precision(prec):
-            xs, do = make(30, 2, 4, 16, 32, seed=0)
-            if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
-                xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
-            gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+    saved = gdn_backward.BF16_OPERANDS
+    try:
+        for prec, ops_bf16 in [(p, False) for p in GPU_DOT_PRECISIONS] + [("bf16", True)]:
+            gdn_backward.BF16_OPERANDS = ops_bf16
+            with _gpu_dot_precision(prec):
+                xs, do = make(30, 2, 4, 16, 32, seed=0)
+                if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
+                    xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
+                gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+    finally:
+        gdn_backward.BF16_OPERANDS = saved
 
 
 def _mamba2_backward():

@@ -193,8 +193,11 @@ def backward_case(T: int = 10240) -> None:
     Triton chunk recurrence) against the fused kernels of vllm/kernels/gdn_backward.py (the
     trainer's path on a GPU), their distance from float64 autograd, the fused kernels' GPU time
     per kernel, at the bf16 dots a bf16 model's backward takes beside the 3xTF32 of a float32 one."""
+    import contextlib
+
     from scan_bench import backward_report
 
+    from vllm.kernels import gdn_backward
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.gdn_backward import gdn_backward_triton
     from vllm.kernels.gdn_chunk import gdn_reference
@@ -206,8 +209,18 @@ def backward_case(T: int = 10240) -> None:
     def ref_step(dy=do):
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
+    @contextlib.contextmanager
+    def bf16_operands():
+        saved = gdn_backward.BF16_OPERANDS
+        gdn_backward.BF16_OPERANDS = True
+        try:
+            yield
+        finally:
+            gdn_backward.BF16_OPERANDS = saved
+
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
-                    ref_step(do.double()), "q k v g beta".split())  # exact: float64 autograd
+                    ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
+                    {"bf16 operands between the kernels": bf16_operands})
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

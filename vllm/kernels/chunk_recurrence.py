@@ -64,7 +64,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.training_tiles import mm as _mm
+    from vllm.kernels.training_tiles import mm as _mm, to_dtype_rn as _to_dtype_rn
 
     @triton.jit
     def _fwd_kernel(u_desc, w_desc, kd_desc, e_ptr, states_desc, vn_desc, NC,
@@ -82,7 +82,7 @@ if HAS_TRITON:
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV))
             vn = u - _mm(w, S, PREC)
-            vn_desc.store([chunk, 0, v0], tl.reshape(vn, (1, BC, BV)))
+            vn_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(vn, vn_desc.dtype), (1, BC, BV)))
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
             S = S * e + _mm(tl.trans(kd), vn, PREC)
@@ -139,9 +139,17 @@ def _blocks(C: int, K: int, V: int, block_v: int) -> tuple[int, int, int]:
     return p2(C), max(32, p2(K)), min(max(32, p2(V)), block_v, BLOCK_V_MAX)
 
 
-def _check(u, w, kd, e):
-    if u.dtype != torch.float32 or any(t.dtype != torch.float32 for t in (w, kd, e)):
-        raise ValueError("the Triton chunk recurrence takes float32 tensors")
+BF16_PRECISIONS = ("bf16", "bf16_emulated")
+
+
+def _check(u, w, kd, e, prec: str):
+    if u.dtype != torch.float32 or e.dtype != torch.float32:
+        raise ValueError("the Triton chunk recurrence takes float32 u and e")
+    if w.dtype != kd.dtype or w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the Triton chunk recurrence takes float32 (or bfloat16) w and kd, got {w.dtype}, {kd.dtype}")
+    if w.dtype == torch.bfloat16 and (prec not in BF16_PRECISIONS or w.shape[-1] % 8):
+        raise ValueError(f"bfloat16 w and kd need bf16 dots and K a multiple of 8 (16-byte rows), got "
+                         f"{prec}, K = {w.shape[-1]}")
     B, H, nC, C, V = u.shape
     if w.shape != kd.shape or w.shape[:4] != (B, H, nC, C) or tuple(e.shape) != (B, H, nC):
         raise ValueError(f"chunk recurrence: u {tuple(u.shape)}, w {tuple(w.shape)}, kd {tuple(kd.shape)}, "
@@ -155,19 +163,24 @@ def _dims_ok(K: int, V: int) -> bool:
     return rows_aligned(K, V)
 
 
-def recurrence_forward_triton(u, w, kd, e, precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states [B, H, nC, K, V], v_new [B, H, nC, C, V]), float32; the dots at `precision`
-    (training_tiles.dot_precision of the float32 inputs where None)."""
+def recurrence_forward_triton(u, w, kd, e, precision: str | None = None,
+                              vn_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, H, nC, K, V] float32, v_new [B, H, nC, C, V] in vn_dtype); the dots at
+    `precision` (training_tiles.dot_precision of the float32 inputs where None). With bf16
+    dots, w and kd may come in bfloat16 and v_new go out in it: the dots round them to it
+    anyway, so the results are the same bits (half the bytes)."""
     require_triton(u)
-    _check(u, w, kd, e)
+    prec = precision or training_tiles.dot_precision(u)
+    _check(u, w, kd, e, prec)
+    if vn_dtype != torch.float32 and (vn_dtype != torch.bfloat16 or prec not in BF16_PRECISIONS or u.shape[-1] % 8):
+        raise ValueError(f"v_new in {vn_dtype} needs bf16 dots and V a multiple of 8, got {prec}, V = {u.shape[-1]}")
     B, H, nC, C, V = u.shape
     K = w.shape[-1]
     u, w, kd, e = (aligned16(t) for t in (u, w, kd, e))
     states = u.new_empty((B, H, nC, K, V))
-    vn = torch.empty_like(u)
+    vn = torch.empty_like(u, dtype=vn_dtype)
     if u.numel() == 0:
         return states.zero_(), vn.copy_(u)
-    prec = precision or training_tiles.dot_precision(u)
     block_v, warps, stages = FORWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _fwd_kernel[(B * H, -(-V // BV))](
@@ -177,14 +190,15 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None) -> tupl
 
 
 def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None):
-    """(du, dw, dkd, de) of the forward above, given the gradients reaching its outputs."""
+    """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
+    outputs (w, kd and v_new as the forward took and gave them)."""
     require_triton(w)
     B, H, nC, C, V = vn.shape
     K = w.shape[-1]
     w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
-    du = torch.empty_like(vn)
     prec = precision or training_tiles.dot_precision(w)
-    dw, dkd, de = torch.empty_like(w), torch.empty_like(kd), torch.empty_like(e)
+    du = torch.empty_like(vn, dtype=torch.float32)
+    dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
     if vn.numel() == 0:
         return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()
     d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels import chunk_recurrence
 from vllm.kernels.chunk_recurrence import recurrence_backward_triton, recurrence_forward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
@@ -46,6 +47,11 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # kernel at 2 12,425 and the w/u one 11,143.
 WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
          "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
+# With bf16 dots, w, kd, T and v_new pass between the kernels in bfloat16 (their every use is
+# a dot operand, which the dots round to bfloat16 anyway: the same gradients, bit for bit, from
+# half the bytes; the chunk recurrence's walks are bound by these loads). Off until the H200
+# measures it (benchmarks/kernels/gdn.py --backward times it beside the float32 operands).
+BF16_OPERANDS = False
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -56,7 +62,7 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
-    from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put
+    from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
 
     @triton.jit
     def _load_rows(ptr, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
@@ -97,7 +103,8 @@ if HAS_TRITON:
             Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16, EMULATE)
             T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
         T = tl.reshape(T3, (BC, BC))
-        tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, T, mask=(ii < C) & (jj < C))
+        tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, _to_dtype_rn(T, t_ptr.dtype.element_ty),
+                 mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
         _put(w_desc, ch, _mm(T, k * (b * eg)[:, None], PREC), BC, BK)
         v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
@@ -251,13 +258,16 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     # memory access on the H200 (Triton 3.6); the padding columns are the descriptors' zeros
     BC, BK, BV = max(16, next_pow2(C)), max(32, next_pow2(K)), max(32, next_pow2(V))
     n = B * Hv * nC
+    prec = training_tiles.dot_precision(q)
     f32 = dict(dtype=torch.float32, device=q.device)
-    w, kd = torch.empty((B, Hv, nC, C, K), **f32), torch.empty((B, Hv, nC, C, K), **f32)
+    # the dot operands' dtype (BF16_OPERANDS; 16-byte rows of bfloat16 need K, V multiples of 8)
+    ops = dict(f32, dtype=torch.bfloat16) if (BF16_OPERANDS and prec in chunk_recurrence.BF16_PRECISIONS
+                                              and K % 8 == 0 and V % 8 == 0) else f32
+    w, kd = torch.empty((B, Hv, nC, C, K), **ops), torch.empty((B, Hv, nC, C, K), **ops)
     u = torch.empty((B, Hv, nC, C, V), **f32)
     e = torch.empty((B, Hv, nC), **f32)
-    tmat = torch.empty((n, C, C), **f32)
+    tmat = torch.empty((n, C, C), **ops)
     gam = torch.empty((B, Hv, nC, C), **f32)
-    prec = training_tiles.dot_precision(q)
     dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec)
     warps = WARPS.get(prec, WARPS["tf32x3"])
     heads = (nC, Hv, Hk, G)
@@ -265,8 +275,8 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, C, *heads,
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, **dims,
                        num_warps=warps["prep"])
-    states, vn = recurrence_forward_triton(u, w, kd, e, prec)
-    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn)
+    states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"])
+    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims,
                            num_warps=warps["out_grad"])
     du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
@@ -275,7 +285,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
     dk = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else k.dtype, device=q.device)
-    dk_out_side = torch.empty_like(w)
+    dk_out_side = torch.empty_like(w, dtype=torch.float32)
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,

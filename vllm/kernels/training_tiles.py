@@ -19,7 +19,8 @@ if HAS_TRITON:
 
     @triton.jit
     def store_tile(desc, i, x, R: tl.constexpr, X: tl.constexpr):
-        desc.store([i, 0, 0], tl.reshape(x, (1, R, X)))
+        """x as matrix i's [R, X] box, in the descriptor's dtype (to_dtype_rn)."""
+        desc.store([i, 0, 0], tl.reshape(to_dtype_rn(x, desc.dtype), (1, R, X)))
 
     @triton.jit
     def chunk_of(ch, cu_ptr, NC, H, C):
@@ -97,16 +98,28 @@ if HAS_TRITON:
         return i.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def to_dtype_rn(x, dtype: tl.constexpr):
+        """x in dtype, rounded to nearest: bfloat16 through round_bf16 (exact in bfloat16, so
+        the cast after it is exact too: the interpreter's cast truncates, the GPU's rounds, and
+        both give the bits the "bf16" dots of mm round their operands to)."""
+        if dtype == tl.bfloat16:
+            return round_bf16(x.to(tl.float32)).to(tl.bfloat16)
+        else:
+            return x.to(dtype)
+
+    @triton.jit
     def mm(a, b, PREC: tl.constexpr):
         """a @ b of float32 tiles, accumulated in float32: "bf16" rounds both operands to
         bfloat16 first (one tensor-core pass); "bf16_emulated" is the same product for the
         interpreter (whose bfloat16 dot multiplies raw bit patterns and whose cast does not
         round to nearest): operands rounded to nearest, then an ieee float32 dot (each product
-        of two bfloat16 values is exact in float32); anything else is tl.dot's input_precision."""
+        of two bfloat16 values is exact in float32); anything else is tl.dot's input_precision.
+        With the bf16 ones an operand may already be bfloat16 (stored so by to_dtype_rn: the
+        same bits as rounding it here)."""
         if PREC == "bf16":
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         elif PREC == "bf16_emulated":
-            return tl.dot(round_bf16(a), round_bf16(b), input_precision="ieee")
+            return tl.dot(round_bf16(a.to(tl.float32)), round_bf16(b.to(tl.float32)), input_precision="ieee")
         else:
             return tl.dot(a, b, input_precision=PREC)
 
