@@ -405,6 +405,73 @@ def test_triton_matches_torch(aligned):
 
 # ---- 6. gradients --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_t_feeds_the_backward(dtype, monkeypatch):
+    """SAVE_T_FOR_BACKWARD: the trainer's forward stores each chunk's T (as w and u took it)
+    without moving a bit of its output, and the fused backward given those T (the forward's
+    chunk plan mapping a sequence's chunks to them) gives the gradients of the reference:
+    within 1e-5 of float64 autograd in float32, 1e-2 in bf16, as when it builds T itself.
+    Three sequences of 1, 2 and 3 chunks (the last ones partial), so a chunk taken from the
+    wrong sequence or chunk moves the gradients."""
+    from vllm.kernels import gdn_chunk
+    from vllm.kernels.gdn_backward import gdn_backward_triton
+    lens = [21, 9, 40]
+    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    scale = K ** -0.5
+    xs = [t.to(DEV) for t in make_inputs(cu[-1], seed=22)]
+    if dtype == torch.bfloat16:
+        xs = [t.bfloat16() if i < 3 else t for i, t in enumerate(xs)]
+    md = step_metadata([0] * len(lens), lens)
+    plain = gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True)
+    monkeypatch.setattr(gdn_chunk, "SAVE_T_FOR_BACKWARD", True)
+    plan = md.chunk_plan(C, True)
+    t_out = torch.full((plan.num_chunks, HV, C, C), float("nan"), dtype=dtype, device=DEV)
+    o = gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True, t_out=t_out)
+    assert torch.equal(bits(o), bits(plain))
+    assert torch.equal(bits(gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True)), bits(plain))
+    assert not t_out.isnan().any()  # every chunk's T written
+    tri = torch.ones(C, C, dtype=torch.bool, device=DEV).triu(1)
+    assert (t_out[:, :, tri] == 0).all() and (t_out.diagonal(dim1=-2, dim2=-1) == 1).all()  # unit lower
+    do = torch.randn(xs[2].shape, generator=torch.Generator().manual_seed(23)).to(DEV).to(dtype)
+    got = gdn_backward_triton(*xs, do, cu, scale, C, t_out, plan.seq_chunks.to(torch.int32))
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in xs]
+    gdn_reference(*ref_leaves, cu, scale, chunk_size=C).backward(do.cpu().double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, b in zip("q k v g beta".split(), got, ref_leaves):
+        assert rel_err(a.float().cpu(), b.grad) < tol, name
+    with pytest.raises(ValueError, match="t_chunks"):
+        gdn_backward_triton(*xs, do, cu, scale, C, t_out, plan.seq_chunks[:-1].to(torch.int32))
+    with pytest.raises(ValueError, match="t_out"):
+        gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True, t_out=t_out[1:])
+
+
+@pytest.mark.gpu
+def test_gpu_saved_t_autograd_fn(monkeypatch):
+    """On CUDA GatedDeltaRuleFn keeps T from the forward for the fused backward when
+    SAVE_T_FOR_BACKWARD is on: the same output bits, gradients within 1e-5 of float64 (float32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from vllm.kernels import gdn_chunk
+    lens, scale = [100, 37], K ** -0.5
+    cu = [0, 100, 137]
+    xs = make_inputs(cu[-1], seed=24)
+    md = step_metadata([0, 0], lens)
+    fwd = functools.partial(gdn_chunk_triton, chunk_size=C, aligned=True)
+    do = torch.randn(cu[-1], HV, V, generator=torch.Generator().manual_seed(25))
+    outs, grads = {}, {}
+    for save in (False, True):
+        monkeypatch.setattr(gdn_chunk, "SAVE_T_FOR_BACKWARD", save)
+        leaves = [t.cuda().requires_grad_() for t in xs]
+        o = GatedDeltaRuleFn.apply(fwd, *leaves, scale, md, C)
+        o.backward(do.cuda())
+        outs[save], grads[save] = o.detach(), [t.grad for t in leaves]
+    assert torch.equal(bits(outs[True]), bits(outs[False]))
+    ref_leaves = [t.double().requires_grad_() for t in xs]
+    gdn_reference(*ref_leaves, cu, scale, chunk_size=C).backward(do.double())
+    for name, a, b in zip("q k v g beta".split(), grads[True], ref_leaves):
+        assert rel_err(a.cpu(), b.grad) < 1e-5, name
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_autograd_fn_gradients(impl):
     lens = [21, 9]
@@ -414,7 +481,7 @@ def test_autograd_fn_gradients(impl):
     fwd = functools.partial(IMPLS[impl], chunk_size=C, aligned=True)
     md = step_metadata([0, 0], lens)
     leaves = [t.to(DEV).clone().requires_grad_() for t in xs]
-    o = GatedDeltaRuleFn.apply(fwd, *leaves, scale, md)
+    o = GatedDeltaRuleFn.apply(fwd, *leaves, scale, md, C)
     # the forward is the kernel's bits
     plain = IMPLS[impl](*(t.to(DEV) for t in xs), scale, md, None, chunk_size=C, aligned=True)
     assert torch.equal(bits(o.detach()), bits(plain))

@@ -4,8 +4,6 @@ import argparse
 import ast
 import os
 
-import torch
-
 from vllm import LLM
 from vllm.config import KernelConfig
 from vllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs

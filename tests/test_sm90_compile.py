@@ -51,6 +51,15 @@ def _gdn_chunk():
     op = gdn_chunk.gdn_chunk_triton
     x = make_inputs(21, seed=1)
     op(*x, K ** -0.5, step_metadata([0], [21]), None, chunk_size=C, aligned=True)
+    saved_flag = gdn_chunk.SAVE_T_FOR_BACKWARD
+    try:  # the prep kernel with the training backward's T store compiled in (SAVE_T_FOR_BACKWARD)
+        gdn_chunk.SAVE_T_FOR_BACKWARD = True
+        md = step_metadata([0], [21])
+        t_out = torch.empty((md.chunk_plan(C, True).num_chunks, x[2].shape[1], C, C))
+        op(*x, K ** -0.5, md, None, chunk_size=C, aligned=True, t_out=t_out)
+        run_schedule(op, {"x": make_inputs(20, seed=7)}, {"x": 1}, [[("x", 17)], [("x", 1)]], aligned=True)
+    finally:
+        gdn_chunk.SAVE_T_FOR_BACKWARD = saved_flag
     seqs = {"x": make_inputs(24, seed=2), "y": make_inputs(12, seed=3)}
     steps = [[("x", 18), ("y", 9)], [("y", 1), ("x", 1)], [("x", 1)], [("x", 4), ("y", 2)]]
     for aligned in (True, False):
@@ -236,6 +245,10 @@ def _gdn_backward():
                 if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
                     xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
                 gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+                # with the forward's T (gdn_chunk.SAVE_T_FOR_BACKWARD): T_SAVED
+                t = torch.eye(16, dtype=xs[0].dtype).expand(3, 4, 16, 16).contiguous()
+                gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, 16, t,
+                                                 torch.tensor([0, 2, 3], dtype=torch.int32))
     finally:
         gdn_backward.BF16_OPERANDS = saved
 

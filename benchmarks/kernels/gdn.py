@@ -86,10 +86,27 @@ def train_case(T: int = 10240) -> dict:
         leaves = [t.clone().requires_grad_() for t in x]
 
         def step(leaves=leaves, aligned=aligned):
-            o = GatedDeltaRuleFn.apply(ours(aligned), *leaves, SCALE, md)
+            o = GatedDeltaRuleFn.apply(ours(aligned), *leaves, SCALE, md, C)
             o.backward(do)
         out[name] = bench(step)
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
+    # the training options, off by default until measured: the forward keeps T for the
+    # backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the backward's kernels
+    # (gdn_backward.BF16_OPERANDS), and both
+    from vllm.kernels import gdn_backward, gdn_chunk
+    for name, save_t, bf16_ops in (("invariant_save_t", True, False), ("invariant_bf16_ops", False, True),
+                                   ("invariant_both", True, True)):
+        saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS
+        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS = save_t, bf16_ops
+        try:
+            leaves = [t.clone().requires_grad_() for t in x]
+
+            def step(leaves=leaves):
+                o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
+                o.backward(do)
+            out[name] = bench(step)
+        finally:
+            gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS = saved
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))

@@ -74,11 +74,13 @@ if HAS_TRITON:
         _rows_out(ptr, x, t0, n, head * X, HS * X, X, BC, BX)
 
     @triton.jit
-    def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr, C, NC,
-                     HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr):
+    def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr,
+                     ts_ptr, tch_ptr, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
+                     T_SAVED: tl.constexpr):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
-        forward: chunk_tiles.unit_lower_block_row), w, u, kd and e. T goes out whole for the
+        forward: chunk_tiles.unit_lower_block_row; or, T_SAVED, the forward's own T, chunk
+        tch[s] + c of ts for chunk c of sequence s), w, u, kd and e. T goes out whole for the
         final kernel."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
@@ -91,18 +93,29 @@ if HAS_TRITON:
         k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         ii = rows[:, None]
         jj = rows[None, :]
-        lower = (jj < ii) & (ii < C)
-        kk = _mm(k, tl.trans(k), PREC)
-        A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        # T block row by block row, as the forward builds it; rows past C (zero rows of A) are e_i
-        NB: tl.constexpr = BC // 16
-        tiles = tl.arange(0, NB)[:, None, None]
-        T3 = tl.reshape(tl.where(ii == jj, 1.0, 0.0), (NB, 16, BC))
-        for bi in tl.static_range(NB):
-            Ab = tl.sum(tl.where(tiles == bi, tl.reshape(A, (NB, 16, BC)), 0.0), 0)
-            Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16, EMULATE)
-            T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
-        T = tl.reshape(T3, (BC, BC))
+        if T_SAVED:
+            # a chunk past its sequence's end (no rows: A = 0) has T = I
+            s = ch // NC // HV
+            c = ch % NC
+            c0 = tl.load(tch_ptr + s)
+            has = c < tl.load(tch_ptr + s + 1) - c0
+            fwd_ch = ((c0 + c) * HV + h).to(tl.int64)
+            T = tl.load(ts_ptr + (fwd_ch * C + ii) * C + jj, mask=has & (ii < C) & (jj < C), other=0.0).to(tl.float32)
+            T = tl.where(has & (ii < C), T, tl.where(ii == jj, 1.0, 0.0))
+        else:
+            lower = (jj < ii) & (ii < C)
+            kk = _mm(k, tl.trans(k), PREC)
+            A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+            # T block row by block row, as the forward builds it; rows past C (zero rows of A) are e_i
+            NB: tl.constexpr = BC // 16
+            tiles = tl.arange(0, NB)[:, None, None]
+            T3 = tl.reshape(tl.where(ii == jj, 1.0, 0.0), (NB, 16, BC))
+            for bi in tl.static_range(NB):
+                Ab = tl.sum(tl.where(tiles == bi, tl.reshape(A, (NB, 16, BC)), 0.0), 0)
+                Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (BC, BC)), bi, 16,
+                                           EMULATE)
+                T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
+            T = tl.reshape(T3, (BC, BC))
         tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, _to_dtype_rn(T, t_ptr.dtype.element_ty),
                  mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
@@ -232,9 +245,13 @@ def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
     return HAS_TRITON and rows_aligned(q.shape[-1], v.shape[-1])
 
 
-def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_size: int = 64):
+def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_size: int = 64,
+                        t_saved: torch.Tensor | None = None, t_chunks: torch.Tensor | None = None):
     """(dq, dk, dv, dg, dbeta) of o = gdn_reference(q, k, v, g, beta, cu_seqlens, scale,
-    chunk_size) against do, in the inputs' dtypes, computed in float32."""
+    chunk_size) against do, in the inputs' dtypes, computed in float32. t_saved, t_chunks: the
+    forward's T per chunk (gdn_chunk_triton's t_out, [chunks, Hv, C, C]) and its chunks' first
+    index per sequence ([sequences + 1] int32, the forward's chunk plan's seq_chunks), taken
+    instead of building T again."""
     require_triton(q)
     T, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
@@ -249,6 +266,15 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     if C > MAX_CHUNK:
         raise ValueError(f"the fused GDN backward takes chunks of at most {MAX_CHUNK} rows, got {C}")
     nC, B = seqs.num_chunks, len(seqs.lens)
+    if (t_saved is None) != (t_chunks is None):
+        raise ValueError("t_saved and t_chunks go together")
+    if t_saved is not None:
+        if t_saved.dim() != 4 or tuple(t_saved.shape[1:]) != (v.shape[1], C, C) or not t_saved.is_contiguous():
+            raise ValueError(f"t_saved must be a contiguous [chunks, {v.shape[1]}, {C}, {C}] tensor, "
+                             f"got {tuple(t_saved.shape)}")
+        if t_chunks.dtype != torch.int32 or tuple(t_chunks.shape) != (B + 1,):
+            raise ValueError(f"t_chunks must be [{B + 1}] int32 (a sequence's first chunk in t_saved), "
+                             f"got {tuple(t_chunks.shape)} {t_chunks.dtype}")
     # the inputs and the gradients stay in the caller's [T, heads, ...] layout and dtypes (the
     # kernels read a chunk's rows in place, zeros past its sequence's end); what passes
     # between the kernels is float32 by chunk, [B, Hv, nC, C, ...]
@@ -272,8 +298,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     warps = WARPS.get(prec, WARPS["tf32x3"])
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
-    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, C, *heads,
-                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, **dims,
+    saved = t_saved is not None
+    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam,
+                       t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
+                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
                        num_warps=warps["prep"])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"])
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)

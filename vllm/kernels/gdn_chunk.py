@@ -87,7 +87,7 @@ import torch
 
 from vllm.forward_context import StateMetadata
 from vllm.kernels.chunk_recurrence import ChunkRecurrenceFn
-from vllm.kernels.gdn_backward import fused_backward_ok, gdn_backward_triton
+from vllm.kernels.gdn_backward import MAX_CHUNK as FUSED_MAX_CHUNK, fused_backward_ok, gdn_backward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, check_grid, check_state, dot_mode, host_chunks, launch_state, \
     reference_dtype, reference_grads, require_triton, scan_chunks_torch
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16 as _aligned16, next_pow2 as _next_pow2
@@ -111,6 +111,14 @@ PREP_BLOCK_V_MAX = 64   # V tile of u = T (beta v) in the prep kernel
 STATE_BLOCK_V_MAX = 32  # V tile of the state walk: one program's (sequence, head, V tile) walk
 OUT_BLOCK_V_MAX = 64    # V tile of the output kernel
 DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core tile)
+# The prep kernel can store each chunk's T (as w and u took it, in the model dtype) for the
+# training backward, which then skips its own T (its block rows are most of the backward's
+# prep, 456 us of the 3.7 ms at 1 x 10,240 on the H200). The store is compiled into the one
+# prep kernel every path runs (the engine's steps with it masked off), so rollout and trainer
+# still share one kernel. Costs [chunks, Hv, C, C] model-dtype bytes per GDN layer between
+# the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims). Off until the H200
+# measures it and the gate passes with it (benchmarks/kernels/gdn.py).
+SAVE_T_FOR_BACKWARD = False
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
@@ -200,16 +208,18 @@ if HAS_TRITON:
                      EMULATE, PREC)
             tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u, mask=row_ok)
 
-    @triton.jit(**_GDN_JIT)
+    # save_t not specialised: the trainer's forward (1) and the engine's steps (0) run one
+    # compiled kernel
+    @triton.jit(**{**_GDN_JIT, "do_not_specialize": [*_GDN_JIT["do_not_specialize"], "save_t"]})
     def _gdn_prep_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr,
         bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr, tc_ptr, tpos_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws,
-        has_state, has_dcache,
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws, t_out_ptr,
+        has_state, has_dcache, save_t,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
-        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, SAVE_T: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows of A),
         then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
@@ -306,7 +316,11 @@ if HAS_TRITON:
             # kd is read only where the state kernel folds the chunk in (aligned: complete
             # chunks); the key tile is shared by the value heads of a group: the group's first
             # stores it
-            _w_u_rows(tl.reshape(T3, (C, C)).to(DT), base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
+            Tr = tl.reshape(T3, (C, C)).to(DT)
+            if SAVE_T:  # the T that w and u are computed from, for the training backward (save_t)
+                tl.store(t_out_ptr + (base * C + rows[:, None]) * C + rows[None, :], Tr,
+                         mask=(save_t != 0) & (rows >= 0)[:, None])
+            _w_u_rows(Tr, base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
                       trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                       kd_ws, kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, dec,
                       ((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None],
@@ -588,7 +602,7 @@ def state_work_list(md: StateMetadata, plan, has_state: int, has_decode_cache: i
 
 def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, md: StateMetadata, state: dict[str, torch.Tensor] | None, *,
-                     chunk_size: int = 64, aligned: bool) -> torch.Tensor:
+                     chunk_size: int = 64, aligned: bool, t_out: torch.Tensor | None = None) -> torch.Tensor:
     """The chunked gated delta rule on the step's packed tokens (module docstring).
 
     q, k [T, Hk, K], v [T, Hv, V] in the model dtype; g, beta [T, Hv] float32. state:
@@ -597,9 +611,19 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     and, aligned, the partial-chunk buffer "buf_k" [slots, C, Hk, K], "buf_v"
     [slots, C, Hv, V] (model dtype), "buf_g", "buf_beta" [slots, C, Hv] float32, updated
     in place. Returns o [T, Hv, V] in the model dtype. Never syncs with the host beyond
-    what md.chunk_plan does (nothing for decode steps)."""
+    what md.chunk_plan does (nothing for decode steps). t_out (with SAVE_T_FOR_BACKWARD, no
+    cache): [chunks, Hv, C, C] in the model dtype, filled with each chunk's T as w and u took
+    it (the chunks of md.chunk_plan(chunk_size, aligned), in order) for the training backward."""
     require_triton(q)
     _check(q, k, v, g, beta, md, state, chunk_size, aligned)
+    if t_out is not None:
+        num = md.chunk_plan(chunk_size, aligned).num_chunks
+        if not SAVE_T_FOR_BACKWARD or state is not None:
+            raise ValueError("t_out needs gdn_chunk.SAVE_T_FOR_BACKWARD and no cache (the trainer's forward)")
+        if tuple(t_out.shape) != (num, v.shape[1], chunk_size, chunk_size) or t_out.dtype != q.dtype \
+                or not t_out.is_contiguous():
+            raise ValueError(f"t_out must be a contiguous [{num}, {v.shape[1]}, {chunk_size}, {chunk_size}] "
+                             f"{q.dtype} tensor, got {tuple(t_out.shape)} {t_out.dtype}")
     T, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
     C = chunk_size
@@ -635,9 +659,10 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _gdn_prep_kernel[(Hv, N)](
         k, v, g, beta, bk, bv, bg, bb, slots, tc, tpos,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws, has_state, has_dc,
+        gam_ws, kc_ws, w_ws, kd_ws, u_ws, gam_ws if t_out is None else t_out, has_state, has_dc, int(t_out is not None),
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, SAVE_T=SAVE_T_FOR_BACKWARD,
+        num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     work, nwork = state_work_list(md, plan, has_state, has_dc, C, aligned)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
     seq_programs = min(S, max(1, STATE_PROGRAMS // (VP // bv_state * Hv)))
@@ -762,23 +787,40 @@ class GatedDeltaRuleFn(torch.autograd.Function):
     """o = fwd(q, k, v, g, beta, scale, md, None): the engine's kernel (so a training
     forward has the rollout's bits); the backward is gdn_reference's: the fused kernels on a
     GPU, else autograd of the reference recomputed in float32 (float64 for float64 inputs).
-    Every sequence starts at 0."""
+    Every sequence starts at 0. chunk_size: the forward's (fwd has it bound), which the
+    backward takes too; with SAVE_T_FOR_BACKWARD and the fused backward ahead, the forward
+    keeps each chunk's T for it."""
 
     @staticmethod
-    def forward(ctx, fwd: Callable, q, k, v, g, beta, scale: float, md: StateMetadata):
-        ctx.save_for_backward(q, k, v, g, beta)
-        ctx.scale = scale
-        ctx.cu = md.cu_seqlens
-        return fwd(q, k, v, g, beta, scale, md, None)
+    def forward(ctx, fwd: Callable, q, k, v, g, beta, scale: float, md: StateMetadata, chunk_size: int = 64):
+        ctx.scale, ctx.cu, ctx.chunk_size = scale, md.cu_seqlens, chunk_size
+        t_saved = t_chunks = None
+        if SAVE_T_FOR_BACKWARD and _fused_backward_applies(q, v, chunk_size):
+            plan = md.chunk_plan(chunk_size, True)
+            t_saved = torch.empty((plan.num_chunks, v.shape[1], chunk_size, chunk_size), dtype=q.dtype,
+                                  device=q.device)
+            t_chunks = plan.seq_chunks.to(torch.int32)
+            o = fwd(q, k, v, g, beta, scale, md, None, t_out=t_saved)
+        else:
+            o = fwd(q, k, v, g, beta, scale, md, None)
+        ctx.save_for_backward(q, k, v, g, beta, t_saved, t_chunks)
+        return o
 
     @staticmethod
     def backward(ctx, do):
-        needs, xs = ctx.needs_input_grad[1:6], ctx.saved_tensors
-        if (any(needs) and do.is_cuda and torch.float64 not in (do.dtype, xs[0].dtype)
-                and fused_backward_ok(xs[0], xs[2])):
+        needs, (*xs, t_saved, t_chunks) = ctx.needs_input_grad[1:6], ctx.saved_tensors
+        if any(needs) and do.is_cuda and do.dtype != torch.float64 and _fused_backward_applies(xs[0], xs[2],
+                                                                                                ctx.chunk_size):
             # the fused kernels (gdn_backward.py): the same gradients, 1.3x faster on the H200
-            grads = gdn_backward_triton(*xs, do, ctx.cu, ctx.scale)
+            grads = gdn_backward_triton(*xs, do, ctx.cu, ctx.scale, ctx.chunk_size, t_saved, t_chunks)
             grads = [d if n else None for d, n in zip(grads, needs)]
         else:
-            grads = reference_grads(lambda *a: gdn_reference(*a, ctx.cu, ctx.scale), xs, needs, do)
-        return (None, *grads, None, None)
+            grads = reference_grads(lambda *a: gdn_reference(*a, ctx.cu, ctx.scale, chunk_size=ctx.chunk_size),
+                                    xs, needs, do)
+        return (None, *grads, None, None, None)
+
+
+def _fused_backward_applies(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    """The backward runs gdn_backward_triton (CUDA, not float64, head dims and chunk it takes)."""
+    return (q.is_cuda and q.dtype != torch.float64 and fused_backward_ok(q, v)
+            and chunk_size <= FUSED_MAX_CHUNK)

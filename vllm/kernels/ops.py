@@ -174,7 +174,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     fn, wrap = _kernel(op, q)
     if wrap and _needs_autograd(q, k, v, g, beta):
         from vllm.kernels.gdn_chunk import GatedDeltaRuleFn
-        return GatedDeltaRuleFn.apply(functools.partial(fn, chunk_size=chunk_size), q, k, v, g, beta, scale, md)
+        return GatedDeltaRuleFn.apply(functools.partial(fn, chunk_size=chunk_size), q, k, v, g, beta, scale, md,
+                                      chunk_size)
     return fn(q, k, v, g, beta, scale, md, state, chunk_size=chunk_size)
 
 
