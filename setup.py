@@ -103,8 +103,9 @@ setup(
         # xgrammar: tests/test_structured_outputs.py (about 4 s to install: two wheels, 4.6 MB)
         # lm-eval[api]: tests/test_lm_eval.py runs its local-completions model against the server
         # (about 25 s to install)
-        "test": ["pytest", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client", "openai",
-                 "gguf", "accelerate", "trl>=1.16,<1.17", "requests", "ray>=2.40", "xgrammar>=0.2.9,<0.3",
+        # pytest-xdist: scripts/test.sh runs one pytest worker per core
+        "test": ["pytest", "pytest-xdist", "packaging", "httpx", "fastapi", "starlette", "uvicorn", "prometheus-client",
+                 "openai", "gguf", "accelerate", "trl>=1.16,<1.17", "requests", "ray>=2.40", "xgrammar>=0.2.9,<0.3",
                  "lm-eval[api]>=0.4.13,<0.5"],
         # structured outputs (response_format, structured_outputs, tool_choice "required" / named):
         # xgrammar compiles the grammars (vllm/structured_outputs.py); the version tested
