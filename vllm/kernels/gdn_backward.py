@@ -49,8 +49,8 @@ WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
          "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
 # With bf16 dots, w, kd, T and v_new pass between the kernels in bfloat16 (their every use is
 # a dot operand, which the dots round to bfloat16 anyway: the same gradients, bit for bit, from
-# half the bytes; the chunk recurrence's walks are bound by these loads). Off until the H200
-# measures it (benchmarks/kernels/gdn.py --backward times it beside the float32 operands).
+# half the bytes; w and kd are most of what the chunk recurrence's walks read). Off until the
+# H200 measures it (benchmarks/kernels/gdn.py --backward times it beside the float32 operands).
 BF16_OPERANDS = False
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
@@ -277,7 +277,8 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                              f"got {tuple(t_chunks.shape)} {t_chunks.dtype}")
     # the inputs and the gradients stay in the caller's [T, heads, ...] layout and dtypes (the
     # kernels read a chunk's rows in place, zeros past its sequence's end); what passes
-    # between the kernels is float32 by chunk, [B, Hv, nC, C, ...]
+    # between the kernels is float32 by chunk, [B, Hv, nC, C, ...] (w, kd, T and v_new in
+    # bfloat16 with BF16_OPERANDS)
     q, k, v, g, beta, do = (aligned16(x) for x in (q, k, v, g, beta, do))
     cu = torch.tensor(seqs.cu, dtype=torch.int32, device=q.device)
     # tiles of at least 32 columns: at C = 64, 16-column tiles (K = 16) fault with an illegal

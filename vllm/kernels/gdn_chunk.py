@@ -112,12 +112,13 @@ STATE_BLOCK_V_MAX = 32  # V tile of the state walk: one program's (sequence, hea
 OUT_BLOCK_V_MAX = 64    # V tile of the output kernel
 DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core tile)
 # The prep kernel can store each chunk's T (as w and u took it, in the model dtype) for the
-# training backward, which then skips its own T (its block rows are most of the backward's
-# prep, 456 us of the 3.7 ms at 1 x 10,240 on the H200). The store is compiled into the one
-# prep kernel every path runs (the engine's steps with it masked off), so rollout and trainer
-# still share one kernel. Costs [chunks, Hv, C, C] model-dtype bytes per GDN layer between
-# the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims). Off until the H200
-# measures it and the gate passes with it (benchmarks/kernels/gdn.py).
+# training backward, which then skips building its own (T's block rows are most of this
+# kernel's time, about 400 of 622 us at prefill 5 x 2,048 on the H200; the backward's prep,
+# which builds T the same way, takes 456 us of its 3.7 ms at 1 x 10,240). The store is
+# compiled into the one prep kernel every path runs (the engine's steps with it masked off), so
+# rollout and trainer still share one kernel. Costs [chunks, Hv, C, C] model-dtype bytes per
+# GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims). Off
+# until the H200 measures it and the gate passes with it (benchmarks/kernels/gdn.py).
 SAVE_T_FOR_BACKWARD = False
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
