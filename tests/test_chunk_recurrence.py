@@ -107,6 +107,26 @@ def test_bf16_operands_give_the_same_bits(shape, monkeypatch):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
 
 
+def test_bf16_states_round_to_nearest(monkeypatch):
+    """States stored in bfloat16 (gdn_backward.BF16_STATES) are the float32 walk's states
+    rounded to nearest, v_new keeps its bits (the walk carries S in float32), and the backward
+    fed bfloat16 states and state gradients stays near the float32 one: du, dw, dkd within
+    1e-2; de = <S, dS> within 5e-2, a sum whose terms cancel (its error is relative to the
+    terms; 1.7e-2 here)."""
+    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)
+    (u, w, kd, e), (gs, gvn) = ([t.to(DEV) for t in ts] for ts in make(1, 2, 3, 16, 16, 32, seed=9))
+    states, vn = cr.recurrence_forward_triton(u, w, kd, e, BF16_DOTS)
+    states_b, vn_b = cr.recurrence_forward_triton(u, w, kd, e, BF16_DOTS, states_dtype=torch.bfloat16)
+    assert states_b.dtype == torch.bfloat16 and torch.equal(states_b, states.bfloat16())
+    assert torch.equal(vn_b, vn)
+    grads = cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gvn, BF16_DOTS)
+    grads_b = cr.recurrence_backward_triton(w, kd, e, states_b, vn, gs.bfloat16(), gvn, BF16_DOTS)
+    for name, a, b, tol in zip(("du", "dw", "dkd", "de"), grads_b, grads, (1e-2, 1e-2, 1e-2, 5e-2)):
+        assert a.dtype == torch.float32 and rel_err(a.cpu(), b.cpu()) < tol, name
+    with pytest.raises(ValueError, match="bf16 dots"):
+        cr.recurrence_forward_triton(u, w, kd, e, "ieee", states_dtype=torch.bfloat16)
+
+
 def test_dot_precision_follows_the_inputs_dtype(monkeypatch):
     """The training backwards' dots: bf16 operands for a bf16 model, 3xTF32 for float32 (and
     float16) on the GPU; the interpreter's stand-ins for them on CPU tensors; and the

@@ -97,9 +97,9 @@ def test_bf16_operands_give_the_same_gradients(hk, hv, monkeypatch):
     seen = []
     real = gdn_backward.recurrence_forward_triton
 
-    def spy(u, w, kd, e, prec, vn_dtype=torch.float32):
+    def spy(u, w, kd, e, prec, vn_dtype=torch.float32, **kw):
         seen.append((w.dtype, kd.dtype, vn_dtype))
-        return real(u, w, kd, e, prec, vn_dtype=vn_dtype)
+        return real(u, w, kd, e, prec, vn_dtype=vn_dtype, **kw)
     monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
     monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
     got = gdn_backward_triton(*xs, do, cu, 0.25, chunk_size=16)
@@ -110,6 +110,34 @@ def test_bf16_operands_give_the_same_gradients(hk, hv, monkeypatch):
     seen.clear()
     gdn_backward_triton(*(x.float() for x in xs), do.float(), cu, 0.25, chunk_size=16)
     assert seen == [(torch.float32,) * 3]
+
+
+def test_bf16_states_stay_within_bf16_rounding(monkeypatch):
+    """BF16_STATES: the states, their output gradients and the gradients reaching each chunk's
+    end pass between the kernels in bfloat16 (as fla's backward passes them). de and the
+    walk's dS + g_S take them elementwise, so the gradients move: still within 1e-2 of float64
+    autograd (as the float32 states' are), not their bits, and the flag does take that path."""
+    from vllm.kernels import gdn_backward
+    cu = [0, 21, 30]
+    xs, do = make(30, 2, 4, 16, 32, seed=0)
+    xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
+                          [True] * 5, do.double())
+    on = [x.to(DEV) for x in xs]
+    base = gdn_backward_triton(*on, do.to(DEV), cu, 0.25, chunk_size=16)
+    seen = []
+    real = gdn_backward.recurrence_forward_triton
+
+    def spy(*a, states_dtype=torch.float32, **kw):
+        seen.append(states_dtype)
+        return real(*a, states_dtype=states_dtype, **kw)
+    monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
+    monkeypatch.setattr(gdn_backward, "BF16_STATES", True)
+    got = gdn_backward_triton(*on, do.to(DEV), cu, 0.25, chunk_size=16)
+    assert seen == [torch.bfloat16]
+    assert any(not torch.equal(a, b) for a, b in zip(got, base))
+    for name, a, b in zip("q k v g beta".split(), got, ref):
+        assert rel_err(a.float().cpu(), b) < 1e-2, name
 
 
 def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
@@ -147,6 +175,26 @@ def test_gpu_real_dims_bf16_operands_same_bits(monkeypatch):
     got = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
     for name, a, b in zip("q k v g beta".split(), got, base):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_bf16_states_within_tolerance(monkeypatch):
+    """At Qwen3-Next's dims with BF16_STATES (and BF16_OPERANDS): the bf16 inputs' gradients
+    stay within 1e-2 of float64 autograd of the reference, as with float32 states."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from vllm.kernels import gdn_backward
+    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
+    monkeypatch.setattr(gdn_backward, "BF16_STATES", True)
+    cu = [0, 1000, 1700]
+    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
+    xs = [x.cuda().bfloat16() if i < 3 else x.cuda() for i, x in enumerate(xs)]
+    do = do.cuda().bfloat16()
+    ref64 = reference_grads(lambda *a: gdn_reference(*a, cu, 128 ** -0.5), [x.double() for x in xs], [True] * 5,
+                            do.double())
+    got = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
+    for name, a, c in zip("q k v g beta".split(), got, ref64):
+        assert rel_err(a.float().cpu(), c.cpu()) < 1e-2, name
 
 
 @pytest.mark.gpu

@@ -231,15 +231,15 @@ def _recurrence_shapes(cr):
 
 def _gdn_backward():
     """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
-    GPU's dots at each precision (bf16: with float32 and with bfloat16 operands between the
-    kernels, BF16_OPERANDS)."""
+    GPU's dots at each precision (bf16: with float32 and with bfloat16 operands and states
+    between the kernels, BF16_OPERANDS and BF16_STATES)."""
     from test_gdn_backward import make
 
     from vllm.kernels import gdn_backward
-    saved = gdn_backward.BF16_OPERANDS
+    saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
     try:
         for prec, ops_bf16 in [(p, False) for p in GPU_DOT_PRECISIONS] + [("bf16", True)]:
-            gdn_backward.BF16_OPERANDS = ops_bf16
+            gdn_backward.BF16_OPERANDS = gdn_backward.BF16_STATES = ops_bf16
             with _gpu_dot_precision(prec):
                 xs, do = make(30, 2, 4, 16, 32, seed=0)
                 if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
@@ -250,7 +250,7 @@ def _gdn_backward():
                 gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, 16, t,
                                                  torch.tensor([0, 2, 3], dtype=torch.int32))
     finally:
-        gdn_backward.BF16_OPERANDS = saved
+        gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
 
 
 def _mamba2_backward():

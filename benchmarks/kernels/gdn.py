@@ -226,18 +226,21 @@ def backward_case(T: int = 10240) -> None:
     def ref_step(dy=do):
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
-    @contextlib.contextmanager
-    def bf16_operands():
-        saved = gdn_backward.BF16_OPERANDS
-        gdn_backward.BF16_OPERANDS = True
-        try:
-            yield
-        finally:
-            gdn_backward.BF16_OPERANDS = saved
+    def flags(operands: bool, states: bool):
+        @contextlib.contextmanager
+        def ctx():
+            saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
+            gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = operands, states
+            try:
+                yield
+            finally:
+                gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
+        return ctx
 
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
                     ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
-                    {"bf16 operands between the kernels": bf16_operands})
+                    {"bf16 operands between the kernels": flags(True, False),
+                     "bf16 operands and states between the kernels": flags(True, True)})
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

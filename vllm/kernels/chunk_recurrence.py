@@ -78,7 +78,7 @@ if HAS_TRITON:
         S = tl.zeros((BK, BV), dtype=tl.float32)
         for c in range(NC):
             chunk = bh * NC + c
-            states_desc.store([chunk, 0, v0], tl.reshape(S, (1, BK, BV)))
+            states_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(S, states_desc.dtype), (1, BK, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV))
             vn = u - _mm(w, S, PREC)
@@ -98,13 +98,13 @@ if HAS_TRITON:
         dS = tl.zeros((BK, BV), dtype=tl.float32)
         for i in range(NC):
             chunk = bh * NC + (NC - 1 - i)
-            ds_desc.store([chunk, 0, v0], tl.reshape(dS, (1, BK, BV)))
+            ds_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(dS, ds_desc.dtype), (1, BK, BV)))
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + _mm(kd, dS, PREC)
             du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
-            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV))
+            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
             dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
     @triton.jit
@@ -118,8 +118,9 @@ if HAS_TRITON:
         de = tl.zeros((BK, BV), dtype=tl.float32)
         for iv in range(NV):
             v0 = iv * BV
-            dS = tl.reshape(ds_desc.load([chunk, 0, v0]), (BK, BV))
-            S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV))
+            # float32 for de's products (exact widening of bfloat16 states, BF16 states)
+            dS = tl.reshape(ds_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
+            S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
             vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
             dvn = tl.reshape(du_desc.load([chunk, 0, v0]), (BC, BV))
             dkd += _mm(vn, tl.trans(dS), PREC)
@@ -163,21 +164,24 @@ def _dims_ok(K: int, V: int) -> bool:
     return rows_aligned(K, V)
 
 
-def recurrence_forward_triton(u, w, kd, e, precision: str | None = None,
-                              vn_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states [B, H, nC, K, V] float32, v_new [B, H, nC, C, V] in vn_dtype); the dots at
-    `precision` (training_tiles.dot_precision of the float32 inputs where None). With bf16
-    dots, w and kd may come in bfloat16 and v_new go out in it: the dots round them to it
-    anyway, so the results are the same bits (half the bytes)."""
+def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtype: torch.dtype = torch.float32,
+                              states_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, H, nC, K, V] in states_dtype, v_new [B, H, nC, C, V] in vn_dtype); the
+    dots at `precision` (training_tiles.dot_precision of the float32 inputs where None). With
+    bf16 dots, w and kd may come in bfloat16 and v_new go out in it: the dots round them to it
+    anyway, so the results are the same bits (half the bytes). States stored in bfloat16 (the
+    walk carries them in float32) are rounded to nearest: a lower precision for the backward's
+    elementwise uses of them (de)."""
     require_triton(u)
     prec = precision or training_tiles.dot_precision(u)
     _check(u, w, kd, e, prec)
-    if vn_dtype != torch.float32 and (vn_dtype != torch.bfloat16 or prec not in BF16_PRECISIONS or u.shape[-1] % 8):
-        raise ValueError(f"v_new in {vn_dtype} needs bf16 dots and V a multiple of 8, got {prec}, V = {u.shape[-1]}")
+    for name, dt in (("v_new", vn_dtype), ("states", states_dtype)):
+        if dt != torch.float32 and (dt != torch.bfloat16 or prec not in BF16_PRECISIONS or u.shape[-1] % 8):
+            raise ValueError(f"{name} in {dt} needs bf16 dots and V a multiple of 8, got {prec}, V = {u.shape[-1]}")
     B, H, nC, C, V = u.shape
     K = w.shape[-1]
     u, w, kd, e = (aligned16(t) for t in (u, w, kd, e))
-    states = u.new_empty((B, H, nC, K, V))
+    states = u.new_empty((B, H, nC, K, V), dtype=states_dtype)
     vn = torch.empty_like(u, dtype=vn_dtype)
     if u.numel() == 0:
         return states.zero_(), vn.copy_(u)
@@ -191,7 +195,9 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None,
 
 def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None):
     """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
-    outputs (w, kd and v_new as the forward took and gave them)."""
+    outputs (w, kd, states and v_new as the forward took and gave them; g_states in float32 or,
+    with bfloat16 states, bfloat16). The gradient reaching each chunk's end state passes from
+    the walk to the per-chunk program in the states' dtype."""
     require_triton(w)
     B, H, nC, C, V = vn.shape
     K = w.shape[-1]
@@ -201,7 +207,7 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
     if vn.numel() == 0:
         return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()
-    d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state
+    d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state (states' dtype)
     block_v, warps, stages = BACKWARD_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_walk_kernel[(B * H, -(-V // BV))](

@@ -52,6 +52,13 @@ WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
 # half the bytes; w and kd are most of what the chunk recurrence's walks read). Off until the
 # H200 measures it (benchmarks/kernels/gdn.py --backward times it beside the float32 operands).
 BF16_OPERANDS = False
+# With bf16 dots, the per-chunk states, their gradients from the outputs and the gradients
+# reaching each chunk's end pass between the kernels in bfloat16 too, as fla's backward passes
+# them (3 x 335 MB of float32 written and read at 1 x 10,240, Qwen3-Next's dims). Not the same
+# bits: de = <S, dS> and the walk's dS + g_S take them elementwise, so the gradients move
+# within bf16 rounding. Off until the H200 measures its time and its distance from float64
+# (benchmarks/kernels/gdn.py --backward).
+BF16_STATES = False
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -278,7 +285,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     # the inputs and the gradients stay in the caller's [T, heads, ...] layout and dtypes (the
     # kernels read a chunk's rows in place, zeros past its sequence's end); what passes
     # between the kernels is float32 by chunk, [B, Hv, nC, C, ...] (w, kd, T and v_new in
-    # bfloat16 with BF16_OPERANDS)
+    # bfloat16 with BF16_OPERANDS, the state-shaped ones with BF16_STATES)
     q, k, v, g, beta, do = (aligned16(x) for x in (q, k, v, g, beta, do))
     cu = torch.tensor(seqs.cu, dtype=torch.int32, device=q.device)
     # tiles of at least 32 columns: at C = 64, 16-column tiles (K = 16) fault with an illegal
@@ -288,8 +295,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     prec = training_tiles.dot_precision(q)
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dot operands' dtype (BF16_OPERANDS; 16-byte rows of bfloat16 need K, V multiples of 8)
-    ops = dict(f32, dtype=torch.bfloat16) if (BF16_OPERANDS and prec in chunk_recurrence.BF16_PRECISIONS
-                                              and K % 8 == 0 and V % 8 == 0) else f32
+    bf16_ok = prec in chunk_recurrence.BF16_PRECISIONS and K % 8 == 0 and V % 8 == 0
+    ops = dict(f32, dtype=torch.bfloat16) if BF16_OPERANDS and bf16_ok else f32
+    states_dtype = torch.bfloat16 if BF16_STATES and bf16_ok else torch.float32
     w, kd = torch.empty((B, Hv, nC, C, K), **ops), torch.empty((B, Hv, nC, C, K), **ops)
     u = torch.empty((B, Hv, nC, C, V), **f32)
     e = torch.empty((B, Hv, nC), **f32)
@@ -304,7 +312,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                        t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
                        num_warps=warps["prep"])
-    states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"])
+    states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"], states_dtype=states_dtype)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims,
                            num_warps=warps["out_grad"])
