@@ -92,12 +92,12 @@ def train_case(T: int = 10240) -> dict:
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
     # the training options, off by default until measured: the forward keeps T for the
     # backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the backward's kernels
-    # (gdn_backward.BF16_OPERANDS), and both
+    # (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES), all three
     from vllm.kernels import gdn_backward, gdn_chunk
-    for name, save_t, bf16_ops in (("invariant_save_t", True, False), ("invariant_bf16_ops", False, True),
-                                   ("invariant_both", True, True)):
-        saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS
-        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS = save_t, bf16_ops
+    for name, *flags in (("invariant_save_t", True, False, False), ("invariant_bf16_ops", False, True, False),
+                         ("invariant_bf16_states", False, True, True), ("invariant_all", True, True, True)):
+        saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
+        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = flags
         try:
             leaves = [t.clone().requires_grad_() for t in x]
 
@@ -106,7 +106,7 @@ def train_case(T: int = 10240) -> dict:
                 o.backward(do)
             out[name] = bench(step)
         finally:
-            gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS = saved
+            gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
