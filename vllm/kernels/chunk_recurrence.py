@@ -18,9 +18,10 @@ where g_S_c and g_vn_c are the gradients reaching the returned states and v_new.
 Two implementations of each direction, one per device:
 - CUDA: one Triton program per (sequence, head, V tile) walks the chunks with the state (or
   its gradient) in registers, so a 10,240-token sequence is one launch, not 160 chunks of
-  small ops. The backward walk keeps only dv_new and the
-  state's gradient, storing the gradient reaching each chunk's end state, and a program per
-  chunk takes dkd, dw and de over all of V after it (two launches, no per-tile parts). Dots are
+  small ops. The backward walk keeps only dv_new and the state's gradient, storing the
+  gradient reaching each chunk's end state, and a program per chunk takes dkd, dw and de over
+  all of V after it (two launches, no per-tile parts). With bf16 dots the dots' operands (w,
+  kd, v_new) and the state-shaped tensors may pass in bfloat16 (gdn_backward's options). Dots are
   3xTF32 for float32 callers (near-fp32; ieee float32 dots compile to FMA loops that spill at
   these tiles), or bf16 operands where the GDN backward of bfloat16 inputs asks
   (training_tiles.dot_precision), so the results agree with the float32 torch loops within
@@ -118,7 +119,7 @@ if HAS_TRITON:
         de = tl.zeros((BK, BV), dtype=tl.float32)
         for iv in range(NV):
             v0 = iv * BV
-            # float32 for de's products (exact widening of bfloat16 states, BF16 states)
+            # float32 for de's products (widening bfloat16 states and gradients is exact)
             dS = tl.reshape(ds_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
             S = tl.reshape(states_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
             vn = tl.reshape(vn_desc.load([chunk, 0, v0]), (BC, BV))
