@@ -158,60 +158,43 @@ def test_refuses_unaligned_head_dims():
         gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), [0, 4], 1.0, chunk_size=128)
 
 
+REAL_DIMS_CU = [0, 1000, 1700]
+
+
+def _real_dims_case(dtype):
+    """Qwen3-Next's head dims (16 / 32 heads of 128, chunk 64), two sequences ending mid-chunk,
+    on the GPU: q, k, v and do in dtype (g, beta float32, as the layer passes them)."""
+    xs, do = make(REAL_DIMS_CU[-1], 16, 32, 128, 128, seed=5)
+    return [x.cuda().to(dtype) if i < 3 else x.cuda() for i, x in enumerate(xs)], do.cuda().to(dtype)
+
+
 @pytest.mark.gpu
 def test_gpu_real_dims_bf16_operands_same_bits(monkeypatch):
-    """At Qwen3-Next's dims on the GPU (bf16 dots: tensor-core products of the operands as
-    stored, where the interpreter emulates them): BF16_OPERANDS gives the float32-operand
-    gradients bit for bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+    """On the GPU (bf16 dots: tensor-core products of the operands as stored, where the
+    interpreter emulates them): BF16_OPERANDS gives the float32-operand gradients bit for bit."""
     from vllm.kernels import gdn_backward
-    cu = [0, 1000, 1700]
-    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
-    xs = [x.cuda().bfloat16() if i < 3 else x.cuda() for i, x in enumerate(xs)]
-    do = do.cuda().bfloat16()
-    base = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
+    xs, do = _real_dims_case(torch.bfloat16)
+    base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
     monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
-    got = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
+    got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
     for name, a, b in zip("q k v g beta".split(), got, base):
         assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu
-def test_gpu_real_dims_bf16_states_within_tolerance(monkeypatch):
-    """At Qwen3-Next's dims with BF16_STATES (and BF16_OPERANDS): the bf16 inputs' gradients
-    stay within 1e-2 of float64 autograd of the reference, as with float32 states."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+@pytest.mark.parametrize("dtype,bf16_states", [(torch.float32, False), (torch.bfloat16, False),
+                                               (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-states"])
+def test_gpu_real_dims_match_the_reference_backward(dtype, bf16_states, monkeypatch):
+    """_real_dims_case: the fused kernels against float64 autograd of the reference. float32
+    inputs (3xTF32 dots): within 1e-4 (every gradient float32, no rounding to hide behind);
+    bf16 inputs as the layer passes them (bf16 dots): within 1e-2 (float32 g and beta
+    included, whose gradients the bf16 dots feed), also with the states and their gradients
+    passed in bfloat16 (BF16_STATES, with BF16_OPERANDS)."""
     from vllm.kernels import gdn_backward
-    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
-    monkeypatch.setattr(gdn_backward, "BF16_STATES", True)
-    cu = [0, 1000, 1700]
-    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
-    xs = [x.cuda().bfloat16() if i < 3 else x.cuda() for i, x in enumerate(xs)]
-    do = do.cuda().bfloat16()
-    ref64 = reference_grads(lambda *a: gdn_reference(*a, cu, 128 ** -0.5), [x.double() for x in xs], [True] * 5,
-                            do.double())
-    got = gdn_backward_triton(*xs, do, cu, 128 ** -0.5)
-    for name, a, c in zip("q k v g beta".split(), got, ref64):
-        assert rel_err(a.float().cpu(), c.cpu()) < 1e-2, name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_real_dims_match_the_reference_backward(dtype):
-    """Qwen3-Next's head dims (16 / 32 heads of 128, chunk 64), two sequences ending
-    mid-chunk: the fused kernels against float64 autograd of the reference. float32 inputs
-    (3xTF32 dots): within 1e-4 (every gradient float32, no rounding to hide behind); bf16
-    inputs as the layer passes them (bf16 dots): within 1e-2 (float32 g and beta included,
-    whose gradients the bf16 dots feed)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    cu = [0, 1000, 1700]
-    xs, do = make(cu[-1], 16, 32, 128, 128, seed=5)
-    xs = [x.cuda().to(dtype) if i < 3 else x.cuda() for i, x in enumerate(xs)]
-    do = do.cuda().to(dtype)
-    scale = 128 ** -0.5
+    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", bf16_states)
+    monkeypatch.setattr(gdn_backward, "BF16_STATES", bf16_states)
+    cu, scale = REAL_DIMS_CU, 128 ** -0.5
+    xs, do = _real_dims_case(dtype)
     ref64 = reference_grads(lambda *a: gdn_reference(*a, cu, scale), [x.double() for x in xs], [True] * 5,
                             do.double())
     got = gdn_backward_triton(*xs, do, cu, scale)

@@ -22,6 +22,7 @@ prefill rows.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -77,6 +78,21 @@ def ours(aligned: bool):
     return functools.partial(gdn_chunk_triton, chunk_size=C, aligned=aligned)
 
 
+@contextlib.contextmanager
+def training_options(save_t: bool = False, bf16_operands: bool = False, bf16_states: bool = False):
+    """The GDN training options, off by default until measured, set for the block: the forward
+    keeps T for the backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the
+    backward's kernels (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES)."""
+    from vllm.kernels import gdn_backward, gdn_chunk
+    saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
+    gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = \
+        save_t, bf16_operands, bf16_states
+    try:
+        yield
+    finally:
+        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
+
+
 def train_case(T: int = 10240) -> dict:
     x = inputs(T, 0)
     do = torch.randn(T, HV, V, device=DEV).to(torch.bfloat16)
@@ -90,23 +106,15 @@ def train_case(T: int = 10240) -> dict:
             o.backward(do)
         out[name] = bench(step)
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
-    # the training options, off by default until measured: the forward keeps T for the
-    # backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the backward's kernels
-    # (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES), all three
-    from vllm.kernels import gdn_backward, gdn_chunk
-    for name, *flags in (("invariant_save_t", True, False, False), ("invariant_bf16_ops", False, True, False),
-                         ("invariant_bf16_states", False, True, True), ("invariant_all", True, True, True)):
-        saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
-        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = flags
-        try:
+    for name, flags in (("invariant_save_t", (True, False, False)), ("invariant_bf16_ops", (False, True, False)),
+                        ("invariant_bf16_states", (False, True, True)), ("invariant_all", (True, True, True))):
+        with training_options(*flags):
             leaves = [t.clone().requires_grad_() for t in x]
 
             def step(leaves=leaves):
                 o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
                 o.backward(do)
             out[name] = bench(step)
-        finally:
-            gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
@@ -210,11 +218,8 @@ def backward_case(T: int = 10240) -> None:
     Triton chunk recurrence) against the fused kernels of vllm/kernels/gdn_backward.py (the
     trainer's path on a GPU), their distance from float64 autograd, the fused kernels' GPU time
     per kernel, at the bf16 dots a bf16 model's backward takes beside the 3xTF32 of a float32 one."""
-    import contextlib
-
     from scan_bench import backward_report
 
-    from vllm.kernels import gdn_backward
     from vllm.kernels.chunk_scan import reference_grads
     from vllm.kernels.gdn_backward import gdn_backward_triton
     from vllm.kernels.gdn_chunk import gdn_reference
@@ -226,21 +231,11 @@ def backward_case(T: int = 10240) -> None:
     def ref_step(dy=do):
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
-    def flags(operands: bool, states: bool):
-        @contextlib.contextmanager
-        def ctx():
-            saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
-            gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = operands, states
-            try:
-                yield
-            finally:
-                gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
-        return ctx
-
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
                     ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
-                    {"bf16 operands between the kernels": flags(True, False),
-                     "bf16 operands and states between the kernels": flags(True, True)})
+                    {"bf16 operands between the kernels": functools.partial(training_options, bf16_operands=True),
+                     "bf16 operands and states between the kernels":
+                         functools.partial(training_options, bf16_operands=True, bf16_states=True)})
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:
