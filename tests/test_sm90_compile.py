@@ -145,7 +145,8 @@ def _mamba2_ops():
 def _leaf_tree():
     """The TP leaf tree at every H200 config (plain and TMA) of its table, 8 leaves, bf16;
     the register-counter kernels ("tmar" and its pointer form "plainr") at every depth of
-    the counter they unroll (1, 2, 8, 16 leaves)."""
+    the counter they unroll (1, 2, 8, 16 leaves); the hybrids at the 128 x 128 tiles of
+    benchmarks/kernels/tp_tree.py's sweep."""
     from vllm.kernels import leaf_tree
 
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
@@ -157,6 +158,13 @@ def _leaf_tree():
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 32, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("plainr", 16, 32, 128, 4, 4))
+    # the hybrids (top levels in the scratch) at the sweep's 128 x 128 tiles, and at 2 and 4
+    # leaves (the register counter then holds one level or none)
+    for cfg in (("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
+                ("tmah", 128, 128, 64, 8, 3)):
+        leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
+    for leaves in (2, 4):
+        leaf_tree.tree_linear_triton(x, w, leaves, config=("tmah2", 64, 64, 128, 4, 4))
 
 
 def _gemm():

@@ -52,11 +52,11 @@ def test_rank_subtrees_finish_to_the_same_bits(size, impl):
     assert torch.equal(bits(leaf_tree.tree_sum(roots)), bits(whole))
 
 
-@pytest.mark.parametrize("impl", ["plain", "tma", "plainr", "tmar"])
+@pytest.mark.parametrize("impl", ["plain", "tma", "plainr", "tmar", "tmah", "tmah2"])
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8, 16])
 def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
-    """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in the scratch or
-    in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
+    """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in the scratch, in
+    registers, or the top one or two levels in the scratch and the rest in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
     emulated dot rounds per K tile, so BK stays the invariant GEMM's 16 there)."""
     if impl.startswith("tma") and 128 // leaves < 16:
         pytest.skip("a TMA leaf needs K / leaves to be a multiple of BK")
@@ -69,7 +69,7 @@ def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
     assert torch.allclose(fused.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["plainr", "tmar"])
+@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah2"])
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
 @pytest.mark.parametrize("M,N,K", [(1, 40, 128), (5, 30, 128), (33, 40, 96)])
 def test_register_counter_kernels_equal_one_gemm_per_leaf(M, N, K, leaves, impl):
@@ -81,8 +81,8 @@ def test_register_counter_kernels_equal_one_gemm_per_leaf(M, N, K, leaves, impl)
     assert torch.equal(bits(fused), bits(leaf_tree.tree_linear_leafwise(x, w, leaves)))
 
 
-@pytest.mark.parametrize("impl", ["plainr", "tmar"])
-@pytest.mark.parametrize("leaves", [4, 8])
+@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah", "tmah2"])
+@pytest.mark.parametrize("leaves", [4, 8, 16])
 def test_register_counter_adds_in_tree_order(leaves, impl):
     """Leaf sums chosen so that every other pairing gives other bits: leaf j's sum is exactly
     v_j (one nonzero product per leaf), v = 1e8, 1, -1e8, 1, ...; the tree gives
@@ -102,14 +102,16 @@ def test_register_counter_adds_in_tree_order(leaves, impl):
     assert left_to_right.item() != 0.0
 
 
-def test_tmar_takes_the_tma_kernel_where_it_can(monkeypatch):
-    """On TMA-able operands (K / leaves a multiple of BK, 16-byte aligned rows) "tmar" runs
-    the TMA kernel (the interpreter emulates the descriptors), not its pointer fallback."""
+@pytest.mark.parametrize("impl", ["tmar", "tmah", "tmah2"])
+def test_one_loop_tma_impls_take_the_tma_kernel_where_they_can(monkeypatch, impl):
+    """On TMA-able operands (K / leaves a multiple of BK, 16-byte aligned rows) "tmar" and
+    the hybrids run the TMA kernel (the interpreter emulates the descriptors), not their
+    pointer fallback; elsewhere they fall back to it."""
     x, w = _xw(M=5, N=40, K=128)
     monkeypatch.setattr(leaf_tree, "_tree_regs_kernel", None)
-    leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 16, 16, 1, 1))
+    leaf_tree.tree_linear_triton(x, w, 8, config=(impl, 16, 16, 16, 1, 1))
     with pytest.raises(TypeError):  # N * 4 bytes not 16-aligned: the pointer kernel
-        leaf_tree.tree_linear_triton(*_xw(M=5, N=30, K=128), 8, config=("tmar", 16, 16, 16, 1, 1))
+        leaf_tree.tree_linear_triton(*_xw(M=5, N=30, K=128), 8, config=(impl, 16, 16, 16, 1, 1))
     with pytest.raises(ValueError, match="tree impl"):
         leaf_tree.tree_linear_triton(x, w, 8, config=("regs", 16, 16, 16, 1, 1))
 

@@ -43,7 +43,13 @@ CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 
               ("tmar", 128, 64, 64, 8, 4), ("tmar", 128, 64, 128, 8, 3),
               ("plainr", 16, 16, 256, 4, 4), ("plainr", 16, 32, 128, 4, 4), ("plainr", 16, 32, 128, 4, 6),
               ("plainr", 16, 32, 256, 4, 4), ("plainr", 16, 32, 512, 4, 3), ("plainr", 16, 64, 256, 4, 4),
-              ("plainr", 32, 32, 256, 4, 4)]
+              ("plainr", 32, 32, 256, 4, 4),
+              # the hybrids: one K loop, the counter's top level ("tmah") or top two ("tmah2") in
+              # the L2 scratch, which leaves registers for a 128 x 128 tile (offline, 8 leaves:
+              # tmah2 215 registers, no spill, 230 / 197 / 214 kB shared at 64 / 3, 32 / 4, 32 / 5;
+              # tmah 255 registers and a 56-byte spill)
+              ("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
+              ("tmah", 128, 128, 64, 8, 3)]
 
 
 def _time_graph(fn) -> float:

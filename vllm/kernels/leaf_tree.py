@@ -15,8 +15,9 @@ and rounds once, after the top of the tree):
   float32 copies (the rule of kernels/torch_ops.py's row forms);
 - `tree_linear_triton` (CUDA, invariant): one persistent launch, each program computing
   its output tiles' leaves in turn and adding them in tree order (the subtrees waiting for
-  a right sibling in an L2-resident scratch, or with "tmar" / "plainr" in registers, the
-  leaves then one K loop);
+  a right sibling in an L2-resident scratch; with "tmar" / "plainr" in registers, the
+  leaves then one K loop; with "tmah" / "tmah2" one K loop, the top one or two levels of
+  waiting subtrees in the scratch and the rest in registers);
 - `tree_linear_leafwise`: one invariant GEMM launch per leaf (float32 out) and `tree_sum`:
   what the fused kernel must equal bit for bit (tests, benchmarks);
 - `tree_linear_reference`: float64;
@@ -149,25 +150,41 @@ def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, stack_ptr, M, N, KL,
 
 
 @triton.jit
-def _counter_step(stack_desc, cur, j, row0, LEVELS: tl.constexpr, BM: tl.constexpr):
-    """Leaf j's sum `cur` into the binary counter of waiting subtrees (rows row0 .. row0 +
-    LEVELS of the scratch, BM rows each): at each level where j closes a pair the waiting
-    left sibling is added on the left, where j opens one `cur` waits there. Returns the
-    subtree `cur` ended as (the whole tree after the last leaf). With j a compile-time
-    constant (one loop per leaf) the branches resolve at compile time."""
-    for level in tl.static_range(LEVELS):
+def _after_bulk_stores(row, EMULATE: tl.constexpr):
+    """`row` unchanged, returned after this thread's bulk (TMA) stores have finished
+    writing global memory (`cp.async.bulk.wait_group 0`). A TMA store's own wait (`.read`)
+    only waits until its shared-memory source has been read, so a TMA load of rows stored
+    earlier in the kernel takes its row from here: the data dependence orders the load
+    after the wait (an unused result would be dropped). The thread that issued the stores
+    (one elected lane) issues the load. The interpreter (EMULATE) has no inline PTX and
+    needs no wait."""
+    if not EMULATE:
+        row = tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r", [row],
+                                        dtype=tl.int32, is_pure=False, pack=1)
+    return row
+
+
+@triton.jit
+def _scratch_levels(cur, j, stack_desc, row0, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """Levels REG_LEVELS .. LEVELS - 1 of the binary counter, their waiting subtrees in
+    this program's rows of the float32 scratch (row0 + (level - REG_LEVELS) * BM): where
+    leaf j closes the pair the left sibling is loaded and added on the left, where it opens
+    one `cur` is stored. After the last leaf `cur` is the root."""
+    for level in tl.static_range(REG_LEVELS, LEVELS):
         low = (2 << level) - 1
+        row = row0 + (level - REG_LEVELS) * BM
         if (j & low) == low:
-            cur = stack_desc.load([(row0 + level) * BM, 0]) + cur
+            cur = stack_desc.load([_after_bulk_stores(row, EMULATE), 0]) + cur
         elif (j & low) == (low >> 1):
-            stack_desc.store([(row0 + level) * BM, 0], cur)
+            stack_desc.store([row, 0], cur)
     return cur
 
 
 @triton.jit
 def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
                      LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
     """`_tree_matmul_kernel` with Hopper TMA loads and stores (the invariant GEMM's
     `_tma_dot_k` form per leaf; KL a multiple of BK, so a leaf never reads its neighbour's
     K; the waiting subtrees and the output through descriptors too): the same bits, with no
@@ -183,7 +200,7 @@ def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
                 a = a_desc.load([pid_m * BM, j * KL + ki * BK])
                 b = b_desc.load([pid_n * BN, j * KL + ki * BK])
                 cur = tl.dot(a, b.T, cur)
-            cur = _counter_step(stack_desc, cur, j, pid * LEVELS, LEVELS, BM)
+            cur = _scratch_levels(cur, j, stack_desc, pid * (LEVELS * BM), LEVELS, 0, BM, EMULATE)
         c_desc.store([pid_m * BM, pid_n * BN], cur)
 
 
@@ -223,6 +240,19 @@ def _counter_regs(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr):
     if LEVELS > 3:
         cur, s3 = _counter_level(cur, s3, j, 3, LEVELS)
     return s0, s1, s2, s3
+
+
+@triton.jit
+def _counter_low(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr):
+    """The lowest REG_LEVELS (< LEVELS, at most 3; 0: none) levels of the register counter;
+    returns `cur` as it leaves them (the pair that moves up, when j closes every one)."""
+    if REG_LEVELS > 0:
+        cur, s0 = _counter_level(cur, s0, j, 0, LEVELS)
+    if REG_LEVELS > 1:
+        cur, s1 = _counter_level(cur, s1, j, 1, LEVELS)
+    if REG_LEVELS > 2:
+        cur, s2 = _counter_level(cur, s2, j, 2, LEVELS)
+    return cur, s0, s1, s2, s3
 
 
 @triton.jit
@@ -297,24 +327,31 @@ def _tree_regs_kernel(a_ptr, b_ptr, c_ptr, M, N, KL,
 
 
 @triton.jit
-def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
-                          LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
+                          LEAVES: tl.constexpr, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          EMULATE: tl.constexpr):
     """`_tree_regs_kernel` with Hopper TMA loads and store (KL a multiple of BK, so a K tile
-    never straddles two leaves): one K loop over all leaves, the waiting subtrees in
-    registers, no scratch. The leaf-end work sits under `if` (the form of Triton's
-    persistent-matmul tutorial): the wgmma stays asynchronous (one group in flight) and
-    waits for the accumulator only in that branch, where the counter reads it; the reset
-    to zeros is register moves there. (Triton 3.8 runs OptimizeAccumulatorInit, which would
-    turn the reset into the MMA's use-accumulator flag, only for sm_100 and newer.)"""
+    never straddles two leaves): one K loop over all leaves. The counter's lowest
+    REG_LEVELS levels wait in registers; the ones above (the longest-lived and least often
+    touched: the top level is stored once and loaded once per tile) in an L2-resident
+    scratch (`_scratch_levels`), which leaves registers for a wider tile. "tmar" keeps every
+    level in registers (REG_LEVELS = LEVELS), "tmah" the top one in scratch, "tmah2" the
+    top two. The leaf-end work sits under `if` (the form of Triton's persistent-matmul
+    tutorial): the wgmma stays asynchronous (one group in flight) and waits for the
+    accumulator only in that branch, where the counter reads it; the reset to zeros is
+    register moves there. (Triton 3.8 runs OptimizeAccumulatorInit, which would turn the
+    reset into the MMA's use-accumulator flag, only for sm_100 and newer.)"""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     steps = KL // BK
+    row0 = pid * ((LEVELS - REG_LEVELS) * BM)
     for tile in range(pid, num_tiles, nprog):
         pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
         if LEVELS == 0:
             root = matmul._tma_dot_k(a_desc, b_desc, pid_m * BM, pid_n * BN, KL, BM, BN, BK)
+            c_desc.store([pid_m * BM, pid_n * BN], root)
         else:
             cur = tl.zeros((BM, BN), dtype=tl.float32)
             s0 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -326,25 +363,34 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, M, N, KL,
                 b = b_desc.load([pid_n * BN, it * BK])
                 cur = tl.dot(a, b.T, cur)
                 if (it + 1) % steps == 0:
-                    s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, it // steps, LEVELS)
+                    if REG_LEVELS == LEVELS:
+                        s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, it // steps, LEVELS)
+                    else:
+                        cur, s0, s1, s2, s3 = _counter_low(cur, s0, s1, s2, s3, it // steps, LEVELS, REG_LEVELS)
+                        cur = _scratch_levels(cur, it // steps, stack_desc, row0, LEVELS, REG_LEVELS, BM, EMULATE)
+                        if it == LEAVES * steps - 1:
+                            c_desc.store([pid_m * BM, pid_n * BN], cur)
                     cur = tl.zeros((BM, BN), dtype=tl.float32)
-            root = _counter_root(s0, s1, s2, s3, LEVELS)
-        c_desc.store([pid_m * BM, pid_n * BN], root)
+            if REG_LEVELS == LEVELS:
+                c_desc.store([pid_m * BM, pid_n * BN], _counter_root(s0, s1, s2, s3, LEVELS))
 
 
 # (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
 # whatever the tile and impl (as for the invariant GEMM). "tmar" / "plainr": one K loop
-# over all leaves with the waiting subtrees in registers (no scratch). "tma"/"tmar" need K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
-# "plain" ("tmar" as "plainr"). Register use read offline for sm_90 (triton.compile +
-# cuobjdump -res-usage / ptxas -v, 8 leaves): tma 128x128x64 at 8 warps 210 registers, no
-# spill, 164 KB shared; 128x256 does not fit shared memory; the plain kernel spills at
+# over all leaves with the waiting subtrees in registers (no scratch); "tmah" / "tmah2": one
+# K loop with the counter's top level / top two levels in the scratch. The "tma*" impls need
+# K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
+# "plain" (the one-loop ones as "plainr"). Register use read offline for sm_90
+# (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8 warps 210
+# registers, no spill; 128x256 does not fit shared memory; the plain kernel spills at
 # 128x128 (its pointer tensors); tmar (four float32 tiles live) 183 registers at 64x64 /
-# 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128.
-# Timed by benchmarks/kernels/tp_tree.py.
+# 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128; tmah2
+# (two tiles live) 215 at 128x128 / 8 warps, no spill; tmah (three) 255 there and spills
+# 56 bytes. Timed by benchmarks/kernels/tp_tree.py.
 # Above M = 256 the choice follows the leaf width K / leaves: short leaves (o_proj, 512 at 8
 # leaves) lose the most to "tma"'s pipeline restart per leaf, long ones (down_proj, 1,536)
 # to "tmar"'s narrower tile (o M=4096: tmar 1.81x, tma 2.30x the invariant GEMM; down:
-# tmar 1.75x, tma 1.56x).
+# tmar 1.75x, tma 1.56x). The hybrids are in the sweep, not yet timed.
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plainr", 16, 32, 256, 4, 4),
     (64, "tmar", 64, 32, 128, 4, 6),
@@ -353,7 +399,10 @@ TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp
 ]
 TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it: the large-M entry below
 TREE_GPU_SHORT_LEAF_LARGE_M = ("tmar", 128, 64, 128, 8, 3)
-TREE_IMPLS = ("plain", "tma", "plainr", "tmar")
+TREE_IMPLS = ("plain", "tma", "plainr", "tmar", "tmah", "tmah2")
+# the one-K-loop impls: how many of the counter's top levels wait in the scratch (the rest in
+# registers); where TMA cannot run they run as "plainr" (every level in registers)
+ONE_LOOP_IMPLS = {"plainr": 0, "tmar": 0, "tmah": 1, "tmah2": 2}
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
@@ -420,9 +469,16 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     opts = dict(LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     ptr_args = (a, weight, c, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0),
                 c.stride(1))
-    if impl in ("tmar", "plainr"):  # the waiting subtrees in registers, no scratch
+    if impl in ONE_LOOP_IMPLS:  # one K loop over all leaves
         if tma:
-            _tree_tma_regs_kernel[(programs,)](*descs, M, N, KL, **opts)
+            reg_levels = max(levels - ONE_LOOP_IMPLS[impl], 0)
+            # the scratch levels' float32 tiles, one per level per program (at least one row
+            # block: a descriptor needs rows)
+            numel = programs * max(levels - reg_levels, 1) * bm * bn
+            stack = _stack(x.device, numel).narrow(0, 0, numel)
+            _tree_tma_regs_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M,
+                                               N, KL, REG_LEVELS=reg_levels,
+                                               EMULATE=matmul._interpreting(), **opts)
         else:
             _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts)
         return c.reshape(*lead, N)
@@ -430,7 +486,8 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     numel = programs * max(levels, 1) * bm * bn
     stack = _stack(x.device, numel).narrow(0, 0, numel)
     if tma:
-        _tree_tma_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL, **opts)
+        _tree_tma_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL,
+                                       EMULATE=matmul._interpreting(), **opts)
     else:
         _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts)
     return c.reshape(*lead, N)
