@@ -169,17 +169,19 @@ if HAS_TRITON:
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
-        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         do = _load_rows(do_ptr, t0, n, h, HV, V, BC, BV) * scale
         eg = tl.exp(gam)
         dqd = _mm(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), PREC)
         dq = dqd * eg[:, None]
         dgam = tl.sum(dqd * q, 1) * eg
+        # k after the state's part: one [C, K] tile fewer live beside the [K, V] state
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         P = _mm(q, tl.trans(k), PREC) * D
         dP = tl.where(incl, _mm(do, tl.trans(_tile(vn_desc, ch, BC, BV)), PREC), 0.0)
         dqk = dP * D
         dq += _mm(dqk, k, PREC)
+        _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
         dk = _mm(tl.trans(dqk), q, PREC)
         MP = dP * P
         dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
@@ -191,7 +193,6 @@ if HAS_TRITON:
         t = tl.sum(dkd * k, 1) * dec
         dgam -= t
         tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.load(de_ptr + ch) * tl.exp(gl))
-        _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
         _put(dk_desc, ch, dk, BC, BK)
         tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
@@ -212,26 +213,27 @@ if HAS_TRITON:
         b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
-        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         eg = tl.exp(gam)
         be = b * eg
-        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta
-        dw = _tile(dw_desc, ch, BC, BK)
+        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta. The u side first, whole,
+        # then the w side: fewer [C, K] / [C, V] tiles live at once (registers)
         du = _tile(du_desc, ch, BC, BV)
         v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
-        dT = _mm(dw, tl.trans(k * be[:, None]), PREC) \
-            + _mm(du, tl.trans(v * b[:, None]), PREC)
+        dT_u = _mm(du, tl.trans(v * b[:, None]), PREC)
         dXu = _mm(tl.trans(T), du, PREC)
         _store_rows(dv_ptr, dXu * b[:, None], t0, n, h, HV, V, BC, BV)
         db = tl.sum(dXu * v, 1)
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
+        dw = _tile(dw_desc, ch, BC, BK)
+        dT = _mm(dw, tl.trans(k * be[:, None]), PREC) + dT_u
+        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle
+        dA = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0)
         dXw = _mm(tl.trans(T), dw, PREC)
         dk = _tile(dkp_desc, ch, BC, BK) + dXw * be[:, None]
         kdot = tl.sum(dXw * k, 1)
         db += kdot * eg
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + kdot * be
-        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle;
         # A = beta_i (k k^T)_ij D_ij
-        dA = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0)
         Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
         dAkD = dA * _mm(k, tl.trans(k), PREC) * Dl
         db += tl.sum(dAkD, 1)
