@@ -205,3 +205,26 @@ def test_gpu_real_dims_match_the_reference_backward(dtype, bf16_states, monkeypa
     for name, a, x, c in zip("q k v g beta".split(), got, xs, ref64):
         assert a.dtype == x.dtype, name
         assert rel_err(a.float().cpu(), c.cpu()) < 1e-2, name
+
+
+@pytest.mark.parametrize("G", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_head_group_sum(G, dtype):
+    """The key heads' gradients: each the sum of its G value heads' (float32), rounded once to
+    the inputs' dtype to nearest. At G = 2 that is the one add torch's sum makes, so the bits
+    are torch's; at G = 3 left to right (g0 + g1) + g2."""
+    from vllm.kernels.gdn_backward import _group_sum
+    gen = torch.Generator().manual_seed(G)
+    x = torch.randn(37, 3 * G, 20, generator=gen).to(DEV)
+    out = _group_sum(x, G, dtype)
+    assert out.shape == (37, 3, 20) and out.dtype == dtype
+    parts = x.view(37, 3, G, 20).unbind(2)
+    want = parts[0]
+    for p in parts[1:]:
+        want = want + p
+    want = want.to(dtype)  # torch's cast rounds to nearest even
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), want.view(bits))
+    if G == 2:
+        assert torch.equal(out.view(bits), x.view(37, 3, G, 20).sum(2).to(dtype).view(bits))
+    assert _group_sum(x[:0], G, dtype).shape == (0, 3, 20)

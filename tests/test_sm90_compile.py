@@ -285,7 +285,7 @@ FAMILIES = {
     "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_dcb_kernel",
                                                  "_dbc_kernel", "_dx_kernel"}),
     "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",
-                                           "_final_wu_kernel"}),
+                                           "_final_wu_kernel", "_group_sum_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),
     "mamba2_ops": (_mamba2_ops, True, {"_ssu_kernel", "_gated_norm_kernel"}),

@@ -22,7 +22,7 @@ The kernels read q, k, v, g, beta and do where the caller keeps them ([T, heads,
 dtype; a chunk's rows past its sequence's end load as zeros, a key head serves the G value
 heads of its group in place) and write dv, dg, dbeta there; what passes from kernel to kernel
 is float32 by chunk ([B, Hv, nC, C, ...]). Key-head gradients are the sums over the value
-heads of the group, taken after.
+heads of the group, taken after (one pass, `_group_sum_kernel`).
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
 bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. This is a backward,
@@ -249,6 +249,35 @@ if HAS_TRITON:
         tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
 
 
+    @triton.jit
+    def _group_sum_kernel(x_ptr, out_ptr, n, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                          BK: tl.constexpr):
+        """out [n, K] = the sum over g of x [n, G, K] (float32, g = 0, 1, ... left to right),
+        rounded once to out's dtype: a key head's gradient from its group's value heads, in
+        one pass (a torch sum and then a cast read and write the float32 sums once more)."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.arange(0, BK)
+        m = (r < n)[:, None] & (c < K)[None, :]
+        src = x_ptr + r.to(tl.int64)[:, None] * (G * K) + c[None, :]
+        acc = tl.load(src, mask=m, other=0.0)
+        for j in tl.static_range(1, G):
+            acc += tl.load(src + j * K, mask=m, other=0.0)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :], _to_dtype_rn(acc, out_ptr.dtype.element_ty),
+                 mask=m)
+
+
+def _group_sum(x: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, Hk * G, K] float32 (value heads) -> [T, Hk, K] in dtype, each key head the sum of
+    its G value heads."""
+    T, Hv, K = x.shape
+    out = torch.empty((T, Hv // G, K), dtype=dtype, device=x.device)
+    n = T * (Hv // G)
+    if n:
+        BR = 32
+        _group_sum_kernel[(triton.cdiv(n, BR),)](x, out, n, G=G, K=K, BR=BR, BK=next_pow2(K), num_warps=4)
+    return out
+
+
 def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Where the fused kernels apply: Triton, and K, V multiples of 4 (16-byte rows)."""
     return HAS_TRITON and rows_aligned(q.shape[-1], v.shape[-1])
@@ -334,6 +363,5 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                            _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims,
                            num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
-        dq = dq.view(T, Hk, G, K).sum(2).to(q.dtype)
-        dk = dk.view(T, Hk, G, K).sum(2).to(k.dtype)
+        dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db
