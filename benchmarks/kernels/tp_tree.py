@@ -10,6 +10,7 @@ to --json-out.
 
     python benchmarks/kernels/tp_tree.py [--leaves 8] [--shapes o,down] [--json-out tp_tree.json]
     python benchmarks/kernels/tp_tree.py --sweep    # every candidate tile per M (to set TREE_GPU_CONFIGS)
+    python benchmarks/kernels/tp_tree.py --sweep --sweep-impls tmah,tmah2   # some impls, beside the table's
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile per M (bits checked for each)")
     ap.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)))
+    ap.add_argument("--sweep-impls", default=None,
+                    help="comma-separated impls whose candidates the sweep times (default: all); the table's "
+                         "own config is timed either way")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -102,7 +106,11 @@ def sweep(args) -> None:
         ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
         t_inv = _time_graph(lambda: invariant_matmul(x, w))
         times = {}
-        for cfg in CANDIDATES:
+        table = _tree_config(M, K // args.leaves)
+        impls = set(args.sweep_impls.split(",")) if args.sweep_impls else None
+        for cfg in [c for c in CANDIDATES if impls is None or c[0] in impls] + [table]:
+            if cfg in times:
+                continue
             try:
                 out = tree_linear_triton(x, w, args.leaves, config=cfg)
             except Exception as err:  # noqa: BLE001 -- e.g. OutOfResources (shared memory): not a candidate
@@ -112,7 +120,6 @@ def sweep(args) -> None:
                 print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
                 continue
             times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
-        table = _tree_config(M, K // args.leaves)
         best = min(times, key=times.get)
         rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
                      "times": {",".join(map(str, c)): t for c, t in times.items()}})
