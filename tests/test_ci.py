@@ -33,3 +33,12 @@ def test_ci_uses_a_fresh_venv_and_runs_both_commands():
     # the install runs before the tests, both inside the venv (after activation)
     act, inst, test = (code.index(s) for s in ('activate"', 'bash -c "$INSTALL_CMD"', 'bash -c "$TEST_CMD"'))
     assert act < inst < test
+
+
+def test_ci_runs_in_a_fresh_copy_of_the_checkout():
+    """What earlier runs left in this checkout (runs/, caches) must not change the result:
+    the commands run in a copy of the files git tracks or would track."""
+    text = open(os.path.join(ROOT, ".ci", "run")).read()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "git ls-files -z --cached --others --exclude-standard" in code
+    assert code.index('cd "$WORK/src"') < code.index('bash -c "$INSTALL_CMD"')
