@@ -224,34 +224,24 @@ def _counter_level(cur, s, j, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _counter_regs(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr):
-    """Leaf j's sum `cur` into the register counter s0 .. s{LEVELS-1} (LEVELS <= 4; unused
-    ones pass through and the compiler drops them), level by level up from 0. After the
-    last leaf the whole tree is in s{LEVELS-1}: at 8 leaves
-    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as `tree_sum`. One branch per level
-    on j: Triton keeps the MMA asynchronous with the accumulator read only under these
-    branches (a wait there), where fully nested branches made it wait after every dot, and
-    the branches cost fewer instructions and registers than selects over every level."""
-    cur, s0 = _counter_level(cur, s0, j, 0, LEVELS)
-    if LEVELS > 1:
-        cur, s1 = _counter_level(cur, s1, j, 1, LEVELS)
-    if LEVELS > 2:
-        cur, s2 = _counter_level(cur, s2, j, 2, LEVELS)
-    if LEVELS > 3:
-        cur, s3 = _counter_level(cur, s3, j, 3, LEVELS)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _counter_low(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr):
-    """The lowest REG_LEVELS (< LEVELS, at most 3; 0: none) levels of the register counter;
-    returns `cur` as it leaves them (the pair that moves up, when j closes every one)."""
+def _counter_regs(cur, s0, s1, s2, s3, j, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr):
+    """Leaf j's sum `cur` into the lowest REG_LEVELS (<= LEVELS <= 4) levels of the register
+    counter s0 .. s3 (unused ones pass through and the compiler drops them), level by level
+    up from 0; returns `cur` as it leaves them (the pair that moves up to the levels above,
+    when j closes every one) and the counter. With REG_LEVELS = LEVELS, after the last leaf
+    the whole tree is in s{LEVELS-1}: at 8 leaves ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+    (l6 + l7)), as `tree_sum`. One branch per level on j: Triton keeps the MMA asynchronous
+    with the accumulator read only under these branches (a wait there), where fully nested
+    branches made it wait after every dot, and the branches cost fewer instructions and
+    registers than selects over every level."""
     if REG_LEVELS > 0:
         cur, s0 = _counter_level(cur, s0, j, 0, LEVELS)
     if REG_LEVELS > 1:
         cur, s1 = _counter_level(cur, s1, j, 1, LEVELS)
     if REG_LEVELS > 2:
         cur, s2 = _counter_level(cur, s2, j, 2, LEVELS)
+    if REG_LEVELS > 3:
+        cur, s3 = _counter_level(cur, s3, j, 3, LEVELS)
     return cur, s0, s1, s2, s3
 
 
@@ -319,7 +309,7 @@ def _tree_regs_kernel(a_ptr, b_ptr, c_ptr, M, N, KL,
                     b = tl.load(b_ptrs + k0 * stride_bk, mask=n_ok & (rk[:, None] < k_left), other=0.0)
                 cur = tl.dot(a, b, cur)
                 if ki == steps - 1:
-                    s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, j, LEVELS)
+                    _, s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, j, LEVELS, LEVELS)
                     cur = tl.zeros((BM, BN), dtype=tl.float32)
             root = _counter_root(s0, s1, s2, s3, LEVELS)
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, root,
@@ -363,10 +353,8 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
                 b = b_desc.load([pid_n * BN, it * BK])
                 cur = tl.dot(a, b.T, cur)
                 if (it + 1) % steps == 0:
-                    if REG_LEVELS == LEVELS:
-                        s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, it // steps, LEVELS)
-                    else:
-                        cur, s0, s1, s2, s3 = _counter_low(cur, s0, s1, s2, s3, it // steps, LEVELS, REG_LEVELS)
+                    cur, s0, s1, s2, s3 = _counter_regs(cur, s0, s1, s2, s3, it // steps, LEVELS, REG_LEVELS)
+                    if REG_LEVELS < LEVELS:  # the levels above in the scratch; the root comes out in cur
                         cur = _scratch_levels(cur, it // steps, stack_desc, row0, LEVELS, REG_LEVELS, BM, EMULATE)
                         if it == LEAVES * steps - 1:
                             c_desc.store([pid_m * BM, pid_n * BN], cur)
