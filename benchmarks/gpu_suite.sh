@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (device time is scarce): install, GPU tests,
 # kernel benchmarks, the parity battery and end-to-end throughput; prints a
 # short summary last. Select parts with STEPS (default: all but csrc, nosplit, overhead,
-# kernels, rlstep, rlray, moe, fp8, serve, digest and wsync; `gate` is the real-dims parity gate that
+# kernels, rlstep, rlray, moe, fp8, serve, digest, wsync and tptree; `gate` is the real-dims parity gate that
 # every numerics, kernel, cache or model change runs before it lands; `gdn` the Gated DeltaNet
 # tests, per-layer cost and hybrid throughput (GDN_PARTS=breakdown adds the per-kernel times of
 # both recurrences, GDN_PARTS=backward the training backward against the fused kernels);
@@ -72,6 +72,14 @@ if has gemm; then
   echo "== GEMM ($SECONDS s)"
   timeout "${GEMM_TIMEOUT:-300}" python benchmarks/kernels/gemm.py ${GEMM_ARGS:-} --json-out "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
   tail -22 "$OUT/gemm.log"
+fi
+if has tptree; then
+  # the TP leaf tree at TP=1 against the invariant GEMM (TPTREE_ARGS="--sweep ..." for the
+  # candidate tiles, e.g. --sweep-impls tmah,tmah2,tmar,tma)
+  echo "== TP leaf tree ($SECONDS s)"
+  timeout "${TPTREE_TIMEOUT:-300}" python benchmarks/kernels/tp_tree.py ${TPTREE_ARGS:---leaves 8} \
+    --json-out "$OUT/tp_tree.json" >"$OUT/tp_tree.log" 2>&1
+  grep -vE "^\[W|Warn" "$OUT/tp_tree.log" | tail -24
 fi
 if has nosplit; then
   # cuBLASLt with split-K forbidden: rows vs M, bits vs our Triton kernel, speed in graphs
@@ -287,6 +295,7 @@ has csrc && echo "csrc: $(tail -1 "$OUT/csrc.log")"
 has gate && sed -n '/== parity gate/,$p' "$OUT/gate.log"
 has tests && echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 has gemm && sed -n '/== invariant GEMM/,$p' "$OUT/gemm.log" | head -80
+has tptree && grep -vE "^\[W|Warn" "$OUT/tp_tree.log" | tail -24
 has nosplit && grep -E "bits:" "$OUT/nosplit.log"
 has attention && grep -A12 "== attention" "$OUT/attention.log" | head -14
 has digest && grep digest "$OUT/digest.log"
