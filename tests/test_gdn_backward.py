@@ -140,6 +140,53 @@ def test_bf16_states_stay_within_bf16_rounding(monkeypatch):
         assert rel_err(a.float().cpu(), b) < 1e-2, name
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_state_grads_in_the_walk_give_the_same_gradients(case, monkeypatch):
+    """STATE_GRADS_IN_WALK: the recurrence's backward walk computes the gradients reaching the
+    per-chunk states from q and do, (q e^gamma)^T (scale do), instead of the output-gradient
+    kernel writing them out: the same dot per element, so the same gradients bit for bit at
+    one V tile (the interpreter's emulated dot rounds by tile width, so across V tiles only
+    close: the next test), and the walk does take that path (nothing is written out)."""
+    from vllm.kernels import gdn_backward
+    lens, hk, hv, K, V, C = case
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    xs, do = make(cu[-1], hk, hv, K, V, seed=sum(lens) + K)
+    xs, do = [x.to(DEV) for x in xs], do.to(DEV)
+    base = gdn_backward_triton(*xs, do, cu, K ** -0.5, chunk_size=C)
+    seen = []
+    real = gdn_backward.recurrence_backward_triton
+
+    def spy(w, kd, e, states, vn, g_states, g_vn, prec, state_grads=None):
+        seen.append((g_states is None, state_grads is not None))
+        return real(w, kd, e, states, vn, g_states, g_vn, prec, state_grads=state_grads)
+    monkeypatch.setattr(gdn_backward, "recurrence_backward_triton", spy)
+    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
+    got = gdn_backward_triton(*xs, do, cu, K ** -0.5, chunk_size=C)
+    assert seen == [(True, True)]
+    for name, a, b in zip("q k v g beta".split(), got, base):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+    with pytest.raises(ValueError, match="one of the two"):
+        real(*[torch.zeros(1, 1, 1, 4, 4)] * 2, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 4, 4),
+             torch.zeros(1, 1, 1, 4, 4), None, torch.zeros(1, 1, 1, 4, 4), "ieee")
+
+
+def test_state_grads_in_the_walk_across_v_tiles_match_float64(monkeypatch):
+    """STATE_GRADS_IN_WALK with V split over walk programs (V = 40 in tiles of 16, the last
+    one partial) and grouped heads: within 1e-5 of float64 autograd, as without it."""
+    from vllm.kernels import chunk_recurrence, gdn_backward
+    monkeypatch.setattr(chunk_recurrence, "BLOCK_V_MAX", 16)
+    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
+    cu = [0, 30, 41]
+    xs, do = make(41, 1, 3, 16, 40, seed=1)
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
+                          [True] * 5, do.double())
+    got = gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, 0.25, chunk_size=16)
+    for name, a, b in zip("q k v g beta".split(), got, ref):
+        assert rel_err(a.cpu(), b) < 1e-5, name
+
+
 def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
     """The gradients are written in place, row by row of each sequence: sequences that miss
     tokens (or do not start at 0) would leave rows unwritten, so they are refused."""
@@ -176,6 +223,21 @@ def test_gpu_real_dims_bf16_operands_same_bits(monkeypatch):
     xs, do = _real_dims_case(torch.bfloat16)
     base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
     monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
+    got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
+    for name, a, b in zip("q k v g beta".split(), got, base):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_real_dims_state_grads_in_the_walk_same_bits(dtype, monkeypatch):
+    """On the GPU a dot's element does not depend on the tile's width: the walk's V tiles of
+    (q e^gamma)^T (scale do) give the output-gradient kernel's whole-V bits, so
+    STATE_GRADS_IN_WALK gives the same gradients bit for bit."""
+    from vllm.kernels import gdn_backward
+    xs, do = _real_dims_case(dtype)
+    base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
+    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
     got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
     for name, a, b in zip("q k v g beta".split(), got, base):
         assert torch.equal(a, b), name

@@ -240,25 +240,30 @@ def _recurrence_shapes(cr):
 def _gdn_backward():
     """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
     GPU's dots at each precision (bf16: with float32 and with bfloat16 operands and states
-    between the kernels, BF16_OPERANDS and BF16_STATES)."""
+    between the kernels, BF16_OPERANDS and BF16_STATES; the states' gradients taken in the
+    recurrence's walk, STATE_GRADS_IN_WALK, at each precision)."""
     from test_gdn_backward import make
 
     from vllm.kernels import gdn_backward
-    saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
+    saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES, gdn_backward.STATE_GRADS_IN_WALK
     try:
-        for prec, ops_bf16 in [(p, False) for p in GPU_DOT_PRECISIONS] + [("bf16", True)]:
+        for prec, ops_bf16, in_walk in ([(p, False, False) for p in GPU_DOT_PRECISIONS]
+                                        + [("bf16", True, False), ("bf16", True, True), ("tf32x3", False, True)]):
             gdn_backward.BF16_OPERANDS = gdn_backward.BF16_STATES = ops_bf16
+            gdn_backward.STATE_GRADS_IN_WALK = in_walk
             with _gpu_dot_precision(prec):
                 xs, do = make(30, 2, 4, 16, 32, seed=0)
                 if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
                     xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
                 gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+                if in_walk:  # only the walk and the output-gradient kernel differ
+                    continue
                 # with the forward's T (gdn_chunk.SAVE_T_FOR_BACKWARD): T_SAVED
                 t = torch.eye(16, dtype=xs[0].dtype).expand(3, 4, 16, 16).contiguous()
                 gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, 16, t,
                                                  torch.tensor([0, 2, 3], dtype=torch.int32))
     finally:
-        gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
+        gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES, gdn_backward.STATE_GRADS_IN_WALK = saved
 
 
 def _mamba2_backward():

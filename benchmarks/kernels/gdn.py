@@ -79,18 +79,23 @@ def ours(aligned: bool):
 
 
 @contextlib.contextmanager
-def training_options(save_t: bool = False, bf16_operands: bool = False, bf16_states: bool = False):
+def training_options(save_t: bool = False, bf16_operands: bool = False, bf16_states: bool = False,
+                     state_grads_in_walk: bool = False):
     """The GDN training options, off by default until measured, set for the block: the forward
     keeps T for the backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the
-    backward's kernels (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES)."""
+    backward's kernels (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES), the
+    recurrence's walk taking the states' gradients from q and do (STATE_GRADS_IN_WALK)."""
     from vllm.kernels import gdn_backward, gdn_chunk
-    saved = gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES
-    gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = \
-        save_t, bf16_operands, bf16_states
+    names = ((gdn_chunk, "SAVE_T_FOR_BACKWARD"), (gdn_backward, "BF16_OPERANDS"), (gdn_backward, "BF16_STATES"),
+             (gdn_backward, "STATE_GRADS_IN_WALK"))
+    saved = [getattr(m, n) for m, n in names]
+    for (m, n), value in zip(names, (save_t, bf16_operands, bf16_states, state_grads_in_walk)):
+        setattr(m, n, value)
     try:
         yield
     finally:
-        gdn_chunk.SAVE_T_FOR_BACKWARD, gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES = saved
+        for (m, n), value in zip(names, saved):
+            setattr(m, n, value)
 
 
 def train_case(T: int = 10240) -> dict:
@@ -106,8 +111,11 @@ def train_case(T: int = 10240) -> dict:
             o.backward(do)
         out[name] = bench(step)
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
-    for name, flags in (("invariant_save_t", (True, False, False)), ("invariant_bf16_ops", (False, True, False)),
-                        ("invariant_bf16_states", (False, True, True)), ("invariant_all", (True, True, True))):
+    for name, flags in (("invariant_save_t", (True, False, False, False)),
+                        ("invariant_bf16_ops", (False, True, False, False)),
+                        ("invariant_bf16_states", (False, True, True, False)),
+                        ("invariant_walk_ds", (False, False, False, True)),
+                        ("invariant_all", (True, True, True, True))):
         with training_options(*flags):
             leaves = [t.clone().requires_grad_() for t in x]
 
@@ -235,7 +243,10 @@ def backward_case(T: int = 10240) -> None:
                     ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
                     {"bf16 operands between the kernels": functools.partial(training_options, bf16_operands=True),
                      "bf16 operands and states between the kernels":
-                         functools.partial(training_options, bf16_operands=True, bf16_states=True)})
+                         functools.partial(training_options, bf16_operands=True, bf16_states=True),
+                     "the states' gradients in the walk": functools.partial(training_options, state_grads_in_walk=True),
+                     "all three": functools.partial(training_options, bf16_operands=True, bf16_states=True,
+                                                    state_grads_in_walk=True)})
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

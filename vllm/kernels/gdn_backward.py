@@ -59,6 +59,13 @@ BF16_OPERANDS = False
 # within bf16 rounding. Off until the H200 measures its time and its distance from float64
 # (benchmarks/kernels/gdn.py --backward).
 BF16_STATES = False
+# The chunk recurrence's backward walk computes the gradients reaching the per-chunk states,
+# (q e^gamma)^T (scale do), from q and do itself (chunk_recurrence.StateGradFromOutputs), as
+# fla's backward computes them inside its state walk: the output-gradient kernel then only
+# takes dv_new, and the [chunks, K, V] float32 gradients (335 MB at 1 x 10,240, Qwen3-Next's
+# dims) are neither written nor read. The same dot per element, so the same gradients. Off
+# until the H200 measures it (benchmarks/kernels/gdn.py --backward).
+STATE_GRADS_IN_WALK = False
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -136,9 +143,10 @@ if HAS_TRITON:
     @triton.jit
     def _out_grad_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, ds_desc, dvn_desc, scale, C, NC, HV, HK, G,
                          K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, STATE_GRAD: tl.constexpr):
         """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
-        dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
+        dS_c = (q e^gamma)^T (scale do) (STATE_GRAD; else the recurrence's walk computes it) and
+        dv_new = P^T (scale do)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -151,8 +159,9 @@ if HAS_TRITON:
         P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         _put(dvn_desc, ch, _mm(tl.trans(P), do, PREC), BC, BV)
-        qd = q * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
+        if STATE_GRAD:
+            qd = q * tl.exp(gam)[:, None]
+            _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
     def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_ptr, dk_desc,
@@ -344,10 +353,14 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
                        num_warps=warps["prep"])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"], states_dtype=states_dtype)
-    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
-    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads, **dims,
-                           num_warps=warps["out_grad"])
-    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
+    d_vn = torch.empty_like(vn, dtype=torch.float32)
+    in_walk = STATE_GRADS_IN_WALK
+    d_states = None if in_walk else torch.empty_like(states)
+    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(states if in_walk else d_states, (BK, BV)), _desc(d_vn, cv),
+                           scale, C, *heads, **dims, STATE_GRAD=not in_walk, num_warps=warps["out_grad"])
+    du, dw, dkd, de = recurrence_backward_triton(
+        w, kd, e, states, vn, d_states, d_vn, prec,
+        state_grads=chunk_recurrence.StateGradFromOutputs(q, do, gam, cu, scale) if in_walk else None)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
