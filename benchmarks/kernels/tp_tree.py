@@ -45,6 +45,10 @@ CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 
               ("plainr", 16, 16, 256, 4, 4), ("plainr", 16, 32, 128, 4, 4), ("plainr", 16, 32, 128, 4, 6),
               ("plainr", 16, 32, 256, 4, 4), ("plainr", 16, 32, 512, 4, 3), ("plainr", 16, 64, 256, 4, 4),
               ("plainr", 32, 32, 256, 4, 4),
+              # 32-row tiles for M = 32 (the table's 64-row entry costs 1.9-2.5x there; offline:
+              # 48-168 registers, no spill)
+              ("plainr", 32, 32, 128, 4, 4), ("plainr", 32, 16, 256, 4, 4), ("plainr", 32, 64, 128, 4, 4),
+              ("tmar", 32, 32, 128, 4, 4), ("tmar", 32, 16, 256, 4, 4), ("tmar", 32, 64, 128, 4, 4),
               # the hybrids: one K loop, the counter's top level ("tmah") or top two ("tmah2") in
               # the L2 scratch, which leaves registers for a 128 x 128 tile (offline, 8 leaves:
               # tmah2 215 registers, no spill, 230 / 197 / 214 kB shared at 64 / 3, 32 / 4, 32 / 5;
