@@ -406,14 +406,19 @@ def _tree_config(M: int, leaf_width: int) -> tuple:
 
 
 _STACKS: dict = {}
+_RETIRED_STACKS: list = []
 
 
 def _stack(device: torch.device, numel: int) -> torch.Tensor:
     """The programs' float32 scratch for waiting subtrees, kept per device (only grows).
-    Its contents never outlive a launch; launches on one stream are ordered."""
+    Its contents never outlive a launch; launches on one stream are ordered. A buffer that a
+    larger one replaces stays allocated: a CUDA graph that captured a launch keeps its
+    address (a few MB at most: programs x levels x one output tile)."""
     key = (device.type, device.index)
     buf = _STACKS.get(key)
     if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED_STACKS.append(buf)
         buf = _STACKS[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
     return buf
 
@@ -460,12 +465,13 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     if impl in ONE_LOOP_IMPLS:  # one K loop over all leaves
         if tma:
             reg_levels = max(levels - ONE_LOOP_IMPLS[impl], 0)
-            # the scratch levels' float32 tiles, one per level per program (at least one row
-            # block: a descriptor needs rows)
-            numel = programs * max(levels - reg_levels, 1) * bm * bn
-            stack = _stack(x.device, numel).narrow(0, 0, numel)
-            _tree_tma_regs_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M,
-                                               N, KL, REG_LEVELS=reg_levels,
+            if reg_levels < levels:  # the scratch levels' float32 tiles, one per level per program
+                numel = programs * (levels - reg_levels) * bm * bn
+                stack_desc = TensorDescriptor.from_tensor(_stack(x.device, numel).narrow(0, 0, numel).view(-1, bn),
+                                                          [bm, bn])
+            else:  # no scratch: the output's descriptor (same block type) stands in, never read
+                stack_desc = descs[2]
+            _tree_tma_regs_kernel[(programs,)](*descs, stack_desc, M, N, KL, REG_LEVELS=reg_levels,
                                                EMULATE=matmul._interpreting(), **opts)
         else:
             _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts)
