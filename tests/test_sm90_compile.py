@@ -158,12 +158,12 @@ def _leaf_tree():
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 32, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("plainr", 16, 32, 128, 4, 4))
-    # the hybrids (top levels in the scratch) at the sweep's 128 x 128 tiles, and at 2 and 4
-    # leaves (the register counter then holds one level or none)
+    # the hybrids (top levels in the scratch) at the sweep's 128 x 128 tiles, and at 2, 4 and
+    # 16 leaves (the register counter then holds no level at 2 and 4 leaves, two at 16)
     for cfg in (("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
                 ("tmah", 128, 128, 64, 8, 3)):
         leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
-    for leaves in (2, 4):
+    for leaves in (2, 4, 16):
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmah2", 64, 64, 128, 4, 4))
 
 

@@ -58,9 +58,7 @@ def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
     """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in the scratch, in
     registers, or the top one or two levels in the scratch and the rest in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
     emulated dot rounds per K tile, so BK stays the invariant GEMM's 16 there)."""
-    if impl.startswith("tma") and 128 // leaves < 16:
-        pytest.skip("a TMA leaf needs K / leaves to be a multiple of BK")
-    x, w = _xw(M=19, N=40, K=128, seed=leaves)
+    x, w = _xw(M=19, N=40, K=256, seed=leaves)   # K / 16 leaves = BK: every TMA impl at every depth
     fused = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
     leafwise = leaf_tree.tree_linear_leafwise(x, w, leaves)
     assert fused.dtype == torch.float32
@@ -100,6 +98,46 @@ def test_register_counter_adds_in_tree_order(leaves, impl):
     for value in v:
         left_to_right = left_to_right + value
     assert left_to_right.item() != 0.0
+
+
+@pytest.mark.parametrize("leaves", [2, 4, 8, 16])
+@pytest.mark.parametrize("impl,scratch_levels", [("tmar", 0), ("tmah", 1), ("tmah2", 2)])
+def test_hybrids_keep_their_top_levels_in_the_scratch(monkeypatch, impl, scratch_levels, leaves):
+    """"tmah" / "tmah2" launch the one-loop TMA kernel with their top one / two counter levels
+    in the scratch (REG_LEVELS = levels - 1 / - 2, at least 0) and a scratch of one output
+    tile per scratch level per program; "tmar" none (the same bits either way, so only the
+    launch tells them apart)."""
+    launches = []
+    real = leaf_tree._tree_tma_regs_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((grid, args[3], kw["REG_LEVELS"], kw["LEVELS"]))
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(leaf_tree, "_tree_tma_regs_kernel", Spy())
+    x, w = _xw(M=19, N=40, K=256)
+    out = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
+    assert torch.equal(bits(out), bits(leaf_tree.tree_linear_leafwise(x, w, leaves)))
+    (grid, stack_desc, reg_levels, levels), = launches
+    assert levels == leaves.bit_length() - 1 and reg_levels == max(levels - scratch_levels, 0)
+    if reg_levels < levels:
+        assert tuple(stack_desc.shape) == (grid[0] * (levels - reg_levels) * 16, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tma", "tmah", "tmah2"])
+def test_gpu_scratch_kernels_equal_one_gemm_per_leaf(impl):
+    """On the GPU, where programs run at once (the interpreter runs them one after another, so
+    rows two programs shared would pass there): more output tiles than programs, each
+    program's scratch rows its own, 8 and 16 leaves, bits of one GEMM per leaf."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()   # 256 tiles of 128 x 128
+    w = (torch.randn(2048, 4096, device="cuda", generator=g) * 0.02).bfloat16()
+    for leaves in (8, 16):
+        got = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 128, 128, 64, 8, 3))
+        assert torch.equal(bits(got), bits(leaf_tree.tree_linear_leafwise(x, w, leaves))), leaves
 
 
 @pytest.mark.parametrize("impl", ["tmar", "tmah", "tmah2"])

@@ -124,6 +124,9 @@ def sweep(args) -> None:
                 print(f"{name} M={M} {cfg}: bits DIFFER from one GEMM per leaf")
                 continue
             times[cfg] = _time_graph(lambda: tree_linear_triton(x, w, args.leaves, config=cfg))
+        if not times:
+            print(f"{name:>6} {M:>6} no candidate ran")
+            continue
         best = min(times, key=times.get)
         rows.append({"shape": name, "M": M, "invariant_ms": t_inv, "leaves": args.leaves,
                      "times": {",".join(map(str, c)): t for c, t in times.items()}})

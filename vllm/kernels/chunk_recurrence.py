@@ -256,11 +256,14 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     else:
         sg = state_grads
         Hk = sg.q.shape[1]
-        if (sg.q.shape[2] != K or sg.do.shape[1:] != (H, V) or H % Hk or tuple(sg.gamma.shape) != (B, H, nC, C)
+        if (sg.q.dim() != 3 or sg.q.shape[2] != K or sg.do.shape[0] != sg.q.shape[0] or sg.do.shape[1:] != (H, V)
+                or H % Hk or tuple(sg.gamma.shape) != (B, H, nC, C) or sg.gamma.dtype != torch.float32
                 or tuple(sg.cu.shape) != (B + 1,) or sg.cu.dtype != torch.int32):
             raise ValueError(f"state_grads: q {tuple(sg.q.shape)}, do {tuple(sg.do.shape)}, gamma "
-                             f"{tuple(sg.gamma.shape)}, cu {tuple(sg.cu.shape)} {sg.cu.dtype} do not fit "
-                             f"B, H, nC, C, K, V = {B}, {H}, {nC}, {C}, {K}, {V}")
+                             f"{tuple(sg.gamma.shape)} {sg.gamma.dtype}, cu {tuple(sg.cu.shape)} {sg.cu.dtype} "
+                             f"do not fit B, H, nC, C, K, V = {B}, {H}, {nC}, {C}, {K}, {V}")
+        # the walk reads q and do at their [T, heads, dim] row strides
+        sg = dataclasses.replace(sg, q=aligned16(sg.q), do=aligned16(sg.do), gamma=aligned16(sg.gamma))
     prec = precision or training_tiles.dot_precision(w)
     du = torch.empty_like(vn, dtype=torch.float32)
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))

@@ -155,9 +155,10 @@ def _after_bulk_stores(row, EMULATE: tl.constexpr):
     writing global memory (`cp.async.bulk.wait_group 0`). A TMA store's own wait (`.read`)
     only waits until its shared-memory source has been read, so a TMA load of rows stored
     earlier in the kernel takes its row from here: the data dependence orders the load
-    after the wait (an unused result would be dropped). The thread that issued the stores
-    (one elected lane) issues the load. The interpreter (EMULATE) has no inline PTX and
-    needs no wait."""
+    after the wait (an unused result would be dropped). Every thread runs the wait, and a
+    box of the tile is stored and loaded by the same thread (the same box-to-warp mapping
+    for both; in the sm_90 PTX a bar.sync also separates the wait from the load's issue).
+    The interpreter (EMULATE) has no inline PTX and needs no wait."""
     if not EMULATE:
         row = tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r", [row],
                                         dtype=tl.int32, is_pure=False, pack=1)
