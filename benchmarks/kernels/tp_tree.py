@@ -54,7 +54,10 @@ CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 
               # tmah2 215 registers, no spill, 230 / 197 / 214 kB shared at 64 / 3, 32 / 4, 32 / 5;
               # tmah 255 registers and a 56-byte spill)
               ("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
-              ("tmah", 128, 128, 64, 8, 3)]
+              ("tmah", 128, 128, 64, 8, 3),
+              # at 2 or 4 leaves (tp_leaves for TP <= 2 / <= 4) "tmar" keeps 128 x 128 in registers
+              # (offline: 153 / 205 registers, no spill; at 8 leaves it spills 312 bytes)
+              ("tmar", 128, 128, 64, 8, 3), ("tmar", 128, 128, 64, 8, 4)]
 
 
 def _time_graph(fn) -> float:
