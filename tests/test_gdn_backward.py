@@ -216,28 +216,19 @@ def _real_dims_case(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_real_dims_bf16_operands_same_bits(monkeypatch):
-    """On the GPU (bf16 dots: tensor-core products of the operands as stored, where the
-    interpreter emulates them): BF16_OPERANDS gives the float32-operand gradients bit for bit."""
-    from vllm.kernels import gdn_backward
-    xs, do = _real_dims_case(torch.bfloat16)
-    base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
-    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
-    got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
-    for name, a, b in zip("q k v g beta".split(), got, base):
-        assert torch.equal(a, b), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_real_dims_state_grads_in_the_walk_same_bits(dtype, monkeypatch):
-    """On the GPU a dot's element does not depend on the tile's width: the walk's V tiles of
-    (q e^gamma)^T (scale do) give the output-gradient kernel's whole-V bits, so
-    STATE_GRADS_IN_WALK gives the same gradients bit for bit."""
+@pytest.mark.parametrize("option,dtype", [("BF16_OPERANDS", torch.bfloat16), ("STATE_GRADS_IN_WALK", torch.float32),
+                                          ("STATE_GRADS_IN_WALK", torch.bfloat16)],
+                         ids=["bf16-operands", "walk-fp32", "walk-bf16"])
+def test_gpu_real_dims_options_keep_the_bits(option, dtype, monkeypatch):
+    """On the GPU, options that move the same values another way give the default's gradients
+    bit for bit: BF16_OPERANDS (bf16 dots take tensor-core products of the operands as stored,
+    where the interpreter emulates them), STATE_GRADS_IN_WALK (a dot's element does not depend
+    on the tile's width: the walk's V tiles of (q e^gamma)^T (scale do) give the
+    output-gradient kernel's whole-V bits)."""
     from vllm.kernels import gdn_backward
     xs, do = _real_dims_case(dtype)
     base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
-    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
+    monkeypatch.setattr(gdn_backward, option, True)
     got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
     for name, a, b in zip("q k v g beta".split(), got, base):
         assert torch.equal(a, b), name
