@@ -237,6 +237,20 @@ class StateGradFromOutputs:
     cu: torch.Tensor
     scale: float
 
+    def walk_args(self, B: int, H: int, nC: int, C: int, K: int, V: int) -> tuple:
+        """The walk's (q, do, gamma, cu, scale, H, Hk, G) for a recurrence of these dims, the
+        tensors checked against them and 16-byte aligned (the walk reads q and do at their
+        [T, heads, dim] row strides)."""
+        q, do, gamma, cu = self.q, self.do, self.gamma, self.cu
+        Hk = q.shape[1] if q.dim() == 3 else 0
+        if (q.dim() != 3 or q.shape[2] != K or do.shape[0] != q.shape[0] or do.shape[1:] != (H, V)
+                or not Hk or H % Hk or tuple(gamma.shape) != (B, H, nC, C) or gamma.dtype != torch.float32
+                or tuple(cu.shape) != (B + 1,) or cu.dtype != torch.int32):
+            raise ValueError(f"state_grads: q {tuple(q.shape)}, do {tuple(do.shape)}, gamma {tuple(gamma.shape)} "
+                             f"{gamma.dtype}, cu {tuple(cu.shape)} {cu.dtype} do not fit B, H, nC, C, K, V = "
+                             f"{B}, {H}, {nC}, {C}, {K}, {V}")
+        return aligned16(q), aligned16(do), aligned16(gamma), cu, float(self.scale), H, Hk, H // Hk
+
 
 def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None,
                                state_grads: StateGradFromOutputs | None = None):
@@ -253,17 +267,9 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     w, kd, e, states, vn, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_vn))
     if g_states is not None:
         g_states = aligned16(g_states)
+        outs = (w, w, e, e, 1.0, H, H, 1)   # never read
     else:
-        sg = state_grads
-        Hk = sg.q.shape[1]
-        if (sg.q.dim() != 3 or sg.q.shape[2] != K or sg.do.shape[0] != sg.q.shape[0] or sg.do.shape[1:] != (H, V)
-                or H % Hk or tuple(sg.gamma.shape) != (B, H, nC, C) or sg.gamma.dtype != torch.float32
-                or tuple(sg.cu.shape) != (B + 1,) or sg.cu.dtype != torch.int32):
-            raise ValueError(f"state_grads: q {tuple(sg.q.shape)}, do {tuple(sg.do.shape)}, gamma "
-                             f"{tuple(sg.gamma.shape)} {sg.gamma.dtype}, cu {tuple(sg.cu.shape)} {sg.cu.dtype} "
-                             f"do not fit B, H, nC, C, K, V = {B}, {H}, {nC}, {C}, {K}, {V}")
-        # the walk reads q and do at their [T, heads, dim] row strides
-        sg = dataclasses.replace(sg, q=aligned16(sg.q), do=aligned16(sg.do), gamma=aligned16(sg.gamma))
+        outs = state_grads.walk_args(B, H, nC, C, K, V)
     prec = precision or training_tiles.dot_precision(w)
     du = torch.empty_like(vn, dtype=torch.float32)
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
@@ -272,15 +278,10 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state (states' dtype)
     block_v, warps, stages = BACKWARD_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
-    if g_states is not None:
-        outs = (w, w, e, e, 1.0, H, H, 1)   # never read
-        gs_desc = _desc(g_states, (BK, BV))
-    else:
-        outs = (sg.q, sg.do, sg.gamma, sg.cu, float(sg.scale), H, Hk, H // Hk)
-        gs_desc = _desc(d_end, (BK, BV))   # never read
     _bwd_walk_kernel[(B * H, -(-V // BV))](
-        _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, gs_desc, _desc(g_vn, (BC, BV)),
-        _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, *outs, C, BC=BC, BK=BK, BV=BV, PREC=prec, K=K, V=V,
+        # with state_grads, d_end's descriptor stands in for g_states' (never read)
+        _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_end if g_states is None else g_states, (BK, BV)),
+        _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, *outs, C, BC=BC, BK=BK, BV=BV, PREC=prec, K=K, V=V,
         GS_FROM_OUTPUTS=g_states is None, num_warps=warps, num_stages=stages)
     block_v, warps = BACKWARD_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
     BC, BK, BV = _blocks(C, K, V, block_v)

@@ -388,10 +388,10 @@ TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp
 ]
 TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it: the large-M entry below
 TREE_GPU_SHORT_LEAF_LARGE_M = ("tmar", 128, 64, 128, 8, 3)
-TREE_IMPLS = ("plain", "tma", "plainr", "tmar", "tmah", "tmah2")
 # the one-K-loop impls: how many of the counter's top levels wait in the scratch (the rest in
 # registers); where TMA cannot run they run as "plainr" (every level in registers)
 ONE_LOOP_IMPLS = {"plainr": 0, "tmar": 0, "tmah": 1, "tmah2": 2}
+TREE_IMPLS = ("plain", "tma", *ONE_LOOP_IMPLS)
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
