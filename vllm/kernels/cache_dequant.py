@@ -113,4 +113,4 @@ def dequant_kv_blocks_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     _dequant_blocks_kernel[(num_seqs, n_split)](
         k_cache, v_cache, k_scale, v_scale, k_out, v_out, block_table, seq_lens,
         block_table.stride(0), n_split,
-        BLOCK_SIZE=bs, ROWS=bs * heads, HEAD_DIM=d, ROW_TILE=ROW_TILE, num_warps=4)
+        BLOCK_SIZE=bs, ROWS=bs * heads, HEAD_DIM=d, ROW_TILE=ROW_TILE, num_warps=4, enable_fp_fusion=True)

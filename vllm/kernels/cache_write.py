@@ -82,7 +82,7 @@ def cache_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_cache.shape[1],
         NUM_HEADS=H, HEADS_POW2=triton.next_power_of_2(H), HEAD_DIM=D,
-        num_warps=4 if H * D >= 1024 else 1)
+        num_warps=4 if H * D >= 1024 else 1, enable_fp_fusion=True)
 
 
 def cache_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -220,7 +220,8 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     BC, BK, BV = _blocks(C, K, V, block_v)
     _fwd_kernel[(B * H, -(-V // BV))](
         _desc(u, (BC, BV)), _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(states, (BK, BV)),
-        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps, num_stages=stages)
+        _desc(vn, (BC, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=True)
     return states, vn
 
 
@@ -282,13 +283,13 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
         # with state_grads, d_end's descriptor stands in for g_states' (never read)
         _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_end if g_states is None else g_states, (BK, BV)),
         _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, *outs, C, BC=BC, BK=BK, BV=BV, PREC=prec, K=K, V=V,
-        GS_FROM_OUTPUTS=g_states is None, num_warps=warps, num_stages=stages)
+        GS_FROM_OUTPUTS=g_states is None, num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     block_v, warps = BACKWARD_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_parts_kernel[(B * H * nC,)](
         _desc(states, (BK, BV)), _desc(vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)),
         _desc(dw, (BC, BK)), _desc(dkd, (BC, BK)), de, -(-V // BV), BC=BC, BK=BK, BV=BV, PREC=prec,
-        num_warps=warps)
+        num_warps=warps, enable_fp_fusion=True)
     return du, dw, dkd, de
 
 

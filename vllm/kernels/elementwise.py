@@ -52,7 +52,7 @@ def rope_one_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     _rope_kernel[(T, triton.cdiv(H, block_h))](x, out, cos, sin, H, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                                                cos.stride(0), HALF=half, PASS=pass_dims,
                                                PASS_BLOCK=triton.next_power_of_2(max(pass_dims, 1)), BLOCK_H=block_h,
-                                               num_warps=4)
+                                               num_warps=4, enable_fp_fusion=True)
     return out
 
 
@@ -88,7 +88,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(triton.next_power_of_2(n), 2048)
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0), BLOCK=block,
+                                                                num_warps=4, enable_fp_fusion=True)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -129,5 +130,6 @@ def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(triton.next_power_of_2(n), 2048)
         _sigmoid_gate_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, g2, out, n, x2.stride(0), g2.stride(0), gate_col_stride, out.stride(0), BLOCK=block, num_warps=4)
+            x2, g2, out, n, x2.stride(0), g2.stride(0), gate_col_stride, out.stride(0), BLOCK=block, num_warps=4,
+            enable_fp_fusion=True)
     return out.reshape(x.shape)

@@ -50,7 +50,7 @@ def silu_and_mul_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(triton.next_power_of_2(n), 2048)
         _silu_mul_bwd_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, dy2, dx, n, x2.stride(0), dy2.stride(0), dx.stride(0), BLOCK=block, num_warps=4)
+            x2, dy2, dx, n, x2.stride(0), dy2.stride(0), dx.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=True)
     return dx.reshape(x.shape)
 
 
@@ -98,7 +98,7 @@ def sigmoid_gate_backward(x: torch.Tensor, gate: torch.Tensor, dy: torch.Tensor,
         block = min(triton.next_power_of_2(n), 2048)
         _sigmoid_gate_bwd_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, g2, dy2, dx, dg, n, x2.stride(0), g2.stride(0), gate_col_stride, dy2.stride(0), dx.stride(0),
-            dg.stride(0), BLOCK=block, num_warps=4)
+            dg.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=True)
     if gate_col_stride == 0:
         dg = dg.sum(-1, keepdim=True)
     return (dx.reshape(x.shape) if need_dx else None), (dg.to(gate.dtype).reshape(gate.shape) if need_dgate else None)

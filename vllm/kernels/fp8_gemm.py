@@ -296,7 +296,7 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
             M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=cfg.pop("GROUP_M"),
                 EVEN_K=K % BLOCK == 0, USE_TMA=use_tma, EMULATE=emulate)
-    _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg)
+    _fp8_gemm_kernel[(tiles,)](*args, **meta, **cfg, enable_fp_fusion=True)
     return out
 
 

@@ -92,5 +92,6 @@ def quantize_act_triton(x: torch.Tensor, m_major: bool = True, rows: int | None 
     if M and K:
         grid = (triton.cdiv(M, ROWS_PER_PROGRAM), kb)
         _quantize_act_kernel[grid](x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                   ROWS=ROWS_PER_PROGRAM, BLOCK_K=BLOCK, FMAX=FP8_MAX, num_warps=4)
+                                   ROWS=ROWS_PER_PROGRAM, BLOCK_K=BLOCK, FMAX=FP8_MAX, num_warps=4,
+                                   enable_fp_fusion=True)
     return q, s

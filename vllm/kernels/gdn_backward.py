@@ -285,7 +285,8 @@ def _group_sum(x: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
     n = T * (Hv // G)
     if n:
         BR = 32
-        _group_sum_kernel[(triton.cdiv(n, BR),)](x, out, n, G=G, K=K, BR=BR, BK=next_pow2(K), num_warps=4)
+        _group_sum_kernel[(triton.cdiv(n, BR),)](x, out, n, G=G, K=K, BR=BR, BK=next_pow2(K), num_warps=4,
+            enable_fp_fusion=True)
     return out
 
 
@@ -353,13 +354,14 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam,
                        t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
-                       num_warps=warps["prep"])
+                       num_warps=warps["prep"], enable_fp_fusion=True)
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"], states_dtype=states_dtype)
     d_vn = torch.empty_like(vn, dtype=torch.float32)
     in_walk = STATE_GRADS_IN_WALK
     d_states = None if in_walk else torch.empty_like(states)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(states if in_walk else d_states, (BK, BV)), _desc(d_vn, cv),
-                           scale, C, *heads, **dims, STATE_GRAD=not in_walk, num_warps=warps["out_grad"])
+                           scale, C, *heads, **dims, STATE_GRAD=not in_walk, num_warps=warps["out_grad"],
+                           enable_fp_fusion=True)
     du, dw, dkd, de = recurrence_backward_triton(
         w, kd, e, states, vn, d_states, d_vn, prec,
         state_grads=chunk_recurrence.StateGradFromOutputs(q, do, gam, cu, scale) if in_walk else None)
@@ -373,10 +375,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
                             _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims,
-                            num_warps=warps["final_out"])
+                            num_warps=warps["final_out"], enable_fp_fusion=True)
     _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
                            _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims,
-                           num_warps=warps["final_wu"])
+                           num_warps=warps["final_wu"], enable_fp_fusion=True)
     if G > 1:  # key heads: the sum over the value heads of the group
         dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db

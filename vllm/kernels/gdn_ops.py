@@ -202,12 +202,12 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, md: StateMetadat
                            x.stride(0), weight.stride(0), weight.stride(1), st.stride(0),
                            st.stride(1) if stateful else 0, y.stride(0),
                            W=W, HAS_STATE=stateful, HAS_BIAS=bias is not None, BLOCK_T=_CONV_BLOCK_T,
-                           BLOCK_D=_CONV_BLOCK_D, num_warps=4)
+                           BLOCK_D=_CONV_BLOCK_D, num_warps=4, enable_fp_fusion=True)
     if stateful and S:
         _conv_state_kernel[(S, nd)](x, conv_state, md.cu_seqlens, md.start_pos, md.slots, D,
                                     x.stride(0), conv_state.stride(0), conv_state.stride(1),
                                     W=W, BLOCK_J=max(2, triton.next_power_of_2(W - 1)), BLOCK_D=_CONV_BLOCK_D,
-                                    num_warps=4)
+                                    num_warps=4, enable_fp_fusion=True)
     return y
 
 
@@ -359,7 +359,8 @@ def gdn_gating_triton(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torc
         _gating_kernel[(T,)](q, k, a, b, A_log, dt_bias, qn, kn, g, beta, Hk, K, Hv,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), a.stride(1),
                              b.stride(0), b.stride(1), BLOCK_HK=bhk, BLOCK_K=bk,
-                             BLOCK_HV=triton.next_power_of_2(Hv), num_warps=4 if bhk * bk <= 1024 else 8)
+                             BLOCK_HV=triton.next_power_of_2(Hv), num_warps=4 if bhk * bk <= 1024 else 8,
+                             enable_fp_fusion=True)
     return qn, kn, g, beta
 
 
@@ -446,7 +447,7 @@ def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         block = min(triton.next_power_of_2(V), 4096)
         _rms_norm_gated_kernel[(N,)](x3, z3, weight, out, x3.shape[1], V, eps,
                                      x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), BLOCK=block,
-                                     num_warps=1 if block <= 256 else 4)
+                                     num_warps=1 if block <= 256 else 4, enable_fp_fusion=True)
     return out
 
 
@@ -547,7 +548,8 @@ def gdn_recurrent_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
             ssm.stride(0) if ssm is not None else 0, ssm.stride(1) if ssm is not None else 0,
             ssm.stride(2) if ssm is not None else 0,
-            GROUP=Hv // Hk, HAS_STATE=ssm is not None, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=bv, num_warps=4)
+            GROUP=Hv // Hk, HAS_STATE=ssm is not None, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=bv, num_warps=4,
+            enable_fp_fusion=True)
     return o
 
 

@@ -473,16 +473,17 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
             else:  # no scratch: the output's descriptor (same block type) stands in, never read
                 stack_desc = descs[2]
             _tree_tma_regs_kernel[(programs,)](*descs, stack_desc, M, N, KL, REG_LEVELS=reg_levels,
-                                               EMULATE=matmul._interpreting(), **opts)
+                                               EMULATE=matmul._interpreting(), **opts, enable_fp_fusion=True)
         else:
-            _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts)
+            _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts, enable_fp_fusion=True)
         return c.reshape(*lead, N)
     # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
     numel = programs * max(levels, 1) * bm * bn
     stack = _stack(x.device, numel).narrow(0, 0, numel)
     if tma:
         _tree_tma_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL,
-                                       EMULATE=matmul._interpreting(), **opts)
+                                       EMULATE=matmul._interpreting(), **opts, enable_fp_fusion=True)
     else:
-        _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts)
+        _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts,
+            enable_fp_fusion=True)
     return c.reshape(*lead, N)

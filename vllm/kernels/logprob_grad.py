@@ -65,5 +65,6 @@ def logprob_grad_block_triton(logits, lse, targets, row_scale, col0, temperature
         block = min(triton.next_power_of_2(n), 4096)
         _logprob_grad_kernel[(R, triton.cdiv(n, block))](
             logits, lse.float().contiguous(), targets.contiguous(), row_scale.float().contiguous(), d, n, col0,
-            1.0 / temperature, logits.stride(0), d.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            1.0 / temperature, logits.stride(0), d.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4,
+            enable_fp_fusion=True)
     return d

@@ -288,29 +288,29 @@ def mamba2_backward_triton(x, dt, dt_bias, A_log, B, C, D, dy, dt_min: float, cu
     pn = (BP, BN)
     a = aligned16(A)
     _prep_kernel[(n,)](x, B, C, dy, dtv, cu, a, gam, e, _desc(local, pn), _desc(ds, pn), Cs, *heads, **dims,
-                       **_launch(prec, "prep"))
+                       **_launch(prec, "prep"), enable_fp_fusion=True)
     states, dl = torch.empty_like(local), torch.empty_like(local)
     _recurrence_kernel[(S * H,)](_desc(local, pn), e, _desc(ds, pn), _desc(states, pn), _desc(dl, pn), nC,
-                                 BP=BP, BN=BN, **_launch(prec, "recurrence"))
+                                 BP=BP, BN=BN, **_launch(prec, "recurrence"), enable_fp_fusion=True)
     # dB, dC: the group's sum over its heads inside the kernels (dCB, then the states' side),
     # written once per group; everything else per (chunk, head)
     ng = S * G * nC
     # BC columns: a descriptor's rows must be 16-byte multiples, whatever the chunk size
     dcb = torch.empty((S, G, nC, Cs, BC), **f32)
     _dcb_kernel[(ng,)](x, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), Cs, *heads, P=P, BC=BC, BP=BP,
-                       PREC=prec, **_launch(prec, "dcb"))
+                       PREC=prec, **_launch(prec, "dcb"), enable_fp_fusion=True)
     dB, dC = B.new_empty(B.shape), C.new_empty(C.shape)
     bn = min(BN, GROUP_BLOCK_N)
     _dbc_kernel[(ng, -(-N // bn))](x, B, C, dy, dtv, cu, gam, _desc(dcb, (BC, BC)), _desc(states, (BP, bn)),
                                    _desc(dl, (BP, bn)), dB, dC, Cs, *heads, **{**dims, "BN": bn},
-                                   **_launch(prec, "dbc"))
+                                   **_launch(prec, "dbc"), enable_fp_fusion=True)
     dx = x.new_empty(x.shape)
     dd = torch.empty((T, H), **f32)
     dA_part, dD_part = torch.empty_like(e), torch.empty_like(e)
     ns = max(1, BN // SLICE_N)
     _dx_kernel[(n,)](x, B, C, dy, dtv, cu, a, aligned16(D.float()), gam, _desc(states, pn), _desc(dl, pn), dx, dd,
                      dA_part, dD_part, Cs, *heads, **{**dims, "BN": BN // ns}, NS=ns,
-                     BR=min(BC, max(16, ROW_BLOCK)), **_launch(prec, "dx"))
+                     BR=min(BC, max(16, ROW_BLOCK)), **_launch(prec, "dx"), enable_fp_fusion=True)
     # d = clamp(softplus(dt + dt_bias), dt_min): the gradient passes where softplus >= dt_min
     dpre = dd * (sp >= dt_min) * torch.sigmoid(pre)
     dA = dA_part.sum((0, 2))

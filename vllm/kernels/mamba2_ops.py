@@ -95,7 +95,7 @@ def gated_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     if T:
         block = min(triton.next_power_of_2(V), 4096)
         _gated_norm_kernel[(T * groups,)](x, z, weight, out, groups, V, eps, x.stride(0), z.stride(0), BLOCK=block,
-                                         num_warps=1 if block <= 256 else 4)
+                                         num_warps=1 if block <= 256 else 4, enable_fp_fusion=True)
     return out
 
 
@@ -191,7 +191,8 @@ def selective_state_update_triton(x: torch.Tensor, dt: torch.Tensor, dt_bias: to
             x, dt, dt_bias, A_log, B, C, D, y, ssm if ssm is not None else x, md.start_pos,
             md.slots if ssm is not None else md.start_pos, float(dt_min),
             x.stride(0), dt.stride(0), B.stride(0), C.stride(0), H, P, N,
-            GROUP=H // G, HAS_STATE=ssm is not None, BLOCK_P=bp, BLOCK_N=triton.next_power_of_2(N), num_warps=4)
+            GROUP=H // G, HAS_STATE=ssm is not None, BLOCK_P=bp, BLOCK_N=triton.next_power_of_2(N), num_warps=4,
+            enable_fp_fusion=True)
     return y
 
 

@@ -401,7 +401,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
                 TensorDescriptor.from_tensor(c, [bm, bn]), bias_arg, M, N, K,
                 HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-                FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages)
+                FLATTEN=impl == "tmaf", num_warps=warps, num_stages=stages, enable_fp_fusion=True)
             return c.reshape(*lead, N)
         except OutOfResources:
             # e.g. an fp32 epilogue tile too large for shared memory: the plain kernel
@@ -411,7 +411,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         a, weight, c, bias_arg, M, N, K,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
         HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=even_k,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     return c.reshape(*lead, N)
 
 

@@ -328,7 +328,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, *, a_indexe
         a, w, c, plan.pair_at, plan.block_expert, N, K,
         a.stride(0), a.stride(1), s_be, s_bn, s_bk, c.stride(0), c.stride(1),
         A_INDEXED=a_indexed, A_DIV=a_div, C_INDEXED=c_indexed, BM=bm, BN=bn, BK=bk, EVEN_K=K % bk == 0,
-        EMULATE=_interpreting(), num_warps=warps, num_stages=stages)
+        EMULATE=_interpreting(), num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     return c
 
 
@@ -348,7 +348,7 @@ def grouped_wgrad(dc: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, *, a_inde
         dc, a, dw, plan.pair_at, plan.expert_block_start, plan.expert_block_end, N, K,
         dc.stride(0), dc.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         A_INDEXED=a_indexed, A_DIV=a_div, C_INDEXED=c_indexed, BM=bm, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     return dw
 
 

@@ -152,7 +152,8 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
     _rms_norm_dx_kernel[(triton.cdiv(R, BLOCK_R),)](
         xv, weight, dyv, dresv, dx, rstd, R, H, eps,
         x_inner, sxo, sxi, dy_inner, sdyo, sdyi, dres_inner, sdro, sdri,
-        HAS_DRES=dres is not None, ZERO_CENTRED=zero_centred, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=warps)
+        HAS_DRES=dres is not None, ZERO_CENTRED=zero_centred, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=warps,
+        enable_fp_fusion=True)
     dw = None
     if need_dw:
         dev = x.device
@@ -168,6 +169,6 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
         part = torch.empty((splits, H), dtype=torch.float32, device=dev)
         _rms_norm_dw_kernel[(col_blocks, splits)](
             xv, dyv, rstd, part, R, H, rows_per, x_inner, sxo, sxi, dy_inner, sdyo, sdyi,
-            BLOCK_R=BR, BLOCK_H=BH, num_warps=4)
+            BLOCK_R=BR, BLOCK_H=BH, num_warps=4, enable_fp_fusion=True)
         dw = part.sum(0).to(weight.dtype)
     return (dx if need_dx else None), dw

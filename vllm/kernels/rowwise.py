@@ -72,7 +72,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, H, eps,
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
                                   HAS_RES=residual is not None, ZERO_CENTRED=zero_centred, BLOCK=BLOCK,
-                                  num_warps=4 if BLOCK <= 1024 else 8)
+                                  num_warps=4 if BLOCK <= 1024 else 8, enable_fp_fusion=True)
     if residual is not None:
         return out.reshape(shape), res_out.reshape(shape)
     return out.reshape(shape)

@@ -228,7 +228,7 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     _gumbel_argmax_kernel[(B,)](scaled, scaled.stride(0), seeds, positions, out,
                                 scores_out if scores_out is not None else out, V,
                                 _MUL1, _MUL2, _KEY_INIT_A, _KEY_INIT_B, BLOCK=block, PRECISE_LOG=precise,
-                                WRITE_SCORES=scores_out is not None)
+                                WRITE_SCORES=scores_out is not None, enable_fp_fusion=True)
     return out
 
 
@@ -274,7 +274,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
         block = 1024
         grid = (num_rows, triton.cdiv(vocab_size, block))
         _uniform_kernel[grid](out, seeds, positions, vocab_size, out.stride(0),
-                              _MUL1, _MUL2, _KEY_INIT_A, _KEY_INIT_B, BLOCK=block)
+                              _MUL1, _MUL2, _KEY_INIT_A, _KEY_INIT_B, BLOCK=block, enable_fp_fusion=True)
         return out
 
     a, b = row_keys(seeds, positions)
