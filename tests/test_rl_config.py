@@ -58,7 +58,7 @@ def test_algorithm_defaults_and_overrides():
     d = TrainConfig.from_dict({"task": "arithmetic", "algorithm": {"algorithm": "dapo", "max_response_tokens": 100}})
     d = d.validate()
     assert (d.algorithm.clip_eps_high, d.algorithm.loss_agg, d.algorithm.overlong_buffer,
-            d.algorithm.dynamic_sampling) == (0.28, "token-mean", 25, True)
+            d.algorithm.dynamic_sampling) == (0.28, "token-mean", 20, True)
     d2 = TrainConfig.from_dict({"task": "arithmetic", "algorithm": "dapo", "clip_eps_high": 0.3,
                                 "dynamic_sampling": False}).validate()
     assert (d2.algorithm.clip_eps_high, d2.algorithm.dynamic_sampling) == (0.3, False)

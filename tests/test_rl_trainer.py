@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+import yaml
 
 from vllm.entrypoints.cli.main import main
 from vllm.rl.config import TrainConfig
@@ -122,15 +123,21 @@ def test_resume_via_cli_continues_metrics(tiny_qwen3, rl_files, tmp_path, capsys
     common = ["--model", tiny_qwen3, "--device", "cpu", "--data", rl_files["train"], "--prompt-field", "question",
               "--answer-field", "solution", "--reward", rl_files["reward"], "--group-size", "2", "--prompts-per-step",
               "2", "--max-response-tokens", "4", "--output-dir", str(tmp_path / "run"), "--no-progress",
-              "--no-tensorboard", "--no-plots"]
+              "--no-tensorboard", "--no-plots", "--lr", "1e-5", "--warmup-steps", "0", "--lr-schedule", "cosine",
+              "--min-lr-ratio", "0.1"]
     assert main(["train", *common, "--steps", "2"]) == 0
     assert main(["train", *common, "--steps", "2"]) == 2  # refuses to overwrite the run
     assert "--resume" in capsys.readouterr().err
-    # --resume alone: the checkpoint's configuration, extended by --steps
+    saved = yaml.safe_load((tmp_path / "run" / "checkpoints" / "step_000002" / "config.yaml").read_text())
+    assert saved["optim"]["lr_decay_steps"] == 2  # the schedule's length is pinned in the run's config
+    # --resume alone: the checkpoint's configuration, extended by --steps; the cosine schedule
+    # keeps the length the first two steps were computed with, so step 3 runs at the floor
     assert main(["train", "--resume", "--output-dir", str(tmp_path / "run"), "--steps", "3", "--no-progress"]) == 0
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert "resumed at step 2" in capsys.readouterr().out
+    assert [r["lr"] for r in rows] == pytest.approx([1e-5, 0.55e-5, 0.1e-5], rel=1e-12)
+    out = capsys.readouterr().out
+    assert "resumed at step 2" in out and "changed knobs" not in out
 
 
 def test_dapo_kl_multi_update_paths(tiny_qwen3, rl_files, tmp_path):

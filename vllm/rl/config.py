@@ -89,7 +89,8 @@ class AlgorithmSection:
                                        "dapo token-mean)", ("token-mean", "seq-mean-token-mean", None))
     norm_adv_by_std: bool = _knob(True, "divide group-centred rewards by the group's std (false: Dr. GRPO)")
     overlong_buffer: int | None = _knob(None, "soft overlong penalty over the last N tokens before the limit "
-                                              "(default: grpo 0 = off, dapo max_response_tokens // 4)")
+                                              "(default: grpo 0 = off, dapo max_response_tokens // 5, the "
+                                              "paper's 4,096 of 20,480)")
     overlong_penalty: float = _knob(1.0, "penalty at the length limit (it ramps linearly over the buffer)")
     dynamic_sampling: bool | None = _knob(None, "drop groups whose rewards are all equal, sample more prompts "
                                                 "(default: grpo off, dapo on)")
@@ -106,6 +107,9 @@ class OptimSection:
     lr_schedule: str = _knob("constant", "constant | linear | cosine (after warmup)", ("constant", "linear", "cosine"))
     warmup_steps: int = _knob(0, "linear warmup steps")
     min_lr_ratio: float = _knob(0.0, "linear/cosine decay floor as a fraction of lr")
+    lr_decay_steps: int | None = _knob(None, "steps the linear/cosine schedule spans, warmup included (default: the "
+                                             "run's steps when it starts; --resume keeps the run's value, so "
+                                             "raising --steps continues at the floor)")
     weight_decay: float = _knob(0.0, "AdamW weight decay")
     adam_beta1: float = _knob(0.9, "AdamW beta1")
     adam_beta2: float = _knob(0.999, "AdamW beta2")
@@ -332,7 +336,7 @@ class TrainConfig:
         if a.loss_agg is None:
             a.loss_agg = dflt["loss_agg"]
         if a.overlong_buffer is None:
-            a.overlong_buffer = a.max_response_tokens // 4 if dflt["overlong_buffer"] < 0 else dflt["overlong_buffer"]
+            a.overlong_buffer = a.max_response_tokens // 5 if dflt["overlong_buffer"] < 0 else dflt["overlong_buffer"]
         if a.dynamic_sampling is None:
             a.dynamic_sampling = dflt["dynamic_sampling"]
         return cfg
@@ -403,6 +407,8 @@ class TrainConfig:
         check(o.lr > 0 and math.isfinite(o.lr), f"lr: must be > 0, got {o.lr}")
         check(o.warmup_steps >= 0, f"warmup_steps: must be >= 0, got {o.warmup_steps}")
         check(0.0 <= o.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+        check(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
+              f"lr_decay_steps: must be >= 1, got {o.lr_decay_steps}")
         check(o.weight_decay >= 0, f"weight_decay: must be >= 0, got {o.weight_decay}")
         check(0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0, "adam_beta1/adam_beta2: must be in [0, 1)")
         check(o.adam_eps > 0, f"adam_eps: must be > 0, got {o.adam_eps}")

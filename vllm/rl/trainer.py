@@ -55,8 +55,10 @@ def rollout_seed(seed: int, step: int, batch: int, index: int) -> int:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of 0-based step `step`: linear warmup, then constant / linear / cosine decay."""
-    o, total = cfg.optim, cfg.run.steps
+    """Learning rate of 0-based step `step`: linear warmup, then constant / linear / cosine decay
+    over `lr_decay_steps` (the run's steps when unset), then the floor."""
+    o = cfg.optim
+    total = o.lr_decay_steps if o.lr_decay_steps is not None else cfg.run.steps
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.lr_schedule == "constant":
@@ -126,7 +128,7 @@ class Trainer:
     a client of a separate rollout server)."""
 
     def __init__(self, config: TrainConfig, rollout: RolloutClient | None = None, stream=None):
-        self.raw_config = config
+        self.raw_config = copy.deepcopy(config)  # lr_decay_steps gets pinned in it (_fix_lr_decay_steps)
         self.cfg = cfg = config.validate()
         self.stream = stream
         self.device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,6 +145,7 @@ class Trainer:
                 and os.listdir(os.path.join(self.output_dir, "checkpoints")):
             raise ValueError(f"{self.output_dir!r} holds checkpoints of an earlier run: continue it with --resume, "
                              "start over with --overwrite, or choose another --output-dir")
+        self._fix_lr_decay_steps()
         # ---- engine, policy, optimizer ---------------------------------------------------
         self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
         if rollout is None and cfg.cluster.backend == "ray":
@@ -171,6 +174,21 @@ class Trainer:
             self._restore(self.resume_from)
 
     # ---- set-up ----------------------------------------------------------------------------
+    def _fix_lr_decay_steps(self) -> None:
+        """Pin the schedule's length before the first step, so that the config saved with every
+        checkpoint names it: a fresh run's own steps; a resumed run's from its checkpoint (a run
+        extended with --steps keeps its schedule and continues at the floor, as the steps it
+        already took were computed). An explicit lr_decay_steps stands (a changed one is reported
+        as a changed knob on resume)."""
+        if self.cfg.optim.lr_decay_steps is not None:
+            return
+        steps = self.cfg.run.steps
+        if self.resume_from is not None:
+            saved = TrainConfig.from_dict(_yaml_load(self.resume_from.config_yaml))
+            # a checkpoint from before the knob: its schedule spanned that run's steps
+            steps = saved.optim.lr_decay_steps if saved.optim.lr_decay_steps is not None else saved.run.steps
+        self.cfg.optim.lr_decay_steps = self.raw_config.optim.lr_decay_steps = steps
+
     def _model_dir(self) -> str:
         return model_dir_of(self.cfg)
 
@@ -494,7 +512,10 @@ class Trainer:
         return self.checkpoints.submit(snap, checkpoint_path(self.output_dir, self.step_count))
 
     def config_changes_since(self, ckpt: Checkpoint) -> list[str]:
-        saved = TrainConfig.from_dict(_yaml_load(ckpt.config_yaml)).resolved().flat()
+        saved_cfg = TrainConfig.from_dict(_yaml_load(ckpt.config_yaml)).resolved()
+        if saved_cfg.optim.lr_decay_steps is None:  # a checkpoint from before the knob
+            saved_cfg.optim.lr_decay_steps = saved_cfg.run.steps
+        saved = saved_cfg.flat()
         now = self.cfg.flat()
         return sorted(k for k in now if k not in RESUME_FREE_KNOBS and now[k] != saved.get(k))
 
