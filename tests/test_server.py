@@ -267,7 +267,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [[5, 6], [7, -1]]}, "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "gpt-4"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
@@ -295,8 +294,9 @@ def test_bad_requests_get_400_while_good_ones_succeed(served):
             bad = await asyncio.gather(*(c.post(path, json=body) for path, body, _ in BAD_REQUESTS))
             raw = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
             missing = await c.get("/v1/nothing-here")
-            return await asyncio.gather(*good), bad, raw, missing
-    good, bad, raw, missing = _run(go())
+            unknown_model = await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"})
+            return await asyncio.gather(*good), bad, raw, missing, unknown_model
+    good, bad, raw, missing, unknown_model = _run(go())
     for r, (path, body, needle) in zip(bad, BAD_REQUESTS):
         assert r.status_code == 400, (body, r.status_code, r.text)
         err = r.json()["error"]
@@ -305,6 +305,10 @@ def test_bad_requests_get_400_while_good_ones_succeed(served):
     assert raw.status_code == 400 and raw.json()["error"]["code"] == 400
     assert raw.json()["error"]["param"] is None and "not valid JSON" in raw.json()["error"]["message"]
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    # an unknown model is 404 (the openai client's NotFoundError), as upstream answers
+    err = unknown_model.json()["error"]
+    assert unknown_model.status_code == 404 and err["type"] == "not_found_error" and err["param"] == "model"
+    assert "`gpt-4` does not exist" in err["message"]
     assert all(r.status_code == 200 for r in good)
     assert len({tuple(r.json()["choices"][0]["token_ids"]) for r in good}) == 1
 

@@ -102,9 +102,11 @@ class ModelConfig:
                 gen = json.load(f)
             if gen.get("eos_token_id") is not None:
                 eos = gen["eos_token_id"]
-            for key in ("temperature", "top_k", "top_p", "min_p"):
+            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
                 if key in gen:
                     gen_defaults[key] = gen[key]
+            if isinstance(gen.get("max_new_tokens"), int):  # the server's max_tokens when a request leaves it unset
+                gen_defaults["max_tokens"] = gen["max_new_tokens"]
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         max_pos = hf.get("max_position_embeddings", 4096)
         if max_model_len is not None and max_model_len > max_pos:

@@ -250,19 +250,25 @@ class LLM:
         return [results[r] for r in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered as the server's chat completions render them (vllm/entrypoints/chat_template.py).
+        `chat_template`: a template (or a file holding one) instead of the tokenizer's."""
+        from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
+
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.get_tokenizer()
-        if getattr(tok, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template")
-        prompts = []
-        for conv in messages:
-            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        template = load_chat_template(chat_template)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        prompts = [{"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt=add_generation_prompt,
+                                                         continue_final_message=continue_final_message,
+                                                         chat_template=template, template_kwargs=kwargs)}
+                   for conv in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -36,14 +36,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use (weights, activations and KV cache)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching "
+                        "recomputes them)")
     p.add_argument("--num-state-snapshots", type=int, default=None,
                    help="models with recurrent layers (Gated DeltaNet, Mamba-2): prefix-cache snapshots of their "
                         "states, one per cached prompt, least recently used replaced first (default: max-num-seqs // 4; "
                         "a batch of more distinct prompts than this, resent in the same order, hits none)")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="prefill each prompt in one step instead of splitting it across steps")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps (--no-enable-chunked-prefill prefills each prompt in "
+                        "one step)")
     p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed)")

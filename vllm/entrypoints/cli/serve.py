@@ -42,6 +42,17 @@ def add_parser(sub) -> None:
                         "[TOOL_CALLS] then a JSON array; pythonic: [f(a=1), g()] (Llama 3.2/4)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for upstream command lines: tool_choice 'auto' is always parsed here")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, for every chat request and LLM-side "
+                        "rendering (default: the tokenizer's)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat requests that carry their own chat_template with it (refused otherwise)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' in every response, as a request's return_tokens_as_token_ids")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for upstream command lines: requests are not logged one by one here")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (uvicorn)")
@@ -56,6 +67,12 @@ def run(args) -> int:
         args.model = args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise SystemExit("vllm serve: --max-queued-requests must be >= 0")
+    if args.chat_template is not None:
+        from vllm.entrypoints.chat_template import load_chat_template
+        try:
+            load_chat_template(args.chat_template)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"vllm serve: --chat-template: {err}")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -68,7 +85,9 @@ def run(args) -> int:
         run_server(engine_kwargs(args), host=args.host, port=args.port, served_model_names=args.served_model_name,
                    max_logprobs=args.max_logprobs, generation_config=args.generation_config,
                    log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
-                   api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser)
+                   api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
+                   chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                   return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

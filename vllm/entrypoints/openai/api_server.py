@@ -230,25 +230,26 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
     return result
 
 
-def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, max_logprobs: int,
-             generation_config: str, tool_call_parser: str = "hermes") -> OpenAIServing:
+def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, generation_config: str = "auto",
+             **options) -> OpenAIServing:
+    """`options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template,
+    trust_request_chat_template, return_tokens_as_token_ids)."""
     info = async_llm.info
     names = list(served_model_names or [default_served_name(info.model_path)])
-    return OpenAIServing(async_llm, names, max_logprobs=max_logprobs,
+    return OpenAIServing(async_llm, names,
                          generation_defaults=info.generation_defaults if generation_config == "auto" else {},
-                         model_path=info.model_path, max_model_len=info.max_model_len,
-                         tool_call_parser=tool_call_parser)
+                         model_path=info.model_path, max_model_len=info.max_model_len, **options)
 
 
-def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, max_logprobs: int = 20,
-                       generation_config: str = "auto", max_queued_requests: int | None = None,
-                       api_key: str | None = None, admin_key: str | None = None,
-                       tool_call_parser: str = "hermes") -> FastAPI:
+def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, generation_config: str = "auto",
+                       max_queued_requests: int | None = None, api_key: str | None = None,
+                       admin_key: str | None = None, **options) -> FastAPI:
     """An app serving an existing `vllm.LLM`, its engine driven by the engine-core loop on a
     thread of this process (tests, notebooks). Once the app runs, only that thread may touch
-    `llm.llm_engine`. `vllm serve` runs the engine in its own process instead."""
+    `llm.llm_engine`. `vllm serve` runs the engine in its own process instead. `options`:
+    OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
     async_llm = AsyncLLM.from_engine(llm.llm_engine, max_queued_requests=max_queued_requests)
-    return build_app(_serving(async_llm, served_model_names, max_logprobs, generation_config, tool_call_parser),
+    return build_app(_serving(async_llm, served_model_names, generation_config, **options),
                      api_key=api_key, admin_key=admin_key)
 
 
@@ -261,16 +262,16 @@ def default_served_name(model_path: str) -> str:
 
 
 def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
-               max_logprobs: int = 20, generation_config: str = "auto", log_level: str = "info",
-               max_queued_requests: int | None = None, api_key: str | None = None, admin_key: str | None = None,
-               tool_call_parser: str = "hermes") -> None:
+               generation_config: str = "auto", log_level: str = "info", max_queued_requests: int | None = None,
+               api_key: str | None = None, admin_key: str | None = None, **options) -> None:
     """Start the engine core process, then serve until SIGINT/SIGTERM; uvicorn's graceful
-    shutdown then stops the engine process (which also exits by itself if this one dies)."""
+    shutdown then stops the engine process (which also exits by itself if this one dies).
+    `options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
     import uvicorn
 
     async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
     try:
-        app = build_app(_serving(async_llm, served_model_names, max_logprobs, generation_config, tool_call_parser),
+        app = build_app(_serving(async_llm, served_model_names, generation_config, **options),
                         api_key=api_key, admin_key=admin_key)
         names = app.state.serving.names
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)

@@ -13,6 +13,11 @@ from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 
+class ModelNotFoundError(LookupError):
+    """A request named a model this server does not serve: 404, as upstream vLLM and OpenAI
+    answer (the openai client raises NotFoundError)."""
+
+
 class PromptNotScoredError(RuntimeError):
     """A request that asked for prompt logprobs ended (aborted by pause_generation or
     /abort_requests) before every prompt position was scored: a partial answer would read as
@@ -68,6 +73,8 @@ def health_response(llm):
 
 def exception_response(err: BaseException) -> JSONResponse:
     """The one place that maps an exception from stages 1-3 to an HTTP error."""
+    if isinstance(err, ModelNotFoundError):
+        return error_response(str(err), 404, param="model")
     if isinstance(err, ValueError):
         return error_response(str(err), 400)
     if isinstance(err, QueueFullError):

@@ -37,6 +37,16 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # each is a scheduler entry, and an absurd n would stall the engine thread.
 MAX_CHOICES_PER_REQUEST = 1024
 
+# upstream vLLM request fields that change the prompt or what is sampled and are not
+# implemented here, with their no-op values: a request that sets one to anything else is
+# refused (400), never silently served without it.
+REFUSED_UPSTREAM_FIELDS = {
+    "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_embeds": (None,),
+    "guided_whitespace_pattern": (None, ""), "mm_processor_kwargs": (None, {}),
+}
+
+
 # JSON has no infinities; a -inf logprob (a token masked by top-k/top-p in a
 # processed mode) is reported as this value, as upstream vLLM does.
 NEG_INF_LOGPROB = -9999.0
@@ -61,7 +71,8 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+        """Unknown fields (the ones refused by name, REFUSED_UPSTREAM_FIELDS, are not ignored)."""
+        return sorted(k for k in (self.model_extra or {}) if k not in REFUSED_UPSTREAM_FIELDS)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -127,6 +138,14 @@ class _SamplingRequest(OpenAIBaseModel):
     response_format: Optional[ResponseFormat] = None
     # upstream's: {json | regex | choice | grammar | json_object, disable_any_whitespace}
     structured_outputs: Optional[dict[str, Any]] = None
+    # upstream's: keep only the last k prompt tokens (-1: the last max_model_len - 1)
+    truncate_prompt_tokens: Optional[StrictInt] = None
+    # upstream's older spelling of structured_outputs (guided_json / _regex / _choice / _grammar)
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None   # which library enforces it: xgrammar here, whatever is asked
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
@@ -134,6 +153,15 @@ class _SamplingRequest(OpenAIBaseModel):
     def _check_unsupported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        extra = self.model_extra or {}
+        refused = [name for name, noop in REFUSED_UPSTREAM_FIELDS.items() if name in extra and not any(
+                   extra[name] == v and isinstance(extra[name], bool) == isinstance(v, bool) for v in noop)]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: upstream vLLM fields that change the prompt or what is sampled, "
+                             "not implemented here (refused rather than ignored)")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 \
+                and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if self.top_k is not None and self.top_k > _INT64_MAX:
@@ -146,13 +174,31 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.return_token_ids is not False
 
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
-        """The output constraint of response_format or structured_outputs (one at most)."""
-        fmt = self.response_format.structured_outputs() if self.response_format is not None else None
+        """The output constraint of response_format, structured_outputs or the guided_* fields
+        (one of them at most)."""
+        guided = {key: getattr(self, "guided_" + key) for key in ("json", "regex", "choice", "grammar")
+                  if getattr(self, "guided_" + key) is not None}
+        given = [name for name, on in (("response_format", self.response_format is not None
+                                        and self.response_format.type != "text"),
+                                       ("structured_outputs", self.structured_outputs is not None),
+                                       ("guided_*", bool(guided))) if on]
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, structured_outputs and guided_*, not {' and '.join(given)}")
         if self.structured_outputs is not None:
-            if fmt is not None:
-                raise ValueError("give either response_format or structured_outputs, not both")
             return StructuredOutputsParams.of(self.structured_outputs)
-        return fmt
+        if guided:
+            if len(guided) > 1:
+                raise ValueError(f"give one guided_* field, got {sorted('guided_' + k for k in guided)}")
+            return StructuredOutputsParams.of(guided)
+        return self.response_format.structured_outputs() if self.response_format is not None else None
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens ids (upstream's left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len - 1 if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
                          max_logprobs: int, prompt_logprobs: Optional[int] = None,
@@ -163,6 +209,8 @@ class _SamplingRequest(OpenAIBaseModel):
         keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         kw = {**{k: v for k, v in defaults.items() if k in keys}, **given}
+        if max_tokens is None:  # the model's generation_config max_new_tokens, if it has one
+            max_tokens = defaults.get("max_tokens")
         # SamplingParams raises ValueError with a readable message for every bad value.
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
@@ -190,6 +238,7 @@ class CompletionRequest(_SamplingRequest):
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
     prompt_logprobs: Optional[StrictInt] = None   # upstream's: per prompt token its logprob and the top-k
+    add_special_tokens: bool = True   # upstream's: false for text already holding them (a client-side template)
 
     def prompts(self) -> list[Union[str, dict]]:
         """The prompts as engine inputs: strings stay strings, token ids become dicts."""
@@ -264,6 +313,11 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # upstream's: a template of the request's own (only where the server trusts them)
+    chat_template: Optional[str] = None
+    # upstream's: the tokenizer's special tokens around the rendered template (the template
+    # writes BOS itself, so false is upstream's default too)
+    add_special_tokens: bool = False
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None     # false: tool_choice "required" makes exactly one call
@@ -276,7 +330,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
         if self.n > MAX_CHOICES_PER_REQUEST:
             raise ValueError(f"n must be <= {MAX_CHOICES_PER_REQUEST}")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:   # 0 asks for nothing (upstream accepts it)
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
@@ -516,6 +570,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -619,6 +674,7 @@ class TrlGenerateRequest(TrlSamplingFields):
 class TrlChatRequest(TrlSamplingFields):
     messages: list[list[ChatMessage]]
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template: Optional[str] = None
     tools: Optional[list[dict[str, Any]]] = None
 
 

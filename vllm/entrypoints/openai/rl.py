@@ -37,7 +37,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.entrypoints.openai.serving import OpenAIServing, _final_outputs, _json, _unless_disconnected, \
-    apply_chat_template, trl_logprobs
+    trl_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +206,9 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
-            prompts = [{"prompt_token_ids": apply_chat_template(llm.tokenizer, [m.to_template_dict() for m in conv],
-                                                                True, False, kwargs)} for conv in req.messages]
+            prompts = [{"prompt_token_ids": serving.chat_prompt_ids([m.to_template_dict() for m in conv], kwargs,
+                                                                    req.chat_template)}
+                       for conv in req.messages]
             return await _trl_run(prompts, req, raw)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)

@@ -15,8 +15,10 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
-from vllm.entrypoints.openai.errors import exception_response, exception_response_body, require_scored_prompts
+from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
+                                          require_scored_prompts)
 from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
@@ -299,7 +301,9 @@ class OpenAIServing:
 
     def __init__(self, async_llm: AsyncLLM, served_model_names: Sequence[str], *, max_logprobs: int = 20,
                  generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
-                 max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
+                 max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 return_tokens_as_token_ids: bool = False):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -309,6 +313,9 @@ class OpenAIServing:
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.tool_call_parser = check_tool_call_parser(tool_call_parser)   # the format "auto" tool_choice reads
+        self.chat_template = load_chat_template(chat_template)   # None: the tokenizer's own
+        self.trust_request_chat_template = trust_request_chat_template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids   # every request's, when set
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -316,14 +323,17 @@ class OpenAIServing:
         if requested is None or requested == "":
             return self.names[0]
         if requested not in self.names:
-            raise ValueError(f"the model {requested!r} is not served here; available: {', '.join(self.names)}")
+            raise ModelNotFoundError(f"The model `{requested}` does not exist; served here: {', '.join(self.names)}")
         return requested
 
-    @staticmethod
-    def _log_ignored(req: OpenAIBaseModel) -> None:
+    def _accept(self, req: OpenAIBaseModel) -> None:
+        """Log the fields the request sets that this server does not know, and apply the
+        server-wide response options to it."""
         extra = req.ignored_fields()
         if extra:
             logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+        if self.return_tokens_as_token_ids and hasattr(req, "return_tokens_as_token_ids"):
+            req.return_tokens_as_token_ids = True
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
@@ -331,10 +341,10 @@ class OpenAIServing:
     # -- /v1/completions -------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request):
         try:
-            self._log_ignored(req)
+            self._accept(req)
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
-            prompts = req.prompts()
+            prompts = [self._completion_prompt(p, req) for p in req.prompts()]
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"cmpl-{uuid.uuid4().hex}"
@@ -383,6 +393,18 @@ class OpenAIServing:
                     weight_versions=c.weight_versions))
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                         usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
+
+    def _completion_prompt(self, prompt, req: CompletionRequest):
+        """A prompt as the engine takes it, after add_special_tokens and truncate_prompt_tokens:
+        text the engine tokenizes itself (with special tokens) where neither applies, else token
+        ids (with the text kept for echo when nothing was cut)."""
+        if isinstance(prompt, str):
+            if req.add_special_tokens and req.truncate_prompt_tokens is None:
+                return prompt
+            ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+            cut = req.truncate_prompt(ids, self.llm.max_model_len)
+            return {"prompt_token_ids": cut, **({"prompt": prompt} if len(cut) == len(ids) else {})}
+        return {"prompt_token_ids": req.truncate_prompt(prompt["prompt_token_ids"], self.llm.max_model_len)}
 
     def _echo_text(self, out: RequestOutput) -> str:
         """echo's prompt text: the prompt as given, or its decoded token ids."""
@@ -469,21 +491,36 @@ class OpenAIServing:
         yield _DONE_EVENT
 
     # -- /v1/chat/completions --------------------------------------------------------------
-    def _chat_prompt_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                         chat_template_kwargs: dict | None, tools=None) -> list[int]:
-        kwargs = dict(chat_template_kwargs or {})
+    def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None = None,
+                        request_template: str | None = None, *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, tools=None,
+                        add_special_tokens: bool = False) -> list[int]:
+        """A conversation's prompt ids under the server's template (--chat-template, else the
+        tokenizer's), or the request's own `chat_template` where the server trusts those."""
+        template = self.chat_template
+        if request_template is not None:
+            if not self.trust_request_chat_template:
+                raise ValueError("chat_template in a request is refused unless the server runs with "
+                                 "--trust-request-chat-template (--chat-template sets one for every request)")
+            template = request_template
+        kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
-        return apply_chat_template(self.llm.tokenizer, messages, add_generation_prompt, continue_final_message, kwargs)
+        return chat_prompt_ids(self.llm.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=template,
+                               template_kwargs=kwargs, add_special_tokens=add_special_tokens)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         try:
-            self._log_ignored(req)
+            self._accept(req)
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
             messages = req.template_messages()
-            prompt_ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
-                                               req.chat_template_kwargs, req.tools)
+            prompt_ids = self.chat_prompt_ids(messages, req.chat_template_kwargs, req.chat_template,
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              continue_final_message=req.continue_final_message, tools=req.tools,
+                                              add_special_tokens=req.add_special_tokens)
+            prompt_ids = req.truncate_prompt(prompt_ids, self.llm.max_model_len)
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -579,10 +616,9 @@ class OpenAIServing:
         if req.prompt is not None:
             ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            if req.continue_final_message and req.add_generation_prompt:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-            ids = self._chat_prompt_ids([m.to_template_dict() for m in req.messages], req.add_generation_prompt,
-                                        req.continue_final_message, req.chat_template_kwargs)
+            ids = self.chat_prompt_ids([m.to_template_dict() for m in req.messages], req.chat_template_kwargs,
+                                       req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
         return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -617,19 +653,3 @@ def _chat_finish(c: CompletionOutput, plan: ToolPlan) -> str | None:
     if c.finish_reason == "stop" and plan.mode in ("auto", "required") and plan.parse(c.text)[1]:
         return "tool_calls"
     return c.finish_reason
-
-
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                        kwargs: dict) -> list[int]:
-    """Messages -> prompt token ids, exactly as LLM.chat does it (so server and offline agree)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template")
-    if continue_final_message:
-        kwargs = {**kwargs, "continue_final_message": True}
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs)
-    except Exception as err:  # jinja errors (raise_exception in templates, bad roles), bad kwargs
-        raise ValueError(f"could not apply the chat template: {err}") from err
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)

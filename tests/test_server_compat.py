@@ -1,0 +1,225 @@
+"""What clients of upstream vLLM send, beyond the OpenAI schema: tool-call history, chat
+templates, special tokens, prompt truncation, guided_* fields, the upstream fields refused
+by name, generation_config defaults, and the command-line flags upstream launch scripts pass.
+
+The rendering and request parts run without a server (fast); the last tests drive the app
+in-process on the embedded model, as tests/test_server.py does."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+
+import pytest
+
+from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template, template_messages
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                    {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+]
+
+# the tool-use convention of Llama 3.1's and Qwen 2.5's templates: arguments | tojson
+TOJSON_TEMPLATE = ("{% for m in messages %}{{ m.role }}:"
+                   "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name }}"
+                   "{{ c.function.arguments | tojson }};{% endfor %}{% else %}{{ m.content }}{% endif %}\n"
+                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class _RecordingTokenizer:
+    """apply_chat_template through transformers' Jinja environment, returning the text's
+    characters as ids (enough to read back what the template saw)."""
+    chat_template = TOJSON_TEMPLATE
+    bos = 1
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, chat_template=None,
+                            **kwargs):
+        from transformers.utils.chat_template_utils import render_jinja_template
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=chat_template or self.chat_template,
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
+        text = rendered[0]
+        return [ord(ch) for ch in text] if tokenize else text
+
+    def encode(self, text, add_special_tokens=True):
+        return ([self.bos] if add_special_tokens else []) + [ord(ch) for ch in text]
+
+
+def _text(ids) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def test_tool_call_arguments_reach_the_template_parsed():
+    msgs = template_messages(TOOL_HISTORY)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[1]["tool_calls"][1]["function"]["arguments"] == {}
+    # the caller's messages stay as sent
+    assert TOOL_HISTORY[1]["tool_calls"][0]["function"]["arguments"] == "{\"city\": \"Paris\"}"
+    text = _text(chat_prompt_ids(_RecordingTokenizer(), TOOL_HISTORY))
+    assert 'get_weather{"city": "Paris"};' in text and "now{};" in text, text
+    assert "\\\"" not in text  # no JSON inside a JSON string
+    bad = [dict(TOOL_HISTORY[1], tool_calls=[{"function": {"name": "f", "arguments": "{not json"}}])]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
+        template_messages(bad)
+
+
+def test_chat_template_override_and_special_tokens(tmp_path):
+    tok = _RecordingTokenizer()
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _text(chat_prompt_ids(tok, msgs, chat_template="[{{ messages[0].content }}]")) == "[hi]"
+    path = tmp_path / "t.jinja"
+    path.write_text("<{{ messages[0].content }}>")
+    assert load_chat_template(str(path)) == "<{{ messages[0].content }}>"
+    assert load_chat_template("{{ x }}") == "{{ x }}" and load_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with_bos = chat_prompt_ids(tok, msgs, add_special_tokens=True)
+    assert with_bos[0] == tok.bos and with_bos[1:] == chat_prompt_ids(tok, msgs)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        chat_prompt_ids(tok, msgs, continue_final_message=True)
+
+
+def _params(req):
+    return req.to_sampling_params({}, 20)
+
+
+def test_guided_fields_map_to_structured_outputs():
+    so = _params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                       guided_choice=["yes", "no"])).structured_outputs
+    assert so is not None and so.choice == ["yes", "no"]
+    so = _params(CompletionRequest(prompt="x", guided_regex="[0-9]+", guided_decoding_backend="outlines")
+                 ).structured_outputs
+    assert so.regex == "[0-9]+"
+    with pytest.raises(ValueError, match="give one guided_"):
+        _params(CompletionRequest(prompt="x", guided_regex="a", guided_choice=["a"]))
+    with pytest.raises(ValueError, match="give one of response_format, structured_outputs and guided_"):
+        _params(CompletionRequest(prompt="x", guided_regex="a", structured_outputs={"regex": "b"}))
+
+
+@pytest.mark.parametrize("field, value", [("bad_words", ["2"]), ("allowed_token_ids", [1, 2]),
+                                          ("use_beam_search", True), ("length_penalty", 2.0),
+                                          ("logits_processors", ["x"])])
+def test_upstream_fields_that_change_sampling_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        _params(CompletionRequest(prompt="x", **{field: value}))
+    # at their no-op values they are accepted, and never reported as ignored
+    noop = {"bad_words": [], "allowed_token_ids": None, "use_beam_search": False, "length_penalty": 1.0,
+            "logits_processors": []}[field]
+    req = CompletionRequest(prompt="x", **{field: noop})
+    _params(req)
+    assert field not in req.ignored_fields()
+
+
+def test_top_logprobs_zero_and_truncation():
+    _params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=0))
+    with pytest.raises(ValueError, match="top_logprobs requires logprobs"):
+        _params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=1))
+    req = CompletionRequest(prompt="x", truncate_prompt_tokens=3)
+    assert req.truncate_prompt([1, 2, 3, 4, 5], 100) == [3, 4, 5]
+    assert req.truncate_prompt([1, 2], 100) == [1, 2]
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1).truncate_prompt(list(range(10)), 4) == [7, 8, 9]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        _params(CompletionRequest(prompt="x", truncate_prompt_tokens=0))
+
+
+def test_generation_config_repetition_penalty_and_max_new_tokens(tmp_path):
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.llm import default_model_path
+
+    d = tmp_path / "m"
+    shutil.copytree(default_model_path(), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen.update(repetition_penalty=1.05, max_new_tokens=7, temperature=0.6)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    defaults = ModelConfig.from_pretrained(str(d)).generation_defaults
+    assert defaults == {"temperature": 0.6, "repetition_penalty": 1.05, "max_tokens": 7}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    p = chat.to_sampling_params(defaults, 20)
+    assert (p.max_tokens, p.repetition_penalty, p.temperature) == (7, 1.05, 0.6)
+    p = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                              repetition_penalty=1.0).to_sampling_params(defaults, 20)
+    assert (p.max_tokens, p.repetition_penalty) == (3, 1.0)
+
+
+def test_serve_accepts_upstream_flags():
+    import argparse
+
+    from vllm.entrypoints.cli import serve
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "m", "--enable-prefix-caching", "--enable-chunked-prefill",
+                              "--trust-remote-code", "--disable-log-requests", "--chat-template", "{{ x }}",
+                              "--trust-request-chat-template", "--return-tokens-as-token-ids"])
+    assert args.enable_prefix_caching and args.enable_chunked_prefill and args.trust_request_chat_template
+    args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--no-enable-chunked-prefill"])
+    assert not args.enable_prefix_caching and not args.enable_chunked_prefill
+
+
+# ---- through the app ------------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def app():
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"))
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _post(app, path: str, body: dict):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await c.post(path, json=body)
+    return asyncio.run(go())
+
+
+def test_completion_prompt_options_through_the_app(app):
+    tok = app.state.serving.llm.tokenizer
+    text = "What is 47 + 58?"
+    body = {"prompt": text, "max_tokens": 2, "temperature": 0, "echo": True}
+    plain = _post(app, "/v1/completions", body).json()["choices"][0]
+    assert plain["prompt_token_ids"] == list(tok.encode(text, add_special_tokens=True))
+    no_special = _post(app, "/v1/completions", dict(body, add_special_tokens=False)).json()["choices"][0]
+    assert no_special["prompt_token_ids"] == list(tok.encode(text, add_special_tokens=False))
+    assert no_special["text"].startswith(text)  # nothing cut: echo keeps the text as given
+    cut = _post(app, "/v1/completions", dict(body, truncate_prompt_tokens=3)).json()["choices"][0]
+    assert cut["prompt_token_ids"] == plain["prompt_token_ids"][-3:]
+    assert cut["text"].startswith(tok.decode(plain["prompt_token_ids"][-3:]))
+
+
+def test_chat_template_in_a_request_needs_the_server_s_trust(app):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": "{{ 'x' }}"}
+    r = _post(app, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    serving = app.state.serving
+    serving.trust_request_chat_template = True
+    try:
+        r = _post(app, "/tokenize", {"messages": body["messages"], "chat_template": "{{ messages[0].content }}!"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == list(serving.llm.tokenizer.encode("hi!", add_special_tokens=False))
+    finally:
+        serving.trust_request_chat_template = False
+    r = _post(app, "/v1/completions", {"prompt": "hi", "bad_words": ["2"]})
+    assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"]
+
+
+def test_tokenize_with_tool_history_parses_arguments(app, monkeypatch):
+    serving = app.state.serving
+    monkeypatch.setattr(serving, "chat_template", TOJSON_TEMPLATE)
+    r = _post(app, "/tokenize", {"messages": TOOL_HISTORY, "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    text = serving.llm.tokenizer.decode(r.json()["tokens"])
+    assert 'get_weather{"city": "Paris"};' in text, text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
