@@ -160,6 +160,50 @@ def test_serve_accepts_upstream_flags():
     assert not args.enable_prefix_caching and not args.enable_chunked_prefill
 
 
+REASONING_CASES = [  # (parser, text, reasoning, content)
+    ("qwen3", "<think>\nadd the units\n</think>\n\n105", "\nadd the units\n", "\n\n105"),
+    ("qwen3", "105", None, "105"),                                  # thinking off
+    ("qwen3", "<think>still thinking", "still thinking", None),      # cut by max_tokens
+    ("qwen3", "  <think>a</think>b", "a", "b"),
+    ("deepseek_r1", "add the units</think>105", "add the units", "105"),
+    ("deepseek_r1", "<think>x</think>y", "x", "y"),
+    ("deepseek_r1", "no end yet", "no end yet", None),
+    ("deepseek_r1", "</think>105", None, "105"),
+]
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", REASONING_CASES)
+def test_reasoning_split_whole_and_streamed(parser, text, reasoning, content):
+    from vllm.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
+    assert split_reasoning(parser, text) == (reasoning, content)
+    for step in (1, 2, 3, 5, len(text)):  # every way of cutting the text into deltas
+        stream = ReasoningStream(parser)
+        got = {"reasoning": "", "content": ""}
+        chunks = [text[i:i + step] for i in range(0, len(text), step)]
+        for i, chunk in enumerate(chunks):
+            for kind, piece in stream.feed(chunk, i == len(chunks) - 1):
+                got[kind] += piece
+        assert (got["reasoning"] or None, got["content"] or None) == (reasoning, content), (step, got)
+
+
+def test_reasoning_apart_from_tool_calls():
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.serving import _chat_finish, _chat_message
+    from vllm.entrypoints.openai.tool_calls import plan_tools
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plan = plan_tools(tools, "auto", None, "hermes")
+    c = SimpleNamespace(text='<think>I need add</think><tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+                        finish_reason="stop")
+    msg = _chat_message(c, plan, "qwen3")
+    assert msg.reasoning == msg.reasoning_content == "I need add"
+    assert [t.function.name for t in msg.tool_calls] == ["add"] and not msg.content
+    assert _chat_finish(c, plan, "qwen3") == "tool_calls"
+    # without a parser the message is the text, and no reasoning key is sent
+    plain = _chat_message(SimpleNamespace(text="105", finish_reason="stop"), plan_tools(None, None, None, "hermes"))
+    assert plain.model_dump() == {"role": "assistant", "content": "105", "tool_calls": None}
+
+
 # ---- through the app ------------------------------------------------------------------------
 
 httpx = pytest.importorskip("httpx")
@@ -223,3 +267,23 @@ def test_tokenize_with_tool_history_parses_arguments(app, monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+def test_reasoning_parser_through_the_app(app):
+    """The embedded model never thinks: qwen3 gives all content, deepseek_r1 (the reasoning
+    opened by the prompt) all reasoning; streamed deltas add up to the same."""
+    serving = app.state.serving
+    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"}], "max_tokens": 4, "temperature": 0}
+    try:
+        for parser in ("qwen3", "deepseek_r1"):
+            serving.reasoning_parser = parser
+            msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+            text = msg["content"] if parser == "qwen3" else msg["reasoning"]
+            assert text and msg.get("reasoning_content") == msg.get("reasoning")
+            assert (msg.get("reasoning"), msg["content"]) == ((None, text) if parser == "qwen3" else (text, None))
+            events = _post(app, "/v1/chat/completions", dict(body, stream=True)).text
+            deltas = [json.loads(e[6:])["choices"] for e in events.split("\n\n") if e.startswith("data: {")]
+            key = "content" if parser == "qwen3" else "reasoning"
+            assert "".join(c[0]["delta"].get(key, "") for c in deltas if c) == text
+    finally:
+        serving.reasoning_parser = None

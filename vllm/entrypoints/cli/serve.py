@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
+from vllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 
@@ -49,6 +50,10 @@ def add_parser(sub) -> None:
                    help="render chat requests that carry their own chat_template with it (refused otherwise)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' in every response, as a request's return_tokens_as_token_ids")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="chat responses carry the <think> part as message.reasoning (and reasoning_content), the "
+                        "rest as content: qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output "
+                        "starts inside it); token ids and logprobs are unchanged")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -87,7 +92,8 @@ def run(args) -> int:
                    log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
                    api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                   return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                   return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                   reasoning_parser=args.reasoning_parser)
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

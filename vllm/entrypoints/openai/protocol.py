@@ -448,6 +448,18 @@ class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
+    # --reasoning-parser: the <think> part (upstream's `reasoning`; `reasoning_content`, its
+    # older name, carries the same text for older clients)
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_reasoning_when_off(self, handler) -> dict[str, Any]:
+        d = handler(self)
+        if self.reasoning is None:
+            d.pop("reasoning", None)
+            d.pop("reasoning_content", None)
+        return d
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -504,11 +516,14 @@ class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning: Optional[str] = None   # --reasoning-parser (sent under both names, as the message's)
 
     @model_serializer(mode="plain")
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI deltas carry only what changed: `role` on a choice's first chunk only.
         d: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.reasoning is not None:
+            d["reasoning"] = d["reasoning_content"] = self.reasoning
         if self.tool_calls is not None:
             d["tool_calls"] = [t._drop_unset() for t in self.tool_calls]
         return d

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
+from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
 from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
                                           require_scored_prompts)
 from vllm.entrypoints.openai.protocol import (
@@ -303,7 +304,7 @@ class OpenAIServing:
                  generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
                  max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -316,6 +317,7 @@ class OpenAIServing:
         self.chat_template = load_chat_template(chat_template)   # None: the tokenizer's own
         self.trust_request_chat_template = trust_request_chat_template
         self.return_tokens_as_token_ids = return_tokens_as_token_ids   # every request's, when set
+        self.reasoning_parser = check_reasoning_parser(reasoning_parser)   # None: the text is all content
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -541,7 +543,8 @@ class OpenAIServing:
         top_k = params.logprobs or 0
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
-        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan), finish_reason=_chat_finish(c, plan),
+        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, self.reasoning_parser),
+                              finish_reason=_chat_finish(c, plan, self.reasoning_parser),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids)
@@ -562,6 +565,7 @@ class OpenAIServing:
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
+        thinking = [ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
@@ -584,12 +588,18 @@ class OpenAIServing:
                     logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
                     version = c.weight_versions[-1] if c.weight_versions else None
                     parser, finish = parsers[c.index], c.finish_reason
+                    pieces = [("content", text)] if thinking[c.index] is None else \
+                        thinking[c.index].feed(text, finish is not None)
+                    deltas = [DeltaMessage(reasoning=t) for kind, t in pieces if kind == "reasoning"]
+                    content = "".join(t for kind, t in pieces if kind == "content")
                     if parser is None:
-                        deltas = [DeltaMessage(content=text)]
+                        if content or thinking[c.index] is None:
+                            deltas.append(DeltaMessage(content=content))
                     else:
-                        deltas = [_delta_message(p) for p in parser.feed(text, finish is not None)] or [DeltaMessage()]
+                        deltas += [_delta_message(p) for p in parser.feed(content, finish is not None)]
                         if finish == "stop" and plan.mode in ("auto", "required") and parser.has_calls():
                             finish = "tool_calls"
+                    deltas = deltas or [DeltaMessage()]
                     # one piece per chunk; the step's tokens, logprobs and finish ride on the last
                     for d in deltas[:-1]:
                         yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, weight_version=version,
@@ -630,12 +640,21 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.llm.tokenizer.decode(req.tokens))
 
 
-def _chat_message(c: CompletionOutput, plan: ToolPlan) -> ChatResponseMessage:
-    """A choice's message: its text, or with tools its content and parsed tool calls."""
-    if not plan.parses:
-        return ChatResponseMessage(content=c.text)
-    content, calls = plan.parse(c.text)
-    return ChatResponseMessage(content=content, tool_calls=[
+def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | None, str | None]:
+    """(reasoning, the rest) of a choice's text; without a reasoning parser, (None, text)."""
+    if reasoning_parser is None:
+        return None, c.text
+    return split_reasoning(reasoning_parser, c.text)
+
+
+def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None) -> ChatResponseMessage:
+    """A choice's message: its text, or with tools its content and parsed tool calls; with a
+    reasoning parser the <think> part apart, tool calls parsed from the rest."""
+    reasoning, text = _split(c, reasoning_parser)
+    if not plan.parses or text is None:
+        return ChatResponseMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
+    content, calls = plan.parse(text)
+    return ChatResponseMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
         ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
 
@@ -647,9 +666,11 @@ def _delta_message(p: StreamPiece) -> DeltaMessage:
                                                   function=DeltaFunctionCall(name=p.name, arguments=p.arguments))])
 
 
-def _chat_finish(c: CompletionOutput, plan: ToolPlan) -> str | None:
+def _chat_finish(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None) -> str | None:
     """OpenAI's finish_reason "tool_calls" when the model chose to call tools (a forced
     named function finishes with "stop", as OpenAI's does)."""
-    if c.finish_reason == "stop" and plan.mode in ("auto", "required") and plan.parse(c.text)[1]:
-        return "tool_calls"
+    if c.finish_reason == "stop" and plan.mode in ("auto", "required"):
+        text = _split(c, reasoning_parser)[1]
+        if text is not None and plan.parse(text)[1]:
+            return "tool_calls"
     return c.finish_reason
