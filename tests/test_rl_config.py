@@ -101,6 +101,10 @@ def test_bad_types_and_unknown_knobs(tmp_path):
         TrainConfig.from_dict({"grup_size": 4})
     with pytest.raises(ValueError, match="unknown knob 'lr' in section 'model'"):
         TrainConfig.from_dict({"model": {"lr": 1.0}})
+    with pytest.raises(ValueError) as err:  # every problem in one error
+        TrainConfig.from_dict({"group_size": "eight", "lr": "fast", "grup_size": 4})
+    assert all(s in str(err.value) for s in ("group_size: expected an integer", "lr: expected a number",
+                                             "'grup_size'"))
     r = tmp_path / "r.yaml"
     r.write_text("algorithm:\n  group_size: [1, 2]\n")
     with pytest.raises(ValueError, match="recipe .*group_size"):

@@ -155,6 +155,17 @@ def test_dapo_kl_multi_update_paths(tiny_qwen3, rl_files, tmp_path):
             assert m["grad_norm"] > 0
 
 
+def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):
+    """kv_cache_dtype fp8: the rollout reads K/V through the FP8 round trip, the trainer's
+    logprobs take the same one, so every step's difference is still exactly 0."""
+    t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "fp8", kv_cache_dtype="fp8", steps=2))
+    assert t.client.llm.llm_engine.config.kv_cache_dtype == "fp8"
+    assert t.policy.kv_cache_dtype == "fp8"
+    for _ in range(2):
+        m = t.step().metrics
+        assert m["logprob_diff_max"] == 0.0 and m["updated"]
+
+
 def test_default_recipe_runs_with_zero_mismatch(tmp_path, capsys):
     """`vllm train` with no model and no data: the default recipe (the embedded model on
     vllm.rl.tasks.arithmetic), shortened; every step's logprob difference is exactly 0."""

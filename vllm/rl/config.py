@@ -46,6 +46,11 @@ class ModelSection:
                                          "docs/parallelism.md)")
     tp_leaves: int | None = _knob(None, "K leaves of the row-parallel GEMMs' fixed tree (default: none at TP=1, 8 at "
                                         "TP>1); with rollout_url: the servers' --tp-leaves")
+    kv_cache_dtype: str = _knob("auto", "auto | fp8 | fp8_e4m3: the rollout's KV cache; the trainer's logprobs take the "
+                                        "same FP8 round trip (docs/fp8.md); with rollout_url: the servers' "
+                                        "--kv-cache-dtype", ("auto", "fp8", "fp8_e4m3"))
+    quantization: str | None = _knob(None, "fp8: block-scaled FP8 linear layers in rollout and trainer (docs/fp8.md); "
+                                           "with rollout_url: the servers' --quantization", (None, "fp8"))
 
 
 @dataclass
@@ -290,20 +295,33 @@ class TrainConfig:
         return cfg
 
     def update(self, d: dict) -> "TrainConfig":
-        """Apply nested sections and/or flat knob names; unknown names are errors."""
+        """Apply nested sections and/or flat knob names; unknown names and wrong types are
+        errors, all of them reported in one ValueError (what is valid is applied)."""
         index = field_index()
+        errors: list[str] = []
+
+        def apply(name, value) -> None:
+            try:
+                self.set(name, value)
+            except ValueError as err:
+                errors.append(str(err))
         for key, value in d.items():
             if key in SECTIONS and isinstance(value, dict):
                 for sub, v in value.items():
                     if sub not in index or index[sub][0] != key:
                         valid = [f.name for f in dataclasses.fields(SECTIONS[key])]
-                        raise ValueError(f"unknown knob {sub!r} in section {key!r}; valid: {', '.join(valid)}")
-                    self.set(sub, v)
+                        errors.append(f"unknown knob {sub!r} in section {key!r}; valid: {', '.join(valid)}")
+                    else:
+                        apply(sub, v)
             elif key in index:
-                self.set(key, value)
+                apply(key, value)
             else:
-                raise ValueError(f"unknown knob or section {key!r}; sections: {', '.join(SECTIONS)}; "
-                                 f"knobs: {', '.join(sorted(index))}")
+                errors.append(f"unknown knob or section {key!r}; sections: {', '.join(SECTIONS)}; "
+                              f"knobs: {', '.join(sorted(index))}")
+        if len(errors) == 1:
+            raise ValueError(errors[0])
+        if errors:
+            raise ValueError("bad configuration:\n  " + "\n  ".join(errors))
         return self
 
     def set(self, name: str, value) -> None:

@@ -34,7 +34,8 @@ class ServerRollout(RolloutClient):
     def __init__(self, urls: list[str], model_dir: str, *, dtype: str = "auto", device: str = "cpu",
                  numerics: str = "invariant", weight_sync: str = "group", backend: str | None = None,
                  sync_host: str = "127.0.0.1", admin_key: str | None = None, api_key: str | None = None,
-                 checkpoint_dir: str | None = None, timeout_s: float = 600.0, tp_leaves: int | None = None):
+                 checkpoint_dir: str | None = None, timeout_s: float = 600.0, tp_leaves: int | None = None,
+                 kv_cache_dtype: str = "auto", quantization: str | None = None):
         if not urls:
             raise ValueError("rollout_url: give at least one server URL")
         if weight_sync not in WEIGHT_SYNC_MODES:
@@ -42,6 +43,8 @@ class ServerRollout(RolloutClient):
         self.urls = [u.rstrip("/") for u in urls]
         self.model_dir = model_dir
         self.dtype, self.device, self.numerics = dtype, device, numerics
+        # the servers' FP8 options, for the Policy whose contract they are checked against
+        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization
         self.weight_sync = weight_sync
         self.backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
         self.sync_host = sync_host
@@ -84,6 +87,7 @@ class ServerRollout(RolloutClient):
             from vllm.training import Policy
             self._policy = Policy.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
                                                   numerics=self.numerics, tp_leaves=self.tp_leaves,
+                                                  kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,
                                                   activation_checkpointing=activation_checkpointing)
             contract = self._policy.execution_contract()
             for c in self.clients:

@@ -242,7 +242,8 @@ class Trainer:
                   max_model_len=m.max_model_len, gpu_memory_utilization=m.gpu_memory_utilization,
                   enforce_eager=m.enforce_eager, load_format=m.load_format, enable_sleep_mode=self.sleep,
                   max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)),
-                  tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves)
+                  tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves,
+                  kv_cache_dtype=m.kv_cache_dtype, quantization=m.quantization)
         return ColocatedRollout(llm, sleep=self.sleep)
 
     def _build_server_rollout(self):
@@ -252,7 +253,8 @@ class Trainer:
         self.sleep = False
         return ServerRollout([u.strip() for u in m.rollout_url.split(",") if u.strip()], self.model_dir, dtype=m.dtype,
                              device=self.device, numerics=m.numerics, weight_sync=m.weight_sync, sync_host=m.sync_host,
-                             admin_key=m.rollout_admin_key, checkpoint_dir=self.output_dir, tp_leaves=m.tp_leaves)
+                             admin_key=m.rollout_admin_key, checkpoint_dir=self.output_dir, tp_leaves=m.tp_leaves,
+                             kv_cache_dtype=m.kv_cache_dtype, quantization=m.quantization)
 
     def _frozen_copy(self):
         from vllm.training import Policy

@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest number of logprobs (completions) / top_logprobs (chat) a request may ask for")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                   help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p) take the "
-                        "model's generation_config.json values; vllm: SamplingParams defaults")
+                   help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty; max_new_tokens as max_tokens) take the model's generation_config.json "
+                        "values; vllm: SamplingParams defaults")
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format tool_choice 'auto' reads from chat outputs (upstream's names): "
                         "hermes: <tool_call>{json}</tool_call> blocks (Hermes, Qwen); llama3_json: "

@@ -49,7 +49,8 @@ class EngineActor:
                        max_model_len=spec.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
                        enforce_eager=spec.enforce_eager, load_format=spec.load_format,
                        enable_sleep_mode=spec.sleep, max_num_seqs=spec.max_num_seqs,
-                       tensor_parallel_size=spec.tensor_parallel_size, tp_leaves=spec.tp_leaves)
+                       tensor_parallel_size=spec.tensor_parallel_size, tp_leaves=spec.tp_leaves,
+                       kv_cache_dtype=spec.kv_cache_dtype, quantization=spec.quantization)
         self.rollout = ColocatedRollout(self.llm, sleep=spec.sleep)
         self.restarted = _was_restarted()
         self.incarnation = uuid.uuid4().hex
@@ -152,7 +153,8 @@ class TrainerActor:
         cfg = self.config.validate()
         device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.rollout = RayRollout(self.engines, self.setup, dtype=cfg.model.dtype, device=device,
-                                  numerics=cfg.model.numerics, load_format=cfg.model.load_format)
+                                  numerics=cfg.model.numerics, load_format=cfg.model.load_format,
+                                  kv_cache_dtype=cfg.model.kv_cache_dtype, quantization=cfg.model.quantization)
         self.trainer = Trainer(self.config, rollout=self.rollout)
         return {"pid": os.getpid(), "node_ip": node_ip(), "device": self.trainer.device,
                 "step": self.trainer.step_count}

@@ -29,6 +29,8 @@ class EngineSpec:
     torch_threads: int
     tensor_parallel_size: int = 1
     tp_leaves: int | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @classmethod
     def from_config(cls, cfg, model_dir: str, device: str, sleep: bool, torch_threads: int) -> "EngineSpec":
@@ -38,7 +40,8 @@ class EngineSpec:
                    max_model_len=m.max_model_len, gpu_memory_utilization=m.gpu_memory_utilization,
                    enforce_eager=m.enforce_eager, load_format=m.load_format, sleep=sleep,
                    max_num_seqs=max(1, min(512, a.prompts_per_step * a.group_size)), torch_threads=torch_threads,
-                   tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves)
+                   tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves,
+                   kv_cache_dtype=m.kv_cache_dtype, quantization=m.quantization)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def node_ip() -> str:
 
 class RayRollout(RolloutClient):
     def __init__(self, engines: list, setup: TrainerSetup, *, dtype: str, device: str, numerics: str,
-                 load_format: str = "safetensors"):
+                 load_format: str = "safetensors", kv_cache_dtype: str = "auto", quantization: str | None = None):
         if not engines:
             raise ValueError("RayRollout needs at least one rollout engine actor")
         if len(setup.engine_routes) != len(engines):
@@ -51,6 +51,7 @@ class RayRollout(RolloutClient):
         self.setup = setup
         self.routes = list(setup.engine_routes)
         self.dtype, self.device, self.numerics, self.load_format = dtype, device, numerics, load_format
+        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization   # the engines' (EngineSpec)
         self.backend = "nccl" if str(device).startswith("cuda") else "gloo"
         self.alive = [True] * len(engines)
         self.version = 0              # syncs done: the weights every rollout is made with
@@ -174,7 +175,8 @@ class RayRollout(RolloutClient):
                     raise ValueError(f"rollout engine {k} did not start: {err}") from None
             self._policy = Policy.from_pretrained(self.setup.model_dir, dtype=self.dtype, device=self.device,
                                                   numerics=self.numerics, load_format=self.load_format,
-                                                  tp_leaves=self.setup.tp_leaves,
+                                                  tp_leaves=self.setup.tp_leaves, kv_cache_dtype=self.kv_cache_dtype,
+                                                  quantization=self.quantization,
                                                   activation_checkpointing=activation_checkpointing)
             self._contract = self._policy.execution_contract()
             for k in self._live():
