@@ -1,9 +1,10 @@
 """SamplingParams: upstream vLLM's names and defaults, validated on construction."""
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.structured_outputs import StructuredOutputsParams
 
@@ -40,7 +41,6 @@ class SamplingParams:
     detokenize: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: free)
     structured_outputs: "StructuredOutputsParams | None" = None
-    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -80,14 +80,18 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self._stop_list = [self.stop]
-        else:
-            self._stop_list = list(self.stop or [])
-        if any(not isinstance(s, str) or s == "" for s in self._stop_list):
+        if self.seed == -1:  # upstream's "no seed"
+            self.seed = None
+        # upstream's normal form: lists, read where they are used (a field set after
+        # construction, as RL frameworks do per batch, takes effect)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if self.stop_token_ids is not None and any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative ints")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the output text)")
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.structured_outputs is not None and self.min_tokens > 0:
             # the eos ban of min_tokens and a complete grammar (which allows only eos) would
@@ -96,7 +100,11 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        return self._stop_list
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (upstream's name)."""
+        return copy.deepcopy(self)
 
     @property
     def has_penalties(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -64,7 +65,12 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        if hasattr(ids, "tolist"):  # a numpy array or a tensor of ids
+            ids = ids.tolist()
+        # numpy / torch integer scalars as Python ints (validate_prompt refuses anything else)
+        return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                      for t in ids]
     if isinstance(prompt, dict) and "prompt" in prompt:
         return prompt["prompt"], tokenizer.encode(prompt["prompt"], add_special_tokens=True)
     raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")

@@ -33,7 +33,18 @@ class LLM:
                  load_format: str = "safetensors", async_scheduling: bool | None = None, enable_sleep_mode: bool = False,
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
-                 tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None):
+                 tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None,
+                 generation_config: str = "auto", **upstream_args):
+        """upstream vLLM's `LLM` keywords. `generation_config`: "auto" (the checkpoint's
+        generation_config.json sets what `generate` samples with when given no SamplingParams:
+        `get_default_sampling_params`) or "vllm" (SamplingParams' defaults). `upstream_args`:
+        upstream engine arguments that change nothing here, accepted at the values listed in
+        UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
+        _check_upstream_args(upstream_args)
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
+        if load_format == "auto":  # upstream's default: the checkpoint's safetensors here
+            load_format = "safetensors"
         device = device or _default_device()
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -60,6 +71,15 @@ class LLM:
             async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
         self.llm_engine = LLMEngine(config)
         self._warned_fast_policy = False
+        self._generation_config = generation_config
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the checkpoint's
+        generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty;
+        max_new_tokens as max_tokens) with generation_config="auto", as upstream does."""
+        if self._generation_config == "vllm":
+            return SamplingParams()
+        return SamplingParams(**self.llm_engine.config.model.generation_defaults)
 
     @property
     def config(self) -> EngineConfig:
@@ -206,7 +226,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -270,6 +290,39 @@ class LLM:
                                                          chat_template=template, template_kwargs=kwargs)}
                    for conv in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# upstream vLLM's engine arguments that do not apply to this engine, with the values at
+# which they change nothing here (a callable: any value it accepts)
+UPSTREAM_NOOP_ARGS = {
+    "trust_remote_code": lambda v: isinstance(v, bool),        # architectures are implemented here
+    "disable_log_stats": lambda v: isinstance(v, bool),
+    "disable_custom_all_reduce": lambda v: isinstance(v, bool),
+    "swap_space": lambda v: isinstance(v, (int, float)),       # preemption recomputes, nothing is swapped
+    "max_logprobs": lambda v: isinstance(v, int),              # the offline API has no cap
+    "distributed_executor_backend": lambda v: v in (None, "uni", "mp", "ray", "external_launcher"),
+    "tokenizer_mode": lambda v: v == "auto",
+    "model_impl": lambda v: v == "auto",
+    "revision": lambda v: v in (None, "main"),                 # local checkpoints only
+    "tokenizer_revision": lambda v: v is None,
+    "pipeline_parallel_size": lambda v: v == 1,
+    "data_parallel_size": lambda v: v == 1,
+    "enable_lora": lambda v: v is False,
+    "cpu_offload_gb": lambda v: v == 0,
+    "skip_tokenizer_init": lambda v: v is False,
+    "hf_overrides": lambda v: not v,
+    "worker_extension_cls": lambda v: not v,
+}
+
+
+def _check_upstream_args(args: dict) -> None:
+    unknown = sorted(k for k in args if k not in UPSTREAM_NOOP_ARGS)
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
+    bad = [f"{k}={v!r}" for k, v in args.items() if not UPSTREAM_NOOP_ARGS[k](v)]
+    if bad:
+        raise ValueError(f"LLM(): {', '.join(bad)}: not supported here (upstream vLLM engine arguments this engine "
+                         "takes only at values that change nothing)")
 
 
 def _unwrap(request, key: str):
