@@ -35,7 +35,7 @@ DEADLINE_S = 240
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
     async_llm = AsyncLLM.from_engine_args(dict(model=tiny_qwen3, device="cpu", max_num_seqs=64), startup_timeout=300)
-    app = build_app(_serving(async_llm, ["tiny"], 20, "auto"), shutdown_engine_on_exit=False)
+    app = build_app(_serving(async_llm, ["tiny"], "auto", max_logprobs=20), shutdown_engine_on_exit=False)
     with serve_in_thread(app) as url:
         yield url, async_llm
     async_llm.shutdown()

@@ -274,7 +274,7 @@ def test_gpu_engine_process_logprob_bits_equal_offline(gpu_model):
     import torch
     torch.cuda.empty_cache()
     async_llm = AsyncLLM.from_engine_args(kw, startup_timeout=600)
-    app = build_app(_serving(async_llm, ["gpu"], 20, "vllm"), shutdown_engine_on_exit=False)
+    app = build_app(_serving(async_llm, ["gpu"], "vllm", max_logprobs=20), shutdown_engine_on_exit=False)
     try:
         async def go():
             async with _http(app, key=None) as http:
