@@ -146,6 +146,8 @@ def test_dapo_kl_multi_update_paths(tiny_qwen3, rl_files, tmp_path):
     t = Trainer(cfg)
     assert t.cfg.algorithm.dynamic_sampling and t.cfg.algorithm.loss_agg == "token-mean"
     assert t.cfg.algorithm.overlong_buffer == 1
+    # the resolved defaults are pinned in the config saved with every checkpoint
+    assert (t.raw_config.algorithm.overlong_buffer, t.raw_config.optim.lr_decay_steps) == (1, 2)
     for _ in range(2):
         m = t.step().metrics
         assert m["logprob_diff_max"] == 0.0  # the rollout's weights, before the first update
@@ -164,6 +166,17 @@ def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):
     for _ in range(2):
         m = t.step().metrics
         assert m["logprob_diff_max"] == 0.0 and m["updated"]
+
+
+def test_checkpoint_configs_resolve_as_their_run_did():
+    """A config saved before the resolved knobs were pinned resolves with the rules of its
+    time: DAPO's overlong buffer max_response_tokens // 4, lr_decay_steps the run's steps."""
+    from vllm.rl.trainer import _as_resolved_then
+    old = TrainConfig.from_dict({"task": "arithmetic", "algorithm": "dapo", "max_response_tokens": 100, "steps": 30})
+    r = _as_resolved_then(old)
+    assert (r.algorithm.overlong_buffer, r.optim.lr_decay_steps) == (25, 30)
+    assert TrainConfig.from_dict({"task": "arithmetic", "algorithm": "dapo", "max_response_tokens": 100}
+                                 ).validate().algorithm.overlong_buffer == 20  # a new run: the paper's 1/5
 
 
 def test_default_recipe_runs_with_zero_mismatch(tmp_path, capsys):

@@ -139,8 +139,8 @@ def test_generation_config_repetition_penalty_and_max_new_tokens(tmp_path):
     defaults = ModelConfig.from_pretrained(str(d)).generation_defaults
     assert defaults == {"temperature": 0.6, "repetition_penalty": 1.05, "max_tokens": 7}
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
-    p = chat.to_sampling_params(defaults, 20)
-    assert (p.max_tokens, p.repetition_penalty, p.temperature) == (7, 1.05, 0.6)
+    p = chat.to_sampling_params(defaults, 20)  # max_new_tokens applies at the server, within the context
+    assert (p.max_tokens, p.repetition_penalty, p.temperature) == (None, 1.05, 0.6)
     p = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=3,
                               repetition_penalty=1.0).to_sampling_params(defaults, 20)
     assert (p.max_tokens, p.repetition_penalty) == (3, 1.0)
@@ -165,6 +165,7 @@ REASONING_CASES = [  # (parser, text, reasoning, content)
     ("qwen3", "105", None, "105"),                                  # thinking off
     ("qwen3", "<think>still thinking", "still thinking", None),      # cut by max_tokens
     ("qwen3", "  <think>a</think>b", "a", "b"),
+    ("qwen3", "a</think>b", None, "a</think>b"),                     # no <think> opened: thinking off
     ("deepseek_r1", "add the units</think>105", "add the units", "105"),
     ("deepseek_r1", "<think>x</think>y", "x", "y"),
     ("deepseek_r1", "no end yet", "no end yet", None),
@@ -267,6 +268,23 @@ def test_tokenize_with_tool_history_parses_arguments(app, monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+def test_constrained_output_is_not_split_and_max_new_tokens_is_a_soft_cap(app, monkeypatch):
+    serving = app.state.serving
+    monkeypatch.setattr(serving, "reasoning_parser", "deepseek_r1")
+    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"}], "max_tokens": 6, "temperature": 0,
+            "guided_choice": ["105", "106"]}
+    msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg["content"] in ("105", "106") and "reasoning" not in msg
+    # generation_config's max_new_tokens beyond the context left: capped, not a 400
+    monkeypatch.setitem(serving.defaults, "max_tokens", 10 ** 6)
+    monkeypatch.setattr(serving, "reasoning_parser", None)
+    r = _post(app, "/v1/chat/completions", {"messages": body["messages"], "temperature": 0})
+    assert r.status_code == 200, r.text
+    monkeypatch.setitem(serving.defaults, "max_tokens", 2)
+    r = _post(app, "/v1/chat/completions", {"messages": body["messages"], "temperature": 0, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_reasoning_parser_through_the_app(app):

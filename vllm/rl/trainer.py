@@ -128,7 +128,7 @@ class Trainer:
     a client of a separate rollout server)."""
 
     def __init__(self, config: TrainConfig, rollout: RolloutClient | None = None, stream=None):
-        self.raw_config = copy.deepcopy(config)  # lr_decay_steps gets pinned in it (_fix_lr_decay_steps)
+        self.raw_config = copy.deepcopy(config)  # resolved knobs get pinned in it (_pin_resolved_knobs)
         self.cfg = cfg = config.validate()
         self.stream = stream
         self.device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,7 +145,7 @@ class Trainer:
                 and os.listdir(os.path.join(self.output_dir, "checkpoints")):
             raise ValueError(f"{self.output_dir!r} holds checkpoints of an earlier run: continue it with --resume, "
                              "start over with --overwrite, or choose another --output-dir")
-        self._fix_lr_decay_steps()
+        self._pin_resolved_knobs()
         # ---- engine, policy, optimizer ---------------------------------------------------
         self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
         if rollout is None and cfg.cluster.backend == "ray":
@@ -174,20 +174,23 @@ class Trainer:
             self._restore(self.resume_from)
 
     # ---- set-up ----------------------------------------------------------------------------
-    def _fix_lr_decay_steps(self) -> None:
-        """Pin the schedule's length before the first step, so that the config saved with every
-        checkpoint names it: a fresh run's own steps; a resumed run's from its checkpoint (a run
-        extended with --steps keeps its schedule and continues at the floor, as the steps it
-        already took were computed). An explicit lr_decay_steps stands (a changed one is reported
-        as a changed knob on resume)."""
-        if self.cfg.optim.lr_decay_steps is not None:
-            return
-        steps = self.cfg.run.steps
-        if self.resume_from is not None:
-            saved = TrainConfig.from_dict(_yaml_load(self.resume_from.config_yaml))
-            # a checkpoint from before the knob: its schedule spanned that run's steps
-            steps = saved.optim.lr_decay_steps if saved.optim.lr_decay_steps is not None else saved.run.steps
-        self.cfg.optim.lr_decay_steps = self.raw_config.optim.lr_decay_steps = steps
+    def _pin_resolved_knobs(self) -> None:
+        """Write the knobs whose defaults are rules (lr_decay_steps: the run's steps;
+        overlong_buffer: the algorithm's share of max_response_tokens) into the config saved
+        with every checkpoint, so a resumed run keeps what the run used even when the rule or
+        --steps changes: a fresh run's own values, a resumed run's from its checkpoint. An
+        explicit value stands (a changed one is reported as a changed knob on resume)."""
+        saved = None if self.resume_from is None else \
+            _as_resolved_then(TrainConfig.from_dict(_yaml_load(self.resume_from.config_yaml)))
+        raw_o, raw_a = self.raw_config.optim, self.raw_config.algorithm
+        if raw_o.lr_decay_steps is None:
+            steps = saved.optim.lr_decay_steps if saved is not None else self.cfg.run.steps
+            self.cfg.optim.lr_decay_steps = raw_o.lr_decay_steps = steps
+        if raw_a.overlong_buffer is None:
+            if saved is not None and saved.algorithm.max_response_tokens == self.cfg.algorithm.max_response_tokens \
+                    and saved.algorithm.algorithm == self.cfg.algorithm.algorithm:
+                self.cfg.algorithm.overlong_buffer = saved.algorithm.overlong_buffer
+            raw_a.overlong_buffer = self.cfg.algorithm.overlong_buffer
 
     def _model_dir(self) -> str:
         return model_dir_of(self.cfg)
@@ -514,10 +517,7 @@ class Trainer:
         return self.checkpoints.submit(snap, checkpoint_path(self.output_dir, self.step_count))
 
     def config_changes_since(self, ckpt: Checkpoint) -> list[str]:
-        saved_cfg = TrainConfig.from_dict(_yaml_load(ckpt.config_yaml)).resolved()
-        if saved_cfg.optim.lr_decay_steps is None:  # a checkpoint from before the knob
-            saved_cfg.optim.lr_decay_steps = saved_cfg.run.steps
-        saved = saved_cfg.flat()
+        saved = _as_resolved_then(TrainConfig.from_dict(_yaml_load(ckpt.config_yaml))).flat()
         now = self.cfg.flat()
         return sorted(k for k in now if k not in RESUME_FREE_KNOBS and now[k] != saved.get(k))
 
@@ -611,6 +611,18 @@ class Trainer:
                 f"{a.prompts_per_step} prompts x {a.group_size} responses/step, {cfg.run.steps} steps, {where}; "
                 f"sleep mode {'on' if self.sleep else 'off'}; output {self.output_dir}"
                 + (f"; rollouts on {m.rollout_url} (weights by {m.weight_sync})" if m.rollout_url else ""))
+
+
+def _as_resolved_then(saved: TrainConfig) -> TrainConfig:
+    """A checkpoint's config resolved as the run that wrote it resolved it. Configs saved
+    before the knobs were pinned (_pin_resolved_knobs) leave them unset: lr_decay_steps was
+    the run's steps, DAPO's overlong buffer max_response_tokens // 4."""
+    a = saved.algorithm
+    if a.overlong_buffer is None and a.algorithm == "dapo":
+        a.overlong_buffer = a.max_response_tokens // 4
+    if saved.optim.lr_decay_steps is None:
+        saved.optim.lr_decay_steps = saved.run.steps
+    return saved.resolved()
 
 
 def _yaml_load(text: str) -> dict:

@@ -47,8 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split long prompts across steps (--no-enable-chunked-prefill prefills each prompt in "
                         "one step)")
     p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
-    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
-                   help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed)")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "auto", "dummy"],
+                   help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed); "
+                        "auto (upstream's default): safetensors")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="enqueue step N+1 before waiting for step N's tokens (overlaps host and GPU work; "
                         "default: on for CUDA, off for CPU)")
@@ -87,7 +88,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
-                load_format=getattr(args, "load_format", "safetensors"),
+                load_format={"auto": "safetensors"}.get(getattr(args, "load_format", "safetensors"),
+                                                        getattr(args, "load_format", "safetensors")),
                 async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,
                 fused_gumbel=args.fused_gumbel, step_profile=args.step_profile,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),

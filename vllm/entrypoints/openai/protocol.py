@@ -209,8 +209,6 @@ class _SamplingRequest(OpenAIBaseModel):
         keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         kw = {**{k: v for k, v in defaults.items() if k in keys}, **given}
-        if max_tokens is None:  # the model's generation_config max_new_tokens, if it has one
-            max_tokens = defaults.get("max_tokens")
         # SamplingParams raises ValueError with a readable message for every bad value.
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,

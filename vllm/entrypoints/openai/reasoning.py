@@ -3,8 +3,9 @@ a chat choice's `<think> ... </think>` goes to the message's `reasoning` (and, f
 clients, `reasoning_content`), the rest to `content`, where tool calls are then parsed.
 
 - `qwen3`: the output opens its reasoning with `<think>` (Qwen3's template with thinking on);
-  without `</think>` an output that opened one is all reasoning (cut by max_tokens), any
-  other output is all content (thinking off: `enable_thinking=False`).
+  without `</think>` an output that opened one is all reasoning (cut by max_tokens); an output
+  that does not open with `<think>` is all content (thinking off: `enable_thinking=False`).
+  Templates that open `<think>` in the prompt (Qwen3's "Thinking" releases) take `deepseek_r1`.
 - `deepseek_r1`: the template opens `<think>` in the prompt, so the output starts inside the
   reasoning (a leading `<think>` is dropped); without `</think>` it is all reasoning.
 
@@ -28,11 +29,11 @@ def check_reasoning_parser(name: str | None) -> str | None:
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None for a part that is absent."""
     starts = text.lstrip().startswith(THINK_START)
+    if parser == "qwen3" and not starts:
+        return None, text
     body = text.lstrip()[len(THINK_START):] if starts else text
     end = body.find(THINK_END)
     if end < 0:
-        if parser == "qwen3" and not starts:
-            return None, text
         return body or None, None
     return body[:end] or None, body[end + len(THINK_END):] or None
 

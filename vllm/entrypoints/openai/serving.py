@@ -328,6 +328,12 @@ class OpenAIServing:
             raise ModelNotFoundError(f"The model `{requested}` does not exist; served here: {', '.join(self.names)}")
         return requested
 
+    def _reasoning_parser_for(self, params: SamplingParams) -> str | None:
+        """The reasoning parser for a request's outputs: none when a grammar constrains the
+        output from its first token (response_format, structured outputs, a forced tool call),
+        which leaves no room for a <think> part."""
+        return None if params.structured_outputs is not None else self.reasoning_parser
+
     def _accept(self, req: OpenAIBaseModel) -> None:
         """Log the fields the request sets that this server does not know, and apply the
         server-wide response options to it."""
@@ -523,6 +529,12 @@ class OpenAIServing:
                                               continue_final_message=req.continue_final_message, tools=req.tools,
                                               add_special_tokens=req.add_special_tokens)
             prompt_ids = req.truncate_prompt(prompt_ids, self.llm.max_model_len)
+            if params.max_tokens is None and self.defaults.get("max_tokens"):
+                # the checkpoint's max_new_tokens caps a request that leaves max_tokens unset, within
+                # the context left (as upstream's get_max_tokens: never a reason for a 400)
+                room = self.llm.max_model_len - len(prompt_ids)
+                if room >= 1:
+                    params.max_tokens = min(int(self.defaults["max_tokens"]), room)
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -543,8 +555,9 @@ class OpenAIServing:
         top_k = params.logprobs or 0
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
-        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, self.reasoning_parser),
-                              finish_reason=_chat_finish(c, plan, self.reasoning_parser),
+        thinking = self._reasoning_parser_for(params)
+        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, thinking),
+                              finish_reason=_chat_finish(c, plan, thinking),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids)
@@ -565,7 +578,8 @@ class OpenAIServing:
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
-        thinking = [ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None for _ in range(params.n)]
+        parser_name = self._reasoning_parser_for(params)
+        thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
