@@ -305,3 +305,35 @@ def test_reasoning_parser_through_the_app(app):
             assert "".join(c[0]["delta"].get(key, "") for c in deltas if c) == text
     finally:
         serving.reasoning_parser = None
+
+
+def test_latency_histograms():
+    from vllm.entrypoints.openai.latency import Histogram, LatencyStats, RequestTimes
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)] and h.sum == pytest.approx(3.65)
+    lat = LatencyStats()
+    t = RequestTimes(arrival=10.0)
+    lat.tokens(t, 0, 1, 10.5)     # first token: TTFT 0.5
+    lat.tokens(t, 0, 2, 10.9)     # two tokens 0.4 s later: two gaps of 0.2
+    lat.tokens(t, 1, 1, 11.0)     # another sample's first token: no gap, no second TTFT
+    lat.finished(t, 11.0)
+    assert lat.ttft.sum == 0.5 and sum(lat.ttft.counts) == 1
+    assert sum(lat.itl.counts) == 2 and lat.itl.sum == pytest.approx(0.4)
+    assert lat.e2e.sum == 1.0
+
+
+def test_latency_metrics_through_the_app(app):
+    pytest.importorskip("prometheus_client")
+    _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+
+    async def scrape():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/metrics")).text
+    text = asyncio.run(scrape())
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:") and "_count{" in line}
+    assert counts["vllm:time_to_first_token_seconds_count"] >= 1
+    assert counts["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert counts["vllm:inter_token_latency_seconds_count"] >= 2

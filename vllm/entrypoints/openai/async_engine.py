@@ -33,12 +33,14 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator, Sequence
 
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
 from vllm.engine.llm_engine import check_max_tokens, tokenize_prompt, validate_prompt
 from vllm.engine.output_processor import RequestState, TokenTextCache
+from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import load_tokenizer
@@ -129,6 +131,7 @@ class RequestStream:
 class _Entry:
     state: RequestState
     stream: RequestStream
+    times: RequestTimes
 
 
 class AsyncLLM:
@@ -163,6 +166,7 @@ class AsyncLLM:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_by_reason: collections.Counter = collections.Counter()
+        self.latency = LatencyStats()   # /metrics histograms (vllm/entrypoints/openai/latency.py)
         self._dead_error: EngineDeadError | None = None
         client.on_outputs = self._on_outputs
         client.on_dead = self._on_dead
@@ -230,7 +234,7 @@ class AsyncLLM:
             for rid, text, ids, params in prepared:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
-                self._requests[rid] = _Entry(s.state, s)
+                self._requests[rid] = _Entry(s.state, s, LatencyStats.start())
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
                 msgs.append(AddRequest(rid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
@@ -371,6 +375,7 @@ class AsyncLLM:
         self.stats = out.stats
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         stops, gen = [], 0
+        now = time.monotonic()
         with self._lock:
             for t in out.deltas:
                 d = RequestDelta._make(t)
@@ -381,6 +386,7 @@ class AsyncLLM:
                 was_done = state.finish[d.index] is not None
                 stop = state.apply(d)
                 gen += len(d.new_token_ids)
+                self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now)
                 if stop is not None:
                     stops.append(StopChild(d.request_id, d.index, stop))
                 if not was_done and state.finish[d.index] is not None:
@@ -388,6 +394,7 @@ class AsyncLLM:
                     self.finished_by_reason[state.finish[d.index]] += 1
                 s = entry.stream
                 if state.finished:
+                    self.latency.finished(entry.times, now)
                     del self._requests[d.request_id]
                     deliveries.setdefault(s.loop, []).append((s, state.output()))
                 elif s.stream and not s.notified:  # non-streaming consumers need the final output only

@@ -11,7 +11,7 @@ def metrics_registry(serving: OpenAIServing):
     """A Prometheus registry whose collector reads the AsyncLLM's counters at scrape time
     (nothing is counted on the hot path beyond plain integer additions)."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     llm = serving.llm
     model = serving.names[0]
@@ -46,6 +46,16 @@ def metrics_registry(serving: OpenAIServing):
             for reason, n in sorted(llm.finished_by_reason.items()):
                 c.add_metric([model, reason], n)
             yield c
+            lat = llm.latency
+            for name, doc, hist in (
+                    ("vllm:time_to_first_token_seconds", "Time from acceptance to a request's first token.", lat.ttft),
+                    ("vllm:inter_token_latency_seconds", "Time between a sample's consecutive tokens.", lat.itl),
+                    ("vllm:e2e_request_latency_seconds", "Time from acceptance to a request's end.", lat.e2e)):
+                with llm._lock:   # one consistent snapshot of the counts
+                    buckets, total = hist.cumulative(), hist.sum
+                h = HistogramMetricFamily(name, doc, labels=labels)
+                h.add_metric([model], buckets, sum_value=total)
+                yield h
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())

@@ -1,0 +1,74 @@
+"""Request latencies for /metrics, observed by AsyncLLM's receiver thread: upstream vLLM's
+histogram names and buckets (Grafana dashboards written for upstream read them), counted
+with a bisect and two additions per observation, read at scrape time."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+
+
+class Histogram:
+    """Counts per bucket (upper bounds `buckets`, then +Inf), the sum and the count."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' (le, cumulative count) pairs, +Inf last."""
+        out, total = [], 0
+        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append((le, total))
+        return out
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """One request's clock: when it was accepted, its first token, each sample's last token."""
+    arrival: float
+    first_token: float | None = None
+    last_token: dict = dataclasses.field(default_factory=dict)
+
+
+class LatencyStats:
+    """vllm:time_to_first_token_seconds (per request), vllm:inter_token_latency_seconds (per
+    generated token: the gap since its sample's previous token, spread over the tokens of one
+    step's delta), vllm:e2e_request_latency_seconds (per request, arrival to its last sample's
+    finish)."""
+
+    def __init__(self):
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    @staticmethod
+    def start() -> RequestTimes:
+        return RequestTimes(time.monotonic())
+
+    def tokens(self, t: RequestTimes, index: int, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        if t.first_token is None:
+            t.first_token = now
+            self.ttft.observe(now - t.arrival)
+        prev = t.last_token.get(index)
+        if prev is not None:
+            self.itl.observe((now - prev) / n, n)
+        t.last_token[index] = now
+
+    def finished(self, t: RequestTimes, now: float) -> None:
+        self.e2e.observe(now - t.arrival)
