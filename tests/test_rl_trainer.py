@@ -168,6 +168,27 @@ def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):
         assert m["logprob_diff_max"] == 0.0 and m["updated"]
 
 
+def test_overlong_filter_drops_cut_responses_from_the_loss(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    """Responses cut by the length limit get token weight 0 in the loss (every response is
+    cut here); with the filter off the same responses weigh in."""
+    from vllm.rl import losses
+    seen = {}
+    real = losses.policy_loss
+
+    def spy(logp, old_logp, advantages, token_weights, **kw):
+        seen.setdefault(on, []).append(token_weights.detach().clone())
+        return real(logp, old_logp, advantages, token_weights, **kw)
+    monkeypatch.setattr(losses, "policy_loss", spy)
+    for on in (True, False):
+        t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / f"f{on}", overlong_filter=on, max_response_tokens=1,
+                            steps=1))
+        m = t.step().metrics
+        assert m["response_clip_ratio"] == 1.0  # 3 prompts x 4 samples, every one cut at 1 token
+        assert m["overlong_filtered"] == (12 if on else 0)
+    assert all(float(w.abs().sum()) == 0.0 for w in seen[True])
+    assert sum(float(w.sum()) for w in seen[False]) == pytest.approx(1.0)  # token-mean over all 12 tokens
+
+
 def test_checkpoint_configs_resolve_as_their_run_did():
     """A config saved before the resolved knobs were pinned resolves with the rules of its
     time: DAPO's overlong buffer max_response_tokens // 4, lr_decay_steps the run's steps."""

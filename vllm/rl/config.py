@@ -97,6 +97,8 @@ class AlgorithmSection:
                                               "(default: grpo 0 = off, dapo max_response_tokens // 5, the "
                                               "paper's 4,096 of 20,480)")
     overlong_penalty: float = _knob(1.0, "penalty at the length limit (it ramps linearly over the buffer)")
+    overlong_filter: bool = _knob(False, "DAPO's overlong filtering: a response cut at max_response_tokens gets no "
+                                         "loss (its reward still counts in its group's advantages)")
     dynamic_sampling: bool | None = _knob(None, "drop groups whose rewards are all equal, sample more prompts "
                                                 "(default: grpo off, dapo on)")
     max_gen_batches: int = _knob(4, "dynamic sampling: rollout batches per step at most")

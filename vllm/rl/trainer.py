@@ -355,7 +355,7 @@ class Trainer:
 
     def _train(self, step: int, groups: list[ScoredGroup]) -> tuple[dict, list, list, list, list]:
         cfg, a = self.cfg, self.cfg.algorithm
-        seqs, plens, roll, adv, group_of = [], [], [], [], []
+        seqs, plens, roll, adv, group_of, cut = [], [], [], [], [], []
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         advantages = losses.group_advantages(rewards, a.norm_adv_by_std)
         for gi, g in enumerate(groups):
@@ -365,6 +365,8 @@ class Trainer:
                 roll.append(c.logprobs)
                 adv.append(float(advantages[gi, ci]))
                 group_of.append(gi)
+                # overlong filtering: a response cut by the length limit takes no part in the loss
+                cut.append(a.overlong_filter and c.finish_reason == "length")
         n = len(seqs)
         resp_len = [len(s) - p for s, p in zip(seqs, plens)]
         seq_len = [len(s) for s in seqs]
@@ -386,7 +388,8 @@ class Trainer:
             members = [i for i in range(n) if group_of[i] in in_chunk]
             if not members:
                 continue
-            total_tokens = sum(resp_len[i] for i in members)
+            scored = [i for i in members if not cut[i]]
+            total_tokens = max(1, sum(resp_len[i] for i in scored))
             for mb in self._micro_batches(members, seq_len):
                 lps = self._logprobs(self.policy, seqs, plens, mb)
                 lp = torch.cat(lps)
@@ -397,7 +400,11 @@ class Trainer:
                 old_t = torch.cat([old[i] for i in mb])
                 roll_t = torch.cat([roll[i] for i in mb]).to(dev)
                 adv_t = torch.cat([torch.full((resp_len[i],), adv[i]) for i in mb]).to(dev)
-                w = losses.aggregation_weights([resp_len[i] for i in mb], a.loss_agg, total_tokens, len(members)).to(dev)
+                w = losses.aggregation_weights([resp_len[i] for i in mb], a.loss_agg, total_tokens,
+                                               max(1, len(scored)))
+                if any(cut[i] for i in mb):
+                    w = w * torch.cat([torch.full((resp_len[i],), 0.0 if cut[i] else 1.0) for i in mb])
+                w = w.to(dev)
                 tis = losses.truncated_is_weight(old_t, roll_t, a.tis_cap) if a.tis_cap > 0 else None
                 ref_t = None
                 if self.reference is not None:
@@ -415,7 +422,7 @@ class Trainer:
             norms.append(norm)
             updated = updated or ok
         mism = losses.mismatch_stats(torch.cat([t.cpu() for t in train_lps]), torch.cat(roll))
-        metrics = {**mism, "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
+        metrics = {**mism, "overlong_filtered": sum(cut), "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
                    "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(chunks)),
                    "grad_norm": max(norms) if norms else 0.0, "updated": updated, "lr": lr_at(step, cfg),
                    "train_tokens": sum(seq_len)}
