@@ -50,6 +50,14 @@ def test_numpy_token_ids(llm):
     assert a.prompt_token_ids == [5, 6] and a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_generate_takes_upstream_keywords(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    a = llm.generate(["hi"], sp, use_tqdm=False, lora_request=None, priority=[0])[0]
+    assert a.outputs[0].token_ids == llm.generate(["hi"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(["hi"], sp, use_tqdm=False, lora_request=object())
+
+
 def test_upstream_engine_args():
     with pytest.raises(ValueError, match="enable_lora=True"):
         LLM(device="cpu", enable_lora=True)

@@ -253,6 +253,8 @@ def test_chat_template_in_a_request_needs_the_server_s_trust(app):
         assert r.json()["tokens"] == list(serving.llm.tokenizer.encode("hi!", add_special_tokens=False))
     finally:
         serving.trust_request_chat_template = False
+    r = _post(app, "/tokenize", {"prompt": "hi there", "return_token_strs": True}).json()
+    assert r["token_strs"] == serving.llm.tokenizer.convert_ids_to_tokens(r["tokens"])
     r = _post(app, "/v1/completions", {"prompt": "hi", "bad_words": ["2"]})
     assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"]
 

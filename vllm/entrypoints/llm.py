@@ -221,7 +221,11 @@ class LLM:
         return self.llm_engine.kv.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """upstream's signature. `lora_request`: None only (no adapters here). `priority`:
+        accepted; requests run in arrival order (scheduling never changes a token's bits)."""
+        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -272,12 +276,13 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered as the server's chat completions render them (vllm/entrypoints/chat_template.py).
         `chat_template`: a template (or a file holding one) instead of the tokenizer's."""
         from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
 
+        _no_lora(lora_request)
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.get_tokenizer()
@@ -313,6 +318,12 @@ UPSTREAM_NOOP_ARGS = {
     "hf_overrides": lambda v: not v,
     "worker_extension_cls": lambda v: not v,
 }
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None and not (isinstance(lora_request, (list, tuple)) and
+                                         all(r is None for r in lora_request)):
+        raise ValueError("lora_request: LoRA adapters are not supported here")
 
 
 def _check_upstream_args(args: dict) -> None:

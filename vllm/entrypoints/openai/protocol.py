@@ -584,12 +584,14 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None
+    return_token_strs: bool = False   # upstream's: each id's token string too
 
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Optional[list[str]] = None   # with return_token_strs
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -643,7 +643,8 @@ class OpenAIServing:
             ids = self.chat_prompt_ids([m.to_template_dict() for m in req.messages], req.chat_template_kwargs,
                                        req.chat_template, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)
-        return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids)
+        strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._model_name(req.model)
