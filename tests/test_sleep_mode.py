@@ -55,8 +55,8 @@ def test_sleep_mode_bad_use(tiny_qwen3):
     with pytest.raises(ValueError, match="enable_sleep_mode"):
         llm.sleep()
     llm2 = LLM(tiny_qwen3, device="cpu", numerics="invariant", enable_sleep_mode=True, cpu_kv_cache_bytes=4 << 20)
-    with pytest.raises(ValueError, match="level 2"):
-        llm2.sleep(level=2)
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        llm2.sleep(level=3)
     with pytest.raises(ValueError, match="unknown wake_up tags"):
         llm2.wake_up(tags=["kv"])
     llm2.wake_up()  # awake already: nothing to do
@@ -65,6 +65,13 @@ def test_sleep_mode_bad_use(tiny_qwen3):
     assert llm2.llm_engine.is_sleeping()
     llm2.wake_up()
     assert not llm2.llm_engine.is_sleeping()
+    # TRL's colocate cycle: level 2, weights woken and loaded, then the KV cache
+    w = next(iter(llm2.policy().parameters()))
+    assert llm2.sleep(level=2) > 0
+    llm2.wake_up(tags=["weights"])
+    assert llm2.update_weights(llm2.policy().model.hf_state_dict(), require_complete=True) is not None
+    llm2.wake_up(tags=["kv_cache"])
+    assert not llm2.llm_engine.is_sleeping() and w.isfinite().all()
 
 
 @pytest.mark.gpu

@@ -274,14 +274,15 @@ class LLMEngine:
 
     # ---- sleep mode ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:
-        """Release the KV cache's memory (upstream's level 1, except that the weights stay
-        where they are: a colocated trainer computes with the very same parameters).
+        """Release the KV cache's memory. Both of upstream's levels release it and keep the
+        weights where they are: a colocated trainer computes with the very same parameters,
+        and a caller of level 2 (which upstream uses to discard the weights, e.g. TRL's
+        colocate mode) loads new weights after waking, which simply overwrites them here.
         Returns the bytes released. Refused while requests are running."""
         if not self.config.cache.enable_sleep_mode:
             raise ValueError("sleep mode is off: build the engine with enable_sleep_mode=True")
-        if level != 1:
-            raise ValueError(f"sleep level {level} is not supported: level 1 releases the KV cache; the weights "
-                             "stay on the device because the colocated trainer shares them")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.drain()
         if self.has_unfinished_requests():
             raise ValueError("cannot sleep while requests are running")
