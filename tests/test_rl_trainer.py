@@ -189,6 +189,19 @@ def test_overlong_filter_drops_cut_responses_from_the_loss(tiny_qwen3, rl_files,
     assert sum(float(w.sum()) for w in seen[False]) == pytest.approx(1.0)  # token-mean over all 12 tokens
 
 
+def test_wandb_logs_every_step_and_a_resume_continues_the_run(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    Trainer(_config(tiny_qwen3, rl_files, out, steps=1, wandb_project="vllm-parity-test")).run()
+    run_id = (out / "wandb_run_id").read_text()
+    runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    Trainer(_config(tiny_qwen3, rl_files, out, steps=2, resume="latest", wandb_project="vllm-parity-test")).run()
+    assert (out / "wandb_run_id").read_text() == run_id  # the same wandb run
+
+
 def test_checkpoint_configs_resolve_as_their_run_did():
     """A config saved before the resolved knobs were pinned resolves with the rules of its
     time: DAPO's overlong buffer max_response_tokens // 4, lr_decay_steps the run's steps."""

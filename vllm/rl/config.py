@@ -143,6 +143,9 @@ class RunSection:
                                               "trainer's (same weights) in any bit")
     tensorboard: bool = _knob(True, "write TensorBoard logs (needs the tensorboard package)")
     plots: bool = _knob(True, "write reward/mismatch PNG plots at the end (needs matplotlib)")
+    wandb_project: str | None = _knob(None, "also log every step to Weights & Biases under this project (needs the "
+                                            "wandb package; WANDB_MODE=offline writes the run under output_dir); "
+                                            "a resumed run continues the same wandb run")
     progress: bool = _knob(True, "progress bar")
 
 

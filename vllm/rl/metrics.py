@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from statistics import fmean
 
 # Keys every training-step record carries (tests and plots rely on them).
@@ -69,9 +70,28 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _wandb_run(output_dir: str, project: str, config: dict, skipped: list):
+    """A wandb run for this output directory: its id is kept in OUTPUT_DIR/wandb_run_id, so a
+    resumed run logs into the same wandb run (wandb keeps the values first logged for a step,
+    so the steps a resumed run repeats after its checkpoint keep the first run's values; they
+    are equal bit for bit in invariant mode). None, with a note, without the package."""
+    try:
+        import wandb
+    except ImportError:
+        skipped.append("Weights & Biases logs (pip install wandb)")
+        return None
+    id_path = os.path.join(output_dir, "wandb_run_id")
+    run_id = open(id_path).read().strip() if os.path.isfile(id_path) else uuid.uuid4().hex[:12]
+    with open(id_path, "w") as f:
+        f.write(run_id)
+    return wandb.init(project=project, id=run_id, resume="allow", dir=output_dir, config=config,
+                      name=os.path.basename(os.path.abspath(output_dir)))
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True, stream=None):
+                 progress: bool = True, stream=None, wandb_project: str | None = None,
+                 wandb_config: dict | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -91,6 +111,9 @@ class MetricsLogger:
                                         purge_step=start_step + 1 if start_step > 0 else None)
             except ImportError:
                 self.skipped.append("TensorBoard logs (pip install tensorboard)")
+        self.wandb = None
+        if wandb_project:
+            self.wandb = _wandb_run(output_dir, wandb_project, wandb_config or {}, self.skipped)
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -112,6 +135,10 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self.tb.add_scalar(prefix + k, v, record["step"])
             self.tb.flush()
+        if self.wandb is not None:
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            self.wandb.log({prefix + k: v for k, v in record.items() if k not in ("step", "kind")
+                            and isinstance(v, (int, float))}, step=record["step"])
         self.write(format_line(record, self.total_steps))
         if self.bar is not None and record.get("kind") != "eval":
             self.bar.update(1)
@@ -124,6 +151,9 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         written = []
         if plots:
             try:

@@ -37,6 +37,7 @@ from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, Rollout
 
 # knobs that may differ between a run and its resumption without changing its bits
 RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval",
+                     "wandb_project",
                      "checkpoint_background", "output_dir", "resume", "overwrite",
                      "progress", "tensorboard", "plots", "eval_data", "eval_size", "require_zero_mismatch",
                      # where the actors run: a run continues bit-exactly on another layout (docs/ray.md)
@@ -562,7 +563,8 @@ class Trainer:
         cfg = self.cfg
         changes = self.config_changes_since(self.resume_from) if self.resume_from is not None else []
         log = MetricsLogger(self.output_dir, cfg.run.steps, self.step_count, cfg.run.tensorboard, cfg.run.progress,
-                            stream=self.stream)
+                            stream=self.stream, wandb_project=cfg.run.wandb_project,
+                            wandb_config=self.raw_config.to_dict())
         with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
             f.write(self.raw_config.to_yaml())
         records = []
