@@ -79,3 +79,77 @@ def test_generate_without_params_uses_generation_config(tmp_path):
     out = llm.generate(["What is 2 + 2?"], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) <= 3
     assert LLM(str(d), device="cpu", generation_config="vllm").get_default_sampling_params() == SamplingParams()
+
+
+# ---- edge cases a demanding user hits (each once lost or hung requests) -----------------------
+
+def test_a_cache_smaller_than_the_context_caps_it():
+    """A sequence longer than the whole KV cache could never be scheduled and failed every
+    request with it: the engine serves the context its cache holds."""
+    small = LLM(device="cpu", num_gpu_blocks_override=5, block_size=16)   # 4 usable blocks: 64 tokens
+    assert small.llm_engine.config.model.max_model_len == 64
+    with pytest.raises(ValueError, match="context"):
+        small.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4), use_tqdm=False)
+    outs = small.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 50}],
+                          SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 40
+    assert len(outs[1].outputs[0].token_ids) == 14 and outs[1].outputs[0].finish_reason == "length"
+
+
+def test_request_ids_and_params_checked_before_anything_is_queued(llm):
+    eng = llm.llm_engine
+    eng.add_request("x", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("x#0", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert not eng._groups  # "x" finished, nothing stuck
+    sp = SamplingParams(max_tokens=4)
+    sp.n = 0  # set after construction: checked when used
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate(["hi"], sp, use_tqdm=False)
+    assert not eng.has_unfinished_requests() and not eng._groups
+
+
+def test_stop_strings_min_tokens_and_the_stopping_token(llm):
+    prompt, base = "1 2 3 4", dict(temperature=0, max_tokens=8, ignore_eos=True)
+    tok = llm.get_tokenizer()
+    free = llm.generate([prompt], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    toks = free.token_ids
+    assert free.text == "92238700"  # the embedded model's greedy digits after this prompt
+
+    def run(**kw):
+        return llm.generate([prompt], SamplingParams(**{**base, **kw}), use_tqdm=False)[0].outputs[0]
+    assert run(stop=["2"]).text == "9"
+    # min_tokens: stop strings wait past the first 3 tokens and never match in their text
+    o = run(stop=["2"], min_tokens=3)
+    assert (o.text, o.finish_reason) == ("92238700", "length")
+    o = run(stop=["3"], min_tokens=3)
+    assert (o.text, o.stop_reason) == ("922", "3")
+    # a stop string completed by the last allowed token: "stop", as upstream reports it
+    o = run(stop=["3"], max_tokens=4)
+    assert (o.text, o.finish_reason, o.stop_reason) == ("922", "stop", "3")
+    # a stop token's text stays out of the output, unless include_stop_str_in_output
+    o = run(stop_token_ids=[toks[4]])
+    assert (o.token_ids, o.text, o.stop_reason) == (toks[:5], "9223", toks[4])
+    assert run(stop_token_ids=[toks[4]], include_stop_str_in_output=True).text == "92238"
+    assert tok.decode(toks[:5]) == "92238"
+
+
+def test_generate_from_two_threads(llm):
+    import threading
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(["a", "b", "c"], sp, use_tqdm=False)]
+    got, errors = {}, []
+
+    def run(k):
+        try:
+            got[k] = [o.outputs[0].token_ids for o in llm.generate(["a", "b", "c"], sp, use_tqdm=False)]
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got[0] == got[1] == want

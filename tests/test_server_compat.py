@@ -339,3 +339,51 @@ def test_latency_metrics_through_the_app(app):
     assert counts["vllm:time_to_first_token_seconds_count"] >= 1
     assert counts["vllm:e2e_request_latency_seconds_count"] >= 1
     assert counts["vllm:inter_token_latency_seconds_count"] >= 2
+
+
+def test_async_llm_request_ids_after_abort_and_within_a_batch():
+    """A request id reused right after an abort gets only its own tokens (the aborted one's
+    last step may still report: each add has an engine id of its own), and a batch naming one
+    id twice is refused whole, nothing left waiting."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    sent, send = [], llm.client.send
+
+    def spy(msgs):
+        sent.extend(m.request_id for m in msgs if type(m).__name__ == "AddRequest")
+        return send(msgs)
+    llm.client.send = spy
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def go():
+        ref = [out async for out in llm.generate({"prompt_token_ids": [7, 8, 9]}, short, "ref")][-1]
+        got = []
+        for trial in range(8):
+            background = [asyncio.ensure_future(_drain(llm, f"bg{trial}-{k}", short)) for k in range(4)]
+            (a,) = await llm.add_requests([("x", {"prompt_token_ids": [5, 6]}, long)], stream=True)
+            n = 0
+            async for _ in a:
+                n += 1
+                if n == 2:
+                    break
+            a.abort()
+            got.append([out async for out in llm.generate({"prompt_token_ids": [7, 8, 9]}, short, "x")][-1])
+            await asyncio.gather(*background)
+        with pytest.raises(ValueError, match="already in use"):
+            await llm.add_requests([("d", "hi", short), ("d", "hi", short)])
+        return ref, got, llm._outstanding
+    try:
+        ref, got, outstanding = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    assert all(o.outputs[0].token_ids == ref.outputs[0].token_ids for o in got)
+    assert all(o.request_id == "x" for o in got)
+    x_ids = [r for r in sent if r.startswith("x@")]
+    assert len(x_ids) == 16 and len(set(x_ids)) == 16  # every add of "x" had an engine id of its own
+    assert outstanding == 0
+
+
+async def _drain(llm, rid, params):
+    return [out async for out in llm.generate({"prompt_token_ids": [3, 4]}, params, rid)][-1]

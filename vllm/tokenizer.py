@@ -53,10 +53,11 @@ class IncrementalDetokenizer:
         return ""
 
 
-def find_stop_string(text: str, before: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string in `text` that ends in its new part (`text[before:]`), as
-    (position, stop string), or None. Shared by the engine and the server's detokenizer."""
+def find_stop_string(text: str, before: int, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends in its new part (`text[before:]`) and
+    starts at `floor` or later, as (position, stop string), or None. Shared by the engine and
+    the server's detokenizer."""
     # Only a match that ends in the new text is new: start one stop-string length before it.
-    window_start = max(0, before - max(len(s) for s in stops) + 1)
+    window_start = max(floor, before - max(len(s) for s in stops) + 1)
     hits = [(pos, s) for s in stops if (pos := text.find(s, window_start)) >= 0]
     return min(hits) if hits else None

@@ -6,6 +6,7 @@ output processor detokenizes, applies stop strings and builds RequestOutputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -110,6 +111,15 @@ class LLMEngine:
         # the workers behind a typed seam (vllm/executor): one in-process worker
         self.executor = InProcessExecutor(config)
         info = self.executor.info
+        capacity = (info.num_blocks - 1) * config.cache.block_size   # block 0 is the null block
+        if capacity < config.model.max_model_len:
+            # a sequence longer than the whole cache could never be scheduled, and would fail
+            # every request in flight with it: the context is what the cache holds
+            logger.warning("max_model_len %d is more than the KV cache holds (%d blocks x %d = %d tokens): "
+                           "serving a context of %d tokens (raise gpu_memory_utilization / cpu_kv_cache_bytes or "
+                           "lower max_num_seqs for more)", config.model.max_model_len, info.num_blocks - 1,
+                           config.cache.block_size, capacity, capacity)
+            config.model.max_model_len = capacity
         state = None
         if info.num_state_slots:
             state = StateSlots(info.num_state_slots, info.num_state_snapshots, info.state_chunk_size)
@@ -150,7 +160,9 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
                     stream: bool = False) -> str:
         """Validate and queue one request; `stream=True` makes step() also report its progress."""
-        params = params or SamplingParams()
+        # a validated copy: fields set on the caller's object after construction are checked
+        # here, and later changes to it do not reach a queued request
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         if self.weights_torn:
             raise ValueError(f"the engine is not serving: {self.weight_error}")
         if self._sleeping:
@@ -158,13 +170,13 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         request_id = request_id if request_id is not None else str(next(self._counter))
-        if request_id in self._groups:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._groups or any(c in self._child_to_group for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         compiled = self._compile_grammar(params)   # ValueError before anything is queued
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         children, leader = [], None
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, rid in enumerate(child_ids):
             req = Request(rid, ids, params, derive_seed(base_seed, i), self.eos_token_ids,
                           self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i)
             if compiled is not None:

@@ -40,7 +40,7 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "token_ids", "detoks", "logprobs",
                  "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "stop_floor")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, decode_one: TokenTextCache):
@@ -56,6 +56,7 @@ class RequestState:
         self.cumulative = [0.0] * n
         self.finish: list[str | None] = [None] * n
         self.stop_reason: list[int | str | None] = [None] * n
+        self.stop_floor = [0] * n   # stop strings match from here: the text after min_tokens tokens
         self.weight_versions: list[list[int]] = [[] for _ in range(n)]
         self.num_cached_tokens = 0
         self._decode = decode_one
@@ -80,25 +81,31 @@ class RequestState:
         detok = self.detoks[i]
         stops = self.params.stop_strings
         last = len(d.new_token_ids) - 1
+        # eos or a stop token ended the sample: its text stays out (as upstream), unless asked for
+        token_stop = d.finish_reason == "stop"
         for k, tok in enumerate(d.new_token_ids):
             ids.append(tok)
             if self.logprobs is not None and d.new_logprobs is not None:
                 lp, rank, top = d.new_logprobs[k]
                 self.logprobs[i].append(self._entry(tok, lp, rank, top))
                 self.cumulative[i] += lp
-            if detok is None:
+            if detok is None or (k == last and token_stop and not self.params.include_stop_str_in_output):
                 continue
             before = len(detok.text)
             detok.append(tok)
             if not stops:
                 continue
-            hit = find_stop_string(detok.text, before, stops)
+            if len(ids) <= self.params.min_tokens:
+                # stop strings wait for min_tokens, and never match in the text before (as upstream)
+                self.stop_floor[i] = len(detok.text)
+                continue
+            hit = find_stop_string(detok.text, before, stops, self.stop_floor[i])
             if hit is None:
                 continue
             pos, s = hit
             detok.text = detok.text[:pos + len(s)] if self.params.include_stop_str_in_output else detok.text[:pos]
-            if k == last and d.finish_reason is not None:
-                break  # a token rule ended it in the same step: that reason stands (as offline)
+            if k == last and token_stop:
+                break  # eos / a stop token ended it in the same step: that reason stands
             self.finish[i] = "stop"
             self.stop_reason[i] = s
             return s

@@ -1,6 +1,8 @@
 """The offline API, with upstream vLLM's names: LLM, generate, chat."""
 from __future__ import annotations
 
+import dataclasses
+import threading
 import warnings
 from typing import Sequence
 
@@ -70,6 +72,7 @@ class LLM:
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
         self.llm_engine = LLMEngine(config)
+        self._generate_lock = threading.RLock()
         self._warned_fast_policy = False
         self._generation_config = generation_config
 
@@ -237,15 +240,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # validated copies (fields set after construction are checked), before anything is queued
+        params = [dataclasses.replace(sp) for sp in params]
         engine = self.llm_engine
-        if engine.weight_update is not None:
-            raise ValueError("a weight update is open (llm.weight_update()): finish it before generating")
-        # Validate everything before anything is queued: a bad prompt loses nothing.
-        for p, sp in zip(prompts, params):
-            _, ids = engine.tokenize(p)
-            engine.validate(ids, sp)
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-        return self._run(ids, use_tqdm)
+        # one caller at a time: another thread's generate waits (the engine steps one batch)
+        with self._generate_lock:
+            if engine.weight_update is not None:
+                raise ValueError("a weight update is open (llm.weight_update()): finish it before generating")
+            # Validate everything before anything is queued: a bad prompt loses nothing.
+            for p, sp in zip(prompts, params):
+                _, ids = engine.tokenize(p)
+                engine.validate(ids, sp)
+            ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+            return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import re
 from fractions import Fraction
@@ -187,8 +188,8 @@ def load_custom(spec: str) -> RewardFn:
             loader_spec.loader.exec_module(mod)
         else:
             mod = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise ValueError(f"reward {spec!r}: cannot import {mod_name!r} ({err})") from None
+    except (ImportError, SyntaxError) as err:
+        raise ValueError(f"reward {spec!r}: cannot import {mod_name!r} ({type(err).__name__}: {err})") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {mod_name!r} has no function {fn_name!r}")
@@ -202,7 +203,8 @@ def load_custom(spec: str) -> RewardFn:
 
     def reward(response: str, answer: str, record: dict) -> float:
         value = fn(response, answer, record)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # numbers.Real: numpy and other scalar floats too
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"reward {spec!r} returned {value!r}; it must return a finite number")
         return float(value)
     return reward

@@ -155,7 +155,12 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(info.tokenizer_path)
         self._detok_tokenizer = load_tokenizer(info.tokenizer_path)
         self._decode_one = TokenTextCache(self._detok_tokenizer)
-        self._requests: dict[str, _Entry] = {}
+        # Each add gets an engine id of its own (the request id + a serial): a step already under
+        # way when a request is aborted may still report on it, and those outputs must not
+        # reach a new request that reuses the id. Outputs carry the caller's id.
+        self._requests: dict[str, _Entry] = {}     # by engine id
+        self._engine_ids: dict[str, str] = {}      # request id -> engine id, while it runs
+        self._serial = itertools.count()
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._outstanding = 0          # samples (prompts x n) added and not finished
@@ -228,16 +233,20 @@ class AsyncLLM:
                 if queued > self.max_queued_requests:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
                                          f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
+            seen: set[str] = set()
             for rid, text, ids, params in prepared:
-                if rid in self._requests:
+                if rid in self._engine_ids or rid in seen:
                     raise ValueError(f"request id {rid!r} is already in use")
+                seen.add(rid)
             for rid, text, ids, params in prepared:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
-                self._requests[rid] = _Entry(s.state, s, LatencyStats.start())
+                eid = f"{rid}@{next(self._serial)}"
+                self._requests[eid] = _Entry(s.state, s, LatencyStats.start())
+                self._engine_ids[rid] = eid
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
-                msgs.append(AddRequest(rid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
+                msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
             self._outstanding += n_samples
             self.num_requests_received += len(prepared)
             self.num_prompt_tokens += sum(len(ids) for _, _, ids, _ in prepared)
@@ -246,7 +255,7 @@ class AsyncLLM:
         except EngineDeadError:
             with self._lock:
                 for rid, *_ in prepared:
-                    self._forget(rid)
+                    self._forget(self._engine_ids.get(rid))
             raise
         return streams
 
@@ -268,7 +277,8 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished). Never blocks on the engine."""
         with self._lock:
-            entry = self._forget(request_id)
+            eid = self._engine_ids.get(request_id)
+            entry = self._forget(eid)
         if entry is None:
             return
         if not entry.stream.finished:  # aborted by someone else than its consumer: end its iteration
@@ -277,15 +287,17 @@ class AsyncLLM:
             except RuntimeError:
                 pass
         try:
-            self.client.send([AbortRequest(request_id)])
+            self.client.send([AbortRequest(eid)])
         except EngineDeadError:
             pass
 
-    def _forget(self, request_id: str) -> _Entry | None:
+    def _forget(self, engine_id: str | None) -> _Entry | None:
         """Drop a request's bookkeeping (caller holds the lock)."""
-        entry = self._requests.pop(request_id, None)
+        entry = self._requests.pop(engine_id, None) if engine_id is not None else None
         if entry is not None:
             self._outstanding -= sum(1 for f in entry.state.finish if f is None)
+            if self._engine_ids.get(entry.state.request_id) == engine_id:
+                del self._engine_ids[entry.state.request_id]
         return entry
 
     # ---- engine utilities -----------------------------------------------------------------
@@ -319,7 +331,12 @@ class AsyncLLM:
         far, finish_reason "abort", without pausing."""
         if isinstance(request_ids, tuple):
             request_ids = list(request_ids)
-        return await self.utility("abort_requests", request_ids or None)
+        if isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids):
+            with self._lock:  # the engine knows them by their engine ids
+                request_ids = [self._engine_ids.get(r, r) for r in request_ids]
+        res = await self.utility("abort_requests", request_ids or None)
+        # engine ids back to the callers' (an engine id is "<request id>@<serial>")
+        return {**res, "aborted": [r.rsplit("@", 1)[0] for r in res.get("aborted", [])]}
 
     async def update_weights_from_path(self, path: str, staging: str = "host") -> dict:
         """Stage the checkpoint while requests run, then pause only to copy it in
@@ -396,6 +413,8 @@ class AsyncLLM:
                 if state.finished:
                     self.latency.finished(entry.times, now)
                     del self._requests[d.request_id]
+                    if self._engine_ids.get(state.request_id) == d.request_id:
+                        del self._engine_ids[state.request_id]
                     deliveries.setdefault(s.loop, []).append((s, state.output()))
                 elif s.stream and not s.notified:  # non-streaming consumers need the final output only
                     s.notified = True
@@ -425,6 +444,7 @@ class AsyncLLM:
         with self._lock:
             entries = list(self._requests.values())
             self._requests.clear()
+            self._engine_ids.clear()
             self._outstanding = 0
         deliveries: dict = {}
         for e in entries:
