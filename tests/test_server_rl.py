@@ -327,7 +327,9 @@ def test_upstream_pause_modes_abort_wait_keep(app):
             before = app.state.serving.llm.num_generation_tokens
             task = asyncio.ensure_future(_long(http, 40))
             await _until_generating(app, before)
-            pause = asyncio.ensure_future(admin.post("/pause", params={"mode": "wait", "clear_cache": "false"}))
+            # upstream's older form of mode=wait
+            pause = asyncio.ensure_future(admin.post("/pause", params={"wait_for_inflight_requests": "true",
+                                                                      "clear_cache": "false"}))
             await asyncio.sleep(0.1)
             await admin.get("/is_paused")
             late = asyncio.ensure_future(_long(http, 5))
@@ -341,6 +343,7 @@ def test_upstream_pause_modes_abort_wait_keep(app):
             await admin.post("/resume")
             res["late_out"] = (await asyncio.wait_for(late, 60)).json()
             res["bad"] = await admin.post("/pause", params={"mode": "freeze"})
+            res["disagree"] = await admin.post("/pause", params={"mode": "abort", "wait_for_inflight_requests": "true"})
             res["world"] = (await admin.get("/get_world_size")).json()
             res["unauthorized"] = (await http.post("/pause", params={"mode": "keep"})).status_code
             res["paused_after"] = (await admin.get("/is_paused")).json()
@@ -353,6 +356,7 @@ def test_upstream_pause_modes_abort_wait_keep(app):
     assert r["wait_out"]["choices"][0]["finish_reason"] == "length" and r["wait_out"]["usage"]["completion_tokens"] == 40
     assert r["late_waiting"] and r["late_out"]["usage"]["completion_tokens"] == 5
     assert r["bad"].status_code == 400 and "pause mode" in r["bad"].json()["error"]["message"]
+    assert r["disagree"].status_code == 400 and "disagree" in r["disagree"].json()["error"]["message"]
     assert r["world"] == {"world_size": 1} and r["unauthorized"] == 401
     assert r["paused_after"] == {"is_paused": False}
 

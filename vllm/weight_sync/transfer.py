@@ -205,12 +205,17 @@ class WeightTransfer:
         into the open update (handshake and outcome flags: vllm/weight_sync/group.py). A
         refusal after parsing is flagged to the trainer, which then sends nothing."""
         group = self._need_group("vllm")
-        # a body that is no manifest is refused without touching the group: nobody may be broadcasting
-        manifest = parse_manifest(update_info)
-        bucket_bytes = _int(update_info, "packed_buffer_size_bytes", DEFAULT_BUCKET_BYTES)
-        if bucket_bytes <= 0:
-            raise ValueError(f"packed_buffer_size_bytes must be > 0, got {bucket_bytes}")
-        layouts = plan_buckets(manifest, bucket_bytes)
+        # a body that is no manifest is refused without touching the group (nobody may be
+        # broadcasting), and ends the started update: the engine does not stay paused
+        try:
+            manifest = parse_manifest(update_info)
+            bucket_bytes = _int(update_info, "packed_buffer_size_bytes", DEFAULT_BUCKET_BYTES)
+            if bucket_bytes <= 0:
+                raise ValueError(f"packed_buffer_size_bytes must be > 0, got {bucket_bytes}")
+            layouts = plan_buckets(manifest, bucket_bytes)
+        except Exception as err:
+            self._after_failure(err)
+            raise
         try:
             check_manifest(self.engine.executor.model, layouts)
             update = self._open_update()

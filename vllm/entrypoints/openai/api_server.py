@@ -169,7 +169,14 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     # upstream vLLM's RL routes: POST /pause?mode=abort|wait|keep&clear_cache=..., POST /resume,
     # GET /is_paused, POST /abort_requests {"request_ids": [...]}, GET /get_world_size
     @app.post("/pause")
-    async def pause_generation(mode: str = "abort", clear_cache: bool = True):
+    async def pause_generation(mode: str | None = None, clear_cache: bool = True,
+                               wait_for_inflight_requests: bool | None = None):
+        # upstream's older form: wait_for_inflight_requests=true is mode "wait", false "abort"
+        if mode is None:
+            mode = "wait" if wait_for_inflight_requests else "abort"
+        elif wait_for_inflight_requests is not None and (mode == "wait") != wait_for_inflight_requests:
+            return error_response(f"mode={mode!r} and wait_for_inflight_requests={wait_for_inflight_requests} "
+                                  "disagree", 400)
         return await await_or_error(_with_status("paused", llm.pause_generation(mode, clear_cache)))
 
     @app.post("/resume")
