@@ -138,11 +138,17 @@ def test_upstream_four_phase_routes_labels_and_bad_bodies(client, server, refs, 
         r = requests.post(server + path, json=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (path, r.text)
     assert requests.get(f"{server}/weight_info").json() == {"weight_version": "v-x"}
+    # a pause asked for while an update is open stands after it
+    client._post(f"{server}/start_weight_update", json={"is_checkpoint_format": True})
+    assert requests.post(f"{server}/pause", params={"mode": "keep"}).json()["status"] == "paused"
+    requests.post(f"{server}/finish_weight_update", json={"weight_version": "v-y"})
+    assert requests.get(f"{server}/is_paused").json() == {"is_paused": True}
+    assert requests.post(f"{server}/resume").json()["status"] == "resumed"
     # a started update whose update_weights body is no manifest ends: the engine does not stay paused
     client._post(f"{server}/start_weight_update", json={"is_checkpoint_format": True})
     r = requests.post(f"{server}/update_weights", json={"update_info": {"names": ["a"], "dtype_names": []}})
     assert r.status_code == 400 and requests.get(f"{server}/is_paused").json() == {"is_paused": False}
-    assert requests.get(f"{server}/weight_info").json() == {"weight_version": "v-x"}
+    assert requests.get(f"{server}/weight_info").json() == {"weight_version": "v-y"}
     assert requests.post(f"{server}/pause", params={"mode": "keep"}).json()["status"] == "paused"
     assert requests.post(f"{server}/resume").json()["status"] == "resumed"
     r = requests.post(f"{server}/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 1, "prompt_logprobs": -1})

@@ -168,6 +168,9 @@ class EngineCore:
     def _pause_now(self, clear_cache: bool) -> dict:
         eng = self.engine
         eng.pause()
+        transfer = eng.__dict__.get("_weight_transfer")   # an open weight update must not undo this pause
+        if transfer is not None:
+            transfer.keep_paused()
         if clear_cache:
             eng.kv.reset_prefix_cache(allow_in_use=True)
         return {"paused": True, "weight_version": eng.weight_version}

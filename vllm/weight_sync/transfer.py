@@ -189,6 +189,11 @@ class WeightTransfer:
         self._resume_after, self._failed = not was_paused, None
         return {"started": True, "weight_version": eng.weight_version}
 
+    def keep_paused(self) -> None:
+        """A pause asked for while an update is open stands after it: finishing or aborting
+        the update does not resume the engine (the caller resumes it)."""
+        self._resume_after = False
+
     def _open_update(self):
         if self.update is not None and self.update.closed:    # aborted by a failed load
             self._closed()
