@@ -126,6 +126,9 @@ class WeightTransfer:
         contract = _contract(init_info.get("contract"))
         if contract is not None:
             self.engine.execution_contract().check_compatible(contract)
+        else:
+            logger.warning("weight transfer joined without an execution contract (init_info.contract): the "
+                           "trainer's numerics are not checked against this engine's")
         spec = GroupSpec(host, port, offset, world, backend, float(init_info.get("timeout_s", 300.0))).validate()
         self._join(spec)
         self.protocol, self.trainer_rank, self.contract, self.backup = "vllm", 0, contract, backup
@@ -144,6 +147,9 @@ class WeightTransfer:
         theirs = _contract(contract)
         if theirs is not None:
             self.engine.execution_contract().check_compatible(theirs)
+        else:
+            logger.warning("TRL communicator joined without an execution contract: the trainer's numerics are not "
+                           "checked against this engine's")
         spec = GroupSpec(host, port, 0, world_size, self._device_backend(), float(timeout_s)).validate()
         self._join(spec)
         self.protocol, self.trainer_rank, self.contract, self.backup, self._barriers = "trl", world_size - 1, theirs, \
