@@ -115,6 +115,8 @@ setup(
         "gpu": ["cuda-bindings"],
         # `vllm train`: TensorBoard logs, PNG plots, parquet data (each optional: skipped with a note)
         "train": ["tensorboard", "matplotlib", "pyarrow"],
+        # `vllm train --wandb-project`: Weights & Biases logs (vllm/rl/metrics.py)
+        "wandb": ["wandb"],
         # `vllm train --backend ray`: trainer and rollout engines as Ray actors (vllm/rl/ray, docs/ray.md)
         "ray": ["ray>=2.40"],
     },
