@@ -88,6 +88,8 @@ def test_a_cache_smaller_than_the_context_caps_it():
     request with it: the engine serves the context its cache holds."""
     small = LLM(device="cpu", num_gpu_blocks_override=5, block_size=16)   # 4 usable blocks: 64 tokens
     assert small.llm_engine.config.model.max_model_len == 64
+    with pytest.raises(ValueError, match="more than the KV cache holds"):   # asked for: an error, as upstream
+        LLM(device="cpu", num_gpu_blocks_override=5, block_size=16, max_model_len=128)
     with pytest.raises(ValueError, match="context"):
         small.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4), use_tqdm=False)
     outs = small.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 50}],

@@ -387,3 +387,33 @@ def test_async_llm_request_ids_after_abort_and_within_a_batch():
 
 async def _drain(llm, rid, params):
     return [out async for out in llm.generate({"prompt_token_ids": [3, 4]}, params, rid)][-1]
+
+
+def test_async_llm_stream_abort_and_params_copies():
+    """A finished stream cancelled late aborts nothing of a newer request reusing its id; a
+    batch with params made invalid after construction registers nothing; abort_requests of
+    ids not running aborts nothing."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def go():
+        (a,) = await llm.add_requests([("x", {"prompt_token_ids": [5, 6]}, short)])
+        while "x" in llm._engine_ids:   # finished in the receiver thread, not read yet
+            await asyncio.sleep(0.01)
+        (b,) = await llm.add_requests([("x", {"prompt_token_ids": [5, 6]}, short)])
+        a.abort()                        # the old stream's consumer gives up late
+        got_b = [out async for out in b][-1]
+        bad = SamplingParams(max_tokens=2)
+        bad.top_p = 0.0
+        with pytest.raises(ValueError, match="top_p"):
+            await llm.add_requests([("y", "hi", short), ("z", "hi", bad)])
+        none = await llm.abort_requests(["not-running", "x@0"])
+        return got_b, dict(llm._engine_ids), none
+    try:
+        got_b, ids, none = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    assert got_b.finished and len(got_b.outputs[0].token_ids) == 3
+    assert ids == {} and none == {"aborted": []}

@@ -79,6 +79,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 0
+    max_model_len_given: bool = False   # the user's (checked against the KV cache), not the model's default
 
     @classmethod
     def from_pretrained(cls, path: str, max_model_len: int | None = None) -> "ModelConfig":
@@ -122,6 +123,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             generation_defaults=gen_defaults,
             max_model_len=max_model_len or max_pos,
+            max_model_len_given=max_model_len is not None,
         )
 
 

@@ -114,7 +114,13 @@ class LLMEngine:
         capacity = (info.num_blocks - 1) * config.cache.block_size   # block 0 is the null block
         if capacity < config.model.max_model_len:
             # a sequence longer than the whole cache could never be scheduled, and would fail
-            # every request in flight with it: the context is what the cache holds
+            # every request in flight with it: an asked-for context that does not fit is an
+            # error (as upstream's); the model's default context is cut to what the cache holds
+            if config.model.max_model_len_given:
+                raise ValueError(f"max_model_len={config.model.max_model_len} is more than the KV cache holds "
+                                 f"({info.num_blocks - 1} blocks x {config.cache.block_size} = {capacity} tokens): "
+                                 "raise gpu_memory_utilization / cpu_kv_cache_bytes, lower max_num_seqs, or ask "
+                                 f"for max_model_len <= {capacity}")
             logger.warning("max_model_len %d is more than the KV cache holds (%d blocks x %d = %d tokens): "
                            "serving a context of %d tokens (raise gpu_memory_utilization / cpu_kv_cache_bytes or "
                            "lower max_num_seqs for more)", config.model.max_model_len, info.num_blocks - 1,

@@ -81,6 +81,7 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
         self.finished = False  # True once the final output, an error or an abort was seen
         self.state: RequestState | None = None
+        self.engine_id: str | None = None   # this add's id in the engine (AsyncLLM._engine_ids)
         # A _CHANGED marker is queued and unread: the receiver need not queue another.
         self.notified = False
 
@@ -121,10 +122,11 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Abort the request unless it already ended; safe to call any number of times."""
+        """Abort the request unless it already ended; safe to call any number of times. By
+        its engine id: a later request reusing the caller's id is not touched."""
         if not self.finished:
             self.finished = True
-            self.owner.abort(self.request_id)
+            self.owner._abort_engine_id(self.engine_id)
 
 
 @dataclasses.dataclass
@@ -221,6 +223,9 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         prepared = []
         for rid, prompt, params in items:
+            # a validated copy, before anything is registered: fields set on the caller's object
+            # after construction are checked, and later changes to it reach no running request
+            params = dataclasses.replace(params)
             text, ids = self.tokenize_prompt(prompt)
             validate_prompt(ids, params, self.vocab_size, self.max_model_len)
             check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
@@ -241,7 +246,7 @@ class AsyncLLM:
             for rid, text, ids, params in prepared:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
-                eid = f"{rid}@{next(self._serial)}"
+                eid = s.engine_id = f"{rid}@{next(self._serial)}"
                 self._requests[eid] = _Entry(s.state, s, LatencyStats.start())
                 self._engine_ids[rid] = eid
                 streams.append(s)
@@ -278,6 +283,10 @@ class AsyncLLM:
         """Abort a request (no-op if unknown or finished). Never blocks on the engine."""
         with self._lock:
             eid = self._engine_ids.get(request_id)
+        self._abort_engine_id(eid)
+
+    def _abort_engine_id(self, eid: str | None) -> None:
+        with self._lock:
             entry = self._forget(eid)
         if entry is None:
             return
@@ -331,9 +340,12 @@ class AsyncLLM:
         far, finish_reason "abort", without pausing."""
         if isinstance(request_ids, tuple):
             request_ids = list(request_ids)
-        if isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids):
+        if request_ids and isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids):
             with self._lock:  # the engine knows them by their engine ids
-                request_ids = [self._engine_ids.get(r, r) for r in request_ids]
+                # ids not running are left out (a raw "<id>@<n>" could name another request)
+                request_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+            if not request_ids:
+                return {"aborted": []}
         res = await self.utility("abort_requests", request_ids or None)
         # engine ids back to the callers' (an engine id is "<request id>@<serial>")
         return {**res, "aborted": [r.rsplit("@", 1)[0] for r in res.get("aborted", [])]}
@@ -403,7 +415,8 @@ class AsyncLLM:
                 was_done = state.finish[d.index] is not None
                 stop = state.apply(d)
                 gen += len(d.new_token_ids)
-                self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now)
+                if not was_done:   # tokens after a stop string are dropped: not latency
+                    self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now)
                 if stop is not None:
                     stops.append(StopChild(d.request_id, d.index, stop))
                 if not was_done and state.finish[d.index] is not None:
@@ -437,7 +450,7 @@ class AsyncLLM:
             except RuntimeError:  # that event loop is closed: nobody will read these
                 for s, item in items:
                     if not (isinstance(item, RequestOutput) and item.finished):
-                        self.abort(s.request_id)
+                        self._abort_engine_id(s.engine_id)
 
     def _on_dead(self, reason: str) -> None:
         err = EngineDeadError(f"the engine is not running: {reason}")
