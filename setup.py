@@ -80,7 +80,7 @@ setup(
     python_requires=">=3.10",
     # torch / triton: the range actually tested (tests/test_packaging.py fails outside it):
     # torch 2.11 + triton 3.6 on the GPU host, torch 2.14 + triton 3.8 in a fresh venv (.ci/run),
-    # torch 2.15 + triton 3.9 in a venv of their own (the whole suite, benchmarks/NOTES.md session 24).
+    # torch 2.15 + triton 3.9 in a venv of their own (the whole suite; benchmarks/NOTES.md).
     # Widen a bound only after the suite has passed on the new version.
     install_requires=[
         "torch>=2.11,<2.16",
