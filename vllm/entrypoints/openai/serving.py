@@ -17,7 +17,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
-from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
 from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
                                           require_scored_prompts)
 from vllm.entrypoints.openai.protocol import (
@@ -27,6 +26,7 @@ from vllm.entrypoints.openai.protocol import (
     DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
+from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
 from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
