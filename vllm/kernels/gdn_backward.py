@@ -63,10 +63,9 @@ BF16_STATES = False
 # (q e^gamma)^T (scale do), from q and do itself (chunk_recurrence.StateGradFromOutputs), as
 # fla's backward computes them inside its state walk: the output-gradient kernel then only
 # takes dv_new, and the [chunks, K, V] float32 gradients (335 MB at 1 x 10,240, Qwen3-Next's
-# dims) are neither written nor read. The same dot per element, so the same gradients with
-# float32 states (with BF16_STATES they were rounded to bfloat16 on the way and stay float32
-# here: not the same bits, nearer float64). Off until the H200 measures it
-# (benchmarks/kernels/gdn.py --backward).
+# dims) are neither written nor read. The same dot per element, yet on the H200 dk's bits
+# differ with bf16 dots (the same at 3xTF32; tests/test_gdn_backward.py's GPU test says so),
+# and it saves 69 us of 5,148 alone (benchmarks/NOTES.md): off.
 STATE_GRADS_IN_WALK = False
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
