@@ -108,7 +108,7 @@ def test_bf16_operands_give_the_same_bits(shape, monkeypatch):
 
 
 def test_bf16_states_round_to_nearest(monkeypatch):
-    """States stored in bfloat16 (gdn_backward.BF16_STATES) are the float32 walk's states
+    """States stored in bfloat16 (as gdn_backward passes them with bf16 dots) are the float32 walk's states
     rounded to nearest, v_new keeps its bits (the walk carries S in float32), and the backward
     fed bfloat16 states and state gradients stays near the float32 one: du, dw, dkd within
     1e-2; de = <S, dS> within 5e-2, a sum whose terms cancel (its error is relative to the

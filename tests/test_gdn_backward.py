@@ -85,106 +85,27 @@ def test_bfloat16_inputs_take_bf16_dots(hk, hv):
 
 
 @pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
-def test_bf16_operands_give_the_same_gradients(hk, hv, monkeypatch):
-    """BF16_OPERANDS: with bf16 dots, w, kd, T and v_new passed between the kernels in
-    bfloat16 give the gradients of float32 operands bit for bit (each of their uses is a bf16
-    dot's operand, rounded to nearest either way), and the flag does take that path."""
+def test_bf16_dots_pass_bfloat16_between_the_kernels(hk, hv, monkeypatch):
+    """With bf16 dots, w, kd, v_new and the states pass between the kernels in bfloat16 (as
+    fla's backward passes them; the gradients' distance from float64 is
+    test_bfloat16_inputs_take_bf16_dots'); float32 inputs (3xTF32 / ieee dots) keep float32,
+    and so do bf16 dots at a K or V whose bfloat16 rows would not be 16-byte aligned."""
     from vllm.kernels import gdn_backward
+    seen = []
+    real = gdn_backward.recurrence_forward_triton
+
+    def spy(u, w, kd, e, prec, vn_dtype=torch.float32, states_dtype=torch.float32):
+        seen.append((w.dtype, kd.dtype, vn_dtype, states_dtype))
+        return real(u, w, kd, e, prec, vn_dtype=vn_dtype, states_dtype=states_dtype)
+    monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
     cu = [0, 21, 30]
     xs, do = make(30, hk, hv, 16, 32, seed=0)
-    xs, do = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)], do.bfloat16().to(DEV)
-    base = gdn_backward_triton(*xs, do, cu, 0.25, chunk_size=16)
-    seen = []
-    real = gdn_backward.recurrence_forward_triton
-
-    def spy(u, w, kd, e, prec, vn_dtype=torch.float32, **kw):
-        seen.append((w.dtype, kd.dtype, vn_dtype))
-        return real(u, w, kd, e, prec, vn_dtype=vn_dtype, **kw)
-    monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
-    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", True)
-    got = gdn_backward_triton(*xs, do, cu, 0.25, chunk_size=16)
-    assert seen == [(torch.bfloat16,) * 3]
-    for name, a, b in zip("q k v g beta".split(), got, base):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    # float32 inputs (3xTF32 / ieee dots) keep float32 operands
-    seen.clear()
-    gdn_backward_triton(*(x.float() for x in xs), do.float(), cu, 0.25, chunk_size=16)
-    assert seen == [(torch.float32,) * 3]
-
-
-def test_bf16_states_stay_within_bf16_rounding(monkeypatch):
-    """BF16_STATES: the states, their output gradients and the gradients reaching each chunk's
-    end pass between the kernels in bfloat16 (as fla's backward passes them). de and the
-    walk's dS + g_S take them elementwise, so the gradients move: still within 1e-2 of float64
-    autograd (as the float32 states' are), not their bits, and the flag does take that path."""
-    from vllm.kernels import gdn_backward
-    cu = [0, 21, 30]
-    xs, do = make(30, 2, 4, 16, 32, seed=0)
-    xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
-    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
-                          [True] * 5, do.double())
-    on = [x.to(DEV) for x in xs]
-    base = gdn_backward_triton(*on, do.to(DEV), cu, 0.25, chunk_size=16)
-    seen = []
-    real = gdn_backward.recurrence_forward_triton
-
-    def spy(*a, states_dtype=torch.float32, **kw):
-        seen.append(states_dtype)
-        return real(*a, states_dtype=states_dtype, **kw)
-    monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
-    monkeypatch.setattr(gdn_backward, "BF16_STATES", True)
-    got = gdn_backward_triton(*on, do.to(DEV), cu, 0.25, chunk_size=16)
-    assert seen == [torch.bfloat16]
-    assert any(not torch.equal(a, b) for a, b in zip(got, base))
-    for name, a, b in zip("q k v g beta".split(), got, ref):
-        assert rel_err(a.float().cpu(), b) < 1e-2, name
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_state_grads_in_the_walk_give_the_same_gradients(case, monkeypatch):
-    """STATE_GRADS_IN_WALK: the recurrence's backward walk computes the gradients reaching the
-    per-chunk states from q and do, (q e^gamma)^T (scale do), instead of the output-gradient
-    kernel writing them out: the same dot per element, so the same gradients bit for bit at
-    one V tile (the interpreter's emulated dot rounds by tile width, so across V tiles only
-    close: the next test), and the walk does take that path (nothing is written out)."""
-    from vllm.kernels import gdn_backward
-    lens, hk, hv, K, V, C = case
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    xs, do = make(cu[-1], hk, hv, K, V, seed=sum(lens) + K)
-    xs, do = [x.to(DEV) for x in xs], do.to(DEV)
-    base = gdn_backward_triton(*xs, do, cu, K ** -0.5, chunk_size=C)
-    seen = []
-    real = gdn_backward.recurrence_backward_triton
-
-    def spy(w, kd, e, states, vn, g_states, g_vn, prec, state_grads=None):
-        seen.append((g_states is None, state_grads is not None))
-        return real(w, kd, e, states, vn, g_states, g_vn, prec, state_grads=state_grads)
-    monkeypatch.setattr(gdn_backward, "recurrence_backward_triton", spy)
-    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
-    got = gdn_backward_triton(*xs, do, cu, K ** -0.5, chunk_size=C)
-    assert seen == [(True, True)]
-    for name, a, b in zip("q k v g beta".split(), got, base):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
-    with pytest.raises(ValueError, match="one of the two"):
-        real(*[torch.zeros(1, 1, 1, 4, 4)] * 2, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 4, 4),
-             torch.zeros(1, 1, 1, 4, 4), None, torch.zeros(1, 1, 1, 4, 4), "ieee")
-
-
-def test_state_grads_in_the_walk_across_v_tiles_match_float64(monkeypatch):
-    """STATE_GRADS_IN_WALK with V split over walk programs (V = 40 in tiles of 16, the last
-    one partial) and grouped heads: within 1e-5 of float64 autograd, as without it."""
-    from vllm.kernels import chunk_recurrence, gdn_backward
-    monkeypatch.setattr(chunk_recurrence, "BLOCK_V_MAX", 16)
-    monkeypatch.setattr(gdn_backward, "STATE_GRADS_IN_WALK", True)
-    cu = [0, 30, 41]
-    xs, do = make(41, 1, 3, 16, 40, seed=1)
-    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 0.25, chunk_size=16), [x.double() for x in xs],
-                          [True] * 5, do.double())
-    got = gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, 0.25, chunk_size=16)
-    for name, a, b in zip("q k v g beta".split(), got, ref):
-        assert rel_err(a.cpu(), b) < 1e-5, name
+    bf = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)]
+    gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
+    gdn_backward_triton(*(x.float() for x in bf), do.float().to(DEV), cu, 0.25, chunk_size=16)
+    assert seen == [(torch.bfloat16,) * 4, (torch.float32,) * 4]
+    assert gdn_backward.bf16_between_kernels("bf16", 16, 32) and not gdn_backward.bf16_between_kernels("bf16", 12, 32)
+    assert not gdn_backward.bf16_between_kernels("tf32x3", 128, 128)
 
 
 def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
@@ -216,36 +137,12 @@ def _real_dims_case(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option,dtype", [("BF16_OPERANDS", torch.bfloat16), ("STATE_GRADS_IN_WALK", torch.float32),
-                                          ("STATE_GRADS_IN_WALK", torch.bfloat16)],
-                         ids=["bf16-operands", "walk-fp32", "walk-bf16"])
-def test_gpu_real_dims_options_keep_the_bits(option, dtype, monkeypatch):
-    """On the GPU, options that move the same values another way give the default's gradients
-    bit for bit: BF16_OPERANDS (bf16 dots take tensor-core products of the operands as stored,
-    where the interpreter emulates them), STATE_GRADS_IN_WALK (a dot's element does not depend
-    on the tile's width: the walk's V tiles of (q e^gamma)^T (scale do) give the
-    output-gradient kernel's whole-V bits)."""
-    from vllm.kernels import gdn_backward
-    xs, do = _real_dims_case(dtype)
-    base = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
-    monkeypatch.setattr(gdn_backward, option, True)
-    got = gdn_backward_triton(*xs, do, REAL_DIMS_CU, 128 ** -0.5)
-    for name, a, b in zip("q k v g beta".split(), got, base):
-        assert torch.equal(a, b), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,bf16_states", [(torch.float32, False), (torch.bfloat16, False),
-                                               (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-states"])
-def test_gpu_real_dims_match_the_reference_backward(dtype, bf16_states, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_real_dims_match_the_reference_backward(dtype):
     """_real_dims_case: the fused kernels against float64 autograd of the reference. float32
     inputs (3xTF32 dots): within 1e-4 (every gradient float32, no rounding to hide behind);
-    bf16 inputs as the layer passes them (bf16 dots): within 1e-2 (float32 g and beta
-    included, whose gradients the bf16 dots feed), also with the states and their gradients
-    passed in bfloat16 (BF16_STATES, with BF16_OPERANDS)."""
-    from vllm.kernels import gdn_backward
-    monkeypatch.setattr(gdn_backward, "BF16_OPERANDS", bf16_states)
-    monkeypatch.setattr(gdn_backward, "BF16_STATES", bf16_states)
+    bf16 inputs as the layer passes them (bf16 dots, bfloat16 between the kernels): within
+    1e-2 (float32 g and beta included, whose gradients the bf16 dots feed)."""
     cu, scale = REAL_DIMS_CU, 128 ** -0.5
     xs, do = _real_dims_case(dtype)
     ref64 = reference_grads(lambda *a: gdn_reference(*a, cu, scale), [x.double() for x in xs], [True] * 5,

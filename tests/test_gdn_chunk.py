@@ -407,8 +407,8 @@ def test_triton_matches_torch(aligned):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_t_feeds_the_backward(dtype, monkeypatch):
-    """SAVE_T_FOR_BACKWARD: the trainer's forward stores each chunk's T (as w and u took it)
-    without moving a bit of its output, and the fused backward given those T (the forward's
+    """SAVE_T_FOR_BACKWARD (on): the trainer's forward stores each chunk's T (as w and u took
+    it) without moving a bit of its output against the prep kernel compiled without the store, and the fused backward given those T (the forward's
     chunk plan mapping a sequence's chunks to them) gives the gradients of the reference:
     within 1e-5 of float64 autograd in float32, 1e-2 in bf16, as when it builds T itself.
     Three sequences of 1, 2 and 3 chunks (the last ones partial), so a chunk taken from the
@@ -422,6 +422,7 @@ def test_saved_t_feeds_the_backward(dtype, monkeypatch):
     if dtype == torch.bfloat16:
         xs = [t.bfloat16() if i < 3 else t for i, t in enumerate(xs)]
     md = step_metadata([0] * len(lens), lens)
+    monkeypatch.setattr(gdn_chunk, "SAVE_T_FOR_BACKWARD", False)  # the prep kernel without the store
     plain = gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True)
     monkeypatch.setattr(gdn_chunk, "SAVE_T_FOR_BACKWARD", True)
     plan = md.chunk_plan(C, True)
@@ -447,8 +448,8 @@ def test_saved_t_feeds_the_backward(dtype, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_saved_t_autograd_fn(monkeypatch):
-    """On CUDA GatedDeltaRuleFn keeps T from the forward for the fused backward when
-    SAVE_T_FOR_BACKWARD is on: the output has the bits of the prep kernel compiled without the
+    """On CUDA GatedDeltaRuleFn keeps T from the forward for the fused backward
+    (SAVE_T_FOR_BACKWARD): the output has the bits of the prep kernel compiled without the
     store (the store leaves the rest of the compiled kernel's arithmetic alone), and the
     gradients are within 1e-4 of float64 (float32 inputs: 3xTF32 dots)."""
     from vllm.kernels import gdn_chunk

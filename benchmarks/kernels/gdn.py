@@ -79,23 +79,15 @@ def ours(aligned: bool):
 
 
 @contextlib.contextmanager
-def training_options(save_t: bool = False, bf16_operands: bool = False, bf16_states: bool = False,
-                     state_grads_in_walk: bool = False):
-    """The GDN training options, off by default until measured, set for the block: the forward
-    keeps T for the backward (gdn_chunk.SAVE_T_FOR_BACKWARD), bf16 operands between the
-    backward's kernels (gdn_backward.BF16_OPERANDS), bf16 states too (BF16_STATES), the
-    recurrence's walk taking the states' gradients from q and do (STATE_GRADS_IN_WALK)."""
-    from vllm.kernels import gdn_backward, gdn_chunk
-    names = ((gdn_chunk, "SAVE_T_FOR_BACKWARD"), (gdn_backward, "BF16_OPERANDS"), (gdn_backward, "BF16_STATES"),
-             (gdn_backward, "STATE_GRADS_IN_WALK"))
-    saved = [getattr(m, n) for m, n in names]
-    for (m, n), value in zip(names, (save_t, bf16_operands, bf16_states, state_grads_in_walk)):
-        setattr(m, n, value)
+def rebuilding_t():
+    """The training backward building each chunk's T itself (gdn_chunk.SAVE_T_FOR_BACKWARD
+    off), to show what keeping the forward's T saves."""
+    from vllm.kernels import gdn_chunk
+    saved, gdn_chunk.SAVE_T_FOR_BACKWARD = gdn_chunk.SAVE_T_FOR_BACKWARD, False
     try:
         yield
     finally:
-        for (m, n), value in zip(names, saved):
-            setattr(m, n, value)
+        gdn_chunk.SAVE_T_FOR_BACKWARD = saved
 
 
 def train_case(T: int = 10240) -> dict:
@@ -111,18 +103,13 @@ def train_case(T: int = 10240) -> dict:
             o.backward(do)
         out[name] = bench(step)
         out[name + "_fwd"] = bench(lambda aligned=aligned: ours(aligned)(*x, SCALE, md, None))
-    for name, flags in (("invariant_save_t", (True, False, False, False)),
-                        ("invariant_bf16_ops", (False, True, False, False)),
-                        ("invariant_bf16_states", (False, True, True, False)),
-                        ("invariant_walk_ds", (False, False, False, True)),
-                        ("invariant_all", (True, True, True, True))):
-        with training_options(*flags):
-            leaves = [t.clone().requires_grad_() for t in x]
+    with rebuilding_t():
+        leaves = [t.clone().requires_grad_() for t in x]
 
-            def step(leaves=leaves):
-                o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
-                o.backward(do)
-            out[name] = bench(step)
+        def step(leaves=leaves):
+            o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
+            o.backward(do)
+        out["invariant_rebuild_t"] = bench(step)
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
@@ -240,13 +227,8 @@ def backward_case(T: int = 10240) -> None:
         return reference_grads(lambda *a: gdn_reference(*a, cu, SCALE), x, [True] * 5, dy)
 
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
-                    ref_step(do.double()), "q k v g beta".split(),  # exact: float64 autograd
-                    {"bf16 operands between the kernels": functools.partial(training_options, bf16_operands=True),
-                     "bf16 operands and states between the kernels":
-                         functools.partial(training_options, bf16_operands=True, bf16_states=True),
-                     "the states' gradients in the walk": functools.partial(training_options, state_grads_in_walk=True),
-                     "all three": functools.partial(training_options, bf16_operands=True, bf16_states=True,
-                                                    state_grads_in_walk=True)})
+                    ref_step(do.double()), "q k v g beta".split())  # exact: float64 autograd
+
 
 if __name__ == "__main__":
     if "--backward" in sys.argv:

@@ -21,7 +21,7 @@ Two implementations of each direction, one per device:
   small ops. The backward walk keeps only dv_new and the state's gradient, storing the
   gradient reaching each chunk's end state, and a program per chunk takes dkd, dw and de over
   all of V after it (two launches, no per-tile parts). With bf16 dots the dots' operands (w,
-  kd, v_new) and the state-shaped tensors may pass in bfloat16 (gdn_backward's options). Dots are
+  kd, v_new) and the state-shaped tensors may pass in bfloat16 (gdn_backward passes them so). Dots are
   3xTF32 for float32 callers (near-fp32; ieee float32 dots compile to FMA loops that spill at
   these tiles), or bf16 operands where the GDN backward of bfloat16 inputs asks
   (training_tiles.dot_precision), so the results agree with the float32 torch loops within
@@ -31,8 +31,6 @@ Two implementations of each direction, one per device:
 Under TRITON_INTERPRET=1 the Triton entries run on CPU tensors (the tests).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -67,7 +65,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _load_rows, mm as _mm
+    from vllm.kernels.training_tiles import mm as _mm
     from vllm.kernels.training_tiles import to_dtype_rn as _to_dtype_rn
 
     @triton.jit
@@ -92,34 +90,11 @@ if HAS_TRITON:
             S = S * e + _mm(tl.trans(kd), vn, PREC)
 
     @triton.jit
-    def _state_grad_from_outputs(chunk, v0, q_ptr, do_ptr, gam_ptr, cu_ptr, scale, NC, HV, HK, G,
-                                 K: tl.constexpr, V: tl.constexpr, C, BC: tl.constexpr, BK: tl.constexpr,
-                                 BV: tl.constexpr, PREC: tl.constexpr):
-        """Gated DeltaNet's gradient reaching S_c from its outputs o = scale q e^gamma S_c + ...,
-        columns v0 .. v0 + BV - 1: (q e^gamma)^T (scale do), q and do read where the caller
-        keeps them ([T, heads, ...], a key head serving its group's value heads; rows past the
-        sequence's end are zeros) and gamma per chunk ([chunks, C]): the dot gdn_backward's
-        output-gradient kernel takes over all of V."""
-        t0, n, h = _chunk_of(chunk, cu_ptr, NC, HV, C)
-        rows = tl.arange(0, BC)
-        gam = tl.load(gam_ptr + chunk.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
-        q = _load_rows(q_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK)
-        cols = v0 + tl.arange(0, BV)
-        do = tl.load(do_ptr + (t0 + rows).to(tl.int64)[:, None] * (HV * V) + h * V + cols[None, :],
-                     mask=(rows < n)[:, None] & (cols < V)[None, :], other=0.0).to(tl.float32) * scale
-        return _mm(tl.trans(q * tl.exp(gam)[:, None]), do, PREC)
-
-    @triton.jit
     def _bwd_walk_kernel(w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc, ds_desc, NC,
-                         q_ptr, do_ptr, gam_ptr, cu_ptr, scale, HV, HK, G, C,
-                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, GS_FROM_OUTPUTS: tl.constexpr):
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
         """Program (sequence x head, V tile): dS = 0; per chunk from the last: store dS (the
         gradient reaching the chunk's end state), dv_new = g_vn + kd dS (= du), then dS of the
-        chunk before. _bwd_parts_kernel takes the rest from what it stored. The gradient
-        reaching S_c from outside, g_S, is read from gs_desc, or (GS_FROM_OUTPUTS, Gated
-        DeltaNet's backward) computed here from q, the outputs' gradient and gamma, so it is
-        never written out."""
+        chunk before. _bwd_parts_kernel takes the rest from what it stored."""
         bh = tl.program_id(0)
         v0 = tl.program_id(1) * BV
         dS = tl.zeros((BK, BV), dtype=tl.float32)
@@ -131,11 +106,7 @@ if HAS_TRITON:
             du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
-            if GS_FROM_OUTPUTS:
-                gs = _state_grad_from_outputs(chunk, v0, q_ptr, do_ptr, gam_ptr, cu_ptr, scale, NC, HV, HK, G,
-                                              K, V, C, BC, BK, BV, PREC)
-            else:
-                gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
+            gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
             dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
     @triton.jit
@@ -225,52 +196,15 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     return states, vn
 
 
-@dataclasses.dataclass(frozen=True)
-class StateGradFromOutputs:
-    """Where Gated DeltaNet's gradients reaching the per-chunk states come from, for the walk
-    to compute them (instead of reading g_states): o = scale q e^gamma S_c + ..., so g_S_c =
-    (q e^gamma)^T (scale do) over the chunk's rows. q [T, Hk, K] and do [T, H, V] as the
-    caller keeps them (16-byte aligned, contiguous), gamma [B, H, nC, C] float32, cu the
-    sequences' int32 token offsets [B + 1]."""
-    q: torch.Tensor
-    do: torch.Tensor
-    gamma: torch.Tensor
-    cu: torch.Tensor
-    scale: float
-
-    def walk_args(self, B: int, H: int, nC: int, C: int, K: int, V: int) -> tuple:
-        """The walk's (q, do, gamma, cu, scale, H, Hk, G) for a recurrence of these dims, the
-        tensors checked against them and 16-byte aligned (the walk reads q and do at their
-        [T, heads, dim] row strides)."""
-        q, do, gamma, cu = self.q, self.do, self.gamma, self.cu
-        Hk = q.shape[1] if q.dim() == 3 else 0
-        if (q.dim() != 3 or q.shape[2] != K or do.shape[0] != q.shape[0] or do.shape[1:] != (H, V)
-                or not Hk or H % Hk or tuple(gamma.shape) != (B, H, nC, C) or gamma.dtype != torch.float32
-                or tuple(cu.shape) != (B + 1,) or cu.dtype != torch.int32):
-            raise ValueError(f"state_grads: q {tuple(q.shape)}, do {tuple(do.shape)}, gamma {tuple(gamma.shape)} "
-                             f"{gamma.dtype}, cu {tuple(cu.shape)} {cu.dtype} do not fit B, H, nC, C, K, V = "
-                             f"{B}, {H}, {nC}, {C}, {K}, {V}")
-        return aligned16(q), aligned16(do), aligned16(gamma), cu, float(self.scale), H, Hk, H // Hk
-
-
-def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None,
-                               state_grads: StateGradFromOutputs | None = None):
+def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None):
     """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
     outputs (w, kd, states and v_new as the forward took and gave them; g_states in float32 or,
-    with bfloat16 states, bfloat16; or g_states None and `state_grads`, from which the walk
-    computes them). The gradient reaching each chunk's end state passes from the walk to the
-    per-chunk program in the states' dtype."""
+    with bfloat16 states, bfloat16). The gradient reaching each chunk's end state passes from
+    the walk to the per-chunk program in the states' dtype."""
     require_triton(w)
     B, H, nC, C, V = vn.shape
     K = w.shape[-1]
-    if (g_states is None) == (state_grads is None):
-        raise ValueError("give the gradients reaching the states or where to compute them from, one of the two")
-    w, kd, e, states, vn, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_vn))
-    if g_states is not None:
-        g_states = aligned16(g_states)
-        outs = (w, w, e, e, 1.0, H, H, 1)   # never read
-    else:
-        outs = state_grads.walk_args(B, H, nC, C, K, V)
+    w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
     prec = precision or training_tiles.dot_precision(w)
     du = torch.empty_like(vn, dtype=torch.float32)
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
@@ -280,10 +214,9 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     block_v, warps, stages = BACKWARD_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_walk_kernel[(B * H, -(-V // BV))](
-        # with state_grads, d_end's descriptor stands in for g_states' (never read)
-        _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_end if g_states is None else g_states, (BK, BV)),
-        _desc(g_vn, (BC, BV)), _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, *outs, C, BC=BC, BK=BK, BV=BV, PREC=prec, K=K, V=V,
-        GS_FROM_OUTPUTS=g_states is None, num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+        _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)),
+        _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     block_v, warps = BACKWARD_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_parts_kernel[(B * H * nC,)](

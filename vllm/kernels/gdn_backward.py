@@ -47,26 +47,16 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # kernel at 2 12,425 and the w/u one 11,143.
 WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
          "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
-# With bf16 dots, w, kd, T and v_new pass between the kernels in bfloat16 (their every use is
-# a dot operand, which the dots round to bfloat16 anyway: the same gradients, bit for bit, from
-# half the bytes; w and kd are most of what the chunk recurrence's walks read). Off until the
-# H200 measures it (benchmarks/kernels/gdn.py --backward times it beside the float32 operands).
-BF16_OPERANDS = False
-# With bf16 dots, the per-chunk states, their gradients from the outputs and the gradients
-# reaching each chunk's end pass between the kernels in bfloat16 too, as fla's backward passes
-# them (3 x 335 MB of float32 written and read at 1 x 10,240, Qwen3-Next's dims). Not the same
-# bits: de = <S, dS> and the walk's dS + g_S take them elementwise, so the gradients move
-# within bf16 rounding. Off until the H200 measures its time and its distance from float64
-# (benchmarks/kernels/gdn.py --backward).
-BF16_STATES = False
-# The chunk recurrence's backward walk computes the gradients reaching the per-chunk states,
-# (q e^gamma)^T (scale do), from q and do itself (chunk_recurrence.StateGradFromOutputs), as
-# fla's backward computes them inside its state walk: the output-gradient kernel then only
-# takes dv_new, and the [chunks, K, V] float32 gradients (335 MB at 1 x 10,240, Qwen3-Next's
-# dims) are neither written nor read. The same dot per element, yet on the H200 dk's bits
-# differ with bf16 dots (the same at 3xTF32; tests/test_gdn_backward.py's GPU test says so),
-# and it saves 69 us of 5,148 alone (benchmarks/NOTES.md): off.
-STATE_GRADS_IN_WALK = False
+# With bf16 dots, what passes between the kernels goes in bfloat16, as fla's backward passes
+# it: w, kd, T and v_new (every use a dot operand, which the dots round to bfloat16 anyway: the
+# same gradients from half the bytes) and the state-shaped tensors (the per-chunk states, their
+# gradients from the outputs, the gradients reaching each chunk's end: 3 x 335 MB of float32 at
+# 1 x 10,240, Qwen3-Next's dims). Those are not the same bits: de = <S, dS> and the walk's
+# dS + g_S take them elementwise, so the gradients move within bf16 rounding (float64 distance
+# 4.0e-3 either way). H200, 1 x 10,240 fwd + bwd: 4,844 us against 5,148 with float32 between
+# the kernels; the operands alone in bfloat16 were slower (5,258). The walk computing the
+# states' gradients from q and do itself, as fla's does, saved 69 us but gave dk other bits
+# with bf16 dots than the output-gradient kernel's: not kept (benchmarks/NOTES.md).
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -144,10 +134,9 @@ if HAS_TRITON:
     @triton.jit
     def _out_grad_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, ds_desc, dvn_desc, scale, C, NC, HV, HK, G,
                          K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr, STATE_GRAD: tl.constexpr):
+                         PREC: tl.constexpr):
         """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
-        dS_c = (q e^gamma)^T (scale do) (STATE_GRAD; else the recurrence's walk computes it) and
-        dv_new = P^T (scale do)."""
+        dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -160,9 +149,8 @@ if HAS_TRITON:
         P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         _put(dvn_desc, ch, _mm(tl.trans(P), do, PREC), BC, BV)
-        if STATE_GRAD:
-            qd = q * tl.exp(gam)[:, None]
-            _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
+        qd = q * tl.exp(gam)[:, None]
+        _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
     def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_ptr, dk_desc,
@@ -294,6 +282,12 @@ def fused_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
     return HAS_TRITON and rows_aligned(q.shape[-1], v.shape[-1])
 
 
+def bf16_between_kernels(precision: str, K: int, V: int) -> bool:
+    """Whether the backward passes its intermediates in bfloat16: with bf16 dots, at K and V
+    whose bfloat16 rows are 16-byte aligned (multiples of 8)."""
+    return precision in chunk_recurrence.BF16_PRECISIONS and K % 8 == 0 and V % 8 == 0
+
+
 def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_size: int = 64,
                         t_saved: torch.Tensor | None = None, t_chunks: torch.Tensor | None = None):
     """(dq, dk, dv, dg, dbeta) of o = gdn_reference(q, k, v, g, beta, cu_seqlens, scale,
@@ -326,8 +320,8 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                              f"got {tuple(t_chunks.shape)} {t_chunks.dtype}")
     # the inputs and the gradients stay in the caller's [T, heads, ...] layout and dtypes (the
     # kernels read a chunk's rows in place, zeros past its sequence's end); what passes
-    # between the kernels is float32 by chunk, [B, Hv, nC, C, ...] (w, kd, T and v_new in
-    # bfloat16 with BF16_OPERANDS, the state-shaped ones with BF16_STATES)
+    # between the kernels is by chunk, [B, Hv, nC, C, ...], float32 or with bf16 dots bfloat16
+    # (above)
     q, k, v, g, beta, do = (aligned16(x) for x in (q, k, v, g, beta, do))
     cu = torch.tensor(seqs.cu, dtype=torch.int32, device=q.device)
     # tiles of at least 32 columns: at C = 64, 16-column tiles (K = 16) fault with an illegal
@@ -336,10 +330,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     n = B * Hv * nC
     prec = training_tiles.dot_precision(q)
     f32 = dict(dtype=torch.float32, device=q.device)
-    # the dot operands' dtype (BF16_OPERANDS; 16-byte rows of bfloat16 need K, V multiples of 8)
-    bf16_ok = prec in chunk_recurrence.BF16_PRECISIONS and K % 8 == 0 and V % 8 == 0
-    ops = dict(f32, dtype=torch.bfloat16) if BF16_OPERANDS and bf16_ok else f32
-    states_dtype = torch.bfloat16 if BF16_STATES and bf16_ok else torch.float32
+    # what passes between the kernels (16-byte rows of bfloat16 need K, V multiples of 8)
+    between = torch.bfloat16 if bf16_between_kernels(prec, K, V) else torch.float32
+    ops = dict(f32, dtype=between)
     w, kd = torch.empty((B, Hv, nC, C, K), **ops), torch.empty((B, Hv, nC, C, K), **ops)
     u = torch.empty((B, Hv, nC, C, V), **f32)
     e = torch.empty((B, Hv, nC), **f32)
@@ -354,16 +347,11 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                        t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
                        num_warps=warps["prep"], enable_fp_fusion=True)
-    states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=ops["dtype"], states_dtype=states_dtype)
-    d_vn = torch.empty_like(vn, dtype=torch.float32)
-    in_walk = STATE_GRADS_IN_WALK
-    d_states = None if in_walk else torch.empty_like(states)
-    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(states if in_walk else d_states, (BK, BV)), _desc(d_vn, cv),
-                           scale, C, *heads, **dims, STATE_GRAD=not in_walk, num_warps=warps["out_grad"],
-                           enable_fp_fusion=True)
-    du, dw, dkd, de = recurrence_backward_triton(
-        w, kd, e, states, vn, d_states, d_vn, prec,
-        state_grads=chunk_recurrence.StateGradFromOutputs(q, do, gam, cu, scale) if in_walk else None)
+    states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
+    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
+    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
+                           **dims, num_warps=warps["out_grad"], enable_fp_fusion=True)
+    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel

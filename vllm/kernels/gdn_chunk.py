@@ -117,9 +117,9 @@ DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core 
 # which builds T the same way, takes 456 us of its 3.7 ms at 1 x 10,240). The store is
 # compiled into the one prep kernel every path runs (the engine's steps with it masked off), so
 # rollout and trainer still share one kernel. Costs [chunks, Hv, C, C] model-dtype bytes per
-# GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims). Off
-# until the H200 measures it and the gate passes with it (benchmarks/kernels/gdn.py).
-SAVE_T_FOR_BACKWARD = False
+# GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims).
+# H200, 1 x 10,240 fwd + bwd: 4,886 us against 5,148 without it (benchmarks/NOTES.md).
+SAVE_T_FOR_BACKWARD = True
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
