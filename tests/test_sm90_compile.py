@@ -51,15 +51,11 @@ def _gdn_chunk():
     op = gdn_chunk.gdn_chunk_triton
     x = make_inputs(21, seed=1)
     op(*x, K ** -0.5, step_metadata([0], [21]), None, chunk_size=C, aligned=True)
-    saved_flag = gdn_chunk.SAVE_T_FOR_BACKWARD
-    try:  # the prep kernel with the training backward's T store compiled in (SAVE_T_FOR_BACKWARD)
-        gdn_chunk.SAVE_T_FOR_BACKWARD = True
-        md = step_metadata([0], [21])
-        t_out = torch.empty((md.chunk_plan(C, True).num_chunks, x[2].shape[1], C, C))
-        op(*x, K ** -0.5, md, None, chunk_size=C, aligned=True, t_out=t_out)
-        run_schedule(op, {"x": make_inputs(20, seed=7)}, {"x": 1}, [[("x", 17)], [("x", 1)]], aligned=True)
-    finally:
-        gdn_chunk.SAVE_T_FOR_BACKWARD = saved_flag
+    # the trainer's forward storing T for the backward (gdn_chunk.SAVE_T_FOR_BACKWARD)
+    md = step_metadata([0], [21])
+    t_out = torch.empty((md.chunk_plan(C, True).num_chunks, x[2].shape[1], C, C))
+    op(*x, K ** -0.5, md, None, chunk_size=C, aligned=True, t_out=t_out)
+    run_schedule(op, {"x": make_inputs(20, seed=7)}, {"x": 1}, [[("x", 17)], [("x", 1)]], aligned=True)
     seqs = {"x": make_inputs(24, seed=2), "y": make_inputs(12, seed=3)}
     steps = [[("x", 18), ("y", 9)], [("y", 1), ("x", 1)], [("x", 1)], [("x", 4), ("y", 2)]]
     for aligned in (True, False):
@@ -143,16 +139,19 @@ def _mamba2_ops():
 
 
 def _leaf_tree():
-    """The TP leaf tree at every H200 config (plain and TMA) of its table, 8 leaves, bf16;
+    """The TP leaf tree at every H200 config of its table, 8 leaves, bf16; the sweep's "tma"
+    and "plain";
     the register-counter kernels ("tmar" and its pointer form "plainr") at every depth of
     the counter they unroll (1, 2, 8, 16 leaves); the hybrids at the 128 x 128 tiles of
     benchmarks/kernels/tp_tree.py's sweep."""
     from vllm.kernels import leaf_tree
 
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
-    for cfg in [tuple(c) for _, *c in leaf_tree.TREE_GPU_CONFIGS] + [leaf_tree.TREE_GPU_SHORT_LEAF_LARGE_M]:
+    for cfg in ([tuple(c) for _, *c in leaf_tree.TREE_GPU_CONFIGS]
+                + [leaf_tree.TREE_GPU_LARGE_M, leaf_tree.TREE_GPU_SHORT_LEAF_LARGE_M]):
         leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
-    # "plain": what the table's "tma" entry runs where TMA cannot
+    # the sweep's leaf-by-leaf candidates: "tma" and "plain" (what "tma" runs where TMA cannot)
+    leaf_tree.tree_linear_triton(x, w, 8, config=("tma", 128, 128, 64, 8, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("plain", 16, 32, 128, 4, 4))
     for leaves in (1, 2, 8, 16):
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
@@ -239,31 +238,20 @@ def _recurrence_shapes(cr):
 
 def _gdn_backward():
     """GDN's fused training backward at tests/test_gdn_backward.py's first case, with the
-    GPU's dots at each precision (bf16: with float32 and with bfloat16 operands and states
-    between the kernels, BF16_OPERANDS and BF16_STATES; the states' gradients taken in the
-    recurrence's walk, STATE_GRADS_IN_WALK, at each precision)."""
+    GPU's dots at each precision (bf16: bfloat16 between the kernels), building T and taking
+    the forward's (T_SAVED)."""
     from test_gdn_backward import make
 
     from vllm.kernels import gdn_backward
-    saved = gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES, gdn_backward.STATE_GRADS_IN_WALK
-    try:
-        for prec, ops_bf16, in_walk in ([(p, False, False) for p in GPU_DOT_PRECISIONS]
-                                        + [("bf16", True, False), ("bf16", True, True), ("tf32x3", False, True)]):
-            gdn_backward.BF16_OPERANDS = gdn_backward.BF16_STATES = ops_bf16
-            gdn_backward.STATE_GRADS_IN_WALK = in_walk
-            with _gpu_dot_precision(prec):
-                xs, do = make(30, 2, 4, 16, 32, seed=0)
-                if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
-                    xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
-                gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
-                if in_walk:  # only the walk and the output-gradient kernel differ
-                    continue
-                # with the forward's T (gdn_chunk.SAVE_T_FOR_BACKWARD): T_SAVED
-                t = torch.eye(16, dtype=xs[0].dtype).expand(3, 4, 16, 16).contiguous()
-                gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, 16, t,
-                                                 torch.tensor([0, 2, 3], dtype=torch.int32))
-    finally:
-        gdn_backward.BF16_OPERANDS, gdn_backward.BF16_STATES, gdn_backward.STATE_GRADS_IN_WALK = saved
+    for prec in GPU_DOT_PRECISIONS:
+        with _gpu_dot_precision(prec):
+            xs, do = make(30, 2, 4, 16, 32, seed=0)
+            if prec == "bf16":  # the trainer's case: bf16 q, k, v, do (pointer types the kernels specialise on)
+                xs, do = [x.bfloat16() if i < 3 else x for i, x in enumerate(xs)], do.bfloat16()
+            gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, chunk_size=16)
+            t = torch.eye(16, dtype=xs[0].dtype).expand(3, 4, 16, 16).contiguous()
+            gdn_backward.gdn_backward_triton(*xs, do, [0, 21, 30], 0.25, 16, t,
+                                             torch.tensor([0, 2, 3], dtype=torch.int32))
 
 
 def _mamba2_backward():

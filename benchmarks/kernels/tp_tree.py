@@ -113,7 +113,7 @@ def sweep(args) -> None:
         ref = tree_linear_leafwise(x, w, args.leaves).view(torch.int32)
         t_inv = _time_graph(lambda: invariant_matmul(x, w))
         times = {}
-        table = _tree_config(M, K // args.leaves)
+        table = _tree_config(M, args.leaves, K // args.leaves)
         impls = set(args.sweep_impls.split(",")) if args.sweep_impls else None
         for cfg in [c for c in CANDIDATES if impls is None or c[0] in impls] + [table]:
             if cfg in times:

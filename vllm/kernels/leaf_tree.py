@@ -376,18 +376,22 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 # 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128; tmah2
 # (two tiles live) 215 at 128x128 / 8 warps, no spill; tmah (three) 255 there and spills
 # 56 bytes. Timed by benchmarks/kernels/tp_tree.py.
-# Above M = 256 the choice follows the leaf width K / leaves: short leaves (o_proj, 512 at 8
-# leaves) lose the most to "tma"'s pipeline restart per leaf, long ones (down_proj, 1,536)
-# to "tmar"'s narrower tile (o M=4096: tmar 1.81x, tma 2.30x the invariant GEMM; down:
-# tmar 1.75x, tma 1.56x). The hybrids are in the sweep, not yet timed.
+# Above M = 256 the choice follows the leaves: at 4 or fewer "tmar" keeps a 128 x 128 tile's
+# waiting subtrees in registers (205 registers, no spill); at 8, short leaves (o_proj: 512)
+# take "tmah" (the top level in the scratch), long ones (down_proj: 1,536) still "tmar".
+# H200, Qwen3-8B's shapes, best / invariant GEMM at M = 4,096 and 16,384: 8 leaves o 1.70 /
+# 1.57 (tmah; 3-10% under the tmar entry), down 1.43 / 1.39 (tmar); 4 leaves o 1.22 / 1.21,
+# down 1.27 / 1.17 (tmar). At M = 32 "plainr" 16 x 64 costs 1.14-1.58x where the 64-row
+# "tmar" entry cost 1.8-2.4x (benchmarks/NOTES.md).
 TREE_GPU_CONFIGS: list[tuple] = [   # the H200 winners of `benchmarks/kernels/tp_tree.py --sweep` (benchmarks/NOTES.md)
     (16, "plainr", 16, 32, 256, 4, 4),
+    (32, "plainr", 16, 64, 256, 4, 4),
     (64, "tmar", 64, 32, 128, 4, 6),
     (256, "tmar", 128, 64, 128, 8, 3),
-    (1 << 62, "tma", 128, 128, 64, 8, 4),
 ]
-TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it: the large-M entry below
-TREE_GPU_SHORT_LEAF_LARGE_M = ("tmar", 128, 64, 128, 8, 3)
+TREE_GPU_LARGE_M = ("tmar", 128, 128, 64, 8, 4)
+TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it, at more than 4 leaves: the entry below
+TREE_GPU_SHORT_LEAF_LARGE_M = ("tmah", 128, 128, 64, 8, 3)
 # the one-K-loop impls: how many of the counter's top levels wait in the scratch (the rest in
 # registers); where TMA cannot run they run as "plainr" (every level in registers)
 ONE_LOOP_IMPLS = {"plainr": 0, "tmar": 0, "tmah": 1, "tmah2": 2}
@@ -395,15 +399,17 @@ TREE_IMPLS = ("plain", "tma", *ONE_LOOP_IMPLS)
 TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
-def _tree_config(M: int, leaf_width: int) -> tuple:
-    """(impl, BM, BN, BK, warps, stages) for M rows and leaves of `leaf_width` (K / leaves)."""
+def _tree_config(M: int, leaves: int, leaf_width: int) -> tuple:
+    """(impl, BM, BN, BK, warps, stages) for M rows and `leaves` leaves of `leaf_width` (K /
+    leaves) each."""
     if matmul._interpreting():
-        table = TREE_INTERPRET_CONFIGS
-    else:
-        table = TREE_GPU_CONFIGS
-        if M > table[-2][0] and leaf_width <= TREE_GPU_SHORT_LEAF:
-            return TREE_GPU_SHORT_LEAF_LARGE_M
-    return next(tuple(cfg) for max_m, *cfg in table if M <= max_m)
+        return next(tuple(cfg) for max_m, *cfg in TREE_INTERPRET_CONFIGS if M <= max_m)
+    for max_m, *cfg in TREE_GPU_CONFIGS:
+        if M <= max_m:
+            return tuple(cfg)
+    if leaves > 4 and leaf_width <= TREE_GPU_SHORT_LEAF:
+        return TREE_GPU_SHORT_LEAF_LARGE_M
+    return TREE_GPU_LARGE_M
 
 
 _STACKS: dict = {}
@@ -448,7 +454,7 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     c = torch.empty((M, N), dtype=torch.float32, device=x.device)
     if M == 0:
         return c.reshape(*lead, N)
-    impl, bm, bn, bk, warps, stages = config or _tree_config(M, K // leaves)
+    impl, bm, bn, bk, warps, stages = config or _tree_config(M, leaves, K // leaves)
     if impl not in TREE_IMPLS:
         raise ValueError(f"tree impl must be one of {TREE_IMPLS}, got {impl!r}")
     KL = K // leaves
