@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import warnings
 from typing import Sequence
@@ -13,10 +14,22 @@ from vllm.engine.llm_engine import LLMEngine
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.weight_sync.session import WeightUpdate
 
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _holding_engine_lock(method):
+    """Run an `LLM` method holding its engine lock: one thread at a time steps the engine
+    or changes it (its weights, its KV cache, its weight-transfer session). Re-entrant, so
+    such a method may call another (`chat` calls `generate`)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._engine_lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class LLM:
@@ -72,7 +85,9 @@ class LLM:
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
         self.llm_engine = LLMEngine(config)
-        self._generate_lock = threading.RLock()
+        # held by every method that steps or changes the engine: a sleep() or an update from
+        # another thread waits for a running generate, and a generate waits for them
+        self._engine_lock = threading.RLock()
         self._warned_fast_policy = False
         self._generation_config = generation_config
 
@@ -105,6 +120,7 @@ class LLM:
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
                       block_size=self.config.cache.block_size)
 
+    @_holding_engine_lock
     def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:
         """In-place weight sync from a trainer (HF names -> tensors of any float dtype, cast
         as loading casts); one bucket, validated whole before anything is written. A rejected
@@ -134,24 +150,32 @@ class LLM:
                               check_finite=check_finite)
 
     # upstream vLLM's four-phase weight transfer (vllm/weight_sync/transfer.py)
+    @_holding_engine_lock
     def init_weight_transfer_engine(self, request) -> dict:
         """Join the trainer's broadcast group: `request` is {"init_info": {master_address,
         master_port, rank_offset, world_size}} (or the init_info itself; optional backend,
-        timeout_s, contract). Blocks until the trainer joins."""
+        timeout_s, contract). Blocks until the trainer joins, holding the engine lock: another
+        thread's generate waits meanwhile."""
         from vllm.weight_sync.transfer import transfer_of
         return transfer_of(self.llm_engine).init(_unwrap(request, "init_info"))
 
+    @_holding_engine_lock
     def start_weight_update(self) -> dict:
-        """Open one update; `generate` refuses until `finish_weight_update()`."""
+        """Open one update; `generate` refuses until `finish_weight_update()`. Each of the four
+        phases holds the engine lock for its own call only: the update stays open across
+        calls, which may come from different threads (a Ray actor's pool), so the lock cannot
+        be held from start to finish the way `weight_update()` holds it for its block."""
         from vllm.weight_sync.transfer import transfer_of
         return transfer_of(self.llm_engine).start()
 
+    @_holding_engine_lock
     def finish_weight_update(self, weight_version: str | None = None) -> int:
         """Close the started update: written, one new version (labelled `weight_version`).
         Returns the version number; a failed update raises ValueError, old weights kept."""
         from vllm.weight_sync.transfer import transfer_of
         return transfer_of(self.llm_engine).finish(weight_version)["weight_version"]
 
+    @_holding_engine_lock
     def update_weight_version(self, new_version: str) -> None:
         """Label the weights serving now (upstream's string versions)."""
         from vllm.weight_sync.transfer import transfer_of
@@ -162,6 +186,7 @@ class LLM:
         from vllm.weight_sync.transfer import transfer_of
         return transfer_of(self.llm_engine).label()
 
+    @_holding_engine_lock
     def shutdown_weight_transfer_engine(self) -> None:
         """Leave the trainer's group (an update still open is aborted)."""
         from vllm.weight_sync.transfer import transfer_of
@@ -176,11 +201,15 @@ class LLM:
         ...         u.load(bucket)
         >>> # finished here: one new weight version; an exception aborts (old weights kept)
 
-        Requests pause from here to finish. See vllm/weight_sync/session.py."""
-        from vllm.weight_sync import WeightUpdate
-        return WeightUpdate(self.llm_engine, contract=contract, require_complete=require_complete, backup=backup,
-                            check_finite=check_finite)
+        Requests pause from here to finish. The update holds the engine lock from this call
+        until it finishes or aborts: another thread's `generate`, `sleep` or update waits for
+        the whole block (never a step between two buckets), while this thread keeps the lock
+        re-entrantly (its `generate` inside the block raises ValueError, it does not wait).
+        So the thread that opens the update closes it. See vllm/weight_sync/session.py."""
+        return _LockHoldingWeightUpdate(self._engine_lock, self.llm_engine, contract=contract,
+                                        require_complete=require_complete, backup=backup, check_finite=check_finite)
 
+    @_holding_engine_lock
     def update_weights_from_ipc(self, buckets, check_finite: bool = True) -> int:
         """Apply buckets exported by another process on this node (vllm.weight_sync.ipc:
         CUDA IPC handles, or shared memory on CPU) as one update; returns the new version."""
@@ -204,12 +233,14 @@ class LLM:
         """The content-hashed description of every choice that can change bits (vllm/contract.py)."""
         return self.llm_engine.execution_contract()
 
+    @_holding_engine_lock
     def sleep(self, level: int = 1) -> int:
         """Release the KV cache's memory while a colocated trainer runs (needs
         `enable_sleep_mode=True`); returns the bytes released. The weights stay: the
         trainer shares them. Captured CUDA graphs remain valid across sleep/wake_up."""
         return self.llm_engine.sleep(level)
 
+    @_holding_engine_lock
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take the KV cache's memory back; generation gives the same bits as before sleep."""
         self.llm_engine.wake_up(tags)
@@ -217,12 +248,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    @_holding_engine_lock
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so the next requests recompute their KV (benchmarks,
         or after changing weights by hand). Returns False, changing nothing, while
         requests are running."""
         return self.llm_engine.kv.reset_prefix_cache()
 
+    @_holding_engine_lock
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
@@ -243,16 +276,15 @@ class LLM:
         # validated copies (fields set after construction are checked), before anything is queued
         params = [dataclasses.replace(sp) for sp in params]
         engine = self.llm_engine
-        # one caller at a time: another thread's generate waits (the engine steps one batch)
-        with self._generate_lock:
-            if engine.weight_update is not None:
-                raise ValueError("a weight update is open (llm.weight_update()): finish it before generating")
-            # Validate everything before anything is queued: a bad prompt loses nothing.
-            for p, sp in zip(prompts, params):
-                _, ids = engine.tokenize(p)
-                engine.validate(ids, sp)
-            ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-            return self._run(ids, use_tqdm)
+        if engine.weight_update is not None:
+            raise ValueError("a weight update is open (llm.weight_update() or start_weight_update()): "
+                             "finish it before generating")
+        # Validate everything before anything is queued: a bad prompt loses nothing.
+        for p, sp in zip(prompts, params):
+            _, ids = engine.tokenize(p)
+            engine.validate(ids, sp)
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -280,6 +312,7 @@ class LLM:
                 bar.close()
         return [results[r] for r in ids]
 
+    @_holding_engine_lock
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
@@ -302,6 +335,39 @@ class LLM:
                                                          chat_template=template, template_kwargs=kwargs)}
                    for conv in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+class _LockHoldingWeightUpdate(WeightUpdate):
+    """A WeightUpdate that holds `lock` while it is open: taken before it opens, given
+    back once it has finished or aborted (however it closes: the block's end, `finish()`,
+    `abort()`, or a bucket that fails and aborts it)."""
+
+    def __init__(self, lock, engine, **options):
+        lock.acquire()
+        try:
+            super().__init__(engine, **options)
+        except BaseException:
+            lock.release()
+            raise
+        self._held_lock = lock
+
+    def finish(self) -> int:
+        try:
+            return super().finish()
+        finally:
+            self._release_once_closed()
+
+    def abort(self, reason: str = "aborted") -> None:
+        try:
+            super().abort(reason)
+        finally:
+            self._release_once_closed()
+
+    def _release_once_closed(self) -> None:
+        # finish() closes through abort() when it fails: the lock is given back once
+        if self.closed and self._held_lock is not None:
+            lock, self._held_lock = self._held_lock, None
+            lock.release()
 
 
 # upstream vLLM's engine arguments that do not apply to this engine, with the values at

@@ -1,0 +1,272 @@
+"""LLM's engine lock: a method that steps or changes the engine, called from another thread
+while a generate runs, waits for it (and a generate waits for them); a weight_update block
+holds the lock for the whole block without deadlocking its own thread.
+
+No test sleeps or measures time: a generate is held inside its first step on an event, and
+the lock reports when another thread finds it held (`WatchedLock.contended`), so each
+ordering is forced, not hoped for. Without the lock the second thread never contends: it
+runs into the engine at once, and the test fails on that.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.model_loader.loader import checkpoint_files, iterate_weights
+
+DEADLINE_S = 120  # only reached when something deadlocks
+PROMPTS = [{"prompt_token_ids": [5, 17, 3, 99, 41]}, {"prompt_token_ids": [7, 8, 9]}]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+class WatchedLock:
+    """The LLM's lock, setting `contended` when a thread finds it held and starts to wait."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self.contended = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        self.contended.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Call(threading.Thread):
+    """`fn()` on its own thread; `outcome()` joins it and returns its result or raises its error."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as err:  # noqa: BLE001 -- handed to the test thread by outcome()
+            self.error = err
+
+    def outcome(self):
+        self.join(DEADLINE_S)
+        assert not self.is_alive(), "deadlock: the call never returned"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def watch_lock(llm) -> WatchedLock:
+    llm._engine_lock = WatchedLock(llm._engine_lock)
+    return llm._engine_lock
+
+
+def waits_for_lock(lock: WatchedLock, call: Call) -> bool:
+    """True once `call` waits for the lock; False if it returned without waiting for it."""
+    call.start()
+    while not lock.contended.wait(0.01):
+        if not call.is_alive():
+            return False
+    return True
+
+
+def hold_first_step(engine, events: list):
+    """The engine's first step waits for `go`; `stepping` is set once it waits. Every step
+    is recorded in `events`."""
+    stepping, go = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        events.append("step")
+        stepping.set()
+        assert go.wait(DEADLINE_S)
+        return step()
+    engine.step = held_step
+    return stepping, go
+
+
+def hold_on_entry(obj, name: str, go: threading.Event) -> threading.Event:
+    """`obj.name` waits for `go` on entry; the returned event is set once it waits."""
+    inner, entered = getattr(obj, name), threading.Event()
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert go.wait(DEADLINE_S)
+        return inner(*args, **kwargs)
+    setattr(obj, name, held)
+    return entered
+
+
+def lock_is_free(llm) -> bool:
+    """Another thread takes the engine lock at once (and gives it back)."""
+    def take():
+        if not llm._engine_lock.acquire(blocking=False):
+            return False
+        llm._engine_lock.release()
+        return True
+    taking = Call(take)
+    taking.start()
+    return taking.outcome()
+
+
+@pytest.fixture(scope="module")
+def new_state(new_weights):
+    return dict(iterate_weights(checkpoint_files(new_weights)))
+
+
+@pytest.fixture
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3, device="cpu", enable_sleep_mode=True, cpu_kv_cache_bytes=4 << 20, block_size=8)
+
+
+def _generate(llm):
+    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+# what another thread calls while a generate runs, and what it answers once it waited for it
+CHANGES = {
+    "sleep": (lambda llm, state: llm.sleep(level=2), lambda r: r > 0),
+    "wake_up": (lambda llm, state: llm.wake_up(), lambda r: r is None),
+    "reset_prefix_cache": (lambda llm, state: llm.reset_prefix_cache(), lambda r: r is True),
+    "update_weights": (lambda llm, state: llm.update_weights(state), lambda r: r == 1),
+    "update_weights_from_ipc": (lambda llm, state: _ipc_update(llm, state), lambda r: r == 1),
+    "weight_update": (lambda llm, state: _bucketed_update(llm, state), lambda r: r == 1),
+    "start_weight_update": (lambda llm, state: _four_phase_update(llm, state), lambda r: r == 1),
+}
+
+
+def _bucketed_update(llm, state):
+    with llm.weight_update() as update:
+        update.load(state)
+    return llm.weight_version
+
+
+def _four_phase_update(llm, state):
+    llm.start_weight_update()
+    llm.update_weights(state)
+    return llm.finish_weight_update(weight_version="step-1")
+
+
+def _ipc_update(llm, state):
+    from vllm.weight_sync.ipc import IpcExport
+    export = IpcExport(list(state.items()))
+    try:
+        return llm.update_weights_from_ipc(export.message())
+    finally:
+        export.release()
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_from_another_thread_waits_for_the_running_generate(llm, new_state, change):
+    call, answered = CHANGES[change]
+    events: list = []
+    lock = watch_lock(llm)
+    stepping, go = hold_first_step(llm.llm_engine, events)
+    generating = Call(lambda: _generate(llm))
+    generating.start()
+    assert stepping.wait(DEADLINE_S)
+    changing = Call(lambda: call(llm, new_state))
+    assert waits_for_lock(lock, changing), f"{change} ran into the engine while a generate was stepping"
+    go.set()
+    outs = generating.outcome()
+    assert answered(changing.outcome())
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert all(o.outputs[0].weight_versions == [0] for o in outs)   # no step ran under new weights
+
+
+def test_a_generate_from_another_thread_waits_for_sleep(llm):
+    lock = watch_lock(llm)
+    go = threading.Event()
+    entered = hold_on_entry(llm.llm_engine, "sleep", go)   # sleep stops in the engine, holding the lock
+    sleeping = Call(llm.sleep)
+    sleeping.start()
+    assert entered.wait(DEADLINE_S)
+    generating = Call(lambda: _generate(llm))
+    assert waits_for_lock(lock, generating), "a generate stepped while another thread put the engine to sleep"
+    go.set()
+    assert sleeping.outcome() > 0
+    with pytest.raises(ValueError, match="asleep"):   # it ran after sleep, not beside it
+        generating.outcome()
+
+
+def test_a_generate_from_another_thread_waits_for_update_weights(llm, new_state):
+    lock = watch_lock(llm)
+    go = threading.Event()
+    # the update stops after writing, before its version counts, holding the lock
+    entered = hold_on_entry(llm.llm_engine, "on_weights_updated", go)
+    updating = Call(lambda: llm.update_weights(new_state))
+    updating.start()
+    assert entered.wait(DEADLINE_S)
+    generating = Call(lambda: _generate(llm))
+    assert waits_for_lock(lock, generating), "a generate stepped while another thread updated the weights"
+    go.set()
+    assert updating.outcome() == 1
+    assert all(o.outputs[0].weight_versions == [1] for o in generating.outcome())
+
+
+def test_weight_update_block_holds_the_lock_until_it_closes(llm, new_state):
+    lock = watch_lock(llm)
+    opened, go = threading.Event(), threading.Event()
+
+    def bucketed():
+        with llm.weight_update() as update:
+            opened.set()
+            assert go.wait(DEADLINE_S)
+            update.load(new_state)
+        return llm.weight_version
+    updating = Call(bucketed)
+    updating.start()
+    assert opened.wait(DEADLINE_S)
+    generating = Call(lambda: _generate(llm))
+    # between two buckets another thread's generate waits (it used to be refused)
+    assert waits_for_lock(lock, generating)
+    go.set()
+    assert updating.outcome() == 1
+    assert all(o.outputs[0].weight_versions == [1] for o in generating.outcome())
+
+
+def test_generate_inside_the_block_on_its_own_thread_is_refused_not_deadlocked(llm, new_state):
+    def inside():
+        with llm.weight_update() as update:
+            update.load(new_state)
+            with pytest.raises(ValueError, match="weight update is open"):
+                _generate(llm)
+        return _generate(llm)
+    outs = Call(inside)
+    outs.start()
+    assert all(o.outputs[0].weight_versions == [1] for o in outs.outcome())
+
+
+@pytest.mark.parametrize("close", ["finish", "abort", "failed_bucket"])
+def test_weight_update_gives_the_lock_back_however_it_closes(llm, new_state, close):
+    update = llm.weight_update()
+    if close == "finish":
+        update.load(new_state)
+        assert update.finish() == 1
+    elif close == "abort":
+        update.abort()
+    else:
+        with pytest.raises(ValueError):
+            update.load({"no.such.weight": next(iter(new_state.values()))})
+    assert update.closed
+    assert lock_is_free(llm)
+
+
+def test_a_second_update_on_the_same_thread_is_refused_and_keeps_the_first_open(llm, new_state):
+    with llm.weight_update() as update:
+        with pytest.raises(ValueError, match="another weight update is open"):
+            llm.weight_update()
+        update.load(new_state)
+    assert llm.weight_version == 1
+    assert lock_is_free(llm)
+
