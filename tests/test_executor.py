@@ -35,7 +35,7 @@ def test_only_the_executor_imports_the_worker():
 def test_every_method_is_part_of_the_interface():
     abstract = Executor.__abstractmethods__
     assert {"execute", "launch", "collect", "sleep", "wake_up", "model", "info",
-            "weights_changed", "verify_graph_pointers"} <= abstract
+            "weights_changed", "verify_graph_pointers", "rpc_methods", "collective_rpc"} <= abstract
     assert not InProcessExecutor.__abstractmethods__
 
     class Partial(Executor):

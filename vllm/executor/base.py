@@ -4,7 +4,8 @@ the workers that hold the model and the KV cache.
 The engine schedules; an executor runs the steps it is handed (one in-process worker today;
 the ranks of a tensor-parallel group or Ray actors behind the same methods). Typed messages
 cross it in both directions: `SchedulerOutput` in, `ModelRunnerOutput` out
-(vllm/core/messages.py). Nothing outside an executor reaches its workers.
+(vllm/core/messages.py). Nothing outside an executor reaches its workers, but for the
+function a caller hands `LLM.collective_rpc` (upstream's way in: it gets the worker).
 """
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ class Executor(ABC):
     @abstractmethod
     def verify_graph_pointers(self) -> None:
         """Raise StaleGraphPointers if a tensor a captured CUDA graph reads has moved."""
+
+    # ---- calls into the workers (LLM.collective_rpc) ----------------------------------
+    @property
+    @abstractmethod
+    def rpc_methods(self) -> tuple[str, ...]:
+        """The worker methods `collective_rpc` may call by name."""
+
+    @abstractmethod
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call `method` on every worker; one result per worker, in rank order. `method`: a
+        name from `rpc_methods`, or a callable, called as `method(worker, *args, **kwargs)`."""
 
     @property
     @abstractmethod

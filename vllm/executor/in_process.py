@@ -49,5 +49,16 @@ class InProcessExecutor(Executor):
         self.worker.verify_graph_pointers()
 
     @property
+    def rpc_methods(self) -> tuple[str, ...]:
+        return ModelRunner.RPC_METHODS
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        if isinstance(method, str):
+            if method not in self.rpc_methods:
+                raise ValueError(f"the worker has no RPC method {method!r}; by name it answers {list(self.rpc_methods)}")
+            method = getattr(ModelRunner, method)
+        return [method(self.worker, *args, **(kwargs or {}))]   # the one worker
+
+    @property
     def step_timings(self) -> dict[str, float] | None:
         return self.worker.timer.timings if self.worker.timer.enabled else None

@@ -34,6 +34,11 @@ __all__ = ["ModelRunner", "StepHandle"]
 
 
 class ModelRunner:
+    # what LLM.collective_rpc may call by name: methods that leave the engine's record of
+    # this worker true. Steps, sleep and wake_up change state the engine keeps in step with
+    # (its scheduler, its prefix cache, whether it is asleep): they are reached through it.
+    RPC_METHODS = ("get_model", "kv_cache_bytes", "verify_graph_pointers")
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
@@ -88,6 +93,10 @@ class ModelRunner:
             self.decode_graphs.capture()
 
     # ---- what the executor reports ---------------------------------------------------------
+    def get_model(self) -> torch.nn.Module:
+        """The model this worker computes with (upstream's worker method of that name)."""
+        return self.model
+
     @property
     def num_blocks(self) -> int:
         return self.cache_plan.num_blocks
