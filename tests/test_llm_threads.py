@@ -142,6 +142,8 @@ CHANGES = {
     "update_weights_from_ipc": (lambda llm, state: _ipc_update(llm, state), lambda r: r == 1),
     "weight_update": (lambda llm, state: _bucketed_update(llm, state), lambda r: r == 1),
     "start_weight_update": (lambda llm, state: _four_phase_update(llm, state), lambda r: r == 1),
+    "collective_rpc": (lambda llm, state: llm.collective_rpc(lambda worker: llm.llm_engine.has_unfinished_requests()),
+                       lambda r: r == [False]),
 }
 
 
@@ -270,3 +272,15 @@ def test_a_second_update_on_the_same_thread_is_refused_and_keeps_the_first_open(
     assert llm.weight_version == 1
     assert lock_is_free(llm)
 
+
+def test_collective_rpc_timeout_bounds_the_wait_for_the_lock(llm):
+    events: list = []
+    stepping, go = hold_first_step(llm.llm_engine, events)
+    generating = Call(lambda: _generate(llm))
+    generating.start()
+    assert stepping.wait(DEADLINE_S)
+    with pytest.raises(TimeoutError, match="busy"):
+        llm.collective_rpc("get_model", timeout=0.05)
+    go.set()
+    generating.outcome()
+    assert llm.collective_rpc("get_model", timeout=DEADLINE_S) == [llm.llm_engine.executor.model]

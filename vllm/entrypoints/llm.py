@@ -55,6 +55,7 @@ class LLM:
         `get_default_sampling_params`) or "vllm" (SamplingParams' defaults). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
+        _refuse_worker_extension(upstream_args.get("worker_extension_cls"))
         _check_upstream_args(upstream_args)
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
@@ -255,6 +256,52 @@ class LLM:
         requests are running."""
         return self.llm_engine.kv.reset_prefix_cache()
 
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """upstream's call into every worker: one result per worker, in a list.
+
+        `method`: a callable, called as `method(worker, *args, **kwargs)`, or a name. The
+        worker is this engine's ModelRunner (`.model`, `.device`, `.config`), in this process:
+        `LLM` runs its engine and its one worker in the caller's thread (a tensor-parallel
+        engine's ranks are partitions inside that worker), so the list has one entry and
+        nothing is pickled. Names: the worker's `get_model`, `kv_cache_bytes`,
+        `verify_graph_pointers`, and upstream's worker names whose state lives in the engine
+        here (`reset_prefix_cache`, `sleep`, `wake_up`: run as this LLM's methods, so the
+        engine's record stays true); any other name is a ValueError. A function that writes
+        parameters bypasses weight versions and the prefix-cache drop: change weights with
+        `update_weights` / `weight_update` instead.
+
+        Runs holding the engine lock, after any generate or update of another thread;
+        `timeout` (seconds) bounds that wait (TimeoutError), not the call, which cannot be
+        interrupted once it runs."""
+        call = self._rpc_call(method, args, kwargs)
+        if not self._engine_lock.acquire(timeout=_lock_wait_s(timeout)):
+            raise TimeoutError(f"collective_rpc: the engine stayed busy (another thread's generate or weight "
+                               f"update) for {timeout} s")
+        try:
+            return call()
+        finally:
+            self._engine_lock.release()
+
+    def _rpc_call(self, method, args, kwargs):
+        """The checked call collective_rpc runs under the lock (bad input refused before waiting)."""
+        if not isinstance(args, (tuple, list)):
+            raise ValueError(f"collective_rpc: args must be a tuple, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"collective_rpc: kwargs must be a dict or None, got {type(kwargs).__name__}")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        executor = self.llm_engine.executor
+        if isinstance(method, str):
+            if method in ENGINE_RPC_METHODS:
+                engine_method = getattr(self, method)
+                return lambda: [engine_method(*args, **kwargs)]
+            if method not in executor.rpc_methods:
+                raise ValueError(_unknown_rpc_message(method, executor.rpc_methods))
+        elif not callable(method):
+            raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
+                             f"worker, got {type(method).__name__}")
+        return lambda: executor.collective_rpc(method, args, kwargs)
+
     @_holding_engine_lock
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: Sequence[int] | None = None
@@ -368,6 +415,40 @@ class _LockHoldingWeightUpdate(WeightUpdate):
         if self.closed and self._held_lock is not None:
             lock, self._held_lock = self._held_lock, None
             lock.release()
+
+
+# upstream worker methods that RL frameworks call through collective_rpc whose state lives
+# in this engine, not in its worker: collective_rpc runs them as the LLM's own methods
+ENGINE_RPC_METHODS = ("reset_prefix_cache", "sleep", "wake_up")
+
+
+def _unknown_rpc_message(name: str, worker_methods: Sequence[str]) -> str:
+    return (f"collective_rpc: no method {name!r}; by name it calls {sorted([*ENGINE_RPC_METHODS, *worker_methods])}, "
+            "or pass a function called as fn(worker, *args, **kwargs). Weights change through llm.update_weights, "
+            "weight_update, update_weights_from_ipc or init_weight_transfer_engine (versioned and checked), "
+            "not through worker methods")
+
+
+def _lock_wait_s(timeout) -> float:
+    """collective_rpc's `timeout` as Lock.acquire takes it (-1: as long as it takes)."""
+    if timeout is None:
+        return -1
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"collective_rpc: timeout must be None or a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _refuse_worker_extension(extension) -> None:
+    """upstream's worker_extension_cls mixes a class into upstream's Worker; its methods reach
+    that Worker's internals (model_runner, device communicators) and write weights behind
+    the engine. Here the worker is a ModelRunner and weight writes must pass through the
+    engine (versions, cached prefixes, graph pointers), so it is refused, naming the ways in."""
+    if extension:
+        raise ValueError(f"worker_extension_cls={extension!r}: not supported here (the worker is this engine's "
+                         "ModelRunner, not upstream's Worker, and weights written by an extension would skip the "
+                         "engine's versions and prefix-cache drop). Call llm.collective_rpc(fn) with a function "
+                         "taking the worker; change weights through llm.update_weights, weight_update, "
+                         "update_weights_from_ipc or init_weight_transfer_engine")
 
 
 # upstream vLLM's engine arguments that do not apply to this engine, with the values at
