@@ -65,13 +65,13 @@ def test_unknown_names_are_refused_naming_what_to_use(llm, name):
 
 
 @pytest.mark.parametrize("call, complaint", [
-    (dict(method=3), "method must be"),
-    (dict(method="get_model", args="x"), "args must be a tuple"),
-    (dict(method="get_model", kwargs=[("a", 1)]), "kwargs must be a dict"),
-    (dict(method="get_model", timeout=0), "timeout must be"),
-    (dict(method="get_model", timeout=-1.0), "timeout must be"),
-    (dict(method="get_model", timeout=True), "timeout must be"),
-    (dict(method="get_model", timeout="5"), "timeout must be"),
+    ({"method": 3}, "method must be"),
+    ({"method": "get_model", "args": "x"}, "args must be a tuple"),
+    ({"method": "get_model", "kwargs": [("a", 1)]}, "kwargs must be a dict"),
+    ({"method": "get_model", "timeout": 0}, "timeout must be"),
+    ({"method": "get_model", "timeout": -1.0}, "timeout must be"),
+    ({"method": "get_model", "timeout": True}, "timeout must be"),
+    ({"method": "get_model", "timeout": "5"}, "timeout must be"),
 ])
 def test_bad_arguments_are_value_errors(llm, call, complaint):
     with pytest.raises(ValueError, match=complaint):
