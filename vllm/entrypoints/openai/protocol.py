@@ -76,7 +76,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    # a last chunk with empty choices carrying the request's usage
     include_usage: bool = False
+    # upstream's: every chunk also carries its prompt's usage so far (its choice's tokens
+    # until then); only together with include_usage, as upstream
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -168,10 +172,24 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError("top_k must fit in a signed 64-bit integer (any value >= the vocabulary size disables it)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            # upstream sends no usage at all for this combination: refused rather than ignored
+            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage: true")
 
     @property
     def want_token_ids(self) -> bool:
         return self.return_token_ids is not False
+
+    @property
+    def usage_at_end(self) -> bool:
+        """A stream ends with a usage-only chunk (stream_options.include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """Every chunk of a stream carries the usage so far (stream_options.continuous_usage_stats)."""
+        return self.usage_at_end and self.stream_options.continuous_usage_stats
 
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
         """The output constraint of response_format, structured_outputs or the guided_* fields
@@ -364,6 +382,11 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionLogprobs(OpenAIBaseModel):

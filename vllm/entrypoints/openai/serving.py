@@ -273,6 +273,7 @@ class _ChoiceCursor:
     text_offset: int = 0
     done: bool = False
     first: bool = True
+    completion_tokens: int = 0    # the tokens its chunks have carried (its usage so far)
 
 
 def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tuple[str, list[int], list | None] | None:
@@ -430,13 +431,17 @@ class OpenAIServing:
         n_gen = 0
         want_ids = req.want_token_ids
         k, as_ids, prompt_only = params.logprobs or 0, req.return_tokens_as_token_ids, req.scores_prompt_only
+        usage_per_chunk = req.usage_on_every_chunk
         # The chunk envelope is the same for every event: built once, choices spliced in.
         head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model})[:-1]
         try:
             async for i, out in _merge(streams):
                 n_prompt[i] = len(out.prompt_token_ids)
-                # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish
-                prompt_chunks, choices, version = [], [], None
+                # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish;
+                # each choice is kept with its completion tokens so far (its usage)
+                prompt_chunks: list[tuple[dict, int]] = []
+                choices: list[tuple[dict, int]] = []
+                version = None
                 for c in out.outputs:
                     cur = cursors.setdefault((i, c.index), _ChoiceCursor())
                     if cur.done:
@@ -448,6 +453,7 @@ class OpenAIServing:
                     if prompt_only:   # the sampled token is left out, as in the non-streamed response
                         text, ids, lps = "", [], ([] if lps is not None else None)
                     n_gen += len(ids)
+                    cur.completion_tokens += len(ids)
                     choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     echo_lp = None
@@ -469,7 +475,7 @@ class OpenAIServing:
                             first["prompt_token_ids"] = out.prompt_token_ids
                         if prompt_only:
                             first["logprobs"] = echo_lp.model_dump() if echo_lp is not None else None
-                            prompt_chunks.append(first)
+                            prompt_chunks.append((first, 0))
                             echo_lp = None
                     if lps is not None:
                         lp = _completion_logprobs(ids, lps, k, cur.text_offset, as_ids)
@@ -486,14 +492,22 @@ class OpenAIServing:
                     cur.first = False
                     version = c.weight_versions[-1] if c.weight_versions else version
                     if not prompt_only or c.finish_reason is not None:
-                        choices.append(choice)
-                for chunk in (prompt_chunks, choices):
-                    if chunk:
-                        yield f'data: {head}, "choices": {json.dumps(chunk)}, "weight_version": {json.dumps(version)}}}\n\n'
-            if req.stream_options is not None and req.stream_options.include_usage:
-                p = sum(n_prompt.values())
+                        choices.append((choice, cur.completion_tokens))
+                tail = f', "weight_version": {json.dumps(version)}}}\n\n'
+                for group in (prompt_chunks, choices):
+                    if not group:
+                        continue
+                    if usage_per_chunk:
+                        # upstream's continuous usage is per choice (its prompt, its tokens so far):
+                        # one choice per chunk, so each chunk's usage says whose it is
+                        for choice, sent in group:
+                            usage = UsageInfo.of(n_prompt[i], sent).model_dump_json()
+                            yield f'data: {head}, "choices": [{json.dumps(choice)}], "usage": {usage}{tail}'
+                    else:
+                        yield f'data: {head}, "choices": {json.dumps([choice for choice, _ in group])}{tail}'
+            if req.usage_at_end:
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                    usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+                                                    usage=UsageInfo.of(sum(n_prompt.values()), n_gen)))
         except Exception as err:  # noqa: BLE001 -- the 200 is already sent: report in-band
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT
@@ -582,10 +596,18 @@ class OpenAIServing:
         thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
+        n_prompt = len(prompt_ids)
+
+        def usage_so_far(cur: _ChoiceCursor | None) -> UsageInfo | None:
+            """A chunk's usage with continuous_usage_stats: its choice's tokens so far."""
+            if not req.usage_on_every_chunk:
+                return None
+            return UsageInfo.of(n_prompt, cur.completion_tokens if cur is not None else 0)
+
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
         yield _sse(ChatCompletionStreamResponse(
             id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
-            weight_version=self.llm.weight_version,
+            weight_version=self.llm.weight_version, usage=usage_so_far(None),
             choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
                                       token_ids=[] if want_ids else None) for j in range(params.n)]))
         try:
@@ -599,6 +621,8 @@ class OpenAIServing:
                         continue
                     text, ids, lps = delta
                     n_gen += len(ids)
+                    cur.completion_tokens += len(ids)
+                    usage = usage_so_far(cur)
                     logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
                     version = c.weight_versions[-1] if c.weight_versions else None
                     parser, finish = parsers[c.index], c.finish_reason
@@ -617,17 +641,17 @@ class OpenAIServing:
                     # one piece per chunk; the step's tokens, logprobs and finish ride on the last
                     for d in deltas[:-1]:
                         yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, weight_version=version,
-                                                                choices=[ChatStreamChoice(index=c.index, delta=d)]))
+                                                                choices=[ChatStreamChoice(index=c.index, delta=d)],
+                                                                usage=usage))
                     choice = ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs,
                                               finish_reason=finish, stop_reason=c.stop_reason,
                                               token_ids=ids if want_ids else None,
                                               weight_versions=c.weight_versions if c.finish_reason is not None else None)
                     yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
-                                                            weight_version=version))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                p = len(prompt_ids)
+                                                            weight_version=version, usage=usage))
+            if req.usage_at_end:
                 yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                        usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+                                                        usage=UsageInfo.of(n_prompt, n_gen)))
         except Exception as err:  # noqa: BLE001
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT

@@ -1,0 +1,104 @@
+"""upstream vLLM's request fields that eval and RL tools send, through the app on the embedded
+model (in-process, httpx's ASGI transport): stream_options.continuous_usage_stats and the
+checks around it."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.fixture(scope="module")
+def app():
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"))
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            return await c.post(path, json=body, headers=headers)
+    return asyncio.run(go())
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    data = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", r.text[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _error(r: httpx.Response) -> str:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["message"]
+
+
+# ---- stream_options.continuous_usage_stats --------------------------------------------------
+
+def test_completion_stream_carries_usage_on_every_chunk(app):
+    body = {"prompt": ["Hello there", "The quick brown fox"], "n": 2, "max_tokens": 5, "temperature": 0.8,
+            "seed": 1, "ignore_eos": True}
+    full = _post(app, "/v1/completions", body).json()
+    prompt_len = {c["index"]: len(c["prompt_token_ids"]) for c in full["choices"]}
+    events = _events(_post(app, "/v1/completions", {**body, "stream": True, "stream_options": CONTINUOUS}))
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    sent: dict[int, int] = {}
+    for chunk in chunks:
+        # one choice per chunk, so the chunk's usage is that choice's: its prompt, its tokens so far
+        (choice,) = chunk["choices"]
+        j = choice["index"]
+        sent[j] = sent.get(j, 0) + len(choice["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": prompt_len[j], "completion_tokens": sent[j],
+                                  "total_tokens": prompt_len[j] + sent[j]}
+    assert sent == {c["index"]: len(c["token_ids"]) for c in full["choices"]} == {0: 5, 1: 5, 2: 5, 3: 5}
+    # include_usage alone: the usage arrives once, at the end
+    plain = _events(_post(app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert all(e.get("usage") is None for e in plain[:-1]) and plain[-1]["usage"] == full["usage"]
+
+
+def test_completion_scoring_stream_reports_no_completion_tokens(app):
+    body = {"prompt": "the quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True,
+            "stream_options": CONTINUOUS}
+    *chunks, last = _events(_post(app, "/v1/completions", body))
+    assert len(chunks) == 2 and chunks[0]["choices"][0]["text"] == "the quick brown fox"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 0] and last["usage"]["completion_tokens"] == 0
+    assert chunks[0]["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] > 0
+
+
+def test_chat_stream_carries_usage_on_every_chunk(app):
+    body = {"messages": MESSAGES, "n": 2, "max_tokens": 6, "temperature": 0.8, "seed": 2, "ignore_eos": True}
+    full = _post(app, "/v1/chat/completions", body).json()
+    n_prompt = full["usage"]["prompt_tokens"]
+    first, *chunks, last = _events(_post(app, "/v1/chat/completions",
+                                         {**body, "stream": True, "stream_options": CONTINUOUS}))
+    assert first["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    sent = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        sent[choice["index"]] += len(choice["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": sent[choice["index"]],
+                                  "total_tokens": n_prompt + sent[choice["index"]]}
+    assert sent == {c["index"]: len(c["token_ids"]) for c in full["choices"]} == {0: 6, 1: 6}
+    plain = _events(_post(app, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"] == full["usage"]
+
+
+def test_continuous_usage_needs_include_usage(app):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = _post(app, path, {**body, "max_tokens": 2, "stream": True,
+                              "stream_options": {"continuous_usage_stats": True}})
+        assert "continuous_usage_stats needs stream_options.include_usage" in _error(r)
+        r = _post(app, path, {**body, "max_tokens": 2, "stream_options": CONTINUOUS})
+        assert "only allowed when stream is true" in _error(r)
