@@ -102,3 +102,52 @@ def test_continuous_usage_needs_include_usage(app):
         assert "continuous_usage_stats needs stream_options.include_usage" in _error(r)
         r = _post(app, path, {**body, "max_tokens": 2, "stream_options": CONTINUOUS})
         assert "only allowed when stream is true" in _error(r)
+
+
+# ---- chat echo ------------------------------------------------------------------------------
+
+PREFILL = "The answer is"
+CONTINUED = MESSAGES + [{"role": "assistant", "content": PREFILL}]
+GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+
+def test_chat_echo_opens_the_continued_message(app):
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, **GREEDY}
+    plain = _post(app, "/v1/chat/completions", body).json()
+    echoed = _post(app, "/v1/chat/completions", {**body, "echo": True}).json()
+    (p,), (e,) = plain["choices"], echoed["choices"]
+    assert e["message"]["role"] == "assistant" and e["message"]["content"] == PREFILL + p["message"]["content"]
+    assert e["token_ids"] == p["token_ids"] and echoed["usage"] == plain["usage"]   # nothing more generated
+    # streamed: the role, then the echoed text, then the generated text
+    first, echo_chunk, *rest = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "n": 2,
+                                                                           "stream": True}))
+    assert [c["delta"] for c in first["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    assert [(c["index"], c["delta"], c["token_ids"]) for c in echo_chunk["choices"]] == \
+        [(0, {"content": PREFILL}, []), (1, {"content": PREFILL}, [])]
+    for j in (0, 1):
+        text = PREFILL + "".join(c["delta"].get("content", "") for e in rest for c in e["choices"] if c["index"] == j)
+        assert text == e["message"]["content"]
+
+
+def test_chat_echo_needs_the_same_role(app):
+    # the generation prompt opens an assistant turn: a user message last is not echoed
+    body = {"messages": MESSAGES, **GREEDY}
+    plain = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    echoed = _post(app, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed == plain and echoed["role"] == "assistant"
+    events = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == plain["content"]
+    # without a generation prompt the response goes on with the last message, in its role
+    body = {"messages": MESSAGES, "add_generation_prompt": False, "echo": True, **GREEDY}
+    msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg["role"] == "user" and msg["content"].startswith(MESSAGES[-1]["content"])
+    first, echo_chunk, *_ = _events(_post(app, "/v1/chat/completions", {**body, "stream": True}))
+    assert first["choices"][0]["delta"]["role"] == "user"
+    assert echo_chunk["choices"][0]["delta"] == {"content": MESSAGES[-1]["content"]}
+
+
+def test_chat_echo_with_continuous_usage(app):
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "stream": True, "stream_options": CONTINUOUS, **GREEDY}
+    first, echo_chunk, *_ = _events(_post(app, "/v1/chat/completions", body))
+    assert echo_chunk["usage"]["completion_tokens"] == 0 == first["usage"]["completion_tokens"]

@@ -337,11 +337,25 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None     # false: tool_choice "required" makes exactly one call
+    # upstream's: the response's content opens with the last message's when the response goes
+    # on with that message (the same role, see response_role); streamed as the first content
+    echo: bool = False
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages is empty")
         return [m.to_template_dict() for m in self.messages]
+
+    def response_role(self) -> str:
+        """The response's role, upstream's rule: the generation prompt opens an assistant turn;
+        without it the model goes on with the last message, so the response takes its role."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """echo's prefix: the last message's text when its role is the response's, else ""."""
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role():
+            return ""
+        return self.messages[-1].to_template_dict()["content"] or ""
 
     def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
         if self.n > MAX_CHOICES_PER_REQUEST:

@@ -570,7 +570,8 @@ class OpenAIServing:
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
         thinking = self._reasoning_parser_for(params)
-        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, thinking),
+        role, echoed = req.response_role(), req.echoed_text()
+        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, thinking, role, echoed),
                               finish_reason=_chat_finish(c, plan, thinking),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
@@ -608,8 +609,15 @@ class OpenAIServing:
         yield _sse(ChatCompletionStreamResponse(
             id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
             weight_version=self.llm.weight_version, usage=usage_so_far(None),
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=req.response_role(), content=""),
                                       token_ids=[] if want_ids else None) for j in range(params.n)]))
+        echoed = req.echoed_text()
+        if echoed:   # echo: the continued message's text before anything generated
+            yield _sse(ChatCompletionStreamResponse(
+                id=rid, created=created, model=model, weight_version=self.llm.weight_version,
+                usage=usage_so_far(None),
+                choices=[ChatStreamChoice(index=j, delta=DeltaMessage(content=echoed),
+                                          token_ids=[] if want_ids else None) for j in range(params.n)]))
         try:
             async for _, out in _merge([stream]):
                 for c in out.outputs:
@@ -686,14 +694,17 @@ def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | Non
     return split_reasoning(reasoning_parser, c.text)
 
 
-def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None) -> ChatResponseMessage:
+def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None,
+                  role: str = "assistant", echoed: str = "") -> ChatResponseMessage:
     """A choice's message: its text, or with tools its content and parsed tool calls; with a
-    reasoning parser the <think> part apart, tool calls parsed from the rest."""
+    reasoning parser the <think> part apart, tool calls parsed from the rest. `echoed` (chat
+    echo) goes before the content; the parsers never see it."""
     reasoning, text = _split(c, reasoning_parser)
-    if not plan.parses or text is None:
-        return ChatResponseMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
-    content, calls = plan.parse(text)
-    return ChatResponseMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
+    calls: list = []
+    if plan.parses and text is not None:
+        text, calls = plan.parse(text)
+    content = echoed + (text or "") if echoed else text
+    return ChatResponseMessage(role=role, content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
         ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
 
