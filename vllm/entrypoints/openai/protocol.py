@@ -43,7 +43,9 @@ MAX_CHOICES_PER_REQUEST = 1024
 REFUSED_UPSTREAM_FIELDS = {
     "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_embeds": (None,),
-    "guided_whitespace_pattern": (None, ""), "mm_processor_kwargs": (None, {}),
+    "guided_whitespace_pattern": (None, ""), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
+    "watermarking": (None, False), "logprob_token_ids": (None,), "repetition_detection": (None,),
+    "thinking_token_budget": (None, -1),
 }
 
 
