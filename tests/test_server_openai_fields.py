@@ -151,3 +151,37 @@ def test_chat_echo_with_continuous_usage(app):
             "stream": True, "stream_options": CONTINUOUS, **GREEDY}
     first, echo_chunk, *_ = _events(_post(app, "/v1/chat/completions", body))
     assert echo_chunk["usage"]["completion_tokens"] == 0 == first["usage"]["completion_tokens"]
+
+
+# ---- more of upstream's fields ----------------------------------------------------------------
+
+def test_truncation_side():
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+    right = CompletionRequest(prompt="x", truncate_prompt_tokens=3, truncation_side="right")
+    assert right.truncate_prompt([1, 2, 3, 4, 5], 100) == [1, 2, 3]
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=3, truncation_side="left"
+                             ).truncate_prompt([1, 2, 3, 4, 5], 100) == [3, 4, 5]
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1, truncation_side="right"
+                             ).truncate_prompt(list(range(10)), 4) == [0, 1, 2]
+
+
+def test_truncation_side_through_the_app(app):
+    body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 1, "truncate_prompt_tokens": 3}
+    left = _post(app, "/v1/completions", body).json()["choices"][0]
+    right = _post(app, "/v1/completions", {**body, "truncation_side": "right"}).json()["choices"][0]
+    assert (left["prompt_token_ids"], right["prompt_token_ids"]) == ([8, 9, 10], [5, 6, 7])
+    assert "truncation_side" in _error(_post(app, "/v1/completions", {**body, "truncation_side": "middle"}))
+
+
+def test_request_id_names_the_response(app):
+    r = _post(app, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "eval-7"}).json()
+    assert r["id"] == "cmpl-eval-7"
+    events = _events(_post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True,
+                                                         "request_id": "rollout-3"}))
+    assert {e["id"] for e in events} == {"chatcmpl-rollout-3"}
+    # the X-Request-Id header wins, as upstream
+    r = _post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "request_id": "body"},
+              headers={"X-Request-Id": "hdr-1"}).json()
+    assert r["id"] == "chatcmpl-hdr-1"
+    assert "request_id" in _error(_post(app, "/v1/completions", {"prompt": "x", "request_id": ""}))
+

@@ -146,6 +146,11 @@ class _SamplingRequest(OpenAIBaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
     # upstream's: keep only the last k prompt tokens (-1: the last max_model_len - 1)
     truncate_prompt_tokens: Optional[StrictInt] = None
+    # upstream's: the side truncate_prompt_tokens cuts; "right" keeps the first k (None: left)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    # upstream's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>", as are the
+    # engine's ids that /abort_requests takes (a header X-Request-Id wins, as upstream)
+    request_id: Optional[str] = None
     # upstream's older spelling of structured_outputs (guided_json / _regex / _choice / _grammar)
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
@@ -168,6 +173,8 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 \
                 and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
+        if self.request_id is not None and not self.request_id:
+            raise ValueError("request_id must not be empty")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if self.top_k is not None and self.top_k > _INT64_MAX:
@@ -213,12 +220,14 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.response_format.structured_outputs() if self.response_format is not None else None
 
     def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids (upstream's left truncation)."""
+        """The prompt's last truncate_prompt_tokens ids, or its first with truncation_side "right"."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
         k = max_model_len - 1 if k == -1 else k
-        return ids[-k:] if len(ids) > k else ids
+        if len(ids) <= k:
+            return ids
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
                          max_logprobs: int, prompt_logprobs: Optional[int] = None,

@@ -296,6 +296,12 @@ def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tup
     return text, ids, lps
 
 
+def _request_id(req: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
+    """The id a response and its engine requests are known by: the X-Request-Id header, else
+    the request's request_id, else a fresh one (upstream's order)."""
+    return raw.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+
+
 # ---- the server ---------------------------------------------------------------------------
 
 class OpenAIServing:
@@ -356,7 +362,7 @@ class OpenAIServing:
             prompts = [self._completion_prompt(p, req) for p in req.prompts()]
             if self.before_generate is not None:
                 await self.before_generate()
-            rid = f"cmpl-{uuid.uuid4().hex}"
+            rid = f"cmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
@@ -551,7 +557,7 @@ class OpenAIServing:
                     params.max_tokens = min(int(self.defaults["max_tokens"]), room)
             if self.before_generate is not None:
                 await self.before_generate()
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            rid = f"chatcmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
