@@ -1,6 +1,6 @@
 """upstream vLLM's request fields that eval and RL tools send, through the app on the embedded
-model (in-process, httpx's ASGI transport): stream_options.continuous_usage_stats and the
-checks around it."""
+model (in-process, httpx's ASGI transport): stream_options.continuous_usage_stats, chat echo,
+truncation_side, request_id, include_reasoning, reasoning_effort and documents."""
 from __future__ import annotations
 
 import asyncio
@@ -185,3 +185,33 @@ def test_request_id_names_the_response(app):
     assert r["id"] == "chatcmpl-hdr-1"
     assert "request_id" in _error(_post(app, "/v1/completions", {"prompt": "x", "request_id": ""}))
 
+
+def test_include_reasoning_false_leaves_the_reasoning_out(app, monkeypatch):
+    # the embedded model never closes a <think>: under deepseek_r1 all of its output is reasoning
+    monkeypatch.setattr(app.state.serving, "reasoning_parser", "deepseek_r1")
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]["reasoning"]
+    choice = _post(app, "/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]
+    assert "reasoning" not in choice["message"] and "reasoning_content" not in choice["message"]
+    assert choice["message"]["content"] is None and len(choice["token_ids"]) == 4
+    events = _events(_post(app, "/v1/chat/completions", {**body, "include_reasoning": False, "stream": True}))
+    assert not any("reasoning" in c["delta"] for e in events for c in e["choices"])
+    assert sum(len(c["token_ids"]) for e in events for c in e["choices"]) == 4
+
+
+def test_reasoning_effort_and_documents_reach_the_template(app, monkeypatch):
+    serving = app.state.serving
+    monkeypatch.setattr(serving, "chat_template", "{{ reasoning_effort }}|{{ enable_thinking }}|"
+                        "{% for d in documents or [] %}{{ d.title }};{% endfor %}|{{ messages[-1].content }}")
+
+    def rendered(**fields) -> str:
+        r = _post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, **fields})
+        assert r.status_code == 200, r.text
+        return serving.llm.tokenizer.decode(r.json()["prompt_token_ids"])
+    docs = [{"title": "A", "text": "a"}, {"title": "B", "text": "b"}]
+    assert rendered(reasoning_effort="high", documents=docs) == "high|True|A;B;|Name a prime number."
+    assert rendered(reasoning_effort="none").startswith("none|False|")
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).startswith("none|True|")
+    assert rendered().startswith("||")
+    assert "reasoning_effort" in _error(_post(app, "/v1/chat/completions", {"messages": MESSAGES,
+                                                                            "reasoning_effort": "ultra"}))

@@ -351,11 +351,27 @@ class ChatCompletionRequest(_SamplingRequest):
     # upstream's: the response's content opens with the last message's when the response goes
     # on with that message (the same role, see response_role); streamed as the first content
     echo: bool = False
+    # upstream's: false leaves the reasoning (--reasoning-parser) out of the response
+    include_reasoning: bool = True
+    # upstream's: template variables: reasoning_effort (and enable_thinking = effort != "none",
+    # unless chat_template_kwargs sets it), documents (for templates that take RAG documents)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    documents: Optional[list[dict[str, Any]]] = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages is empty")
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with the variables the request's own fields set."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def response_role(self) -> str:
         """The response's role, upstream's rule: the generation prompt opens an assistant turn;

@@ -544,7 +544,7 @@ class OpenAIServing:
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
             messages = req.template_messages()
-            prompt_ids = self.chat_prompt_ids(messages, req.chat_template_kwargs, req.chat_template,
+            prompt_ids = self.chat_prompt_ids(messages, req.template_kwargs(), req.chat_template,
                                               add_generation_prompt=req.add_generation_prompt,
                                               continue_final_message=req.continue_final_message, tools=req.tools,
                                               add_special_tokens=req.add_special_tokens)
@@ -577,7 +577,8 @@ class OpenAIServing:
         plan = req.tool_plan(self.tool_call_parser)
         thinking = self._reasoning_parser_for(params)
         role, echoed = req.response_role(), req.echoed_text()
-        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, thinking, role, echoed),
+        choices = [ChatChoice(index=c.index,
+                              message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
                               finish_reason=_chat_finish(c, plan, thinking),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
@@ -642,7 +643,8 @@ class OpenAIServing:
                     parser, finish = parsers[c.index], c.finish_reason
                     pieces = [("content", text)] if thinking[c.index] is None else \
                         thinking[c.index].feed(text, finish is not None)
-                    deltas = [DeltaMessage(reasoning=t) for kind, t in pieces if kind == "reasoning"]
+                    deltas = [DeltaMessage(reasoning=t) for kind, t in pieces
+                              if kind == "reasoning" and req.include_reasoning]
                     content = "".join(t for kind, t in pieces if kind == "content")
                     if parser is None:
                         if content or thinking[c.index] is None:
@@ -701,11 +703,12 @@ def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | Non
 
 
 def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None,
-                  role: str = "assistant", echoed: str = "") -> ChatResponseMessage:
+                  role: str = "assistant", echoed: str = "", include_reasoning: bool = True) -> ChatResponseMessage:
     """A choice's message: its text, or with tools its content and parsed tool calls; with a
-    reasoning parser the <think> part apart, tool calls parsed from the rest. `echoed` (chat
-    echo) goes before the content; the parsers never see it."""
+    reasoning parser the <think> part apart (left out without include_reasoning), tool calls
+    parsed from the rest. `echoed` (chat echo) goes before the content; the parsers never see it."""
     reasoning, text = _split(c, reasoning_parser)
+    reasoning = reasoning if include_reasoning else None
     calls: list = []
     if plan.parses and text is not None:
         text, calls = plan.parse(text)
