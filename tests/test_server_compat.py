@@ -103,13 +103,17 @@ def test_guided_fields_map_to_structured_outputs():
 
 @pytest.mark.parametrize("field, value", [("bad_words", ["2"]), ("allowed_token_ids", [1, 2]),
                                           ("use_beam_search", True), ("length_penalty", 2.0),
-                                          ("logits_processors", ["x"])])
+                                          ("logits_processors", ["x"]), ("watermarking", True),
+                                          ("logprob_token_ids", [3, 4]), ("thinking_token_budget", 8),
+                                          ("repetition_detection", {"max_pattern_size": 4}),
+                                          ("media_io_kwargs", {"image": {"x": 1}})])
 def test_upstream_fields_that_change_sampling_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         _params(CompletionRequest(prompt="x", **{field: value}))
     # at their no-op values they are accepted, and never reported as ignored
     noop = {"bad_words": [], "allowed_token_ids": None, "use_beam_search": False, "length_penalty": 1.0,
-            "logits_processors": []}[field]
+            "logits_processors": [], "watermarking": False, "logprob_token_ids": None, "thinking_token_budget": -1,
+            "repetition_detection": None, "media_io_kwargs": {}}[field]
     req = CompletionRequest(prompt="x", **{field: noop})
     _params(req)
     assert field not in req.ignored_fields()

@@ -43,7 +43,9 @@ MAX_CHOICES_PER_REQUEST = 1024
 REFUSED_UPSTREAM_FIELDS = {
     "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_embeds": (None,),
-    "guided_whitespace_pattern": (None, ""), "mm_processor_kwargs": (None, {}),
+    "guided_whitespace_pattern": (None, ""), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
+    "watermarking": (None, False), "logprob_token_ids": (None,), "repetition_detection": (None,),
+    "thinking_token_budget": (None, -1),
 }
 
 
@@ -76,7 +78,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    # a last chunk with empty choices carrying the request's usage
     include_usage: bool = False
+    # upstream's: every chunk also carries its prompt's usage so far (its choice's tokens
+    # until then); only together with include_usage, as upstream
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -140,6 +146,11 @@ class _SamplingRequest(OpenAIBaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
     # upstream's: keep only the last k prompt tokens (-1: the last max_model_len - 1)
     truncate_prompt_tokens: Optional[StrictInt] = None
+    # upstream's: the side truncate_prompt_tokens cuts; "right" keeps the first k (None: left)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    # upstream's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>", as are the
+    # engine's ids that /abort_requests takes (a header X-Request-Id wins, as upstream)
+    request_id: Optional[str] = None
     # upstream's older spelling of structured_outputs (guided_json / _regex / _choice / _grammar)
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
@@ -162,16 +173,32 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 \
                 and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
+        if self.request_id is not None and not self.request_id:
+            raise ValueError("request_id must not be empty")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if self.top_k is not None and self.top_k > _INT64_MAX:
             raise ValueError("top_k must fit in a signed 64-bit integer (any value >= the vocabulary size disables it)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            # upstream sends no usage at all for this combination: refused rather than ignored
+            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage: true")
 
     @property
     def want_token_ids(self) -> bool:
         return self.return_token_ids is not False
+
+    @property
+    def usage_at_end(self) -> bool:
+        """A stream ends with a usage-only chunk (stream_options.include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """Every chunk of a stream carries the usage so far (stream_options.continuous_usage_stats)."""
+        return self.usage_at_end and self.stream_options.continuous_usage_stats
 
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
         """The output constraint of response_format, structured_outputs or the guided_* fields
@@ -193,12 +220,14 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.response_format.structured_outputs() if self.response_format is not None else None
 
     def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids (upstream's left truncation)."""
+        """The prompt's last truncate_prompt_tokens ids, or its first with truncation_side "right"."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
         k = max_model_len - 1 if k == -1 else k
-        return ids[-k:] if len(ids) > k else ids
+        if len(ids) <= k:
+            return ids
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
                          max_logprobs: int, prompt_logprobs: Optional[int] = None,
@@ -319,11 +348,41 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None     # false: tool_choice "required" makes exactly one call
+    # upstream's: the response's content opens with the last message's when the response goes
+    # on with that message (the same role, see response_role); streamed as the first content
+    echo: bool = False
+    # upstream's: false leaves the reasoning (--reasoning-parser) out of the response
+    include_reasoning: bool = True
+    # upstream's: template variables: reasoning_effort (and enable_thinking = effort != "none",
+    # unless chat_template_kwargs sets it), documents (for templates that take RAG documents)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    documents: Optional[list[dict[str, Any]]] = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages is empty")
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with the variables the request's own fields set."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
+
+    def response_role(self) -> str:
+        """The response's role, upstream's rule: the generation prompt opens an assistant turn;
+        without it the model goes on with the last message, so the response takes its role."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """echo's prefix: the last message's text when its role is the response's, else ""."""
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role():
+            return ""
+        return self.messages[-1].to_template_dict()["content"] or ""
 
     def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
         if self.n > MAX_CHOICES_PER_REQUEST:
@@ -364,6 +423,11 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -273,6 +273,7 @@ class _ChoiceCursor:
     text_offset: int = 0
     done: bool = False
     first: bool = True
+    completion_tokens: int = 0    # the tokens its chunks have carried (its usage so far)
 
 
 def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tuple[str, list[int], list | None] | None:
@@ -293,6 +294,12 @@ def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tup
     cur.tokens = len(c.token_ids)
     cur.done = finished
     return text, ids, lps
+
+
+def _request_id(req: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
+    """The id a response and its engine requests are known by: the X-Request-Id header, else
+    the request's request_id, else a fresh one (upstream's order)."""
+    return raw.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
 
 
 # ---- the server ---------------------------------------------------------------------------
@@ -355,7 +362,7 @@ class OpenAIServing:
             prompts = [self._completion_prompt(p, req) for p in req.prompts()]
             if self.before_generate is not None:
                 await self.before_generate()
-            rid = f"cmpl-{uuid.uuid4().hex}"
+            rid = f"cmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
@@ -430,13 +437,17 @@ class OpenAIServing:
         n_gen = 0
         want_ids = req.want_token_ids
         k, as_ids, prompt_only = params.logprobs or 0, req.return_tokens_as_token_ids, req.scores_prompt_only
+        usage_per_chunk = req.usage_on_every_chunk
         # The chunk envelope is the same for every event: built once, choices spliced in.
         head = json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model})[:-1]
         try:
             async for i, out in _merge(streams):
                 n_prompt[i] = len(out.prompt_token_ids)
-                # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish
-                prompt_chunks, choices, version = [], [], None
+                # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish;
+                # each choice is kept with its completion tokens so far (its usage)
+                prompt_chunks: list[tuple[dict, int]] = []
+                choices: list[tuple[dict, int]] = []
+                version = None
                 for c in out.outputs:
                     cur = cursors.setdefault((i, c.index), _ChoiceCursor())
                     if cur.done:
@@ -448,6 +459,7 @@ class OpenAIServing:
                     if prompt_only:   # the sampled token is left out, as in the non-streamed response
                         text, ids, lps = "", [], ([] if lps is not None else None)
                     n_gen += len(ids)
+                    cur.completion_tokens += len(ids)
                     choice = {"index": i * params.n + c.index, "text": text, "logprobs": None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     echo_lp = None
@@ -469,7 +481,7 @@ class OpenAIServing:
                             first["prompt_token_ids"] = out.prompt_token_ids
                         if prompt_only:
                             first["logprobs"] = echo_lp.model_dump() if echo_lp is not None else None
-                            prompt_chunks.append(first)
+                            prompt_chunks.append((first, 0))
                             echo_lp = None
                     if lps is not None:
                         lp = _completion_logprobs(ids, lps, k, cur.text_offset, as_ids)
@@ -486,14 +498,22 @@ class OpenAIServing:
                     cur.first = False
                     version = c.weight_versions[-1] if c.weight_versions else version
                     if not prompt_only or c.finish_reason is not None:
-                        choices.append(choice)
-                for chunk in (prompt_chunks, choices):
-                    if chunk:
-                        yield f'data: {head}, "choices": {json.dumps(chunk)}, "weight_version": {json.dumps(version)}}}\n\n'
-            if req.stream_options is not None and req.stream_options.include_usage:
-                p = sum(n_prompt.values())
+                        choices.append((choice, cur.completion_tokens))
+                tail = f', "weight_version": {json.dumps(version)}}}\n\n'
+                for group in (prompt_chunks, choices):
+                    if not group:
+                        continue
+                    if usage_per_chunk:
+                        # upstream's continuous usage is per choice (its prompt, its tokens so far):
+                        # one choice per chunk, so each chunk's usage says whose it is
+                        for choice, sent in group:
+                            usage = UsageInfo.of(n_prompt[i], sent).model_dump_json()
+                            yield f'data: {head}, "choices": [{json.dumps(choice)}], "usage": {usage}{tail}'
+                    else:
+                        yield f'data: {head}, "choices": {json.dumps([choice for choice, _ in group])}{tail}'
+            if req.usage_at_end:
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                    usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+                                                    usage=UsageInfo.of(sum(n_prompt.values()), n_gen)))
         except Exception as err:  # noqa: BLE001 -- the 200 is already sent: report in-band
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT
@@ -524,7 +544,7 @@ class OpenAIServing:
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
             messages = req.template_messages()
-            prompt_ids = self.chat_prompt_ids(messages, req.chat_template_kwargs, req.chat_template,
+            prompt_ids = self.chat_prompt_ids(messages, req.template_kwargs(), req.chat_template,
                                               add_generation_prompt=req.add_generation_prompt,
                                               continue_final_message=req.continue_final_message, tools=req.tools,
                                               add_special_tokens=req.add_special_tokens)
@@ -537,7 +557,7 @@ class OpenAIServing:
                     params.max_tokens = min(int(self.defaults["max_tokens"]), room)
             if self.before_generate is not None:
                 await self.before_generate()
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            rid = f"chatcmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
@@ -556,7 +576,9 @@ class OpenAIServing:
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
         thinking = self._reasoning_parser_for(params)
-        choices = [ChatChoice(index=c.index, message=_chat_message(c, plan, thinking),
+        role, echoed = req.response_role(), req.echoed_text()
+        choices = [ChatChoice(index=c.index,
+                              message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
                               finish_reason=_chat_finish(c, plan, thinking),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
@@ -582,12 +604,27 @@ class OpenAIServing:
         thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
+        n_prompt = len(prompt_ids)
+
+        def usage_so_far(cur: _ChoiceCursor | None) -> UsageInfo | None:
+            """A chunk's usage with continuous_usage_stats: its choice's tokens so far."""
+            if not req.usage_on_every_chunk:
+                return None
+            return UsageInfo.of(n_prompt, cur.completion_tokens if cur is not None else 0)
+
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
         yield _sse(ChatCompletionStreamResponse(
             id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
-            weight_version=self.llm.weight_version,
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+            weight_version=self.llm.weight_version, usage=usage_so_far(None),
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=req.response_role(), content=""),
                                       token_ids=[] if want_ids else None) for j in range(params.n)]))
+        echoed = req.echoed_text()
+        if echoed:   # echo: the continued message's text before anything generated
+            yield _sse(ChatCompletionStreamResponse(
+                id=rid, created=created, model=model, weight_version=self.llm.weight_version,
+                usage=usage_so_far(None),
+                choices=[ChatStreamChoice(index=j, delta=DeltaMessage(content=echoed),
+                                          token_ids=[] if want_ids else None) for j in range(params.n)]))
         try:
             async for _, out in _merge([stream]):
                 for c in out.outputs:
@@ -599,12 +636,15 @@ class OpenAIServing:
                         continue
                     text, ids, lps = delta
                     n_gen += len(ids)
+                    cur.completion_tokens += len(ids)
+                    usage = usage_so_far(cur)
                     logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
                     version = c.weight_versions[-1] if c.weight_versions else None
                     parser, finish = parsers[c.index], c.finish_reason
                     pieces = [("content", text)] if thinking[c.index] is None else \
                         thinking[c.index].feed(text, finish is not None)
-                    deltas = [DeltaMessage(reasoning=t) for kind, t in pieces if kind == "reasoning"]
+                    deltas = [DeltaMessage(reasoning=t) for kind, t in pieces
+                              if kind == "reasoning" and req.include_reasoning]
                     content = "".join(t for kind, t in pieces if kind == "content")
                     if parser is None:
                         if content or thinking[c.index] is None:
@@ -617,17 +657,17 @@ class OpenAIServing:
                     # one piece per chunk; the step's tokens, logprobs and finish ride on the last
                     for d in deltas[:-1]:
                         yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, weight_version=version,
-                                                                choices=[ChatStreamChoice(index=c.index, delta=d)]))
+                                                                choices=[ChatStreamChoice(index=c.index, delta=d)],
+                                                                usage=usage))
                     choice = ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs,
                                               finish_reason=finish, stop_reason=c.stop_reason,
                                               token_ids=ids if want_ids else None,
                                               weight_versions=c.weight_versions if c.finish_reason is not None else None)
                     yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
-                                                            weight_version=version))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                p = len(prompt_ids)
+                                                            weight_version=version, usage=usage))
+            if req.usage_at_end:
                 yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                        usage=UsageInfo(prompt_tokens=p, completion_tokens=n_gen, total_tokens=p + n_gen)))
+                                                        usage=UsageInfo.of(n_prompt, n_gen)))
         except Exception as err:  # noqa: BLE001
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT
@@ -662,14 +702,18 @@ def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | Non
     return split_reasoning(reasoning_parser, c.text)
 
 
-def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None) -> ChatResponseMessage:
+def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None,
+                  role: str = "assistant", echoed: str = "", include_reasoning: bool = True) -> ChatResponseMessage:
     """A choice's message: its text, or with tools its content and parsed tool calls; with a
-    reasoning parser the <think> part apart, tool calls parsed from the rest."""
+    reasoning parser the <think> part apart (left out without include_reasoning), tool calls
+    parsed from the rest. `echoed` (chat echo) goes before the content; the parsers never see it."""
     reasoning, text = _split(c, reasoning_parser)
-    if not plan.parses or text is None:
-        return ChatResponseMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
-    content, calls = plan.parse(text)
-    return ChatResponseMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
+    reasoning = reasoning if include_reasoning else None
+    calls: list = []
+    if plan.parses and text is not None:
+        text, calls = plan.parse(text)
+    content = echoed + (text or "") if echoed else text
+    return ChatResponseMessage(role=role, content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
         ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
 

@@ -1,0 +1,217 @@
+"""upstream vLLM's request fields that eval and RL tools send, through the app on the embedded
+model (in-process, httpx's ASGI transport): stream_options.continuous_usage_stats, chat echo,
+truncation_side, request_id, include_reasoning, reasoning_effort and documents."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.fixture(scope="module")
+def app():
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"))
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            return await c.post(path, json=body, headers=headers)
+    return asyncio.run(go())
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    data = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", r.text[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _error(r: httpx.Response) -> str:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["message"]
+
+
+# ---- stream_options.continuous_usage_stats --------------------------------------------------
+
+def test_completion_stream_carries_usage_on_every_chunk(app):
+    body = {"prompt": ["Hello there", "The quick brown fox"], "n": 2, "max_tokens": 5, "temperature": 0.8,
+            "seed": 1, "ignore_eos": True}
+    full = _post(app, "/v1/completions", body).json()
+    prompt_len = {c["index"]: len(c["prompt_token_ids"]) for c in full["choices"]}
+    events = _events(_post(app, "/v1/completions", {**body, "stream": True, "stream_options": CONTINUOUS}))
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    sent: dict[int, int] = {}
+    for chunk in chunks:
+        # one choice per chunk, so the chunk's usage is that choice's: its prompt, its tokens so far
+        (choice,) = chunk["choices"]
+        j = choice["index"]
+        sent[j] = sent.get(j, 0) + len(choice["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": prompt_len[j], "completion_tokens": sent[j],
+                                  "total_tokens": prompt_len[j] + sent[j]}
+    assert sent == {c["index"]: len(c["token_ids"]) for c in full["choices"]} == {0: 5, 1: 5, 2: 5, 3: 5}
+    # include_usage alone: the usage arrives once, at the end
+    plain = _events(_post(app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert all(e.get("usage") is None for e in plain[:-1]) and plain[-1]["usage"] == full["usage"]
+
+
+def test_completion_scoring_stream_reports_no_completion_tokens(app):
+    body = {"prompt": "the quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True,
+            "stream_options": CONTINUOUS}
+    *chunks, last = _events(_post(app, "/v1/completions", body))
+    assert len(chunks) == 2 and chunks[0]["choices"][0]["text"] == "the quick brown fox"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 0] and last["usage"]["completion_tokens"] == 0
+    assert chunks[0]["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] > 0
+
+
+def test_chat_stream_carries_usage_on_every_chunk(app):
+    body = {"messages": MESSAGES, "n": 2, "max_tokens": 6, "temperature": 0.8, "seed": 2, "ignore_eos": True}
+    full = _post(app, "/v1/chat/completions", body).json()
+    n_prompt = full["usage"]["prompt_tokens"]
+    first, *chunks, last = _events(_post(app, "/v1/chat/completions",
+                                         {**body, "stream": True, "stream_options": CONTINUOUS}))
+    assert first["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    sent = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        sent[choice["index"]] += len(choice["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": sent[choice["index"]],
+                                  "total_tokens": n_prompt + sent[choice["index"]]}
+    assert sent == {c["index"]: len(c["token_ids"]) for c in full["choices"]} == {0: 6, 1: 6}
+    plain = _events(_post(app, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"] == full["usage"]
+
+
+def test_continuous_usage_needs_include_usage(app):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = _post(app, path, {**body, "max_tokens": 2, "stream": True,
+                              "stream_options": {"continuous_usage_stats": True}})
+        assert "continuous_usage_stats needs stream_options.include_usage" in _error(r)
+        r = _post(app, path, {**body, "max_tokens": 2, "stream_options": CONTINUOUS})
+        assert "only allowed when stream is true" in _error(r)
+
+
+# ---- chat echo ------------------------------------------------------------------------------
+
+PREFILL = "The answer is"
+CONTINUED = MESSAGES + [{"role": "assistant", "content": PREFILL}]
+GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+
+def test_chat_echo_opens_the_continued_message(app):
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, **GREEDY}
+    plain = _post(app, "/v1/chat/completions", body).json()
+    echoed = _post(app, "/v1/chat/completions", {**body, "echo": True}).json()
+    (p,), (e,) = plain["choices"], echoed["choices"]
+    assert e["message"]["role"] == "assistant" and e["message"]["content"] == PREFILL + p["message"]["content"]
+    assert e["token_ids"] == p["token_ids"] and echoed["usage"] == plain["usage"]   # nothing more generated
+    # streamed: the role, then the echoed text, then the generated text
+    first, echo_chunk, *rest = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "n": 2,
+                                                                           "stream": True}))
+    assert [c["delta"] for c in first["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    assert [(c["index"], c["delta"], c["token_ids"]) for c in echo_chunk["choices"]] == \
+        [(0, {"content": PREFILL}, []), (1, {"content": PREFILL}, [])]
+    for j in (0, 1):
+        text = PREFILL + "".join(c["delta"].get("content", "") for e in rest for c in e["choices"] if c["index"] == j)
+        assert text == e["message"]["content"]
+
+
+def test_chat_echo_needs_the_same_role(app):
+    # the generation prompt opens an assistant turn: a user message last is not echoed
+    body = {"messages": MESSAGES, **GREEDY}
+    plain = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    echoed = _post(app, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed == plain and echoed["role"] == "assistant"
+    events = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == plain["content"]
+    # without a generation prompt the response goes on with the last message, in its role
+    body = {"messages": MESSAGES, "add_generation_prompt": False, "echo": True, **GREEDY}
+    msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg["role"] == "user" and msg["content"].startswith(MESSAGES[-1]["content"])
+    first, echo_chunk, *_ = _events(_post(app, "/v1/chat/completions", {**body, "stream": True}))
+    assert first["choices"][0]["delta"]["role"] == "user"
+    assert echo_chunk["choices"][0]["delta"] == {"content": MESSAGES[-1]["content"]}
+
+
+def test_chat_echo_with_continuous_usage(app):
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "stream": True, "stream_options": CONTINUOUS, **GREEDY}
+    first, echo_chunk, *_ = _events(_post(app, "/v1/chat/completions", body))
+    assert echo_chunk["usage"]["completion_tokens"] == 0 == first["usage"]["completion_tokens"]
+
+
+# ---- more of upstream's fields ----------------------------------------------------------------
+
+def test_truncation_side():
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+    right = CompletionRequest(prompt="x", truncate_prompt_tokens=3, truncation_side="right")
+    assert right.truncate_prompt([1, 2, 3, 4, 5], 100) == [1, 2, 3]
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=3, truncation_side="left"
+                             ).truncate_prompt([1, 2, 3, 4, 5], 100) == [3, 4, 5]
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1, truncation_side="right"
+                             ).truncate_prompt(list(range(10)), 4) == [0, 1, 2]
+
+
+def test_truncation_side_through_the_app(app):
+    body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 1, "truncate_prompt_tokens": 3}
+    left = _post(app, "/v1/completions", body).json()["choices"][0]
+    right = _post(app, "/v1/completions", {**body, "truncation_side": "right"}).json()["choices"][0]
+    assert (left["prompt_token_ids"], right["prompt_token_ids"]) == ([8, 9, 10], [5, 6, 7])
+    assert "truncation_side" in _error(_post(app, "/v1/completions", {**body, "truncation_side": "middle"}))
+
+
+def test_request_id_names_the_response(app):
+    r = _post(app, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "eval-7"}).json()
+    assert r["id"] == "cmpl-eval-7"
+    events = _events(_post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True,
+                                                         "request_id": "rollout-3"}))
+    assert {e["id"] for e in events} == {"chatcmpl-rollout-3"}
+    # the X-Request-Id header wins, as upstream
+    r = _post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "request_id": "body"},
+              headers={"X-Request-Id": "hdr-1"}).json()
+    assert r["id"] == "chatcmpl-hdr-1"
+    assert "request_id" in _error(_post(app, "/v1/completions", {"prompt": "x", "request_id": ""}))
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(app, monkeypatch):
+    # the embedded model never closes a <think>: under deepseek_r1 all of its output is reasoning
+    monkeypatch.setattr(app.state.serving, "reasoning_parser", "deepseek_r1")
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]["reasoning"]
+    choice = _post(app, "/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]
+    assert "reasoning" not in choice["message"] and "reasoning_content" not in choice["message"]
+    assert choice["message"]["content"] is None and len(choice["token_ids"]) == 4
+    events = _events(_post(app, "/v1/chat/completions", {**body, "include_reasoning": False, "stream": True}))
+    assert not any("reasoning" in c["delta"] for e in events for c in e["choices"])
+    assert sum(len(c["token_ids"]) for e in events for c in e["choices"]) == 4
+
+
+def test_reasoning_effort_and_documents_reach_the_template(app, monkeypatch):
+    serving = app.state.serving
+    monkeypatch.setattr(serving, "chat_template", "{{ reasoning_effort }}|{{ enable_thinking }}|"
+                        "{% for d in documents or [] %}{{ d.title }};{% endfor %}|{{ messages[-1].content }}")
+
+    def rendered(**fields) -> str:
+        r = _post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, **fields})
+        assert r.status_code == 200, r.text
+        return serving.llm.tokenizer.decode(r.json()["prompt_token_ids"])
+    docs = [{"title": "A", "text": "a"}, {"title": "B", "text": "b"}]
+    assert rendered(reasoning_effort="high", documents=docs) == "high|True|A;B;|Name a prime number."
+    assert rendered(reasoning_effort="none").startswith("none|False|")
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).startswith("none|True|")
+    assert rendered().startswith("||")
+    assert "reasoning_effort" in _error(_post(app, "/v1/chat/completions", {"messages": MESSAGES,
+                                                                            "reasoning_effort": "ultra"}))
