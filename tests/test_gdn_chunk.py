@@ -446,6 +446,17 @@ def test_saved_t_feeds_the_backward(dtype, monkeypatch):
         gdn_chunk_triton(*xs, scale, md, None, chunk_size=C, aligned=True, t_out=t_out[1:])
 
 
+
+def test_the_layers_forward_is_the_one_that_stores_t():
+    """GatedDeltaRuleFn keeps T only from the Triton kernel (the torch form has no t_out):
+    the layer's op (ops.gated_delta_rule: the numerics table's CUDA entry, bound to the chunk
+    size) is that kernel, so the trainer's forward on a GPU does keep T."""
+    from vllm.kernels import gdn_chunk, numerics_table
+    cuda_fwd = functools.partial(numerics_table._GDN_CHUNK_ALIGNED.cuda, chunk_size=C)
+    assert gdn_chunk._stores_t(cuda_fwd)
+    assert not gdn_chunk._stores_t(functools.partial(gdn_chunk_torch, chunk_size=C, aligned=True))
+
+
 @pytest.mark.gpu
 def test_gpu_saved_t_autograd_fn(monkeypatch):
     """On CUDA GatedDeltaRuleFn keeps T from the forward for the fused backward

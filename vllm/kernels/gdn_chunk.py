@@ -81,6 +81,7 @@ invariances, not the same bits).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -796,7 +797,7 @@ class GatedDeltaRuleFn(torch.autograd.Function):
     def forward(ctx, fwd: Callable, q, k, v, g, beta, scale: float, md: StateMetadata, chunk_size: int = 64):
         ctx.scale, ctx.cu, ctx.chunk_size = scale, md.cu_seqlens, chunk_size
         t_saved = t_chunks = None
-        if SAVE_T_FOR_BACKWARD and _fused_backward_applies(q, v, chunk_size):
+        if SAVE_T_FOR_BACKWARD and _stores_t(fwd) and _fused_backward_applies(q, v, chunk_size):
             plan = md.chunk_plan(chunk_size, True)
             t_saved = torch.empty((plan.num_chunks, v.shape[1], chunk_size, chunk_size), dtype=q.dtype,
                                   device=q.device)
@@ -819,6 +820,13 @@ class GatedDeltaRuleFn(torch.autograd.Function):
             grads = reference_grads(lambda *a: gdn_reference(*a, ctx.cu, ctx.scale, chunk_size=ctx.chunk_size),
                                     xs, needs, do)
         return (None, *grads, None, None, None)
+
+
+def _stores_t(fwd: Callable) -> bool:
+    """Whether the forward is the Triton kernel (or a partial of it), the one that fills t_out."""
+    while isinstance(fwd, functools.partial):
+        fwd = fwd.func
+    return fwd is gdn_chunk_triton
 
 
 def _fused_backward_applies(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
