@@ -13,8 +13,10 @@ import shutil
 
 import pytest
 
-from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template, template_messages
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+pytest.importorskip("pydantic")  # the request models (a GPU machine may lack the server's packages)
+
+from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template, template_messages  # noqa: E402
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 TOOL_HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
