@@ -139,31 +139,22 @@ def _mamba2_ops():
 
 
 def _leaf_tree():
-    """The TP leaf tree at every H200 config of its table, 8 leaves, bf16; the sweep's "tma"
-    and "plain";
+    """The TP leaf tree at every H200 config of its table, 8 leaves, bf16;
     the register-counter kernels ("tmar" and its pointer form "plainr") at every depth of
-    the counter they unroll (1, 2, 8, 16 leaves); the hybrids at the 128 x 128 tiles of
-    benchmarks/kernels/tp_tree.py's sweep."""
+    the counter they unroll (1, 2, 8, 16 leaves); the hybrid "tmah" at 2, 4 and 16 leaves
+    (its register counter then holds no level at 2 leaves, one at 4, three at 16)."""
     from vllm.kernels import leaf_tree
 
     x, w = torch.randn(256, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
     for cfg in ([tuple(c) for _, *c in leaf_tree.TREE_GPU_CONFIGS]
                 + [leaf_tree.TREE_GPU_LARGE_M, leaf_tree.TREE_GPU_SHORT_LEAF_LARGE_M]):
         leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
-    # the sweep's leaf-by-leaf candidates: "tma" and "plain" (what "tma" runs where TMA cannot)
-    leaf_tree.tree_linear_triton(x, w, 8, config=("tma", 128, 128, 64, 8, 4))
-    leaf_tree.tree_linear_triton(x, w, 8, config=("plain", 16, 32, 128, 4, 4))
     for leaves in (1, 2, 8, 16):
         leaf_tree.tree_linear_triton(x, w, leaves, config=("tmar", 64, 64, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("tmar", 16, 32, 128, 4, 4))
     leaf_tree.tree_linear_triton(x, w, 8, config=("plainr", 16, 32, 128, 4, 4))
-    # the hybrids (top levels in the scratch) at the sweep's 128 x 128 tiles, and at 2, 4 and
-    # 16 leaves (the register counter then holds no level at 2 and 4 leaves, two at 16)
-    for cfg in (("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
-                ("tmah", 128, 128, 64, 8, 3)):
-        leaf_tree.tree_linear_triton(x, w, 8, config=cfg)
     for leaves in (2, 4, 16):
-        leaf_tree.tree_linear_triton(x, w, leaves, config=("tmah2", 64, 64, 128, 4, 4))
+        leaf_tree.tree_linear_triton(x, w, leaves, config=("tmah", 64, 64, 128, 4, 4))
 
 
 def _gemm():
@@ -282,8 +273,7 @@ FAMILIES = {
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),
     "mamba2_ops": (_mamba2_ops, True, {"_ssu_kernel", "_gated_norm_kernel"}),
-    "leaf_tree": (_leaf_tree, False, {"_tree_matmul_kernel", "_tree_tma_kernel", "_tree_tma_regs_kernel",
-                                      "_tree_regs_kernel"}),
+    "leaf_tree": (_leaf_tree, False, {"_tree_tma_regs_kernel", "_tree_regs_kernel"}),
     "gemm": (_gemm, False, {"_invariant_matmul_kernel", "_invariant_matmul_tma_kernel"}),
     "attention": (_attention, False, {"_paged_attn_kernel", "_merge_splits_kernel"}),
 }

@@ -52,11 +52,11 @@ def test_rank_subtrees_finish_to_the_same_bits(size, impl):
     assert torch.equal(bits(leaf_tree.tree_sum(roots)), bits(whole))
 
 
-@pytest.mark.parametrize("impl", ["plain", "tma", "plainr", "tmar", "tmah", "tmah2"])
+@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah"])
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8, 16])
 def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
-    """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in the scratch, in
-    registers, or the top one or two levels in the scratch and the rest in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
+    """Every kernel (pointer loads, TMA descriptors; the subtrees waiting in registers, or the
+    top level in the scratch and the rest in registers) against one GEMM per leaf and the tree; the interpreter's tile (its
     emulated dot rounds per K tile, so BK stays the invariant GEMM's 16 there)."""
     x, w = _xw(M=19, N=40, K=256, seed=leaves)   # K / 16 leaves = BK: every TMA impl at every depth
     fused = leaf_tree.tree_linear_triton(x, w, leaves, config=(impl, 16, 16, 16, 1, 1))
@@ -67,7 +67,7 @@ def test_fused_triton_kernel_equals_one_gemm_per_leaf(leaves, impl):
     assert torch.allclose(fused.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah2"])
+@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah"])
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
 @pytest.mark.parametrize("M,N,K", [(1, 40, 128), (5, 30, 128), (33, 40, 96)])
 def test_register_counter_kernels_equal_one_gemm_per_leaf(M, N, K, leaves, impl):
@@ -79,7 +79,7 @@ def test_register_counter_kernels_equal_one_gemm_per_leaf(M, N, K, leaves, impl)
     assert torch.equal(bits(fused), bits(leaf_tree.tree_linear_leafwise(x, w, leaves)))
 
 
-@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah", "tmah2"])
+@pytest.mark.parametrize("impl", ["plainr", "tmar", "tmah"])
 @pytest.mark.parametrize("leaves", [4, 8, 16])
 def test_register_counter_adds_in_tree_order(leaves, impl):
     """Leaf sums chosen so that every other pairing gives other bits: leaf j's sum is exactly
@@ -101,11 +101,11 @@ def test_register_counter_adds_in_tree_order(leaves, impl):
 
 
 @pytest.mark.parametrize("leaves", [2, 4, 8, 16])
-@pytest.mark.parametrize("impl,scratch_levels", [("tmar", 0), ("tmah", 1), ("tmah2", 2)])
+@pytest.mark.parametrize("impl,scratch_levels", [("tmar", 0), ("tmah", 1)])
 def test_hybrids_keep_their_top_levels_in_the_scratch(monkeypatch, impl, scratch_levels, leaves):
-    """"tmah" / "tmah2" launch the one-loop TMA kernel with their top one / two counter levels
-    in the scratch (REG_LEVELS = levels - 1 / - 2, at least 0) and a scratch of one output
-    tile per scratch level per program; "tmar" none (the same bits either way, so only the
+    """"tmah" launches the one-loop TMA kernel with its top counter level in the scratch
+    (REG_LEVELS = levels - 1, at least 0) and a scratch of one output tile per scratch level
+    per program; "tmar" none (the same bits either way, so only the
     launch tells them apart)."""
     launches = []
     real = leaf_tree._tree_tma_regs_kernel
@@ -127,7 +127,7 @@ def test_hybrids_keep_their_top_levels_in_the_scratch(monkeypatch, impl, scratch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["tma", "tmah", "tmah2"])
+@pytest.mark.parametrize("impl", ["tmah"])
 def test_gpu_scratch_kernels_equal_one_gemm_per_leaf(impl):
     """On the GPU, where programs run at once (the interpreter runs them one after another, so
     rows two programs shared would pass there): more output tiles than programs, each
@@ -140,10 +140,10 @@ def test_gpu_scratch_kernels_equal_one_gemm_per_leaf(impl):
         assert torch.equal(bits(got), bits(leaf_tree.tree_linear_leafwise(x, w, leaves))), leaves
 
 
-@pytest.mark.parametrize("impl", ["tmar", "tmah", "tmah2"])
+@pytest.mark.parametrize("impl", ["tmar", "tmah"])
 def test_one_loop_tma_impls_take_the_tma_kernel_where_they_can(monkeypatch, impl):
     """On TMA-able operands (K / leaves a multiple of BK, 16-byte aligned rows) "tmar" and
-    the hybrids run the TMA kernel (the interpreter emulates the descriptors), not their
+    "tmah" run the TMA kernel (the interpreter emulates the descriptors), not their
     pointer fallback; elsewhere they fall back to it."""
     x, w = _xw(M=5, N=40, K=128)
     monkeypatch.setattr(leaf_tree, "_tree_regs_kernel", None)

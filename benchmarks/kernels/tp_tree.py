@@ -10,7 +10,7 @@ to --json-out.
 
     python benchmarks/kernels/tp_tree.py [--leaves 8] [--shapes o,down] [--json-out tp_tree.json]
     python benchmarks/kernels/tp_tree.py --sweep    # every candidate tile per M (to set TREE_GPU_CONFIGS)
-    python benchmarks/kernels/tp_tree.py --sweep --sweep-impls tmah,tmah2   # some impls, beside the table's
+    python benchmarks/kernels/tp_tree.py --sweep --sweep-impls tmah,tmar   # some impls, beside the table's
 """
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ from vllm.kernels.matmul import invariant_matmul  # noqa: E402
 SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # name: (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SWEEP_MS = [1, 16, 32, 64, 256, 1024, 4096, 16384]   # 32: the table's 64-row entry costs 1.9-2.5x there
-# (impl, BM, BN, BK, warps, stages); a 128 x 256 TMA tile fits shared memory with the tree's
-# float32 tile only at 2 stages. "tmar" / "plainr" (one K loop over all leaves, the waiting
+# (impl, BM, BN, BK, warps, stages). "tmar" / "plainr" (one K loop over all leaves, the waiting
 # subtrees in registers: four float32 tiles live at 8 leaves) are listed only where they do
 # not spill, read offline for sm_90 at 8 leaves (ptxas -v on the recorded launches): none of
 # 64x128 at 4 warps nor 128x128 fits; 16x64x128 "tmar" spills 12 bytes.
-CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 128, 128, 64, 8, 4),
-              ("tmar", 16, 32, 128, 4, 4), ("tmar", 16, 32, 256, 4, 4), ("tmar", 64, 16, 128, 4, 4),
+CANDIDATES = [("tmar", 16, 32, 128, 4, 4), ("tmar", 16, 32, 256, 4, 4), ("tmar", 64, 16, 128, 4, 4),
               ("tmar", 64, 32, 128, 4, 4), ("tmar", 64, 32, 128, 4, 6), ("tmar", 64, 32, 256, 4, 3),
               ("tmar", 64, 64, 128, 4, 4), ("tmar", 128, 32, 128, 4, 4), ("tmar", 64, 128, 64, 8, 4),
               ("tmar", 128, 64, 64, 8, 4), ("tmar", 128, 64, 128, 8, 3),
@@ -49,12 +47,9 @@ CANDIDATES = [("plain", 16, 32, 128, 4, 4), ("tma", 64, 128, 64, 4, 4), ("tma", 
               # 48-168 registers, no spill)
               ("plainr", 32, 32, 128, 4, 4), ("plainr", 32, 16, 256, 4, 4), ("plainr", 32, 64, 128, 4, 4),
               ("tmar", 32, 32, 128, 4, 4), ("tmar", 32, 16, 256, 4, 4), ("tmar", 32, 64, 128, 4, 4),
-              # the hybrids: one K loop, the counter's top level ("tmah") or top two ("tmah2") in
-              # the L2 scratch, which leaves registers for a 128 x 128 tile (offline, 8 leaves:
-              # tmah2 215 registers, no spill, 230 / 197 / 214 kB shared at 64 / 3, 32 / 4, 32 / 5;
-              # tmah 255 registers and a 56-byte spill)
-              ("tmah2", 128, 128, 64, 8, 3), ("tmah2", 128, 128, 32, 8, 4), ("tmah2", 128, 128, 32, 8, 5),
-              ("tmah", 128, 128, 64, 8, 3),
+              # the hybrid: one K loop, the counter's top level in the L2 scratch, which leaves
+              # registers for a 128 x 128 tile (offline, 8 leaves: 255 registers, a 56-byte spill)
+              ("tmah", 128, 128, 64, 8, 3), ("tmah", 128, 128, 64, 8, 4),
               # at 2 or 4 leaves (tp_leaves for TP <= 2 / <= 4) "tmar" keeps 128 x 128 in registers
               # (offline: 153 / 205 registers, no spill; at 8 leaves it spills 312 bytes)
               ("tmar", 128, 128, 64, 8, 3), ("tmar", 128, 128, 64, 8, 4)]

@@ -14,10 +14,9 @@ and rounds once, after the top of the tree):
 - `tree_linear_rows` (CPU, invariant): each row alone, each leaf `F.linear` of contiguous
   float32 copies (the rule of kernels/torch_ops.py's row forms);
 - `tree_linear_triton` (CUDA, invariant): one persistent launch, each program computing
-  its output tiles' leaves in turn and adding them in tree order (the subtrees waiting for
-  a right sibling in an L2-resident scratch; with "tmar" / "plainr" in registers, the
-  leaves then one K loop; with "tmah" / "tmah2" one K loop, the top one or two levels of
-  waiting subtrees in the scratch and the rest in registers);
+  its output tiles in ONE K loop over all leaves, the subtrees waiting for a right sibling
+  in registers ("tmar" / "plainr") or with the top level of them in an L2-resident scratch
+  ("tmah"), added in tree order;
 - `tree_linear_leafwise`: one invariant GEMM launch per leaf (float32 out) and `tree_sum`:
   what the fused kernel must equal bit for bit (tests, benchmarks);
 - `tree_linear_reference`: float64;
@@ -109,47 +108,6 @@ def tree_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
-def _tree_matmul_kernel(a_ptr, b_ptr, c_ptr, stack_ptr, M, N, KL,
-                        stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                        LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """Persistent: each program walks output tiles; per tile, the leaves in order, each the
-    invariant GEMM's float32 accumulation from zero over its K range. The tree is evaluated
-    as a binary counter: after leaf j, the finished subtrees waiting for a right sibling
-    (at most LEVELS of them, one per level) are added on the left, lower index first, and
-    the result waits at the first level where j's bit is 0. Those waiting subtrees live in
-    this program's rows of an L2-resident float32 scratch (`stack_ptr`), not in registers:
-    a register stack of log2(leaves) accumulator tiles spilled inside the K loop."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    lm = tl.arange(0, BM)
-    ln = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    slot = stack_ptr + pid.to(tl.int64) * (LEVELS * BM * BN) + lm[:, None] * BN + ln[None, :]
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
-        rm = pid_m.to(tl.int64) * BM + lm
-        rn = pid_n.to(tl.int64) * BN + ln
-        for j in tl.static_range(LEAVES):
-            cur = matmul._dot_k(a_ptr + j * KL * stride_ak, b_ptr + j * KL * stride_bk, rm, rn, rk, M, N, KL,
-                                stride_am, stride_ak, stride_bn, stride_bk, BM, BN, BK, EVEN_K)
-            for level in tl.static_range(LEVELS):
-                low = (2 << level) - 1
-                if (j & low) == low:
-                    # bits 0..level of j all set: the left sibling at this level finished
-                    # earlier (every thread stored its part of it before the barrier that
-                    # followed the store)
-                    cur = tl.load(slot + level * BM * BN) + cur
-                elif (j & low) == (low >> 1):
-                    # the lower bits set, this one clear: wait here for the right sibling
-                    tl.store(slot + level * BM * BN, cur)
-                    tl.debug_barrier()
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, cur,
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
 def _after_bulk_stores(row, EMULATE: tl.constexpr):
     """`row` unchanged, returned after this thread's bulk (TMA) stores have finished
     writing global memory (`cp.async.bulk.wait_group 0`). A TMA store's own wait (`.read`)
@@ -180,29 +138,6 @@ def _scratch_levels(cur, j, stack_desc, row0, LEVELS: tl.constexpr, REG_LEVELS: 
         elif (j & low) == (low >> 1):
             stack_desc.store([row, 0], cur)
     return cur
-
-
-@triton.jit
-def _tree_tma_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
-                     LEAVES: tl.constexpr, LEVELS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
-    """`_tree_matmul_kernel` with Hopper TMA loads and stores (the invariant GEMM's
-    `_tma_dot_k` form per leaf; KL a multiple of BK, so a leaf never reads its neighbour's
-    K; the waiting subtrees and the output through descriptors too): the same bits, with no
-    per-element pointer tensors held in registers."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = matmul._tile_coords(tile, M, N, BM, BN, GROUP_M)
-        for j in tl.static_range(LEAVES):
-            cur = tl.zeros((BM, BN), dtype=tl.float32)
-            for ki in range(0, KL // BK):
-                a = a_desc.load([pid_m * BM, j * KL + ki * BK])
-                b = b_desc.load([pid_n * BN, j * KL + ki * BK])
-                cur = tl.dot(a, b.T, cur)
-            cur = _scratch_levels(cur, j, stack_desc, pid * (LEVELS * BM), LEVELS, 0, BM, EMULATE)
-        c_desc.store([pid_m * BM, pid_n * BN], cur)
 
 
 @triton.jit
@@ -327,8 +262,7 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
     REG_LEVELS levels wait in registers; the ones above (the longest-lived and least often
     touched: the top level is stored once and loaded once per tile) in an L2-resident
     scratch (`_scratch_levels`), which leaves registers for a wider tile. "tmar" keeps every
-    level in registers (REG_LEVELS = LEVELS), "tmah" the top one in scratch, "tmah2" the
-    top two. The leaf-end work sits under `if` (the form of Triton's persistent-matmul
+    level in registers (REG_LEVELS = LEVELS), "tmah" the top one in scratch. The leaf-end work sits under `if` (the form of Triton's persistent-matmul
     tutorial): the wgmma stays asynchronous (one group in flight) and waits for the
     accumulator only in that branch, where the counter reads it; the reset to zeros is
     register moves there. (Triton 3.8 runs OptimizeAccumulatorInit, which would turn the
@@ -365,17 +299,16 @@ def _tree_tma_regs_kernel(a_desc, b_desc, c_desc, stack_desc, M, N, KL,
 
 
 # (max M, impl, BM, BN, BK, warps, stages). Speed only: the per-leaf form fixes the bits
-# whatever the tile and impl (as for the invariant GEMM). "tmar" / "plainr": one K loop
-# over all leaves with the waiting subtrees in registers (no scratch); "tmah" / "tmah2": one
-# K loop with the counter's top level / top two levels in the scratch. The "tma*" impls need
-# K / leaves to be a multiple of BK and 16-byte aligned rows, else the entry runs as
-# "plain" (the one-loop ones as "plainr"). Register use read offline for sm_90
-# (triton.compile + cuobjdump -res-usage, 8 leaves): tma 128x128x64 at 8 warps 210
-# registers, no spill; 128x256 does not fit shared memory; the plain kernel spills at
-# 128x128 (its pointer tensors); tmar (four float32 tiles live) 183 registers at 64x64 /
-# 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps and 128x128; tmah2
-# (two tiles live) 215 at 128x128 / 8 warps, no spill; tmah (three) 255 there and spills
-# 56 bytes. Timed by benchmarks/kernels/tp_tree.py.
+# whatever the tile and impl (as for the invariant GEMM). Every impl runs one K loop over all
+# leaves: "tmar" / "plainr" with the waiting subtrees in registers (no scratch), "tmah" with
+# the counter's top level in the scratch. The TMA impls need K / leaves to be a multiple of
+# BK and 16-byte aligned rows, else the entry runs as "plainr". Register use read offline for
+# sm_90 (triton.compile + cuobjdump -res-usage, 8 leaves): tmar (four float32 tiles live) 183
+# registers at 64x64 / 4 warps and 128x64 or 64x128 / 8 warps, spilling at 64x128 / 4 warps
+# and 128x128; tmah (three) 255 at 128x128 / 8 warps, a 56-byte spill. Measured and
+# deleted (benchmarks/NOTES.md, sessions 16-24): the leaves in turn, their waiting subtrees
+# in the scratch, with pointer loads ("plain") or TMA ("tma": 1.56-2.30x the invariant GEMM
+# at large M), and "tmah2" (the top two levels in the scratch): none won at any M.
 # Above M = 256 the choice follows the leaves: at 4 or fewer "tmar" keeps a 128 x 128 tile's
 # waiting subtrees in registers (205 registers, no spill); at 8, short leaves (o_proj: 512)
 # take "tmah" (the top level in the scratch), long ones (down_proj: 1,536) still "tmar".
@@ -394,9 +327,9 @@ TREE_GPU_SHORT_LEAF = 1024          # K / leaves at or below it, at more than 4 
 TREE_GPU_SHORT_LEAF_LARGE_M = ("tmah", 128, 128, 64, 8, 3)
 # the one-K-loop impls: how many of the counter's top levels wait in the scratch (the rest in
 # registers); where TMA cannot run they run as "plainr" (every level in registers)
-ONE_LOOP_IMPLS = {"plainr": 0, "tmar": 0, "tmah": 1, "tmah2": 2}
-TREE_IMPLS = ("plain", "tma", *ONE_LOOP_IMPLS)
-TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plain", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
+ONE_LOOP_IMPLS = {"plainr": 0, "tmar": 0, "tmah": 1}
+TREE_IMPLS = tuple(ONE_LOOP_IMPLS)
+TREE_INTERPRET_CONFIGS: list[tuple] = [(1 << 62, "plainr", 16, 16, 16, 1, 1)]  # the invariant GEMM's interpreter tiles
 
 
 def _tree_config(M: int, leaves: int, leaf_width: int) -> tuple:
@@ -462,34 +395,21 @@ def tree_linear_triton(x: torch.Tensor, weight: torch.Tensor, leaves: int, confi
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     programs = min(tiles, matmul._num_programs(x.device)) if x.device.type == "cuda" else tiles
     tma = impl.startswith("tma") and KL % bk == 0 and matmul._tma_ok(a, weight, c)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        descs = (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-                 TensorDescriptor.from_tensor(c, [bm, bn]))
     opts = dict(LEAVES=leaves, LEVELS=levels, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    ptr_args = (a, weight, c, M, N, KL, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), c.stride(0),
-                c.stride(1))
-    if impl in ONE_LOOP_IMPLS:  # one K loop over all leaves
-        if tma:
-            reg_levels = max(levels - ONE_LOOP_IMPLS[impl], 0)
-            if reg_levels < levels:  # the scratch levels' float32 tiles, one per level per program
-                numel = programs * (levels - reg_levels) * bm * bn
-                stack_desc = TensorDescriptor.from_tensor(_stack(x.device, numel).narrow(0, 0, numel).view(-1, bn),
-                                                          [bm, bn])
-            else:  # no scratch: the output's descriptor (same block type) stands in, never read
-                stack_desc = descs[2]
-            _tree_tma_regs_kernel[(programs,)](*descs, stack_desc, M, N, KL, REG_LEVELS=reg_levels,
-                                               EMULATE=matmul._interpreting(), **opts, enable_fp_fusion=True)
-        else:
-            _tree_regs_kernel[(programs,)](*ptr_args, EVEN_K=KL % bk == 0, **opts, enable_fp_fusion=True)
+    if not tma:
+        _tree_regs_kernel[(programs,)](a, weight, c, M, N, KL, a.stride(0), a.stride(1), weight.stride(0),
+                                       weight.stride(1), c.stride(0), c.stride(1), EVEN_K=KL % bk == 0, **opts,
+                                       enable_fp_fusion=True)
         return c.reshape(*lead, N)
-    # one BM x BN float32 tile per level per program (at least one: a descriptor needs rows)
-    numel = programs * max(levels, 1) * bm * bn
-    stack = _stack(x.device, numel).narrow(0, 0, numel)
-    if tma:
-        _tree_tma_kernel[(programs,)](*descs, TensorDescriptor.from_tensor(stack.view(-1, bn), [bm, bn]), M, N, KL,
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    descs = (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+             TensorDescriptor.from_tensor(c, [bm, bn]))
+    reg_levels = max(levels - ONE_LOOP_IMPLS[impl], 0)
+    if reg_levels < levels:  # the scratch levels' float32 tiles, one per level per program
+        numel = programs * (levels - reg_levels) * bm * bn
+        stack_desc = TensorDescriptor.from_tensor(_stack(x.device, numel).narrow(0, 0, numel).view(-1, bn), [bm, bn])
+    else:  # no scratch: the output's descriptor (same block type) stands in, never read
+        stack_desc = descs[2]
+    _tree_tma_regs_kernel[(programs,)](*descs, stack_desc, M, N, KL, REG_LEVELS=reg_levels,
                                        EMULATE=matmul._interpreting(), **opts, enable_fp_fusion=True)
-    else:
-        _tree_matmul_kernel[(programs,)](*ptr_args[:3], stack, *ptr_args[3:], EVEN_K=KL % bk == 0, **opts,
-            enable_fp_fusion=True)
     return c.reshape(*lead, N)
