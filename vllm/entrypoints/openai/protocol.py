@@ -181,10 +181,6 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError("top_k must fit in a signed 64-bit integer (any value >= the vocabulary size disables it)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
-                and not self.stream_options.include_usage:
-            # upstream sends no usage at all for this combination: refused rather than ignored
-            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage: true")
 
     @property
     def want_token_ids(self) -> bool:
@@ -197,7 +193,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
     @property
     def usage_on_every_chunk(self) -> bool:
-        """Every chunk of a stream carries the usage so far (stream_options.continuous_usage_stats)."""
+        """Every chunk of a stream carries the usage so far (stream_options.continuous_usage_stats,
+        as upstream only together with include_usage: alone it sends no usage)."""
         return self.usage_at_end and self.stream_options.continuous_usage_stats
 
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
