@@ -452,6 +452,49 @@ def test_min_p_support(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_min_p_comes_before_top_p(device):
+    """Upstream's order: min-p removes tokens before top-p renormalises. Probabilities [.5,
+    .2, .1, .1, .1] with min_p 0.3 leave {0} (0.2 < 0.3 x 0.5); top-p 0.7 over what is left
+    keeps {0}. Top-p first would keep {0, 1} (0.5 < 0.7), which min-p then keeps too."""
+    logits = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1]], device=device).log()
+    assert support(logits, dict(t=1.0, k=0, p=0.7, m=0.3), draws=400) == {0}
+    assert support(logits, dict(t=1.0, k=0, p=0.7, m=0.0), draws=400) == {0, 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_token_ban_leaves_the_reported_distribution(device, mode):
+    """min_tokens' bans (TokenBan) take the banned tokens out of sampling, as a grammar mask
+    does: the tempered and raw modes report the model's distribution bit for bit as without
+    the ban (what the trainer recomputes; upstream's raw logprobs come before its logits
+    processors), the processed modes the banned tokens at -inf."""
+    from vllm.sample.sampler import TokenBan
+    torch.manual_seed(13)
+    logits = torch.randn(3, 50, device=device)
+    logits[:, 7] = 10.0   # the banned token would win every draw
+    rows = [dict(t=t, k=0, p=1.0, m=0.0, seed=s, pos=0) for t, s in ((0.0, 1), (0.8, 2), (1.0, 3))]
+    free = SAMPLER(logits, make_batch(rows, device, max_num_logprobs=5, mode=mode))
+    batch = make_batch(rows, device, max_num_logprobs=5, mode=mode)
+    batch.token_ban = TokenBan(rows=torch.tensor([0, 1], device=device), token_ids=torch.tensor([7, 7], device=device))
+    banned = SAMPLER(logits, batch)
+    assert banned.token_ids[0].item() != 7 and banned.token_ids[1].item() != 7
+    assert free.token_ids[2].item() == banned.token_ids[2].item() == 7
+    dist = torch.stack([banned.topk_logprobs[i][banned.topk_ids[i] == 7].reshape(-1)[:1].cpu()
+                        if (banned.topk_ids[i] == 7).any() else torch.tensor([float("nan")]) for i in range(3)])
+    if mode.startswith("processed"):
+        assert not (banned.topk_ids[:2] == 7).any()   # -inf: out of the top 5
+    else:
+        # the banned token keeps its value and its place at the top of the reported top-k
+        assert (banned.topk_ids[:, 0] == 7).all()
+        assert torch.equal(bits(banned.topk_logprobs), bits(free.topk_logprobs))
+        assert torch.isfinite(dist).all()
+        # the sampled token's value is the unbanned distribution's
+        ref = SAMPLER(logits, make_batch(rows, device, max_num_logprobs=50, mode=mode))
+        want = ref.topk_logprobs.gather(1, (ref.topk_ids == banned.token_ids[:, None]).int().argmax(1, keepdim=True))
+        assert torch.equal(bits(banned.logprobs), bits(want[:, 0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empirical_distribution_matches_softmax(device):
     torch.manual_seed(11)
     V, T, draws = 12, 0.8, 20000
@@ -485,7 +528,10 @@ def _reference_dist(logits, rows, mode):
         if mode == "tempered_logprobs":
             out.append(torch.log_softmax(s, -1))
             continue
+        # upstream's order: min-p, then top-k, then top-p over what is left
         keep = torch.ones_like(s, dtype=torch.bool)
+        if r["m"] > 0:
+            keep &= torch.softmax(s, -1) >= r["m"] * torch.softmax(s, -1).max()
         order = torch.sort(s, descending=True, stable=True).indices
         if 0 < r["k"] < len(s):
             keep[order[r["k"]:]] = False
@@ -495,8 +541,6 @@ def _reference_dist(logits, rows, mode):
             drop = before >= r["p"]
             drop[0] = False
             keep[order[drop]] = False
-        if r["m"] > 0:
-            keep &= torch.softmax(s, -1) >= r["m"] * torch.softmax(s, -1).max()
         proc = s.masked_fill(~keep, -math.inf)
         out.append(proc if mode == "processed_logits" else torch.log_softmax(proc, -1))
     return torch.stack(out)

@@ -96,6 +96,15 @@ def test_abort_frees_blocks_and_unknown_ids_are_ignored():
     assert kv.num_free_blocks == kv.num_blocks - 1 and not s.has_unfinished()
 
 
+def test_other_eos_ids_report_themselves_as_stop_reason():
+    """The main EOS (the first id: the tokenizer's) stops with stop_reason None; the other ids
+    (generation_config's, e.g. Llama 3.1's <|eom_id|>) with their id, as upstream's stop tokens."""
+    for token, reason in ((2, None), (7, 7)):
+        r = Request("r", [1, 2, 3], SamplingParams(max_tokens=5), 1, [2, 7], 1000)
+        r.output_token_ids.append(token)
+        assert r.check_token_stop() == RequestStatus.FINISHED_STOPPED and r.stop_reason == reason
+
+
 def test_token_stop_rules():
     s, _ = make()
     a = req("a", 5, max_tokens=10, stop_token_ids=[9])
@@ -110,7 +119,7 @@ def test_token_stop_rules():
     c = Request("c", [1, 2, 3], SamplingParams(max_tokens=5, min_tokens=2), 1, [2], 1000)
     s.add_request(c)
     out = s.schedule()
-    assert out.requests[0].allowed_eos_ids == (2,)  # eos masked until min_tokens
+    assert out.requests[0].banned_token_ids == (2,)  # eos masked until min_tokens
     s.update(out, ModelRunnerOutput({"c": SampledToken(5)}))
     out = s.schedule()
     s.update(out, ModelRunnerOutput({"c": SampledToken(2)}))

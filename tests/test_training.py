@@ -235,3 +235,23 @@ def test_fast_engine_policy_warns_once(tiny_qwen3):
         warnings.simplefilter("always")
         llm.policy()
     assert not [w for w in caught if "will not match" in str(w.message)]
+
+
+def test_min_tokens_ban_leaves_the_rollout_logprobs_the_trainers(tiny_qwen3):
+    """While min_tokens holds back a stop token it is not sampled, yet the reported logprobs
+    stay the model's distribution (the default tempered_logprobs): the trainer's bits. The
+    stop token is the greedy first token, so the ban moves the first step's distribution."""
+    from vllm.sampling_params import SamplingParams
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    prompt = list(range(10, 30))
+    first = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=1.0, seed=3, max_tokens=3, min_tokens=3, stop_token_ids=[first],
+                                      logprobs=5), use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids
+    assert first in out.logprobs[0] and out.logprobs[0][first].rank == 1   # reported, at the top
+    rollout = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)], dtype=torch.float32)
+    with torch.no_grad():
+        trainer = llm.policy().token_logprobs([prompt + list(out.token_ids)], [len(prompt)], temperature=1.0)[0]
+    assert torch.equal(trainer.detach().cpu().view(torch.int32), rollout.view(torch.int32))

@@ -4,10 +4,13 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 
 from vllm.structured_outputs import StructuredOutputsParams
 
+# positive temperatures below this are raised to it (upstream's floor)
+MIN_TEMPERATURE = 0.01
 LOGPROBS_MODES = ("tempered_logprobs", "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -38,6 +41,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprobs_mode: str = "tempered_logprobs"
     skip_special_tokens: bool = True
+    # upstream's; only slow tokenizers put spaces between special tokens, and every tokenizer
+    # here is a fast one (as in upstream, where it then changes nothing either)
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: free)
     structured_outputs: "StructuredOutputsParams | None" = None
@@ -47,6 +53,12 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # as upstream: logits / 1e-40 overflow to infinity (a NaN distribution, a draw
+            # that is not the greedy token)
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE} and is raised to it "
+                          "(temperature=0 is greedy)", stacklevel=3)
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None:
@@ -78,8 +90,12 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
+            # the sampler keys its noise by a signed 64-bit seed; a larger one would fail
+            # inside the step, with every request of the batch
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if self.seed == -1:  # upstream's "no seed"
             self.seed = None
         # upstream's normal form: lists, read where they are used (a field set after

@@ -34,7 +34,7 @@ class ScheduledRequest:
     output_index: int = 0         # position of the token being sampled within the request's output
     num_logprobs: int = -1
     logprobs_mode: str = "tempered_logprobs"
-    allowed_eos_ids: tuple = ()   # eos ids to mask while min_tokens is not reached
+    banned_token_ids: tuple = ()  # eos and stop token ids not sampled while min_tokens is not reached
     # Penalties (None: none): (presence, frequency, repetition, prompt ids, output ids). The
     # id lists are the request's own (read at launch, never copied); with async scheduling
     # the output may end in PLACEHOLDER, filled from the previous step's tokens on the device.

@@ -285,6 +285,21 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     return out.index_copy_(0, mask.rows, sub)
 
 
+@dataclass
+class TokenBan:
+    """Single tokens a row may not sample this step: EOS and stop tokens while a request is
+    short of its min_tokens (pairs: row `rows[i]` bans token `token_ids[i]`)."""
+
+    rows: torch.Tensor          # [N] int64
+    token_ids: torch.Tensor     # [N] int64
+
+
+def apply_token_ban(logits: torch.Tensor, ban: TokenBan) -> torch.Tensor:
+    """``logits`` with the banned (row, token) pairs set to -inf (a new tensor; every other
+    element copied bit for bit)."""
+    return logits.index_put((ban.rows, ban.token_ids), torch.tensor(_NEG_INF, device=logits.device))
+
+
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Penalised float32 logits (a new tensor; rows without penalties are copied bit for bit).
 
@@ -344,6 +359,8 @@ class SamplingBatch:
     penalties: Penalties | None = None
     # Rows constrained by a grammar (None: no row is).
     token_mask: TokenMask | None = None
+    # Tokens banned this step (min_tokens' EOS and stop tokens; None: none).
+    token_ban: TokenBan | None = None
 
     @property
     def batch_size(self) -> int:
@@ -439,16 +456,17 @@ class _TruncationPlan:
 
 
 def _keep_mask(scaled, plan, top_k, top_p, min_p, use_k, use_p, use_m) -> torch.Tensor:
-    """Boolean [B, V] mask of the tokens surviving top-k, then top-p, then min-p.
+    """Boolean [B, V] mask of the tokens surviving min-p, then top-k, then top-p (upstream's
+    order: its min-p logits processor runs before its top-k / top-p sampler).
 
-    * top-k keeps the first k entries of the stable descending sort of the
-      tempered logits (ties at the boundary -> lower token id).
-    * top-p, on the distribution renormalised over the top-k survivors, keeps
-      sorted entry j iff the mass strictly before it is < top_p * total: the
-      shortest prefix reaching top_p.  Entry 0 is always kept.
-    * min-p keeps tokens with exp(x - max) >= min_p, i.e. prob >= min_p * max
-      prob.  The ratio is the same before or after renormalisation, so min-p
-      commutes with the other two and needs no sort.
+    * min-p keeps tokens with exp(x - max) >= min_p, i.e. prob >= min_p * max prob;
+    * top-k keeps the first k entries of the stable descending sort of the tempered logits
+      left by min-p (ties at the boundary -> lower token id);
+    * top-p, on the distribution renormalised over those survivors, keeps sorted entry j
+      iff the mass strictly before it is < top_p * total: the shortest prefix reaching
+      top_p. Entry 0 is always kept.
+    Min-p keeps a prefix of the sorted order (the max and everything within the ratio), so
+    it commutes with top-k; top-p's total is the mass left by both.
     """
     keep = None
     if plan.any_m:
@@ -456,7 +474,9 @@ def _keep_mask(scaled, plan, top_k, top_p, min_p, use_k, use_p, use_m) -> torch.
         keep = (ratio >= min_p.unsqueeze(1)) | ~use_m.unsqueeze(1)
         del ratio
     if plan.any_k or plan.any_p:
-        keep_kp = _top_k_top_p_mask(scaled, plan, top_k, top_p, use_k, use_p)
+        # top-p renormalises over what min-p left: its removed tokens take no mass
+        after_m = scaled if keep is None else scaled.masked_fill(~keep, _NEG_INF)
+        keep_kp = _top_k_top_p_mask(after_m, plan, top_k, top_p, use_k, use_p)
         keep = keep_kp if keep is None else keep.logical_and_(keep_kp)
     return keep
 
@@ -525,7 +545,7 @@ def _prefix_keep(scaled, width, k_eff, top_p, use_k, use_p, plan):
 # Sampler
 # --------------------------------------------------------------------------- #
 class Sampler(torch.nn.Module):
-    """temperature -> top-k -> top-p -> min-p -> Gumbel-max, plus logprobs.
+    """temperature -> min-p -> top-k -> top-p -> Gumbel-max, plus logprobs.
 
     Stateless: all randomness is keyed by ``(seed, position, token id)``.
 
@@ -558,13 +578,16 @@ class Sampler(torch.nn.Module):
         raw_logits = logits
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
-        # Grammar masks (structured outputs) come after the penalties and before temperature,
-        # truncation and sampling, so all of them see only the allowed tokens. The
-        # tempered_logprobs mode keeps the unmasked distribution, as it ignores truncation:
-        # it is what the trainer recomputes (docs/sampling.md).
+        # Grammar masks (structured outputs) and min_tokens' bans come after the penalties and
+        # before temperature, truncation and sampling, so all of them see only the allowed
+        # tokens. The tempered_logprobs mode keeps the unmasked distribution, as it ignores
+        # truncation: it is what the trainer recomputes (docs/sampling.md); the raw modes
+        # never see them (upstream's raw logprobs come before its logits processors).
         unmasked = logits
         if batch.token_mask is not None:
             logits = apply_token_mask(logits, batch.token_mask)
+        if batch.token_ban is not None:
+            logits = apply_token_ban(logits, batch.token_ban)
         temperature = batch.temperature.to(device=device, dtype=torch.float32)
         greedy = temperature <= 0
         top_k = batch.top_k.to(device=device, dtype=torch.int64)

@@ -17,8 +17,8 @@ from vllm.core.messages import ModelRunnerOutput, PromptLogprobsChunk, SampledTo
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
-from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, TokenMask, prompt_logprob_values,
-                                  stable_topk)
+from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, TokenBan, TokenMask,
+                                  prompt_logprob_values, stable_topk)
 
 
 @dataclass
@@ -150,11 +150,18 @@ class SamplingLauncher:
         return TokenMask(rows=self._h2d(rows, torch.long),
                          bitmask=self._h2d(np.stack([reqs[j].grammar_bitmask for j in rows]), torch.int32))
 
+    def _token_ban(self, reqs) -> TokenBan | None:
+        """The EOS and stop tokens each row of a sampler call over `reqs` may not sample yet
+        (min_tokens not reached; None when no row bans any). The sampler applies them as it
+        applies grammar masks, so the reported logprobs (tempered, raw) keep the model's
+        distribution, the one the trainer recomputes."""
+        rows = [j for j, r in enumerate(reqs) for _ in r.banned_token_ids]
+        if not rows:
+            return None
+        return TokenBan(rows=self._h2d(rows, torch.long),
+                        token_ids=self._h2d([t for r in reqs for t in r.banned_token_ids], torch.long))
+
     def launch(self, logits: torch.Tensor, reqs, prev: StepHandle | None = None) -> StepHandle:
-        eos_rows = [i for i, r in enumerate(reqs) for _ in r.allowed_eos_ids]
-        if eos_rows:
-            eos_cols = [t for r in reqs for t in r.allowed_eos_ids]
-            logits[self._h2d(eos_rows, torch.long), self._h2d(eos_cols, torch.long)] = float("-inf")
         # One sampler call per logprobs mode keeps every row's result its own.
         by_mode: dict = {}
         for i, r in enumerate(reqs):
@@ -170,6 +177,7 @@ class SamplingLauncher:
                 logprobs_mode=mode or "tempered_logprobs")
             batch.penalties = self._penalties(sub, prev)
             batch.token_mask = self._token_mask(sub)
+            batch.token_ban = self._token_ban(sub)
             so = self.sampler(logits if len(by_mode) == 1 else logits.index_select(0, self._h2d(idx, torch.long)), batch)
             if len(by_mode) == 1:
                 token_ids = so.token_ids
