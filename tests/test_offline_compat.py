@@ -67,6 +67,37 @@ def test_upstream_engine_args():
         LLM(device="cpu", not_an_arg=1)
 
 
+def test_tiny_temperatures_and_seeds_out_of_range(llm):
+    """Upstream's floor: a positive temperature below 0.01 is raised to it, with a warning
+    (logits / 1e-40 overflow: NaN logprobs, a draw that is not the greedy token). A seed
+    beyond int64 is refused at construction instead of failing the whole batch's step."""
+    with pytest.warns(UserWarning, match="raised"):
+        sp = SamplingParams(temperature=1e-40, max_tokens=2, logprobs=0, seed=1)
+    assert sp.temperature == 0.01
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids
+    assert all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
+    for seed in (2 ** 63, -2 ** 63 - 1, True):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+
+
+def test_the_tokenizers_eos_stops_beside_the_configs(tmp_path):
+    """A generation_config naming another EOS (a fine-tune's stale one) adds to the
+    tokenizer's EOS, as upstream: both stop a request, the other with its id as stop_reason."""
+    d = tmp_path / "m"
+    shutil.copytree(default_model_path(), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = [7]
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(d), device="cpu")
+    tok_eos = llm.get_tokenizer().eos_token_id
+    assert tok_eos is not None and tok_eos != 7
+    assert llm.llm_engine.eos_token_ids == [tok_eos, 7]   # the tokenizer's is the main one
+
+
 def test_generate_without_params_uses_generation_config(tmp_path):
     d = tmp_path / "m"
     shutil.copytree(default_model_path(), d)
@@ -123,11 +154,16 @@ def test_stop_strings_min_tokens_and_the_stopping_token(llm):
     def run(**kw):
         return llm.generate([prompt], SamplingParams(**{**base, **kw}), use_tqdm=False)[0].outputs[0]
     assert run(stop=["2"]).text == "9"
-    # min_tokens: stop strings wait past the first 3 tokens and never match in their text
+    # min_tokens: stop strings wait past the first 3 tokens; the 4th may complete one that
+    # started in their text (upstream's window: a stop string's length - 1 characters back)
     o = run(stop=["2"], min_tokens=3)
     assert (o.text, o.finish_reason) == ("92238700", "length")
     o = run(stop=["3"], min_tokens=3)
     assert (o.text, o.stop_reason) == ("922", "3")
+    o = run(stop=["23"], min_tokens=3)
+    assert (o.text, o.stop_reason) == ("92", "23")
+    # two stop strings ending in the same token: the list's order decides, as upstream
+    assert (run(stop=["3", "23"]).text, run(stop=["23", "3"]).text) == ("922", "92")
     # a stop string completed by the last allowed token: "stop", as upstream reports it
     o = run(stop=["3"], max_tokens=4)
     assert (o.text, o.finish_reason, o.stop_reason) == ("922", "stop", "3")

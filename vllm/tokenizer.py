@@ -53,11 +53,13 @@ class IncrementalDetokenizer:
         return ""
 
 
-def find_stop_string(text: str, before: int, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string in `text` that ends in its new part (`text[before:]`) and
-    starts at `floor` or later, as (position, stop string), or None. Shared by the engine and
-    the server's detokenizer."""
-    # Only a match that ends in the new text is new: start one stop-string length before it.
-    window_start = max(floor, before - max(len(s) for s in stops) + 1)
-    hits = [(pos, s) for s in stops if (pos := text.find(s, window_start)) >= 0]
-    return min(hits) if hits else None
+def find_stop_string(text: str, before: int, stops: list[str]) -> tuple[int, str] | None:
+    """The first stop string, in the list's order, that ends in the new part of `text`
+    (`text[before:]`), as (position, stop string), or None (upstream's rule: a stop string may
+    start up to its length - 1 characters before the new text, and the list order decides
+    between two that end in it)."""
+    for s in stops:
+        pos = text.find(s, max(0, before - len(s) + 1))
+        if pos >= 0:
+            return pos, s
+    return None

@@ -102,7 +102,9 @@ class Request:
         last = self.output_token_ids[-1]
         if n_out >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
-                self.stop_reason = None
+                # the main EOS (the first: the tokenizer's) has no stop reason; the other ids
+                # (generation_config's) stop as stop tokens do, with their id (as upstream)
+                self.stop_reason = None if last == self.eos_token_ids[0] else last
                 return RequestStatus.FINISHED_STOPPED
             if self.params.stop_token_ids and last in self.params.stop_token_ids:
                 self.stop_reason = last

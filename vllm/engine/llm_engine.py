@@ -135,9 +135,12 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._counter = itertools.count()
-        self.eos_token_ids = list(config.model.eos_token_ids)
-        if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids = [self.tokenizer.eos_token_id]
+        # the tokenizer's EOS first (the main one, stop_reason None), then generation_config's /
+        # config's other ids, all stopping as upstream (theirs report their id as stop_reason):
+        # a fine-tune whose config still names the base model's EOS stops on its tokenizer's too
+        tokenizer_eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = [tokenizer_eos] if tokenizer_eos is not None else []
+        self.eos_token_ids += [t for t in config.model.eos_token_ids if t not in self.eos_token_ids]
         self.step_count = 0
         self.weight_version = 0
         # pause(): step() runs nothing until resume(); requests stay queued with their KV

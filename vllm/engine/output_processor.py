@@ -40,7 +40,7 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "token_ids", "detoks", "logprobs",
                  "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode",
-                 "prompt_logprobs", "stop_floor")
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, decode_one: TokenTextCache):
@@ -56,7 +56,6 @@ class RequestState:
         self.cumulative = [0.0] * n
         self.finish: list[str | None] = [None] * n
         self.stop_reason: list[int | str | None] = [None] * n
-        self.stop_floor = [0] * n   # stop strings match from here: the text after min_tokens tokens
         self.weight_versions: list[list[int]] = [[] for _ in range(n)]
         self.num_cached_tokens = 0
         self._decode = decode_one
@@ -96,10 +95,10 @@ class RequestState:
             if not stops:
                 continue
             if len(ids) <= self.params.min_tokens:
-                # stop strings wait for min_tokens, and never match in the text before (as upstream)
-                self.stop_floor[i] = len(detok.text)
+                # stop strings wait for min_tokens; the first token after may complete one
+                # that started before (as upstream)
                 continue
-            hit = find_stop_string(detok.text, before, stops, self.stop_floor[i])
+            hit = find_stop_string(detok.text, before, stops)
             if hit is None:
                 continue
             pos, s = hit
