@@ -109,9 +109,11 @@ class ModelConfig:
             if isinstance(gen.get("max_new_tokens"), int):  # the server's max_tokens when a request leaves it unset
                 gen_defaults["max_tokens"] = gen["max_new_tokens"]
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        max_pos = hf.get("max_position_embeddings", 4096)
+        from vllm.layers.rotary import hf_positions_covered   # (the layers import this module)
+        max_pos = hf_positions_covered(hf)   # linear rope scaling stretches max_position_embeddings
         if max_model_len is not None and max_model_len > max_pos:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the {max_pos} positions the model covers "
+                             f"(max_position_embeddings={hf.get('max_position_embeddings', 4096)}, with its rope scaling)")
         return cls(
             path=path,
             architecture=archs[0],

@@ -43,6 +43,26 @@ def rope_from_hf(hf: dict) -> tuple[float, RopeScaling]:
     return float(theta), rs
 
 
+def positions_covered(max_position_embeddings: int, scaling: RopeScaling) -> int:
+    """The longest context the rope covers: linear scaling stretches the trained positions by
+    its factor (a 4,096-position model with factor 4 serves 16,384, as upstream derives its
+    max length); llama3's config already names its longer length."""
+    if scaling.rope_type == "linear":
+        return int(max_position_embeddings * scaling.factor)
+    return max_position_embeddings
+
+
+def hf_positions_covered(hf: dict) -> int:
+    """positions_covered of an HF config.json (its max_position_embeddings where its rope
+    scaling is one this module refuses: the model's own parser names that error)."""
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    try:
+        _, scaling = rope_from_hf(hf)
+    except ValueError:
+        return max_pos
+    return positions_covered(max_pos, scaling)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim))
     if scaling.rope_type == "linear":

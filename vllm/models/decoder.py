@@ -24,7 +24,7 @@ from torch import nn
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RopeScaling, RotaryEmbedding
+from vllm.layers.rotary import RopeScaling, RotaryEmbedding, positions_covered
 from vllm.models.checkpointing import run_layers
 from vllm.models.weights import WeightMapping, WeightSlot
 
@@ -54,8 +54,8 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, layer_class, norm_class: type = RMSNorm, rotary_dim: int | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      rotary_dim)
+        self.rotary = RotaryEmbedding(cfg.head_dim, positions_covered(cfg.max_position_embeddings, cfg.rope_scaling),
+                                      cfg.rope_theta, cfg.rope_scaling, rotary_dim)
         self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 

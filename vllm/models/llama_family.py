@@ -20,10 +20,12 @@ from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
 from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 
 # What distinguishes the members of the family (config.json does not say it).
+# "bias_fields": whether config.json's attention_bias (q, k, v and o) and mlp_bias (gate, up
+# and down) apply, as in transformers' classes (Qwen2's q, k, v bias is fixed, its o has none).
 ARCHITECTURES = {
-    "Qwen3ForCausalLM": {"qk_norm": True, "qkv_bias": False},
-    "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
-    "LlamaForCausalLM": {"qk_norm": False, "qkv_bias": False},
+    "Qwen3ForCausalLM": {"qk_norm": True, "qkv_bias": False, "bias_fields": True},
+    "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True, "bias_fields": False},
+    "LlamaForCausalLM": {"qk_norm": False, "qkv_bias": False, "bias_fields": True},
 }
 
 
@@ -33,6 +35,8 @@ class LlamaFamilyConfig(DecoderConfig):
     contract's semantic digest, so it holds exactly what decides the model's function."""
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool
+    mlp_bias: bool
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaFamilyConfig":
@@ -43,10 +47,12 @@ class LlamaFamilyConfig(DecoderConfig):
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        _refuse_sliding_window(hf, arch)
         try:
             heads = hf["num_attention_heads"]
             rope_theta, scaling = rope_from_hf(hf)
             traits = ARCHITECTURES[arch]
+            attention_bias = traits["bias_fields"] and bool(hf.get("attention_bias", False))
             return cls(
                 architecture=arch,
                 vocab_size=hf["vocab_size"],
@@ -54,18 +60,33 @@ class LlamaFamilyConfig(DecoderConfig):
                 intermediate_size=hf["intermediate_size"],
                 num_hidden_layers=hf["num_hidden_layers"],
                 num_attention_heads=heads,
-                num_key_value_heads=hf.get("num_key_value_heads", heads),
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,   # null: multi-head, as transformers
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=traits["qkv_bias"] or bool(hf.get("attention_bias", False)),
+                qkv_bias=traits["qkv_bias"] or attention_bias,
                 qk_norm=traits["qk_norm"],
+                o_bias=attention_bias,
+                mlp_bias=traits["bias_fields"] and bool(hf.get("mlp_bias", False)),
             )
         except KeyError as err:
             raise ValueError(f"config.json of a {arch} lacks {err.args[0]!r}") from None
+
+
+def _refuse_sliding_window(hf: dict, arch: str) -> None:
+    """Sliding-window attention (Qwen2 / Qwen3's use_sliding_window from layer
+    max_window_layers on, or layer_types naming it) is not implemented: refused, rather than
+    run as full attention with other logits."""
+    layers = hf.get("num_hidden_layers", 0)
+    types = hf.get("layer_types") or []
+    windowed = (bool(hf.get("use_sliding_window")) and (hf.get("max_window_layers") or 0) < layers) \
+        or "sliding_attention" in types
+    if windowed:
+        raise ValueError(f"{arch} with sliding-window attention (use_sliding_window / layer_types) is not supported: "
+                         "every layer here attends to the whole context")
 
 
 class SelfAttention(nn.Module):
@@ -75,7 +96,7 @@ class SelfAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -103,8 +124,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig, dtype: torch.dtype, intermediate_size: int | None = None):
         super().__init__()
         inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {0: inter, 1: inter}, dtype=dtype)
-        self.down_proj = Linear(inter, cfg.hidden_size, dtype=dtype)
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

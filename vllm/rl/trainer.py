@@ -217,10 +217,12 @@ class Trainer:
         render = PromptRenderer(self.tokenizer, d.chat_template, d.system_prompt)
         with open(os.path.join(self.model_dir, "config.json")) as f:
             hf = json.load(f)
-        max_pos, vocab = hf.get("max_position_embeddings", 4096), hf.get("vocab_size")
+        from vllm.layers.rotary import hf_positions_covered
+        max_pos, vocab = hf_positions_covered(hf), hf.get("vocab_size")
         max_len = cfg.model.max_model_len or max_pos
         if max_len > max_pos:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_pos}")
+            raise ValueError(f"max_model_len={max_len} exceeds the {max_pos} positions the model covers "
+                             f"(max_position_embeddings with its rope scaling)")
         budget = max_len - cfg.algorithm.max_response_tokens
         self.train_prompt_ids, self.eval_prompt_ids = [], []
         for examples, out, what in ((self.train_examples, self.train_prompt_ids, "training"),
