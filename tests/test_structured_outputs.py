@@ -48,6 +48,44 @@ def test_params_are_checked_on_construction():
         SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
 
 
+def test_schemas_with_keywords_xgrammar_would_not_enforce_are_refused():
+    """xgrammar drops some JSON-schema keywords (its log says "ignoring"), so the output could
+    break the schema: such schemas are refused by name, wherever they sit; the keywords it
+    enforces pass."""
+    refused = [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}, "multipleOf"),
+        ({"type": "string", "pattern": "[0-9]+", "maxLength": 2}, "maxLength"),
+        ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
+        ({"anyOf": [{"type": "array", "contains": {"const": 1}}]}, "contains"),
+        ({"$defs": {"a": {"not": {"type": "null"}}}, "$ref": "#/$defs/a"}, "not"),
+    ]
+    for schema, word in refused:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(structured_outputs={"json": schema})
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(structured_outputs={"json": json.dumps(schema)})
+    ok = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4},
+                                            "a": {"type": "array", "items": {"type": "integer"}, "uniqueItems": False,
+                                                  "minItems": 1},
+                                            "n": {"type": "integer", "minimum": 0}}, "required": ["s"]}
+    SamplingParams(structured_outputs={"json": ok})
+
+
+def test_tool_parameters_constrain_as_far_as_the_backend_enforces():
+    """A tool's parameters schema (the agent's, not a response format) keeps constraining
+    required / named tool calls without the keywords xgrammar would drop."""
+    from vllm.entrypoints.openai.tool_calls import ToolPlan
+    params = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True},
+                                               "mail": {"type": "string", "format": "email", "maxLength": 40}},
+              "required": ["tags"]}
+    for mode, named in (("required", None), ("named", "f")):
+        so = ToolPlan(mode, ("f",), named, (params,)).structured_outputs()
+        text = json.dumps(so.json)
+        assert "uniqueItems" not in text and "maxLength" not in text and '"format": "email"' in text
+
+
 # ---- the sampler ----------------------------------------------------------------------------
 
 def _batch(rows, mode, num_logprobs, mask_of):

@@ -103,11 +103,65 @@ _ANY_OBJECT = '{"type": "object"}'
 def _schema_text(schema) -> str:
     if isinstance(schema, str):
         try:
-            json.loads(schema)
+            parsed = json.loads(schema)
         except json.JSONDecodeError as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        refuse_unenforced_keywords(parsed)
         return schema
+    refuse_unenforced_keywords(schema)
     return json.dumps(schema)
+
+
+# JSON-schema keywords xgrammar's converter drops without enforcing them (its log says
+# "ignoring"): a schema using them would be accepted and its output break it, so it is
+# refused (upstream falls back to another backend for these; this engine has only xgrammar)
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "multipleOf", "patternProperties",
+                       "propertyNames", "not", "if", "then", "else", "dependentSchemas", "dependentRequired",
+                       "unevaluatedProperties", "unevaluatedItems")
+
+
+def without_unenforced_keywords(schema):
+    """A copy of `schema` without what refuse_unenforced_keywords would refuse (the lengths
+    beside a pattern or format dropped, the pattern kept): for schemas the request did not
+    write as a response format, such as a tool's parameters, which constrain a tool call's
+    arguments as far as the backend can."""
+    if isinstance(schema, list):
+        return [without_unenforced_keywords(sub) for sub in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: without_unenforced_keywords(v) for k, v in schema.items() if k not in UNENFORCED_KEYWORDS}
+    if "properties" in schema and isinstance(schema["properties"], dict):
+        out["properties"] = {name: without_unenforced_keywords(child) for name, child in schema["properties"].items()}
+    if ("pattern" in out or "format" in out) and ("minLength" in out or "maxLength" in out):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+    return out
+
+
+def refuse_unenforced_keywords(schema, path: str = "$") -> None:
+    """ValueError naming the first keyword of `schema` (walked through every subschema) that
+    xgrammar would not enforce: UNENFORCED_KEYWORDS (uniqueItems only when true), and a
+    string's minLength / maxLength beside a pattern or format (xgrammar keeps the pattern
+    and drops the lengths)."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            refuse_unenforced_keywords(sub, f"{path}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            raise ValueError(f"structured_outputs.json: {key!r} at {path} is not enforced by the grammar backend "
+                             "(xgrammar); remove it or check the output yourself")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        raise ValueError(f"structured_outputs.json: minLength / maxLength beside a pattern or format at {path} "
+                         "is not enforced by the grammar backend (xgrammar); fold the length into the pattern")
+    for key, sub in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(sub, dict):
+            for name, child in sub.items():
+                refuse_unenforced_keywords(child, f"{path}.{key}.{name}")
+        elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf"):
+            refuse_unenforced_keywords(sub, f"{path}.{key}")
 
 
 def choice_ebnf(choices: list[str]) -> str:

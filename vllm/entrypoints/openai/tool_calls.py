@@ -22,7 +22,7 @@ from vllm.entrypoints.openai.tool_parsers import (
     DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, MISTRAL_MARKER, ParsedToolCall, check_tool_call_parser, could_be_calls,
     hermes_block, mistral_block, parse_marked, parse_tool_calls,
 )
-from vllm.structured_outputs import StructuredOutputsParams
+from vllm.structured_outputs import StructuredOutputsParams, without_unenforced_keywords
 
 _ANY_PARAMETERS = {"type": "object"}
 # marked formats: (the marker that opens a block, the block's reader)
@@ -45,15 +45,18 @@ class ToolPlan:
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that "required" and a named function generate under (None: free)."""
-        # compact JSON, as response_format's (protocol.py): the arguments are re-serialised anyway
+        # compact JSON, as response_format's (protocol.py): the arguments are re-serialised anyway.
+        # A tool's parameters constrain its calls as far as the grammar backend enforces them
+        # (the keywords it would not are left out, where a response_format using them is refused)
+        params = [without_unenforced_keywords(p) for p in self.parameters]
         if self.mode == "named":
-            return StructuredOutputsParams(json=self.parameters[self.function_names.index(self.named)],
+            return StructuredOutputsParams(json=params[self.function_names.index(self.named)],
                                            disable_any_whitespace=True)
         if self.mode == "required":
             calls = [{"type": "object",
-                      "properties": {"name": {"enum": [name]}, "parameters": params},
+                      "properties": {"name": {"enum": [name]}, "parameters": p},
                       "required": ["name", "parameters"]}
-                     for name, params in zip(self.function_names, self.parameters)]
+                     for name, p in zip(self.function_names, params)]
             array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 array["maxItems"] = 1
