@@ -138,6 +138,46 @@ def test_prefix_cache_hit_and_no_leak(tiny_qwen3, engines):
     assert third.num_cached_tokens == 0 and third.outputs[0].token_ids == second.outputs[0].token_ids
 
 
+def _logprob_bits(out) -> list[list[int]]:
+    """Per generated token, its logprob entry's values (by token id) as float32 bits."""
+    return [torch.tensor([lp.logprob for _, lp in sorted(entry.items())], dtype=torch.float32)
+            .view(torch.int32).tolist() for entry in out.outputs[0].logprobs]
+
+
+def test_cache_salt_isolates_the_prefix_cache_and_keeps_the_bits(tiny_qwen3, engines):
+    from vllm.inputs import TextPrompt, TokensPrompt
+
+    llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
+    prompt = _prompts(llm.config.model.vocab_size, (50,))[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(p):
+        return llm.generate(p, sp, use_tqdm=False)[0]
+
+    assert run({"prompt_token_ids": prompt}).num_cached_tokens == 0
+    assert run(TokensPrompt(prompt_token_ids=prompt)).num_cached_tokens == 48     # no salt: shared as ever
+    # a salt finds nothing cached without it, then shares with its own requests only
+    salted = [run(TokensPrompt(prompt_token_ids=prompt, cache_salt="tenant-a")) for _ in range(2)]
+    assert [o.num_cached_tokens for o in salted] == [0, 48]
+    assert run(TokensPrompt(prompt_token_ids=prompt, cache_salt="tenant-b")).num_cached_tokens == 0
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    run(text)
+    assert [run(TextPrompt(prompt=text, cache_salt="t")).num_cached_tokens > 0 for _ in range(2)] == [False, True]
+    # a salted request served from its warm cache computes the bits of an unsalted cold one
+    cold = engines(tiny_qwen3, enable_prefix_caching=False).generate({"prompt_token_ids": prompt}, sp,
+                                                                      use_tqdm=False)[0]
+    for out in salted:
+        assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert _logprob_bits(out) == _logprob_bits(cold)
+    # a bad salt is refused before anything is queued
+    for bad in ("", 7, "a/b", "x" * 129):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt, "cache_salt": bad}], sp,
+                         use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.kv.check_invariants()
+
+
 def test_n_samples_share_prompt_blocks(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
     prompt = _prompts(llm.config.model.vocab_size, (64,))[0]

@@ -18,10 +18,10 @@ def toks(*blocks, tail=()):
     return out + list(tail)
 
 
-def run_prefill(mgr, rid, prompt):
+def run_prefill(mgr, rid, prompt, cache_salt=None):
     """What the scheduler + runner do for a new request: lookup, allocate, compute, cache."""
-    computed, n_computed = mgr.get_computed_blocks(prompt)
-    ok = mgr.allocate_slots(rid, len(prompt), computed)
+    computed, n_computed = mgr.get_computed_blocks(prompt, cache_salt)
+    ok = mgr.allocate_slots(rid, len(prompt), computed, cache_salt)
     if ok:
         mgr.cache_blocks(rid, prompt, len(prompt))
     return ok, computed, n_computed
@@ -182,6 +182,50 @@ def test_forced_hash_collision_is_verified(monkeypatch):
     # The true prefix is still found.
     computed, n = mgr.get_computed_blocks(p1)
     assert computed == mgr.get_block_table("a")[:1] and n == BS
+
+
+def test_cache_salt_separates_prefixes():
+    mgr = KVCacheManager(32, BS)
+    p = toks(1, 2, 3, tail=[0])
+    run_prefill(mgr, "plain", p)
+    # a salted request finds nothing an unsalted one cached, and caches its own chain
+    ok, computed, n = run_prefill(mgr, "s1", p, cache_salt="tenant-a")
+    assert ok and (computed, n) == ([], 0)
+    assert mgr.num_cached_blocks == 6
+    # the same salt shares, another salt or none finds only its own chain
+    salted = mgr.get_block_table("s1")[:3]
+    assert mgr.get_computed_blocks(p, "tenant-a") == (salted, 3 * BS)
+    assert mgr.get_computed_blocks(p, "tenant-b") == ([], 0)
+    assert mgr.get_computed_blocks(p) == (mgr.get_block_table("plain")[:3], 3 * BS)
+    ok, computed, n = run_prefill(mgr, "s2", p + [5], cache_salt="tenant-a")
+    assert ok and computed == salted and n == 3 * BS
+    mgr.check_invariants()
+    for rid in ("plain", "s1", "s2"):
+        mgr.free(rid)
+    # freed blocks keep their salt: still found under it only
+    assert mgr.get_computed_blocks(p, "tenant-a") == (salted, 3 * BS)
+    assert mgr.get_computed_blocks(p, "tenant-b") == ([], 0)
+    mgr.check_invariants()
+    assert mgr.reset_prefix_cache() and mgr.get_computed_blocks(p, "tenant-a") == ([], 0)
+    mgr.check_invariants()
+
+
+def test_cache_salt_is_verified_on_hash_collision(monkeypatch):
+    # Every block hashes to the same value, salted or not: the stored salt alone keeps a
+    # request of another salt off the block.
+    monkeypatch.setattr(bm, "hash_block_tokens", lambda parent, tokens: 42)
+    mgr = KVCacheManager(16, BS)
+    p = toks(1, tail=[0])
+    run_prefill(mgr, "a", p, cache_salt="tenant-a")
+    assert mgr.num_cached_blocks == 1
+    assert mgr.get_computed_blocks(p, "tenant-a") == (mgr.get_block_table("a")[:1], BS)
+    assert mgr.get_computed_blocks(p) == ([], 0)
+    assert mgr.get_computed_blocks(p, "tenant-b") == ([], 0)
+    # an unsalted request computing the same block keeps it private (a different entry owns
+    # the hash) instead of chaining onto the salted one
+    run_prefill(mgr, "b", p)
+    assert mgr.num_cached_blocks == 1 and mgr.get_computed_blocks(p) == ([], 0)
+    mgr.check_invariants()
 
 
 def test_collision_with_evicted_parent_is_rejected(monkeypatch):

@@ -16,10 +16,11 @@ Design summary (see docs/kv_cache.md for the long form):
   can be revived ("touched") by a later request with the same prefix, until it
   reaches the head of the queue and is evicted on reallocation (LRU).
 * Full blocks are registered in the prefix cache under a hash chain:
-  ``h_k = hash_block_tokens(h_{k-1}, tokens of block k)``. The hash is only an
-  index; a hit is accepted only after verifying the stored tokens *and* the
-  identity of the parent entry, so a hash collision can cost a cache hit but
-  never return wrong KV.
+  ``h_k = hash_block_tokens(h_{k-1}, tokens of block k)``, rooted at
+  ``h_{-1} = chain_root_hash(cache_salt)``. The hash is only an index; a hit is
+  accepted only after verifying the stored tokens, the identity of the parent
+  entry and the request's cache salt, so a hash collision can cost a cache hit
+  but never return wrong KV, nor KV computed for a request of another salt.
 
 Pure Python on purpose: it runs on the scheduler's CPU thread, every operation
 is O(blocks touched), and it is trivially testable.
@@ -35,7 +36,7 @@ from typing import Optional, Sequence
 
 from vllm.core.state_slots import StateSlots
 
-__all__ = ["KVCacheManager", "hash_block_tokens", "NULL_BLOCK_ID"]
+__all__ = ["KVCacheManager", "chain_root_hash", "hash_block_tokens", "NULL_BLOCK_ID"]
 
 # Block reserved for padding writes; never allocated, never cached, never freed.
 NULL_BLOCK_ID = 0
@@ -55,6 +56,14 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...]) ->
     return hash((parent_hash, token_ids))
 
 
+def chain_root_hash(cache_salt: Optional[str]) -> Optional[int]:
+    """The parent hash of a sequence's first block: None without a salt (unsalted hashes are
+    unchanged), else a hash of the salt. Mixing the salt into the first block's hash makes
+    every later hash of the chain differ too, so requests with different salts never index
+    each other's blocks (and the stored salt is checked on every hit besides)."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 @dataclass(slots=True)
 class _Block:
     """Metadata of one physical KV block."""
@@ -72,12 +81,16 @@ class _Block:
     # proves the whole prefix matches, not just this block's tokens.
     serial: Optional[int] = None
     parent_serial: Optional[int] = None
+    # The cache salt of the request that registered it (None: unsalted). Only a request of
+    # the same salt may take it.
+    cache_salt: Optional[str] = None
 
     def clear_hash(self) -> None:
         self.block_hash = None
         self.token_ids = None
         self.serial = None
         self.parent_serial = None
+        self.cache_salt = None
 
 
 @dataclass(slots=True)
@@ -89,9 +102,11 @@ class _RequestState:
     # cache_blocks (registered, found as duplicates, or taken from the cache).
     num_cached_blocks: int = 0
     # Hash and cache-entry serial of the last processed block: the parent of the
-    # next block to register.
+    # next block to register (before the first: the salt's chain root and None).
     parent_hash: Optional[int] = None
     parent_serial: Optional[int] = None
+    # The request's cache salt: it registers its blocks under it.
+    cache_salt: Optional[str] = None
     # Set when one of this request's blocks could not be registered because a
     # *different* block already owns its hash (true collision). Its later blocks
     # would be unreachable through the chain, so we stop caching them.
@@ -232,8 +247,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks of ``token_ids``.
+    def get_computed_blocks(self, token_ids: Sequence[int],
+                            cache_salt: Optional[str] = None) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks of ``token_ids`` registered under
+        ``cache_salt`` (None: by unsalted requests).
 
         Returns ``(block_ids, num_computed_tokens)``. Takes no references: the
         caller must pass the blocks to ``allocate_slots`` before anything else
@@ -248,7 +265,7 @@ class KVCacheManager:
         # the final token; when n is a multiple of bs it drops the last block.
         max_blocks = max(0, (num_tokens - 1) // bs)
         computed: list[int] = []
-        parent_hash: Optional[int] = None
+        parent_hash: Optional[int] = chain_root_hash(cache_salt)
         parent_serial: Optional[int] = None
         for k in range(max_blocks):
             tokens = tuple(token_ids[k * bs:(k + 1) * bs])
@@ -258,10 +275,11 @@ class KVCacheManager:
                 break
             blk = self._blocks[block_id]
             # Verify: a hash hit only means "probably". The stored tokens must be
-            # this block's tokens, and the entry must have been registered as
-            # the child of the entry we matched for the previous block -- which
-            # by induction means the whole prefix is identical.
-            if blk.token_ids != tokens or blk.parent_serial != parent_serial:
+            # this block's tokens, the entry must have been registered as the
+            # child of the entry we matched for the previous block -- which by
+            # induction means the whole prefix is identical -- and by a request
+            # of the same salt.
+            if blk.token_ids != tokens or blk.parent_serial != parent_serial or blk.cache_salt != cache_salt:
                 break
             computed.append(block_id)
             parent_hash = block_hash
@@ -306,11 +324,13 @@ class KVCacheManager:
                 blk.token_ids = tokens
                 blk.serial = next(self._serials)
                 blk.parent_serial = req.parent_serial
+                blk.cache_salt = req.cache_salt
                 self._hash_to_block[block_hash] = block_id
                 serial = blk.serial
             else:
                 existing = self._blocks[existing_id]
-                if existing.token_ids == tokens and existing.parent_serial == req.parent_serial:
+                if (existing.token_ids == tokens and existing.parent_serial == req.parent_serial
+                        and existing.cache_salt == req.cache_salt):
                     # Same content already cached (e.g. a sibling request
                     # computed the same prompt in the same step). Keep the
                     # existing entry; our copy stays private and is plainly
@@ -371,10 +391,13 @@ class KVCacheManager:
     # --------------------------------------------------------------- allocation
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, computed_blocks: Optional[list[int]] = None
+        self, request_id: str, num_tokens: int, computed_blocks: Optional[list[int]] = None,
+        cache_salt: Optional[str] = None,
     ) -> bool:
         """Grow the request's block table to cover ``num_tokens`` tokens.
 
+        ``cache_salt`` (read on the request's first call, with ``computed_blocks``
+        found under the same salt): the salt its blocks are registered under.
         All-or-nothing: returns False and changes nothing if the free queue
         cannot supply every block needed (new blocks plus touched cached ones).
         """
@@ -394,7 +417,7 @@ class KVCacheManager:
             return False
 
         if req is None:
-            req = _RequestState()
+            req = _RequestState(cache_salt=cache_salt, parent_hash=chain_root_hash(cache_salt))
             self._requests[request_id] = req
             if self.state is not None:
                 self.state.assign(request_id)
@@ -500,6 +523,7 @@ class KVCacheManager:
             )
             if blk.block_hash is None:
                 assert blk.token_ids is None and blk.serial is None and blk.parent_serial is None
+                assert blk.cache_salt is None
             else:
                 assert self._hash_to_block.get(blk.block_hash) == blk.block_id, (
                     f"block {blk.block_id} carries a hash the table maps elsewhere"

@@ -28,7 +28,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  eos_token_ids: list[int], max_model_len: int, leader: "Request | None" = None,
-                 parent_id: str | None = None, index: int = 0):
+                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None):
         self.req_id = req_id
         self.parent_id = parent_id or req_id
         self.index = index                      # which of the n samples this is
@@ -39,6 +39,8 @@ class Request:
         self.seed = seed
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # prefix-cache blocks are shared only among requests of the same salt (None: unsalted)
+        self.cache_salt = cache_salt
         # n > 1: siblings wait until the leader's prompt blocks are cached, then share them.
         self.leader = leader
         self.status = RequestStatus.WAITING

@@ -129,7 +129,7 @@ class Scheduler:
                 if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_grammar_token:
                     skipped.append(self.waiting.popleft())
                     continue
-                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
                 if num_cached > req.num_prompt_logprob_rows and req.prompt_logprobs_pending:
                     # a cached prefix has no logits: the prompt positions whose logprobs are
                     # still missing are recomputed (upstream skips the cache the same way)
@@ -141,7 +141,7 @@ class Scheduler:
                 if self.config.long_prefill_token_threshold > 0:
                     n = min(n, self.config.long_prefill_token_threshold)
                 n = self._snapshot_cut(req, num_cached, n)
-                if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks):
+                if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks, req.cache_salt):
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = num_cached

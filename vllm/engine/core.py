@@ -93,7 +93,10 @@ class EngineCore:
             self._held.append(msg)  # pause(mode="wait") is letting the requests in flight finish
         elif isinstance(msg, AddRequest):
             try:
-                eng.add_request(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids}, msg.params, stream=True)
+                prompt = {"prompt_token_ids": msg.prompt_token_ids}
+                if msg.cache_salt is not None:
+                    prompt["cache_salt"] = msg.cache_salt
+                eng.add_request(msg.request_id, prompt, msg.params, stream=True)
             except ValueError as err:
                 self._failures.append(RequestFailure([msg.request_id], str(err), True))
         elif isinstance(msg, AbortRequest):

@@ -22,6 +22,7 @@ class AddRequest(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams       # stop strings removed and detokenize=False: the client does text
+    cache_salt: str | None = None   # checked by the client; prefix-cache blocks are shared within a salt only
 
 
 class AbortRequest(NamedTuple):

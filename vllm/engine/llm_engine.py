@@ -23,6 +23,7 @@ from vllm.core.scheduler import Scheduler
 from vllm.engine.core_messages import RequestDelta
 from vllm.engine.output_processor import RequestState
 from vllm.executor import InProcessExecutor
+from vllm.inputs import prompt_cache_salt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import load_tokenizer
@@ -178,6 +179,7 @@ class LLMEngine:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        cache_salt = prompt_cache_salt(prompt)
         request_id = request_id if request_id is not None else str(next(self._counter))
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(c in self._child_to_group for c in child_ids):
@@ -187,7 +189,8 @@ class LLMEngine:
         children, leader = [], None
         for i, rid in enumerate(child_ids):
             req = Request(rid, ids, params, derive_seed(base_seed, i), self.eos_token_ids,
-                          self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i)
+                          self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i,
+                          cache_salt=cache_salt)
             if compiled is not None:
                 req.grammar = self._grammars.state(compiled)   # one matcher per sample
             leader = leader or req

@@ -11,6 +11,7 @@ import torch
 
 from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -330,6 +331,7 @@ class LLM:
         for p, sp in zip(prompts, params):
             _, ids = engine.tokenize(p)
             engine.validate(ids, sp)
+            prompt_cache_salt(p)
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 

@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Sequence
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
 from vllm.engine.llm_engine import check_max_tokens, tokenize_prompt, validate_prompt
+from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
 from vllm.outputs import RequestOutput
@@ -229,8 +230,8 @@ class AsyncLLM:
             text, ids = self.tokenize_prompt(prompt)
             validate_prompt(ids, params, self.vocab_size, self.max_model_len)
             check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
-            prepared.append((rid, text, ids, params))
-        n_samples = sum(p.n for *_, p in prepared)
+            prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
+        n_samples = sum(p.n for _, _, _, p, _ in prepared)
         msgs, streams = [], []
         with self._lock:
             if self.max_queued_requests is not None:
@@ -239,11 +240,11 @@ class AsyncLLM:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
                                          f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
             seen: set[str] = set()
-            for rid, text, ids, params in prepared:
+            for rid, *_ in prepared:
                 if rid in self._engine_ids or rid in seen:
                     raise ValueError(f"request id {rid!r} is already in use")
                 seen.add(rid)
-            for rid, text, ids, params in prepared:
+            for rid, text, ids, params, cache_salt in prepared:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
                 eid = s.engine_id = f"{rid}@{next(self._serial)}"
@@ -251,10 +252,10 @@ class AsyncLLM:
                 self._engine_ids[rid] = eid
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
-                msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False)))
+                msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False), cache_salt))
             self._outstanding += n_samples
             self.num_requests_received += len(prepared)
-            self.num_prompt_tokens += sum(len(ids) for _, _, ids, _ in prepared)
+            self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
         try:
             self.client.send(msgs)
         except EngineDeadError:
