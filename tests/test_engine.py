@@ -178,6 +178,16 @@ def test_cache_salt_isolates_the_prefix_cache_and_keeps_the_bits(tiny_qwen3, eng
     llm.llm_engine.kv.check_invariants()
 
 
+def test_num_cached_tokens_is_the_first_samples(tiny_qwen3):
+    # n > 1: the siblings wait for the first sample's prompt blocks and hit them; the prompt
+    # was computed once, cold, and the request reports that
+    llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
+    prompt = _prompts(llm.config.model.vocab_size, (50,))[0]
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, n=3)
+    assert llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].num_cached_tokens == 48
+
+
 def test_n_samples_share_prompt_blocks(tiny_qwen3):
     llm = LLM(tiny_qwen3, device="cpu", dtype="float32")
     prompt = _prompts(llm.config.model.vocab_size, (64,))[0]

@@ -35,6 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt tokens whose KV came from the prefix cache when the request's first sample was
+    # scheduled (upstream's field; the server's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token

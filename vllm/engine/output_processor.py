@@ -72,7 +72,10 @@ class RequestState:
         if self.finish[i] is not None:
             return None  # sampled after a stop string, before the engine heard of it
         self.weight_versions[i] = d.weight_versions
-        self.num_cached_tokens = d.num_cached_tokens
+        if i == 0:
+            # the request's count is its first sample's: that one computes the prompt, and its
+            # n > 1 siblings wait for its blocks (their hits would count the same prompt again)
+            self.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] + [None if e is None else self._entry(tok, *e)
                                              for tok, e in zip(self.prompt_token_ids[1:], d.prompt_logprobs)]
