@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
                    help="chat responses carry the <think> part as message.reasoning (and reasoning_content), the "
                         "rest as content: qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output "
                         "starts inside it); token ids and logprobs are unchanged")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="a request's final usage carries prompt_tokens_details.cached_tokens, the prompt tokens "
+                        "served from the prefix cache (left out when none were), as upstream reports them")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -94,7 +97,8 @@ def run(args) -> int:
                    api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                   reasoning_parser=args.reasoning_parser)
+                   reasoning_parser=args.reasoning_parser,
+                   enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

@@ -240,7 +240,8 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
 def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, generation_config: str = "auto",
              **options) -> OpenAIServing:
     """`options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template,
-    trust_request_chat_template, return_tokens_as_token_ids)."""
+    trust_request_chat_template, return_tokens_as_token_ids, reasoning_parser,
+    enable_prompt_tokens_details)."""
     info = async_llm.info
     names = list(served_model_names or [default_served_name(info.model_path)])
     return OpenAIServing(async_llm, names,

@@ -416,15 +416,32 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---- responses ---------------------------------------------------------------------------
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int        # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # --enable-prompt-tokens-details, on a request's final usage when the prefix cache served
+    # some of its prompt (upstream's rule); left out of the JSON otherwise
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> "UsageInfo":
+        """`cached_tokens`: the prompt tokens served from the prefix cache, reported when given and
+        non-zero (None: the server does not report them)."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens) if cached_tokens else None)
+
+    @model_serializer(mode="wrap")
+    def _without_unset_details(self, handler) -> dict[str, Any]:
+        d = handler(self)
+        if self.prompt_tokens_details is None:
+            d.pop("prompt_tokens_details", None)
+        return d
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -311,7 +311,8 @@ class OpenAIServing:
                  generation_defaults: dict[str, Any] | None = None, model_path: str | None = None,
                  max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None):
+                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
+                 enable_prompt_tokens_details: bool = False):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -325,6 +326,8 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.return_tokens_as_token_ids = return_tokens_as_token_ids   # every request's, when set
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)   # None: the text is all content
+        # a request's final usage reports the prompt tokens the prefix cache served (upstream's flag)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -349,6 +352,11 @@ class OpenAIServing:
             logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
         if self.return_tokens_as_token_ids and hasattr(req, "return_tokens_as_token_ids"):
             req.return_tokens_as_token_ids = True
+
+    def _cached_tokens(self, outputs: Sequence[RequestOutput]) -> int | None:
+        """The prompt tokens the prefix cache served, over a request's prompts (each prompt's
+        count is its first sample's); None when the server does not report them."""
+        return sum(out.num_cached_tokens for out in outputs) if self.enable_prompt_tokens_details else None
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
@@ -407,7 +415,7 @@ class OpenAIServing:
                     token_ids=list(token_ids) if ids else None, prompt_token_ids=list(out.prompt_token_ids) if ids else None,
                     weight_versions=c.weight_versions))
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
-                                        usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen)))
+                                        usage=UsageInfo.of(n_prompt, n_gen, self._cached_tokens(finals))))
 
     def _completion_prompt(self, prompt, req: CompletionRequest):
         """A prompt as the engine takes it, after add_special_tokens and truncate_prompt_tokens:
@@ -434,6 +442,7 @@ class OpenAIServing:
         holdback = max((len(s) for s in params.stop_strings), default=1) - 1
         cursors: dict[tuple[int, int], _ChoiceCursor] = {}
         n_prompt: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}   # each prompt's last output (its cached tokens)
         n_gen = 0
         want_ids = req.want_token_ids
         k, as_ids, prompt_only = params.logprobs or 0, req.return_tokens_as_token_ids, req.scores_prompt_only
@@ -443,6 +452,7 @@ class OpenAIServing:
         try:
             async for i, out in _merge(streams):
                 n_prompt[i] = len(out.prompt_token_ids)
+                latest[i] = out
                 # max_tokens=0 + echo sends its prompt in a chunk of its own, before the finish;
                 # each choice is kept with its completion tokens so far (its usage)
                 prompt_chunks: list[tuple[dict, int]] = []
@@ -513,7 +523,8 @@ class OpenAIServing:
                         yield f'data: {head}, "choices": {json.dumps([choice for choice, _ in group])}{tail}'
             if req.usage_at_end:
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                    usage=UsageInfo.of(sum(n_prompt.values()), n_gen)))
+                                                    usage=UsageInfo.of(sum(n_prompt.values()), n_gen,
+                                                                       self._cached_tokens(list(latest.values())))))
         except Exception as err:  # noqa: BLE001 -- the 200 is already sent: report in-band
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT
@@ -588,7 +599,7 @@ class OpenAIServing:
         n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
         version = max(v for c in out.outputs for v in (c.weight_versions or [0]))
         return _json(ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
-                                            usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
+                                            usage=UsageInfo.of(n_prompt, n_gen, self._cached_tokens([out])),
                                             prompt_token_ids=list(out.prompt_token_ids) if ids else None,
                                             prompt_logprobs=_prompt_logprobs_json(out.prompt_logprobs)
                                             if req.prompt_logprobs is not None else None))
@@ -625,8 +636,10 @@ class OpenAIServing:
                 usage=usage_so_far(None),
                 choices=[ChatStreamChoice(index=j, delta=DeltaMessage(content=echoed),
                                           token_ids=[] if want_ids else None) for j in range(params.n)]))
+        latest: list[RequestOutput] = []   # the request's latest output (its cached tokens)
         try:
             async for _, out in _merge([stream]):
+                latest[:] = [out]
                 for c in out.outputs:
                     cur = cursors[c.index]
                     if cur.done:
@@ -667,7 +680,7 @@ class OpenAIServing:
                                                             weight_version=version, usage=usage))
             if req.usage_at_end:
                 yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                        usage=UsageInfo.of(n_prompt, n_gen)))
+                                                        usage=UsageInfo.of(n_prompt, n_gen, self._cached_tokens(latest))))
         except Exception as err:  # noqa: BLE001
             yield _sse(exception_response_body(err))
         yield _DONE_EVENT

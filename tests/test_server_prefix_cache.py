@@ -1,0 +1,128 @@
+"""upstream vLLM's prefix-cache options of the server, through the app on the embedded model
+(in-process, httpx's ASGI transport): usage.prompt_tokens_details.cached_tokens
+(--enable-prompt-tokens-details, also on `vllm serve`)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+# 48 tokens of the embedded model: its full blocks of 16 come from the cache on a repeat
+SHARED = "Count the apples in the basket and tell me how many there are. " * 3
+GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def _hit(prompt_tokens: int) -> int:
+    """The tokens a repeated prompt takes from the cache: its full blocks of 16, the last token
+    always computed."""
+    return (prompt_tokens - 1) // 16 * 16
+
+
+def _app(**options):
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    return build_app_from_llm(LLM(device="cpu"), **options)
+
+
+@pytest.fixture(scope="module")
+def app():
+    """Cached tokens reported."""
+    app = _app(enable_prompt_tokens_details=True)
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_app():
+    """The defaults."""
+    app = _app()
+    yield app
+    app.state.serving.llm.shutdown()
+
+
+def _post(app, path: str, body: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            return await c.post(path, json=body)
+    return asyncio.run(go())
+
+
+def _ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    data = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", r.text[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _cached(usage: dict) -> int:
+    """usage.prompt_tokens_details.cached_tokens; 0 where it is left out (nothing was cached)."""
+    assert set(usage) <= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    return usage["prompt_tokens_details"]["cached_tokens"] if "prompt_tokens_details" in usage else 0
+
+
+def _completion(app, prompt, **fields) -> dict:
+    return _ok(_post(app, "/v1/completions", {"prompt": prompt, **GREEDY, **fields}))
+
+
+def _chat(app, content: str, **fields) -> dict:
+    return _ok(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                                   **GREEDY, **fields}))
+
+
+# ---- usage.prompt_tokens_details.cached_tokens -------------------------------------------------
+
+def test_cached_tokens_in_usage(app):
+    prompt = "First. " + SHARED
+    cold = _completion(app, prompt)["usage"]
+    assert "prompt_tokens_details" not in cold    # nothing from the cache: left out, as upstream
+    warm = _completion(app, prompt)["usage"]
+    assert warm["prompt_tokens_details"] == {"cached_tokens": _hit(cold["prompt_tokens"])}
+    assert warm["prompt_tokens"] == cold["prompt_tokens"] and _hit(cold["prompt_tokens"]) >= 48
+    # several prompts: counted as prompt_tokens is, over the prompts
+    other = _completion(app, "Second. " + SHARED)["usage"]["prompt_tokens"]
+    both = _completion(app, [prompt, "Second. " + SHARED])["usage"]
+    assert _cached(both) == _hit(cold["prompt_tokens"]) + _hit(other)
+    # streamed: on the final usage chunk only
+    *chunks, last = _events(_post(app, "/v1/completions", {"prompt": prompt, **STREAM, **GREEDY}))
+    assert last["choices"] == [] and last["usage"] == warm
+    assert all("prompt_tokens_details" not in (c.get("usage") or {}) for c in chunks)
+    chat = "Third. " + SHARED
+    assert _cached(_chat(app, chat)["usage"]) == 0
+    assert _cached(_chat(app, chat)["usage"]) > 0
+    *_, last = _events(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": chat}],
+                                                           **STREAM, **GREEDY}))
+    assert _cached(last["usage"]) == _cached(_chat(app, chat)["usage"]) > 0
+
+
+def test_cached_tokens_need_the_flag(plain_app):
+    prompt = "Fourth. " + SHARED
+    _completion(plain_app, prompt)
+    assert set(_completion(plain_app, prompt)["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    _chat(plain_app, prompt)
+    assert "prompt_tokens_details" not in _chat(plain_app, prompt)["usage"]
+
+
+# ---- vllm serve -----------------------------------------------------------------------------
+
+def test_serve_flags_reach_the_server(monkeypatch):
+    import argparse
+
+    from vllm.entrypoints.cli import serve
+    from vllm.entrypoints.openai import api_server
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    seen = {}
+    monkeypatch.setattr(api_server, "run_server", lambda engine_kwargs, **kw: seen.update(kw))
+    for argv, on in ((["serve"], False), (["serve", "--enable-prompt-tokens-details"], True)):
+        assert serve.run(parser.parse_args(argv)) == 0
+        assert seen["enable_prompt_tokens_details"] is on
