@@ -1,6 +1,6 @@
 """upstream vLLM's prefix-cache options of the server, through the app on the embedded model
-(in-process, httpx's ASGI transport): usage.prompt_tokens_details.cached_tokens
-(--enable-prompt-tokens-details, also on `vllm serve`)."""
+(in-process, httpx's ASGI transport): the `cache_salt` request field and
+usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details, also on `vllm serve`)."""
 from __future__ import annotations
 
 import asyncio
@@ -110,6 +110,42 @@ def test_cached_tokens_need_the_flag(plain_app):
     assert set(_completion(plain_app, prompt)["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     _chat(plain_app, prompt)
     assert "prompt_tokens_details" not in _chat(plain_app, prompt)["usage"]
+
+
+# ---- cache_salt ----------------------------------------------------------------------------
+
+def test_cache_salt_scopes_the_prefix_cache(app):
+    prompt = "Fifth. " + SHARED
+    cold = _completion(app, prompt, logprobs=2)
+    hit = _hit(cold["usage"]["prompt_tokens"])
+    assert _cached(cold["usage"]) == 0 and hit >= 48
+    assert _cached(_completion(app, prompt)["usage"]) == hit                   # no salt: shared as ever
+    salted = [_completion(app, prompt, cache_salt="tenant-a", logprobs=2) for _ in range(2)]
+    assert [_cached(r["usage"]) for r in salted] == [0, hit]                   # shared within the salt only
+    assert _cached(_completion(app, prompt, cache_salt="tenant-b")["usage"]) == 0
+    assert _cached(_completion(app, prompt)["usage"]) == hit
+    # served from its warm cache or not, a salted request's tokens and logprobs are the cold ones
+    for r in salted:
+        assert r["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+        assert r["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
+    # token-id prompts and chat take it too
+    ids = cold["choices"][0]["prompt_token_ids"]
+    assert _cached(_completion(app, ids, cache_salt="tenant-a")["usage"]) == hit
+    assert _cached(_completion(app, ids, cache_salt="tenant-c")["usage"]) == 0
+    chat = "Sixth. " + SHARED
+    _chat(app, chat)
+    assert [_cached(_chat(app, chat, cache_salt="s")["usage"]) > 0 for _ in range(2)] == [False, True]
+    *_, last = _events(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": chat}],
+                                                           **STREAM, "cache_salt": "s2", **GREEDY}))
+    assert _cached(last["usage"]) == 0
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 129, "a/b", "a@b", 7])
+def test_bad_cache_salt_is_400(app, salt):
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = _post(app, path, {**body, "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"], r.text
 
 
 # ---- vllm serve -----------------------------------------------------------------------------

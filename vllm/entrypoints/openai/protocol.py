@@ -24,8 +24,9 @@ import math
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, field_validator, model_serializer
 
+from vllm.inputs import check_cache_salt
 from vllm.sampling_params import SamplingParams
 from vllm.structured_outputs import StructuredOutputsParams
 
@@ -157,9 +158,23 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None   # which library enforces it: xgrammar here, whatever is asked
+    # upstream's: prefix-cache blocks are shared only among requests of the same salt (none: the
+    # unsalted requests'), so one tenant cannot probe another's prompts through cache hits
+    cache_salt: Optional[str] = None
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _valid_cache_salt(cls, salt: Optional[str]) -> Optional[str]:
+        return check_cache_salt(salt)   # upstream's rules: non-empty, at most 128 characters, ...
+
+    def with_cache_salt(self, prompt: Union[str, dict]) -> Union[str, dict]:
+        """An engine prompt (a string or a prompt dict) carrying the request's cache_salt."""
+        if self.cache_salt is None:
+            return prompt
+        return {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": self.cache_salt}
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:

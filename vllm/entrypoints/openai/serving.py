@@ -367,7 +367,7 @@ class OpenAIServing:
             self._accept(req)
             model = self._model_name(req.model)
             params = req.to_sampling_params(self.defaults, self.max_logprobs)
-            prompts = [self._completion_prompt(p, req) for p in req.prompts()]
+            prompts = [req.with_cache_salt(self._completion_prompt(p, req)) for p in req.prompts()]
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"cmpl-{_request_id(req, raw)}"
@@ -569,7 +569,8 @@ class OpenAIServing:
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"chatcmpl-{_request_id(req, raw)}"
-            streams = await self.llm.add_requests([(rid, {"prompt_token_ids": prompt_ids}, params)], stream=req.stream)
+            streams = await self.llm.add_requests([(rid, req.with_cache_salt({"prompt_token_ids": prompt_ids}), params)],
+                                                  stream=req.stream)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         created = int(time.time())
