@@ -1,6 +1,7 @@
-"""upstream vLLM's prefix-cache options of the server, through the app on the embedded model
-(in-process, httpx's ASGI transport): the `cache_salt` request field and
-usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details, also on `vllm serve`)."""
+"""upstream vLLM's prefix-cache and usage options of the server, through the app on the embedded
+model (in-process, httpx's ASGI transport): the `cache_salt` request field,
+usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details) and
+--enable-force-include-usage, and both flags on `vllm serve`."""
 from __future__ import annotations
 
 import asyncio
@@ -31,15 +32,15 @@ def _app(**options):
 
 @pytest.fixture(scope="module")
 def app():
-    """Cached tokens reported."""
-    app = _app(enable_prompt_tokens_details=True)
+    """The flags set: cached tokens reported, usage in every stream."""
+    app = _app(enable_prompt_tokens_details=True, enable_force_include_usage=True)
     yield app
     app.state.serving.llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def plain_app():
-    """The defaults."""
+    """The defaults: neither flag."""
     app = _app()
     yield app
     app.state.serving.llm.shutdown()
@@ -148,6 +149,27 @@ def test_bad_cache_salt_is_400(app, salt):
         assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"], r.text
 
 
+# ---- --enable-force-include-usage -------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Hello there", "The quick brown fox"], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a prime."}], "n": 2}),
+])
+def test_force_include_usage(app, plain_app, path, body):
+    body = {**body, "max_tokens": 4, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    full = _ok(_post(app, path, body))
+    # every stream carries usage: each chunk its own so far, then the request's, as if it had
+    # asked for stream_options include_usage and continuous_usage_stats
+    for options in ({}, {"stream_options": {"include_usage": False}},
+                    {"stream_options": {"continuous_usage_stats": True}}):
+        *chunks, last = _events(_post(app, path, {**body, "stream": True, **options}))
+        assert last["choices"] == [] and last["usage"] == full["usage"]
+        assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+    # without the flag a stream carries none unless asked
+    events = _events(_post(plain_app, path, {**body, "stream": True}))
+    assert all(e.get("usage") is None for e in events) and events[-1]["choices"]
+
+
 # ---- vllm serve -----------------------------------------------------------------------------
 
 def test_serve_flags_reach_the_server(monkeypatch):
@@ -159,6 +181,7 @@ def test_serve_flags_reach_the_server(monkeypatch):
     serve.add_parser(parser.add_subparsers())
     seen = {}
     monkeypatch.setattr(api_server, "run_server", lambda engine_kwargs, **kw: seen.update(kw))
-    for argv, on in ((["serve"], False), (["serve", "--enable-prompt-tokens-details"], True)):
+    for argv, on in ((["serve"], False),
+                     (["serve", "--enable-prompt-tokens-details", "--enable-force-include-usage"], True)):
         assert serve.run(parser.parse_args(argv)) == 0
-        assert seen["enable_prompt_tokens_details"] is on
+        assert seen["enable_prompt_tokens_details"] is on and seen["enable_force_include_usage"] is on

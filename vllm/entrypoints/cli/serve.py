@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="a request's final usage carries prompt_tokens_details.cached_tokens, the prompt tokens "
                         "served from the prefix cache (left out when none were), as upstream reports them")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed response carries usage, on each chunk and in a last usage-only chunk, as "
+                        "if it asked for stream_options include_usage and continuous_usage_stats")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -98,7 +101,8 @@ def run(args) -> int:
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    reasoning_parser=args.reasoning_parser,
-                   enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                   enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                   enable_force_include_usage=args.enable_force_include_usage)
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

@@ -241,7 +241,7 @@ def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, gene
              **options) -> OpenAIServing:
     """`options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template,
     trust_request_chat_template, return_tokens_as_token_ids, reasoning_parser,
-    enable_prompt_tokens_details)."""
+    enable_prompt_tokens_details, enable_force_include_usage)."""
     info = async_llm.info
     names = list(served_model_names or [default_served_name(info.model_path)])
     return OpenAIServing(async_llm, names,

@@ -23,7 +23,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobs,
     ChatLogprobToken, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
-    DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, TokenizeRequest,
+    DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, StreamOptions, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
@@ -312,7 +312,7 @@ class OpenAIServing:
                  max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -328,6 +328,9 @@ class OpenAIServing:
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)   # None: the text is all content
         # a request's final usage reports the prompt tokens the prefix cache served (upstream's flag)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        # every stream carries usage, on each chunk and at its end, whatever its stream_options say
+        # (upstream's flag)
+        self.enable_force_include_usage = enable_force_include_usage
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -352,6 +355,8 @@ class OpenAIServing:
             logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
         if self.return_tokens_as_token_ids and hasattr(req, "return_tokens_as_token_ids"):
             req.return_tokens_as_token_ids = True
+        if self.enable_force_include_usage and getattr(req, "stream", False):
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     def _cached_tokens(self, outputs: Sequence[RequestOutput]) -> int | None:
         """The prompt tokens the prefix cache served, over a request's prompts (each prompt's
