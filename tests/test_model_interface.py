@@ -30,7 +30,8 @@ from vllm.layers.cache_spec import RecurrentStateSpec, StateTensor
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RopeScaling, RotaryEmbedding
+from vllm.layers.rope_config import RopeScaling
+from vllm.layers.rotary import RotaryEmbedding
 from vllm.models.checkpointing import checkpointed
 from vllm.models.weights import WeightMapping, WeightSlot
 from vllm.training import Policy

@@ -109,12 +109,8 @@ class ModelConfig:
             if isinstance(gen.get("max_new_tokens"), int):  # the server's max_tokens when a request leaves it unset
                 gen_defaults["max_tokens"] = gen["max_new_tokens"]
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        from vllm.layers.rotary import hf_positions_covered   # (the layers import this module)
-        max_pos = hf_positions_covered(hf)   # linear rope scaling stretches max_position_embeddings
-        if max_model_len is not None and max_model_len > max_pos:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the {max_pos} positions the model covers "
-                             f"(max_position_embeddings={hf.get('max_position_embeddings', 4096)}, with its rope scaling)")
-        return cls(
+        max_pos = hf.get("max_position_embeddings", 4096)
+        mc = cls(
             path=path,
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -124,9 +120,21 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             generation_defaults=gen_defaults,
-            max_model_len=max_model_len or max_pos,
-            max_model_len_given=max_model_len is not None,
         )
+        mc.limit_context(max_model_len)
+        return mc
+
+    def limit_context(self, max_model_len: int | None, max_positions: int | None = None) -> None:
+        """Set the context: `max_model_len` (None: the model's), at most `max_positions`, the
+        positions the model covers (None: config.json's max_position_embeddings; the model
+        class knows more, e.g. a linear rope scaling's longer reach: vllm.model_loader.build)."""
+        if max_positions is not None:
+            self.max_position_embeddings = max_positions
+        if max_model_len is not None and max_model_len > self.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the {self.max_position_embeddings} positions the "
+                             "model covers (max_position_embeddings, with its rope scaling)")
+        self.max_model_len = max_model_len or self.max_position_embeddings
+        self.max_model_len_given = max_model_len is not None
 
 
 @dataclass

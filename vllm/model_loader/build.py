@@ -29,8 +29,9 @@ def parse_model_config(model_config: ModelConfig):
 def read_model_config(path: str, max_model_len: int | None = None) -> ModelConfig:
     """Read and validate a checkpoint's config (architecture-specific fields included, so an
     unsupported model fails here, before anything is loaded)."""
-    mc = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
-    parse_model_config(mc)
+    mc = ModelConfig.from_pretrained(path)
+    # the model class knows the positions it covers (a linear rope scaling stretches them)
+    mc.limit_context(max_model_len, getattr(parse_model_config(mc), "max_positions", None))
     return mc
 
 

@@ -24,7 +24,8 @@ from torch import nn
 from vllm.layers.embedding import LMHead, VocabEmbedding
 from vllm.layers.linear import FusedLinear
 from vllm.layers.norm import RMSNorm
-from vllm.layers.rotary import RopeScaling, RotaryEmbedding, positions_covered
+from vllm.layers.rope_config import RopeScaling, positions_covered
+from vllm.layers.rotary import RotaryEmbedding
 from vllm.models.checkpointing import run_layers
 from vllm.models.weights import WeightMapping, WeightSlot
 
@@ -47,6 +48,11 @@ class DecoderConfig:
     rope_scaling: RopeScaling
     tie_word_embeddings: bool
 
+    @property
+    def max_positions(self) -> int:
+        """The longest context the rope covers (linear scaling stretches max_position_embeddings)."""
+        return positions_covered(self.max_position_embeddings, self.rope_scaling)
+
 
 class DecoderStack(nn.Module):
     """`model.*` of an HF causal LM: embed_tokens, layers.{i}, norm (and the shared rotary)."""
@@ -54,8 +60,7 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, layer_class, norm_class: type = RMSNorm, rotary_dim: int | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, positions_covered(cfg.max_position_embeddings, cfg.rope_scaling),
-                                      cfg.rope_theta, cfg.rope_scaling, rotary_dim)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling, rotary_dim)
         self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 

@@ -16,7 +16,8 @@ from vllm.layers.activation import SiluAndMul
 from vllm.layers.attention import Attention
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.norm import RMSNorm, pre_norm
-from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
+from vllm.layers.rope_config import rope_from_hf
+from vllm.layers.rotary import RotaryEmbedding
 from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 
 # What distinguishes the members of the family (config.json does not say it).

@@ -32,7 +32,8 @@ from vllm.layers.gated_deltanet import GatedDeltaNet
 from vllm.layers.linear import FusedLinear, Linear
 from vllm.layers.moe import SparseMoeBlock
 from vllm.layers.norm import ZeroCentredRMSNorm
-from vllm.layers.rotary import RotaryEmbedding, rope_from_hf
+from vllm.layers.rope_config import rope_from_hf
+from vllm.layers.rotary import RotaryEmbedding
 from vllm.models.decoder import DecoderConfig, DecoderForCausalLM
 from vllm.models.llama_family import MLP, DecoderLayer
 from vllm.models.qwen3_moe import Qwen3MoeForCausalLM

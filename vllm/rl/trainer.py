@@ -217,8 +217,8 @@ class Trainer:
         render = PromptRenderer(self.tokenizer, d.chat_template, d.system_prompt)
         with open(os.path.join(self.model_dir, "config.json")) as f:
             hf = json.load(f)
-        from vllm.layers.rotary import hf_positions_covered
-        max_pos, vocab = hf_positions_covered(hf), hf.get("vocab_size")
+        from vllm.model_loader.build import read_model_config
+        max_pos, vocab = read_model_config(self.model_dir).max_position_embeddings, hf.get("vocab_size")
         max_len = cfg.model.max_model_len or max_pos
         if max_len > max_pos:
             raise ValueError(f"max_model_len={max_len} exceeds the {max_pos} positions the model covers "
