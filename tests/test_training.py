@@ -2,6 +2,7 @@
 an optimizer step through save_pretrained, the divergence finder, bad input."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -255,3 +256,91 @@ def test_min_tokens_ban_leaves_the_rollout_logprobs_the_trainers(tiny_qwen3):
     with torch.no_grad():
         trainer = llm.policy().token_logprobs([prompt + list(out.token_ids)], [len(prompt)], temperature=1.0)[0]
     assert torch.equal(trainer.detach().cpu().view(torch.int32), rollout.view(torch.int32))
+
+
+def test_a_replaced_lm_head_parameter_is_the_one_differentiated(tiny_qwen3, prompts):
+    """load_state_dict(assign=True) (or a new nn.Parameter) replaces the head's weight: the
+    logprob head then differentiates that one, as the forward uses it (the gradient used to go
+    to the old tensor, and every other gradient was computed with it)."""
+    from vllm.training.policy import Policy
+    seqs, plens = [p + [7, 8, 9] for p in prompts], [len(p) for p in prompts]
+    a = Policy.from_pretrained(tiny_qwen3, device="cpu", numerics="invariant")
+    b = Policy.from_pretrained(tiny_qwen3, device="cpu", numerics="invariant")
+    with torch.no_grad():
+        a.model.lm_head.weight.mul_(2)                                             # in place
+    b.model.lm_head.weight = torch.nn.Parameter(b.model.lm_head.weight.detach() * 2)  # replaced
+    for p in (a, b):
+        sum(x.sum() for x in p.token_logprobs(seqs, plens)).backward()
+    assert b.lm_head_weight is b.model.lm_head.weight
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(bits(pa.grad), bits(pb.grad)), name
+
+
+def test_temperatures_as_the_rollout_takes_them(tiny_qwen3, prompts):
+    """The trainer raises a positive temperature below 0.01 to it as SamplingParams does (so
+    the rollout's T = 0.005 logprobs are its bits), and refuses NaN / infinity; numpy and
+    torch integer prompt lengths are taken as ints."""
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    with pytest.warns(UserWarning, match="raised"):
+        seqs, lps = _rollout(llm, prompts, temperature=0.005)
+    plens = [len(p) for p in prompts]
+    with torch.no_grad():
+        got = llm.policy().token_logprobs(seqs, np.array(plens), temperature=0.005)
+        again = llm.policy().token_logprobs(seqs, torch.tensor(plens), temperature=0.005)
+    for g, a, r in zip(got, again, lps):
+        assert torch.equal(bits(g), bits(r)) and torch.equal(bits(a), bits(r))
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            llm.policy().token_logprobs(seqs, plens, temperature=t)
+
+
+def test_an_optimizer_step_during_a_rollout_is_refused_before_it_writes(tiny_qwen3, prompts):
+    """attach_optimizer: a step while requests run is refused before any parameter changes
+    (the engine's KV would mix versions). A step the engine is told of only afterwards still
+    counts the version and drops the prefix cache before it raises."""
+    from vllm.sampling_params import SamplingParams
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enable_prefix_caching=True)
+    policy = llm.policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    policy.attach_optimizer(opt)
+    seqs, plens = [p + [7, 8, 9] for p in prompts], [len(p) for p in prompts]
+    (-sum(x.sum() for x in policy.token_logprobs(seqs, plens))).backward()
+    engine = llm.llm_engine
+    engine.add_request("r0", {"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()
+    weight = next(policy.parameters())
+    before = weight.detach().clone()
+    with pytest.raises(RuntimeError, match="running"):
+        opt.step()
+    assert torch.equal(weight.detach(), before) and llm.weight_version == 0
+    with torch.no_grad():
+        weight.add_(1e-3)          # changed behind the optimizer's back, then reported
+    with pytest.raises(RuntimeError, match="prefix cache dropped"):
+        policy.notify_weights_updated()
+    assert llm.weight_version == 1 and not engine.kv._hash_to_block
+
+
+def test_save_pretrained_carries_the_tokenizer_and_replaces_a_sharded_checkpoint(tiny_qwen3, tmp_path):
+    """The saved checkpoint carries the tokenizer's chat template (transformers 5 keeps it in
+    chat_template.jinja) and, saved over a sharded checkpoint, leaves no stale index or
+    shard for a loader to prefer over the new weights."""
+    import shutil
+
+    from vllm.tokenizer import load_tokenizer
+    from vllm.training.policy import Policy
+    src = tmp_path / "src"
+    shutil.copytree(tiny_qwen3, src)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    policy = Policy.from_pretrained(str(src), device="cpu")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    with torch.no_grad():
+        policy.model.lm_head.weight.mul_(2)
+    policy.save_pretrained(str(out))
+    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+    assert (out / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
+    assert load_tokenizer(str(out)).chat_template is not None
+    again = Policy.from_pretrained(str(out), device="cpu")
+    assert torch.equal(again.model.lm_head.weight, policy.model.lm_head.weight)

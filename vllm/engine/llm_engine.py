@@ -215,12 +215,19 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
         return self._grammars.compile(params.structured_outputs)
 
+    def check_weights_can_change(self) -> None:
+        """RuntimeError while requests are running (not paused): their KV would mix two weight
+        versions. A colocated optimizer asks before its step (Policy.attach_optimizer)."""
+        if self.has_unfinished_requests() and not self.paused:
+            raise RuntimeError("weights may not change while requests are running: their KV would mix two weight "
+                               "versions; update weights between generate calls, or pause() first")
+
     def on_weights_updated(self) -> None:
         """The parameters changed in place (colocated trainer step or weight sync):
-        count the version and drop cached prefixes computed with the old weights."""
-        if self.has_unfinished_requests() and not self.paused:
-            raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
-                               "versions; update weights between generate calls, or pause() first")
+        count the version and drop cached prefixes computed with the old weights. Changed
+        while requests were running (not paused), the bookkeeping is still done (no later
+        request may reuse KV of the old weights) and then a RuntimeError says so."""
+        mixed = self.has_unfinished_requests() and not self.paused
         self.weight_version += 1
         # FP8 linear layers: quantized once per weight version, here (in place, so captured
         # CUDA graphs multiply the new fp8 weights)
@@ -232,7 +239,7 @@ class LLMEngine:
         self.executor.weights_changed()  # the next graph replay first checks the captured pointers
         # Cached prefixes hold KV of the old weights: no later request may reuse them. A paused
         # request keeps its own KV (it continues under the new weights and reports both versions).
-        self.kv.reset_prefix_cache(allow_in_use=self.paused)
+        self.kv.reset_prefix_cache(allow_in_use=self.paused or mixed)
         for group in self._groups.values():
             for req, versions in zip(group.children, group.weight_versions):
                 if req.status.finished:
@@ -241,6 +248,10 @@ class LLMEngine:
                     versions[:] = [self.weight_version]   # nothing computed yet: all of it is new
                 elif versions[-1] != self.weight_version:
                     versions.append(self.weight_version)
+        if mixed:
+            raise RuntimeError("weights were updated while requests were running: their KV mixes two weight "
+                               "versions (the new version is counted and the prefix cache dropped); update "
+                               "weights between generate calls, or pause() first")
 
     def pause(self) -> list[RequestOutput]:
         """Stop stepping, keeping every request and its KV; finishes the step still on the GPU

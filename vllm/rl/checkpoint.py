@@ -155,8 +155,7 @@ def snapshot_checkpoint(*, trainer_state: dict, policy, optimizer: torch.optim.O
                         master_weights: list[torch.Tensor] | None, reference: dict | None, config_yaml: str,
                         contract_json: str) -> CheckpointSnapshot:
     """Copy the state a resume needs to host memory, now (the step boundary)."""
-    src = policy.model_config.path
-    files = [os.path.join(src, n) for n in policy.TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    files = policy.companion_files()
     training_state = {"optimizer": _host_copy(optimizer.state_dict()),
                       "master_weights": _host_copy(list(master_weights)) if master_weights is not None else None,
                       "reference": _host_copy(dict(reference)) if reference is not None else None}

@@ -8,8 +8,9 @@ differentiable w.r.t. the parameters.
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
+import pathlib
 from typing import Sequence
 
 import numpy as np
@@ -18,18 +19,40 @@ import torch
 from vllm.config import KernelConfig, ModelConfig, NumericsSpec, NumericsSpecFields
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
+from vllm.sampling_params import MIN_TEMPERATURE
 from vllm.training.attention import PackedAttentionBackend
 from vllm.training.logprob_head import token_logprobs_head
 
 
-def _lm_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
-    """The weight of the model's one LMHead: `compute_logits(h)` is `h @ weight.T` in float32
+def _lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's one LMHead: `compute_logits(h)` is `h @ weight.T` in float32
     (docs/architecture.md), which the fused logprob head differentiates by hand."""
     from vllm.layers.embedding import LMHead
     heads = [m for m in model.modules() if isinstance(m, LMHead)]
     if len(heads) != 1:
         raise ValueError(f"the trainer needs a model with exactly one LMHead (compute_logits), found {len(heads)}")
-    return heads[0].weight
+    return heads[0]
+
+
+def remove_stale_weights(save_dir: str) -> None:
+    """Delete the weight files of an earlier checkpoint in `save_dir` (a sharded one's index
+    and shards, a single file): loaders follow an index before a single file, so a stale one
+    would load the old weights beside the new."""
+    for name in os.listdir(save_dir):
+        if name in ("model.safetensors", "model.safetensors.index.json") or (
+                name.startswith("model-") and name.endswith(".safetensors")):
+            os.remove(os.path.join(save_dir, name))
+
+
+def _as_int(value):
+    """A numpy or torch integer scalar (np.array(prompt_lens), a tensor of lengths) as an int;
+    anything else as it is (the checks name it)."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value)
+    return value
 
 
 class Policy(NumericsSpecFields):
@@ -56,7 +79,7 @@ class Policy(NumericsSpecFields):
         self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
-        self.lm_head_weight = _lm_head_weight(model)
+        self._lm_head = _lm_head(model)
         for p in self.model.parameters():
             p.requires_grad_(True)
 
@@ -89,6 +112,12 @@ class Policy(NumericsSpecFields):
         return cls(model, mc, spec, torch.device(device), tok, activation_checkpointing=activation_checkpointing,
                    logprob_chunk_rows=logprob_chunk_rows)
 
+    @property
+    def lm_head_weight(self) -> torch.nn.Parameter:
+        """The LM head's weight as the model holds it now (a parameter replaced by the user,
+        e.g. load_state_dict(assign=True), is the one the logprob head differentiates)."""
+        return self._lm_head.weight
+
     def parameters(self):
         return self.model.parameters()
 
@@ -104,6 +133,12 @@ class Policy(NumericsSpecFields):
             self.engine.on_weights_updated()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell a colocated engine about every step of `optimizer`: before it, the engine
+        refuses while requests are running (nothing is written then); after it, the engine
+        counts the new version and drops its cached prefixes."""
+        if self.engine is not None:
+            engine = self.engine
+            optimizer.register_step_pre_hook(lambda *_: engine.check_weights_can_change())
         optimizer.register_step_post_hook(lambda *_: self.notify_weights_updated())
 
     # ---- the trainer's logprobs -----------------------------------------------------------
@@ -124,7 +159,7 @@ class Policy(NumericsSpecFields):
                 raise ValueError(f"sequence {i} has token ids outside the vocabulary [0, {vocab})")
             if len(arr) > ctx:
                 raise ValueError(f"sequence {i} has {len(arr)} tokens, longer than the model's context {ctx}")
-            if not isinstance(pl, int) or pl < 1 or pl > len(arr):
+            if isinstance(pl, bool) or not isinstance(pl, int) or pl < 1 or pl > len(arr):
                 raise ValueError(f"sequence {i}: prompt_len {pl!r} out of range [1, {len(arr)}]")
             if pl == len(arr):
                 raise ValueError(f"sequence {i} has an empty response (prompt_len == len(sequence) == {pl})")
@@ -140,13 +175,14 @@ class Policy(NumericsSpecFields):
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
         most `max_tokens_per_micro_batch` tokens (default: all in one); packing, order and
         micro-batch size do not change the bits."""
-        prompt_lens = list(prompt_lens)
+        prompt_lens = [_as_int(p) for p in prompt_lens]
         arrays = self._validate(sequences, prompt_lens)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
-        temp = float(temperature) if temperature > 0 else 1.0
+        # the rollout's temperature: SamplingParams raises a positive one below its floor to it
+        temp = max(float(temperature), MIN_TEMPERATURE) if temperature > 0 else 1.0
         # the sampler divides by a float32 device tensor (an exact IEEE division): the same
         # value, copied once per call without making the host wait for the GPU
         temp_t = to_device(np.float32(temp), torch.float32, self.device)
@@ -194,9 +230,22 @@ class Policy(NumericsSpecFields):
             results[i] = part
 
     # ---- checkpoints -------------------------------------------------------------------
-    # files of the source checkpoint that a saved one carries along
-    TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                       "vocab.json", "merges.txt")
+    # files a saved checkpoint carries along: the tokenizer's (chat templates included, which
+    # transformers 5 keeps in chat_template.jinja) and the source's generation config
+    TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                       "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+    MODEL_FILES = ("generation_config.json",)
+
+    def companion_files(self) -> list[str]:
+        """The paths of the files a saved checkpoint carries besides config and weights: the
+        tokenizer this policy uses (the engine's, when colocated with `LLM(..., tokenizer=)`)
+        and the source checkpoint's generation config."""
+        src = self.model_config.path
+        tok_dir = getattr(self.tokenizer, "name_or_path", None)
+        tok_dir = tok_dir if tok_dir and os.path.isdir(tok_dir) else src
+        found = [os.path.join(tok_dir, n) for n in self.TOKENIZER_FILES]
+        found += [os.path.join(src, n) for n in self.MODEL_FILES]
+        return [f for f in found if os.path.isfile(f)]
 
     def hf_config(self) -> dict:
         """The source checkpoint's config.json with this policy's dtype (what a saved one holds)."""
@@ -211,14 +260,16 @@ class Policy(NumericsSpecFields):
         from safetensors.torch import save_file
 
         os.makedirs(save_dir, exist_ok=True)
-        src = self.model_config.path
+        files = self.companion_files()   # read before anything in save_dir changes (it may be the source)
+        contents = {os.path.basename(f): pathlib.Path(f).read_bytes() for f in files}
         with open(os.path.join(save_dir, "config.json"), "w") as f:
             json.dump(self.hf_config(), f, indent=2)
+        remove_stale_weights(save_dir)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.model.hf_state_dict().items()}
         save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
-        for name in self.TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(src, name)):
-                shutil.copy(os.path.join(src, name), os.path.join(save_dir, name))
+        for name, data in contents.items():
+            with open(os.path.join(save_dir, name), "wb") as f:
+                f.write(data)
 
     def execution_contract(self):
         """The same contract as the engine's for the same model, dtype, numerics and device
