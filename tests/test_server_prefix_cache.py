@@ -185,3 +185,49 @@ def test_serve_flags_reach_the_server(monkeypatch):
                      (["serve", "--enable-prompt-tokens-details", "--enable-force-include-usage"], True)):
         assert serve.run(parser.parse_args(argv)) == 0
         assert seen["enable_prompt_tokens_details"] is on and seen["enable_force_include_usage"] is on
+
+
+def test_serve_takes_vllm_api_key_and_exits_when_the_engine_dies(monkeypatch):
+    """As upstream: VLLM_API_KEY is the --api-key default (a secret kept off the command
+    line); `vllm serve` exits with status 1 once its engine process has died (run_server
+    reports it), 0 after a normal stop, and --keep-alive-on-engine-death reaches the server."""
+    import argparse
+
+    from vllm.entrypoints.cli import serve
+    from vllm.entrypoints.openai import api_server
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    seen = {}
+    outcome = ["stopped"]
+    monkeypatch.setattr(api_server, "run_server", lambda engine_kwargs, **kw: seen.update(kw) or outcome[0])
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert serve.run(parser.parse_args(["serve"])) == 0
+    assert seen["api_key"] == "from-env" and seen["keep_alive_on_engine_death"] is False
+    serve.run(parser.parse_args(["serve", "--api-key", "flag", "--keep-alive-on-engine-death"]))
+    assert seen["api_key"] == "flag" and seen["keep_alive_on_engine_death"] is True
+    monkeypatch.delenv("VLLM_API_KEY")
+    outcome[0] = "engine_dead"
+    assert serve.run(parser.parse_args(["serve"])) == 1 and seen["api_key"] is None
+
+
+def test_the_watchdog_stops_the_server_once_the_engine_is_dead():
+    import threading
+    import types
+
+    from vllm.entrypoints.openai.api_server import watch_engine
+    engine = types.SimpleNamespace(is_running=True, client=types.SimpleNamespace(dead_reason="killed"))
+    server = types.SimpleNamespace(should_exit=False)
+    stop = threading.Event()
+    found = []
+    t = threading.Thread(target=lambda: found.append(watch_engine(engine, server, stop, interval_s=0.01)))
+    t.start()
+    threading.Event().wait(0.05)
+    assert not server.should_exit
+    engine.is_running = False
+    t.join(5)
+    assert found == [True] and server.should_exit
+    stop.set()   # a stop before any death: returns False, the server left alone
+    server.should_exit = False
+    assert watch_engine(types.SimpleNamespace(is_running=True), server, stop, interval_s=0.01) is False
+    assert not server.should_exit
+

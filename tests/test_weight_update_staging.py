@@ -348,3 +348,23 @@ def test_cancel_while_allocating_gives_host_buffers_back(monkeypatch):
     with pytest.raises(st._Cancelled):
         job._allocate(layouts)
     assert len(pool._all) == 2 and pool.free_bytes == 2 * 2048     # both back, none stranded
+
+
+def test_an_abort_or_a_stop_sends_the_new_stats_without_a_step(tiny_qwen3):
+    """A request freed by an abort or by a client-found stop string ends without an engine
+    step: the core still sends the new counts, so the server's /metrics gauges (running,
+    KV usage) do not keep a phantom request on an idle server."""
+    from vllm.engine.core_messages import AbortRequest, StopChild
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=4)
+    core = EngineCore(llm.llm_engine)
+    for rid in ("a", "b"):
+        core.handle(AddRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=50, ignore_eos=True, detokenize=False)))
+    core.step()
+    assert core.take_outputs().stats.num_running == 2
+    core.handle(AbortRequest("a"))
+    out = core.take_outputs()
+    assert out is not None and not out.deltas and out.stats.num_running == 1
+    core.handle(StopChild("b", 0, "stop"))
+    out = core.take_outputs()
+    assert out is not None and out.stats.num_running == 0 and out.stats.kv_usage == 0.0
+    assert core.take_outputs() is None   # nothing new: nothing sent

@@ -53,6 +53,9 @@ class EngineCore:
         self._deltas: list[tuple] = []   # RequestDelta fields
         self._utility: list[UtilityResult] = []
         self._failures: list[RequestFailure] = []
+        # an abort or a stop freed requests without a step: the client's stats (its /metrics
+        # gauges) need the new counts even though no token came
+        self._stats_changed = False
         self._stop = False
         # pause(mode="wait") calls answered once the requests in flight have finished:
         # (call id, clear_cache); AddRequests that arrive meanwhile are held, then queued
@@ -80,10 +83,11 @@ class EngineCore:
 
     def take_outputs(self) -> EngineCoreOutputs | None:
         """The outputs gathered since the last call (None when there are none)."""
-        if not (self._deltas or self._utility or self._failures):
+        if not (self._deltas or self._utility or self._failures or self._stats_changed):
             return None
         out = EngineCoreOutputs(self._deltas, self.engine.weight_version, self._stats(), self._utility, self._failures)
         self._deltas, self._utility, self._failures = [], [], []
+        self._stats_changed = False
         return out
 
     # ---- commands -----------------------------------------------------------------------
@@ -101,8 +105,10 @@ class EngineCore:
                 self._failures.append(RequestFailure([msg.request_id], str(err), True))
         elif isinstance(msg, AbortRequest):
             eng.abort_request(msg.request_id)
+            self._stats_changed = True
         elif isinstance(msg, StopChild):
             eng.stop_child(msg.request_id, msg.index, msg.stop_reason)
+            self._stats_changed = True
         elif isinstance(msg, UtilityCall):
             try:
                 fn = getattr(self, f"utility_{msg.method}", None)

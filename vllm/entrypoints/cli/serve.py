@@ -6,6 +6,7 @@ HTTP server, tokenization and detokenization.
 from __future__ import annotations
 
 import logging
+import os
 
 from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from vllm.entrypoints.openai.reasoning import REASONING_PARSERS
@@ -24,7 +25,8 @@ def add_parser(sub) -> None:
                    help="name(s) clients use in the 'model' field; the first is reported in responses "
                         "(default: the model path, or 'default' for the embedded model)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1/ endpoint")
+                   help="require 'Authorization: Bearer KEY' on every /v1/ endpoint (default: the VLLM_API_KEY "
+                        "environment variable, as upstream, which keeps the secret off the command line)")
     p.add_argument("--admin-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/pause, /v1/resume and /v1/weights/* updates "
                         "(without it those need the --api-key, or nothing: keep the server on 127.0.0.1 then)")
@@ -61,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed response carries usage, on each chunk and in a last usage-only chunk, as "
                         "if it asked for stream_options include_usage and continuous_usage_stats")
+    p.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="keep answering 503 after the engine process dies, instead of exiting with status 1 "
+                        "(within about a second, as upstream: a restart policy then starts a fresh server)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -93,17 +98,20 @@ def run(args) -> int:
     from vllm.engine.core_client import EngineStartError
     from vllm.entrypoints.openai.api_server import run_server
 
+    # the one environment variable read here: a secret, kept off the command line (and out of
+    # `ps`) as upstream's deployments pass it; it chooses no behaviour but the key
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("VLLM_API_KEY") or None)
     try:
-        run_server(engine_kwargs(args), host=args.host, port=args.port, served_model_names=args.served_model_name,
+        return 1 if run_server(engine_kwargs(args), host=args.host, port=args.port, served_model_names=args.served_model_name,
                    max_logprobs=args.max_logprobs, generation_config=args.generation_config,
                    log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
-                   api_key=args.api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
+                   api_key=api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    reasoning_parser=args.reasoning_parser,
                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                   enable_force_include_usage=args.enable_force_include_usage)
+                   enable_force_include_usage=args.enable_force_include_usage,
+                   keep_alive_on_engine_death=args.keep_alive_on_engine_death) == "engine_dead" else 0
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1
-    return 0

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -271,19 +272,45 @@ def default_served_name(model_path: str) -> str:
 
 def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
                generation_config: str = "auto", log_level: str = "info", max_queued_requests: int | None = None,
-               api_key: str | None = None, admin_key: str | None = None, **options) -> None:
+               api_key: str | None = None, admin_key: str | None = None, keep_alive_on_engine_death: bool = False,
+               **options) -> str:
     """Start the engine core process, then serve until SIGINT/SIGTERM; uvicorn's graceful
     shutdown then stops the engine process (which also exits by itself if this one dies).
-    `options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
+    If the engine process dies the server shuts down too (requests in flight got 503), unless
+    `keep_alive_on_engine_death`. Returns "engine_dead" or "stopped". `options`:
+    OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
     import uvicorn
 
     async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
+    stop = threading.Event()
     try:
         app = build_app(_serving(async_llm, served_model_names, generation_config, **options),
                         api_key=api_key, admin_key=admin_key)
         names = app.state.serving.names
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
         # Bounded graceful shutdown: an open stream must not keep the process alive forever.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5))
+        watchdog = None
+        if not keep_alive_on_engine_death:
+            watchdog = threading.Thread(target=watch_engine, args=(async_llm, server, stop), daemon=True,
+                                        name="engine-watchdog")
+            watchdog.start()
+        server.run()
+        return "stopped" if async_llm.is_running else "engine_dead"
     finally:
+        stop.set()
         async_llm.shutdown()
+
+
+def watch_engine(async_llm: AsyncLLM, server, stop: threading.Event, interval_s: float = 0.5) -> bool:
+    """Until `stop` is set: once the engine process is found dead, tell `server` (uvicorn's
+    Server: it polls should_exit) to shut down, as upstream's API server exits when its engine
+    dies, so a restart policy can start a fresh one. Returns whether it found the engine dead."""
+    while not stop.wait(interval_s):
+        if not async_llm.is_running:
+            logger.error("the engine process died (%s): shutting the API server down",
+                         getattr(async_llm.client, "dead_reason", "unknown"))
+            server.should_exit = True
+            return True
+    return False
