@@ -237,6 +237,34 @@ def test_preemption_and_async_scheduling_keep_the_bits(llm):
     assert small.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_the_engine_core_compiles_grammars_off_its_loop():
+    """The server's engine core compiles a constrained request's grammar on a thread
+    (xgrammar releases the GIL), queueing it once compiled, so a large schema does not stall
+    the other streams; an abort while it compiles drops it; its output is the grammar's."""
+    import time
+
+    from vllm.engine.core import EngineCore
+    from vllm.engine.core_messages import AbortRequest, AddRequest
+    llm = LLM(device="cpu")   # its own: the core takes over the engine's outputs
+    core = EngineCore(llm.llm_engine)
+    ids = llm.get_tokenizer().encode(_prompt(llm))
+    params = SamplingParams(max_tokens=30, temperature=0, detokenize=False, structured_outputs={"choice": CHOICES})
+    core.handle(AddRequest("c", ids, params))
+    core.handle(AddRequest("gone", ids, params))
+    core.handle(AbortRequest("gone"))
+    assert [m.request_id for _, m in core._compiling] == ["c"] and not llm.llm_engine.has_unfinished_requests()
+    tokens, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline and (core._compiling or core.busy):
+        core._settle_compiles()
+        if core.busy:
+            core.step()
+        out = core.take_outputs()
+        for d in (out.deltas if out is not None else []):
+            tokens += list(d[2])
+    assert not core._compiling and "gone" not in llm.llm_engine._groups
+    assert llm.get_tokenizer().decode(tokens, skip_special_tokens=True) in CHOICES
+
+
 def test_bad_grammar_is_a_value_error_and_loses_nothing(llm):
     with pytest.raises(ValueError, match="regex"):
         _gen(llm, [SO(regex="a(")])

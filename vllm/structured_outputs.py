@@ -216,6 +216,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._xgr = xgr
         self.bitmask_words = (self.vocab_size + 31) // 32
+        self._pool = None   # compile_in_background's one thread, made on first use
 
     def compile(self, spec: "StructuredOutputsParams"):
         kind = spec.kind
@@ -234,6 +235,16 @@ class GrammarCompiler:
             raise
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"invalid structured_outputs.{kind}: {_short(err)}") from None
+
+    def compile_in_background(self, spec: "StructuredOutputsParams"):
+        """compile(spec) on this compiler's thread: a concurrent.futures.Future of the compiled
+        grammar (or of the ValueError). xgrammar releases the GIL while it compiles, so the
+        caller's loop keeps stepping meanwhile (a large schema takes a fraction of a second
+        with a small vocabulary, seconds with a 150k one)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        return self._pool.submit(self.compile, spec)
 
     def state(self, compiled) -> "GrammarState":
         return GrammarState(self._xgr, compiled, self.bitmask_words)

@@ -53,6 +53,9 @@ class EngineCore:
         self._deltas: list[tuple] = []   # RequestDelta fields
         self._utility: list[UtilityResult] = []
         self._failures: list[RequestFailure] = []
+        # constrained requests whose grammar compiles off the loop, in arrival order: (future,
+        # AddRequest); queued once compiled, so a large schema does not stall every stream
+        self._compiling: list = []
         # an abort or a stop freed requests without a step: the client's stats (its /metrics
         # gauges) need the new counts even though no token came
         self._stats_changed = False
@@ -95,15 +98,16 @@ class EngineCore:
         eng = self.engine
         if isinstance(msg, AddRequest) and self._pause_waiting:
             self._held.append(msg)  # pause(mode="wait") is letting the requests in flight finish
-        elif isinstance(msg, AddRequest):
+        elif isinstance(msg, AddRequest) and msg.params.structured_outputs is not None:
             try:
-                prompt = {"prompt_token_ids": msg.prompt_token_ids}
-                if msg.cache_salt is not None:
-                    prompt["cache_salt"] = msg.cache_salt
-                eng.add_request(msg.request_id, prompt, msg.params, stream=True)
-            except ValueError as err:
+                self._compiling.append((eng.grammar_compiler().compile_in_background(msg.params.structured_outputs),
+                                        msg))
+            except ValueError as err:   # xgrammar missing
                 self._failures.append(RequestFailure([msg.request_id], str(err), True))
+        elif isinstance(msg, AddRequest):
+            self._add(msg)
         elif isinstance(msg, AbortRequest):
+            self._compiling = [(f, m) for f, m in self._compiling if m.request_id != msg.request_id]
             eng.abort_request(msg.request_id)
             self._stats_changed = True
         elif isinstance(msg, StopChild):
@@ -124,6 +128,27 @@ class EngineCore:
                 self._utility.append(UtilityResult(msg.call_id, False, (type(err).__name__, str(err))))
         else:
             logger.error("engine core: unknown message %r", type(msg).__name__)
+
+    def _add(self, msg: AddRequest, compiled_grammar=None) -> None:
+        """Queue one request; a ValueError (bad prompt, id in use, bad grammar) fails it alone."""
+        try:
+            prompt = {"prompt_token_ids": msg.prompt_token_ids}
+            if msg.cache_salt is not None:
+                prompt["cache_salt"] = msg.cache_salt
+            self.engine.add_request(msg.request_id, prompt, msg.params, stream=True, compiled_grammar=compiled_grammar)
+        except ValueError as err:
+            self._failures.append(RequestFailure([msg.request_id], str(err), True))
+
+    def _settle_compiles(self) -> None:
+        """Queue the constrained requests whose grammar has compiled, in arrival order."""
+        while self._compiling and self._compiling[0][0].done():
+            future, msg = self._compiling.pop(0)
+            try:
+                compiled = future.result()
+            except ValueError as err:
+                self._failures.append(RequestFailure([msg.request_id], str(err), True))
+                continue
+            self._add(msg, compiled)
 
     def step(self) -> None:
         """One engine step; a failure fails (and aborts) every request in flight."""
@@ -422,7 +447,7 @@ class EngineCore:
         sender = _Sender(outbox)
         try:
             while not self._stop:
-                idle_s = _STAGING_POLL_S if self._staging is not None else _IDLE_POLL_S
+                idle_s = _STAGING_POLL_S if self._staging is not None or self._compiling else _IDLE_POLL_S
                 msgs = _receive(inbox, 0.0 if self.busy else idle_s)
                 if msgs is None:
                     return  # the client is gone
@@ -433,6 +458,7 @@ class EngineCore:
                 if not msgs and not self.busy and parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("engine core: parent process %d is gone; exiting", parent_pid)
                     return
+                self._settle_compiles()
                 if self.busy:
                     self.step()
                 self._settle_pause()

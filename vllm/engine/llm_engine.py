@@ -168,8 +168,10 @@ class LLMEngine:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
-                    stream: bool = False) -> str:
-        """Validate and queue one request; `stream=True` makes step() also report its progress."""
+                    stream: bool = False, compiled_grammar=None) -> str:
+        """Validate and queue one request; `stream=True` makes step() also report its progress.
+        `compiled_grammar`: its structured output's grammar, compiled already (the engine core
+        compiles off its loop: grammar_compiler()); else it is compiled here."""
         # a validated copy: fields set on the caller's object after construction are checked
         # here, and later changes to it do not reach a queued request
         params = dataclasses.replace(params) if params is not None else SamplingParams()
@@ -184,7 +186,8 @@ class LLMEngine:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(c in self._child_to_group for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        compiled = self._compile_grammar(params)   # ValueError before anything is queued
+        # ValueError before anything is queued
+        compiled = compiled_grammar if compiled_grammar is not None else self._compile_grammar(params)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         children, leader = [], None
         for i, rid in enumerate(child_ids):
@@ -206,14 +209,18 @@ class LLMEngine:
         return request_id
 
     def _compile_grammar(self, params: SamplingParams):
-        """The compiled grammar of a constrained request (None: unconstrained); the compiler
-        is made on the first one (vllm/structured_outputs.py)."""
+        """The compiled grammar of a constrained request (None: unconstrained)."""
         if params.structured_outputs is None:
             return None
+        return self.grammar_compiler().compile(params.structured_outputs)
+
+    def grammar_compiler(self):
+        """The GrammarCompiler of this engine's tokenizer, made on first use
+        (vllm/structured_outputs.py)."""
         if self._grammars is None:
             from vllm.structured_outputs import GrammarCompiler
             self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
-        return self._grammars.compile(params.structured_outputs)
+        return self._grammars
 
     def check_weights_can_change(self) -> None:
         """RuntimeError while requests are running (not paused): their KV would mix two weight
