@@ -263,6 +263,9 @@ def test_the_engine_core_compiles_grammars_off_its_loop():
             tokens += list(d[2])
     assert not core._compiling and "gone" not in llm.llm_engine._groups
     assert llm.get_tokenizer().decode(tokens, skip_special_tokens=True) in CHOICES
+    # an abort of every request (and a pause) also finds the ones still compiling
+    core.handle(AddRequest("late", ids, params))
+    assert core.utility_abort_requests() == {"aborted": ["late"]} and not core._compiling
 
 
 def test_bad_grammar_is_a_value_error_and_loses_nothing(llm):

@@ -125,43 +125,49 @@ def without_unenforced_keywords(schema):
     beside a pattern or format dropped, the pattern kept): for schemas the request did not
     write as a response format, such as a tool's parameters, which constrain a tool call's
     arguments as far as the backend can."""
-    if isinstance(schema, list):
-        return [without_unenforced_keywords(sub) for sub in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: without_unenforced_keywords(v) for k, v in schema.items() if k not in UNENFORCED_KEYWORDS}
-    if "properties" in schema and isinstance(schema["properties"], dict):
-        out["properties"] = {name: without_unenforced_keywords(child) for name, child in schema["properties"].items()}
-    if ("pattern" in out or "format" in out) and ("minLength" in out or "maxLength" in out):
-        out.pop("minLength", None)
-        out.pop("maxLength", None)
-    return out
+    return _walk_unenforced(schema, "$", drop=True)
 
 
-def refuse_unenforced_keywords(schema, path: str = "$") -> None:
+def refuse_unenforced_keywords(schema) -> None:
     """ValueError naming the first keyword of `schema` (walked through every subschema) that
     xgrammar would not enforce: UNENFORCED_KEYWORDS (uniqueItems only when true), and a
     string's minLength / maxLength beside a pattern or format (xgrammar keeps the pattern
     and drops the lengths)."""
-    if isinstance(schema, list):
-        for i, sub in enumerate(schema):
-            refuse_unenforced_keywords(sub, f"{path}[{i}]")
-        return
+    _walk_unenforced(schema, "$", drop=False)
+
+
+# where a schema holds subschemas: by name, one, or a list (enum / const / default hold data)
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_ONES = ("items", "additionalProperties")
+_SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def _walk_unenforced(schema, path: str, drop: bool):
+    """`schema` with its unenforced keywords dropped (drop) or refused (ValueError naming the
+    first), through every subschema."""
     if not isinstance(schema, dict):
-        return
-    for key in UNENFORCED_KEYWORDS:
-        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
+            if drop:
+                continue
             raise ValueError(f"structured_outputs.json: {key!r} at {path} is not enforced by the grammar backend "
                              "(xgrammar); remove it or check the output yourself")
-    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
-        raise ValueError(f"structured_outputs.json: minLength / maxLength beside a pattern or format at {path} "
-                         "is not enforced by the grammar backend (xgrammar); fold the length into the pattern")
-    for key, sub in schema.items():
-        if key in ("properties", "$defs", "definitions") and isinstance(sub, dict):
-            for name, child in sub.items():
-                refuse_unenforced_keywords(child, f"{path}.{key}.{name}")
-        elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf"):
-            refuse_unenforced_keywords(sub, f"{path}.{key}")
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _walk_unenforced(child, f"{path}.{key}.{name}", drop) for name, child in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_walk_unenforced(child, f"{path}.{key}[{i}]", drop) for i, child in enumerate(value)]
+        elif key in _SUBSCHEMA_ONES:
+            value = _walk_unenforced(value, f"{path}.{key}", drop)
+        out[key] = value
+    if ("pattern" in out or "format" in out) and ("minLength" in out or "maxLength" in out):
+        if not drop:
+            raise ValueError(f"structured_outputs.json: minLength / maxLength beside a pattern or format at {path} "
+                             "is not enforced by the grammar backend (xgrammar); fold the length into the pattern")
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+    return out
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -245,6 +251,12 @@ class GrammarCompiler:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         return self._pool.submit(self.compile, spec)
+
+    def close(self) -> None:
+        """Stop the background compile thread (a compile running finishes; queued ones are dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def state(self, compiled) -> "GrammarState":
         return GrammarState(self._xgr, compiled, self.bitmask_words)

@@ -139,9 +139,10 @@ class EngineCore:
         except ValueError as err:
             self._failures.append(RequestFailure([msg.request_id], str(err), True))
 
-    def _settle_compiles(self) -> None:
-        """Queue the constrained requests whose grammar has compiled, in arrival order."""
-        while self._compiling and self._compiling[0][0].done():
+    def _settle_compiles(self, wait: bool = False) -> None:
+        """Queue the constrained requests whose grammar has compiled, in arrival order (all of
+        them with `wait`: a pause or an abort of every request then finds them in the engine)."""
+        while self._compiling and (wait or self._compiling[0][0].done()):
             future, msg = self._compiling.pop(0)
             try:
                 compiled = future.result()
@@ -180,6 +181,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         eng = self.engine
+        self._settle_compiles(wait=True)   # requests still compiling are in flight too
         if mode == "abort":
             eng.abort_requests()
         if mode == "wait" and eng.has_unfinished_requests():
@@ -214,6 +216,7 @@ class EngineCore:
         pausing."""
         if request_ids is not None and not (isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids)):
             raise ValueError("request_ids must be a list of request id strings")
+        self._settle_compiles(wait=True)   # requests still compiling are in flight too
         before = set(self.engine._groups)
         self.engine.abort_requests(request_ids or None)
         return {"aborted": sorted(before - set(self.engine._groups))}
@@ -473,6 +476,10 @@ class EngineCore:
                 sender.send(out)
         finally:
             self._stop_staging("the engine loop ended")   # no thread outlives the loop
+            for future, _ in self._compiling:
+                future.cancel()
+            if self.engine._grammars is not None:
+                self.engine._grammars.close()
             sender.close()
 
 

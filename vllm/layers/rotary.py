@@ -7,7 +7,6 @@ whatever dtype the model runs in); lookups by absolute position are gathers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn

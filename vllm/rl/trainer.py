@@ -215,14 +215,10 @@ class Trainer:
         from vllm.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(self.model_dir)
         render = PromptRenderer(self.tokenizer, d.chat_template, d.system_prompt)
-        with open(os.path.join(self.model_dir, "config.json")) as f:
-            hf = json.load(f)
         from vllm.model_loader.build import read_model_config
-        max_pos, vocab = read_model_config(self.model_dir).max_position_embeddings, hf.get("vocab_size")
-        max_len = cfg.model.max_model_len or max_pos
-        if max_len > max_pos:
-            raise ValueError(f"max_model_len={max_len} exceeds the {max_pos} positions the model covers "
-                             f"(max_position_embeddings with its rope scaling)")
+        # the model's context (linear rope scaling included); a longer max_model_len is a ValueError
+        model_config = read_model_config(self.model_dir, cfg.model.max_model_len)
+        max_len, vocab = model_config.max_model_len, model_config.vocab_size
         budget = max_len - cfg.algorithm.max_response_tokens
         self.train_prompt_ids, self.eval_prompt_ids = [], []
         for examples, out, what in ((self.train_examples, self.train_prompt_ids, "training"),

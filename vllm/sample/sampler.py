@@ -297,7 +297,9 @@ class TokenBan:
 def apply_token_ban(logits: torch.Tensor, ban: TokenBan) -> torch.Tensor:
     """``logits`` with the banned (row, token) pairs set to -inf (a new tensor; every other
     element copied bit for bit)."""
-    return logits.index_put((ban.rows, ban.token_ids), torch.tensor(_NEG_INF, device=logits.device))
+    out = logits.clone()
+    out[ban.rows, ban.token_ids] = _NEG_INF   # a Python scalar: no host-to-device copy to wait for
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
