@@ -4,19 +4,23 @@ from __future__ import annotations
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, SampledToken
-from vllm.core.request import Request, RequestStatus
+import pytest
+
+from vllm.core.request import Request, RequestStatus, check_priority
 from vllm.core.scheduler import Scheduler
 from vllm.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, budget=32, max_seqs=8, chunked=True, block_size=4, caching=True):
+def make(num_blocks=64, budget=32, max_seqs=8, chunked=True, block_size=4, caching=True, policy="fcfs"):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked), kv), kv
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                                     scheduling_policy=policy), kv), kv
 
 
-def req(rid, n, max_tokens=4, leader=None, prompt=None, **kw):
+def req(rid, n, max_tokens=4, leader=None, prompt=None, priority=0, **kw):
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
-    return Request(rid, prompt or list(range(100, 100 + n)), sp, seed=1, eos_token_ids=[2], max_model_len=1000, leader=leader)
+    return Request(rid, prompt or list(range(100, 100 + n)), sp, seed=1, eos_token_ids=[2], max_model_len=1000, leader=leader,
+                   priority=priority)
 
 
 def run_step(s, token=7):
@@ -132,3 +136,118 @@ def test_max_num_seqs_caps_running():
         s.add_request(req(str(i), 6))
     out, _ = run_step(s)
     assert len(out.requests) == 3 and len(s.waiting) == 2
+
+
+# ---- scheduling_policy ------------------------------------------------------------------
+
+def _admission_order(s, limit=50) -> list[str]:
+    """The ids in the order the scheduler first gives each request a slice."""
+    order: list[str] = []
+    for _ in range(limit):
+        if not s.has_unfinished():
+            break
+        out, _ = run_step(s)
+        order += [r.req_id for r in out.requests if r.req_id not in order]
+    assert not s.has_unfinished()
+    return order
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    prios = {"a": 0, "b": 2, "c": -1, "d": 2, "e": 0, "f": 1}
+    s, kv = make(max_seqs=1, budget=64, policy="priority")
+    for i, (rid, p) in enumerate(prios.items()):
+        s.add_request(req(rid, 6, max_tokens=2, priority=p, prompt=list(range(200 + 10 * i, 206 + 10 * i))))
+    assert [r.req_id for r in s.waiting] == ["c", "a", "e", "f", "b", "d"]
+    # an abort takes a request out of the middle and keeps the others' order
+    s.finish_requests(["f"], RequestStatus.FINISHED_ABORTED)
+    assert [r.req_id for r in s.waiting] == ["c", "a", "e", "b", "d"]
+    assert _admission_order(s) == ["c", "a", "e", "b", "d"]
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    # fcfs: arrival order, whatever ran before
+    s, _ = make(max_seqs=1, budget=64)
+    for rid in "cbad":
+        s.add_request(req(rid, 6, max_tokens=2))
+    assert _admission_order(s) == ["c", "b", "a", "d"]
+
+
+def test_priority_policy_orders_a_late_arrival_before_waiting_lower_priorities():
+    s, _ = make(max_seqs=1, budget=64, policy="priority")
+    s.add_request(req("low", 6, max_tokens=3, priority=5, prompt=list(range(200, 206))))
+    s.add_request(req("mid", 6, max_tokens=3, priority=1, prompt=list(range(300, 306))))
+    run_step(s)          # mid runs (the one seat); low waits
+    s.add_request(req("high", 6, max_tokens=3, priority=0, prompt=list(range(400, 406))))
+    assert [r.req_id for r in s.running] == ["mid"] and [r.req_id for r in s.waiting] == ["high", "low"]
+    assert _admission_order(s) == ["mid", "high", "low"]
+
+
+def _distinct(rid, start, n, priority=0, max_tokens=10):
+    return req(rid, n, max_tokens=max_tokens, priority=priority, prompt=list(range(start, start + n)))
+
+
+def test_priority_preemption_takes_the_largest_priority_even_if_it_already_has_a_slice():
+    """5 usable blocks of 4 tokens: `a` (priority 1) is admitted alone, then b and c (priority 0);
+    a step later b needs a block that is not there. fcfs preempts c, the latest admitted; priority
+    preempts a, which was given its slice earlier in the same step: the slice is dropped, its token
+    goes back to the budget, and a waits at its (priority, arrival) place, behind a later arrival of
+    a smaller priority."""
+    victims = {}
+    for policy, a_priority in (("fcfs", 0), ("priority", 1)):
+        s, kv = make(num_blocks=7, budget=64, policy=policy)
+        a = _distinct("a", 200, 6, a_priority)
+        s.add_request(a)
+        run_step(s)
+        s.add_request(_distinct("b", 300, 8))
+        s.add_request(_distinct("c", 400, 8))
+        run_step(s)
+        assert [r.req_id for r in s.running] == ["a", "b", "c"] and kv.num_free_blocks == 0
+        out, _ = run_step(s)
+        victims[policy] = out.preempted
+        kv.check_invariants()
+        if policy == "priority":
+            assert [r.req_id for r in out.requests] == ["b", "c"] and out.num_batched_tokens == 2
+            assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0 and a.num_preemptions == 1
+            s.add_request(_distinct("d", 500, 4, priority=0))
+            assert [r.req_id for r in s.waiting] == ["d", "a"]   # fcfs would have put a back first
+        else:
+            assert [r.req_id for r in out.requests] == ["a", "b"]
+        for _ in range(80):
+            if not s.has_unfinished():
+                break
+            run_step(s)
+            kv.check_invariants()
+        assert not s.has_unfinished() and kv.num_free_blocks == kv.num_blocks - 1
+    assert victims == {"fcfs": ["c"], "priority": ["a"]}
+
+
+def test_priority_preemption_of_the_request_itself_still_serves_the_ones_after_it():
+    """running = [x (0), y (5), z (0)], no free block, and y needs one: y is the lowest priority, so
+    y itself is preempted, and z, which sorts before it, still gets its slice in the same step."""
+    s, kv = make(num_blocks=6, budget=64, policy="priority")
+    s.add_request(_distinct("x", 200, 4))
+    s.add_request(y := _distinct("y", 300, 3, priority=5))
+    run_step(s)
+    s.add_request(_distinct("z", 400, 5))
+    run_step(s)
+    assert [r.req_id for r in s.running] == ["x", "y", "z"] and kv.num_free_blocks == 0
+    assert [r.num_computed_tokens % 4 == 0 for r in s.running] == [False, True, False]   # only y needs a block
+    out, _ = run_step(s)
+    assert out.preempted == ["y"] and [r.req_id for r in out.requests] == ["x", "z"]
+    assert y.status == RequestStatus.PREEMPTED
+    kv.check_invariants()
+
+
+def test_fcfs_refuses_a_nonzero_priority():
+    s, _ = make()
+    for p in (1, -3):
+        with pytest.raises(ValueError, match=rf"Got priority {p} but Priority scheduling is not enabled"):
+            s.add_request(req("a", 6, priority=p))
+    assert not s.requests and not s.has_unfinished()
+    s.add_request(req("a", 6, priority=0))
+    assert [r.req_id for r in s.waiting] == ["a"]
+    for bad in (True, 1.5, "1", None):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            check_priority(bad, "priority")
+    assert check_priority(-7, "priority") == -7
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        SchedulerConfig(scheduling_policy="lifo")

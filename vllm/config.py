@@ -22,6 +22,9 @@ _DTYPES = {
 }
 
 NUMERICS_MODES = ("fast", "invariant")
+# "fcfs": waiting requests are admitted in arrival order; "priority": by (priority, arrival),
+# lower priority values first, and KV pressure preempts the running request that sorts last
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = (None, "fp8")
 
@@ -169,6 +172,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap below the step budget
+    # upstream's scheduling policies (SCHEDULING_POLICIES); both only reorder requests, so a
+    # token's bits are the same under either
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 
 from vllm.sampling_params import SamplingParams
@@ -10,6 +11,19 @@ from vllm.sampling_params import SamplingParams
 # Stands for a sampled token whose value is still on the GPU (async scheduling):
 # the runner fills it in on the device before the forward pass reads it.
 PLACEHOLDER = -1
+
+
+def check_priority(priority, scheduling_policy: str) -> int:
+    """A request's priority as the scheduler takes it: an integer, lower admitted earlier, and
+    0 unless the engine runs scheduling_policy="priority" (upstream's rule, and its message,
+    which clients match to drop the field and retry)."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    priority = int(priority)
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled. (Start the engine with "
+                         "scheduling_policy='priority', or vllm serve --scheduling-policy priority.)")
+    return priority
 
 
 class RequestStatus(enum.Enum):
@@ -28,7 +42,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  eos_token_ids: list[int], max_model_len: int, leader: "Request | None" = None,
-                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None):
+                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None, priority: int = 0):
         self.req_id = req_id
         self.parent_id = parent_id or req_id
         self.index = index                      # which of the n samples this is
@@ -50,6 +64,10 @@ class Request:
         self.finishing = False                  # its last sampled token ends it by length (async lookahead)
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
+        # scheduling_policy="priority": waiting requests are admitted by (priority, arrival_order),
+        # lower first; arrival_order is the scheduler's count of add_request calls (a clock can tie)
+        self.priority = priority
+        self.arrival_order = 0
         self.first_token_time: float | None = None
         # Sampled-token logprobs: per output token, (logprob, rank, [(id, logprob), ...])
         self.logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
@@ -65,6 +83,12 @@ class Request:
         # Structured outputs: this sample's grammar matcher (vllm/structured_outputs.py), fed
         # every output token once its value is on the host (None: unconstrained)
         self.grammar = None
+
+    @property
+    def scheduling_key(self) -> tuple[int, int]:
+        """Its place under scheduling_policy="priority": admitted before larger keys, preempted
+        after them."""
+        return self.priority, self.arrival_order
 
     @property
     def awaiting_grammar_token(self) -> bool:

@@ -3,20 +3,28 @@
 
 Each step every request asks to compute the tokens it has but whose KV is not
 in the cache yet (a whole prompt, a chunk of it, or the one token sampled last
-step). Running requests are served first, in arrival order; when the cache is
-full the most recently arrived running request is preempted: its blocks are
-freed (cached blocks stay reusable by hash) and it waits to be recomputed.
+step). Running requests are served first, in the order they were admitted; when
+the cache is full a running request is preempted: its blocks are freed (cached
+blocks stay reusable by hash) and it waits to be recomputed. Waiting requests
+are admitted next, in the waiting queue's order (vllm/core/waiting_queue.py).
+
+The scheduling policy (SchedulerConfig.scheduling_policy, upstream's) decides the
+two orders: "fcfs" admits by arrival and preempts the latest arrival; "priority"
+admits by (priority, arrival), lower first, and preempts the running request with
+the largest (priority, arrival), as upstream's v1 scheduler does. Either only
+reorders work: every token's bits are the same (the engine is batch invariant).
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from collections import deque
 from typing import Iterable
 
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
-from vllm.core.request import PLACEHOLDER, Request, RequestStatus
+from vllm.core.request import PLACEHOLDER, Request, RequestStatus, check_priority
+from vllm.core.waiting_queue import make_waiting_queue
 
 logger = logging.getLogger(__name__)
 
@@ -25,17 +33,21 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.priority_policy = config.scheduling_policy == "priority"
+        self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrivals = itertools.count()   # Request.arrival_order: ties of equal priority by arrival
 
     # ---- bookkeeping ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
+        req.priority = check_priority(req.priority, self.config.scheduling_policy)
+        req.arrival_order = next(self._arrivals)
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
@@ -90,7 +102,16 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.put_back(req)
+
+    def _preemption_victim(self) -> tuple[Request, int]:
+        """The running request to preempt when KV blocks run out, and its index in `running`. fcfs:
+        the latest admitted. priority: the one with the largest (priority, arrival), i.e. the
+        lowest priority and, among equals, the latest arrival, as upstream's v1 scheduler picks."""
+        if not self.priority_policy:
+            return self.running[-1], len(self.running) - 1
+        at = max(range(len(self.running)), key=lambda k: self.running[k].scheduling_key)
+        return self.running[at], at
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -98,7 +119,7 @@ class Scheduler:
         preempted: list[str] = []
         state_loads: dict[str, int] = {}  # new requests starting from a state snapshot
 
-        # 1) running requests, oldest first
+        # 1) running requests, in the order they were admitted
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -109,7 +130,12 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim, at = self._preemption_victim()
+                if at < i:
+                    # passed earlier this step (only the priority policy reaches back): a slice
+                    # it was given is dropped and its tokens go back to the budget
+                    i -= 1
+                    budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted.append(victim.req_id)
                 if victim is req:
@@ -118,16 +144,16 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
-                continue
-            break  # req itself was preempted; everything after it is gone too
+            # req itself preempted: the next request now sits at index i. Under fcfs req was the
+            # last one; under priority the ones after it sort before it and may still fit.
 
-        # 2) waiting requests, FIFO, unless this step had to preempt
+        # 2) waiting requests, in the waiting queue's order, unless this step had to preempt
         if not preempted:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
+                req = self.waiting.first()
                 if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_grammar_token:
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(self.waiting.pop_first())
                     continue
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
                 if num_cached > req.num_prompt_logprob_rows and req.prompt_logprobs_pending:
@@ -143,7 +169,7 @@ class Scheduler:
                 n = self._snapshot_cut(req, num_cached, n)
                 if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks, req.cache_salt):
                     break
-                self.waiting.popleft()
+                self.waiting.pop_first()
                 req.num_computed_tokens = num_cached
                 state_loads[req.req_id] = self.kv.state_snapshot(computed_blocks) if num_cached else -1
                 if req.num_cached_tokens < 0:
@@ -153,7 +179,7 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
             for req in reversed(skipped):
-                self.waiting.appendleft(req)
+                self.waiting.put_back(req)
 
         out = []
         prompt_lp_indices = []
@@ -186,6 +212,15 @@ class Scheduler:
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
                                preempted=preempted, owners=[req for req, _ in scheduled],
                                prompt_logprob_indices=prompt_lp_indices)
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[Request, int]], req: Request) -> int:
+        """Take `req`'s slice out of this step's `scheduled`; returns its token count (0: it had
+        none, sitting this step out)."""
+        for k, (r, _) in enumerate(scheduled):
+            if r is req:
+                return scheduled.pop(k)[1]
+        return 0
 
     @staticmethod
     def _prompt_logprobs_slice(req: Request, start: int, n: int) -> PromptLogprobsSlice | None:
