@@ -135,7 +135,8 @@ class EngineCore:
             prompt = {"prompt_token_ids": msg.prompt_token_ids}
             if msg.cache_salt is not None:
                 prompt["cache_salt"] = msg.cache_salt
-            self.engine.add_request(msg.request_id, prompt, msg.params, stream=True, compiled_grammar=compiled_grammar)
+            self.engine.add_request(msg.request_id, prompt, msg.params, stream=True, compiled_grammar=compiled_grammar,
+                                    priority=msg.priority)
         except ValueError as err:
             self._failures.append(RequestFailure([msg.request_id], str(err), True))
 
@@ -558,7 +559,7 @@ def ready_info(engine) -> ReadyInfo:
                      max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
                      generation_defaults=dict(cfg.model.generation_defaults), weight_version=engine.weight_version,
                      num_kv_blocks=engine.executor.info.num_blocks, block_size=cfg.cache.block_size,
-                     max_num_seqs=cfg.scheduler.max_num_seqs)
+                     max_num_seqs=cfg.scheduler.max_num_seqs, scheduling_policy=cfg.scheduler.scheduling_policy)
 
 
 def _set_parent_death_signal() -> None:

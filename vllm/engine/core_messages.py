@@ -23,6 +23,7 @@ class AddRequest(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams       # stop strings removed and detokenize=False: the client does text
     cache_salt: str | None = None   # checked by the client; prefix-cache blocks are shared within a salt only
+    priority: int = 0            # checked by the client against ReadyInfo.scheduling_policy; lower runs earlier
 
 
 class AbortRequest(NamedTuple):
@@ -101,3 +102,4 @@ class ReadyInfo(NamedTuple):
     num_kv_blocks: int
     block_size: int
     max_num_seqs: int
+    scheduling_policy: str = "fcfs"   # the client refuses a non-zero priority under "fcfs" (HTTP 400)

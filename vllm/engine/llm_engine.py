@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from vllm.config import EngineConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.state_slots import StateSlots
-from vllm.core.request import Request, RequestStatus
+from vllm.core.request import Request, RequestStatus, check_priority
 from vllm.core.scheduler import Scheduler
 from vllm.engine.core_messages import RequestDelta
 from vllm.engine.output_processor import RequestState
@@ -168,10 +168,12 @@ class LLMEngine:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
-                    stream: bool = False, compiled_grammar=None) -> str:
+                    stream: bool = False, compiled_grammar=None, priority: int = 0) -> str:
         """Validate and queue one request; `stream=True` makes step() also report its progress.
         `compiled_grammar`: its structured output's grammar, compiled already (the engine core
-        compiles off its loop: grammar_compiler()); else it is compiled here."""
+        compiles off its loop: grammar_compiler()); else it is compiled here. `priority`: lower
+        is admitted earlier under scheduling_policy="priority"; any other value than 0 is a
+        ValueError under "fcfs" (as upstream). Every sample of the request takes it."""
         # a validated copy: fields set on the caller's object after construction are checked
         # here, and later changes to it do not reach a queued request
         params = dataclasses.replace(params) if params is not None else SamplingParams()
@@ -181,6 +183,7 @@ class LLMEngine:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        priority = check_priority(priority, self.config.scheduler.scheduling_policy)
         cache_salt = prompt_cache_salt(prompt)
         request_id = request_id if request_id is not None else str(next(self._counter))
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -193,7 +196,7 @@ class LLMEngine:
         for i, rid in enumerate(child_ids):
             req = Request(rid, ids, params, derive_seed(base_seed, i), self.eos_token_ids,
                           self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, priority=priority)
             if compiled is not None:
                 req.grammar = self._grammars.state(compiled)   # one matcher per sample
             leader = leader or req
@@ -306,6 +309,7 @@ class LLMEngine:
         deployment = {
             "max_num_seqs": c.scheduler.max_num_seqs, "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
             "enable_chunked_prefill": c.scheduler.enable_chunked_prefill, "block_size": c.cache.block_size,
+            "scheduling_policy": c.scheduler.scheduling_policy,
             "gpu_memory_utilization": c.cache.gpu_memory_utilization,
             "enable_prefix_caching": c.cache.enable_prefix_caching, "enforce_eager": c.enforce_eager,
             "enable_sleep_mode": c.cache.enable_sleep_mode,

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
+from vllm.core.request import check_priority
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
@@ -50,10 +51,13 @@ class LLM:
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
                  tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None,
-                 generation_config: str = "auto", **upstream_args):
+                 generation_config: str = "auto", scheduling_policy: str = "fcfs", **upstream_args):
         """upstream vLLM's `LLM` keywords. `generation_config`: "auto" (the checkpoint's
         generation_config.json sets what `generate` samples with when given no SamplingParams:
-        `get_default_sampling_params`) or "vllm" (SamplingParams' defaults). `upstream_args`:
+        `get_default_sampling_params`) or "vllm" (SamplingParams' defaults).
+        `scheduling_policy`: "fcfs" (requests are admitted in arrival order) or "priority"
+        (by `generate`'s `priority`, lower first, ties by arrival; under KV pressure the running
+        request with the largest (priority, arrival) is preempted). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
         _refuse_worker_extension(upstream_args.get("worker_extension_cls"))
@@ -82,7 +86,8 @@ class LLM:
                               num_state_snapshots=num_state_snapshots),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      scheduling_policy=scheduling_policy),
             device=device, numerics_spec=spec, seed=seed, enforce_eager=enforce_eager,
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
@@ -307,12 +312,15 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """upstream's signature. `lora_request`: None only (no adapters here). `priority`:
-        accepted; requests run in arrival order (scheduling never changes a token's bits)."""
+        """upstream's signature. `lora_request`: None only (no adapters here). `priority`: one
+        integer per prompt, lower admitted earlier (ties by arrival) on an LLM built with
+        scheduling_policy="priority"; under "fcfs" any value but 0 is a ValueError, as upstream.
+        Priorities only reorder the work: every token's bits are the same."""
         _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        priorities = self._priorities(priority, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -332,8 +340,21 @@ class LLM:
             _, ids = engine.tokenize(p)
             engine.validate(ids, sp)
             prompt_cache_salt(p)
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        ids = [engine.add_request(None, p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)]
         return self._run(ids, use_tqdm)
+
+    def _priorities(self, priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+        """generate's `priority`, one checked integer per prompt (all 0 when None)."""
+        if priority is None:
+            return [0] * num_prompts
+        if hasattr(priority, "tolist"):   # a numpy array or a tensor
+            priority = priority.tolist()
+        if not isinstance(priority, (list, tuple)):
+            raise ValueError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
+        if len(priority) != num_prompts:
+            raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+        policy = self.config.scheduler.scheduling_policy
+        return [check_priority(p, policy) for p in priority]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps (--no-enable-chunked-prefill prefills each prompt in "
                         "one step)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests are admitted in arrival order, and a request's priority must be 0; priority: "
+                        "by the request's priority (lower first, ties by arrival), and when KV blocks run out the "
+                        "running request with the largest (priority, arrival) is preempted; the tokens are the same")
     p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "auto", "dummy"],
                    help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed); "
@@ -95,4 +99,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", None),
                 keep_master_weights=getattr(args, "keep_master_weights", True),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None),
-                num_state_snapshots=getattr(args, "num_state_snapshots", None))
+                num_state_snapshots=getattr(args, "num_state_snapshots", None),
+                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))

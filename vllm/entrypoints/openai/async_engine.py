@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
+from vllm.core.request import check_priority
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
 from vllm.engine.llm_engine import check_max_tokens, tokenize_prompt, validate_prompt
@@ -213,14 +214,17 @@ class AsyncLLM:
         return tokenize_prompt(self.tokenizer, prompt)
 
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
-                           stream: bool = False) -> list[RequestStream]:
+                           stream: bool = False, priority: int = 0) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
 
         Raises ValueError (nothing added) if any prompt or params is invalid -- including a
-        max_tokens that does not fit in the context left --, QueueFullError when the queue
-        is full, and EngineDeadError if the engine is not running.
+        max_tokens that does not fit in the context left, and a non-zero `priority` (every
+        request's; lower runs earlier) on an engine that does not run
+        scheduling_policy="priority" --, QueueFullError when the queue is full, and
+        EngineDeadError if the engine is not running.
         """
         self._check_alive()
+        priority = check_priority(priority, self.info.scheduling_policy)
         loop = asyncio.get_running_loop()
         prepared = []
         for rid, prompt, params in items:
@@ -252,7 +256,8 @@ class AsyncLLM:
                 self._engine_ids[rid] = eid
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
-                msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False), cache_salt))
+                msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False), cache_salt,
+                                       priority))
             self._outstanding += n_samples
             self.num_requests_received += len(prepared)
             self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
@@ -266,14 +271,14 @@ class AsyncLLM:
         return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, *,
-                       stream: bool = False) -> AsyncIterator[RequestOutput]:
+                       stream: bool = False, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs: with stream=True as they arrive, the last one finished.
 
         The ValueError of an invalid request is raised from the first iteration. To stop
         early, leave the loop inside `contextlib.aclosing(...)` (or call abort(request_id)).
         """
         rid = request_id or self.new_request_id()
-        (s,) = await self.add_requests([(rid, prompt, params)], stream=stream)
+        (s,) = await self.add_requests([(rid, prompt, params)], stream=stream, priority=priority)
         try:
             async for out in s:
                 yield out

@@ -16,7 +16,7 @@ level for chat), `stop_reason`, `weight_version` / `weight_versions`, and the
 vLLM sampling fields top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, logprobs_mode,
 repetition_penalty, return_token_ids, prompt_logprobs, structured_outputs (upstream
-vLLM's).
+vLLM's), and upstream's scheduling field priority (--scheduling-policy priority).
 """
 from __future__ import annotations
 
@@ -161,6 +161,9 @@ class _SamplingRequest(OpenAIBaseModel):
     # upstream's: prefix-cache blocks are shared only among requests of the same salt (none: the
     # unsalted requests'), so one tenant cannot probe another's prompts through cache hits
     cache_salt: Optional[str] = None
+    # upstream's: lower is admitted earlier (ties by arrival) on a server run with
+    # --scheduling-policy priority; anything but 0 is a 400 under fcfs, as upstream
+    priority: StrictInt = 0
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None

@@ -377,7 +377,7 @@ class OpenAIServing:
                 await self.before_generate()
             rid = f"cmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests(
-                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream)
+                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream, priority=req.priority)
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
             return exception_response(err)
         created = int(time.time())
@@ -575,7 +575,7 @@ class OpenAIServing:
                 await self.before_generate()
             rid = f"chatcmpl-{_request_id(req, raw)}"
             streams = await self.llm.add_requests([(rid, req.with_cache_salt({"prompt_token_ids": prompt_ids}), params)],
-                                                  stream=req.stream)
+                                                  stream=req.stream, priority=req.priority)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         created = int(time.time())
