@@ -1,8 +1,9 @@
-"""chunk_tiles.unit_lower_block_row, the block rows of T = (I + A)^-1 that Gated DeltaNet's
-prep kernels build: against float64 inversion, and the property the decode path rests on
-(a block row's bits depend on its operands' values only: computed alone from T's earlier rows
-read back from memory, it has the bits of the same row in a whole-tile pass). In the Triton
-interpreter on CPU; on the GPU with 3xTF32 dots."""
+"""chunk_tiles.unit_lower_block_row and unit_lower_block_row_in_place, the block rows of
+T = (I + A)^-1 that Gated DeltaNet's prep kernels build (T carried in registers, or in a
+workspace: gdn_chunk.T_ROWS_IN_WORKSPACE): against float64 inversion, and the property the
+decode path rests on (a block row's bits depend on its operands' values only: computed alone
+from T's earlier rows read back from memory, it has the bits of the same row in a whole-tile
+pass). In the Triton interpreter on CPU; on the GPU with 3xTF32 dots."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.chunk_tiles import unit_lower_block_row
+    from vllm.kernels.chunk_tiles import unit_lower_block_row, unit_lower_block_row_in_place
 
     @triton.jit
     def _inverse_kernel(a_ptr, t_ptr, b_first, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
@@ -44,6 +45,19 @@ if HAS_TRITON:
             tl.store(t_ptr + rb[:, None] * C + rows[None, :], Tb)
 
 
+    @triton.jit
+    def _inverse_in_place_kernel(a_ptr, t_ptr, b_first, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
+        """The same block rows with t_ptr as the workspace: each block row's rows of A are stored
+        there, then overwritten by T's (rows before b_first * DB are T's already)."""
+        NB: tl.constexpr = C // DB
+        rows = tl.arange(0, C)
+        for bi in range(b_first, NB):
+            rb = bi * DB + tl.arange(0, DB)
+            tl.store(t_ptr + rb[:, None] * C + rows[None, :], tl.load(a_ptr + rb[:, None] * C + rows[None, :]))
+            tl.debug_barrier()
+            unit_lower_block_row_in_place(t_ptr, bi, DB, C, EMULATE)
+
+
 def _strict_lower(C: int, seed: int, zero_from: int | None = None) -> torch.Tensor:
     """A as Gated DeltaNet's prep forms it: beta_i (k_i . k_j) exp(gamma_i - gamma_j), j < i."""
     gen = torch.Generator().manual_seed(seed)
@@ -56,37 +70,55 @@ def _strict_lower(C: int, seed: int, zero_from: int | None = None) -> torch.Tens
     return A
 
 
-def _run(A: torch.Tensor, T: torch.Tensor, b_first: int, DB: int = 16) -> torch.Tensor:
-    _inverse_kernel[(1,)](A, T, b_first, C=A.shape[0], DB=DB, EMULATE=not A.is_cuda)
+def _run(A: torch.Tensor, T: torch.Tensor, b_first: int, DB: int = 16, form: str = "registers") -> torch.Tensor:
+    kernel = _inverse_kernel if form == "registers" else _inverse_in_place_kernel
+    kernel[(1,)](A, T, b_first, C=A.shape[0], DB=DB, EMULATE=not A.is_cuda)
     return T
 
 
+FORMS = ["registers", "workspace"]
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("C", [16, 64])
-def test_block_rows_invert_against_float64(C):
+def test_block_rows_invert_against_float64(C, form):
     A = _strict_lower(C, seed=C)
-    T = _run(A.to(DEV), torch.zeros(C, C, device=DEV), 0).cpu()
+    T = _run(A.to(DEV), torch.zeros(C, C, device=DEV), 0, form=form).cpu()
     exact = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
     assert ((T.double() - exact).norm() / exact.norm()).item() < 4e-6  # 3xTF32 dots on the GPU
     assert torch.equal(torch.tril(T), T)  # lower triangular, exact zeros above
 
 
-def test_zero_rows_give_unit_rows_and_leave_earlier_rows_alone():
+@pytest.mark.parametrize("form", FORMS)
+def test_zero_rows_give_unit_rows_and_leave_earlier_rows_alone(form):
     C, L = 64, 37
     A = _strict_lower(C, seed=1)
-    full = _run(A.to(DEV), torch.zeros(C, C, device=DEV), 0).cpu()
-    cut = _run(_strict_lower(C, seed=1, zero_from=L + 1).to(DEV), torch.zeros(C, C, device=DEV), 0).cpu()
+    full = _run(A.to(DEV), torch.zeros(C, C, device=DEV), 0, form=form).cpu()
+    cut = _run(_strict_lower(C, seed=1, zero_from=L + 1).to(DEV), torch.zeros(C, C, device=DEV), 0,
+               form=form).cpu()
     assert torch.equal(cut[: L + 1].view(torch.int32), full[: L + 1].view(torch.int32))
     assert torch.equal(cut[L + 1:], torch.eye(C)[L + 1:])
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("b_first", [1, 2, 3])
-def test_a_block_row_alone_has_the_whole_pass_bits(b_first):
+def test_a_block_row_alone_has_the_whole_pass_bits(b_first, form):
     """The decode path: block rows from b_first on, T's earlier rows read back from memory,
-    give the bits of a whole-tile pass (which carries them in registers)."""
+    give the bits of a whole-tile pass (which carries them in registers, or in the workspace)."""
     C = 64
     A = _strict_lower(C, seed=7).to(DEV)
-    whole = _run(A, torch.zeros(C, C, device=DEV), 0)
+    whole = _run(A, torch.zeros(C, C, device=DEV), 0, form=form)
     resumed = whole.clone()
     resumed[b_first * 16:] = float("nan")  # must be recomputed, never read
-    _run(A, resumed, b_first)
+    _run(A, resumed, b_first, form=form)
     assert torch.equal(resumed.view(torch.int32), whole.view(torch.int32))
+
+
+def test_the_forms_sum_x_in_other_orders():
+    """The workspace form sums A[b, :b] T[:b, :] by DB-wide K blocks: the same T within 3xTF32's
+    error, not the same bits (so gdn_chunk.T_ROWS_IN_WORKSPACE is one switch for every path)."""
+    C = 64
+    A = _strict_lower(C, seed=3).to(DEV)
+    reg = _run(A, torch.zeros(C, C, device=DEV), 0).cpu().double()
+    ws = _run(A, torch.zeros(C, C, device=DEV), 0, form="workspace").cpu().double()
+    assert ((reg - ws).norm() / reg.norm()).item() < 4e-6

@@ -90,6 +90,18 @@ def rebuilding_t():
         gdn_chunk.SAVE_T_FOR_BACKWARD = saved
 
 
+@contextlib.contextmanager
+def t_rows_in_workspace():
+    """The prep kernel's T block rows through the workspace (gdn_chunk.T_ROWS_IN_WORKSPACE),
+    timed beside the default register form as `invariant_tws` (off until measured)."""
+    from vllm.kernels import gdn_chunk
+    saved, gdn_chunk.T_ROWS_IN_WORKSPACE = gdn_chunk.T_ROWS_IN_WORKSPACE, True
+    try:
+        yield
+    finally:
+        gdn_chunk.T_ROWS_IN_WORKSPACE = saved
+
+
 def train_case(T: int = 10240) -> dict:
     x = inputs(T, 0)
     do = torch.randn(T, HV, V, device=DEV).to(torch.bfloat16)
@@ -110,6 +122,14 @@ def train_case(T: int = 10240) -> dict:
             o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
             o.backward(do)
         out["invariant_rebuild_t"] = bench(step)
+    with t_rows_in_workspace():
+        leaves = [t.clone().requires_grad_() for t in x]
+
+        def step(leaves=leaves):
+            o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
+            o.backward(do)
+        out["invariant_tws"] = bench(step)
+        out["invariant_tws_fwd"] = bench(lambda: ours(True)(*x, SCALE, md, None))
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
@@ -140,6 +160,9 @@ def prefill_case(n: int = 5, L: int = 2048) -> dict:
     for name, aligned in (("invariant", True), ("fast", False)):
         st = state(n + 1, aligned)
         out[name] = bench(lambda aligned=aligned, st=st: ours(aligned)(*x, SCALE, md, st))
+    with t_rows_in_workspace():
+        st = state(n + 1, True)
+        out["invariant_tws"] = bench(lambda: ours(True)(*x, SCALE, md, st))
     if fla_chunk is not None:
         cu = md.cu_seqlens.long()
         out["fla"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE, output_final_state=True, cu_seqlens=cu))
@@ -153,6 +176,9 @@ def decode_case(n: int = 256) -> dict:
     st_inv, st_fast = state(n + 1, True, md), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_inv), 20)
     out["fast"] = bench_graph(lambda i: gdn_recurrent_triton(*x, SCALE, md, st_fast), 20)
+    with t_rows_in_workspace():
+        st_tws = state(n + 1, True, md)
+        out["invariant_tws"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_tws), 20)
     if fla_recurrent is not None:
         h0 = st_fast["ssm"][1:].clone()
         out["fla"] = bench_graph(lambda i: fla_recurrent(*(t[:, None] for t in x), scale=SCALE, initial_state=h0,

@@ -135,6 +135,41 @@ if HAS_TRITON:
         return tl.where(cols[None, :] < bi * DB, Y, diag)
 
     @triton.jit
+    def unit_lower_block_row_in_place(ws, bi, DB: tl.constexpr, C: tl.constexpr, EMULATE: tl.constexpr):
+        """Block row bi of T = (I + A)^-1 (A strictly lower, C x C) in a float32 row-major
+        [C, C] workspace `ws` of this program that holds T's rows before the block and A's rows
+        of the block (stored by every thread before a barrier). Overwrites the block's rows of A
+        with T's and returns them ([DB, C]). The diagonal block as in unit_lower_block_row; the
+        rest T[b, :b] = -T[b, b] sum_{m < b} A[b, m] T[m, :], the sum chained over m in
+        increasing order from the workspace's DB x DB blocks of A and block rows of T: dots of K
+        DB over the b blocks before the diagonal only (unit_lower_block_row multiplies the
+        block's rows of A by all of T's rows, a K of C). Dots and exact copies only, as there;
+        no entry is -0."""
+        r = tl.arange(0, DB)
+        cols = tl.arange(0, C)
+        rb = bi * DB + r
+        N = tl.load(ws + rb[:, None] * C + (bi * DB + r)[None, :])         # A[b, b]: a copy
+        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - N                 # I - N
+        Np = N
+        for lvl in tl.static_range(1, 16):
+            if (DB >> lvl) > 1:
+                Np = dot_rows(Np, Np, tl.zeros([DB, DB], dtype=tl.float32), EMULATE, "tf32x3")
+                P = dot_rows(P, Np, P, EMULATE, "tf32x3")                    # P (I + N^(2^lvl))
+        X = tl.zeros([DB, C], dtype=tl.float32)
+        for m in range(0, bi):
+            Am = tl.load(ws + rb[:, None] * C + (m * DB + r)[None, :])
+            Tm = tl.load(ws + (m * DB + r)[:, None] * C + cols[None, :])
+            X = dot_rows(Am, Tm, X, EMULATE, "tf32x3")
+        # 0 - x: no -0 (X's columns from bi DB on are exact zeros, as T's rows before the block are)
+        Y = 0.0 - dot_rows(P, X, tl.zeros([DB, C], dtype=tl.float32), EMULATE, "tf32x3")
+        tl.debug_barrier()  # every thread's reads of the block's rows of A precede their overwrite
+        off_diag = (cols < bi * DB) | (cols >= bi * DB + DB)
+        tl.store(ws + rb[:, None] * C + cols[None, :], Y, mask=(r >= 0)[:, None] & off_diag[None, :])
+        tl.store(ws + rb[:, None] * C + (bi * DB + r)[None, :], P)
+        tl.debug_barrier()  # the block row's stores precede every thread's reads of it
+        return tl.load(ws + rb[:, None] * C + cols[None, :])
+
+    @triton.jit
     def mask2(row_ok, cols, N: tl.constexpr, NP: tl.constexpr):
         """row_ok x (cols < N). The column test only where the dim is padded (N < NP): a mask
         constant along the row keeps the loads vectorised (without it every element gets its
