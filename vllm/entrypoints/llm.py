@@ -107,7 +107,8 @@ class LLM:
 
     def policy(self, activation_checkpointing: bool = False):
         """The colocated training view of this engine's model: same parameter storage,
-        so an optimizer step is immediately the engine's new weights."""
+        so an optimizer step is immediately the engine's new weights. Its attached
+        optimizers' steps hold this LLM's engine lock (`Policy.attach_optimizer`)."""
         from vllm.training import Policy
         if not self.config.keep_master_weights:
             raise ValueError("this engine keeps no master weights (keep_master_weights=False): a trainer needs them; "
@@ -120,7 +121,7 @@ class LLM:
         executor = self.llm_engine.executor
         return Policy(executor.model, self.config.model, self.config.numerics_spec, executor.info.device,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size)
+                      block_size=self.config.cache.block_size, engine_lock=self._engine_lock)
 
     @_holding_engine_lock
     def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:
