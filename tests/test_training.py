@@ -310,8 +310,13 @@ def test_an_optimizer_step_during_a_rollout_is_refused_before_it_writes(tiny_qwe
     engine.step()
     weight = next(policy.parameters())
     before = weight.detach().clone()
-    with pytest.raises(RuntimeError, match="running"):
+    with pytest.raises(ValueError, match="running") as refused_step:
         opt.step()
+    assert torch.equal(weight.detach(), before) and llm.weight_version == 0
+    # a weight sync meanwhile is refused by the same check, in the same words
+    with pytest.raises(ValueError, match="running") as refused_sync:
+        llm.update_weights(dict(policy.model.hf_state_dict()))
+    assert str(refused_sync.value) == str(refused_step.value)
     assert torch.equal(weight.detach(), before) and llm.weight_version == 0
     with torch.no_grad():
         weight.add_(1e-3)          # changed behind the optimizer's back, then reported
