@@ -297,8 +297,11 @@ class LLM:
             if method in ENGINE_RPC_METHODS:
                 engine_method = getattr(self, method)
                 return lambda: [engine_method(*args, **kwargs)]
-            if method not in executor.rpc_methods:
-                raise ValueError(_unknown_rpc_message(method, executor.rpc_methods))
+            # the one check of a name: the executor takes the function it names
+            worker_methods = executor.rpc_methods
+            if method not in worker_methods:
+                raise ValueError(_unknown_rpc_message(method, worker_methods))
+            method = worker_methods[method]
         elif not callable(method):
             raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
                              f"worker, got {type(method).__name__}")
