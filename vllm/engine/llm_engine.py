@@ -175,6 +175,8 @@ class LLMEngine:
         # a validated copy: fields set on the caller's object after construction are checked
         # here, and later changes to it do not reach a queued request
         params = dataclasses.replace(params) if params is not None else SamplingParams()
+        if params.logprobs_mode is None:   # the request leaves it to the engine
+            params.logprobs_mode = self.config.logprobs_mode
         if self.weights_torn:
             raise ValueError(f"the engine is not serving: {self.weight_error}")
         if self._sleeping:

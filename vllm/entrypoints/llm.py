@@ -14,7 +14,7 @@ from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 from vllm.weight_sync.session import WeightUpdate
 
 
@@ -50,14 +50,19 @@ class LLM:
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
                  tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None,
-                 generation_config: str = "auto", **upstream_args):
+                 generation_config: str = "auto", logprobs_mode: str = DEFAULT_LOGPROBS_MODE, **upstream_args):
         """upstream vLLM's `LLM` keywords. `generation_config`: "auto" (the checkpoint's
         generation_config.json sets what `generate` samples with when given no SamplingParams:
-        `get_default_sampling_params`) or "vllm" (SamplingParams' defaults). `upstream_args`:
+        `get_default_sampling_params`) or "vllm" (SamplingParams' defaults). `logprobs_mode`:
+        what logprobs report for requests whose SamplingParams leave it unset, one of
+        vllm.sampling_params.LOGPROBS_MODES (default "tempered_logprobs", the distribution the
+        tokens are drawn from before truncation, which the trainer recomputes; upstream's
+        default is "raw_logprobs"; docs/sampling.md). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
         _refuse_worker_extension(upstream_args.get("worker_extension_cls"))
         _check_upstream_args(upstream_args)
+        check_logprobs_mode(logprobs_mode)   # before the model is read
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         if load_format == "auto":  # upstream's default: the checkpoint's safetensors here
@@ -85,7 +90,8 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             device=device, numerics_spec=spec, seed=seed, enforce_eager=enforce_eager,
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
-            async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
+            async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights,
+            logprobs_mode=logprobs_mode)
         self.llm_engine = LLMEngine(config)
         # held by every method that steps or changes the engine: a sleep() or an update from
         # another thread waits for a running generate, and a generate waits for them
