@@ -81,3 +81,14 @@ def test_keep_master_weights_flag_reaches_the_engine(tiny_qwen3, capsys):
     rc = cli.main(["generate", "--model", tiny_qwen3, "--device", "cpu", "--no-keep-master-weights"])
     err = capsys.readouterr().err
     assert rc != 0 and "keep_master_weights=False needs quantization='fp8'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["serve", "generate"])
+def test_logprobs_mode_flag_reaches_the_engine(name):
+    from vllm.entrypoints.cli.engine_args import engine_kwargs
+    from vllm.sampling_params import LOGPROBS_MODES
+    assert engine_kwargs(_subparser(name).parse_args([]))["logprobs_mode"] == "tempered_logprobs"
+    for mode in LOGPROBS_MODES:
+        assert engine_kwargs(_subparser(name).parse_args(["--logprobs-mode", mode]))["logprobs_mode"] == mode
+    with pytest.raises(SystemExit):   # argparse names the choices
+        _subparser(name).parse_args(["--logprobs-mode", "logits"])

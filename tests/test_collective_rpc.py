@@ -130,8 +130,12 @@ def test_worker_extension_cls_unset_is_accepted(tiny_qwen3):
     assert llm.collective_rpc("get_model") == [llm.llm_engine.executor.model]
 
 
-def test_the_executor_refuses_a_name_its_worker_does_not_answer(llm):
+def test_a_name_is_checked_once_by_the_llm_and_the_executor_takes_functions(llm):
+    """LLM.collective_rpc resolves a name through the executor's rpc_methods (name ->
+    function), the one place a name is checked; the executor calls the function it is
+    handed, so no second check (with other words) stands behind the first."""
     executor = llm.llm_engine.executor
     assert "execute" not in executor.rpc_methods
-    with pytest.raises(ValueError, match="no RPC method 'execute'"):
-        executor.collective_rpc("execute")
+    get_model = executor.rpc_methods["get_model"]
+    assert callable(get_model) and executor.collective_rpc(get_model) == [executor.model]
+    assert executor.collective_rpc(lambda worker, a, *, b: (a, b), args=(1,), kwargs={"b": 2}) == [(1, 2)]

@@ -284,3 +284,67 @@ def test_collective_rpc_timeout_bounds_the_wait_for_the_lock(llm):
     go.set()
     generating.outcome()
     assert llm.collective_rpc("get_model", timeout=DEADLINE_S) == [llm.llm_engine.executor.model]
+
+
+def _attached_optimizer(llm):
+    """An SGD over `llm.policy()`, attached, with a gradient on every parameter."""
+    import torch
+    policy = llm.policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    policy.attach_optimizer(opt)
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    return opt
+
+
+def test_an_optimizer_step_from_another_thread_waits_for_the_running_generate(llm):
+    """The step holds the engine lock: it waits for the generate instead of being refused
+    because requests are running (or writing between two of its steps)."""
+    lock = watch_lock(llm)
+    opt = _attached_optimizer(llm)
+    stepping, go = hold_first_step(llm.llm_engine, [])
+    generating = Call(lambda: _generate(llm))
+    generating.start()
+    assert stepping.wait(DEADLINE_S)
+    optimizing = Call(opt.step)
+    assert waits_for_lock(lock, optimizing), "the optimizer step ran into the engine while a generate was stepping"
+    go.set()
+    assert all(o.outputs[0].weight_versions == [0] for o in generating.outcome())
+    optimizing.outcome()
+    assert llm.weight_version == 1
+
+
+def test_a_generate_from_another_thread_waits_for_an_optimizer_step(llm):
+    """From the step's check to its bookkeeping another thread's generate waits: it never
+    steps on weights the optimizer is writing, nor under a version not yet counted."""
+    lock = watch_lock(llm)
+    opt = _attached_optimizer(llm)
+    go, entered = threading.Event(), threading.Event()
+
+    def held(*_):   # inside the step: after the engine's check, before any parameter is written
+        entered.set()
+        assert go.wait(DEADLINE_S)
+    opt.register_step_pre_hook(held)
+    optimizing = Call(opt.step)
+    optimizing.start()
+    assert entered.wait(DEADLINE_S)
+    generating = Call(lambda: _generate(llm))
+    assert waits_for_lock(lock, generating), "a generate stepped while another thread's optimizer step was writing"
+    go.set()
+    optimizing.outcome()
+    assert all(o.outputs[0].weight_versions == [1] for o in generating.outcome())
+
+
+def test_an_optimizer_step_that_raises_gives_the_lock_back_and_counts_a_version(llm):
+    """torch runs no step post hook when the step raises; the wrapped step still gives the
+    lock back, and counts a version (the step may have written some parameters)."""
+    opt = _attached_optimizer(llm)
+
+    def fails(*_):
+        raise RuntimeError("from inside the step")
+    opt.register_step_pre_hook(fails)
+    with pytest.raises(RuntimeError, match="from inside the step"):
+        opt.step()
+    assert lock_is_free(llm)
+    assert llm.weight_version == 1
+    assert all(o.outputs[0].weight_versions == [1] for o in _generate(llm))

@@ -191,3 +191,39 @@ def test_generate_from_two_threads(llm):
     for t in threads:
         t.join()
     assert not errors and got[0] == got[1] == want
+
+
+def _sampled_and_prompt_logprobs(llm, **mode):
+    sp = SamplingParams(temperature=0.5, seed=3, max_tokens=4, logprobs=0, prompt_logprobs=0, ignore_eos=True,
+                        **mode)
+    out = llm.generate([{"prompt_token_ids": [5, 17, 3, 99, 41]}], sp, use_tqdm=False)[0]
+    c = out.outputs[0]
+    return (list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+            [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]])
+
+
+def test_engine_logprobs_mode_is_the_default_of_requests_that_leave_it_unset(tiny_qwen3):
+    """upstream's engine argument: LLM(logprobs_mode=...) is what a request without its own
+    reports (sampled and prompt logprobs); a request's own mode still wins; the sampled
+    tokens do not change; the caller's SamplingParams are not written."""
+    llm = LLM(tiny_qwen3, device="cpu", logprobs_mode="raw_logprobs")
+    assert llm.config.logprobs_mode == "raw_logprobs"
+    unset = _sampled_and_prompt_logprobs(llm)
+    assert unset == _sampled_and_prompt_logprobs(llm, logprobs_mode="raw_logprobs")
+    tempered = _sampled_and_prompt_logprobs(llm, logprobs_mode="tempered_logprobs")
+    assert tempered[0] == unset[0] and tempered[1] != unset[1] and tempered[2] != unset[2]
+    sp = SamplingParams(max_tokens=2, logprobs=0)
+    llm.generate([{"prompt_token_ids": [5, 6]}], sp, use_tqdm=False)
+    assert sp.logprobs_mode is None
+    # an engine given no mode reports tempered_logprobs, as before the setting existed
+    assert _sampled_and_prompt_logprobs(LLM(tiny_qwen3, device="cpu")) == tempered
+
+
+def test_an_unknown_engine_logprobs_mode_is_refused_naming_the_valid_ones(tmp_path):
+    from vllm.sampling_params import LOGPROBS_MODES
+    # refused before the model is read: the missing checkpoint is not what it reports
+    with pytest.raises(ValueError, match="logprobs_mode must be one of") as err:
+        LLM(str(tmp_path / "nonexistent"), device="cpu", logprobs_mode="logits")
+    assert all(mode in str(err.value) for mode in LOGPROBS_MODES) and "'logits'" in str(err.value)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        SamplingParams(logprobs_mode="logits")

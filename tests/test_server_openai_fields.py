@@ -216,3 +216,26 @@ def test_reasoning_effort_and_documents_reach_the_template(app, monkeypatch):
     assert rendered().startswith("||")
     assert "reasoning_effort" in _error(_post(app, "/v1/chat/completions", {"messages": MESSAGES,
                                                                             "reasoning_effort": "ultra"}))
+
+
+# ---- vllm serve --logprobs-mode -------------------------------------------------------------
+
+def test_the_engine_logprobs_mode_is_the_default_of_served_requests():
+    """LLM(logprobs_mode=...) (vllm serve --logprobs-mode): a request without logprobs_mode
+    reports the engine's mode; one that sets it gets its own."""
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    raw_app = build_app_from_llm(LLM(device="cpu", logprobs_mode="raw_logprobs"))
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.5, "seed": 2, "logprobs": 0,
+                "ignore_eos": True}
+
+        def served(**mode):
+            (choice,) = _post(raw_app, "/v1/completions", {**body, **mode}).json()["choices"]
+            return choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+        unset = served()
+        assert unset == served(logprobs_mode="raw_logprobs")
+        tempered = served(logprobs_mode="tempered_logprobs")
+        assert tempered[0] == unset[0] and tempered[1] != unset[1]
+    finally:
+        raw_app.state.serving.llm.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -210,24 +211,66 @@ def test_serve_takes_vllm_api_key_and_exits_when_the_engine_dies(monkeypatch):
     assert serve.run(parser.parse_args(["serve"])) == 1 and seen["api_key"] is None
 
 
-def test_the_watchdog_stops_the_server_once_the_engine_is_dead():
-    import threading
-    import types
+class _Server:
+    """uvicorn's Server as far as the API server uses it: `should_exit`. Records the thread
+    that set it, and an event to wait on instead of a sleep."""
 
-    from vllm.entrypoints.openai.api_server import watch_engine
-    engine = types.SimpleNamespace(is_running=True, client=types.SimpleNamespace(dead_reason="killed"))
-    server = types.SimpleNamespace(should_exit=False)
-    stop = threading.Event()
-    found = []
-    t = threading.Thread(target=lambda: found.append(watch_engine(engine, server, stop, interval_s=0.01)))
-    t.start()
-    threading.Event().wait(0.05)
-    assert not server.should_exit
-    engine.is_running = False
-    t.join(5)
-    assert found == [True] and server.should_exit
-    stop.set()   # a stop before any death: returns False, the server left alone
-    server.should_exit = False
-    assert watch_engine(types.SimpleNamespace(is_running=True), server, stop, interval_s=0.01) is False
-    assert not server.should_exit
+    def __init__(self):
+        self.told = threading.Event()
+        self.by_thread = None
 
+    @property
+    def should_exit(self) -> bool:
+        return self.told.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self.by_thread = threading.current_thread().name
+            self.told.set()
+
+
+def test_the_server_is_stopped_by_the_receiver_that_finds_the_engine_dead(tiny_qwen3):
+    """No thread polls the engine: the AsyncLLM's output receiver, finding the engine's
+    pipe closed, tells the server at once; a server registered after the death is told
+    on the spot."""
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import stop_server_on_engine_death
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    class Crash(BaseException):
+        pass
+
+    def crash(msg):
+        raise Crash("the engine loop crashed")
+
+    async_llm = AsyncLLM.from_engine(LLM(tiny_qwen3, device="cpu", cpu_kv_cache_bytes=4 << 20).llm_engine)
+    try:
+        threads_before = set(threading.enumerate())
+        server = _Server()
+        stop_server_on_engine_death(async_llm, server)
+        assert set(threading.enumerate()) == threads_before and not server.should_exit
+        async_llm.client.core.handle = crash          # the next command kills the engine loop
+        async_llm.client.utility("engine_stats")
+        assert server.told.wait(60), "the server was not told the engine died"
+        assert server.by_thread == "vllm-core-receiver" and not async_llm.is_running
+        late = _Server()
+        stop_server_on_engine_death(async_llm, late)  # the engine is gone already: told here
+        assert late.should_exit and late.by_thread == threading.current_thread().name
+    finally:
+        async_llm.shutdown()
+
+
+def test_a_shutdown_of_the_engine_does_not_stop_the_server_as_a_death(tiny_qwen3):
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import stop_server_on_engine_death
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    async_llm = AsyncLLM.from_engine(LLM(tiny_qwen3, device="cpu", cpu_kv_cache_bytes=4 << 20).llm_engine)
+    server = _Server()
+    stop_server_on_engine_death(async_llm, server)
+    async_llm.shutdown()
+    assert not async_llm.client._receiver.is_alive()   # the receiver has seen the pipe close
+    assert not async_llm.is_running and not server.should_exit
+    stop_server_on_engine_death(async_llm, server)
+    assert not server.should_exit

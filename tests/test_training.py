@@ -310,8 +310,13 @@ def test_an_optimizer_step_during_a_rollout_is_refused_before_it_writes(tiny_qwe
     engine.step()
     weight = next(policy.parameters())
     before = weight.detach().clone()
-    with pytest.raises(RuntimeError, match="running"):
+    with pytest.raises(ValueError, match="running") as refused_step:
         opt.step()
+    assert torch.equal(weight.detach(), before) and llm.weight_version == 0
+    # a weight sync meanwhile is refused by the same check, in the same words
+    with pytest.raises(ValueError, match="running") as refused_sync:
+        llm.update_weights(dict(policy.model.hf_state_dict()))
+    assert str(refused_sync.value) == str(refused_step.value)
     assert torch.equal(weight.detach(), before) and llm.weight_version == 0
     with torch.no_grad():
         weight.add_(1e-3)          # changed behind the optimizer's back, then reported
@@ -344,3 +349,24 @@ def test_save_pretrained_carries_the_tokenizer_and_replaces_a_sharded_checkpoint
     assert load_tokenizer(str(out)).chat_template is not None
     again = Policy.from_pretrained(str(out), device="cpu")
     assert torch.equal(again.model.lm_head.weight, policy.model.lm_head.weight)
+
+
+def test_attach_optimizer_composes_with_lr_schedulers(tiny_qwen3):
+    """LR schedulers wrap `optimizer.step` too (through its `__func__`): one made before or
+    after attach_optimizer keeps working, and every step counts one version."""
+    import warnings
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    policy = llm.policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    before = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    policy.attach_optimizer(opt)
+    after = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # "lr_scheduler.step() before optimizer.step()" would raise
+        for _ in range(2):
+            opt.step()
+            before.step()
+            after.step()
+    assert llm.weight_version == 2

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, check_logprobs_mode
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -326,8 +328,12 @@ class EngineConfig(NumericsSpecFields):
     # weight memory, left to the KV cache); for rollout-only engines: no trainer can run
     # over this engine's model, weight sync quantizes the tensors it receives. Same bits.
     keep_master_weights: bool = True
+    # what logprobs report for a request whose SamplingParams leave logprobs_mode unset
+    # (one of vllm.sampling_params.LOGPROBS_MODES; upstream's engine argument)
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
     def __post_init__(self) -> None:
+        check_logprobs_mode(self.logprobs_mode)
         if not isinstance(self.numerics_spec, NumericsSpec):
             raise ValueError(f"numerics_spec must be a NumericsSpec, got {type(self.numerics_spec).__name__}")
         if not self.keep_master_weights and self.quantization is None:

@@ -124,8 +124,10 @@ def find_divergence(llm, prompt: list[int], max_tokens: int = 16, temperature: f
     model.compute_logits = logits_with_positions
     try:
         with roll:
+            # tempered_logprobs whatever the engine's logprobs_mode: the Policy's values they are compared with
             out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
-                temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+                temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0, ignore_eos=True,
+                logprobs_mode="tempered_logprobs"), use_tqdm=False)[0]
     finally:
         del model.compute_logits
     comp = out.outputs[0]

@@ -11,7 +11,26 @@ from vllm.structured_outputs import StructuredOutputsParams
 
 # positive temperatures below this are raised to it (upstream's floor)
 MIN_TEMPERATURE = 0.01
-LOGPROBS_MODES = ("tempered_logprobs", "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# What logprobs report (docs/sampling.md). upstream vLLM's four modes, with its meanings: raw
+# is before any logits processing (penalties, grammar masks, temperature, truncation),
+# processed after all of it; tempered_logprobs is this engine's own.
+LOGPROBS_MODES = (
+    "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation and grammar masks (T == 0 -> T = 1)
+    "raw_logprobs",        # log_softmax(logits)
+    "raw_logits",          # logits as given
+    "processed_logprobs",  # log_softmax of the truncated tempered logits (masked tokens -inf; grammar masks too)
+    "processed_logits",    # the truncated tempered logits (masked tokens -inf; grammar masks too)
+)
+# An engine's logprobs_mode unless it is given one (LLM(logprobs_mode=...), vllm serve
+# --logprobs-mode): the sampling distribution, which the trainer recomputes bit for bit.
+# upstream's default is raw_logprobs, which ignores the temperature the tokens were drawn with.
+DEFAULT_LOGPROBS_MODE = "tempered_logprobs"
+
+
+def check_logprobs_mode(mode) -> None:
+    """ValueError naming the valid modes unless `mode` is one (a request's or an engine's)."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
 
 
 @dataclass
@@ -39,7 +58,9 @@ class SamplingParams:
     # top-k alternatives, under the same logprob head as the sampled tokens (docs/sampling.md,
     # docs/serving.md)
     prompt_logprobs: int | None = None
-    logprobs_mode: str = "tempered_logprobs"
+    # one of LOGPROBS_MODES; None: the engine's (its logprobs_mode, DEFAULT_LOGPROBS_MODE
+    # unless it was given one), set when the request is queued
+    logprobs_mode: str | None = None
     skip_special_tokens: bool = True
     # upstream's; only slow tokenizers put spaces between special tokens, and every tokenizer
     # here is a fast one (as in upstream, where it then changes nothing either)
@@ -88,8 +109,8 @@ class SamplingParams:
                                                  or not isinstance(self.prompt_logprobs, int)
                                                  or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.logprobs_mode is not None:
+            check_logprobs_mode(self.logprobs_mode)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:

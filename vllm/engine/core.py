@@ -170,7 +170,7 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests() and not self.engine.paused
+        return self.engine.requests_running
 
     # ---- utility methods (UtilityCall.method = the name after "utility_") ---------------
     def utility_pause(self, mode: str = "keep", clear_cache: bool = False) -> dict:

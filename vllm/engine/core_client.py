@@ -129,6 +129,11 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self.dead_reason is None
 
+    @property
+    def shutdown_requested(self) -> bool:
+        """shutdown() was called: the engine's end that follows is a stop, not a death."""
+        return self._closing
+
     def send(self, msgs: list) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason}")

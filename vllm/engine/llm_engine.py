@@ -177,6 +177,8 @@ class LLMEngine:
         # a validated copy: fields set on the caller's object after construction are checked
         # here, and later changes to it do not reach a queued request
         params = dataclasses.replace(params) if params is not None else SamplingParams()
+        if params.logprobs_mode is None:   # the request leaves it to the engine
+            params.logprobs_mode = self.config.logprobs_mode
         if self.weights_torn:
             raise ValueError(f"the engine is not serving: {self.weight_error}")
         if self._sleeping:
@@ -225,19 +227,28 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
         return self._grammars
 
+    @property
+    def requests_running(self) -> bool:
+        """Requests are in flight and the engine is not paused: the next step computes KV
+        with the weights serving now."""
+        return self.has_unfinished_requests() and not self.paused
+
     def check_weights_can_change(self) -> None:
-        """RuntimeError while requests are running (not paused): their KV would mix two weight
-        versions. A colocated optimizer asks before its step (Policy.attach_optimizer)."""
-        if self.has_unfinished_requests() and not self.paused:
-            raise RuntimeError("weights may not change while requests are running: their KV would mix two weight "
-                               "versions; update weights between generate calls, or pause() first")
+        """The one check before anything writes weights (a weight update, a colocated
+        optimizer's step): ValueError while requests are running, since their KV would mix
+        two weight versions. A caller asking at the wrong time is refused like bad input,
+        before anything is written."""
+        if self.requests_running:
+            raise ValueError("weights may not change while requests are running: their KV would mix two weight "
+                             "versions; change weights between generate calls, or pause() first")
 
     def on_weights_updated(self) -> None:
         """The parameters changed in place (colocated trainer step or weight sync):
         count the version and drop cached prefixes computed with the old weights. Changed
         while requests were running (not paused), the bookkeeping is still done (no later
-        request may reuse KV of the old weights) and then a RuntimeError says so."""
-        mixed = self.has_unfinished_requests() and not self.paused
+        request may reuse KV of the old weights) and then a RuntimeError says so: unlike
+        check_weights_can_change's refusal, the change has already happened."""
+        mixed = self.requests_running
         self.weight_version += 1
         # FP8 linear layers: quantized once per weight version, here (in place, so captured
         # CUDA graphs multiply the new fp8 weights)

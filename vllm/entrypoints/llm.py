@@ -15,7 +15,7 @@ from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 from vllm.weight_sync.session import WeightUpdate
 
 
@@ -51,17 +51,23 @@ class LLM:
                  gemm_cublaslt: bool = True, fused_gumbel: bool = True, step_profile: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
                  tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None,
-                 generation_config: str = "auto", scheduling_policy: str = "fcfs", **upstream_args):
+                 generation_config: str = "auto", scheduling_policy: str = "fcfs",
+                 logprobs_mode: str = DEFAULT_LOGPROBS_MODE, **upstream_args):
         """upstream vLLM's `LLM` keywords. `generation_config`: "auto" (the checkpoint's
         generation_config.json sets what `generate` samples with when given no SamplingParams:
         `get_default_sampling_params`) or "vllm" (SamplingParams' defaults).
         `scheduling_policy`: "fcfs" (requests are admitted in arrival order) or "priority"
         (by `generate`'s `priority`, lower first, ties by arrival; under KV pressure the running
-        request with the largest (priority, arrival) is preempted). `upstream_args`:
+        request with the largest (priority, arrival) is preempted). `logprobs_mode`:
+        what logprobs report for requests whose SamplingParams leave it unset, one of
+        vllm.sampling_params.LOGPROBS_MODES (default "tempered_logprobs", the distribution the
+        tokens are drawn from before truncation, which the trainer recomputes; upstream's
+        default is "raw_logprobs"; docs/sampling.md). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
         _refuse_worker_extension(upstream_args.get("worker_extension_cls"))
         _check_upstream_args(upstream_args)
+        check_logprobs_mode(logprobs_mode)   # before the model is read
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         if load_format == "auto":  # upstream's default: the checkpoint's safetensors here
@@ -90,7 +96,8 @@ class LLM:
                                       scheduling_policy=scheduling_policy),
             device=device, numerics_spec=spec, seed=seed, enforce_eager=enforce_eager,
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
-            async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights)
+            async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights,
+            logprobs_mode=logprobs_mode)
         self.llm_engine = LLMEngine(config)
         # held by every method that steps or changes the engine: a sleep() or an update from
         # another thread waits for a running generate, and a generate waits for them
@@ -112,7 +119,8 @@ class LLM:
 
     def policy(self, activation_checkpointing: bool = False):
         """The colocated training view of this engine's model: same parameter storage,
-        so an optimizer step is immediately the engine's new weights."""
+        so an optimizer step is immediately the engine's new weights. Its attached
+        optimizers' steps hold this LLM's engine lock (`Policy.attach_optimizer`)."""
         from vllm.training import Policy
         if not self.config.keep_master_weights:
             raise ValueError("this engine keeps no master weights (keep_master_weights=False): a trainer needs them; "
@@ -125,7 +133,7 @@ class LLM:
         executor = self.llm_engine.executor
         return Policy(executor.model, self.config.model, self.config.numerics_spec, executor.info.device,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size)
+                      block_size=self.config.cache.block_size, engine_lock=self._engine_lock)
 
     @_holding_engine_lock
     def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:
@@ -301,8 +309,11 @@ class LLM:
             if method in ENGINE_RPC_METHODS:
                 engine_method = getattr(self, method)
                 return lambda: [engine_method(*args, **kwargs)]
-            if method not in executor.rpc_methods:
-                raise ValueError(_unknown_rpc_message(method, executor.rpc_methods))
+            # the one check of a name: the executor takes the function it names
+            worker_methods = executor.rpc_methods
+            if method not in worker_methods:
+                raise ValueError(_unknown_rpc_message(method, worker_methods))
+            method = worker_methods[method]
         elif not callable(method):
             raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
                              f"worker, got {type(method).__name__}")

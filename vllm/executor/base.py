@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -83,13 +84,15 @@ class Executor(ABC):
     # ---- calls into the workers (LLM.collective_rpc) ----------------------------------
     @property
     @abstractmethod
-    def rpc_methods(self) -> tuple[str, ...]:
-        """The worker methods `collective_rpc` may call by name."""
+    def rpc_methods(self) -> Mapping[str, Callable]:
+        """The worker methods `LLM.collective_rpc` may call by name: name -> the function,
+        taking the worker first. `LLM.collective_rpc` resolves (and refuses) names here, the
+        one place a name is checked."""
 
     @abstractmethod
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Call `method` on every worker; one result per worker, in rank order. `method`: a
-        name from `rpc_methods`, or a callable, called as `method(worker, *args, **kwargs)`."""
+    def collective_rpc(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call `fn(worker, *args, **kwargs)` on every worker; one result per worker, in rank
+        order. Takes a function only: a name is resolved through `rpc_methods` by the caller."""
 
     @property
     @abstractmethod

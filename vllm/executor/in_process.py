@@ -1,6 +1,8 @@
 """One worker in the engine's process: the ModelRunner, on this process's device."""
 from __future__ import annotations
 
+from typing import Callable, Mapping
+
 from torch import nn
 
 from vllm.config import EngineConfig
@@ -49,15 +51,11 @@ class InProcessExecutor(Executor):
         self.worker.verify_graph_pointers()
 
     @property
-    def rpc_methods(self) -> tuple[str, ...]:
-        return ModelRunner.RPC_METHODS
+    def rpc_methods(self) -> Mapping[str, Callable]:
+        return {name: getattr(ModelRunner, name) for name in ModelRunner.RPC_METHODS}
 
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        if isinstance(method, str):
-            if method not in self.rpc_methods:
-                raise ValueError(f"the worker has no RPC method {method!r}; by name it answers {list(self.rpc_methods)}")
-            method = getattr(ModelRunner, method)
-        return [method(self.worker, *args, **(kwargs or {}))]   # the one worker
+    def collective_rpc(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [fn(self.worker, *args, **(kwargs or {}))]   # the one worker
 
     @property
     def step_timings(self) -> dict[str, float] | None:

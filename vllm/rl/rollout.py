@@ -98,8 +98,10 @@ class ColocatedRollout(RolloutClient):
         from vllm import SamplingParams
 
         self.resume_memory()
+        # tempered_logprobs whatever the engine's logprobs_mode: the trainer's Policy recomputes those
         params = [SamplingParams(n=r.n, temperature=settings.temperature, top_p=settings.top_p,
-                                 max_tokens=settings.max_tokens, seed=r.seed, logprobs=0) for r in requests]
+                                 max_tokens=settings.max_tokens, seed=r.seed, logprobs=0,
+                                 logprobs_mode="tempered_logprobs") for r in requests]
         outs = self.llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
         version = self.llm.weight_version
         groups = []

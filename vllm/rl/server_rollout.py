@@ -107,7 +107,9 @@ class ServerRollout(RolloutClient):
         body = {"model": self.models[server], "prompt": list(r.prompt_token_ids), "n": r.n,
                 "temperature": s.temperature, "top_p": s.top_p, "top_k": 0, "min_p": 0.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                "max_tokens": s.max_tokens, "seed": r.seed, "logprobs": 0, "return_token_ids": True}
+                "max_tokens": s.max_tokens, "seed": r.seed, "logprobs": 0, "return_token_ids": True,
+                # whatever the server's --logprobs-mode: the trainer's Policy recomputes these
+                "logprobs_mode": "tempered_logprobs"}
         out = self._post(self.urls[server], "/v1/completions", body)
         comps = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):

@@ -32,14 +32,7 @@ import torch
 
 from vllm.host_copy import to_device
 from vllm.sample.rng import gumbel_argmax, uniform_noise
-
-LOGPROBS_MODES = (
-    "tempered_logprobs",   # log_softmax(logits / T), full vocab, before truncation and grammar masks (T == 0 -> T = 1)
-    "raw_logprobs",        # log_softmax(logits)
-    "raw_logits",          # logits as given
-    "processed_logprobs",  # log_softmax of the truncated tempered logits (masked tokens -inf; grammar masks too)
-    "processed_logits",    # the truncated tempered logits (masked tokens -inf; grammar masks too)
-)
+from vllm.sampling_params import LOGPROBS_MODES
 
 _NEG_INF = float("-inf")
 

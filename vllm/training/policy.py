@@ -11,6 +11,8 @@ import json
 import math
 import os
 import pathlib
+import threading
+import types
 from typing import Sequence
 
 import numpy as np
@@ -58,8 +60,12 @@ def _as_int(value):
 class Policy(NumericsSpecFields):
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, numerics_spec: NumericsSpec,
                  device: torch.device, tokenizer=None, engine=None, activation_checkpointing: bool = False,
-                 block_size: int = 16, logprob_chunk_rows: int | None = None):
-        """`numerics_spec`: how `model` computes (vllm.config.NumericsSpec), the rollout
+                 block_size: int = 16, logprob_chunk_rows: int | None = None, engine_lock=None):
+        """`engine`: the LLMEngine sharing `model`'s parameters (colocated), or None.
+        `engine_lock`: the lock every `LLM` method that steps or changes that engine holds
+        (`LLM.policy()` passes its own), held by an attached optimizer's step and by
+        `notify_weights_updated`; None: a lock of this policy's (an engine driven without
+        an `LLM`). `numerics_spec`: how `model` computes (vllm.config.NumericsSpec), the rollout
         engine's when colocated: its kernel options travel in the forward context as in the
         engine, its kv_cache_dtype "fp8" runs K/V through the same FP8 round trip, its
         quantization was applied when the model was built and is recorded for the contract.
@@ -76,6 +82,7 @@ class Policy(NumericsSpecFields):
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.engine = engine  # colocated: the LLMEngine sharing these parameters
+        self.engine_lock = engine_lock if engine_lock is not None else threading.RLock()
         self.block_size = block_size  # the engine's KV block size, for the contract's deployment part
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
@@ -128,18 +135,38 @@ class Policy(NumericsSpecFields):
     def notify_weights_updated(self) -> None:
         """Call after every optimizer step (attach_optimizer does it for you): a colocated
         engine bumps its weight version and drops prefix-cache entries computed with the
-        old weights."""
+        old weights. Holds the engine lock: the bookkeeping never runs beside another
+        thread's step of the engine."""
         if self.engine is not None:
-            self.engine.on_weights_updated()
+            with self.engine_lock:
+                self.engine.on_weights_updated()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Tell a colocated engine about every step of `optimizer`: before it, the engine
-        refuses while requests are running (nothing is written then); after it, the engine
-        counts the new version and drops its cached prefixes."""
-        if self.engine is not None:
-            engine = self.engine
-            optimizer.register_step_pre_hook(lambda *_: engine.check_weights_can_change())
-        optimizer.register_step_post_hook(lambda *_: self.notify_weights_updated())
+        """Make every step of `optimizer` a weight change the colocated engine knows of. The
+        step holds the engine lock from its check to its bookkeeping, so another thread's
+        `generate`, `sleep` or weight update waits for the whole step (and the step waits
+        for them): no engine step ever runs between the check and the write, nor on half
+        written weights. Before writing, the step is refused while requests are running;
+        after it, the engine counts the new version and drops its cached prefixes.
+
+        `optimizer.step` is wrapped rather than hooked: torch runs no step post hook when the
+        step raises, so a lock taken in a pre hook would stay held. A step that raises may
+        have written some parameters already: the version is counted and the prefixes
+        dropped then too, and the lock is given back, before the error propagates."""
+        if self.engine is None:
+            return
+        step = optimizer.step   # bound, or an LR scheduler's wrapper when one came first
+        policy = self
+
+        def locked_step(opt, *args, **kwargs):
+            with policy.engine_lock:
+                policy.engine.check_weights_can_change()   # nothing written yet
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    policy.notify_weights_updated()
+        # a bound method, as optimizer.step is: torch's LR schedulers wrap `step.__func__`
+        optimizer.step = types.MethodType(locked_step, optimizer)
 
     # ---- the trainer's logprobs -----------------------------------------------------------
     def _validate(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[np.ndarray]:

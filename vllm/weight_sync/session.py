@@ -184,8 +184,7 @@ class WeightUpdate:
         if getattr(engine, "weight_update", None) is not None:
             raise ValueError("another weight update is open on this engine: finish or abort it first")
         engine.drain()
-        if engine.has_unfinished_requests() and not engine.paused:
-            raise ValueError("weights can only be updated while no request is running (or the engine is paused)")
+        engine.check_weights_can_change()
         if contract is not None:
             engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys
         self.engine = engine

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES
+
 
 class HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already says what the
@@ -81,6 +83,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="K leaves G of the row-parallel GEMMs' fixed float32 tree (power of two, a multiple of "
                         "--tensor-parallel-size; default: none at TP=1, 8 at TP>1); a TP=1 trainer matching a TP>1 "
                         "engine sets the engine's G")
+    p.add_argument("--logprobs-mode", default=DEFAULT_LOGPROBS_MODE, choices=LOGPROBS_MODES,
+                   help="what logprobs report for requests that do not set logprobs_mode: tempered_logprobs "
+                        "(this engine's default): log_softmax(logits / T) over the full vocabulary, what the trainer "
+                        "recomputes; raw_logprobs (upstream's default) / raw_logits: the model's, before penalties, "
+                        "grammar masks, temperature and truncation; processed_logprobs / processed_logits: after all "
+                        "of them, top-k/top-p/min-p included (docs/sampling.md)")
     p.add_argument("--step-profile", action="store_true",
                    help="synchronise at every step phase and accumulate wall time per phase (diagnostics; costs "
                         "throughput)")
@@ -100,4 +108,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 keep_master_weights=getattr(args, "keep_master_weights", True),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None),
                 num_state_snapshots=getattr(args, "num_state_snapshots", None),
-                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                logprobs_mode=getattr(args, "logprobs_mode", DEFAULT_LOGPROBS_MODE))

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
                         "if it asked for stream_options include_usage and continuous_usage_stats")
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="keep answering 503 after the engine process dies, instead of exiting with status 1 "
-                        "(within about a second, as upstream: a restart policy then starts a fresh server)")
+                        "(as upstream: a restart policy then starts a fresh server)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",

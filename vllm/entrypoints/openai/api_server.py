@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 import os
-import threading
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -282,7 +281,6 @@ def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names:
     import uvicorn
 
     async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
-    stop = threading.Event()
     try:
         app = build_app(_serving(async_llm, served_model_names, generation_config, **options),
                         api_key=api_key, admin_key=admin_key)
@@ -291,26 +289,21 @@ def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names:
         # Bounded graceful shutdown: an open stream must not keep the process alive forever.
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
-        watchdog = None
         if not keep_alive_on_engine_death:
-            watchdog = threading.Thread(target=watch_engine, args=(async_llm, server, stop), daemon=True,
-                                        name="engine-watchdog")
-            watchdog.start()
+            stop_server_on_engine_death(async_llm, server)
         server.run()
         return "stopped" if async_llm.is_running else "engine_dead"
     finally:
-        stop.set()
         async_llm.shutdown()
 
 
-def watch_engine(async_llm: AsyncLLM, server, stop: threading.Event, interval_s: float = 0.5) -> bool:
-    """Until `stop` is set: once the engine process is found dead, tell `server` (uvicorn's
-    Server: it polls should_exit) to shut down, as upstream's API server exits when its engine
-    dies, so a restart policy can start a fresh one. Returns whether it found the engine dead."""
-    while not stop.wait(interval_s):
-        if not async_llm.is_running:
-            logger.error("the engine process died (%s): shutting the API server down",
-                         getattr(async_llm.client, "dead_reason", "unknown"))
-            server.should_exit = True
-            return True
-    return False
+def stop_server_on_engine_death(async_llm: AsyncLLM, server) -> None:
+    """Once the engine stops by itself, tell `server` (uvicorn's Server: its main loop reads
+    should_exit every tick) to shut down, as upstream's API server exits when its engine
+    dies, so a restart policy can start a fresh one. Told by the AsyncLLM's output receiver
+    the moment it finds the engine's pipe closed (AsyncLLM.on_engine_death): no thread
+    polls the engine."""
+    def stop(reason: str) -> None:
+        logger.error("the engine process died (%s): shutting the API server down", reason)
+        server.should_exit = True
+    async_llm.on_engine_death(stop)

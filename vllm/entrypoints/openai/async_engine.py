@@ -23,7 +23,8 @@ Failure isolation:
   * A failed engine step fails every request in flight with EngineError (500);
     the engine carries on.
   * If the engine process dies, every request fails with EngineDeadError (503),
-    and is_running turns False (health checks fail).
+    is_running turns False (health checks fail), and the callbacks given to
+    on_engine_death run, from the receiver thread that found the engine gone.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from vllm.core.request import check_priority
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
@@ -177,6 +178,7 @@ class AsyncLLM:
         self.finished_by_reason: collections.Counter = collections.Counter()
         self.latency = LatencyStats()   # /metrics histograms (vllm/entrypoints/openai/latency.py)
         self._dead_error: EngineDeadError | None = None
+        self._death_callbacks: list[Callable[[str], None]] = []   # on_engine_death's, not yet called
         client.on_outputs = self._on_outputs
         client.on_dead = self._on_dead
 
@@ -201,6 +203,19 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core (process or thread) and fail what is still in flight with 503."""
         self.client.shutdown(timeout)
+
+    def on_engine_death(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once the engine stops by itself (a crash, an exit, a kill;
+        not `shutdown()`): on the receiver thread, as soon as it finds the engine's output
+        pipe closed, or here and now if the engine is gone already. Nothing polls."""
+        with self._lock:
+            # _on_dead takes the callbacks under the same lock once dead_reason is set: a
+            # callback is either taken by it or called here, never both, never neither
+            if self.client.is_alive:
+                self._death_callbacks.append(callback)
+                return
+        if not self.client.shutdown_requested:
+            callback(self.client.dead_reason)
 
     def _check_alive(self) -> None:
         if not self.client.is_alive:
@@ -465,6 +480,7 @@ class AsyncLLM:
             self._requests.clear()
             self._engine_ids.clear()
             self._outstanding = 0
+            callbacks, self._death_callbacks = self._death_callbacks, []
         deliveries: dict = {}
         for e in entries:
             deliveries.setdefault(e.stream.loop, []).append((e.stream, err))
@@ -473,6 +489,13 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:
                 pass
+        if self.client.shutdown_requested:
+            return   # stopped on purpose: no death to report
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 -- one failing callback must not keep the others from running
+                logger.exception("an engine-death callback failed")
 
 
 def _deliver(items: list) -> None:
