@@ -91,15 +91,19 @@ def rebuilding_t():
 
 
 @contextlib.contextmanager
-def t_rows_in_workspace():
+def t_rows_in_workspace(warps: int | None = None):
     """The prep kernel's T block rows through the workspace (gdn_chunk.T_ROWS_IN_WORKSPACE),
-    timed beside the default register form as `invariant_tws` (off until measured)."""
+    timed beside the default register form as `invariant_tws` (off until measured); `warps`:
+    the prep kernel's warps for it (offline for sm_90, its whole-chunk path compiles to 128
+    registers at 8 warps against 194 at 4)."""
     from vllm.kernels import gdn_chunk
-    saved, gdn_chunk.T_ROWS_IN_WORKSPACE = gdn_chunk.T_ROWS_IN_WORKSPACE, True
+    saved = gdn_chunk.T_ROWS_IN_WORKSPACE, gdn_chunk.PREP_NUM_WARPS
+    gdn_chunk.T_ROWS_IN_WORKSPACE = True
+    gdn_chunk.PREP_NUM_WARPS = warps or gdn_chunk.PREP_NUM_WARPS
     try:
         yield
     finally:
-        gdn_chunk.T_ROWS_IN_WORKSPACE = saved
+        gdn_chunk.T_ROWS_IN_WORKSPACE, gdn_chunk.PREP_NUM_WARPS = saved
 
 
 def train_case(T: int = 10240) -> dict:
@@ -130,6 +134,8 @@ def train_case(T: int = 10240) -> dict:
             o.backward(do)
         out["invariant_tws"] = bench(step)
         out["invariant_tws_fwd"] = bench(lambda: ours(True)(*x, SCALE, md, None))
+    with t_rows_in_workspace(8):
+        out["invariant_tws_w8_fwd"] = bench(lambda: ours(True)(*x, SCALE, md, None))
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
@@ -160,9 +166,10 @@ def prefill_case(n: int = 5, L: int = 2048) -> dict:
     for name, aligned in (("invariant", True), ("fast", False)):
         st = state(n + 1, aligned)
         out[name] = bench(lambda aligned=aligned, st=st: ours(aligned)(*x, SCALE, md, st))
-    with t_rows_in_workspace():
-        st = state(n + 1, True)
-        out["invariant_tws"] = bench(lambda: ours(True)(*x, SCALE, md, st))
+    for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
+        with t_rows_in_workspace(warps):
+            st = state(n + 1, True)
+            out[key] = bench(lambda st=st: ours(True)(*x, SCALE, md, st))
     if fla_chunk is not None:
         cu = md.cu_seqlens.long()
         out["fla"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE, output_final_state=True, cu_seqlens=cu))
@@ -176,9 +183,10 @@ def decode_case(n: int = 256) -> dict:
     st_inv, st_fast = state(n + 1, True, md), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_inv), 20)
     out["fast"] = bench_graph(lambda i: gdn_recurrent_triton(*x, SCALE, md, st_fast), 20)
-    with t_rows_in_workspace():
-        st_tws = state(n + 1, True, md)
-        out["invariant_tws"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_tws), 20)
+    for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
+        with t_rows_in_workspace(warps):
+            st_tws = state(n + 1, True, md)
+            out[key] = bench_graph(lambda i, st_tws=st_tws: ours(True)(*x, SCALE, md, st_tws), 20)
     if fla_recurrent is not None:
         h0 = st_fast["ssm"][1:].clone()
         out["fla"] = bench_graph(lambda i: fla_recurrent(*(t[:, None] for t in x), scale=SCALE, initial_state=h0,
