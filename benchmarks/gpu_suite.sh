@@ -5,7 +5,8 @@
 # kernels, rlstep, rlray, moe, fp8, serve, digest, wsync and tptree; `gate` is the real-dims parity gate that
 # every numerics, kernel, cache or model change runs before it lands; `gdn` the Gated DeltaNet
 # tests, per-layer cost and hybrid throughput (GDN_PARTS=breakdown adds the per-kernel times of
-# both recurrences, GDN_PARTS=backward the training backward against the fused kernels);
+# both recurrences, GDN_PARTS=backward the training backward against the fused kernels,
+# GDN_PARTS=sweep the forward kernels' tunables, benchmarks/kernels/gdn_forward_sweep.py);
 # `mamba2` the Mamba-2 tests, per-layer cost and backward), e.g.
 #   STEPS=tests,gemm,throughput bash benchmarks/gpu_suite.sh
 # Logs land in ${OUT:-/tmp/gpu_suite}.
@@ -242,6 +243,12 @@ if has gdn; then
     # against the fused kernels (vllm/kernels/gdn_backward.py), time and distance
     timeout "${GDN_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/gdn.py --backward >"$OUT/gdn_backward.log" 2>&1
     grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -9
+  fi
+  if gdn_has sweep; then
+    # the forward kernels' tiles, warps and T form: time per config and bits against the defaults
+    PYTHONPATH="$PYTHONPATH:/tmp/fla_site" timeout "${GDN_SWEEP_TIMEOUT:-400}" python benchmarks/kernels/gdn_forward_sweep.py \
+      ${GDN_SWEEP_CONFIGS:+--configs "$GDN_SWEEP_CONFIGS"} >"$OUT/gdn_sweep.log" 2>&1
+    grep -vE "^\[W" "$OUT/gdn_sweep.log" | tail -12
   fi
   if gdn_has breakdown; then
     # per kernel, GDN and Mamba-2, decode at several chunk offsets and prefill (torch profiler)

@@ -159,13 +159,16 @@ def train_case(T: int = 10240) -> dict:
     return out
 
 
-def prefill_case(n: int = 5, L: int = 2048) -> dict:
+def prefill_case(n: int = 5, L: int = 2048, others: bool = True) -> dict:
+    """others: also our fast mode, the workspace T rows and fla (else the invariant mode alone)."""
     x = inputs(n * L, 1)
     md = prefill_metadata(n, L)
     out = {}
-    for name, aligned in (("invariant", True), ("fast", False)):
+    for name, aligned in (("invariant", True), ("fast", False))[:2 if others else 1]:
         st = state(n + 1, aligned)
         out[name] = bench(lambda aligned=aligned, st=st: ours(aligned)(*x, SCALE, md, st))
+    if not others:
+        return out
     for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
         with t_rows_in_workspace(warps):
             st = state(n + 1, True)
@@ -176,12 +179,15 @@ def prefill_case(n: int = 5, L: int = 2048) -> dict:
     return out
 
 
-def decode_case(n: int = 256) -> dict:
+def decode_case(n: int = 256, others: bool = True) -> dict:
+    """others: also our fast mode, the workspace T rows and fla (else the invariant mode alone)."""
     x = inputs(n, 2)
     md = decode_metadata(n, C)
     out = {}
     st_inv, st_fast = state(n + 1, True, md), state(n + 1, False)
     out["invariant"] = bench_graph(lambda i: ours(True)(*x, SCALE, md, st_inv), 20)
+    if not others:
+        return out
     out["fast"] = bench_graph(lambda i: gdn_recurrent_triton(*x, SCALE, md, st_fast), 20)
     for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
         with t_rows_in_workspace(warps):
@@ -207,19 +213,12 @@ def bits_check() -> dict:
     return decode_rows_differing(step, functools.partial(state, 2))
 
 
-def bits_vs(path: str) -> dict:
-    """This module's kernels against another copy of vllm/kernels/gdn_chunk.py at `path` (e.g. the
-    previous commit's, `git show HEAD~1:vllm/kernels/gdn_chunk.py > /tmp/gdn_chunk_old.py`), at
-    these dims, aligned, with the layer's cache (NaN-filled): every real_dims_schedules() schedule
-    (one prefill, cuts, prefill + decode steps, all decode). Per schedule the number of output and
-    state elements whose bits differ (0 and 0: not a bit changed)."""
-    import importlib.util
-
+def schedule_outputs(fn) -> dict:
+    """fn (gdn_chunk_triton's signature) at these dims, aligned, with the layer's cache (NaN-filled)
+    on every real_dims_schedules() schedule (one prefill, cuts, prefill + decode steps, all
+    decode): per schedule (outputs by sequence, state)."""
     from vllm.testing.chunked_scan import REAL_DIMS_LENS, REAL_DIMS_SLOTS, nan_state, real_dims_schedules, run_steps
 
-    spec = importlib.util.spec_from_file_location("gdn_chunk_other", path)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
     seqs = {sid: inputs(n, 40 + sid) for sid, n in REAL_DIMS_LENS.items()}
     layout = {"ssm": ((HV, K, V), torch.float32), "buf_k": ((C, HK, K), torch.bfloat16),
               "buf_v": ((C, HV, V), torch.bfloat16), "buf_g": ((C, HV), torch.float32),
@@ -228,18 +227,38 @@ def bits_vs(path: str) -> dict:
               "ssm_rounded": ((HV, K, V), torch.bfloat16)}
     res = {}
     for name, steps in real_dims_schedules().items():
-        got = []
-        for fn in (gdn_chunk_triton, other.gdn_chunk_triton):
-            st = nan_state(max(REAL_DIMS_SLOTS.values()) + 1, layout)
-            outs = run_steps(lambda x, md, fn=fn, st=st: fn(*x, SCALE, md, st, chunk_size=C, aligned=True), seqs,
-                             REAL_DIMS_SLOTS, steps)
-            got.append((outs, st))
-        (a, sa), (b, sb) = got
+        st = nan_state(max(REAL_DIMS_SLOTS.values()) + 1, layout)
+        outs = run_steps(lambda x, md, st=st: fn(*x, SCALE, md, st, chunk_size=C, aligned=True), seqs,
+                         REAL_DIMS_SLOTS, steps)
+        res[name] = (outs, st)
+    return res
+
+
+def outputs_differing(a: dict, b: dict) -> dict:
+    """Per schedule of two schedule_outputs(): the output and state elements whose bits differ."""
+    from vllm.testing.chunked_scan import REAL_DIMS_SLOTS
+
+    res = {}
+    for name in a:
+        (oa, sa), (ob, sb) = a[name], b[name]
         res[name] = {
-            "outputs": sum(int((a[s].view(torch.int16) != b[s].view(torch.int16)).sum()) for s in a),
+            "outputs": sum(int((oa[s].view(torch.int16) != ob[s].view(torch.int16)).sum()) for s in oa),
             "states": sum(int((sa["ssm"][sl].view(torch.int32) != sb["ssm"][sl].view(torch.int32)).sum())
                           for sl in REAL_DIMS_SLOTS.values())}
     return res
+
+
+def bits_vs(path: str) -> dict:
+    """This module's kernels against another copy of vllm/kernels/gdn_chunk.py at `path` (e.g. the
+    previous commit's, `git show HEAD~1:vllm/kernels/gdn_chunk.py > /tmp/gdn_chunk_old.py`) on
+    schedule_outputs()' schedules: per schedule the number of output and state elements whose
+    bits differ (0 and 0: not a bit changed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gdn_chunk_other", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    return outputs_differing(schedule_outputs(gdn_chunk_triton), schedule_outputs(other.gdn_chunk_triton))
 
 
 def backward_case(T: int = 10240) -> None:
