@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gdn  # noqa: E402
-from scan_bench import bench, metadata  # noqa: E402
+from scan_bench import bench, metadata, swept, sweep_configs  # noqa: E402
 
 from vllm.kernels import gdn_chunk  # noqa: E402
 
@@ -37,16 +37,6 @@ DEFAULT = ";".join([
 ])
 
 
-def parse(cfg: str) -> dict[str, int]:
-    out = {}
-    for item in cfg.split():
-        name, _, value = item.partition("=")
-        if not hasattr(gdn_chunk, name) or not value.isdigit():
-            raise ValueError(f"{item!r} is not NAME=INT for a tunable of vllm/kernels/gdn_chunk.py")
-        out[name] = type(getattr(gdn_chunk, name))(int(value))
-    return out
-
-
 def train_forward(T: int = 10240) -> float:
     x = gdn.inputs(T, 0)
     md = metadata([0], [T])
@@ -57,15 +47,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=DEFAULT, help="';'-separated configs of NAME=VALUE; the first is the "
                     "bits reference")
-    configs = [parse(c) for c in ap.parse_args().configs.split(";")]
-    saved = {k: getattr(gdn_chunk, k) for cfg in configs for k in cfg}
+    configs = sweep_configs(gdn_chunk, ap.parse_args().configs)
     print(f"{'train fwd':>9}{'prefill':>9}{'fla':>9}{'decode':>9}{'fla':>9}{'inv rows':>10}{'outs/states differ':>20}"
           f"   config   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
     ref = None
-    try:
+    with swept(gdn_chunk, configs) as apply:
         for cfg in configs:
-            for k, v in saved.items():
-                setattr(gdn_chunk, k, cfg.get(k, v))
+            label = apply(cfg)
             out = gdn.schedule_outputs(gdn_chunk.gdn_chunk_triton)
             if ref is None:
                 ref, differ = out, "-"
@@ -75,13 +63,8 @@ def main() -> None:
             first = cfg is configs[0]   # fla beside the first config only
             pre, dec, inv = gdn.prefill_case(others=first), gdn.decode_case(others=first), gdn.bits_check()
             fwd = train_forward()
-            label = " ".join(f"{k}={v}" for k, v in cfg.items()) or "defaults"
             print(f"{fwd:9.1f}{pre['invariant']:9.1f}{pre.get('fla', float('nan')):9.1f}{dec['invariant']:9.1f}"
                   f"{dec.get('fla', float('nan')):9.1f}{inv['invariant']:>10}{differ:>20}   {label}", flush=True)
-    finally:
-        for k, v in saved.items():
-            setattr(gdn_chunk, k, v)
-
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mamba2 as m2  # noqa: E402
+from scan_bench import swept, sweep_configs  # noqa: E402
 
 from vllm.kernels import mamba2_chunk  # noqa: E402
 
@@ -36,41 +37,24 @@ DEFAULT = ";".join([
 ])
 
 
-def parse(cfg: str) -> dict[str, int]:
-    out = {}
-    for item in cfg.split():
-        name, _, value = item.partition("=")
-        if not hasattr(mamba2_chunk, name) or not value.isdigit():
-            raise ValueError(f"{item!r} is not NAME=INT for a tunable of vllm/kernels/mamba2_chunk.py")
-        out[name] = int(value)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=DEFAULT, help="';'-separated configs of NAME=VALUE; the first is the "
                     "bits reference")
-    configs = [parse(c) for c in ap.parse_args().configs.split(";")]
-    saved = {k: getattr(mamba2_chunk, k) for cfg in configs for k in cfg}
+    configs = sweep_configs(mamba2_chunk, ap.parse_args().configs)
     print(f"{'train fwd':>9}{'prefill':>9}{'mamba_ssm':>11}{'decode':>9}{'mamba_ssm':>11}{'inv rows':>10}"
           f"{'cases differ':>14}   config   (us; inv rows: invariant decode rows differing from a prefill's, of 200)")
     ref = None
-    try:
+    with swept(mamba2_chunk, configs) as apply:
         for cfg in configs:
-            for k, v in saved.items():
-                setattr(mamba2_chunk, k, cfg.get(k, v))
+            label = apply(cfg)
             out = m2.scan_outputs(mamba2_chunk.mamba2_chunk_triton)
             differ = "-" if ref is None else m2.compare_outputs(ref, out, quiet=True)
             ref = ref or out
             pre, dec, inv = m2.prefill_case(), m2.decode_case(), m2.bits_check()
             fwd = m2.train_forward()
-            label = " ".join(f"{k}={v}" for k, v in cfg.items()) or "defaults"
             print(f"{fwd:9.1f}{pre['invariant']:9.1f}{pre.get('mamba_ssm', float('nan')):11.1f}{dec['invariant']:9.1f}"
                   f"{dec.get('mamba_ssm', float('nan')):11.1f}{inv['invariant']:>10}{differ:>14}   {label}", flush=True)
-    finally:
-        for k, v in saved.items():
-            setattr(mamba2_chunk, k, v)
-
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,15 @@
 """What the per-layer benchmarks of the chunked recurrences (gdn.py, mamba2.py) share: the
-optional native baseline, timing, the steps' metadata, the decode-rows bit check and the
-report (invariant mode, fast mode and the baseline per case)."""
+optional native baseline, timing, the steps' metadata, the decode-rows bit check, the
+report (invariant mode, fast mode and the baseline per case) and the tunable sweeps' configs
+(gdn_forward_sweep.py, mamba2_output_sweep.py)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
-from typing import Callable
+from types import ModuleType
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -208,3 +211,35 @@ def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, n
             errors(*rows[-1][:2])
     print(f"backward 1x{T}: " + ", ".join(f"{name} {t:.1f} us" for name, _, t in rows)
           + "".join(f" ({name} {t_ref / t:.2f}x faster than the reference)" for name, _, t in rows[1:2]))
+
+
+def sweep_configs(module: ModuleType, text: str) -> list[dict]:
+    """`;`-separated configs of space-separated NAME=INT over `module`'s tunables (the first is a
+    sweep's bits reference; "" = the module's defaults), each value of the tunable's type."""
+    configs = []
+    for cfg in text.split(";"):
+        out = {}
+        for item in cfg.split():
+            name, _, value = item.partition("=")
+            if not hasattr(module, name) or not value.isdigit():
+                raise ValueError(f"{item!r} is not NAME=INT for a tunable of {module.__name__}")
+            out[name] = type(getattr(module, name))(int(value))
+        configs.append(out)
+    return configs
+
+
+@contextlib.contextmanager
+def swept(module: ModuleType, configs: list[dict]) -> Iterator[Callable[[dict], str]]:
+    """Yields apply(cfg): sets `module`'s tunables to cfg over its defaults and returns the
+    config's label; the defaults are restored on exit."""
+    saved = {k: getattr(module, k) for cfg in configs for k in cfg}
+
+    def apply(cfg: dict) -> str:
+        for k, v in saved.items():
+            setattr(module, k, cfg.get(k, v))
+        return " ".join(f"{k}={v}" for k, v in cfg.items()) or "defaults"
+    try:
+        yield apply
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)

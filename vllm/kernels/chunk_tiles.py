@@ -103,6 +103,20 @@ if HAS_TRITON:
         return r, from_buf, from_step, trow, brow
 
     @triton.jit
+    def unit_lower_inverse(N, EMULATE: tl.constexpr):
+        """(I + N)^-1 of a strictly lower DB x DB block N (DB a power of two), as the product
+        (I - N)(I + N^2)(I + N^4)... (N^DB = 0): 3xTF32 dots only (unit_lower_block_row)."""
+        DB: tl.constexpr = N.shape[0]
+        r = tl.arange(0, DB)
+        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - N                 # I - N
+        Np = N
+        for lvl in tl.static_range(1, 16):
+            if (DB >> lvl) > 1:
+                Np = dot_rows(Np, Np, tl.zeros([DB, DB], dtype=tl.float32), EMULATE, "tf32x3")
+                P = dot_rows(P, Np, P, EMULATE, "tf32x3")                    # P (I + N^(2^lvl))
+        return P
+
+    @triton.jit
     def unit_lower_block_row(Ab, Tprev, bi, DB: tl.constexpr, EMULATE: tl.constexpr):
         """Block row bi (rows bi DB .. bi DB + DB - 1) of T = (I + A)^-1 for a strictly lower
         C x C matrix A, from Ab, A's rows of the block [DB, C], and Tprev, T's rows before
@@ -117,16 +131,9 @@ if HAS_TRITON:
         row of A (past a chunk's last row) gives the row e_i. No entry is -0."""
         C: tl.constexpr = Ab.shape[1]
         NB: tl.constexpr = C // DB
-        r = tl.arange(0, DB)
         cols = tl.arange(0, C)
         sel = tl.arange(0, NB)[None, :, None] == bi
-        N = tl.sum(tl.where(sel, tl.reshape(Ab, (DB, NB, DB)), 0.0), 1)      # A[b, b]: a copy
-        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - N                 # I - N
-        Np = N
-        for lvl in tl.static_range(1, 16):
-            if (DB >> lvl) > 1:
-                Np = dot_rows(Np, Np, tl.zeros([DB, DB], dtype=tl.float32), EMULATE, "tf32x3")
-                P = dot_rows(P, Np, P, EMULATE, "tf32x3")                    # P (I + N^(2^lvl))
+        P = unit_lower_inverse(tl.sum(tl.where(sel, tl.reshape(Ab, (DB, NB, DB)), 0.0), 1), EMULATE)  # A[b, b]: a copy
         X = dot_rows(tl.where(cols[None, :] < bi * DB, Ab, 0.0), Tprev, tl.zeros([DB, C], dtype=tl.float32),
                      EMULATE, "tf32x3")
         # 0 - x: no -0 (X's columns from bi DB on are exact zeros)
@@ -148,13 +155,7 @@ if HAS_TRITON:
         r = tl.arange(0, DB)
         cols = tl.arange(0, C)
         rb = bi * DB + r
-        N = tl.load(ws + rb[:, None] * C + (bi * DB + r)[None, :])         # A[b, b]: a copy
-        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - N                 # I - N
-        Np = N
-        for lvl in tl.static_range(1, 16):
-            if (DB >> lvl) > 1:
-                Np = dot_rows(Np, Np, tl.zeros([DB, DB], dtype=tl.float32), EMULATE, "tf32x3")
-                P = dot_rows(P, Np, P, EMULATE, "tf32x3")                    # P (I + N^(2^lvl))
+        P = unit_lower_inverse(tl.load(ws + rb[:, None] * C + (bi * DB + r)[None, :]), EMULATE)  # A[b, b]: a copy
         X = tl.zeros([DB, C], dtype=tl.float32)
         for m in range(0, bi):
             Am = tl.load(ws + rb[:, None] * C + (m * DB + r)[None, :])
