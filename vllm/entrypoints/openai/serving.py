@@ -27,7 +27,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
-from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id
+from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id, plan_tools
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -697,11 +697,16 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if req.prompt is not None:
-            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            special = req.add_special_tokens is not False
+            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=special))
         else:
+            # the chat route's rendering: the same template, variables, tools and special tokens
+            req.check_chat_fields()
+            plan_tools(req.tools, "none")   # the shape chat checks (400 naming the bad tool)
             ids = self.chat_prompt_ids([m.to_template_dict() for m in req.messages], req.chat_template_kwargs,
                                        req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message)
+                                       continue_final_message=req.continue_final_message, tools=req.tools,
+                                       add_special_tokens=bool(req.add_special_tokens))
         strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
 
