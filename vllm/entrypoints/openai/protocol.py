@@ -423,14 +423,15 @@ class ChatCompletionRequest(_SamplingRequest):
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kwargs
 
-    def response_role(self) -> str:
-        """The response's role, upstream's rule: the generation prompt opens an assistant turn;
-        without it the model goes on with the last message, so the response takes its role."""
-        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+    def response_role(self, generation_role: str = "assistant") -> str:
+        """The response's role, upstream's rule: the generation prompt opens a turn of
+        `generation_role` (the server's --response-role); without it the model goes on with the
+        last message, so the response takes its role."""
+        return generation_role if self.add_generation_prompt or not self.messages else self.messages[-1].role
 
-    def echoed_text(self) -> str:
+    def echoed_text(self, generation_role: str = "assistant") -> str:
         """echo's prefix: the last message's text when its role is the response's, else ""."""
-        if not self.echo or not self.messages or self.messages[-1].role != self.response_role():
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role(generation_role):
             return ""
         return self.messages[-1].to_template_dict()["content"] or ""
 
