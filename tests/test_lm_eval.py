@@ -66,12 +66,36 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3):
-    app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=8), ["tiny"])
+    # --enable-tokenizer-info-endpoint: lm-eval's remote tokenizer reads /tokenizer_info
+    app = build_app_from_llm(LLM(tiny_qwen3, device="cpu", max_num_seqs=8), ["tiny"],
+                             enable_tokenizer_info_endpoint=True)
     with serve_in_thread(app) as url:
         yield url
 
 
-def test_lm_eval_local_completions(server, tiny_qwen3, tmp_path, monkeypatch):
+def test_lm_eval_remote_tokenizer(server, tiny_qwen3):
+    """lm-eval's RemoteTokenizer (tokenizer_backend="remote"): its special tokens from
+    /tokenizer_info, its ids from /tokenize, its chat template rendered client-side: the
+    checkpoint tokenizer's."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    assert check_remote_tokenizer_support(f"{server}/v1/completions")
+    remote = RemoteTokenizer(f"{server}/v1/completions")
+    assert (remote.eos_token, remote.bos_token, remote.pad_token) == (tok.eos_token, tok.bos_token, tok.pad_token)
+    assert remote.eos_token_id == tok.eos_token_id
+    text = "The sky is blue. Two plus two is four."
+    assert remote.encode(text) == tok.encode(text, add_special_tokens=False)
+    assert remote.decode(remote.encode(text)) == text
+    if tok.chat_template:
+        chat = [{"role": "user", "content": "hi"}]
+        assert remote.apply_chat_template(chat) == tok.apply_chat_template(chat, tokenize=False,
+                                                                          add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_eval_local_completions(server, tiny_qwen3, tmp_path, monkeypatch, backend):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
@@ -79,10 +103,12 @@ def test_lm_eval_local_completions(server, tiny_qwen3, tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_path=_write_tasks(tmp_path))
+    # remote: the tokenizer is the server's (/tokenizer_info, /tokenize, /detokenize)
+    tokenizer = {"tokenizer": tiny_qwen3} if backend == "huggingface" else {}
     res = simple_evaluate(
         model="local-completions",
-        model_args={"model": "tiny", "base_url": f"{server}/v1/completions", "tokenizer": tiny_qwen3,
-                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
+        model_args={"model": "tiny", "base_url": f"{server}/v1/completions", **tokenizer,
+                    "tokenizer_backend": backend, "tokenized_requests": True, "num_concurrent": 1,
                     "max_retries": 1, "max_length": 256},
         tasks=["tiny_mc", "tiny_gen"], task_manager=tasks, log_samples=True, limit=None,
         bootstrap_iters=0)

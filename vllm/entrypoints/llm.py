@@ -65,7 +65,7 @@ class LLM:
         default is "raw_logprobs"; docs/sampling.md). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
-        _refuse_worker_extension(upstream_args.get("worker_extension_cls"))
+        refuse_worker_extension(upstream_args.get("worker_extension_cls"))
         _check_upstream_args(upstream_args)
         check_logprobs_mode(logprobs_mode)   # before the model is read
         if generation_config not in ("auto", "vllm"):
@@ -472,7 +472,7 @@ def _lock_wait_s(timeout) -> float:
     return float(timeout)
 
 
-def _refuse_worker_extension(extension) -> None:
+def refuse_worker_extension(extension) -> None:
     """upstream's worker_extension_cls mixes a class into upstream's Worker; its methods reach
     that Worker's internals (model_runner, device communicators) and write weights behind
     the engine. Here the worker is a ModelRunner and weight writes must pass through the
@@ -494,8 +494,8 @@ UPSTREAM_NOOP_ARGS = {
     "swap_space": lambda v: isinstance(v, (int, float)),       # preemption recomputes, nothing is swapped
     "max_logprobs": lambda v: isinstance(v, int),              # the offline API has no cap
     "distributed_executor_backend": lambda v: v in (None, "uni", "mp", "ray", "external_launcher"),
-    "tokenizer_mode": lambda v: v == "auto",
-    "model_impl": lambda v: v == "auto",
+    "tokenizer_mode": lambda v: v in ("auto", "hf"),            # the checkpoint's HF tokenizer
+    "model_impl": lambda v: v in ("auto", "vllm"),              # this engine's own implementations
     "revision": lambda v: v in (None, "main"),                 # local checkpoints only
     "tokenizer_revision": lambda v: v is None,
     "pipeline_parallel_size": lambda v: v == 1,

@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization fp8: keep the model-dtype master weights next to the fp8 copy (needed "
                         "to train over this engine); --no-keep-master-weights keeps only the fp8 copy, leaving the "
                         "memory to the KV cache (rollout servers; weight sync quantizes what it receives)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks sharing every layer (today all in this process on its one device: TP=C's bits); "
                         "invariant bits do not depend on it (docs/parallelism.md)")
     p.add_argument("--tp-leaves", type=int, default=None,
@@ -109,4 +109,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_leaves=getattr(args, "tp_leaves", None),
                 num_state_snapshots=getattr(args, "num_state_snapshots", None),
                 scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
                 logprobs_mode=getattr(args, "logprobs_mode", DEFAULT_LOGPROBS_MODE))

@@ -5,12 +5,69 @@ HTTP server, tokenization and detokenization.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 
 from vllm.entrypoints.cli.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from vllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
+
+
+# upstream `vllm serve` engine flags that change nothing here at some values: accepted at those,
+# checked by the offline LLM's own table (vllm.entrypoints.llm.UPSTREAM_NOOP_ARGS, keyed by the
+# flag's name), and refused at any other naming the flag and why.
+# flag -> (short aliases, type, metavar, help: the values taken and what they mean here)
+UPSTREAM_NOOP_FLAGS = {
+    "--swap-space": ((), float, "GIB", "accepted at any value: nothing is swapped to the CPU here (a preempted "
+                     "request is recomputed, from the prefix cache where its blocks are still cached)"),
+    "--distributed-executor-backend": ((), str, "{uni,mp,ray,external_launcher}",
+                                       "accepted (upstream's names), all one executor here: the engine and its "
+                                       "tensor-parallel ranks run in the engine process (docs/parallelism.md)"),
+    "--tokenizer-mode": ((), str, "{auto,hf}", "auto or hf only: the checkpoint's Hugging Face tokenizer is the one "
+                         "tokenizer here"),
+    "--model-impl": ((), str, "{auto,vllm}", "auto or vllm only: every architecture runs this engine's own "
+                     "implementation (no Transformers modeling code)"),
+    "--data-parallel-size": (("-dp",), int, "1", "1 only: one engine per server; run a server per replica "
+                             "behind a load balancer"),
+    "--pipeline-parallel-size": (("-pp",), int, "1", "1 only: no pipeline parallelism here (--tensor-parallel-size "
+                                 "shards the layers)"),
+    "--revision": ((), str, "main", "main only: the model is a local directory, read as it is"),
+    "--hf-overrides": ((), "json", "JSON", "{} only: config.json is read as it is, as the trainer reads it "
+                       "(an override on one side only would break parity): edit the checkpoint's config.json"),
+}
+
+
+def _json(flag: str):
+    def parse(text: str):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{flag} takes JSON: {err}") from None
+    parse.__name__ = "JSON"
+    return parse
+
+
+def _json_list(flag: str):
+    def parse(text: str) -> list[str]:
+        value = _json(flag)(text)
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]'")
+        return value
+    parse.__name__ = "JSON list"
+    return parse
+
+
+def _json_object(flag: str):
+    def parse(text: str) -> dict:
+        value = _json(flag)(text)
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, e.g. '{{\"temperature\": 0.6}}'")
+        return value
+    parse.__name__ = "JSON object"
+    return parse
 
 
 def add_parser(sub) -> None:
@@ -73,6 +130,92 @@ def add_parser(sub) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (uvicorn)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no uvicorn access-log line per HTTP request")
+    p.add_argument("--response-role", default="assistant",
+                   help="the role of a chat response that opens a turn (add_generation_prompt); without it the "
+                        "response takes the last message's role")
+    p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                   help="how message content reaches the chat template: auto and string (the same here): one string "
+                        "(text parts joined with newlines); openai (a list of parts) is refused")
+    p.add_argument("--override-generation-config", type=_json_object("--override-generation-config"), default=None,
+                   metavar="JSON",
+                   help="generation_config.json values over the checkpoint's, as sampling defaults of requests that "
+                        "leave a field unset (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+                        "applied under either --generation-config, as upstream")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration, special tokens and chat template "
+                        "(lm-eval's remote tokenizer reads it); off by default, as upstream, since it exposes the "
+                        "chat template")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it is added: its id, prompt (text or ids) and sampling params")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: log the first N prompt characters or ids (default: all)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for upstream command lines: no periodic stats are logged here (/metrics has them)")
+    p.add_argument("--root-path", default=None,
+                   help="the path prefix a reverse proxy serves the app under (FastAPI's root_path): routes answer "
+                        "with and without it")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=None, metavar="JSON",
+                   help="CORS: the origins browser pages may call this server from, a JSON list (e.g. '[\"*\"]'); "
+                        "without it no CORS headers are sent (upstream allows every origin by default; here the "
+                        "admin routes change the weights, so a browser page must be allowed by name)")
+    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=None, metavar="JSON",
+                   help="CORS (with --allowed-origins): the methods allowed, a JSON list (default: every method)")
+    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=None, metavar="JSON",
+                   help="CORS (with --allowed-origins): the request headers allowed, a JSON list (default: every "
+                        "header)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS (with --allowed-origins): allow cookies and Authorization on cross-origin requests")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allocate the KV cache so that the engine can release and retake its memory (LLM's "
+                        "enable_sleep_mode); the server itself has no sleep route")
+    p.add_argument("--api-server-count", "-asc", type=int, default=None,
+                   help="1 only: one API server process here (run several servers behind a load balancer)")
+    p.add_argument("--worker-extension-cls", default=None,
+                   help="refused: upstream's worker mix-in; use collective_rpc with a function, or the weight-update "
+                        "routes (docs/serving.md)")
+    for flag, (aliases, kind, metavar, text) in UPSTREAM_NOOP_FLAGS.items():
+        p.add_argument(flag, *aliases, type=_json(flag) if kind == "json" else kind, default=None, metavar=metavar,
+                       help=text)
+
+
+def check_upstream_flags(args) -> None:
+    """Refuse, naming the flag and why, the upstream flags given at values this server cannot
+    honour (ValueError: `vllm` prints its one line)."""
+    from vllm.entrypoints.llm import UPSTREAM_NOOP_ARGS, refuse_worker_extension
+
+    refuse_worker_extension(args.worker_extension_cls)
+    for flag, (_, _, _, text) in UPSTREAM_NOOP_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not UPSTREAM_NOOP_ARGS[flag[2:].replace("-", "_")](value):
+            shown = value if isinstance(value, str) else json.dumps(value)
+            raise ValueError(f"{flag} {shown}: not supported here ({text})")
+    if args.api_server_count not in (None, 1):
+        raise ValueError(f"--api-server-count {args.api_server_count}: not supported here (one API server process; "
+                         "run several servers behind a load balancer)")
+    if args.chat_template_content_format == "openai":
+        raise ValueError("--chat-template-content-format openai: not supported here (message content reaches the "
+                         "chat template as one string: auto or string)")
+    if args.allowed_origins is None:
+        given = [flag for flag, on in (("--allowed-methods", args.allowed_methods is not None),
+                                       ("--allowed-headers", args.allowed_headers is not None),
+                                       ("--allow-credentials", args.allow_credentials)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: CORS is off unless --allowed-origins lists the origins allowed "
+                             "(this server sends no CORS headers by default)")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError("--max-log-len must be >= 0")
+
+
+def _cors(args) -> dict | None:
+    """CORSMiddleware's keywords from the CORS flags (None: no CORS)."""
+    if args.allowed_origins is None:
+        return None
+    return dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods or ["*"],
+                allow_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
 
 
 def run(args) -> int:
@@ -84,6 +227,7 @@ def run(args) -> int:
         args.model = args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise SystemExit("vllm serve: --max-queued-requests must be >= 0")
+    check_upstream_flags(args)
     if args.chat_template is not None:
         from vllm.entrypoints.chat_template import load_chat_template
         try:
@@ -111,7 +255,12 @@ def run(args) -> int:
                    reasoning_parser=args.reasoning_parser,
                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                    enable_force_include_usage=args.enable_force_include_usage,
-                   keep_alive_on_engine_death=args.keep_alive_on_engine_death) == "engine_dead" else 0
+                   keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+                   override_generation_config=args.override_generation_config,
+                   access_log=not args.disable_uvicorn_access_log, response_role=args.response_role,
+                   enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                   enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
+                   disable_fastapi_docs=args.disable_fastapi_docs, cors=_cors(args)) == "engine_dead" else 0
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI) in front of an AsyncLLM: the routes.
 
-Endpoints (docs/serving.md has the schema and extensions): GET /health,
-/version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize; admin: POST /v1/pause, /v1/resume, /v1/weights/update,
+Endpoints (docs/serving.md has the schema and extensions): GET /health (and
+GET|POST /ping), /version, /metrics, /v1/models, /tokenizer_info (when enabled); POST
+/v1/completions, /v1/chat/completions, /tokenize, /detokenize; admin: POST /v1/pause, /v1/resume, /v1/weights/update,
 /v1/weights/init_group, /v1/weights/update_from_group, /v1/weights/update_from_ipc,
 GET /v1/weights/version, GET /v1/weights/contract; upstream vLLM's RL routes: POST
 /pause, /resume, /abort_requests, GET /is_paused, /get_world_size, and (rl.py) its
@@ -57,11 +57,18 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, api_key: str | None = None,
-              admin_key: str | None = None) -> FastAPI:
+              admin_key: str | None = None, enable_tokenizer_info_endpoint: bool = False,
+              root_path: str | None = None, disable_fastapi_docs: bool = False,
+              cors: dict | None = None) -> FastAPI:
     """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn.
 
     api_key: every /v1/ endpoint requires `Authorization: Bearer <api_key>`.
     admin_key: pause/resume and weight updates require it (else they need the api key, if any).
+    enable_tokenizer_info_endpoint: serve GET /tokenizer_info (404 without it, as upstream).
+    root_path: the path prefix a proxy serves the app under (FastAPI's root_path).
+    disable_fastapi_docs: no /docs, /redoc or /openapi.json.
+    cors: CORSMiddleware's keywords (allow_origins, allow_methods, allow_headers,
+    allow_credentials); None: no CORS headers (browsers on other origins cannot read answers).
     """
 
     @asynccontextmanager
@@ -71,12 +78,20 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
             # Blocking join of the engine: off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, serving.llm.shutdown)
 
-    app = FastAPI(title="vllm-parity OpenAI-compatible server", lifespan=lifespan)
+    docs = {} if not disable_fastapi_docs else dict(openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="vllm-parity OpenAI-compatible server", lifespan=lifespan, **docs)
+    if root_path:
+        app.root_path = root_path   # as upstream sets it: requests carry it as their scope's root_path
     app.state.serving = serving
     llm = serving.llm
 
     if api_key or admin_key:
         app.add_middleware(AuthMiddleware, api_key=api_key, admin_key=admin_key)
+    if cors is not None:
+        # added last, so it runs first: it answers browsers' preflight requests (which carry
+        # no key) and puts its headers on every answer, a 401 included
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(_request: Request, exc: RequestValidationError):
@@ -95,6 +110,20 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     @app.get("/health")
     async def health():
         return health_response(llm)
+
+    # upstream's /ping (SageMaker's health check): /health's answer, GET or POST
+    @app.get("/ping")
+    async def ping():
+        return health_response(llm)
+
+    @app.post("/ping")
+    async def ping_post():
+        return health_response(llm)
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return call_or_error(serving.tokenizer_info)
 
     @app.get("/version")
     async def version():
@@ -237,28 +266,68 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
     return result
 
 
+# build_app's keywords among the options build_app_from_llm and run_server take (the rest are
+# OpenAIServing's)
+APP_OPTIONS = ("enable_tokenizer_info_endpoint", "root_path", "disable_fastapi_docs", "cors")
+
+
+def _split_options(options: dict) -> tuple[dict, dict]:
+    """(build_app's keywords, OpenAIServing's) of build_app_from_llm's / run_server's options."""
+    return ({k: v for k, v in options.items() if k in APP_OPTIONS},
+            {k: v for k, v in options.items() if k not in APP_OPTIONS})
+
+
+# the generation_config.json keys that set sampling defaults, as upstream reads them (its
+# ModelConfig.get_diff_sampling_param): max_new_tokens is the server's max_tokens
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def generation_defaults(model_defaults: dict, generation_config: str = "auto",
+                        override_generation_config: dict | None = None) -> dict:
+    """The sampling defaults of requests that leave a field unset: the checkpoint's
+    generation_config.json values ("auto"; "vllm": none), then `override_generation_config`
+    (upstream's --override-generation-config, applied under either) over them. Its keys are
+    generation_config.json's; those that set no sampling default are ignored, as upstream
+    ignores them (logged)."""
+    defaults = dict(model_defaults) if generation_config == "auto" else {}
+    override = dict(override_generation_config or {})
+    ignored = sorted(k for k in override if k not in GENERATION_CONFIG_KEYS)
+    if ignored:
+        logger.warning("--override-generation-config: %s set no sampling default (only %s do): ignored",
+                       ", ".join(ignored), ", ".join(GENERATION_CONFIG_KEYS))
+    for key in GENERATION_CONFIG_KEYS:
+        if override.get(key) is not None:
+            defaults["max_tokens" if key == "max_new_tokens" else key] = override[key]
+    return defaults
+
+
 def _serving(async_llm: AsyncLLM, served_model_names: Sequence[str] | None, generation_config: str = "auto",
-             **options) -> OpenAIServing:
+             override_generation_config: dict | None = None, **options) -> OpenAIServing:
     """`options`: OpenAIServing's (max_logprobs, tool_call_parser, chat_template,
     trust_request_chat_template, return_tokens_as_token_ids, reasoning_parser,
-    enable_prompt_tokens_details, enable_force_include_usage)."""
+    enable_prompt_tokens_details, enable_force_include_usage, response_role,
+    enable_log_requests, max_log_len)."""
     info = async_llm.info
     names = list(served_model_names or [default_served_name(info.model_path)])
     return OpenAIServing(async_llm, names,
-                         generation_defaults=info.generation_defaults if generation_config == "auto" else {},
+                         generation_defaults=generation_defaults(info.generation_defaults, generation_config,
+                                                                 override_generation_config),
                          model_path=info.model_path, max_model_len=info.max_model_len, **options)
 
 
 def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, generation_config: str = "auto",
                        max_queued_requests: int | None = None, api_key: str | None = None,
-                       admin_key: str | None = None, **options) -> FastAPI:
+                       admin_key: str | None = None, override_generation_config: dict | None = None,
+                       **options) -> FastAPI:
     """An app serving an existing `vllm.LLM`, its engine driven by the engine-core loop on a
     thread of this process (tests, notebooks). Once the app runs, only that thread may touch
     `llm.llm_engine`. `vllm serve` runs the engine in its own process instead. `options`:
-    OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
+    build_app's (APP_OPTIONS) and OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
+    app_options, serving_options = _split_options(options)
     async_llm = AsyncLLM.from_engine(llm.llm_engine, max_queued_requests=max_queued_requests)
-    return build_app(_serving(async_llm, served_model_names, generation_config, **options),
-                     api_key=api_key, admin_key=admin_key)
+    return build_app(_serving(async_llm, served_model_names, generation_config, override_generation_config,
+                              **serving_options),
+                     api_key=api_key, admin_key=admin_key, **app_options)
 
 
 def default_served_name(model_path: str) -> str:
@@ -272,23 +341,26 @@ def default_served_name(model_path: str) -> str:
 def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names: Sequence[str] | None = None,
                generation_config: str = "auto", log_level: str = "info", max_queued_requests: int | None = None,
                api_key: str | None = None, admin_key: str | None = None, keep_alive_on_engine_death: bool = False,
-               **options) -> str:
+               override_generation_config: dict | None = None, access_log: bool = True, **options) -> str:
     """Start the engine core process, then serve until SIGINT/SIGTERM; uvicorn's graceful
     shutdown then stops the engine process (which also exits by itself if this one dies).
     If the engine process dies the server shuts down too (requests in flight got 503), unless
-    `keep_alive_on_engine_death`. Returns "engine_dead" or "stopped". `options`:
-    OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
+    `keep_alive_on_engine_death`. Returns "engine_dead" or "stopped". `access_log`: uvicorn's
+    line per HTTP request. `options`: build_app's (APP_OPTIONS) and OpenAIServing's
+    (max_logprobs, tool_call_parser, chat_template, ...)."""
     import uvicorn
 
+    app_options, serving_options = _split_options(options)
     async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
     try:
-        app = build_app(_serving(async_llm, served_model_names, generation_config, **options),
-                        api_key=api_key, admin_key=admin_key)
+        app = build_app(_serving(async_llm, served_model_names, generation_config, override_generation_config,
+                                 **serving_options),
+                        api_key=api_key, admin_key=admin_key, **app_options)
         names = app.state.serving.names
         logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
         # Bounded graceful shutdown: an open stream must not keep the process alive forever.
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=5, access_log=access_log))
         if not keep_alive_on_engine_death:
             stop_server_on_engine_death(async_llm, server)
         server.run()

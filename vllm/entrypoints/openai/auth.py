@@ -30,7 +30,7 @@ class AuthMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            path = scope["path"]
+            path = route_path(scope)
             need = None
             if self.admin_key and path in ADMIN_PATHS:
                 need, what = self.admin_key, "the admin key"
@@ -42,6 +42,15 @@ class AuthMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The path the routes see: without the root_path prefix (--root-path) when the request
+    carries it, as Starlette's router strips it, so "/prefix/v1/..." needs the key too."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 def _bearer(scope) -> str | None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, field_validator, model_serializer
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictInt, field_validator,
+                      model_serializer)
 
 from vllm.inputs import check_cache_salt
 from vllm.sampling_params import SamplingParams
@@ -68,6 +69,30 @@ def check_max_logprobs(k: Optional[int], max_logprobs: int, name: str = "logprob
         raise ValueError(f"at most {max_logprobs} {name} per token may be requested (server --max-logprobs), got {k}")
 
 
+def _not_a_string(value: Any) -> Any:
+    if isinstance(value, str):
+        raise ValueError("must be an integer (a JSON number), not a string")
+    return value
+
+
+# Integer request fields read as upstream's plain `int` reads them (pydantic's lax mode): 3,
+# 3.0, "3" and true (1) are integers, 3.5 and "three" are not. Token-id lists stay StrictInt:
+# a tokenizer produced them, and reading a float or a boolean there as a token id would serve
+# another prompt than the one sent.
+LaxInt = int
+# upstream refuses strings for these (logprobs, top_logprobs, prompt_logprobs: "must be an
+# integer"), numbers as above
+NumericInt = Annotated[int, BeforeValidator(_not_a_string)]
+
+
+def _null_means_default(*fields: str):
+    """A validator mapping JSON null in `fields` to their default, as upstream's Optional
+    fields take it (`"stream": null` is `"stream": false`)."""
+    def to_default(cls, value, info):
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) if value is None else value
+    return field_validator(*fields, mode="before")(classmethod(to_default))
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (not rejected) so clients that send vendor fields such
     # as `user` or `metadata` still work; the server logs the names it ignored.
@@ -84,6 +109,8 @@ class StreamOptions(OpenAIBaseModel):
     # upstream's: every chunk also carries its prompt's usage so far (its choice's tokens
     # until then); only together with include_usage, as upstream
     continuous_usage_stats: bool = False
+
+    _nulls = _null_means_default("include_usage", "continuous_usage_stats")
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -118,18 +145,18 @@ class ResponseFormat(OpenAIBaseModel):
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: Optional[str] = None
-    n: StrictInt = 1
+    n: LaxInt = 1
     # None means "not given": the model's generation_config.json default applies
     # (when the server runs with --generation-config auto), else SamplingParams'.
     temperature: Optional[FiniteFloat] = None
     top_p: Optional[FiniteFloat] = None
-    top_k: Optional[StrictInt] = None
+    top_k: Optional[LaxInt] = None
     min_p: Optional[FiniteFloat] = None
-    seed: Optional[StrictInt] = None
+    seed: Optional[LaxInt] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: bool = False
-    min_tokens: StrictInt = 0
+    min_tokens: LaxInt = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs_mode: Optional[str] = None
@@ -146,7 +173,7 @@ class _SamplingRequest(OpenAIBaseModel):
     # upstream's: {json | regex | choice | grammar | json_object, disable_any_whitespace}
     structured_outputs: Optional[dict[str, Any]] = None
     # upstream's: keep only the last k prompt tokens (-1: the last max_model_len - 1)
-    truncate_prompt_tokens: Optional[StrictInt] = None
+    truncate_prompt_tokens: Optional[LaxInt] = None
     # upstream's: the side truncate_prompt_tokens cuts; "right" keeps the first k (None: left)
     truncation_side: Optional[Literal["left", "right"]] = None
     # upstream's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>", as are the
@@ -163,10 +190,13 @@ class _SamplingRequest(OpenAIBaseModel):
     cache_salt: Optional[str] = None
     # upstream's: lower is admitted earlier (ties by arrival) on a server run with
     # --scheduling-policy priority; anything but 0 is a 400 under fcfs, as upstream
-    priority: StrictInt = 0
+    priority: LaxInt = 0
     # OpenAI fields accepted only at their no-op value (see module docstring).
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+
+    # null is the default where upstream's field is Optional (the others refuse null, as upstream)
+    _nulls = _null_means_default("n", "stream", "return_tokens_as_token_ids")
 
     @field_validator("cache_salt")
     @classmethod
@@ -272,15 +302,17 @@ class CompletionRequest(_SamplingRequest):
     prompt: PromptType
     # OpenAI's default for completions; 0 only with echo (scoring the prompt: the engine
     # samples one token, which the response leaves out)
-    max_tokens: Optional[StrictInt] = 16
-    logprobs: Optional[StrictInt] = None      # k: the sampled token's logprob plus the top-k alternatives
+    max_tokens: Optional[LaxInt] = 16         # null: 16, as upstream
+    logprobs: Optional[NumericInt] = None     # k: the sampled token's logprob plus the top-k alternatives
     # the prompt before the completion in `text`; with logprobs, the prompt tokens' logprobs
     # first (None for the first token)
     echo: bool = False
-    best_of: Optional[StrictInt] = None
+    best_of: Optional[LaxInt] = None
     suffix: Optional[str] = None
-    prompt_logprobs: Optional[StrictInt] = None   # upstream's: per prompt token its logprob and the top-k
+    prompt_logprobs: Optional[NumericInt] = None   # upstream's: per prompt token its logprob and the top-k
     add_special_tokens: bool = True   # upstream's: false for text already holding them (a client-side template)
+
+    _completion_nulls = _null_means_default("max_tokens", "echo")
 
     def prompts(self) -> list[Union[str, dict]]:
         """The prompts as engine inputs: strings stay strings, token ids become dicts."""
@@ -347,11 +379,12 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: Optional[StrictInt] = None    # None: until the context is full (OpenAI's chat default)
-    max_completion_tokens: Optional[StrictInt] = None
+    max_tokens: Optional[LaxInt] = None       # None: until the context is full (OpenAI's chat default)
+    # upstream's replacement of max_tokens: when both are given it wins, as upstream
+    max_completion_tokens: Optional[LaxInt] = None
     logprobs: bool = False
-    top_logprobs: Optional[StrictInt] = None
-    prompt_logprobs: Optional[StrictInt] = None   # upstream's: per prompt token its logprob and the top-k
+    top_logprobs: Optional[NumericInt] = None
+    prompt_logprobs: Optional[NumericInt] = None   # upstream's: per prompt token its logprob and the top-k
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -373,6 +406,8 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
     documents: Optional[list[dict[str, Any]]] = None
 
+    _chat_nulls = _null_means_default("logprobs")
+
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages is empty")
@@ -388,14 +423,15 @@ class ChatCompletionRequest(_SamplingRequest):
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kwargs
 
-    def response_role(self) -> str:
-        """The response's role, upstream's rule: the generation prompt opens an assistant turn;
-        without it the model goes on with the last message, so the response takes its role."""
-        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+    def response_role(self, generation_role: str = "assistant") -> str:
+        """The response's role, upstream's rule: the generation prompt opens a turn of
+        `generation_role` (the server's --response-role); without it the model goes on with the
+        last message, so the response takes its role."""
+        return generation_role if self.add_generation_prompt or not self.messages else self.messages[-1].role
 
-    def echoed_text(self) -> str:
+    def echoed_text(self, generation_role: str = "assistant") -> str:
         """echo's prefix: the last message's text when its role is the response's, else ""."""
-        if not self.echo or not self.messages or self.messages[-1].role != self.response_role():
+        if not self.echo or not self.messages or self.messages[-1].role != self.response_role(generation_role):
             return ""
         return self.messages[-1].to_template_dict()["content"] or ""
 
@@ -416,8 +452,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("tool_choice 'required' or a named function constrains the output itself: "
                                  "it cannot be combined with response_format or structured_outputs")
             structured = tool_grammar
-        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.prompt_logprobs is not None and self.stream:
@@ -672,15 +706,28 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- tokenizer and admin endpoints ----------------------------------------------------------
 
 class TokenizeRequest(OpenAIBaseModel):
+    """upstream's two forms in one model: {"prompt"} (its TokenizeCompletionRequest) or
+    {"messages"} with the chat fields of its TokenizeChatRequest, rendered as chat completions
+    render them."""
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
+    # None: true for a prompt, false for messages (the template writes its own), as upstream
+    add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None
-    return_token_strs: bool = False   # upstream's: each id's token string too
+    tools: Optional[list[dict[str, Any]]] = None   # handed to the template, as chat's
+    return_token_strs: Optional[bool] = False   # upstream's: each id's token string too
+
+    def check_chat_fields(self) -> None:
+        """upstream's multimodal fields are refused unless empty (no processor here), as chat's."""
+        extra = self.model_extra or {}
+        refused = [k for k in ("mm_processor_kwargs", "media_io_kwargs") if extra.get(k)]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: upstream vLLM fields for multimodal processors, not "
+                             "implemented here (refused rather than ignored)")
 
 
 class TokenizeResponse(OpenAIBaseModel):

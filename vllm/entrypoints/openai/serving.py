@@ -27,7 +27,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
-from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id
+from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id, plan_tools
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -312,7 +312,8 @@ class OpenAIServing:
                  max_model_len: int | None = None, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
-                 enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False):
+                 enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
+                 response_role: str = "assistant", enable_log_requests: bool = False, max_log_len: int | None = None):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -331,6 +332,12 @@ class OpenAIServing:
         # every stream carries usage, on each chunk and at its end, whatever its stream_options say
         # (upstream's flag)
         self.enable_force_include_usage = enable_force_include_usage
+        # the role of a chat response that opens a turn (add_generation_prompt), upstream's flag
+        self.response_role = response_role
+        # log each request as it is added (its id, prompt, sampling params), the prompt cut to
+        # max_log_len characters or ids (None: whole), as upstream's --enable-log-requests
+        self.enable_log_requests = enable_log_requests
+        self.max_log_len = max_log_len
         # awaited before a request is added (rl.py: commits TRL's per-tensor weight update first)
         self.before_generate = None
 
@@ -363,6 +370,32 @@ class OpenAIServing:
         count is its first sample's); None when the server does not report them."""
         return sum(out.num_cached_tokens for out in outputs) if self.enable_prompt_tokens_details else None
 
+    def _log_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        """--enable-log-requests: one line per prompt as it is added."""
+        if not self.enable_log_requests:
+            return
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if self.max_log_len is not None:
+            prompt = prompt[:self.max_log_len]
+        logger.info("received request %s: prompt %r, params %r", request_id, prompt, params)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """GET /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's configuration as
+        upstream reports it (its tokenizer_config.json keys, special tokens as their text, file
+        paths left out, tokenizer_class) and the chat template requests are rendered with."""
+        tok = self.llm.tokenizer
+        info = {k: _plain_json(v) for k, v in dict(getattr(tok, "init_kwargs", None) or {}).items()
+                if k not in ("vocab_file", "merges_file")}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if info.get(key) is None:
+                info[key] = _plain_json(getattr(tok, key, None))
+        info["tokenizer_class"] = type(tok).__name__
+        template = self.chat_template or getattr(tok, "chat_template", None)
+        if template:
+            info["chat_template"] = template
+        return info
+
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
 
@@ -376,6 +409,8 @@ class OpenAIServing:
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"cmpl-{_request_id(req, raw)}"
+            for i, p in enumerate(prompts):
+                self._log_request(f"{rid}-{i}", p, params)
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream, priority=req.priority)
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
@@ -574,6 +609,7 @@ class OpenAIServing:
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"chatcmpl-{_request_id(req, raw)}"
+            self._log_request(rid, prompt_ids, params)
             streams = await self.llm.add_requests([(rid, req.with_cache_salt({"prompt_token_ids": prompt_ids}), params)],
                                                   stream=req.stream, priority=req.priority)
         except Exception as err:  # noqa: BLE001
@@ -593,7 +629,7 @@ class OpenAIServing:
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
         thinking = self._reasoning_parser_for(params)
-        role, echoed = req.response_role(), req.echoed_text()
+        role, echoed = req.response_role(self.response_role), req.echoed_text(self.response_role)
         choices = [ChatChoice(index=c.index,
                               message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
                               finish_reason=_chat_finish(c, plan, thinking),
@@ -630,12 +666,13 @@ class OpenAIServing:
             return UsageInfo.of(n_prompt, cur.completion_tokens if cur is not None else 0)
 
         # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
+        role = req.response_role(self.response_role)
         yield _sse(ChatCompletionStreamResponse(
             id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
             weight_version=self.llm.weight_version, usage=usage_so_far(None),
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=req.response_role(), content=""),
+            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=role, content=""),
                                       token_ids=[] if want_ids else None) for j in range(params.n)]))
-        echoed = req.echoed_text()
+        echoed = req.echoed_text(self.response_role)
         if echoed:   # echo: the continued message's text before anything generated
             yield _sse(ChatCompletionStreamResponse(
                 id=rid, created=created, model=model, weight_version=self.llm.weight_version,
@@ -697,11 +734,16 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if req.prompt is not None:
-            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            special = req.add_special_tokens is not False
+            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=special))
         else:
+            # the chat route's rendering: the same template, variables, tools and special tokens
+            req.check_chat_fields()
+            plan_tools(req.tools, "none")   # the shape chat checks (400 naming the bad tool)
             ids = self.chat_prompt_ids([m.to_template_dict() for m in req.messages], req.chat_template_kwargs,
                                        req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message)
+                                       continue_final_message=req.continue_final_message, tools=req.tools,
+                                       add_special_tokens=bool(req.add_special_tokens))
         strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
 
@@ -712,6 +754,20 @@ class OpenAIServing:
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return DetokenizeResponse(prompt=self.llm.tokenizer.decode(req.tokens))
+
+
+def _plain_json(value: Any) -> Any:
+    """A tokenizer config value as JSON: a special token (transformers' AddedToken) as its text,
+    containers element-wise, anything else JSON cannot hold as its str."""
+    if hasattr(value, "content") and not isinstance(value, (str, bytes, dict)):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    return str(value)
 
 
 def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | None, str | None]:

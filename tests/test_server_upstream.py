@@ -1,0 +1,306 @@
+"""What upstream vLLM's clients and launch scripts do that the OpenAI schema alone does not say:
+`vllm serve` flags RL / eval launchers pass (verl, OpenRLHF, SkyRL, prime-rl), /ping and
+/tokenizer_info, JSON null as a field's default, upstream's lax integers, max_completion_tokens
+over max_tokens, and /tokenize rendering a conversation as chat completions does.
+
+The app runs in-process on the embedded model (as tests/test_server.py drives it)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from vllm.entrypoints.cli import main as cli  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "What is 47 + 58?"}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = cli.build_parser("serve")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+# what RL and eval launchers pass to upstream's `vllm serve`, at values that run here
+LAUNCH_LINE = ["/ckpt", "--served-model-name", "policy", "--enable-tokenizer-info-endpoint", "--enable-sleep-mode",
+               "--disable-log-stats", "--enable-log-requests", "--max-log-len", "200", "--disable-uvicorn-access-log",
+               "--response-role", "assistant", "--allowed-origins", '["*"]', "--allowed-methods", '["GET", "POST"]',
+               "--allowed-headers", '["*"]', "--allow-credentials", "--root-path", "/llm", "--disable-fastapi-docs",
+               "--model-impl", "vllm", "--swap-space", "16", "--distributed-executor-backend", "mp",
+               "--tokenizer-mode", "auto", "--data-parallel-size", "1", "-pp", "1", "--revision", "main",
+               "--chat-template-content-format", "string", "--hf-overrides", "{}",
+               "--override-generation-config", '{"temperature": 0.6, "max_new_tokens": 64}', "--api-server-count", "1",
+               "-tp", "1", "--trust-remote-code", "--enable-auto-tool-choice", "--logprobs-mode", "processed_logprobs"]
+
+
+def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
+    """Every flag parses (upstream's spellings), and the ones with a meaning here reach the
+    server (run_server's keywords) and the engine (enable_sleep_mode)."""
+    from vllm.entrypoints.openai import api_server
+    seen = {}
+
+    def fake_run_server(engine_kwargs, **kwargs):
+        seen.update(kwargs, engine_kwargs=engine_kwargs)
+        return "stopped"
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
+    assert cli.main(["serve", *LAUNCH_LINE]) == 0
+    assert seen["engine_kwargs"]["enable_sleep_mode"] is True
+    assert seen["engine_kwargs"]["logprobs_mode"] == "processed_logprobs"
+    assert seen["enable_tokenizer_info_endpoint"] and seen["disable_fastapi_docs"] and seen["enable_log_requests"]
+    assert (seen["max_log_len"], seen["root_path"], seen["response_role"]) == (200, "/llm", "assistant")
+    assert seen["access_log"] is False
+    assert seen["cors"] == {"allow_origins": ["*"], "allow_methods": ["GET", "POST"], "allow_headers": ["*"],
+                            "allow_credentials": True}
+    assert seen["override_generation_config"] == {"temperature": 0.6, "max_new_tokens": 64}
+    defaults = _serve_parser().parse_args([])
+    assert defaults.response_role == "assistant" and not defaults.enable_tokenizer_info_endpoint
+    assert defaults.allowed_origins is None and defaults.enable_sleep_mode is False
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: not supported here"),
+    (["-dp", "4"], "--data-parallel-size 4: not supported here"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: not supported here"),
+    (["--model-impl", "transformers"], "--model-impl transformers: not supported here"),
+    (["--revision", "v2"], "--revision v2: not supported here"),
+    (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides"),
+    (["--api-server-count", "2"], "--api-server-count 2: not supported here"),
+    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai"),
+    (["--allow-credentials"], "CORS is off unless --allowed-origins"),
+    (["--allowed-methods", '["GET"]'], "--allowed-methods"),
+])
+def test_upstream_flags_at_other_values_are_one_line_errors(argv, needle, capsys):
+    rc = cli.main(["serve", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_worker_extension_cls_is_refused_as_llm_refuses_it(capsys):
+    from vllm.entrypoints.llm import refuse_worker_extension
+    with pytest.raises(ValueError) as offline:
+        refuse_worker_extension("my.Extension")
+    assert cli.main(["serve", "--worker-extension-cls", "my.Extension"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {offline.value}"
+
+
+def test_json_flags_say_what_they_take(capsys):
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["--allowed-origins", "*"])
+    assert "--allowed-origins takes JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["--override-generation-config", "[1]"])
+    assert "takes a JSON object" in capsys.readouterr().err
+
+
+def test_generation_defaults_with_overrides():
+    """upstream's get_diff_sampling_param: the override over generation_config.json's values, under
+    --generation-config vllm too; max_new_tokens is max_tokens; other keys set nothing."""
+    from vllm.entrypoints.openai.api_server import generation_defaults
+    model = {"temperature": 0.7, "top_p": 0.8}
+    assert generation_defaults(model, "auto", {"temperature": 0.1, "max_new_tokens": 5, "do_sample": True}) == \
+        {"temperature": 0.1, "top_p": 0.8, "max_tokens": 5}
+    assert generation_defaults(model, "vllm", {"top_k": 20}) == {"top_k": 20}
+    assert generation_defaults(model, "vllm") == {} and generation_defaults(model) == model
+
+
+# ---- through the app ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serving():
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"), enable_tokenizer_info_endpoint=True)
+    yield app.state.serving
+    app.state.serving.llm.shutdown()
+
+
+def _app(serving, **options):
+    """Another app over the same engine, with build_app's options."""
+    from vllm.entrypoints.openai.api_server import build_app
+    return build_app(serving, shutdown_engine_on_exit=False, **options)
+
+
+def _call(app, method: str, path: str, body=None, headers=None):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await c.request(method, path, json=body, headers=headers)
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def app(serving):
+    return _app(serving, enable_tokenizer_info_endpoint=True)
+
+
+def test_ping_is_health(app):
+    for method in ("GET", "POST"):
+        r = _call(app, method, "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+
+
+def test_tokenizer_info_only_when_enabled(app, serving):
+    assert _call(_app(serving), "GET", "/tokenizer_info").status_code == 404
+    r = _call(app, "GET", "/tokenizer_info")
+    assert r.status_code == 200, r.text
+    info, tok = r.json(), serving.llm.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["pad_token"] == tok.pad_token
+    assert "bos_token" in info and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template and info["tokenizer_class"] == type(tok).__name__
+    assert info["model_max_length"] == tok.model_max_length
+    assert "vocab_file" not in info and "merges_file" not in info
+    # the server's --chat-template is the one reported: the one requests are rendered with
+    serving.chat_template, saved = "{{ messages[0].content }}", serving.chat_template
+    try:
+        assert _call(app, "GET", "/tokenizer_info").json()["chat_template"] == "{{ messages[0].content }}"
+    finally:
+        serving.chat_template = saved
+
+
+def test_null_is_the_default(app):
+    chat = _call(app, "POST", "/v1/chat/completions",
+                 {"messages": MESSAGES, "max_tokens": 3, "n": None, "logprobs": None, "stream": None,
+                  "top_logprobs": None, "temperature": None, "top_p": None, "stop": None, "seed": None,
+                  "stream_options": None, "presence_penalty": None, "frequency_penalty": None,
+                  "return_tokens_as_token_ids": None, "tools": None, "tool_choice": None, **GREEDY})
+    assert chat.status_code == 200, chat.text
+    choice = chat.json()["choices"]
+    assert len(choice) == 1 and choice[0]["logprobs"] is None and chat.json()["usage"]["completion_tokens"] == 3
+    comp = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": None, "echo": None, "stream": None,
+                                                  "n": None, "logprobs": None, **GREEDY})
+    assert comp.status_code == 200, comp.text
+    assert comp.json()["usage"]["completion_tokens"] == 16          # null max_tokens: 16, as upstream
+    assert not comp.json()["choices"][0]["text"].startswith("hi")  # null echo: no echo
+    streamed = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True,
+                                                      "stream_options": {"include_usage": None}, **GREEDY})
+    events = [json.loads(e[len("data: "):]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    assert streamed.status_code == 200 and events and not any(e.get("usage") for e in events)  # null: no usage
+    # fields upstream does not make Optional still refuse null
+    assert _call(app, "POST", "/v1/completions", {"prompt": "hi", "priority": None}).status_code == 400
+
+
+def test_integers_as_upstream_reads_them(app):
+    """upstream's plain int (pydantic's lax mode): 3.0, "3" and true are integers; 3.5 is not;
+    logprobs / top_logprobs / prompt_logprobs refuse strings, as upstream; token ids stay strict."""
+    ok = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4.0, "n": "1", "seed": "7",
+                                                "logprobs": 2.0, "top_k": "5", "min_tokens": True, "temperature": 1})
+    assert ok.status_code == 200, ok.text
+    choice = ok.json()["choices"][0]
+    assert len(choice["token_ids"]) <= 4 and choice["logprobs"]["top_logprobs"]
+    as_one = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": True, **GREEDY})
+    assert as_one.status_code == 200 and len(as_one.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 1
+    chat = _call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": "2",
+                                                       "logprobs": True, "top_logprobs": 1.0, **GREEDY})
+    assert chat.status_code == 200 and len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1
+    for path, body, param in [("/v1/completions", {"prompt": "hi", "n": 1.5}, "n"),
+                              ("/v1/completions", {"prompt": "hi", "max_tokens": "four"}, "max_tokens"),
+                              ("/v1/completions", {"prompt": "hi", "logprobs": "2"}, "logprobs"),
+                              ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "2"}, "prompt_logprobs"),
+                              ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": "2"},
+                               "top_logprobs"),
+                              ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["5"]}, "stop_token_ids"),
+                              ("/v1/completions", {"prompt": [5.0, 6.0]}, "prompt")]:
+        r = _call(app, "POST", path, body)
+        assert r.status_code == 400 and (r.json()["error"]["param"] or "").startswith(param), (body, r.text)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(app):
+    r = _call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 3,
+                                                    **GREEDY})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+# a template that renders the tools, as tool-calling models' templates do
+TOOL_TEMPLATE = ("{% if tools %}tools:{% for t in tools %}{{ t.function.name }}={{ t.function.parameters | tojson }};"
+                 "{% endfor %}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_tokenize_renders_a_conversation_as_chat_does(app, serving, monkeypatch):
+    monkeypatch.setattr(serving, "chat_template", TOOL_TEMPLATE)
+    chat = _call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, **GREEDY})
+    assert chat.status_code == 200, chat.text
+    tok = _call(app, "POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert tok.status_code == 200, tok.text
+    assert tok.json()["tokens"] == chat.json()["prompt_token_ids"]
+    assert tok.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    without = _call(app, "POST", "/tokenize", {"messages": MESSAGES}).json()
+    assert without["count"] < tok.json()["count"]
+    # the other chat fields: the same prompt as chat's with them
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "1"}], "add_generation_prompt": False,
+            "continue_final_message": True, "tools": TOOLS, "return_token_strs": True}
+    chat = _call(app, "POST", "/v1/chat/completions", {**body, "max_tokens": 1, **GREEDY}).json()
+    tok = _call(app, "POST", "/tokenize", body).json()
+    assert tok["tokens"] == chat["prompt_token_ids"] and len(tok["token_strs"]) == tok["count"]
+    # a prompt keeps upstream's default add_special_tokens=true; a bad tool is chat's 400
+    bad = _call(app, "POST", "/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and "tools[0]" in bad.json()["error"]["message"]
+    mm = _call(app, "POST", "/tokenize", {"messages": MESSAGES, "mm_processor_kwargs": {"fps": 2}})
+    assert mm.status_code == 400 and "mm_processor_kwargs" in mm.json()["error"]["message"]
+
+
+def test_response_role(app, serving, monkeypatch):
+    monkeypatch.setattr(serving, "response_role", "bot")
+    body = {"messages": MESSAGES, "max_tokens": 2, **GREEDY}
+    assert _call(app, "POST", "/v1/chat/completions", body).json()["choices"][0]["message"]["role"] == "bot"
+    first = _call(app, "POST", "/v1/chat/completions", {**body, "stream": True}).text.split("\n\n")[0]
+    assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == "bot"
+    # without the generation prompt the response goes on with the last message: its role
+    cont = {"messages": [*MESSAGES, {"role": "assistant", "content": "1"}], "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 1, **GREEDY}
+    assert _call(app, "POST", "/v1/chat/completions", cont).json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_override_generation_config_sets_request_defaults(serving):
+    from vllm.entrypoints.openai.api_server import _serving
+    s = _serving(serving.llm, None, "vllm", {"max_new_tokens": 2, "temperature": 0.0})
+    assert s.defaults == {"max_tokens": 2, "temperature": 0.0}
+    r = _call(_app(s), "POST", "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_root_path_docs_and_keys(serving):
+    """--root-path: routes answer with and without the prefix, and the prefixed path needs the key
+    as the plain one does; --disable-fastapi-docs: no schema."""
+    app = _app(serving, root_path="/llm", api_key="k")
+    for path in ("/v1/models", "/llm/v1/models"):
+        assert _call(app, "GET", path).status_code == 401, path
+        assert _call(app, "GET", path, headers={"Authorization": "Bearer k"}).status_code == 200, path
+    assert _call(app, "GET", "/llm/ping").status_code == 200
+    assert _call(_app(serving), "GET", "/openapi.json").status_code == 200
+    quiet = _app(serving, disable_fastapi_docs=True)
+    assert all(_call(quiet, "GET", p).status_code == 404 for p in ("/openapi.json", "/docs", "/redoc"))
+
+
+def test_cors_only_with_allowed_origins(serving):
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization"}
+    off = _call(_app(serving, api_key="k"), "OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in off.headers
+    cors = dict(allow_origins=["http://ui.example"], allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
+    app = _app(serving, api_key="k", cors=cors)
+    on = _call(app, "OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert on.status_code == 200 and on.headers["access-control-allow-origin"] == "http://ui.example"
+    denied = _call(app, "GET", "/v1/models", headers={"Origin": "http://ui.example"})
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "http://ui.example"
+    other = _call(app, "OPTIONS", "/v1/models", headers={**preflight, "Origin": "http://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_enable_log_requests(serving, app, monkeypatch, caplog):
+    monkeypatch.setattr(serving, "enable_log_requests", True)
+    monkeypatch.setattr(serving, "max_log_len", 3)
+    with caplog.at_level(logging.INFO, logger="vllm.entrypoints.openai.serving"):
+        _call(app, "POST", "/v1/completions", {"prompt": "hello there", "max_tokens": 1, "request_id": "r1"})
+    lines = [r.getMessage() for r in caplog.records if "received request" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("received request cmpl-r1-0: prompt 'hel', params ")
