@@ -227,3 +227,247 @@ def test_an_unknown_engine_logprobs_mode_is_refused_naming_the_valid_ones(tmp_pa
     assert all(mode in str(err.value) for mode in LOGPROBS_MODES) and "'logits'" in str(err.value)
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         SamplingParams(logprobs_mode="logits")
+
+
+# ---- logit_bias, allowed_token_ids, bad_words, logprobs=-1 and the other upstream fields --------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3):
+    """tiny_qwen3 (random weights, vocabulary 512: any token may come) with no logprobs cap."""
+    return LLM(tiny_qwen3, device="cpu", max_logprobs=-1)
+
+
+def _tokens_and_bits(out):
+    c = out.outputs[0]
+    return list(c.token_ids), [[(tid, lp.rank, np.float32(lp.logprob).view(np.int32).item())
+                                for tid, lp in sorted(d.items())] for d in c.logprobs]
+
+
+def test_logit_bias_normal_form_and_checks(tiny):
+    sp = SamplingParams(logit_bias={"7": 1e9, 9: -250, 11: 2})   # JSON keys are strings; OpenAI's range
+    assert sp.logit_bias == {7: 100.0, 9: -100.0, 11: 2.0}
+    assert SamplingParams.from_optional(logit_bias={"7": 1e9}, temperature=None, n=None).logit_bias == {7: 100.0}
+    for bad in ({"x": 1.0}, {7: float("nan")}, {7: "big"}, {7: 1.0, "7": 2.0}, [7]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"token_id\(s\) \[512\] in logit_bias contain out-of-vocab token ids. "
+                                         "Vocabulary size: 512"):
+        tiny.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        tiny.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logit_bias={-1: 1.0}), use_tqdm=False)
+
+
+def test_logit_bias_is_batch_invariant_and_leaves_other_requests_bits(tiny):
+    """A biased request's tokens and logprob bits are the same alone and in a batch (with
+    unbiased, penalised and other biased requests), and an unbiased request's bits do not
+    change next to biased ones. The bias does steer sampling: +100 forces its token."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    biased = SamplingParams(temperature=0.9, seed=7, max_tokens=6, logprobs=3, ignore_eos=True,
+                            logit_bias={40: 4.0, 41: -3.0, 300: 6.0})
+    forced = SamplingParams(temperature=1.0, seed=8, max_tokens=4, logprobs=0, ignore_eos=True, logit_bias={123: 100})
+    plain = SamplingParams(temperature=0.9, seed=9, max_tokens=6, logprobs=3, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.8, seed=10, max_tokens=6, logprobs=3, ignore_eos=True,
+                               repetition_penalty=1.4, logit_bias={40: 2.0})
+    alone = {name: _tokens_and_bits(tiny.generate(prompt, sp, use_tqdm=False)[0])
+             for name, sp in (("biased", biased), ("plain", plain), ("penalised", penalised))}
+    batch = tiny.generate([prompt, {"prompt_token_ids": [9, 8, 7]}, prompt, prompt, prompt],
+                          [plain, forced, biased, penalised, plain], use_tqdm=False)
+    assert _tokens_and_bits(batch[2]) == alone["biased"]
+    assert _tokens_and_bits(batch[3]) == alone["penalised"]
+    assert _tokens_and_bits(batch[0]) == _tokens_and_bits(batch[4]) == alone["plain"]
+    assert batch[1].outputs[0].token_ids == [123] * 4
+    assert alone["biased"][0] != alone["plain"][0] or alone["biased"][1] != alone["plain"][1]
+
+
+def test_logprobs_minus_one_and_max_logprobs(llm, tiny):
+    """upstream's rules: -1 asks for every token of the vocabulary; max_logprobs (default 20;
+    -1: the vocabulary) caps logprobs and prompt_logprobs, with upstream's message."""
+    with pytest.raises(ValueError, match="Requested sample logprobs of 4096, which is greater than max allowed: 20"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(device="cpu", max_logprobs=-2)
+    sp = SamplingParams(temperature=0.7, seed=2, max_tokens=3, logprobs=-1, ignore_eos=True)
+    out = tiny.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0]
+    assert sp.logprobs == -1   # the caller's object is not written
+    assert all(len(d) == 512 for d in out.logprobs)
+    one = tiny.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.7, seed=2, max_tokens=3, logprobs=0,
+                                                                        ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == one.token_ids
+    assert [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)] == [d[t].logprob for d, t in
+                                                                          zip(one.logprobs, one.token_ids)]
+
+
+def test_allowed_token_ids(tiny):
+    allowed = [17, 99, 300]
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=2, ignore_eos=True, allowed_token_ids=allowed)
+    out = tiny.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
+    greedy = tiny.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                           allowed_token_ids=[300]), use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids == [300] * 4
+    with pytest.raises(ValueError, match="empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids contains out-of-vocab"):
+        tiny.generate({"prompt_token_ids": [5, 6]}, SamplingParams(allowed_token_ids=[3, 512]), use_tqdm=False)
+
+
+def test_bad_words(tiny):
+    """upstream's rule: a bad word's last token is banned when the output so far ends with its
+    other tokens (only output tokens count), for the word as given and, when it tokenizes to
+    another first token of the same length, with a leading space. The ban is applied like a
+    grammar mask: the default logprobs still report the banned token (the model's distribution)."""
+    from vllm.engine.llm_engine import bad_words_token_ids
+    tok = tiny.get_tokenizer()
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    base = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    (i, word), greedy = _two_token_bad_word(tiny, prompt, SamplingParams(**base))   # the greedy output has it
+    seqs = bad_words_token_ids(tok, [word], 512)
+    out = tiny.generate(prompt, SamplingParams(**base, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:i + 1] == greedy[:i + 1] and out.token_ids[i + 1] != greedy[i + 1]
+    assert not any(tuple(out.token_ids[j:j + len(s)]) == s for s in seqs for j in range(len(out.token_ids)))
+    assert out.logprobs[i + 1][greedy[i + 1]].rank == 1   # banned, still reported at the top
+    # a one-token word is banned from the start
+    first = tok.decode(greedy[:1])
+    if len(bad_words_token_ids(tok, [first], 512)[0]) == 1:
+        assert tiny.generate(prompt, SamplingParams(**base, bad_words=[first]),
+                             use_tqdm=False)[0].outputs[0].token_ids[0] != greedy[0]
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])
+
+
+def test_token_controls_bad_word_rule():
+    from vllm.core.request import TokenControls
+    c = TokenControls(bad_words=((7,), (3, 4), (1, 2, 5)))
+    assert c.needs_last_token
+    assert c.bad_word_bans([]) == [7]
+    assert c.bad_word_bans([9, 3]) == [7, 4]
+    assert c.bad_word_bans([1, 2]) == [7, 5]
+    assert c.bad_word_bans([2]) == [7]   # (1, 2) must both be in the output
+    assert not TokenControls(bad_words=((7,),)).needs_last_token
+
+
+def _two_token_bad_word(llm, prompt, params):
+    """(index i, word): a word whose tokenization is tokens i, i + 1 of the greedy output."""
+    from vllm.engine.llm_engine import bad_words_token_ids
+    tok = llm.get_tokenizer()
+    greedy = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    return next((i, tok.decode(greedy[i:i + 2])) for i in range(len(greedy) - 1)
+                if tuple(greedy[i:i + 2]) in bad_words_token_ids(tok, [tok.decode(greedy[i:i + 2])], 512)), greedy
+
+
+def test_token_controls_with_async_scheduling_equal_the_synchronous_loop(tiny_qwen3):
+    """With async scheduling a request whose bad words need its last token sits a step out while
+    that token is on the device (as a grammar's request does): tokens and bits are the
+    synchronous loop's, for bad words, logit_bias and allowed_token_ids alike. The bad word is
+    one the unconstrained greedy output contains, so its ban does act."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    base = dict(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    sync, run_async = LLM(tiny_qwen3, device="cpu"), LLM(tiny_qwen3, device="cpu", async_scheduling=True)
+    (i, word), greedy = _two_token_bad_word(sync, prompt, SamplingParams(**base))
+    params = [SamplingParams(**base, bad_words=[word]),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=10, logprobs=2, ignore_eos=True, bad_words=[word, "ay"]),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=10, logprobs=2, ignore_eos=True,
+                             logit_bias={40: 3.0, 7: -5.0}, allowed_token_ids=list(range(0, 512, 3))),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=10, logprobs=2, ignore_eos=True)]
+    runs = [[_tokens_and_bits(o) for o in llm.generate([prompt] * 4, params, use_tqdm=False)]
+            for llm in (sync, run_async)]
+    assert runs[0][0][0][:i + 1] == greedy[:i + 1] and runs[0][0][0][i + 1] != greedy[i + 1]   # the ban acted
+    assert runs[0] == runs[1]
+
+
+def test_truncate_prompt_tokens(tiny):
+    ids = list(range(5, 25))
+    sp = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=6)
+    cut = tiny.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-6:]
+    assert cut.outputs[0].token_ids == tiny.generate({"prompt_token_ids": ids[-6:]}, SamplingParams(
+        temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    text = tiny.generate("a b c d e f g h", sp, use_tqdm=False)[0]
+    assert len(text.prompt_token_ids) == 6
+    max_len = tiny.llm_engine.model_config.max_model_len
+    long = tiny.generate({"prompt_token_ids": [5] * (max_len + 3)}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                         use_tqdm=False)[0]
+    assert len(long.prompt_token_ids) == max_len - 1
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        tiny.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=max_len + 1), use_tqdm=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_output_kind_extra_args_and_from_optional(llm):
+    from vllm.sampling_params import RequestOutputKind
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE   # upstream's default
+    final = SamplingParams(temperature=0, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"x": [1]})
+    assert llm.generate(prompt, final, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert final.clone().extra_args == {"x": [1]}
+    with pytest.raises(ValueError, match="DELTA"):
+        llm.generate(prompt, SamplingParams(output_kind=RequestOutputKind.DELTA), use_tqdm=False)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+    with pytest.raises(ValueError, match="extra_args"):
+        SamplingParams(extra_args=[1])
+    sp = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                      frequency_penalty=None, repetition_penalty=None, max_tokens=None, seed=3)
+    assert sp == SamplingParams(max_tokens=None, seed=3)
+
+
+def test_upstream_names_of_the_engine_and_the_package(llm):
+    import vllm
+    import vllm.logprobs
+    import vllm.outputs
+    from vllm import PromptType, TextPrompt, TokensPrompt  # noqa: F401
+    assert vllm.Logprob is vllm.logprobs.Logprob is vllm.outputs.Logprob   # one class
+    eng = llm.llm_engine
+    assert eng.model_config is eng.vllm_config.model_config is llm.config.model
+    assert eng.cache_config is llm.config.cache and eng.scheduler_config is llm.config.scheduler
+    assert eng.get_tokenizer() is llm.get_tokenizer()
+    mc = eng.model_config
+    assert mc.max_model_len == 4096 and mc.model == default_model_path() and mc.get_vocab_size() == 4096
+    assert mc.hf_config.vocab_size == mc.hf_config["vocab_size"] == 4096
+    assert mc.dtype == llm.config.dtype and mc.quantization is None and eng.cache_config.cache_dtype == "auto"
+    with pytest.raises(AttributeError, match="update_weights"):
+        eng.model_executor.driver_worker.model_runner.model.load_weights([])
+    with pytest.raises(AttributeError):
+        mc.hf_config.no_such_key
+
+
+def test_model_impl():
+    assert LLM(device="cpu", model_impl="vllm").llm_engine is not None
+    with pytest.raises(ValueError, match="model_impl='transformers'.*'auto' or 'vllm'"):
+        LLM(device="cpu", model_impl="transformers")
+
+
+def test_chat_template_content_format(tiny_qwen3):
+    """upstream's chat_template_content_format: "string" joins text parts with newlines,
+    "openai" hands the template lists of parts, "auto" picks by whether the template loops
+    over a message's content."""
+    from vllm.entrypoints.chat_template import apply_content_format, detect_content_format
+    string_tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    openai_tpl = ("{% for m in messages %}<{{ m.role }}>{% for part in m.content %}[{{ part['text'] }}]{% endfor %}"
+                  "{% endfor %}")
+    assert detect_content_format(string_tpl) == "string" and detect_content_format(openai_tpl) == "openai"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "c"}]
+    assert apply_content_format(msgs, "string", None)[0]["content"] == "a\nb"
+    assert apply_content_format(msgs, "openai", None)[1]["content"] == [{"type": "text", "text": "c"}]
+    assert apply_content_format(msgs, "auto", openai_tpl)[0]["content"] == msgs[0]["content"]
+    with pytest.raises(ValueError, match="only text"):
+        apply_content_format([{"role": "user", "content": [{"type": "image_url"}]}], "string", None)
+    llm = LLM(tiny_qwen3, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    ids = {fmt: llm.chat(msgs[:1], sp, chat_template=tpl, chat_template_content_format=fmt,
+                         add_generation_prompt=False, use_tqdm=False)[0].prompt_token_ids
+           for fmt, tpl in (("auto", string_tpl), ("string", string_tpl))}
+    tok = llm.get_tokenizer()
+    assert ids["auto"] == ids["string"] and tok.decode(ids["string"]) == "<user>a\nb"
+    as_parts = llm.chat(msgs[:1], sp, chat_template=openai_tpl, add_generation_prompt=False, use_tqdm=False)[0]
+    assert tok.decode(as_parts.prompt_token_ids) == "<user>[a][b]"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(msgs[:1], sp, chat_template=string_tpl, chat_template_content_format="json", use_tqdm=False)

@@ -137,12 +137,41 @@ def test_n_samples_and_modes(llm, policy):
 
 
 def test_bad_values_are_clear_errors(llm, tiny_qwen3):
-    for bad in (-1, 1.5, True):
+    for bad in (-2, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+    # upstream's cap (max_logprobs, 20 unless the LLM is given another) and its message
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 512, which is greater than max allowed: 20"):
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+    uncapped = LLM(tiny_qwen3, device="cpu", max_logprobs=10**12)
     with pytest.raises(ValueError, match="prompt_logprobs=.* exceeds the vocabulary"):
-        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=10**9), use_tqdm=False)
+        uncapped.generate({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=10**9), use_tqdm=False)
     # the engine serves on
     out = llm.generate({"prompt_token_ids": PROMPT[:5]}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == 5
+
+
+def test_minus_one_is_every_token_of_the_vocabulary(tiny_qwen3):
+    """prompt_logprobs=-1 and logprobs=-1 (upstream's): every token of the vocabulary, on an
+    LLM whose max_logprobs allows it (-1); the prompt token's and the sampled token's values
+    are the bits of prompt_logprobs=0 / logprobs=0, and the ranks run 1..V."""
+    llm = LLM(tiny_qwen3, device="cpu", max_logprobs=-1)
+    V = llm.llm_engine.model_config.get_vocab_size()
+    full = llm.generate({"prompt_token_ids": PROMPT[:8]}, SamplingParams(max_tokens=2, temperature=0.8, seed=4,
+                                                                         prompt_logprobs=-1, logprobs=-1),
+                        use_tqdm=False)[0]
+    small = llm.generate({"prompt_token_ids": PROMPT[:8]}, SamplingParams(max_tokens=2, temperature=0.8, seed=4,
+                                                                          prompt_logprobs=0, logprobs=0),
+                         use_tqdm=False)[0]
+    assert full.outputs[0].token_ids == small.outputs[0].token_ids
+    assert torch.equal(bits(prompt_values(full, PROMPT[:8])), bits(prompt_values(small, PROMPT[:8])))
+    for entry in full.prompt_logprobs[1:] + full.outputs[0].logprobs:
+        assert len(entry) == V
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks[0] == 1 and ranks[-1] <= V
+    sampled = [d[t].logprob for d, t in zip(full.outputs[0].logprobs, full.outputs[0].token_ids)]
+    assert bits(sampled).tolist() == bits([d[t].logprob for d, t in zip(small.outputs[0].logprobs,
+                                                                        small.outputs[0].token_ids)]).tolist()

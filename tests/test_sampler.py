@@ -840,3 +840,100 @@ def test_penalties_in_the_engine_sync_equals_async(tiny_qwen3):
                       [d[t].logprob for d, t in zip(pen[0].outputs[0].logprobs, pen[0].outputs[0].token_ids)])
     assert results[False][0] != results[False][1]
     assert results[False] == results[True]
+
+
+# --------------------------------------------------------------------------- #
+# logit_bias
+# --------------------------------------------------------------------------- #
+def _logit_bias(rows_bias, device):
+    """rows_bias: {batch row: {token id: bias}}."""
+    from vllm.sample.sampler import LogitBias
+    rows = [r for r in sorted(rows_bias) for _ in rows_bias[r]]
+    ids = [t for r in sorted(rows_bias) for t in rows_bias[r]]
+    vals = [v for r in sorted(rows_bias) for v in rows_bias[r].values()]
+    t = lambda v, dt: torch.tensor(v, dtype=dt, device=device)
+    return LogitBias(rows=t(rows, torch.long), token_ids=t(ids, torch.long), values=t(vals, torch.float32))
+
+
+def _biased_by_hand(logits, rows_bias):
+    """The biased logits as one float32 addition per biased element (the sampler's op)."""
+    x = logits.float().clone()
+    for r, bias in rows_bias.items():
+        for t, v in bias.items():
+            x[r, t] = x[r, t] + torch.tensor(v, dtype=torch.float32, device=logits.device)
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_logit_bias_by_logprobs_mode(device, mode):
+    """logit_bias enters before the penalties (upstream's order): tokens and the processed
+    modes are those of the logits biased by hand, pen(x + b), bit for bit. Like a grammar mask
+    it is left out of the tempered and raw modes: they report the unbiased distribution bit for
+    bit (what the trainer recomputes). Row 1's biased token is in its prompt with a repetition
+    penalty, so biasing after the penalty would give other bits."""
+    torch.manual_seed(17)
+    V = 64
+    logits = torch.randn(4, V, device=device)
+    logits[1, 7] = 0.5
+    rows = [dict(t=t, k=k, p=1.0, m=0.0, seed=s, pos=3) for t, k, s in ((0.0, 0, 1), (0.8, 0, 2), (1.0, 5, 3), (1.3, 0, 4))]
+    bias = {0: {9: 100.0}, 1: {7: 5.0, 3: -2.5}, 2: {11: 3.0, 12: -100.0}}
+    hist = {1: (0.0, 0.0, 2.0, [7, 8], [1]), 3: (0.5, 0.0, 1.0, [2], [2, 2])}
+
+    def run(x, with_bias):
+        batch = make_batch(rows, device, max_num_logprobs=V, mode=mode)
+        batch.penalties = _penalties(hist, device)
+        if with_bias:
+            batch.logit_bias = _logit_bias(bias, device)
+        return SAMPLER(x, batch)
+
+    biased = run(logits, True)
+    by_hand = run(_biased_by_hand(logits, bias), False)
+    unbiased = run(logits, False)
+    assert biased.token_ids[0].item() == 9    # greedy follows the bias
+    assert torch.equal(biased.token_ids.cpu(), by_hand.token_ids.cpu())
+    assert torch.equal(bits(biased.topk_logprobs[3]), bits(unbiased.topk_logprobs[3]))   # the unbiased row
+    reported = by_hand if mode.startswith("processed") else unbiased
+    assert torch.equal(bits(biased.topk_logprobs), bits(reported.topk_logprobs))
+    assert torch.equal(biased.topk_ids.cpu(), reported.topk_ids.cpu())
+    # the sampled token's value is read from the reported distribution
+    want = reported.topk_logprobs.gather(1, (reported.topk_ids == biased.token_ids[:, None]).int().argmax(1, keepdim=True))
+    assert torch.equal(bits(biased.logprobs), bits(want[:, 0]))
+    assert not torch.equal(biased.token_ids.cpu(), unbiased.token_ids.cpu())   # the bias did change sampling
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["tempered_logprobs", "processed_logprobs"])
+def test_logit_bias_batch_invariance_bits(device, mode):
+    """A biased row's token and logprob bits do not depend on the rest of the batch (biased or
+    not, penalised or not), and a row without a bias has the bits of a batch with no bias at all."""
+    rng = random.Random(23)
+    torch.manual_seed(23)
+    V = 1001
+    pool = torch.randn(16, V, device=device) * 3
+    params = [random_row_params(rng) for _ in range(16)]
+    hists = {i: _random_history(rng, V) for i in range(16) if i % 4 == 1}
+    biases = {i: {rng.randrange(V): rng.choice([100.0, -100.0, 2.5, -0.75, 30.0]) for _ in range(rng.randrange(1, 6))}
+              for i in range(16) if i % 3 != 2}
+
+    def run(order, with_bias=True):
+        batch = make_batch([params[j] for j in order], device, max_num_logprobs=4, mode=mode)
+        batch.penalties = _penalties({pos: hists[j] for pos, j in enumerate(order) if j in hists}, device)
+        rows_bias = {pos: biases[j] for pos, j in enumerate(order) if j in biases} if with_bias else {}
+        batch.logit_bias = _logit_bias(rows_bias, device) if rows_bias else None
+        return SAMPLER(pool[order], batch)
+
+    for i in (0, 1, 2, 5, 9):
+        alone = run([i])
+        if i not in biases:
+            plain = run([i], with_bias=False)
+            assert torch.equal(bits(alone.topk_logprobs), bits(plain.topk_logprobs))
+            assert alone.token_ids.item() == plain.token_ids.item()
+        for size in (3, 8, 16):
+            others = rng.sample([j for j in range(16) if j != i], size - 1)
+            for where in (0, size - 1):
+                order = others[:where] + [i] + others[where:]
+                out = run(order)
+                assert out.token_ids[where].item() == alone.token_ids[0].item()
+                assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
+                assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))

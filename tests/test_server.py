@@ -269,7 +269,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"4096": 1.0}}, "logit_bias"),   # out of the vocabulary
     ("/v1/completions", {"prompt": [5] * 10, "max_tokens": 4090}, "maximum context length"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1000}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 1 << 70}, "seed"),

@@ -104,14 +104,54 @@ def test_chat_prompt_logprobs(server, policy):
 
 def test_bad_requests_are_400_and_lose_nothing(server):
     bad = [{"prompt": "x", "max_tokens": 0},                               # max_tokens=0 needs echo
-           {"prompt": "x", "prompt_logprobs": -1},
+           {"prompt": "x", "prompt_logprobs": -2},                         # -1 (every token) or >= 0
            {"prompt": "x", "prompt_logprobs": 10 ** 9},                    # beyond the vocabulary
-           {"prompt": "x", "echo": True, "stream": True, "prompt_logprobs": -1}]
+           {"prompt": "x", "logprobs": -1},                                # upstream's completions: >= 0 only
+           {"prompt": "x", "logit_bias": {"512": 1.0}},                    # out of the vocabulary
+           {"prompt": "x", "logit_bias": {"five": 1.0}},
+           {"prompt": "x", "echo": True, "stream": True, "prompt_logprobs": -2}]
     for body in bad:
         r = requests.post(f"{server}/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
     r = requests.post(f"{server}/v1/completions", json={"prompt": SEQS[0], "max_tokens": 1, "prompt_logprobs": 0})
     assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == len(SEQS[0])
+
+
+def test_minus_one_asks_for_every_token(server, policy):
+    """Completions and chat prompt_logprobs: -1 and chat top_logprobs: -1 (upstream's), on a
+    server started with --max-logprobs -1: every token of the vocabulary (512) per position,
+    the prompt tokens' values still the trainer's bits."""
+    seq = SEQS[2]
+    r = requests.post(f"{server}/v1/completions", json={"prompt": seq, "max_tokens": 1, "prompt_logprobs": -1})
+    assert r.status_code == 200, r.text
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert all(len(entry) == 512 for entry in pl[1:])
+    assert bits([pl[i][str(seq[i])]["logprob"] for i in range(1, len(seq))]) == trainer_bits(policy, [seq], [1], 1.0)[0]
+    r = requests.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 2, "logprobs": True, "top_logprobs": -1,
+                                                             "prompt_logprobs": -1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(len(t["top_logprobs"]) == 512 for t in content)
+    tops = [t["logprob"] for t in content[0]["top_logprobs"]]
+    assert tops == sorted(tops, reverse=True) and content[0]["logprob"] in tops
+    assert all(len(entry) == 512 for entry in body["prompt_logprobs"][1:])
+    r = requests.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "top_logprobs": -1})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+
+
+def test_logit_bias(server):
+    """OpenAI's logit_bias: token id strings -> bias, clamped to [-100, 100]; +100 forces a token."""
+    r = requests.post(f"{server}/v1/completions", json={"prompt": SEQS[2], "max_tokens": 4, "temperature": 1.0,
+                                                        "seed": 3, "logit_bias": {"123": 1000}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [123] * 4
+    chat = requests.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 3, "temperature": 0,
+                                                                "logit_bias": {"77": 100, "12": -5.5}})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["token_ids"] == [77] * 3
 
 
 def test_trl_client_get_sequence_logprobs(server, policy):

@@ -258,6 +258,32 @@ def test_min_tokens_ban_leaves_the_rollout_logprobs_the_trainers(tiny_qwen3):
     assert torch.equal(trainer.detach().cpu().view(torch.int32), rollout.view(torch.int32))
 
 
+def test_logit_bias_and_token_masks_leave_the_rollout_logprobs_the_trainers(tiny_qwen3):
+    """logit_bias, allowed_token_ids and bad_words steer sampling, yet the default
+    tempered_logprobs report the model's own distribution, as for a grammar mask: the trainer
+    (which knows none of them) recomputes the rollout's bits. processed_logprobs report the
+    biased, masked distribution the tokens were drawn from, which the trainer does not."""
+    from vllm.sampling_params import SamplingParams
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    prompt = list(range(10, 30))
+    controls = dict(logit_bias={40: 6.0, 41: 4.0, 90: -100.0}, allowed_token_ids=list(range(0, 512, 2)),
+                    bad_words=["ay"])
+    outs = {mode: llm.generate({"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, logprobs=0,
+                                              logprobs_mode=mode, **controls),
+                               use_tqdm=False)[0].outputs[0]
+            for mode in ("tempered_logprobs", "processed_logprobs")}
+    out = outs["tempered_logprobs"]
+    assert out.token_ids == outs["processed_logprobs"].token_ids
+    assert all(t % 2 == 0 for t in out.token_ids) and out.token_ids.count(40) >= 2   # the controls acted
+    rollout = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)], dtype=torch.float32)
+    with torch.no_grad():
+        trainer = llm.policy().token_logprobs([prompt + list(out.token_ids)], [len(prompt)], temperature=0.9)[0]
+    assert torch.equal(trainer.detach().cpu().view(torch.int32), rollout.view(torch.int32))
+    processed = torch.tensor([d[t].logprob for d, t in zip(outs["processed_logprobs"].logprobs, out.token_ids)])
+    assert (processed != rollout).all()   # the biased, renormalised distribution: not the trainer's
+
+
 def test_a_replaced_lm_head_parameter_is_the_one_differentiated(tiny_qwen3, prompts):
     """load_state_dict(assign=True) (or a new nn.Parameter) replaces the head's weight: the
     logprob head then differentiates that one, as the forward uses it (the gradient used to go

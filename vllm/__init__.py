@@ -2,11 +2,14 @@
 
 The offline API keeps upstream vLLM's names.
 """
-from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.inputs import PromptType, TextPrompt, TokensPrompt
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "PromptType", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name):

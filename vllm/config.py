@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, check_logprobs_mode
+from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, DEFAULT_MAX_LOGPROBS, check_logprobs_mode
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -65,14 +65,62 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str, hf_dtype: str | 
     return _DTYPES[dtype]
 
 
+class HFConfig(dict):
+    """config.json as read: a dict, whose keys also read as attributes (upstream vLLM's
+    `model_config.hf_config.vocab_size`); a nested object reads the same way."""
+
+    def __getattr__(self, name: str):
+        try:
+            value = self[name]
+        except KeyError:
+            raise AttributeError(f"config.json has no {name!r}") from None
+        return HFConfig(value) if type(value) is dict else value
+
+
+class NumericsSpecFields:
+    """The fields of the holder's `numerics_spec`, by their own names (EngineConfig, the
+    trainer's Policy, and an engine's ModelConfig, where upstream code reads `dtype`):
+    read-only, so the spec stays the one value."""
+    numerics_spec: "NumericsSpec"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.numerics_spec.dtype
+
+    @property
+    def numerics(self) -> str:
+        return self.numerics_spec.numerics
+
+    @property
+    def kernels(self) -> "KernelConfig":
+        return self.numerics_spec.kernels
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.numerics_spec.kv_cache_dtype
+
+    @property
+    def quantization(self) -> str | None:
+        return self.numerics_spec.quantization
+
+    @property
+    def parallel(self) -> "ParallelConfig":
+        return self.numerics_spec.parallel
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(NumericsSpecFields):
     """The checkpoint as the engine sees it: where it is, which model class reads it, and
     the fields every causal LM has (vocabulary, context, dtype, eos and generation defaults).
 
     Architecture-specific fields (dims, norms, rope, biases, experts ...) are not read
     here: the model class parses `hf_config` itself (its `config_class.from_hf`, see
     `vllm.model_loader.build`), so adding an architecture changes nothing in this file.
+
+    Upstream vLLM's names that code written for its `llm_engine.model_config` reads:
+    `max_model_len`, `model` (the checkpoint path), `hf_config` (attribute access),
+    `get_vocab_size()`, and, once an engine has resolved its numerics (EngineConfig binds
+    them), `dtype` and `quantization`.
     """
     path: str
     architecture: str
@@ -85,6 +133,30 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 0
     max_model_len_given: bool = False   # the user's (checked against the KV cache), not the model's default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hf_config, HFConfig):
+            self.hf_config = HFConfig(self.hf_config)
+
+    @property
+    def model(self) -> str:
+        """upstream's name for the checkpoint's path."""
+        return self.path
+
+    def get_vocab_size(self) -> int:
+        """upstream's name: the logits' width."""
+        return self.vocab_size
+
+    @property
+    def numerics_spec(self) -> "NumericsSpec":
+        spec = self.__dict__.get("_numerics_spec")
+        if spec is None:
+            raise AttributeError("this ModelConfig's numerics are not resolved yet (an engine's EngineConfig binds them)")
+        return spec
+
+    def bind_numerics(self, spec: "NumericsSpec") -> None:
+        """The numerics the engine resolved for this model (its dtype, quantization, ...)."""
+        self.__dict__["_numerics_spec"] = spec
 
     @classmethod
     def from_pretrained(cls, path: str, max_model_len: int | None = None) -> "ModelConfig":
@@ -144,6 +216,8 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
+    """The KV cache's resources. `cache_dtype` (upstream's name) reads the engine's resolved
+    KV cache dtype ("auto" or "fp8") once EngineConfig has bound its numerics."""
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None     # override the memory-derived size (tests use it to force preemption)
@@ -160,6 +234,17 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+
+    @property
+    def cache_dtype(self) -> str:
+        spec = self.__dict__.get("_numerics_spec")
+        if spec is None:
+            raise AttributeError("this CacheConfig's KV cache dtype is not resolved yet (an engine's EngineConfig binds it)")
+        return spec.kv_cache_dtype
+
+    def bind_numerics(self, spec: "NumericsSpec") -> None:
+        """The numerics the engine resolved (cache_dtype reads its KV cache dtype)."""
+        self.__dict__["_numerics_spec"] = spec
 
     def state_snapshots(self, max_num_seqs: int) -> int:
         """Snapshot slots for recurrent states (0 when prefix caching is off)."""
@@ -272,36 +357,6 @@ class NumericsSpec:
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
 
 
-class NumericsSpecFields:
-    """The fields of the holder's `numerics_spec`, by their own names (EngineConfig, the
-    trainer's Policy): read-only, so the spec stays the one value."""
-    numerics_spec: NumericsSpec
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.numerics_spec.dtype
-
-    @property
-    def numerics(self) -> str:
-        return self.numerics_spec.numerics
-
-    @property
-    def kernels(self) -> KernelConfig:
-        return self.numerics_spec.kernels
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return self.numerics_spec.kv_cache_dtype
-
-    @property
-    def quantization(self) -> str | None:
-        return self.numerics_spec.quantization
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return self.numerics_spec.parallel
-
-
 @dataclass
 class EngineConfig(NumericsSpecFields):
     model: ModelConfig
@@ -331,9 +386,15 @@ class EngineConfig(NumericsSpecFields):
     # what logprobs report for a request whose SamplingParams leave logprobs_mode unset
     # (one of vllm.sampling_params.LOGPROBS_MODES; upstream's engine argument)
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+    # the most logprobs / prompt_logprobs per token an offline request may ask for (upstream's
+    # engine argument and default; -1: the whole vocabulary). The server checks its own
+    # --max-logprobs.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0 or -1 (the whole vocabulary), got {self.max_logprobs!r}")
         if not isinstance(self.numerics_spec, NumericsSpec):
             raise ValueError(f"numerics_spec must be a NumericsSpec, got {type(self.numerics_spec).__name__}")
         if not self.keep_master_weights and self.quantization is None:
@@ -348,3 +409,20 @@ class EngineConfig(NumericsSpecFields):
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        # upstream code reads the resolved dtype from model_config and the KV cache dtype from
+        # cache_config: both read this spec (nothing is copied)
+        self.model.bind_numerics(self.numerics_spec)
+        self.cache.bind_numerics(self.numerics_spec)
+
+    # upstream's VllmConfig names for the parts (read-only: the same objects)
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.cache
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler

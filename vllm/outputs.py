@@ -3,12 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+from vllm.logprobs import Logprob  # noqa: F401  (upstream's vllm.outputs name too)
 
 
 @dataclass

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.structured_outputs import StructuredOutputsParams
 
@@ -31,6 +33,48 @@ def check_logprobs_mode(mode) -> None:
     """ValueError naming the valid modes unless `mode` is one (a request's or an engine's)."""
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+
+
+# logit_bias values are clamped to this range, as OpenAI specifies and upstream vLLM does
+MAX_LOGIT_BIAS = 100.0
+# upstream's default cap on logprobs / prompt_logprobs per token (LLM(max_logprobs=...),
+# vllm serve --max-logprobs); -1: no cap below the vocabulary
+DEFAULT_MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """upstream's: what each RequestOutput of a streamed request holds. The offline LLM returns
+    each request's final output only, which is what CUMULATIVE (the default: everything so far)
+    and FINAL_ONLY both give; DELTA is refused there (LLM.generate)."""
+    CUMULATIVE = 0   # the whole output so far
+    DELTA = 1        # only what is new since the last output
+    FINAL_ONLY = 2   # no intermediate outputs
+
+
+def check_max_logprobs(params: "SamplingParams", max_logprobs: int, vocab_size: int) -> None:
+    """upstream's rule for logprobs and prompt_logprobs against an engine's max_logprobs: -1
+    asks for the whole vocabulary, and a cap of -1 allows up to the whole vocabulary; more
+    than the cap is a ValueError (upstream's message)."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, k in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
+        if k:
+            k = vocab_size if k == -1 else k
+            if k > limit:
+                raise ValueError(f"Requested {name} of {k}, which is greater than max allowed: {limit}")
+
+
+def _int_id(value, field_name: str) -> int:
+    """A token id given as an int (or an integer string: JSON object keys, as upstream converts)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name} has a token id that is not an integer: {value!r}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{field_name} has a token id that is not an integer: {value!r}")
 
 
 @dataclass
@@ -68,6 +112,21 @@ class SamplingParams:
     detokenize: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: free)
     structured_outputs: "StructuredOutputsParams | None" = None
+    # {token id: bias} added to those logits before penalties and sampling (upstream's order);
+    # clamped to [-100, 100]. Applied like a grammar mask: the default tempered_logprobs
+    # report the unbiased distribution, the trainer's (docs/sampling.md)
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled (a mask, like a grammar's)
+    allowed_token_ids: list[int] | None = None
+    # words not to generate: the last token of a word's tokenization is banned whenever the
+    # output so far ends with the tokens before it (upstream's rule, docs/sampling.md)
+    bad_words: list[str] | None = None
+    # keep only the last k prompt tokens (-1: the last max_model_len - 1; None: all)
+    truncate_prompt_tokens: int | None = None
+    # upstream's: what a streamed request's outputs hold (RequestOutputKind)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # upstream's: arbitrary data for custom sampling code, carried and never read here
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -103,12 +162,14 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        # -1: every token of the vocabulary (upstream's), allowed where max_logprobs permits
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < -1):
+            raise ValueError(f"logprobs must be None, an integer >= 0 or -1 (all), got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
                                                  or not isinstance(self.prompt_logprobs, int)
-                                                 or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
+                                                 or self.prompt_logprobs < -1):
+            raise ValueError(f"prompt_logprobs must be None, an integer >= 0 or -1 (all), got {self.prompt_logprobs!r}")
         if self.logprobs_mode is not None:
             check_logprobs_mode(self.logprobs_mode)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -134,6 +195,55 @@ class SamplingParams:
             # the eos ban of min_tokens and a complete grammar (which allows only eos) would
             # leave no token to sample
             raise ValueError("min_tokens cannot be combined with structured_outputs")
+        self._check_token_controls()
+        if self.truncate_prompt_tokens is not None and (
+                isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
+                or self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a vllm.sampling_params.RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+
+    def _check_token_controls(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words in their normal forms (ids as ints, biases
+        as floats clamped to [-100, 100], bad words deduplicated); the vocabulary bounds are the
+        engine's check (validate_prompt), the bad words' tokenization too."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                tid = _int_id(token, "logit_bias")
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+                    raise ValueError(f"logit_bias[{token!r}] must be a number, got {value!r}")
+                if tid in bias:
+                    raise ValueError(f"logit_bias names token {tid} twice")
+                bias[tid] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [_int_id(t, "allowed_token_ids") for t in self.allowed_token_ids]
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not None and empty: it would allow no token")
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if any(not isinstance(w, str) or not w for w in words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(dict.fromkeys(words))
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """upstream's constructor for requests whose fields may be None: n, temperature, top_p
+        and the penalties given as None take their defaults; every other field is passed as
+        given (logit_bias keys may be integer strings, biases are clamped to [-100, 100])."""
+        defaults = {"n": 1, "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0}
+        for name, value in defaults.items():
+            if kwargs.get(name, value) is None:
+                kwargs[name] = value
+        return cls(**kwargs)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -142,6 +252,11 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         """A deep copy (upstream's name)."""
         return copy.deepcopy(self)
+
+    @property
+    def has_token_controls(self) -> bool:
+        """It sets logit_bias, allowed_token_ids or bad_words (applied per request in the sampler)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

@@ -34,7 +34,7 @@ class ScheduledRequest:
     output_index: int = 0         # position of the token being sampled within the request's output
     num_logprobs: int = -1
     logprobs_mode: str = "tempered_logprobs"
-    banned_token_ids: tuple = ()  # eos and stop token ids not sampled while min_tokens is not reached
+    banned_token_ids: tuple = ()  # token ids it may not sample: eos/stop before min_tokens, bad words
     # Penalties (None: none): (presence, frequency, repetition, prompt ids, output ids). The
     # id lists are the request's own (read at launch, never copied); with async scheduling
     # the output may end in PLACEHOLDER, filled from the previous step's tokens on the device.
@@ -47,9 +47,12 @@ class ScheduledRequest:
     state_save: int = -1
     # Prompt logprobs this step computes (None: none; only requests that ask get one)
     prompt_logprobs: PromptLogprobsSlice | None = None
-    # Structured outputs: the packed mask of the sampled token (int32 words, bit j of word
-    # i allows token 32 * i + j; vllm/structured_outputs.py). None: unconstrained.
+    # The packed mask of the sampled token: its grammar's (structured outputs), ANDed with
+    # allowed_token_ids' (int32 words, bit j of word i allows token 32 * i + j;
+    # vllm/structured_outputs.py). None: unconstrained.
     grammar_bitmask: object = None
+    # logit_bias: (token ids, biases) added before the penalties (None: none)
+    logit_bias: tuple | None = None
 
     @property
     def num_new(self) -> int:

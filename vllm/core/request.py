@@ -4,6 +4,9 @@ from __future__ import annotations
 import enum
 import numbers
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 from vllm.sampling_params import SamplingParams
 
@@ -26,6 +29,36 @@ def check_priority(priority, scheduling_policy: str) -> int:
     return priority
 
 
+@dataclass(frozen=True)
+class TokenControls:
+    """A request's logit_bias, allowed_token_ids and bad_words as the sampler applies them,
+    resolved once when the request is queued (the engine knows the vocabulary and the
+    tokenizer) and shared by its n samples."""
+    # logit_bias: (token ids, biases), in the order given; None: none
+    logit_bias: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+    # allowed_token_ids as a packed mask (int32 words; bit j of word i allows token 32 i + j),
+    # the grammar masks' format; None: every token allowed
+    allowed_bitmask: np.ndarray | None = None
+    # each bad word's token ids (two tokenizations per word: with and without a leading space)
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def needs_last_token(self) -> bool:
+        """A bad word of two tokens or more: which tokens it bans depends on the last output token."""
+        return any(len(w) > 1 for w in self.bad_words)
+
+    def bad_word_bans(self, output_token_ids: list[int]) -> list[int]:
+        """upstream's rule: a bad word's last token is banned when the output so far ends with
+        the word's other tokens (a one-token word: always). Only output tokens count."""
+        out = []
+        n = len(output_token_ids)
+        for word in self.bad_words:
+            k = len(word) - 1
+            if k <= n and (k == 0 or output_token_ids[n - k:] == list(word[:k])):
+                out.append(word[-1])
+        return out
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,7 +75,8 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  eos_token_ids: list[int], max_model_len: int, leader: "Request | None" = None,
-                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None, priority: int = 0):
+                 parent_id: str | None = None, index: int = 0, cache_salt: str | None = None, priority: int = 0,
+                 controls: TokenControls | None = None):
         self.req_id = req_id
         self.parent_id = parent_id or req_id
         self.index = index                      # which of the n samples this is
@@ -83,6 +117,10 @@ class Request:
         # Structured outputs: this sample's grammar matcher (vllm/structured_outputs.py), fed
         # every output token once its value is on the host (None: unconstrained)
         self.grammar = None
+        # logit_bias, allowed_token_ids, bad_words (None: none of them)
+        self.controls = controls
+        # which tokens it may not sample depends on its output: min_tokens or bad words
+        self.has_bans = params.min_tokens > 0 or (controls is not None and bool(controls.bad_words))
 
     @property
     def scheduling_key(self) -> tuple[int, int]:
@@ -91,10 +129,11 @@ class Request:
         return self.priority, self.arrival_order
 
     @property
-    def awaiting_grammar_token(self) -> bool:
-        """Async scheduling: its last token is still on the device, so the grammar mask of
-        its next token cannot be computed yet."""
-        return self.grammar is not None and bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
+    def awaiting_last_token(self) -> bool:
+        """Async scheduling: its last token is still on the device, and the mask of its next
+        token (its grammar's, or its bad words' bans) cannot be computed without it."""
+        needs = self.grammar is not None or (self.controls is not None and self.controls.needs_last_token)
+        return needs and bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,9 +179,12 @@ class Request:
         return None
 
     def banned_token_ids(self) -> tuple[int, ...]:
-        """While min_tokens is not reached, eos and stop tokens are masked (as upstream does)."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
-            return ()
-        ids = [] if self.params.ignore_eos else list(self.eos_token_ids)
-        ids += list(self.params.stop_token_ids or [])
-        return tuple(ids)
+        """The tokens its next token may not be: eos and stop tokens while min_tokens is not
+        reached, and its bad words' bans (as upstream does); each id once."""
+        ids = []
+        if len(self.output_token_ids) < self.params.min_tokens:
+            ids = [] if self.params.ignore_eos else list(self.eos_token_ids)
+            ids += list(self.params.stop_token_ids or [])
+        if self.controls is not None and self.controls.bad_words:
+            ids += self.controls.bad_word_bans(self.output_token_ids)
+        return tuple(dict.fromkeys(ids))

@@ -20,6 +20,8 @@ import itertools
 import logging
 from typing import Iterable
 
+import numpy as np
+
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.messages import ModelRunnerOutput, PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
@@ -124,8 +126,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             # a constrained request whose last token is still on the device sits this step
-            # out: its next token's grammar mask needs that token (docs/serving.md)
-            n = 0 if req.finishing or req.awaiting_grammar_token else self._chunk(req, budget)
+            # out: its next token's grammar mask (or bad words' bans) needs that token
+            # (docs/serving.md)
+            n = 0 if req.finishing or req.awaiting_last_token else self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -152,7 +155,7 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.first()
-                if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_grammar_token:
+                if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_last_token:
                     skipped.append(self.waiting.pop_first())
                     continue
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
@@ -200,11 +203,11 @@ class Scheduler:
                 req.req_id, req.all_token_ids[start:start + n], start, get_table(req.req_id),
                 start + n == req.num_tokens, p.temperature, p.top_k, p.top_p, p.min_p, req.seed,
                 len(req.output_token_ids), -1 if p.logprobs is None else p.logprobs, p.logprobs_mode,
-                req.banned_token_ids() if p.min_tokens else (),
+                req.banned_token_ids() if req.has_bans else (),
                 (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt_token_ids,
                  req.output_token_ids) if p.has_penalties else None, max(slot, 0), load, save))
-            if req.grammar is not None and start + n == req.num_tokens:
-                out[-1].grammar_bitmask = req.grammar.next_bitmask()
+            if start + n == req.num_tokens and (req.grammar is not None or req.controls is not None):
+                self._token_controls(req, out[-1])
             if req.prompt_logprobs is not None and req.prompt_logprobs_pending:
                 out[-1].prompt_logprobs = self._prompt_logprobs_slice(req, start, n)
                 if out[-1].prompt_logprobs is not None:
@@ -212,6 +215,18 @@ class Scheduler:
         return SchedulerOutput(requests=out, num_batched_tokens=self.config.max_num_batched_tokens - budget,
                                preempted=preempted, owners=[req for req, _ in scheduled],
                                prompt_logprob_indices=prompt_lp_indices)
+
+    @staticmethod
+    def _token_controls(req: Request, sr: ScheduledRequest) -> None:
+        """The sampled token's mask (its grammar's, ANDed with allowed_token_ids') and logit_bias."""
+        mask = req.grammar.next_bitmask() if req.grammar is not None else None
+        controls = req.controls
+        if controls is not None:
+            allowed = controls.allowed_bitmask
+            if allowed is not None:
+                mask = allowed if mask is None else np.bitwise_and(mask, allowed)
+            sr.logit_bias = controls.logit_bias
+        sr.grammar_bitmask = mask
 
     @staticmethod
     def _unschedule(scheduled: list[tuple[Request, int]], req: Request) -> int:

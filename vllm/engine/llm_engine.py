@@ -15,10 +15,12 @@ import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from vllm.config import EngineConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.state_slots import StateSlots
-from vllm.core.request import Request, RequestStatus, check_priority
+from vllm.core.request import Request, RequestStatus, TokenControls, check_priority
 from vllm.core.scheduler import Scheduler
 from vllm.engine.core_messages import RequestDelta
 from vllm.engine.output_processor import RequestState
@@ -93,6 +95,70 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, ma
         raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
     if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
         raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size {vocab}")
+    # upstream's checks and messages
+    if params.logit_bias:
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}")
+    if params.allowed_token_ids:
+        bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token id(s) {bad[:5]}. Vocabulary size: {vocab}")
+
+
+def truncate_prompt_ids(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """SamplingParams.truncate_prompt_tokens applied: the prompt's last k token ids (-1: the
+    last max_model_len - 1, the most that leaves room for one generated token, as the server's
+    truncate_prompt_tokens). A k above max_model_len is upstream's ValueError."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k == -1:
+        k = max_model_len - 1
+    elif k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                         "Please, select a smaller truncation size.")
+    return token_ids[-k:] if len(token_ids) > k else token_ids
+
+
+def bad_words_token_ids(tokenizer, bad_words: list[str], vocab: int) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `bad_words` as upstream tokenizes them: each word (leading
+    spaces stripped) on its own, and with one leading space when that gives another first
+    token and as many tokens (a word inside a text, for tokenizers that fold the space into
+    the token). A word that tokenizes to nothing, or to ids outside the vocabulary, is a
+    ValueError."""
+    out: list[tuple[int, ...]] = []
+    for word in bad_words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    bad = [t for ids in out for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"The model vocabulary size is {vocab}, but the following tokens were specified as bad: "
+                         f"{bad}. All token id values should be integers satisfying: 0 <= token_id < {vocab}.")
+    return tuple(dict.fromkeys(out))
+
+
+def token_controls(params: SamplingParams, tokenizer, vocab: int) -> TokenControls | None:
+    """A request's logit_bias, allowed_token_ids and bad_words as its Request carries them
+    (None when it sets none of them). ValueError for a bad word that cannot be banned."""
+    if not params.has_token_controls:
+        return None
+    bias = None
+    if params.logit_bias:
+        bias = (tuple(params.logit_bias), tuple(params.logit_bias.values()))
+    allowed = None
+    if params.allowed_token_ids:
+        bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+        bits[np.asarray(params.allowed_token_ids, dtype=np.int64)] = 1
+        # bit j of word i allows token 32 i + j (the grammar masks' format)
+        allowed = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+    words = bad_words_token_ids(tokenizer, params.bad_words, vocab) if params.bad_words else ()
+    return TokenControls(logit_bias=bias, allowed_bitmask=allowed, bad_words=words)
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -160,12 +226,52 @@ class LLMEngine:
         self._inflight = None   # async scheduling: (SchedulerOutput, StepHandle) of the step on the GPU
         self._grammars = None   # structured outputs: the GrammarCompiler, made on first use
 
+    # ---- upstream's names --------------------------------------------------------------
+    # code written for upstream reads its engine's configuration through these: they are this
+    # engine's own config objects (vllm/config.py), with upstream's attribute names where ours
+    # have them (docs/architecture.md)
+    @property
+    def vllm_config(self) -> EngineConfig:
+        return self.config
+
+    @property
+    def model_config(self):
+        return self.config.model
+
+    @property
+    def cache_config(self):
+        return self.config.cache
+
+    @property
+    def scheduler_config(self):
+        return self.config.scheduler
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def __getattr__(self, name: str):
+        # only reached for attributes the engine does not have
+        if name in ("model_executor", "engine_core"):
+            raise AttributeError(
+                f"LLMEngine has no {name!r}: this engine's workers are behind its executor, and weights are not "
+                "loaded through the model's load_weights. Change them with llm.update_weights(weights) (HF names "
+                "-> tensors; versioned and checked), llm.weight_update() for buckets, update_weights_from_ipc or "
+                "init_weight_transfer_engine; llm.collective_rpc(fn) runs a function on the worker "
+                "(docs/architecture.md)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ---- input ------------------------------------------------------------------------
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+    def tokenize(self, prompt, params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; with `params`, cut to its truncate_prompt_tokens."""
+        text, ids = tokenize_prompt(self.tokenizer, prompt)
+        if params is not None:
+            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.config.model.max_model_len)
+        return text, ids
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)
+        if params.bad_words:   # a word that cannot be banned is refused before anything is queued
+            bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
                     stream: bool = False, compiled_grammar=None, priority: int = 0) -> str:
@@ -179,12 +285,19 @@ class LLMEngine:
         params = dataclasses.replace(params) if params is not None else SamplingParams()
         if params.logprobs_mode is None:   # the request leaves it to the engine
             params.logprobs_mode = self.config.logprobs_mode
+        vocab = self.config.model.vocab_size
+        # -1 (upstream's): every token of the vocabulary
+        if params.logprobs == -1:
+            params.logprobs = vocab
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = vocab
         if self.weights_torn:
             raise ValueError(f"the engine is not serving: {self.weight_error}")
         if self._sleeping:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
-        text, ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        text, ids = self.tokenize(prompt, params)
+        validate_prompt(ids, params, vocab, self.config.model.max_model_len)
+        controls = token_controls(params, self.tokenizer, vocab)
         priority = check_priority(priority, self.config.scheduler.scheduling_policy)
         cache_salt = prompt_cache_salt(prompt)
         request_id = request_id if request_id is not None else str(next(self._counter))
@@ -198,7 +311,7 @@ class LLMEngine:
         for i, rid in enumerate(child_ids):
             req = Request(rid, ids, params, derive_seed(base_seed, i), self.eos_token_ids,
                           self.config.model.max_model_len, leader=leader, parent_id=request_id, index=i,
-                          cache_salt=cache_salt, priority=priority)
+                          cache_salt=cache_salt, priority=priority, controls=controls)
             if compiled is not None:
                 req.grammar = self._grammars.state(compiled)   # one matcher per sample
             leader = leader or req

@@ -16,7 +16,8 @@ StopChild, and tokens it sampled before that message arrived are dropped here.
 from __future__ import annotations
 
 from vllm.engine.core_messages import RequestDelta
-from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import IncrementalDetokenizer, find_stop_string
 

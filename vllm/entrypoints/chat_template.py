@@ -21,6 +21,68 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+# upstream's chat_template_content_format values: how a message's content reaches the template
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def detect_content_format(template) -> str:
+    """upstream's "auto": "openai" when the template loops over a message's content (it reads
+    lists of parts), else "string". A template that does not parse here (e.g. transformers'
+    own tags) is taken as "string"."""
+    if not isinstance(template, str):
+        return "string"
+    import jinja2
+    import jinja2.nodes as nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, (nodes.Filter, nodes.Test)) and it.node is not None:
+            it = it.node   # content | selectattr(...) and the like
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return "openai"
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return "openai"
+    return "string"
+
+
+def _text_parts(content: list, where: str) -> list[dict]:
+    """A content list's parts as {"type": "text", "text": ...} (a bare string is a text part);
+    any other kind of part is a ValueError (text only here)."""
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def apply_content_format(messages: list[dict], content_format: str, template) -> list[dict]:
+    """The messages with their content in `content_format` (upstream's rules, in a copy):
+    "string" joins a list of text parts with newlines; "openai" makes a string content one text
+    part; "auto" is what `detect_content_format(template)` says."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}")
+    if content_format == "auto":
+        content_format = detect_content_format(template)
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = _text_parts(content, f"messages[{i}].content")
+            m = {**m, "content": "\n".join(p["text"] for p in parts) if content_format == "string" else parts}
+        elif isinstance(content, str) and content_format == "openai":
+            m = {**m, "content": [{"type": "text", "text": content}]}
+        out.append(m)
+    return out
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """The messages as chat templates expect them, in a copy: an assistant message's tool
     calls carry `arguments` as a JSON value. OpenAI clients send them as a JSON string, and

@@ -15,7 +15,8 @@ from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
+from vllm.sampling_params import (DEFAULT_LOGPROBS_MODE, DEFAULT_MAX_LOGPROBS, RequestOutputKind, SamplingParams,
+                                  check_logprobs_mode, check_max_logprobs)
 from vllm.weight_sync.session import WeightUpdate
 
 
@@ -52,7 +53,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", quantization: str | None = None, keep_master_weights: bool = True,
                  tensor_parallel_size: int = 1, tp_leaves: int | None = None, num_state_snapshots: int | None = None,
                  generation_config: str = "auto", scheduling_policy: str = "fcfs",
-                 logprobs_mode: str = DEFAULT_LOGPROBS_MODE, **upstream_args):
+                 logprobs_mode: str = DEFAULT_LOGPROBS_MODE, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 model_impl: str = "auto", **upstream_args):
         """upstream vLLM's `LLM` keywords. `generation_config`: "auto" (the checkpoint's
         generation_config.json sets what `generate` samples with when given no SamplingParams:
         `get_default_sampling_params`) or "vllm" (SamplingParams' defaults).
@@ -62,11 +64,18 @@ class LLM:
         what logprobs report for requests whose SamplingParams leave it unset, one of
         vllm.sampling_params.LOGPROBS_MODES (default "tempered_logprobs", the distribution the
         tokens are drawn from before truncation, which the trainer recomputes; upstream's
-        default is "raw_logprobs"; docs/sampling.md). `upstream_args`:
+        default is "raw_logprobs"; docs/sampling.md). `max_logprobs`: the most logprobs /
+        prompt_logprobs per token a request may ask for (upstream's default 20; -1: the whole
+        vocabulary, which `logprobs=-1` asks for). `model_impl`: "auto" or "vllm" (this
+        engine's own model classes; there is no transformers backend). `upstream_args`:
         upstream engine arguments that change nothing here, accepted at the values listed in
         UPSTREAM_NOOP_ARGS (anything else is a ValueError naming it)."""
         refuse_worker_extension(upstream_args.get("worker_extension_cls"))
         _check_upstream_args(upstream_args)
+        if model_impl not in ("auto", "vllm"):
+            raise ValueError(f"model_impl={model_impl!r}: not supported here. This engine runs its own implementation "
+                             "of each architecture (vllm/models, batch-invariant kernels): model_impl='auto' or 'vllm' "
+                             "(the same thing here); there is no transformers or other backend")
         check_logprobs_mode(logprobs_mode)   # before the model is read
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
@@ -97,7 +106,7 @@ class LLM:
             device=device, numerics_spec=spec, seed=seed, enforce_eager=enforce_eager,
             tokenizer=tokenizer, cuda_graph_batch_sizes=list(cuda_graph_batch_sizes or []), load_format=load_format,
             async_scheduling=async_scheduling, step_profile=step_profile, keep_master_weights=keep_master_weights,
-            logprobs_mode=logprobs_mode)
+            logprobs_mode=logprobs_mode, max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(config)
         # held by every method that steps or changes the engine: a sleep() or an update from
         # another thread waits for a running generate, and a generate waits for them
@@ -348,7 +357,9 @@ class LLM:
                              "finish it before generating")
         # Validate everything before anything is queued: a bad prompt loses nothing.
         for p, sp in zip(prompts, params):
-            _, ids = engine.tokenize(p)
+            _check_output_kind(sp)
+            check_max_logprobs(sp, self.config.max_logprobs, self.config.model.vocab_size)
+            _, ids = engine.tokenize(p, sp)
             engine.validate(ids, sp)
             prompt_cache_salt(p)
         ids = [engine.add_request(None, p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)]
@@ -397,17 +408,25 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered as the server's chat completions render them (vllm/entrypoints/chat_template.py).
-        `chat_template`: a template (or a file holding one) instead of the tokenizer's."""
-        from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
+        `chat_template`: a template (or a file holding one) instead of the tokenizer's.
+        `chat_template_content_format` (upstream's): how a content given as a list of text parts
+        reaches the template: "string" joins the parts' texts with newlines, "openai" passes the
+        list of {"type": "text", "text"} parts (a string content becomes one such part), "auto"
+        picks "openai" when the template loops over a message's content, else "string"."""
+        from vllm.entrypoints.chat_template import apply_content_format, chat_prompt_ids, load_chat_template
 
         _no_lora(lora_request)
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.get_tokenizer()
         template = load_chat_template(chat_template)
+        messages = [apply_content_format(conv, chat_template_content_format,
+                                         template if template is not None else getattr(tok, "chat_template", None))
+                    for conv in messages]
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
@@ -492,7 +511,6 @@ UPSTREAM_NOOP_ARGS = {
     "disable_log_stats": lambda v: isinstance(v, bool),
     "disable_custom_all_reduce": lambda v: isinstance(v, bool),
     "swap_space": lambda v: isinstance(v, (int, float)),       # preemption recomputes, nothing is swapped
-    "max_logprobs": lambda v: isinstance(v, int),              # the offline API has no cap
     "distributed_executor_backend": lambda v: v in (None, "uni", "mp", "ray", "external_launcher"),
     "tokenizer_mode": lambda v: v in ("auto", "hf"),            # the checkpoint's HF tokenizer
     "model_impl": lambda v: v in ("auto", "vllm"),              # this engine's own implementations
@@ -506,6 +524,16 @@ UPSTREAM_NOOP_ARGS = {
     "hf_overrides": lambda v: not v,
     "worker_extension_cls": lambda v: not v,
 }
+
+
+def _check_output_kind(params: SamplingParams) -> None:
+    """generate returns each request's final output once: what FINAL_ONLY asks for, and what
+    CUMULATIVE (the default, everything so far) gives at the end. DELTA (only what is new)
+    would be a different answer, so it is refused rather than ignored (upstream's LLM resets
+    every request to FINAL_ONLY)."""
+    if params.output_kind is RequestOutputKind.DELTA:
+        raise ValueError("output_kind=RequestOutputKind.DELTA: LLM.generate returns each request's final output only "
+                         "(no stream of deltas offline); use FINAL_ONLY or CUMULATIVE, or stream from the server")
 
 
 def _no_lora(lora_request) -> None:

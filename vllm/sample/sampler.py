@@ -295,6 +295,25 @@ def apply_token_ban(logits: torch.Tensor, ban: TokenBan) -> torch.Tensor:
     return out
 
 
+@dataclass
+class LogitBias:
+    """The logit_bias of the rows that set one: row `rows[i]` adds `values[i]` to the logit
+    of token `token_ids[i]` (a row names each token once)."""
+
+    rows: torch.Tensor          # [N] int64
+    token_ids: torch.Tensor     # [N] int64
+    values: torch.Tensor        # [N] float32, in [-100, 100]
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """Float32 ``logits`` with each (row, token) pair's bias added (a new tensor). A gather,
+    one float32 addition per biased element and a scatter to distinct elements: every other
+    element, and every row without a bias, is copied bit for bit."""
+    out = logits.float().clone()
+    index = (bias.rows, bias.token_ids)
+    return out.index_put_(index, out[index] + bias.values.to(device=out.device, dtype=torch.float32))
+
+
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Penalised float32 logits (a new tensor; rows without penalties are copied bit for bit).
 
@@ -354,8 +373,10 @@ class SamplingBatch:
     penalties: Penalties | None = None
     # Rows constrained by a grammar (None: no row is).
     token_mask: TokenMask | None = None
-    # Tokens banned this step (min_tokens' EOS and stop tokens; None: none).
+    # Tokens banned this step (min_tokens' EOS and stop tokens, bad words; None: none).
     token_ban: TokenBan | None = None
+    # Rows with a logit_bias (None: no row has one).
+    logit_bias: LogitBias | None = None
 
     @property
     def batch_size(self) -> int:
@@ -571,14 +592,24 @@ class Sampler(torch.nn.Module):
         # raw_* logprob modes report the model's logits; every other use (greedy, sampling,
         # tempered and processed logprobs) sees the penalised ones, as upstream does.
         raw_logits = logits
+        # logit_bias comes before the penalties (upstream's order: its logits processors, then
+        # the penalties), so greedy, sampling and the processed modes see pen(x + bias). Like a
+        # grammar mask it is the request's constraint, not the model's: the tempered mode
+        # keeps pen(x), the distribution the trainer recomputes (docs/sampling.md).
+        if batch.logit_bias is not None:
+            logits = apply_logit_bias(logits, batch.logit_bias)
         if batch.penalties is not None:
+            biased = logits is not raw_logits
             logits = apply_penalties(logits, batch.penalties)
-        # Grammar masks (structured outputs) and min_tokens' bans come after the penalties and
-        # before temperature, truncation and sampling, so all of them see only the allowed
-        # tokens. The tempered_logprobs mode keeps the unmasked distribution, as it ignores
-        # truncation: it is what the trainer recomputes (docs/sampling.md); the raw modes
-        # never see them (upstream's raw logprobs come before its logits processors).
-        unmasked = logits
+            unmasked = apply_penalties(raw_logits, batch.penalties) if biased else logits
+        else:
+            unmasked = raw_logits
+        # Grammar masks (structured outputs), allowed_token_ids, min_tokens' and bad words'
+        # bans come after the penalties and before temperature, truncation and sampling, so all
+        # of them see only the allowed tokens. The tempered_logprobs mode keeps the unmasked
+        # distribution, as it ignores truncation: it is what the trainer recomputes
+        # (docs/sampling.md); the raw modes never see them (upstream's raw logprobs come
+        # before its logits processors).
         if batch.token_mask is not None:
             logits = apply_token_mask(logits, batch.token_mask)
         if batch.token_ban is not None:

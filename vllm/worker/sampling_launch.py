@@ -1,5 +1,6 @@
 """The sampling side of a step: the sampler's batches built from the scheduled requests
-(penalties, grammar masks, EOS bans, one call per logprobs mode), prompt logprobs through
+(logit biases, penalties, grammar and allowed-token masks, EOS and bad-word bans, one call per
+logprobs mode), prompt logprobs through
 the same logprob head, the outputs' copies to the host started without waiting, and their
 collection once the step's event fires."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ from vllm.core.messages import ModelRunnerOutput, PromptLogprobsChunk, SampledTo
 from vllm.core.request import PLACEHOLDER
 from vllm.forward_context import ForwardContext, set_forward_context
 from vllm.host_copy import to_device
-from vllm.sample.sampler import (Penalties, Sampler, SamplerOutput, SamplingBatch, TokenBan, TokenMask,
+from vllm.sample.sampler import (LogitBias, Penalties, Sampler, SamplerOutput, SamplingBatch, TokenBan, TokenMask,
                                   prompt_logprob_values, stable_topk)
 
 
@@ -141,9 +142,19 @@ class SamplingLauncher:
                          output_ids=ids, output_slot=slots,
                          prompt_ids=self._h2d(prompt_ids, torch.long), prompt_slot=self._h2d(prompt_slot, torch.long))
 
+    def _logit_bias(self, reqs) -> LogitBias | None:
+        """The logit biases of a sampler call over `reqs` (None when no row has one)."""
+        rows = [j for j, r in enumerate(reqs) if r.logit_bias is not None]
+        if not rows:
+            return None
+        return LogitBias(rows=self._h2d([j for j in rows for _ in reqs[j].logit_bias[0]], torch.long),
+                         token_ids=self._h2d([t for j in rows for t in reqs[j].logit_bias[0]], torch.long),
+                         values=self._h2d([v for j in rows for v in reqs[j].logit_bias[1]], torch.float32))
+
     def _token_mask(self, reqs) -> TokenMask | None:
-        """The grammar masks of a sampler call over `reqs` (None when no row is constrained):
-        the scheduler computed each from its request's own matcher."""
+        """The token masks of a sampler call over `reqs` (None when no row is constrained):
+        the scheduler computed each from its request's own grammar matcher and
+        allowed_token_ids."""
         rows = [j for j, r in enumerate(reqs) if r.grammar_bitmask is not None]
         if not rows:
             return None
@@ -151,10 +162,10 @@ class SamplingLauncher:
                          bitmask=self._h2d(np.stack([reqs[j].grammar_bitmask for j in rows]), torch.int32))
 
     def _token_ban(self, reqs) -> TokenBan | None:
-        """The EOS and stop tokens each row of a sampler call over `reqs` may not sample yet
-        (min_tokens not reached; None when no row bans any). The sampler applies them as it
-        applies grammar masks, so the reported logprobs (tempered, raw) keep the model's
-        distribution, the one the trainer recomputes."""
+        """The tokens each row of a sampler call over `reqs` may not sample: EOS and stop
+        tokens while min_tokens is not reached, bad words' bans (None when no row bans any).
+        The sampler applies them as it applies grammar masks, so the reported logprobs
+        (tempered, raw) keep the model's distribution, the one the trainer recomputes."""
         rows = [j for j, r in enumerate(reqs) for _ in r.banned_token_ids]
         if not rows:
             return None
@@ -175,6 +186,7 @@ class SamplingLauncher:
                 min_p=[r.min_p for r in sub], seeds=[r.seed for r in sub], positions=[r.output_index for r in sub],
                 device=self.device, max_num_logprobs=max(r.num_logprobs for r in sub),
                 logprobs_mode=mode or "tempered_logprobs")
+            batch.logit_bias = self._logit_bias(sub)
             batch.penalties = self._penalties(sub, prev)
             batch.token_mask = self._token_mask(sub)
             batch.token_ban = self._token_ban(sub)

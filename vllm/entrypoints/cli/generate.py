@@ -30,13 +30,16 @@ def add_parser(sub) -> None:
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     p.add_argument("--logprobs", type=int, default=None,
                    help="return the logprobs of the N most likely tokens and of the sampled one at each step "
-                        "(printed with --json; default: none)")
+                        "(printed with --json; default: none; -1: every token of the vocabulary, which needs "
+                        "--max-logprobs -1)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest --logprobs allowed (upstream's engine argument; -1: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
 
 def run(args) -> int:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args), max_logprobs=args.max_logprobs)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         n=args.n, logprobs=args.logprobs, seed=args.seed)
     problems = None

@@ -40,7 +40,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from vllm.core.request import check_priority
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
-from vllm.engine.llm_engine import check_max_tokens, tokenize_prompt, validate_prompt
+from vllm.engine.llm_engine import (bad_words_token_ids, check_max_tokens, tokenize_prompt, truncate_prompt_ids,
+                                    validate_prompt)
 from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
@@ -247,7 +248,10 @@ class AsyncLLM:
             # after construction are checked, and later changes to it reach no running request
             params = dataclasses.replace(params)
             text, ids = self.tokenize_prompt(prompt)
+            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt(ids, params, self.vocab_size, self.max_model_len)
+            if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
+                bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
             check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
             prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
         n_samples = sum(p.n for _, _, _, p, _ in prepared)

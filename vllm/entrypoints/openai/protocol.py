@@ -5,10 +5,10 @@ token id, a string temperature, NaN); SamplingParams checks *values* (a
 negative temperature, top_p outside (0, 1]) so the server and the offline API
 share one set of rules and one set of messages. Both failures become HTTP 400.
 
-OpenAI fields this engine does not implement are accepted only at their no-op
-default: silently ignoring `logit_bias` would sample from a different
-distribution than the caller asked for, which is exactly what an RL framework
-must never get without knowing.
+OpenAI and upstream fields this engine does not implement are accepted only at
+their no-op default: silently ignoring one (say `bad_words`) would sample from a
+different distribution than the caller asked for, which is exactly what an RL
+framework must never get without knowing.
 
 Extensions over the OpenAI schema (documented in docs/serving.md):
 `token_ids` per choice, `prompt_token_ids` (per choice for completions, top
@@ -64,7 +64,11 @@ def json_logprob(x: float) -> float:
 
 
 def check_max_logprobs(k: Optional[int], max_logprobs: int, name: str = "logprobs") -> None:
-    """The server's cap on top-k logprobs per token (--max-logprobs; -1: no cap)."""
+    """The server's cap on top-k logprobs per token (--max-logprobs; -1: no cap). k = -1 asks
+    for the whole vocabulary, which only --max-logprobs -1 allows."""
+    if k == -1 and max_logprobs != -1:
+        raise ValueError(f"{name}=-1 asks for every token of the vocabulary: the server allows at most {max_logprobs} "
+                         "per token (start it with --max-logprobs -1)")
     if k is not None and 0 <= max_logprobs < k:
         raise ValueError(f"at most {max_logprobs} {name} per token may be requested (server --max-logprobs), got {k}")
 
@@ -191,7 +195,7 @@ class _SamplingRequest(OpenAIBaseModel):
     # upstream's: lower is admitted earlier (ties by arrival) on a server run with
     # --scheduling-policy priority; anything but 0 is a 400 under fcfs, as upstream
     priority: LaxInt = 0
-    # OpenAI fields accepted only at their no-op value (see module docstring).
+    # OpenAI's: {token id: bias}, clamped to [-100, 100] (docs/sampling.md)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
 
@@ -210,8 +214,6 @@ class _SamplingRequest(OpenAIBaseModel):
         return {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": self.cache_salt}
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         extra = self.model_extra or {}
         refused = [name for name, noop in REFUSED_UPSTREAM_FIELDS.items() if name in extra and not any(
                    extra[name] == v and isinstance(extra[name], bool) == isinstance(v, bool) for v in noop)]
@@ -290,6 +292,7 @@ class _SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias,   # token id strings -> ints, biases clamped to [-100, 100]
             structured_outputs=structured_outputs if structured_outputs is not None else self._structured_outputs(),
             **({"logprobs_mode": self.logprobs_mode} if self.logprobs_mode is not None else {}),
             **kw)
@@ -341,15 +344,17 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (must be unset or equal to n)")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(f"prompt_logprobs must be >= 0 or -1 (every token), got {self.prompt_logprobs}")
+        if self.logprobs is not None and self.logprobs < 0:   # upstream's completions take no -1 here
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         max_tokens = self.max_tokens
         if max_tokens == 0:
             if not self.echo:
                 raise ValueError("max_tokens=0 is allowed only with echo=true (scoring the prompt)")
             max_tokens = 1
         prompt_logprobs = self.prompt_logprobs
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and prompt_logprobs != -1:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return self._sampling_params(max_tokens, self.logprobs, defaults, max_logprobs, prompt_logprobs)
 
@@ -440,8 +445,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"n must be <= {MAX_CHOICES_PER_REQUEST}")
         if self.top_logprobs and not self.logprobs:   # 0 asks for nothing (upstream accepts it)
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise ValueError(f"top_logprobs must be >= 0 or -1 (every token), got {self.top_logprobs}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         plan = self.tool_plan()
@@ -456,8 +461,8 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not supported with stream=true")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(f"prompt_logprobs must be >= 0 or -1 (every token), got {self.prompt_logprobs}")
         return self._sampling_params(max_tokens, logprobs, defaults, max_logprobs, self.prompt_logprobs, structured)
 
     def tool_plan(self, parser: str = "hermes"):

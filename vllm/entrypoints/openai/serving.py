@@ -163,7 +163,10 @@ def _top_alternatives(entry: dict[int, Logprob], sampled: int, k: int) -> list[t
     sampled token is one of the top k its alternative slot is folded into its own
     entry. Ordering by the stored rank alone would misplace it on ties (ties share
     the sampled token's rank), so its position is recovered as the missing slot.
+    k = -1 (upstream's "every token"): all of them, the whole vocabulary.
     """
+    if k < 0:
+        k = len(entry)
     alts = {lp.rank: (tid, lp) for tid, lp in entry.items() if tid != sampled and lp.rank is not None}
     ordered = [alts[r] for r in sorted(alts)]
     if len(ordered) < k and sampled in entry:  # the sampled token is one of the top k
