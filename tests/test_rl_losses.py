@@ -53,8 +53,26 @@ def test_aggregation_weights():
     assert losses.aggregation_weights([2, 3], "token-mean", 5, 2).tolist() == pytest.approx([0.2] * 5)
     w = losses.aggregation_weights([2, 3], "seq-mean-token-mean", 5, 2)
     assert w.tolist() == pytest.approx([1 / 4, 1 / 4, 1 / 6, 1 / 6, 1 / 6])
+    # Dr. GRPO: each response's token sum over a constant (the response limit), mean over responses
+    w = losses.aggregation_weights([2, 3], "seq-mean-token-sum-norm", 5, 2, max_response_tokens=8)
+    assert w.tolist() == pytest.approx([1 / 16] * 5)
+    with pytest.raises(ValueError):
+        losses.aggregation_weights([2, 3], "seq-mean-token-sum-norm", 5, 2)
     with pytest.raises(ValueError):
         losses.aggregation_weights([2], "sum", 2, 1)
+
+
+def test_clip_and_kl_counts_skip_tokens_without_loss():
+    """Tokens of weight 0 (an overlong-filtered response's) are not in the clip fraction's
+    counts nor in the KL sum: verl's masked means."""
+    logp = torch.tensor([math.log(1.5), math.log(1.5), math.log(0.5)], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    ref = torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)
+    w = torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64)
+    _, st = losses.policy_loss(logp, torch.zeros(3, dtype=torch.float64), adv, w, eps_low=0.2, eps_high=0.2,
+                               ref_logp=ref, kl_coef=0.1)
+    assert (st.clipped_low, st.clipped_high, st.tokens) == (1, 1, 2)
+    assert st.kl_sum == pytest.approx(float(losses.k3(logp[[0, 2]], ref[[0, 2]]).sum()), rel=1e-12)
 
 
 def test_policy_loss_clip_higher_hand_values():
@@ -113,13 +131,13 @@ def test_micro_batches_sum_to_the_whole_loss():
     old = logp.detach() + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
     adv = torch.cat([torch.full((k,), a) for k, a in zip(lengths, [1.0, -0.5, 2.0, -1.0])]).double()
     for mode in losses.LOSS_AGGREGATIONS:
-        whole, _ = losses.policy_loss(logp, old, adv, losses.aggregation_weights(lengths, mode, n, 4).double(),
+        whole, _ = losses.policy_loss(logp, old, adv, losses.aggregation_weights(lengths, mode, n, 4, 8).double(),
                                       eps_low=0.2, eps_high=0.28)
         parts = 0.0
         for idx in ([0, 1], [2, 3]):
             lo = sum(lengths[:idx[0]])
             hi = lo + sum(lengths[i] for i in idx)
-            w = losses.aggregation_weights([lengths[i] for i in idx], mode, n, 4).double()
+            w = losses.aggregation_weights([lengths[i] for i in idx], mode, n, 4, 8).double()
             part, _ = losses.policy_loss(logp[lo:hi], old[lo:hi], adv[lo:hi], w, eps_low=0.2, eps_high=0.28)
             parts = parts + part
         assert float(parts) == pytest.approx(float(whole), rel=1e-12)

@@ -41,6 +41,19 @@ MATH_CASES = [
     (r"\fbox{8}", "8", True),
     (r"Answer is \boxed{\left( 3 \right)}", "(3)", True),
     ("", "0", False),
+    # an equation given as the answer counts by its last side (Minerva's normalisation)
+    ("answer: 47+58=105", "105", True),
+    ("Answer: 12 + 3 = 15", "15", True),
+    ("Final answer: 47 + 58 = 105", "105", True),
+    ("The answer is 47 + 58 = 105", "105", True),
+    (r"\boxed{47+58=105}", "105", True),
+    ("answer: 47+58=104", "105", False),
+    ("The answer is as follows:\n105", "105", True),   # a lead-in line: the number after it
+    # past float range: no exception, just wrong (or right, exactly)
+    ("1e400", "1.5", False),
+    ("2/3", "1e400", False),
+    ("The answer is " + "1" * 400, "0.25", False),
+    ("1e400", "1e400", True),
 ]
 
 
@@ -48,6 +61,16 @@ MATH_CASES = [
 def test_math_reward_tricky_strings(response, reference, correct):
     reward = build_reward("math", correct=1.0, wrong=-1.0)
     assert reward(response, reference, {}) == (1.0 if correct else -1.0)
+
+
+def test_huge_exponents_are_not_numbers_and_cost_nothing():
+    """Fraction("1e1000000000") would build 10**N exactly (hours, gigabytes): a response of 13
+    characters must not stall the reward."""
+    import time
+    start = time.perf_counter()
+    assert answers_match(extract_answer("1e1000000000"), "1") is False
+    assert answers_match("1e-1000000000", "0") is False
+    assert time.perf_counter() - start < 1.0
 
 
 def test_extraction_details():

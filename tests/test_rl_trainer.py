@@ -157,6 +157,43 @@ def test_dapo_kl_multi_update_paths(tiny_qwen3, rl_files, tmp_path):
             assert m["grad_norm"] > 0
 
 
+def test_loss_metric_is_the_mean_over_the_updates_made(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    """With fewer kept groups than updates_per_step some mini-batches are empty and make no
+    update: the reported loss is the mean over the updates made, not over every mini-batch.
+    Dr. GRPO's aggregation (seq-mean-token-sum-norm) runs."""
+    from vllm.rl import losses
+    from vllm.rl.trainer import Trainer as T
+    per_update, current = [], []
+    real_loss, real_step = losses.policy_loss, T._optimizer_step
+
+    def loss_spy(*args, **kw):
+        loss, st = real_loss(*args, **kw)
+        current.append(float(loss.detach()))
+        return loss, st
+
+    def step_spy(self, step):
+        per_update.append(sum(current))
+        current.clear()
+        return real_step(self, step)
+    def one_group_kept(scores):   # dynamic sampling keeps the first group only
+        keep = torch.zeros(scores.shape[0], dtype=torch.bool)
+        keep[0] = True
+        return keep
+    monkeypatch.setattr(losses, "policy_loss", loss_spy)
+    monkeypatch.setattr(losses, "informative_groups", one_group_kept)
+    # advantages that are never all 0 (the tiny model's rewards may tie), so the loss is not 0
+    monkeypatch.setattr(losses, "group_advantages",
+                        lambda rewards, norm_by_std=True: torch.linspace(0.5, 1.0, rewards.numel()).reshape(rewards.shape))
+    monkeypatch.setattr(T, "_optimizer_step", step_spy)
+    t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "upd", algorithm="dapo", updates_per_step=4,
+                        prompts_per_step=4, max_gen_batches=1, steps=1, loss_agg="seq-mean-token-sum-norm",
+                        norm_adv_by_std=False))
+    m = t.step().metrics
+    assert m["groups_kept"] == 1 and len(per_update) == 1   # one update; three mini-batches empty
+    assert per_update[0] != 0.0
+    assert m["loss"] == pytest.approx(per_update[0], rel=1e-9, abs=1e-12)
+
+
 def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):
     """kv_cache_dtype fp8: the rollout reads K/V through the FP8 round trip, the trainer's
     logprobs take the same one, so every step's difference is still exactly 0."""

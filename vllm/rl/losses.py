@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def group_advantages(rewards: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -48,13 +48,20 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
 
 
-def aggregation_weights(lengths: list[int], mode: str, total_tokens: int, total_seqs: int) -> torch.Tensor:
+def aggregation_weights(lengths: list[int], mode: str, total_tokens: int, total_seqs: int,
+                        max_response_tokens: int = 0) -> torch.Tensor:
     """Per-token weights whose dot product with per-token losses is the aggregated loss.
-    token-mean: 1 / (tokens in the mini-batch); seq-mean-token-mean: 1 / (len * seqs)."""
+    token-mean: 1 / (tokens in the mini-batch) (DAPO); seq-mean-token-mean: 1 / (len * seqs)
+    (GRPO); seq-mean-token-sum-norm: 1 / (max_response_tokens * seqs), a constant in place of
+    each response's length (Dr. GRPO; verl's mode of that name, TRL's dr_grpo)."""
     if mode == "token-mean":
         return torch.full((sum(lengths),), 1.0 / total_tokens, dtype=torch.float32)
     if mode == "seq-mean-token-mean":
         return torch.cat([torch.full((n,), 1.0 / (n * total_seqs), dtype=torch.float32) for n in lengths])
+    if mode == "seq-mean-token-sum-norm":
+        if max_response_tokens <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_tokens > 0 (its constant normaliser)")
+        return torch.full((sum(lengths),), 1.0 / (max_response_tokens * total_seqs), dtype=torch.float32)
     raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
 
 
@@ -62,8 +69,8 @@ def aggregation_weights(lengths: list[int], mode: str, total_tokens: int, total_
 class PolicyLossStats:
     clipped_low: int      # tokens with A < 0 and ratio < 1 - eps_low
     clipped_high: int     # tokens with A > 0 and ratio > 1 + eps_high
-    tokens: int
-    kl_sum: float         # sum of per-token k3 to the reference (0 without one)
+    tokens: int           # tokens that carry loss (weight > 0: not overlong-filtered)
+    kl_sum: float         # sum of per-token k3 to the reference over those tokens (0 without one)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, token_weights: torch.Tensor, *,
@@ -75,7 +82,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     r = exp(logp - old_logp); `tis_weight` (detached, truncated p_old/p_rollout) corrects
     for a rollout that sampled from different numbers than the trainer computes.
-    Returns sum(token_weights * L_t) and counts for the clip fraction."""
+    Returns sum(token_weights * L_t) and, over the tokens of non-zero weight (an overlong-
+    filtered response's carry none), counts for the clip fraction and the KL sum."""
     ratio = torch.exp(logp - old_logp.detach())
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -86,12 +94,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if ref_logp is not None and kl_coef > 0:
         kl = k3(logp, ref_logp.detach())
         per_token = per_token + kl_coef * kl
-        kl_sum = float(kl.detach().sum())
+        kl_sum = float(kl.detach()[token_weights > 0].sum())
     loss = (per_token * token_weights).sum()
     with torch.no_grad():
-        low = int(((ratio < 1.0 - eps_low) & (advantages < 0)).sum())
-        high = int(((ratio > 1.0 + eps_high) & (advantages > 0)).sum())
-    return loss, PolicyLossStats(low, high, int(logp.numel()), kl_sum)
+        counted = token_weights > 0
+        low = int(((ratio < 1.0 - eps_low) & (advantages < 0) & counted).sum())
+        high = int(((ratio > 1.0 + eps_high) & (advantages > 0) & counted).sum())
+    return loss, PolicyLossStats(low, high, int(counted.sum()), kl_sum)
 
 
 def truncated_is_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Rewards: a math answer verifier, exact match, and user functions.
 
 Math verifier: the prediction is the content of the LAST \\boxed{...} (or \\fbox{...},
-braces matched), else what follows the last "answer is" / "answer:", else the last
-number in the response. Prediction and reference are equal when both parse as numbers
-(integers, decimals, thousands separators, scientific notation, a/b, \\frac{a}{b}, a
-trailing %) that are equal exactly as rationals, or (unless both are integers) within a
-relative 1e-9 (a rounded decimal of 1/3), or when their normalised LaTeX strings are
+braces matched), else what follows the last "answer is" / "answer:" on its line (the first
+number there, or the first number after the marker when its line ends in ":"), else the
+last number in the response; an equation given as the answer counts by its last side
+("answer: 47 + 58 = 105" is 105, as Minerva's normalisation takes it). Prediction and
+reference are equal when both parse as numbers (integers, decimals, thousands separators,
+scientific notation with |exponent| <= 1000, a/b, \\frac{a}{b}, a trailing %) that are
+equal exactly as rationals, or (unless both are integers) within a relative 1e-9 (a
+rounded decimal of 1/3), compared as rationals, or when their normalised LaTeX strings are
 identical.
 
 A custom reward is given as `module:function` (or `path/to/file.py:function`) and is
@@ -31,6 +34,9 @@ from typing import Callable
 # ---- extraction -------------------------------------------------------------------------
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+# numeric answers past these are not numbers: Fraction("1e1000000000") builds 10**N exactly
+MAX_NUMBER_CHARS = 1000
+MAX_EXPONENT = 1000
 _ANSWER_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*", re.IGNORECASE)
 # a number: sign, digits (optionally grouped by commas), decimals, exponent, or a fraction a/b
 _NUMBER_RE = re.compile(
@@ -69,17 +75,31 @@ def extract_answer(response: str) -> str | None:
     """The predicted final answer of a response (None when it gives none)."""
     boxed = last_boxed(response)
     if boxed is not None:
-        return boxed
+        return _final_side(boxed)
     hits = list(_ANSWER_RE.finditer(response))
     if hits:
-        rest = response[hits[-1].end():].split("\n", 1)[0].strip()
+        after = response[hits[-1].end():]
+        line, _, following = after.partition("\n")
+        rest = _final_side(line.strip())
         nums = _numbers(rest)
+        if nums:
+            return nums[0]
+        if rest and not rest.endswith(":"):
+            return rest.rstrip(".")
+        # "The answer is as follows:" / a bare marker: the first number after it
+        nums = _numbers(following)
         if nums:
             return nums[0]
         if rest:
             return rest.rstrip(".")
     nums = _numbers(response)
     return nums[-1] if nums else None
+
+
+def _final_side(answer: str) -> str:
+    """The last side of an equation given as the answer ("47 + 58 = 105" -> "105"), as
+    Minerva's normalisation takes it (its appendix D: split on "=", keep the last part)."""
+    return answer.rsplit("=", 1)[-1].strip() if "=" in answer else answer
 
 
 # ---- equivalence ------------------------------------------------------------------------
@@ -125,7 +145,10 @@ def to_number(s: str) -> Fraction | None:
         return -v if neg else v
     if re.fullmatch(r"\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
-    if re.fullmatch(r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?(/(\d+(\.\d*)?|\.\d+))?", s):
+    m = re.fullmatch(r"(\d+(\.\d*)?|\.\d+)([eE]([-+]?\d+))?(/(\d+(\.\d*)?|\.\d+))?", s)
+    if m:
+        if len(s) > MAX_NUMBER_CHARS or (m.group(4) and abs(int(m.group(4))) > MAX_EXPONENT):
+            return None   # exact 10**N for a huge N would take minutes and gigabytes
         try:
             num, _, den = s.partition("/")
             v = Fraction(num) / Fraction(den) if den else Fraction(num)
@@ -144,8 +167,8 @@ def answers_match(pred: str | None, gold: str) -> bool:
             return True
         if a.denominator == 1 and b.denominator == 1:
             return False  # integers: exact (a tolerance would equate large neighbours)
-        fa, fb = float(a), float(b)
-        return math.isfinite(fa) and math.isfinite(fb) and abs(fa - fb) <= 1e-9 * max(1.0, abs(fb))
+        # in rationals: no float conversion, which overflows past 1e308
+        return abs(a - b) <= Fraction(1, 10 ** 9) * max(1, abs(b))
     return normalize(pred) == normalize(gold) and normalize(gold) != ""
 
 

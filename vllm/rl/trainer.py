@@ -381,7 +381,7 @@ class Trainer:
                         old[i] = lp.detach()
                         train_lps[i] = old[i]
         low = high = tokens = 0
-        kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False
+        kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False   # loss: the mean over the updates made
         for chunk in chunks:
             in_chunk = set(chunk)
             members = [i for i in range(n) if group_of[i] in in_chunk]
@@ -400,7 +400,7 @@ class Trainer:
                 roll_t = torch.cat([roll[i] for i in mb]).to(dev)
                 adv_t = torch.cat([torch.full((resp_len[i],), adv[i]) for i in mb]).to(dev)
                 w = losses.aggregation_weights([resp_len[i] for i in mb], a.loss_agg, total_tokens,
-                                               max(1, len(scored)))
+                                               max(1, len(scored)), a.max_response_tokens)
                 if any(cut[i] for i in mb):
                     w = w * torch.cat([torch.full((resp_len[i],), 0.0 if cut[i] else 1.0) for i in mb])
                 w = w.to(dev)
@@ -422,7 +422,7 @@ class Trainer:
             updated = updated or ok
         mism = losses.mismatch_stats(torch.cat([t.cpu() for t in train_lps]), torch.cat(roll))
         metrics = {**mism, "overlong_filtered": sum(cut), "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
-                   "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(chunks)),
+                   "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(norms)),
                    "grad_norm": max(norms) if norms else 0.0, "updated": updated, "lr": lr_at(step, cfg),
                    "train_tokens": sum(seq_len)}
         if self.reference is not None:
