@@ -328,7 +328,7 @@ def test_state_programs_stride_over_the_work_list(monkeypatch):
     bits of one prefill (the decode path beside folds and prefills)."""
     from vllm.kernels import gdn_chunk
     monkeypatch.setattr(gdn_chunk, "STATE_PROGRAMS", 1)
-    test_decode_path_beside_folds_and_prefills()
+    test_decode_path_beside_folds_and_prefills("registers")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
