@@ -304,3 +304,58 @@ def test_dropped_engine_frees_its_caches_without_the_collector(request, model, n
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _deltas_of(request_id: str, out) -> list:
+    from vllm.engine.core_messages import RequestDelta
+    return [d for d in map(RequestDelta._make, out.deltas if out else []) if d.request_id == request_id]
+
+
+def _held_by_a_pause(mode_after: str):
+    """An engine core with request "a" running, a pause(mode="wait") waiting for it, and "x"
+    (no length limit) arriving meanwhile, held; then `mode_after` ends "x": "abort" (the client
+    gives it up), "abort_all" (utility abort_requests) or "pause_abort" (pause(mode="abort")).
+    Returns (the core, the deltas "x" got, the steps run after resume)."""
+    from vllm.engine.core import EngineCore
+    from vllm.engine.core_messages import AbortRequest, AddRequest, UtilityCall
+    llm = LLM(device="cpu")
+    core = EngineCore(llm.llm_engine)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
+    core.handle(AddRequest("a", [5, 6, 7, 8], sp))
+    core.step()
+    core.handle(UtilityCall(1, "pause", ("wait", False)))      # deferred: "a" is running
+    core.handle(AddRequest("x", [9, 10, 11], SamplingParams(max_tokens=None, ignore_eos=True, detokenize=False)))
+    assert [m.request_id for m in core._held] == ["x"]
+    if mode_after == "abort":
+        core.handle(AbortRequest("x"))
+    elif mode_after == "abort_all":
+        core.handle(UtilityCall(2, "abort_requests", (None,)))
+    else:
+        core.handle(UtilityCall(2, "pause", ("abort", False)))
+    deltas = []
+    while core.busy:
+        core.step()
+        core._settle_pause()
+        out = core.take_outputs()
+        deltas += _deltas_of("x", out)
+    core._settle_pause()
+    deltas += _deltas_of("x", core.take_outputs())
+    core.handle(UtilityCall(3, "resume", ()))
+    steps = 0
+    while core.busy and steps < 50:
+        core.step()
+        steps += 1
+    return core, deltas, steps
+
+
+@pytest.mark.parametrize("mode_after", ["abort", "abort_all", "pause_abort"])
+def test_a_request_held_by_a_pause_is_aborted_with_the_others(mode_after):
+    """A request that arrives during pause(mode="wait") waits for resume; aborting it (alone, all
+    requests, or pause(mode="abort")) must end it there, not run it after resume (it held KV and a
+    sequence slot for a client that had gone). Abort-all and pause(abort) end it with
+    finish_reason "abort", as the requests in flight."""
+    core, deltas, steps = _held_by_a_pause(mode_after)
+    assert not core._held and steps == 0
+    assert not core.engine.has_unfinished_requests()
+    if mode_after != "abort":   # the client still waits on its stream: it ends
+        assert [d.finish_reason for d in deltas][-1:] == ["abort"]

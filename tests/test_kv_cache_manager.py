@@ -520,3 +520,21 @@ def test_randomized_stress(monkeypatch, seed, prefix_caching, weak_hash):
     assert mgr.num_free_blocks == mgr.num_blocks - 1 and mgr.usage == 0.0
     if prefix_caching:
         assert mgr.stats()["prefix_cache_hits"] > 0
+
+
+def test_state_snapshots_of_one_step_never_share_a_slot():
+    """More prompts reaching their snapshot point in one step than there are snapshot slots:
+    a slot the step saves into already is never evicted for another (the runner copies the
+    step's saves with one index_copy_, whose result with repeated targets is undefined on the
+    GPU); the prompt left over gets no snapshot. The same block asked twice in a step saves once."""
+    from vllm.core.state_slots import StateSlots
+    slots = StateSlots(num_slots=4, num_snapshots=2, chunk_size=64)
+    saving: set[int] = set()
+    for block in (10, 11, 12):
+        slot = slots.take_snapshot(block, saving)
+        if slot >= 0:
+            saving.add(slot)
+    assert sorted(saving) == [4, 5] and slots.num_snapshots_held == 2
+    assert slots.take_snapshot(10, saving) == -1          # block 10's slot is saved this step already
+    # the next step: the least recently used snapshot makes room again
+    assert slots.take_snapshot(12, set()) in (4, 5) and slots.num_snapshots_held == 2

@@ -286,3 +286,28 @@ def test_execution_contract_names_the_architecture(attention_only):
 @pytest.mark.parametrize("check", BATTERY_CHECKS)
 def test_hybrid_invariant_battery(tiny_qwen3_next, check):
     run_zero_check(cpu_battery(tiny_qwen3_next), check)
+
+
+def test_more_prompts_than_snapshot_slots_in_one_step(tiny_qwen3_next):
+    """Three distinct prompts reach their snapshot point in one prefill step with two snapshot
+    slots: each step saves into distinct slots (a repeated target raises in the runner), and a
+    warm prefix hit later gives a cold run's bits."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 200) for _ in range(70)] for _ in range(3)]
+    sp = SamplingParams(max_tokens=4, temperature=1.0, seed=3, logprobs=0, ignore_eos=True)
+    warm = LLM(tiny_qwen3_next, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, num_state_snapshots=2)
+    cold = LLM(tiny_qwen3_next, device="cpu", dtype="float32", block_size=16, max_num_seqs=8,
+               enable_prefix_caching=False)
+    warm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)   # one step prefills all three
+    assert warm.llm_engine.kv.state.num_snapshots_held == 2
+    again = [{"prompt_token_ids": p + [9, 10]} for p in prompts]
+    warm_out = warm.generate(again, sp, use_tqdm=False)
+    assert sorted(o.num_cached_tokens for o in warm_out) == [0, 64, 64]   # two snapshots: two warm starts
+    for w, c in zip(warm_out, cold.generate(again, sp, use_tqdm=False)):
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids
+        lp = [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+              for o in (w, c)]
+        assert torch.equal(lp[0].view(torch.int32), lp[1].view(torch.int32))

@@ -32,7 +32,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from vllm.core.state_slots import StateSlots
 
@@ -381,12 +381,14 @@ class KVCacheManager:
         slot = self.state.snapshot(computed_blocks[-1])
         return -1 if slot is None else slot
 
-    def take_state_snapshot(self, request_id: str, num_tokens: int) -> int:
+    def take_state_snapshot(self, request_id: str, num_tokens: int, keep: Collection[int] = ()) -> int:
         """A snapshot slot for the request's states after its first `num_tokens` tokens (a
-        multiple of state_grid), keyed by the block ending there; -1 when snapshots are off."""
+        multiple of state_grid), keyed by the block ending there; -1 when snapshots are off or
+        every snapshot slot is in `keep` (the slots this step saves into already)."""
         if self.state is None or not self.enable_prefix_caching:
             return -1
-        return self.state.take_snapshot(self._requests[request_id].block_ids[num_tokens // self.block_size - 1])
+        return self.state.take_snapshot(self._requests[request_id].block_ids[num_tokens // self.block_size - 1],
+                                        keep)
 
     # --------------------------------------------------------------- allocation
 

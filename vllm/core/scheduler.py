@@ -188,6 +188,7 @@ class Scheduler:
         prompt_lp_indices = []
         get_table = self.kv.get_block_table
         recurrent = self.kv.state is not None
+        saving: set[int] = set()   # the snapshot slots this step saves into: one save each
         for req, n in scheduled:
             start = req.num_computed_tokens
             p = req.params
@@ -197,7 +198,9 @@ class Scheduler:
                 load = state_loads.get(req.req_id, -1)
                 point = self._snapshot_point(req)
                 if point and start + n == point:
-                    save = self.kv.take_state_snapshot(req.req_id, point)
+                    save = self.kv.take_state_snapshot(req.req_id, point, saving)
+                    if save >= 0:
+                        saving.add(save)
             # positional construction: this loop runs for every request every step
             out.append(ScheduledRequest(
                 req.req_id, req.all_token_ids[start:start + n], start, get_table(req.req_id),

@@ -16,6 +16,7 @@ and the least recently used one makes room for a new one.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Collection
 
 
 class StateSlots:
@@ -57,17 +58,23 @@ class StateSlots:
             self._snapshot_of.move_to_end(block_id)
         return slot
 
-    def take_snapshot(self, block_id: int) -> int:
+    def take_snapshot(self, block_id: int, keep: Collection[int] = ()) -> int:
         """A snapshot slot for the state where block `block_id` ends (-1 when snapshots are
-        off); the least recently used snapshot makes room."""
+        off, or when every snapshot slot is in `keep`); the least recently used snapshot not
+        in `keep` makes room. `keep`: the slots the step being scheduled saves into already:
+        two saves of one step into one slot would race (the runner copies them with one
+        index_copy_, whose result with repeated indices is undefined on the GPU)."""
         if self.num_snapshots == 0:
             return -1
         if block_id in self._snapshot_of:
             self._snapshot_of.move_to_end(block_id)
-            return self._snapshot_of[block_id]
+            slot = self._snapshot_of[block_id]
+            return -1 if slot in keep else slot   # another request of the step saves this block's state
         if not self._free_snapshots:
-            _, slot = self._snapshot_of.popitem(last=False)
-            self._free_snapshots.append(slot)
+            victim = next((b for b, s in self._snapshot_of.items() if s not in keep), None)
+            if victim is None:
+                return -1   # every snapshot slot is written this step: no snapshot for this prompt
+            self._free_snapshots.append(self._snapshot_of.pop(victim))
         slot = self._snapshot_of[block_id] = self._free_snapshots.pop()
         return slot
 

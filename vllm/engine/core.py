@@ -107,7 +107,9 @@ class EngineCore:
         elif isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, AbortRequest):
+            # the client has forgotten it: wherever it waits (compiling, held by a pause(wait)), it goes
             self._compiling = [(f, m) for f, m in self._compiling if m.request_id != msg.request_id]
+            self._held = [m for m in self._held if m.request_id != msg.request_id]
             eng.abort_request(msg.request_id)
             self._stats_changed = True
         elif isinstance(msg, StopChild):
@@ -139,6 +141,18 @@ class EngineCore:
                                     priority=msg.priority)
         except ValueError as err:
             self._failures.append(RequestFailure([msg.request_id], str(err), True))
+
+    def _admit_held(self, request_ids=None) -> None:
+        """Queue the requests a pending pause(mode="wait") holds (those of `request_ids`; None:
+        all), so that an abort that follows ends them like the others: their clients get
+        finish_reason "abort" instead of the request running after resume."""
+        keep = []
+        for m in self._held:
+            if request_ids is None or m.request_id in request_ids:
+                self._add(m)
+            else:
+                keep.append(m)
+        self._held = keep
 
     def _settle_compiles(self, wait: bool = False) -> None:
         """Queue the constrained requests whose grammar has compiled, in arrival order (all of
@@ -184,6 +198,7 @@ class EngineCore:
         eng = self.engine
         self._settle_compiles(wait=True)   # requests still compiling are in flight too
         if mode == "abort":
+            self._admit_held()   # held by an earlier pause(mode="wait"): ended too
             eng.abort_requests()
         if mode == "wait" and eng.has_unfinished_requests():
             self._pause_waiting.append((self._call_id, bool(clear_cache)))
@@ -218,6 +233,7 @@ class EngineCore:
         if request_ids is not None and not (isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids)):
             raise ValueError("request_ids must be a list of request id strings")
         self._settle_compiles(wait=True)   # requests still compiling are in flight too
+        self._admit_held(set(request_ids) if request_ids else None)   # held by a pause(mode="wait")
         before = set(self.engine._groups)
         self.engine.abort_requests(request_ids or None)
         return {"aborted": sorted(before - set(self.engine._groups))}

@@ -210,6 +210,8 @@ class ModelRunner:
         if recurrent:
             # a sequence whose step ended on the states' grid leaves a prefix-cache snapshot
             saves = [(r.state_slot, r.state_save) for r in sched.requests if r.state_save >= 0]
+            if len({b for _, b in saves}) != len(saves):   # one index_copy_: repeated targets race on the GPU
+                raise RuntimeError(f"two state snapshots of one step share a slot: {saves}")
             if saves:
                 self.kv_cache.copy_state_slots([a for a, _ in saves], [b for _, b in saves])
         # only requests that asked are looked at: nothing for a step without any
