@@ -417,3 +417,24 @@ def test_top_alternatives_order_with_ties():
     # Sampled token first.
     entry = {7: Logprob(-1.0, 1, "a"), 3: Logprob(-2.0, 2, "b")}
     assert [t for t, _ in _top_alternatives(entry, 7, 2)] == [7, 3]
+
+
+def test_echo_text_offsets_follow_the_prompt_tokens(served):
+    """echo + logprobs with a prompt whose characters span several tokens: text_offset is the
+    running total of the token strings over prompt and output alike (upstream's rule), so it
+    never goes back where the generated tokens start."""
+    app, _ = served
+    r = _run(_post(app, "/v1/completions", {"prompt": "Q: 中文", "max_tokens": 3, "temperature": 0, "echo": True,
+                                            "logprobs": 1}))
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    running = [0]
+    for t in lp["tokens"][:-1]:
+        running.append(running[-1] + len(t))
+    assert lp["text_offset"] == running
+    # streamed: the chunks' offsets concatenate to the same list
+    r = _run(_post(app, "/v1/completions", {"prompt": "Q: 中文", "max_tokens": 3, "temperature": 0, "echo": True,
+                                            "logprobs": 1, "stream": True}))
+    streamed = [o for e in _sse_events(r.text) for c in e["choices"] if c.get("logprobs")
+                for o in c["logprobs"]["text_offset"]]
+    assert streamed == running

@@ -23,6 +23,10 @@ def fast_decoder(tokenizer):
     return tokenizer.decode
 
 
+WINDOW = 6            # prompt tokens decoded before the first output token, for its leading space
+MAX_CHAR_BYTES = 4    # UTF-8: a character spans at most 4 byte tokens
+
+
 class IncrementalDetokenizer:
     """Appends text as tokens arrive without re-decoding the whole output each step.
 
@@ -35,10 +39,25 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self._decode = fast_decoder(tokenizer)
-        self.ids: list[int] = list(prompt_ids[-6:])
+        # the last WINDOW prompt tokens give the first output token its context; up to
+        # MAX_CHAR_BYTES more so that neither end of that window cuts a character: a token-id
+        # prompt may end inside one (an RL turn's ids cut at max_tokens), whose bytes then
+        # belong to the output's first character (as upstream's detokenizer counts them), and a
+        # window starting inside one would decode its bytes alone
+        tail = list(prompt_ids[-(WINDOW + 2 * MAX_CHAR_BYTES):])
+        read = len(tail)
+        while read > 0 and len(tail) - read < MAX_CHAR_BYTES and self._text(tail[max(0, read - WINDOW):read]).endswith("\ufffd"):
+            read -= 1
+        start = max(0, read - WINDOW)
+        while start > 0 and max(0, read - WINDOW) - start < MAX_CHAR_BYTES and self._text(tail[start:read]).startswith("\ufffd"):
+            start -= 1
+        self.ids: list[int] = tail[start:]
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = read - start
         self.text = ""
+
+    def _text(self, ids: list[int]) -> str:
+        return self._decode(ids, skip_special_tokens=self.skip)
 
     def append(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -41,7 +41,7 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "token_ids", "detoks", "logprobs",
                  "cumulative", "finish", "stop_reason", "weight_versions", "num_cached_tokens", "_decode",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "_stop_buffer")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, decode_one: TokenTextCache):
@@ -61,6 +61,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self._decode = decode_one
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._stop_buffer = max((len(s) for s in params.stop_strings), default=1) - 1
 
     @property
     def finished(self) -> bool:
@@ -107,11 +108,11 @@ class RequestState:
                 continue
             pos, s = hit
             detok.text = detok.text[:pos + len(s)] if self.params.include_stop_str_in_output else detok.text[:pos]
-            if k == last and token_stop:
-                break  # eos / a stop token ended it in the same step: that reason stands
+            # the string is the stop reason, also where eos / a stop token ended the sample in the
+            # same step (as upstream); then the engine has stopped it already
             self.finish[i] = "stop"
             self.stop_reason[i] = s
-            return s
+            return None if k == last and token_stop else s
         if d.finish_reason is not None:
             self.finish[i] = d.finish_reason
             self.stop_reason[i] = d.stop_reason
@@ -129,9 +130,19 @@ class RequestState:
     def fail(self) -> None:
         self.finish = [f or "abort" for f in self.finish]
 
+    def _text(self, i: int) -> str:
+        """Sample i's text as a reader may see it: while it runs, without the last characters
+        a stop string may be completing (they are cut if it completes), so text read while
+        streaming only ever grows (upstream's stop buffer)."""
+        detok = self.detoks[i]
+        if detok is None:
+            return ""
+        hold = 0 if self.finish[i] is not None or self.params.include_stop_str_in_output else self._stop_buffer
+        return detok.text[:max(0, len(detok.text) - hold)] if hold else detok.text
+
     def output(self) -> RequestOutput:
         lps = self.logprobs
-        outs = [CompletionOutput(index=i, text=self.detoks[i].text if self.detoks[i] is not None else "",
+        outs = [CompletionOutput(index=i, text=self._text(i),
                                  token_ids=list(self.token_ids[i]),
                                  cumulative_logprob=self.cumulative[i] if lps is not None else None,
                                  logprobs=list(lps[i]) if lps is not None else None,

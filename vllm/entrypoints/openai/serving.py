@@ -279,15 +279,15 @@ class _ChoiceCursor:
     completion_tokens: int = 0    # the tokens its chunks have carried (its usage so far)
 
 
-def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor, holdback: int) -> tuple[str, list[int], list | None] | None:
+def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor) -> tuple[str, list[int], list | None] | None:
     """The not-yet-sent part of a choice, or None when there is nothing to send.
 
-    With stop strings the last `holdback` characters stay unsent until the choice
-    finishes: a stop string may be completing there, and the engine then cuts the
-    text before it. So the chunks always concatenate to the non-streamed text.
+    An unfinished choice's text leaves out the characters a stop string may be completing
+    (RequestState.output holds them back), so the chunks always concatenate to the
+    non-streamed text.
     """
     finished = c.finish_reason is not None
-    end = len(c.text) if finished else max(cur.text, len(c.text) - holdback)
+    end = max(cur.text, len(c.text))
     text = c.text[cur.text:end]
     ids = c.token_ids[cur.tokens:]
     lps = c.logprobs[cur.tokens:] if c.logprobs is not None else None
@@ -446,8 +446,8 @@ class OpenAIServing:
                 logprobs = None
                 if lps is not None:
                     if req.echo:
-                        logprobs = self._echo_logprobs(out, k, as_ids)
-                        gen = _completion_logprobs(token_ids, lps, k, len(prompt_text), as_ids)
+                        logprobs, prompt_end = self._echo_logprobs(out, k, as_ids)
+                        gen = _completion_logprobs(token_ids, lps, k, prompt_end, as_ids)
                         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(logprobs, name).extend(getattr(gen, name))
                     else:
@@ -476,13 +476,19 @@ class OpenAIServing:
         """echo's prompt text: the prompt as given, or its decoded token ids."""
         return out.prompt if out.prompt is not None else self.llm.tokenizer.decode(out.prompt_token_ids)
 
-    def _echo_logprobs(self, out: RequestOutput, k: int, as_ids: bool) -> CompletionLogprobs:
+    def _echo_logprobs(self, out: RequestOutput, k: int, as_ids: bool) -> tuple[CompletionLogprobs, int]:
+        """echo's prompt logprobs and where the generated tokens' text_offset continues: the
+        running total of the prompt tokens' texts (upstream's rule for the whole list; a prompt
+        token that is part of a character counts its U+FFFD, so this need not be the length
+        of the prompt's text)."""
         first = self.llm.tokenizer.decode(out.prompt_token_ids[:1])
-        return _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, first, as_ids)
+        lp = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, first, as_ids)
+        end = len(first) + sum(len(e[t].decoded_token or "")
+                               for t, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+        return lp, end
 
     async def _completion_events(self, streams, params: SamplingParams, rid: str, model: str, created: int,
                                  req: CompletionRequest) -> AsyncIterator[str]:
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
         cursors: dict[tuple[int, int], _ChoiceCursor] = {}
         n_prompt: dict[int, int] = {}
         latest: dict[int, RequestOutput] = {}   # each prompt's last output (its cached tokens)
@@ -505,7 +511,7 @@ class OpenAIServing:
                     cur = cursors.setdefault((i, c.index), _ChoiceCursor())
                     if cur.done:
                         continue
-                    delta = _stream_delta(c, cur, holdback)
+                    delta = _stream_delta(c, cur)
                     if delta is None:
                         continue
                     text, ids, lps = delta
@@ -522,9 +528,10 @@ class OpenAIServing:
                         if params.prompt_logprobs is not None:
                             require_scored_prompts([out])
                         prompt = self._echo_text(out) if req.echo else ""
+                        cur.text_offset = 0
                         if req.echo and lps is not None:
-                            echo_lp = self._echo_logprobs(out, k, as_ids)
-                        cur.text_offset = len(prompt)   # the generated tokens' offsets follow the prompt
+                            # the generated tokens' offsets follow the prompt tokens'
+                            echo_lp, cur.text_offset = self._echo_logprobs(out, k, as_ids)
                         first = {**choice, "finish_reason": None, "stop_reason": None} if prompt_only else choice
                         first["text"] = prompt + text
                         if req.prompt_logprobs is not None:
@@ -651,7 +658,6 @@ class OpenAIServing:
 
     async def _chat_events(self, stream, params: SamplingParams, rid: str, model: str, created: int,
                            req: ChatCompletionRequest, prompt_ids: list[int]) -> AsyncIterator[str]:
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
         top_k = params.logprobs or 0
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         plan = req.tool_plan(self.tool_call_parser)
@@ -690,7 +696,7 @@ class OpenAIServing:
                     cur = cursors[c.index]
                     if cur.done:
                         continue
-                    delta = _stream_delta(c, cur, holdback)
+                    delta = _stream_delta(c, cur)
                     if delta is None:
                         continue
                     text, ids, lps = delta

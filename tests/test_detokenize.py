@@ -1,0 +1,86 @@
+"""Token ids -> text as clients read it (vllm/tokenizer.py IncrementalDetokenizer,
+vllm/engine/output_processor.py RequestState), with the embedded default model's byte-level
+tokenizer, whose non-ASCII characters are split over several byte tokens: a token-id prompt
+that ends inside a character, streamed text with stop strings, a stop token whose text
+completes a stop string."""
+from __future__ import annotations
+
+import pytest
+
+from vllm import SamplingParams
+from vllm.engine.core_messages import RequestDelta
+from vllm.engine.output_processor import RequestState, TokenTextCache
+from vllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+TEXT = "Q: 中文 é😀 end"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    import os
+
+    import vllm
+    return load_tokenizer(os.path.join(os.path.dirname(vllm.__file__), "default_model"))
+
+
+@pytest.mark.parametrize("cut_bytes", [1, 2])
+def test_a_prompt_ending_inside_a_character(tok, cut_bytes):
+    """An RL turn's token ids cut inside a character: the character's bytes complete in the
+    output, whose text then starts with the whole character (as upstream's detokenizer), and
+    nothing after it is lost or garbled."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    first = tok.convert_ids_to_tokens(ids).index("ä")    # the first of 中's three byte tokens
+    prompt, out = ids[:first + cut_bytes], ids[first + cut_bytes:]
+    assert tok.decode(prompt).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.append(t) for t in out]
+    assert "".join(deltas) == detok.text == TEXT[len("Q: "):]
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_whole_prompts_keep_their_text(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        detok = IncrementalDetokenizer(tok, ids[:cut])
+        for t in ids[cut:]:
+            detok.append(t)
+        if not tok.decode(ids[:cut]).endswith("\ufffd"):
+            assert tok.decode(ids[:cut]) + detok.text == TEXT, cut
+
+
+def _stream(tok, params: SamplingParams, out_ids: list[int], last_finish=None, last_stop_reason=None):
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    st = RequestState("r", None, prompt, params, tok, TokenTextCache(tok))
+    texts = []
+    for k, t in enumerate(out_ids):
+        last = k == len(out_ids) - 1
+        st.apply(RequestDelta("r", 0, [t], None, last_finish if last else None, last_stop_reason if last else None,
+                              [0], 0))
+        texts.append(st.output().outputs[0].text)
+        if st.finished:
+            break
+    return st, texts
+
+
+@pytest.mark.parametrize("stop", ["STOP!", "STO"])
+def test_streamed_text_only_grows_with_stop_strings(tok, stop):
+    """A running sample's text leaves out what a stop string may be completing (upstream's stop
+    buffer): read while streaming (AsyncLLM.generate, LLMEngine.step), it never shrinks."""
+    out = tok.encode(" é😀 STOP now", add_special_tokens=False)
+    st, texts = _stream(tok, SamplingParams(max_tokens=20, stop=[stop]), out, "length")
+    final = texts[-1]
+    assert final == (" é😀 STOP now" if stop == "STOP!" else " é😀 ")
+    assert all(final.startswith(t) for t in texts)
+    assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
+
+
+def test_a_stop_token_completing_a_stop_string_reports_the_string(tok):
+    """A stop token whose own text completes a stop string (kept in the output): the string is
+    the stop reason, as upstream."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = tok.encode(" hello", add_special_tokens=False) + [end]
+    params = SamplingParams(max_tokens=20, stop=["<|im_end|>"], stop_token_ids=[end], include_stop_str_in_output=True,
+                            skip_special_tokens=False)
+    st, texts = _stream(tok, params, out, "stop", end)
+    c = st.output().outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (" hello<|im_end|>", "stop", "<|im_end|>")
