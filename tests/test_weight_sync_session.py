@@ -96,7 +96,13 @@ def test_failure_without_backup_refuses_service(tiny_qwen3, new_weights):
     assert llm.llm_engine.weights_torn
     with pytest.raises(ValueError, match="not serving"):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
-    llm.update_weights(tensors, require_complete=True)   # a complete update brings service back
+    # a partial update cannot lift it (it would serve a mix of two versions), even unasked for completeness
+    with pytest.raises(ValueError, match="incomplete update"):
+        llm.update_weights(dict(tensors[:1]))
+    assert llm.llm_engine.weights_torn
+    with pytest.raises(ValueError, match="not serving"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
+    llm.update_weights(tensors)   # a complete update brings service back
     assert not llm.llm_engine.weights_torn
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
@@ -205,3 +211,17 @@ def test_check_finite_off_writes_what_it_is_given(tiny_qwen3):
         llm.update_weights(sd)
     assert llm.update_weights(sd, check_finite=False) == 1
     assert torch.isinf(llm.llm_engine.executor.model.hf_state_dict()[name]).all()
+
+
+def test_a_contract_travels_as_its_dict(tiny_qwen3, new_weights):
+    """The sender's contract as to_dict() gives it (JSON over a wire) is checked like the object;
+    anything else is a ValueError that changes nothing."""
+    llm = LLM(tiny_qwen3, device="cpu")
+    tensors = checkpoint_tensors(new_weights)
+    with pytest.raises(ValueError, match="not an execution contract"):
+        llm.update_weights(tensors, contract={"semantic": {}})
+    with pytest.raises(ValueError, match="ExecutionContract or its dict"):
+        llm.update_weights(tensors, contract=42)
+    assert llm.llm_engine.weight_version == 0 and llm.llm_engine.weight_update is None
+    llm.update_weights(tensors, contract=llm.llm_engine.execution_contract().to_dict())
+    assert llm.llm_engine.weight_version == 1

@@ -10,6 +10,7 @@ holds the staging thread before it reads a tensor until the test lets it go.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -168,6 +169,16 @@ def _bad_checkpoint(src: str, dst: str, kind: str) -> str:
         tensors[name] = tensors[name][:-1].contiguous()
     elif kind == "int":
         tensors[name] = torch.zeros_like(tensors[name], dtype=torch.int32)
+    elif kind == "bool":
+        tensors[name] = torch.ones_like(tensors[name], dtype=torch.bool)
+    elif kind == "missing":                 # a tensor dropped (a lost shard's): part of the model would stay old
+        del tensors[name]
+    elif kind == "config":                  # the weights of a model with another rope theta
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["rope_theta"] = float(cfg.get("rope_theta", 10000.0)) * 2
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
     path = os.path.join(dst, "model.safetensors")
     save_file(tensors, path)
     if kind == "truncated":
@@ -181,6 +192,7 @@ def _bad_checkpoint(src: str, dst: str, kind: str) -> str:
 
 @pytest.mark.parametrize("kind, message", [
     ("nan", "non-finite"), ("unknown", "unknown weight"), ("shape", "shape"), ("int", "not a float dtype"),
+    ("bool", "not a float dtype"), ("missing", "is incomplete"), ("config", "another model configuration"),
     ("truncated", "truncated"), ("garbage", "not a readable safetensors file"),
 ])
 def test_bad_checkpoint_changes_nothing(old_llm, new_weights, tmp_path, kind, message):
@@ -199,6 +211,32 @@ def test_bad_checkpoint_changes_nothing(old_llm, new_weights, tmp_path, kind, me
     assert eng.weight_version == 0 and not eng.paused and eng.weight_update is None
     after = param_bits(old_llm)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_file_rewritten_while_staged_is_refused(old_llm, new_weights, tmp_path):
+    """A checkpoint file written again while the engine stages it would give one version made of
+    two checkpoints: refused, nothing changed."""
+    import shutil
+    src = str(tmp_path / "rewritten")
+    shutil.copytree(new_weights, src)
+    before = param_bits(old_llm)
+    core = EngineCore(old_llm.llm_engine)
+    seen = []
+
+    def rewrite_once(job, name):
+        if not seen:
+            seen.append(name)
+            with open(os.path.join(src, "model.safetensors"), "r+b") as f:   # in place: same layout, other bytes
+                f.seek(-4, os.SEEK_END)
+                f.write(bytes(4))
+    core.staging_hook = rewrite_once
+    drv = Driver(core)
+    drv.call(1, "update_weights_from_path", src)
+    drv.until(lambda: 1 in drv.results)
+    ok, (err, msg) = drv.results[1]
+    assert not ok and err == "ValueError" and "changed while they were staged" in msg, msg
+    after = param_bits(old_llm)
+    assert old_llm.llm_engine.weight_version == 0 and all(torch.equal(before[n], after[n]) for n in before)
 
 
 def test_overflow_on_cast_is_refused(tiny_qwen3, new_weights, tmp_path):
@@ -223,7 +261,7 @@ def test_tied_tensors_must_agree(tiny_llama, tmp_path):
     drv.call(1, "update_weights_from_path", str(tmp_path / "tied"))
     drv.until(lambda: 1 in drv.results)
     ok, (err, msg) = drv.results[1]
-    assert not ok and "tied" in msg
+    assert not ok and "tied" in msg, msg
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(tmp_path / "tied" / "model.safetensors"))
     drv.call(2, "update_weights_from_path", str(tmp_path / "tied"))

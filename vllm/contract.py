@@ -177,8 +177,16 @@ class ExecutionContract:
     def from_json(cls, s: str) -> "ExecutionContract":
         return cls.from_dict(json.loads(s))
 
-    def check_compatible(self, other: "ExecutionContract") -> None:
-        """Raise ValueError unless `other` computes the same bits as self (semantic + numerical)."""
+    def check_compatible(self, other: "ExecutionContract | dict") -> None:
+        """Raise ValueError unless `other` (a contract, or its to_dict() as it travels) computes
+        the same bits as self (semantic + numerical)."""
+        if isinstance(other, dict):
+            try:
+                other = ExecutionContract.from_dict(other)
+            except KeyError as err:
+                raise ValueError(f"not an execution contract: no {err} part") from None
+        elif not isinstance(other, ExecutionContract):
+            raise ValueError(f"contract must be an ExecutionContract or its dict, got {type(other).__name__}")
         bad = []
         for part in ("semantic", "numerical"):
             if self.digests[part] != other.digests[part]:

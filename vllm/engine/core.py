@@ -285,11 +285,43 @@ class EngineCore:
                              "from a path at a time: send this one after it answers (or abort it: "
                              "abort_weight_staging)")
         files = checkpoint_files(path)  # ValueError for a directory without weights, before anything starts
+        self._check_checkpoint_config(path)
         job = CheckpointStaging(self.engine, path, files, staging=staging, hook=self.staging_hook)
         job.call_id = self._call_id
         self._staging = job.start()
         logger.info("staging weights from %s (%d file(s), %s staging)", path, len(files), staging)
         return _DEFERRED
+
+    def _check_checkpoint_config(self, path: str) -> None:
+        """A checkpoint directory's config.json must parse to the model's own config (the
+        contract's semantic part): weights written under another rope theta, norm epsilon or
+        layer plan would be served under this engine's, which no fresh load of that directory
+        gives. ValueError naming the fields that differ; a directory without config.json passes
+        (weights alone)."""
+        import dataclasses
+        import json
+
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            return
+        model_cfg = self.engine.executor.model.config
+        parse = type(model_cfg).from_hf
+        try:
+            with open(cfg_path) as f:
+                theirs = dataclasses.asdict(parse(json.load(f)))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"the config.json at {path!r} is not a config of this model's architecture: {err}")
+        # against the engine's own checkpoint parsed the same way (the engine may have set fields
+        # after parsing, e.g. the context it serves), else against the model's config
+        ours = dataclasses.asdict(model_cfg)
+        own = os.path.join(self.engine.config.model.path, "config.json")
+        if os.path.isfile(own):
+            with open(own) as f:
+                ours = dataclasses.asdict(parse(json.load(f)))
+        differ = sorted(k for k in ours if ours[k] != theirs.get(k))
+        if differ:
+            raise ValueError(f"the checkpoint at {path!r} is of another model configuration (differs in {differ}); "
+                             "weight updates keep the model: the previous weights keep serving")
 
     def _settle_staging(self) -> None:
         """Between steps: once the staging thread is done, write the staged checkpoint (or

@@ -189,8 +189,12 @@ class WeightPlanner:
         return writes
 
     def missing(self) -> list[str]:
-        """Slots not covered so far, as `name` or `name[shard]`."""
-        return sorted(_key_name(k) for k in self.mapping.keys() - self.covered)
+        """Slots not covered so far, as `name` or `name[shard]`; a slot whose tied alias was
+        given counts as covered (finish writes it from the alias, or checks the two agree)."""
+        covered = set(self.covered)
+        for target in self._aliased:
+            covered.update(self.mapping.covers(self.mapping.slots[target]))
+        return sorted(_key_name(k) for k in self.mapping.keys() - covered)
 
     def _cover(self, hf_name: str, slot: WeightSlot) -> None:
         keys = self.mapping.covers(slot)

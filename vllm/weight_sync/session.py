@@ -89,7 +89,7 @@ def plan_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
 
 def _add(planner, name: str, tensor):
-    if torch.is_tensor(tensor) and not (tensor.is_floating_point() or tensor.dtype == torch.bool):
+    if torch.is_tensor(tensor) and not tensor.is_floating_point():   # bool and integer data is no float weight
         dest_dtype = _dest_dtype(planner, name)
         if dest_dtype is not None and dest_dtype.is_floating_point:
             raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not a float dtype; the model's is {dest_dtype}")
@@ -189,7 +189,9 @@ class WeightUpdate:
             engine.execution_contract().check_compatible(contract)  # ValueError names the differing keys
         self.engine = engine
         self.model = engine.executor.model
-        self.require_complete = require_complete
+        # a failed update left the weights torn (part new, part old): only an update that gives
+        # every parameter lifts that, else the engine would serve a mix of two versions
+        self.require_complete = require_complete or bool(getattr(engine, "weights_torn", False))
         self.backup = backup
         self.check_finite = check_finite
         self._pending_checks: list = []   # finiteness of retained buckets, read once at finish
@@ -286,7 +288,9 @@ class WeightUpdate:
             if self.require_complete:
                 missing = self.planner.missing()
                 if missing:
-                    raise ValueError(f"incomplete update: missing {missing[:6]}")
+                    torn = (" (a failed update tore the weights: only a complete update lifts that)"
+                            if getattr(self.engine, "weights_torn", False) else "")
+                    raise ValueError(f"incomplete update{torn}: missing {missing[:6]}")
             t0 = time.perf_counter()
             self._copy(self._staged + [(d, s) for d, s in tail if not _same_memory(d, s)])
             self.copy_s = time.perf_counter() - t0

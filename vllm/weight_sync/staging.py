@@ -86,6 +86,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _file_identity(path: str) -> tuple:
+    """What changes when a file is replaced or rewritten: inode, size, modification time."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_header(path: str) -> list[TensorRecord]:
     """The tensors of one safetensors file, in the order their bytes are stored.
     ValueError for a file that is not a complete safetensors file."""
@@ -242,6 +248,7 @@ class CheckpointStaging:
         self.started = 0.0
         self.device_bytes = 0               # staging buffers taken on the device (even if it then failed)
         self.done = threading.Event()
+        self._stats: dict[str, tuple] = {}   # each file's identity when its header was read
         self._cancel = threading.Event()
         self._cancel_reason = ""
         self._thread = threading.Thread(target=self._run, name="vllm-weight-staging", daemon=True)
@@ -301,6 +308,7 @@ class CheckpointStaging:
 
     def _stage(self) -> StagedCheckpoint:
         model = self.model
+        self._stats = {f: _file_identity(f) for f in self.files}   # before anything of them is read
         records = [r for f in self.files for r in read_header(f)]
         mapping = weight_mapping_of(model)
         ptrs = _param_ptrs(model)
@@ -313,6 +321,13 @@ class CheckpointStaging:
             _add(planner, r.name, torch.empty(r.shape, dtype=r.dtype, device="meta"))
             if not mapping.is_derived(r.name):
                 staged.append((r, _dest_dtype(planner, r.name)))
+        # a checkpoint is a whole model: one missing a tensor (a shard lost, a name dropped)
+        # would leave those parameters at the old weights, a mix no fresh load gives
+        missing = planner.missing()
+        if missing:
+            raise ValueError(f"the checkpoint at {self.path!r} is incomplete: no {missing[:6]}"
+                             f"{f' and {len(missing) - 6} more' if len(missing) > 6 else ''}; "
+                             "the previous weights keep serving")
         # 2. buffers, in the parameters' dtypes
         layouts = plan_buckets([(r.name, dtype_name(dt), r.shape) for r, dt in staged], self.bucket_bytes)
         buckets, device_bytes, host_bytes = self._allocate(layouts)
@@ -349,6 +364,11 @@ class CheckpointStaging:
         finally:
             for fh in handles.values():
                 fh.close()
+        # a file rewritten while it was read would give a version made of two checkpoints
+        changed = [f for f in self.files if _file_identity(f) != self._stats[f]]
+        if changed:
+            raise ValueError(f"checkpoint file(s) {changed} changed while they were staged; the previous weights "
+                             "keep serving (write a checkpoint to a new directory, then update from it)")
         raise_if_non_finite(flags)
         # 4. tied tensors, and the pairs to write: sources already in the parameters' dtypes
         planner = mapping.planner(exact_dtype=False, check_finite=False)
