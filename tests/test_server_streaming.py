@@ -52,9 +52,12 @@ def test_tool_call_stream_matches_parse(text):
 def test_cut_short_required_array_keeps_its_text():
     text = '[{"name":"add","parameters":{"a":1,"b":true}},{"na'
     plan = plan_tools(TOOLS, "required")
-    assert plan.parse(text) == (text, [])
-    # the completed element was sent as it completed; the finish adds the text as content
-    assert stream_in_pieces(plan, text, 0, max_piece=5) == (text, [("add", {"a": 1, "b": True})], False)
+    content, calls = plan.parse(text)
+    # the completed element is a call (streamed as it completed); the text after it is content
+    assert content == ',{"na' and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": True})]
+    for seed in range(8):
+        assert stream_in_pieces(plan, text, seed, max_piece=5) == (',{"na', [("add", {"a": 1, "b": True})], True)
+    assert plan.parse('[{"na') == ('[{"na', [])
 
 
 # ---- the server -------------------------------------------------------------------------------

@@ -133,6 +133,138 @@ def test_a_call_is_never_sent_as_content_early(parser, text, _c, _k):
         assert all(could_be_calls(parser, text[:k]) for k in range(len(text) + 1))
 
 
+# ---- streamed == non-streamed through the server's own functions ------------------------------
+
+def _served(plan, text, finish="stop"):
+    """(non-streamed, streamed) (content, [(id, name, arguments)], finish_reason) of one
+    output, as serving.py builds the message and joins the deltas."""
+    from vllm.entrypoints.openai.serving import _chat_finish, _chat_message
+    from vllm.outputs import CompletionOutput
+    c = CompletionOutput(index=0, text=text, token_ids=[], cumulative_logprob=None, logprobs=None,
+                         finish_reason=finish)
+    m = _chat_message(c, plan)
+    full = (m.content, [(t.id, t.function.name, t.function.arguments) for t in m.tool_calls or []],
+            _chat_finish(c, plan))
+    stream, pieces = ToolCallStream(plan), []
+    for k in range(0, len(text), 3):
+        pieces += stream.feed(text[k:k + 3], k + 3 >= len(text))
+    if not text:
+        pieces += stream.feed("", True)
+    calls: dict = {}
+    for p in pieces:
+        if p.index is not None:
+            calls.setdefault(p.index, [p.id, p.name, ""])[2] += p.arguments or ""
+    fin = "tool_calls" if finish == "stop" and plan.mode in ("auto", "required") and stream.has_calls() else finish
+    streamed = ("".join(p.content for p in pieces if p.content is not None) or None,
+                [tuple(calls[i]) for i in sorted(calls)], fin)
+    return full, streamed
+
+
+def _same(full, streamed):
+    assert (full[0], [c[1:] for c in full[1]], full[2]) == (streamed[0], [c[1:] for c in streamed[1]], streamed[2])
+
+
+@pytest.mark.parametrize("parser,text,content", [
+    ("hermes", '\n\nSure, checking. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n',
+     "\n\nSure, checking."),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n\n Done.  ', "\n\n Done."),
+    ("hermes", '\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n', None),
+    ("mistral", ' \nSure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', " \nSure."),
+])
+def test_content_around_marked_calls_keeps_its_leading_whitespace(parser, text, content):
+    """Text before a call may start with whitespace (after a </think>): the stream sends it
+    before it knows a call follows, so the non-streamed content keeps it too; only the
+    whitespace that ends the content is dropped when there are calls."""
+    plan = plan_tools(TOOLS, "auto", parser=parser)
+    assert plan.parse(text)[0] == content
+    full, streamed = _served(plan, text)
+    assert full[0] == content and [c[1] for c in full[1]] == ["add"] and full[2] == "tool_calls"
+    _same(full, streamed)
+    for seed in range(8):
+        assert stream_in_pieces(plan, text, seed, max_piece=4) == (content, [("add", {"a": 1})], True)
+
+
+@pytest.mark.parametrize("text", ['{"a": 1.50, "b": 1e3}', '{"a": 2, "b": "Z\\u00fcrich"}', '{ "a":1 }'])
+def test_named_call_arguments_are_the_generated_text(text):
+    """A named tool_choice's arguments are the output unchanged, streamed or not (no
+    re-serialising: 1.50 stays 1.50, \\u00fc stays escaped)."""
+    plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}})
+    full, streamed = _served(plan, text)
+    assert [c[1:] for c in full[1]] == [("add", text)] and full[0] is None and full[2] == "stop"
+    _same(full, streamed)
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_required_cut_short_gives_its_complete_calls(finish):
+    """A "required" array cut short (max_tokens, a stop string): its complete elements are
+    calls and the text after the last of them is content, streamed or not."""
+    plan = plan_tools(TOOLS, "required")
+    text = '[{"name": "add", "parameters": {"a": 1, "b": true}}, {"name": "noop", "parame'
+    full, streamed = _served(plan, text, finish)
+    assert [c[1:] for c in full[1]] == [("add", '{"a": 1, "b": true}')]
+    assert full[0] == ', {"name": "noop", "parame'
+    assert full[2] == ("tool_calls" if finish == "stop" else "length")
+    _same(full, streamed)
+    full, streamed = _served(plan, '[{"name": "ad', finish)     # nothing complete: all content
+    assert full == (('[{"name": "ad', [], finish)) and streamed == full
+    text = '[{"name": "add", "parameters": {"a": 2, "b": false}}]'
+    full, streamed = _served(plan, text)
+    assert full[0] is None and [c[1] for c in full[1]] == ["add"] and full[2] == "tool_calls"
+    _same(full, streamed)
+
+
+LOC = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _defs_tool(name, defs_key="$defs", loc=LOC):
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": f"#/{defs_key}/Loc"}}, "required": ["loc"],
+        defs_key: {"Loc": loc}}}}
+
+
+def test_required_moves_the_tools_defs_to_the_top():
+    """tool_choice "required" nests each tool's parameters in one array schema: their $defs
+    (and definitions) move to its top level, where "#/$defs/..." references resolve."""
+    tools = [_defs_tool("f"), _defs_tool("g"), _defs_tool("h", "definitions"), TOOLS[0]]
+    schema = plan_tools(tools, "required").structured_outputs().json
+    assert schema["$defs"] == {"Loc": LOC} and schema["definitions"] == {"Loc": LOC}
+    for call in schema["items"]["anyOf"]:
+        params = call["properties"]["parameters"]
+        assert "$defs" not in params and "definitions" not in params
+    assert tools[0]["function"]["parameters"]["$defs"] == {"Loc": LOC}     # the request is not changed
+    other = dict(LOC, required=[])
+    with pytest.raises(ValueError, match=r"'f' and 'g' both define \$defs/Loc"):
+        plan_tools([_defs_tool("f"), _defs_tool("g", loc=other)], "required").structured_outputs()
+    pytest.importorskip("xgrammar")
+    from vllm.structured_outputs import grammar_of
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        grammar_of(plan_tools(tools, choice).structured_outputs())     # compiles: the refs resolve
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "add"}}])
+def test_mistral_tool_call_ids_are_nine_letters_and_digits(choice):
+    """Mistral's chat templates refuse a tool call id that is not 9 letters and digits when
+    the call comes back in the next request: the mistral parser's ids are that, streamed
+    or not, whatever the tool_choice; other parsers keep call_..."""
+    text = {"auto": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "noop", "arguments": {}}]',
+            "required": '[{"name": "add", "parameters": {"a": 1}}, {"name": "noop", "parameters": {}}]'}.get(
+        choice if isinstance(choice, str) else "", '{"a": 1}')
+    for parser in ("mistral", "hermes"):
+        plan = plan_tools(TOOLS, choice, parser=parser)
+        if choice == "auto" and parser == "hermes":
+            text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+        full, streamed = _served(plan, text)
+        ids = [c[0] for c in full[1] + streamed[1]]
+        assert full[1] and len(set(ids)) == len(ids)
+        for i in ids:
+            if parser == "mistral":
+                assert len(i) == 9 and i.isalnum() and i.isascii(), i
+            else:
+                assert i.startswith("call_") and len(i) == 29, i
+        if parser == "mistral":
+            _same(full, streamed)
+
+
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         check_tool_call_parser("llama3")
@@ -211,7 +343,10 @@ def test_server_parses_the_format(server, parser):
     calls = [(t.function.name, json.loads(t.function.arguments)) for t in full.message.tool_calls or []]
     assert [n for n, _ in calls] == names and full.finish_reason == "tool_calls", full
     assert full.message.content == content
-    assert all(t.id.startswith("call_") for t in full.message.tool_calls)
+    if parser == "mistral":    # Mistral's chat templates take 9 letters and digits only
+        assert all(len(t.id) == 9 and t.id.isalnum() for t in full.message.tool_calls)
+    else:
+        assert all(t.id.startswith("call_") for t in full.message.tool_calls)
     assert len({t.id for t in full.message.tool_calls}) == len(names)
     assert calls[0][1]["a"] in (1, 2, 3) and isinstance(calls[0][1]["b"], bool)
     got = _join_chat_stream(client.chat.completions.create(stream=True, **kw))

@@ -20,8 +20,8 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 def stream_in_pieces(plan: ToolPlan, text: str, seed: int, max_piece: int = 5):
     """Feed `text` in random pieces of 0..max_piece characters, then finish. Returns
     (content or None, [(name, parsed arguments)], has_calls). Checks what every stream must
-    keep: a call's first piece carries its fresh id and name with no arguments, ids are
-    distinct, indices run 0, 1, ..."""
+    keep: a call's first piece carries its fresh id (9 letters and digits with the mistral
+    parser, else call_...) and name with no arguments, ids are distinct, indices run 0, 1, ..."""
     rng, parser, pieces, i = random.Random(seed), ToolCallStream(plan), [], 0
     while i < len(text):
         j = min(len(text), i + rng.randint(0, max_piece))
@@ -33,7 +33,11 @@ def stream_in_pieces(plan: ToolPlan, text: str, seed: int, max_piece: int = 5):
         if p.index is not None:
             if p.id is not None:
                 assert p.index not in calls and p.name and p.arguments == ""   # the call's first piece
-                assert p.id.startswith("call_") and all(p.id != q[2] for q in calls.values())
+                assert p.id == p.id.strip() and all(p.id != q[2] for q in calls.values())
+                if plan.parser == "mistral":
+                    assert len(p.id) == 9 and p.id.isalnum() and p.id.isascii(), p.id
+                else:
+                    assert p.id.startswith("call_"), p.id
                 calls[p.index] = [p.name, "", p.id]
             calls[p.index][1] += p.arguments or ""
     assert sorted(calls) == list(range(len(calls)))

@@ -27,7 +27,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
 from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
-from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, new_tool_call_id, plan_tools
+from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, plan_tools
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -798,7 +798,7 @@ def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | N
         text, calls = plan.parse(text)
     content = echoed + (text or "") if echoed else text
     return ChatResponseMessage(role=role, content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=[
-        ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+        ToolCall(id=plan.call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in calls] or None)
 
 

@@ -8,13 +8,22 @@ the model's output into OpenAI `tool_calls` (docs/serving.md, "Tool calls").
   in the content: nothing the model wrote is dropped.
 * "required": generation is constrained to a JSON array of one or more
   ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` objects (exactly
-  one with parallel_tool_calls=false).
+  one with parallel_tool_calls=false); the tools' ``$defs`` / ``definitions`` move to the
+  array schema's top level, where their ``#/$defs/...`` references find them. An output cut
+  short (max_tokens, a stop string) gives its complete elements as calls and the text after
+  the last of them as content, streamed or not.
 * a named function (``{"type": "function", "function": {"name": ...}}``): generation is
-  constrained to that function's parameters schema; the output is its arguments.
+  constrained to that function's parameters schema; the output, as generated, is its
+  arguments.
+
+Tool-call ids are ``call_`` and 24 hex digits, or 9 letters and digits with the mistral
+parser (Mistral's chat templates refuse any other id when the call comes back).
 """
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -37,7 +46,8 @@ class ToolPlan:
     named: str | None = None
     parameters: tuple = ()                      # per function (same order), its parameters schema
     parallel: bool = True                       # "required": more than one call allowed
-    parser: str = DEFAULT_TOOL_CALL_PARSER      # "auto": the output's format (tool_parsers.py)
+    parser: str = DEFAULT_TOOL_CALL_PARSER      # the server's --tool-call-parser: the format "auto"
+                                                # reads (tool_parsers.py), and the ids' form
 
     @property
     def parses(self) -> bool:
@@ -45,35 +55,38 @@ class ToolPlan:
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that "required" and a named function generate under (None: free)."""
-        # compact JSON, as response_format's (protocol.py): the arguments are re-serialised anyway.
-        # A tool's parameters constrain its calls as far as the grammar backend enforces them
-        # (the keywords it would not are left out, where a response_format using them is refused)
+        # compact JSON, as response_format's (protocol.py); a named call's arguments are the
+        # generated text unchanged, a "required" call's re-serialised from the array. A tool's
+        # parameters constrain its calls as far as the grammar backend enforces them (the
+        # keywords it would not are left out, where a response_format using them is refused)
         params = [without_unenforced_keywords(p) for p in self.parameters]
         if self.mode == "named":
             return StructuredOutputsParams(json=params[self.function_names.index(self.named)],
                                            disable_any_whitespace=True)
         if self.mode == "required":
+            params, defs = _hoist_defs(self.function_names, params)
             calls = [{"type": "object",
                       "properties": {"name": {"enum": [name]}, "parameters": p},
                       "required": ["name", "parameters"]}
                      for name, p in zip(self.function_names, params)]
-            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
             if not self.parallel:
                 array["maxItems"] = 1
             return StructuredOutputsParams(json=array, disable_any_whitespace=True)
         return None
 
+    def call_id(self) -> str:
+        """A fresh id for one of this request's tool calls."""
+        return new_tool_call_id(self.parser)
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content, tool calls) of a finished output."""
         if self.mode == "named":
-            return None, [ParsedToolCall(self.named, _arguments_text(text))]
+            return None, [ParsedToolCall(self.named, text)]   # the arguments as generated, as streamed
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []   # cut short (max_tokens, a stop string): report what there is
-            return None, [ParsedToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
-                          for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
+            # the array's complete elements are calls, the text after the last is content (a
+            # cut-short array): read as the stream reads it, so that the two agree
+            return _joined(ToolCallStream(self).feed(text, True))
         if self.mode == "auto":
             return parse_tool_calls(self.parser, text)
         return text, []
@@ -106,7 +119,8 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None
     if tool_choice is None or tool_choice == "auto":
         return ToolPlan("auto", tuple(names), parameters=tuple(params), parser=parser)
     if tool_choice in ("none", "required"):
-        return ToolPlan(tool_choice, tuple(names), parameters=tuple(params), parallel=parallel_tool_calls is not False)
+        return ToolPlan(tool_choice, tuple(names), parameters=tuple(params), parallel=parallel_tool_calls is not False,
+                        parser=parser)
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -114,26 +128,66 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None
             raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
         if name not in names:
             raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
-        return ToolPlan("named", tuple(names), named=name, parameters=tuple(params))
+        return ToolPlan("named", tuple(names), named=name, parameters=tuple(params), parser=parser)
     raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
 
 
 def parse_tool_call_blocks(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     """Hermes / Qwen style: every ``<tool_call>{json}</tool_call>`` block whose JSON is an
     object with a string "name" (and "arguments" or "parameters") is a call; the rest of
-    the text, stripped, is the content (None when empty)."""
+    the text, less the whitespace that ends it, is the content (None when empty)."""
     return parse_marked(text, HERMES_OPEN, hermes_block)
 
 
-def _arguments_text(text: str) -> str:
-    """A named call's arguments as compact JSON when they parse, else as generated."""
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except json.JSONDecodeError:
-        return text
+_DEFS_KEYS = ("$defs", "definitions")
 
 
-def new_tool_call_id() -> str:
+def _hoist_defs(names, params) -> tuple[list, dict]:
+    """The tools' parameters without their top-level ``$defs`` / ``definitions``, and those
+    merged for the combined schema's top level (a ``#/$defs/X`` reference is resolved from
+    the document's root). ValueError when two tools define one name differently."""
+    out, merged, owner = [], {}, {}
+    for name, p in zip(names, params):
+        if not isinstance(p, dict) or not any(k in p for k in _DEFS_KEYS):
+            out.append(p)
+            continue
+        p = dict(p)
+        for key in _DEFS_KEYS:
+            defs = p.pop(key, None)
+            if defs is None:
+                continue
+            if not isinstance(defs, dict):
+                raise ValueError(f"tool {name!r}: parameters.{key} must be an object")
+            have = merged.setdefault(key, {})
+            for k, v in defs.items():
+                if k in have and have[k] != v:
+                    raise ValueError(f"tools {owner[key, k]!r} and {name!r} both define {key}/{k}, differently: "
+                                     f"tool_choice 'required' puts their definitions in one schema, "
+                                     f"so rename one of them")
+                have[k] = v
+                owner.setdefault((key, k), name)
+        out.append(p)
+    return out, merged
+
+
+def _joined(pieces: list[StreamPiece]) -> tuple[str | None, list[ParsedToolCall]]:
+    """(content, calls) of a whole stream's pieces."""
+    content = "".join(p.content for p in pieces if p.content is not None)
+    calls: dict[int, list[str]] = {}
+    for p in pieces:
+        if p.index is not None:
+            calls.setdefault(p.index, [p.name, ""])[1] += p.arguments or ""
+    return content or None, [ParsedToolCall(n, a) for n, a in (calls[i] for i in sorted(calls))]
+
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def new_tool_call_id(parser: str | None = None) -> str:
+    """``call_`` and 24 hex digits; with the mistral parser 9 letters and digits, the only
+    ids Mistral's chat templates accept."""
+    if parser == "mistral":
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -157,10 +211,11 @@ class ToolCallStream:
     as JSON values). "auto" with a marked format (hermes, mistral) sends a call once its
     block is complete (before then it may still turn out not to be a call, and then stays
     content) and holds back a trailing partial marker and whitespace at the end of the
-    content (the parsed content is stripped when there are calls); with an unmarked one
+    content (parse() drops the whitespace that ends the content when there are calls); with an unmarked one
     (llama3_json, pythonic) it holds the whole output while it may still be calls and
     sends it as content as soon as it cannot be, else decides at the end. "required"
-    sends a call once its array element is complete; a named function's arguments
+    sends a call once its array element is complete (an array cut short: the text after
+    the last complete element is content at the end); a named function's arguments
     stream as generated.
     """
 
@@ -169,17 +224,15 @@ class ToolCallStream:
         self.buf = ""             # auto: text not yet sent; required: all the text so far
         self.in_block = False
         self.pos = 0              # required: where the next array element starts (-1: no more)
+        self.cut = 0              # required: where the last element that was a call ends
         self.opened = False
         self.calls = 0
-        self.content_sent = False
         self.held_ws = ""         # auto, marked: whitespace that ends the content so far
         self.marked = _MARKED.get(plan.parser)
         self.passthrough = False  # auto, unmarked: the output is content, sent as it comes
 
     def has_calls(self) -> bool:
         """Whether the finished text holds calls (finish_reason "tool_calls")."""
-        if self.plan.mode == "required":
-            return self.calls > 0 and self._array_parses()
         return self.calls > 0
 
     def feed(self, delta: str, finished: bool) -> list[StreamPiece]:
@@ -192,8 +245,10 @@ class ToolCallStream:
         elif self.plan.mode == "required":
             self.buf += delta
             self._feed_array(out, finished)
-            if finished and not self._array_parses():
-                out.append(StreamPiece(content=self.buf))   # as parse(): the text, cut short
+            if finished and not self._whole_array():
+                rest = self.buf[self.cut:] if self.calls else self.buf   # cut short: after the calls
+                if rest:
+                    out.append(StreamPiece(content=rest))
         elif self.plan.mode == "auto" and self.marked is not None:
             self.buf += delta
             self._feed_blocks(out, finished)
@@ -206,7 +261,7 @@ class ToolCallStream:
     def _call_pieces(self, call: ParsedToolCall) -> list[StreamPiece]:
         i = self.calls
         self.calls += 1
-        head = StreamPiece(index=i, id=new_tool_call_id(), name=call.name, arguments="")
+        head = StreamPiece(index=i, id=self.plan.call_id(), name=call.name, arguments="")
         return [head, StreamPiece(index=i, arguments=call.arguments)] if call.arguments else [head]
 
     def _feed_blocks(self, out: list[StreamPiece], finished: bool) -> None:
@@ -255,19 +310,15 @@ class ToolCallStream:
             self.buf = ""
 
     def _content(self, text: str, out: list[StreamPiece]) -> None:
-        """Send content, holding back trailing whitespace until more content follows, and
-        dropping leading whitespace after a call (parse() strips the content when there
-        are calls)."""
+        """Send content, holding back trailing whitespace until more content follows (parse()
+        drops the whitespace that ends the content when there are calls)."""
         if not text:
             return
         text = self.held_ws + text
         body = text.rstrip()
         self.held_ws = text[len(body):]
-        if body and not self.content_sent and self.calls:
-            body = body.lstrip()
         if body:
             out.append(StreamPiece(content=body))
-            self.content_sent = True
 
     def _feed_array(self, out: list[StreamPiece], finished: bool) -> None:
         dec = json.JSONDecoder()
@@ -295,15 +346,15 @@ class ToolCallStream:
                 return   # a number at the end may still grow
             self.pos = end
             if isinstance(item, dict) and isinstance(item.get("name"), str):
+                self.cut = end
                 out += self._call_pieces(ParsedToolCall(item["name"], json.dumps(item.get("parameters", {}),
                                                                                   ensure_ascii=False)))
 
-    def _array_parses(self) -> bool:
+    def _whole_array(self) -> bool:
         try:
-            json.loads(self.buf)
+            return isinstance(json.loads(self.buf), list)
         except json.JSONDecodeError:
             return False
-        return True
 
 
 def _partial_tag(text: str, tag: str) -> int:

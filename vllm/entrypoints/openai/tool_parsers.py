@@ -11,7 +11,8 @@ leaves text it cannot read as content: nothing the model wrote is dropped.
 * ``pythonic`` (Llama 3.2 / 4): the whole output is a Python list of calls,
   ``[f(a=1, b="x"), g()]``, with literal arguments.
 
-Hermes and Mistral mark their calls, so the text around them is content; Llama's JSON and
+Hermes and Mistral mark their calls, so the text around them is content (as generated, less
+the whitespace that ends it when there are calls); Llama's JSON and
 pythonic formats have no marker, so an output is either all calls or all content.
 """
 from __future__ import annotations
@@ -47,7 +48,8 @@ def check_tool_call_parser(name: str) -> str:
 
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a finished output in `parser`'s format; content is None when
-    the calls are all there is (marked formats strip the content around calls)."""
+    the calls are all there is (marked formats drop the whitespace that ends the content
+    when there are calls)."""
     if parser == "hermes":
         return parse_marked(text, HERMES_OPEN, hermes_block)
     if parser == "mistral":
@@ -75,7 +77,8 @@ def _whole(text: str, calls) -> tuple[str | None, list[ParsedToolCall]]:
 
 def parse_marked(text: str, marker: str, block) -> tuple[str | None, list[ParsedToolCall]]:
     """Every `marker` whose block (see hermes_block) holds calls gives them; the rest of the
-    text, stripped, is the content (None when empty)."""
+    text, as generated but for the whitespace at its end, is the content (None when empty).
+    Leading whitespace stays: a stream sends it before it knows whether a call follows."""
     calls: list[ParsedToolCall] = []
     kept, last, i = [], 0, text.find(marker)
     while i >= 0:
@@ -88,7 +91,7 @@ def parse_marked(text: str, marker: str, block) -> tuple[str | None, list[Parsed
     if not calls:
         return text, []
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    content = "".join(kept).rstrip()
     return content or None, calls
 
 
