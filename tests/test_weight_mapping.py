@@ -97,6 +97,24 @@ def test_load_and_sync_refuse_the_same_names(tiny_qwen3):
     assert errors[0] == errors[1]
 
 
+def test_skipped_names_match_whole_components(tiny_qwen3):
+    """The tensors a model does not take are matched by whole dotted components: a name that
+    only contains a skipped fragment's text is an unknown weight, not silently skipped."""
+    model = _model(tiny_qwen3)
+    mapping = model.weight_mapping()
+    assert mapping.is_derived("model.layers.0.self_attn.rotary_emb.inv_freq")
+    assert not mapping.is_derived("model.layers.0.self_attn.rotary_emb.inv_freq_garbage")
+    assert not mapping.is_derived("model.layers.0.self_attn.xrotary_emb.inv_freq")
+    sd = model.hf_state_dict()
+    bad = {**sd, "model.layers.0.self_attn.rotary_emb.inv_freq_garbage": torch.zeros(4)}
+    with pytest.raises(ValueError, match="unknown weight"):
+        plan_update(_empty_like(model), list(bad.items()))
+    from vllm.models.weights import WeightMapping
+    mtp = WeightMapping(model, {}, derived=("mtp.",))
+    assert mtp.is_derived("mtp.layers.0.mlp.weight") and mtp.is_derived("model.mtp.fc.weight")
+    assert not mtp.is_derived("model.layers.0.xmtp.weight")
+
+
 def test_load_reports_missing_weights_and_tied_conflicts(tiny_qwen3, tiny_llama):
     model = _model(tiny_qwen3)
     sd = model.hf_state_dict()

@@ -67,7 +67,17 @@ class WeightMapping:
 
     # ---- names -------------------------------------------------------------------------
     def is_derived(self, hf_name: str) -> bool:
-        return any(frag in hf_name for frag in self.derived)
+        """Whether the checkpoint tensor is one the model does not take (recomputed, or a part it
+        does not run). A fragment matches whole dotted components: "rotary_emb.inv_freq" the
+        name's last components, "mtp." (ending in a dot) a leading run of them, so a name that
+        only contains the text ("...inv_freq_garbage") is not skipped silently."""
+        for frag in self.derived:
+            if frag.endswith("."):
+                if hf_name.startswith(frag) or f".{frag}" in hf_name:
+                    return True
+            elif hf_name == frag or hf_name.endswith(f".{frag}"):
+                return True
+        return False
 
     def slot(self, name: str) -> WeightSlot:
         """The slot of an HF name (or of our own name of a whole parameter); ValueError if none."""
