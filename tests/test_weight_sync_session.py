@@ -225,3 +225,15 @@ def test_a_contract_travels_as_its_dict(tiny_qwen3, new_weights):
     assert llm.llm_engine.weight_version == 0 and llm.llm_engine.weight_update is None
     llm.update_weights(tensors, contract=llm.llm_engine.execution_contract().to_dict())
     assert llm.llm_engine.weight_version == 1
+
+
+def test_a_non_finite_tied_alias_is_named(tiny_llama):
+    """lm_head given alone on a tied model is written into the embedding: a NaN in it is refused
+    naming lm_head.weight."""
+    llm = LLM(tiny_llama, device="cpu")
+    emb = llm.llm_engine.executor.model.state_dict()["model.embed_tokens.weight"]
+    bad = emb.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        llm.update_weights({"lm_head.weight": bad})
+    assert llm.llm_engine.weight_version == 0

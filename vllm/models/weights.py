@@ -182,9 +182,11 @@ class WeightPlanner:
         return dest, tensor if tensor.dtype == dest.dtype else tensor.to(dest.dtype)
 
     def finish(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Writes still owed for aliases whose slot was not given under its own name."""
+        """Writes still owed for aliases whose slot was not given under its own name (their
+        names, in the same order, in `alias_writes`)."""
         m = self.mapping
         writes = []
+        self.alias_writes: list[str] = []
         for target, (alias, tensor) in self._aliased.items():
             dest = m.destination(m.slots[target])
             tensor = tensor if tensor.dtype == dest.dtype else tensor.to(dest.dtype)
@@ -196,6 +198,7 @@ class WeightPlanner:
                 continue
             self._cover(alias, m.slots[target])
             writes.append((dest, tensor))
+            self.alias_writes.append(alias)
         return writes
 
     def missing(self) -> list[str]:

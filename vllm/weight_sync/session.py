@@ -284,7 +284,7 @@ class WeightUpdate:
         try:
             tail = self.planner.finish()      # aliases given without their target (tied weights)
             if self.check_finite:
-                raise_if_non_finite(self._pending_checks + finite_flags(tail))
+                raise_if_non_finite(self._pending_checks + finite_flags(tail, self.planner.alias_writes))
             if self.require_complete:
                 missing = self.planner.missing()
                 if missing:
