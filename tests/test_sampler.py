@@ -799,6 +799,19 @@ def test_penalised_logprobs_against_float64(device, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def _assert_row_bits_alone_and_batched(run, alone, i: int, rng) -> None:
+    """Row i's sampled token, logprob and top-k bits in batches of 3, 8 and 16 of the 16 rows,
+    first and last, equal `alone` (row i run by itself)."""
+    for size in (3, 8, 16):
+        others = rng.sample([j for j in range(16) if j != i], size - 1)
+        for where in (0, size - 1):
+            order = others[:where] + [i] + others[where:]
+            out = run(order)
+            assert out.token_ids[where].item() == alone.token_ids[0].item()
+            assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
+            assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
+
+
 def test_penalties_batch_invariance_bits(device):
     """A penalised row's token and logprob bits do not depend on the rest of the batch."""
     rng = random.Random(11)
@@ -815,14 +828,7 @@ def test_penalties_batch_invariance_bits(device):
 
     for i in (0, 2, 5, 9):
         alone = run([i])
-        for size in (3, 8, 16):
-            others = rng.sample([j for j in range(16) if j != i], size - 1)
-            for where in (0, size - 1):
-                order = others[:where] + [i] + others[where:]
-                out = run(order)
-                assert out.token_ids[where].item() == alone.token_ids[0].item()
-                assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
-                assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
+        _assert_row_bits_alone_and_batched(run, alone, i, rng)
 
 
 def test_penalties_in_the_engine_sync_equals_async(tiny_qwen3):
@@ -929,11 +935,4 @@ def test_logit_bias_batch_invariance_bits(device, mode):
             plain = run([i], with_bias=False)
             assert torch.equal(bits(alone.topk_logprobs), bits(plain.topk_logprobs))
             assert alone.token_ids.item() == plain.token_ids.item()
-        for size in (3, 8, 16):
-            others = rng.sample([j for j in range(16) if j != i], size - 1)
-            for where in (0, size - 1):
-                order = others[:where] + [i] + others[where:]
-                out = run(order)
-                assert out.token_ids[where].item() == alone.token_ids[0].item()
-                assert bits(out.logprobs[where]).item() == bits(alone.logprobs[0]).item()
-                assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
+        _assert_row_bits_alone_and_batched(run, alone, i, rng)
