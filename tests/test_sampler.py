@@ -798,7 +798,6 @@ def test_penalised_logprobs_against_float64(device, mode):
             assert tok == int(torch.argmax(pen))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def _assert_row_bits_alone_and_batched(run, alone, i: int, rng) -> None:
     """Row i's sampled token, logprob and top-k bits in batches of 3, 8 and 16 of the 16 rows,
     first and last, equal `alone` (row i run by itself)."""
@@ -812,6 +811,7 @@ def _assert_row_bits_alone_and_batched(run, alone, i: int, rng) -> None:
             assert torch.equal(bits(out.topk_logprobs[where]), bits(alone.topk_logprobs[0]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_penalties_batch_invariance_bits(device):
     """A penalised row's token and logprob bits do not depend on the rest of the batch."""
     rng = random.Random(11)
