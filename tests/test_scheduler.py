@@ -251,3 +251,21 @@ def test_fcfs_refuses_a_nonzero_priority():
     assert check_priority(-7, "priority") == -7
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_prefix_cache_stats_count_a_request_once_however_long_it_waits_for_room():
+    # 6 usable blocks of 4 tokens, no chunking: b (12 tokens, 3 blocks) waits while a holds 4;
+    # each step it waits looks the cache up again, which must not count again
+    s, kv = make(num_blocks=7, budget=64, chunked=False)
+    s.add_request(req("a", 14, max_tokens=6))
+    run_step(s)
+    s.add_request(req("b", 12, max_tokens=2, prompt=list(range(300, 312))))
+    waited = 0
+    for _ in range(20):
+        out, _ = run_step(s)
+        if any(r.req_id == "b" for r in out.requests):
+            break
+        waited += 1
+    assert waited > 0, "b was meant to wait for a's blocks"
+    stats = kv.stats()
+    assert stats["prefix_cache_queries"] == 14 + 12

@@ -247,14 +247,16 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def get_computed_blocks(self, token_ids: Sequence[int],
-                            cache_salt: Optional[str] = None) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
+                            record: bool = True) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``token_ids`` registered under
         ``cache_salt`` (None: by unsalted requests).
 
         Returns ``(block_ids, num_computed_tokens)``. Takes no references: the
         caller must pass the blocks to ``allocate_slots`` before anything else
-        can allocate (and thereby evict them).
+        can allocate (and thereby evict them). ``record=False`` leaves the hit
+        statistics to the caller (``record_prefix_query``): the scheduler counts a
+        request once, when it is admitted, not at every step it waits for room.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -292,9 +294,17 @@ class KVCacheManager:
                 k -= per
             computed = computed[:k]
         num_computed_tokens = len(computed) * bs
-        self._num_queried_tokens += num_tokens
-        self._num_hit_tokens += num_computed_tokens
+        if record:
+            self.record_prefix_query(num_tokens, num_computed_tokens)
         return computed, num_computed_tokens
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup of ``num_tokens`` tokens that reused ``num_hit_tokens``
+        (none without prefix caching)."""
+        if not self.enable_prefix_caching:
+            return
+        self._num_queried_tokens += num_tokens
+        self._num_hit_tokens += num_hit_tokens
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.

@@ -158,7 +158,9 @@ class Scheduler:
                 if (req.leader is not None and not self._leader_ready(req.leader)) or req.awaiting_last_token:
                     skipped.append(self.waiting.pop_first())
                     continue
-                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
+                # counted once, on admission: a request waiting for room looks up again next step
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt,
+                                                                          record=False)
                 if num_cached > req.num_prompt_logprob_rows and req.prompt_logprobs_pending:
                     # a cached prefix has no logits: the prompt positions whose logprobs are
                     # still missing are recomputed (upstream skips the cache the same way)
@@ -173,6 +175,7 @@ class Scheduler:
                 if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks, req.cache_salt):
                     break
                 self.waiting.pop_first()
+                self.kv.record_prefix_query(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
                 state_loads[req.req_id] = self.kv.state_snapshot(computed_blocks) if num_cached else -1
                 if req.num_cached_tokens < 0:
