@@ -236,7 +236,8 @@ def test_keys_tokenize_detokenize_version_metrics(app):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:weight_version", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:inter_token_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert name in text, name
 
 

@@ -61,6 +61,9 @@ def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
     assert seen["cors"] == {"allow_origins": ["*"], "allow_methods": ["GET", "POST"], "allow_headers": ["*"],
                             "allow_credentials": True}
     assert seen["override_generation_config"] == {"temperature": 0.6, "max_new_tokens": 64}
+    assert seen["log_stats_interval"] is None       # --disable-log-stats
+    assert cli.main(["serve", "/ckpt"]) == 0
+    assert seen["log_stats_interval"] == 10.0       # upstream's period, on by default
     defaults = _serve_parser().parse_args([])
     assert defaults.response_role == "assistant" and not defaults.enable_tokenizer_info_endpoint
     assert defaults.allowed_origins is None and defaults.enable_sleep_mode is False
@@ -304,3 +307,49 @@ def test_enable_log_requests(serving, app, monkeypatch, caplog):
         _call(app, "POST", "/v1/completions", {"prompt": "hello there", "max_tokens": 1, "request_id": "r1"})
     lines = [r.getMessage() for r in caplog.records if "received request" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("received request cmpl-r1-0: prompt 'hel', params ")
+
+
+def test_stats_line_over_an_interval_and_silent_when_idle():
+    from vllm.engine.core_messages import EngineStats
+    from vllm.entrypoints.openai.stats_logger import StatsLogger
+
+    class Counters:
+        stats = EngineStats(0, 0, 0.0, 10, 0, 0, False)
+        num_prompt_tokens = num_generation_tokens = 0
+    llm, now = Counters(), [0.0]
+    stats = StatsLogger(llm, 10.0, clock=lambda: now[0])
+    now[0] = 10.0
+    assert stats.line() is None                     # idle from the start: nothing to say
+    llm.num_prompt_tokens, llm.num_generation_tokens = 200, 50
+    llm.stats = EngineStats(3, 1, 0.25, 5, 0, 7, False, 200, 150)
+    now[0] = 20.0
+    assert stats.line() == ("Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+                            "Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, "
+                            "Prefix cache hit rate: 75.0%")
+    llm.stats = EngineStats(0, 0, 0.0, 10, 0, 9, False, 200, 150)
+    now[0] = 30.0
+    line = stats.line()                             # going idle: one more line (the rate since the start)
+    assert line.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+                           "Running: 0 reqs") and line.endswith("Prefix cache hit rate: 75.0%")
+    now[0] = 40.0
+    assert stats.line() is None
+    with pytest.raises(ValueError, match="positive"):
+        StatsLogger(llm, 0)
+
+
+def test_stats_lines_while_the_app_runs(serving, caplog):
+    app = _app(serving, log_stats_interval=0.05)
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200
+            await asyncio.sleep(0.3)
+    with caplog.at_level(logging.INFO, logger="vllm.stats"):
+        asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.stats"]
+    assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines)
+    assert any(not line.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
+               for line in lines)
+    assert serving.llm.stats.prefix_cache_queries > 0   # the engine's prefix-cache counts reach the server

@@ -495,8 +495,13 @@ class KVCacheManager:
 
     # -------------------------------------------------------------- diagnostics
 
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found cached) since the start."""
+        return self._num_queried_tokens, self._num_hit_tokens
+
     def stats(self) -> dict:
-        q, h = self._num_queried_tokens, self._num_hit_tokens
+        q, h = self.prefix_cache_counts
         return {
             "prefix_cache_queries": q,
             "prefix_cache_hits": h,

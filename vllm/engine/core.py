@@ -81,8 +81,9 @@ class EngineCore:
     def _stats(self) -> EngineStats:
         eng = self.engine
         sched = eng.scheduler
+        queries, hits = eng.kv.prefix_cache_counts
         return EngineStats(len(sched.running), len(sched.waiting), eng.kv.usage, eng.kv.num_free_blocks,
-                           sched.num_preemptions, eng.step_count, eng.paused)
+                           sched.num_preemptions, eng.step_count, eng.paused, queries, hits)
 
     def take_outputs(self) -> EngineCoreOutputs | None:
         """The outputs gathered since the last call (None when there are none)."""

@@ -68,6 +68,8 @@ class EngineStats(NamedTuple):
     num_preemptions: int
     step_count: int
     paused: bool
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (one count per admission)
+    prefix_cache_hits: int = 0     # of those, tokens found cached
 
 
 class UtilityResult(NamedTuple):

@@ -15,6 +15,9 @@ from vllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 
+# the stats line's period, upstream's default (its VLLM_LOG_STATS_INTERVAL)
+STATS_LOG_INTERVAL_S = 10.0
+
 # upstream `vllm serve` engine flags that change nothing here at some values: accepted at those,
 # checked by the offline LLM's own table (vllm.entrypoints.llm.UPSTREAM_NOOP_ARGS, keyed by the
 # flag's name), and refused at any other naming the flag and why.
@@ -152,7 +155,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: log the first N prompt characters or ids (default: all)")
     p.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for upstream command lines: no periodic stats are logged here (/metrics has them)")
+                   help=f"do not log the stats line (throughputs, queues, KV-cache use, prefix-cache hit rate) "
+                        f"every {STATS_LOG_INTERVAL_S:g} s while requests run")
     p.add_argument("--root-path", default=None,
                    help="the path prefix a reverse proxy serves the app under (FastAPI's root_path): routes answer "
                         "with and without it")
@@ -260,7 +264,8 @@ def run(args) -> int:
                    access_log=not args.disable_uvicorn_access_log, response_role=args.response_role,
                    enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
-                   disable_fastapi_docs=args.disable_fastapi_docs, cors=_cors(args)) == "engine_dead" else 0
+                   disable_fastapi_docs=args.disable_fastapi_docs, cors=_cors(args),
+                   log_stats_interval=None if args.disable_log_stats else STATS_LOG_INTERVAL_S) == "engine_dead" else 0
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)
         return 1

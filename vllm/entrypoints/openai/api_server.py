@@ -47,6 +47,7 @@ from vllm.entrypoints.openai.errors import (
     await_or_error, call_or_error, error_response, exception_response, health_response, validation_message,
 )
 from vllm.entrypoints.openai.metrics import metrics_registry
+from vllm.entrypoints.openai.stats_logger import StatsLogger
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, WeightsUpdateRequest,
     WeightsVersionResponse,
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, api_key: str | None = None,
               admin_key: str | None = None, enable_tokenizer_info_endpoint: bool = False,
               root_path: str | None = None, disable_fastapi_docs: bool = False,
-              cors: dict | None = None) -> FastAPI:
+              cors: dict | None = None, log_stats_interval: float | None = None) -> FastAPI:
     """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn.
 
     api_key: every /v1/ endpoint requires `Authorization: Bearer <api_key>`.
@@ -69,11 +70,17 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     disable_fastapi_docs: no /docs, /redoc or /openapi.json.
     cors: CORSMiddleware's keywords (allow_origins, allow_methods, allow_headers,
     allow_credentials); None: no CORS headers (browsers on other origins cannot read answers).
+    log_stats_interval: log the stats line (stats_logger.StatsLogger) every this many seconds
+    while the app runs; None: never (`vllm serve` logs every 10 s unless --disable-log-stats).
     """
+    stats_logger = StatsLogger(serving.llm, log_stats_interval) if log_stats_interval is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        stats_task = asyncio.create_task(stats_logger.run()) if stats_logger is not None else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         if shutdown_engine_on_exit:
             # Blocking join of the engine: off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, serving.llm.shutdown)
@@ -268,7 +275,7 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
 
 # build_app's keywords among the options build_app_from_llm and run_server take (the rest are
 # OpenAIServing's)
-APP_OPTIONS = ("enable_tokenizer_info_endpoint", "root_path", "disable_fastapi_docs", "cors")
+APP_OPTIONS = ("enable_tokenizer_info_endpoint", "root_path", "disable_fastapi_docs", "cors", "log_stats_interval")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:

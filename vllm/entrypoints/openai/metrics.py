@@ -41,6 +41,9 @@ def metrics_registry(serving: OpenAIServing):
             yield counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", llm.num_prompt_tokens)
             yield counter("vllm:generation_tokens", "Tokens generated.", llm.num_generation_tokens)
             yield counter("vllm:num_preemptions", "Sequences preempted (KV cache full).", st.num_preemptions)
+            yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          st.prefix_cache_queries)
+            yield counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache held.", st.prefix_cache_hits)
             c = CounterMetricFamily("vllm:request_success", "Finished sequences by finish reason.",
                                     labels=["model_name", "finished_reason"])
             for reason, n in sorted(llm.finished_by_reason.items()):
