@@ -790,8 +790,11 @@ def test_penalised_logprobs_against_float64(device, mode):
         base = logits[i].double().cpu()
         pen = _penalised_float64(logits[i], hist[i]) if i in hist else base
         t = r["t"] if r["t"] > 0 else 1.0
-        # raw_logprobs report the model's own distribution, before penalties and temperature
-        ref = torch.log_softmax(base, -1) if mode == "raw_logprobs" else torch.log_softmax(pen / t, -1)
+        # raw_logprobs report the model's own distribution, before penalties and temperature;
+        # tempered_logprobs the model's own over the temperature (penalties are the request's
+        # controls: the trainer recomputes it); processed_logprobs the penalised one sampled from
+        ref = {"raw_logprobs": torch.log_softmax(base, -1), "tempered_logprobs": torch.log_softmax(base / t, -1),
+               "processed_logprobs": torch.log_softmax(pen / t, -1)}[mode]
         tok = out.token_ids[i].item()
         assert_close(out.logprobs[i:i + 1].double().cpu(), ref[tok:tok + 1], rtol=0, atol=2e-5)
         if r["t"] == 0.0:  # greedy picks the argmax of the penalised logits

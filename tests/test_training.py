@@ -258,16 +258,20 @@ def test_min_tokens_ban_leaves_the_rollout_logprobs_the_trainers(tiny_qwen3):
     assert torch.equal(trainer.detach().cpu().view(torch.int32), rollout.view(torch.int32))
 
 
-def test_logit_bias_and_token_masks_leave_the_rollout_logprobs_the_trainers(tiny_qwen3):
-    """logit_bias, allowed_token_ids and bad_words steer sampling, yet the default
-    tempered_logprobs report the model's own distribution, as for a grammar mask: the trainer
-    (which knows none of them) recomputes the rollout's bits. processed_logprobs report the
-    biased, masked distribution the tokens were drawn from, which the trainer does not."""
+@pytest.mark.parametrize("controls", [
+    dict(logit_bias={40: 6.0, 41: 4.0, 90: -100.0}, allowed_token_ids=list(range(0, 512, 2)), bad_words=["ay"]),
+    dict(logit_bias={40: 6.0, 41: 4.0}, allowed_token_ids=list(range(0, 512, 2)), repetition_penalty=1.3,
+         frequency_penalty=0.4, presence_penalty=0.2),
+], ids=["bias-masks", "bias-masks-penalties"])
+def test_logit_bias_and_token_masks_leave_the_rollout_logprobs_the_trainers(tiny_qwen3, controls):
+    """logit_bias, allowed_token_ids, bad_words and the penalties steer sampling, yet the
+    default tempered_logprobs report the model's own distribution, as for a grammar mask: the
+    trainer (which knows none of them) recomputes the rollout's bits. processed_logprobs report
+    the biased, penalised, masked distribution the tokens were drawn from, which the trainer
+    does not."""
     from vllm.sampling_params import SamplingParams
     llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
     prompt = list(range(10, 30))
-    controls = dict(logit_bias={40: 6.0, 41: 4.0, 90: -100.0}, allowed_token_ids=list(range(0, 512, 2)),
-                    bad_words=["ay"])
     outs = {mode: llm.generate({"prompt_token_ids": prompt},
                                SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, logprobs=0,
                                               logprobs_mode=mode, **controls),

@@ -589,27 +589,21 @@ class Sampler(torch.nn.Module):
             return self._empty_output(device, want_logprobs, num_top)
 
         logits = logits.float()
-        # raw_* logprob modes report the model's logits; every other use (greedy, sampling,
-        # tempered and processed logprobs) sees the penalised ones, as upstream does.
+        # The raw_* and tempered_logprobs modes report the model's own logits (tempered: over
+        # the sampling temperature); greedy, sampling and the processed modes see them after
+        # the request's bias, penalties and masks, as upstream's sampler does. Bias, penalties
+        # and masks are the request's controls, not the policy: the trainer, which knows none
+        # of them, recomputes the tempered mode bit for bit (docs/sampling.md).
         raw_logits = logits
         # logit_bias comes before the penalties (upstream's order: its logits processors, then
-        # the penalties), so greedy, sampling and the processed modes see pen(x + bias). Like a
-        # grammar mask it is the request's constraint, not the model's: the tempered mode
-        # keeps pen(x), the distribution the trainer recomputes (docs/sampling.md).
+        # the penalties), so sampling and the processed modes see pen(x + bias)
         if batch.logit_bias is not None:
             logits = apply_logit_bias(logits, batch.logit_bias)
         if batch.penalties is not None:
-            biased = logits is not raw_logits
             logits = apply_penalties(logits, batch.penalties)
-            unmasked = apply_penalties(raw_logits, batch.penalties) if biased else logits
-        else:
-            unmasked = raw_logits
         # Grammar masks (structured outputs), allowed_token_ids, min_tokens' and bad words'
         # bans come after the penalties and before temperature, truncation and sampling, so all
-        # of them see only the allowed tokens. The tempered_logprobs mode keeps the unmasked
-        # distribution, as it ignores truncation: it is what the trainer recomputes
-        # (docs/sampling.md); the raw modes never see them (upstream's raw logprobs come
-        # before its logits processors).
+        # of them see only the allowed tokens.
         if batch.token_mask is not None:
             logits = apply_token_mask(logits, batch.token_mask)
         if batch.token_ban is not None:
@@ -690,8 +684,8 @@ class Sampler(torch.nn.Module):
         elif mode == "raw_logprobs":
             dist = batch_invariant_log_softmax(raw_logits)
         elif mode == "tempered_logprobs":
-            if unmasked is not logits:  # -inf / T == -inf: masking commutes with the division
-                scaled = unmasked if all_greedy else apply_temperature(unmasked, temperature)
+            if raw_logits is not logits:  # the request's controls acted: the model's own logits, tempered
+                scaled = raw_logits if all_greedy else apply_temperature(raw_logits, temperature)
             dist = batch_invariant_log_softmax(scaled)
         else:
             processed = scaled if keep is None else scaled.masked_fill(~keep, _NEG_INF)
