@@ -355,3 +355,33 @@ def test_fp8_gemm_self_check_rows_and_ms(monkeypatch):
         selfcheck.fp8_gemm_self_check([("a", lin)], torch.device("cpu"), torch.bfloat16, max_tokens=2048)
     # the model-dtype GEMM check leaves the FP8 layer out
     assert selfcheck.model_gemm_shapes(torch.nn.ModuleDict({"a": lin, "b": plain})) == [("b", 256, 128, False)]
+
+
+def test_fp8_policy_requantizes_after_writes_its_version_counters_miss(tiny_qwen3_128, tiny_qwen3_128_other):
+    """An FP8 Policy without an engine multiplies its quantized copy: a checkpoint written in by
+    load_weights (through views with their own version counters) and a fused optimizer's step
+    (which bumps none) must both reach it, or the trainer computes with the old weights."""
+    from vllm.model_loader.loader import load_weights
+    seqs, plens = [[5, 6, 7, 8, 9, 10, 11]], [3]
+    p = Policy.from_pretrained(tiny_qwen3_128, device="cpu", quantization="fp8")
+    other = Policy.from_pretrained(tiny_qwen3_128_other, device="cpu", quantization="fp8")
+    with torch.no_grad():
+        want = other.token_logprobs(seqs, plens)[0]
+        p.token_logprobs(seqs, plens)     # the forward has seen the current version
+    load_weights(p.model, other.model.hf_state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(p.token_logprobs(seqs, plens)[0].view(torch.int32), want.view(torch.int32))
+
+    def fresh(policy):
+        for layer in (m for m in policy.model.modules() if getattr(m, "fp8", False)):
+            layer.requantize()
+        with torch.no_grad():
+            return policy.token_logprobs(seqs, plens)[0]
+    opt = torch.optim.AdamW(p.parameters(), lr=1e-2, fused=True)
+    p.attach_optimizer(opt)
+    (-p.token_logprobs(seqs, plens)[0].sum()).backward()
+    opt.step()
+    with torch.no_grad():
+        stepped = p.token_logprobs(seqs, plens)[0]
+    assert not torch.equal(stepped, want)
+    assert torch.equal(stepped.view(torch.int32), fresh(p).view(torch.int32))

@@ -66,3 +66,8 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     missing = planner.missing()
     if missing:
         raise ValueError(f"lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    # FP8 layers multiply their quantized copy: the writes above go through views whose version
+    # counters are not the parameters', so the forward's change check cannot see them
+    from vllm.layers.linear import fp8_linears
+    for layer in fp8_linears(model):
+        layer.requantize()

@@ -133,13 +133,19 @@ class Policy(NumericsSpecFields):
 
     # ---- weights changed ---------------------------------------------------------------
     def notify_weights_updated(self) -> None:
-        """Call after every optimizer step (attach_optimizer does it for you): a colocated
-        engine bumps its weight version and drops prefix-cache entries computed with the
-        old weights. Holds the engine lock: the bookkeeping never runs beside another
+        """Call after every optimizer step (attach_optimizer does it for you): FP8 layers
+        re-quantize their master weights (a fused optimizer, or a write through `.data`, leaves
+        the parameters' version counters as they were, so the forward cannot notice), and a
+        colocated engine bumps its weight version and drops prefix-cache entries computed with
+        the old weights. Holds the engine lock: the bookkeeping never runs beside another
         thread's step of the engine."""
         if self.engine is not None:
             with self.engine_lock:
-                self.engine.on_weights_updated()
+                self.engine.on_weights_updated()   # re-quantizes the FP8 layers too
+        else:
+            from vllm.layers.linear import fp8_linears
+            for layer in fp8_linears(self.model):
+                layer.requantize()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make every step of `optimizer` a weight change the colocated engine knows of. The
@@ -147,16 +153,28 @@ class Policy(NumericsSpecFields):
         `generate`, `sleep` or weight update waits for the whole step (and the step waits
         for them): no engine step ever runs between the check and the write, nor on half
         written weights. Before writing, the step is refused while requests are running;
-        after it, the engine counts the new version and drops its cached prefixes.
+        after it, the engine counts the new version and drops its cached prefixes. Without an
+        engine, a step of a Policy with FP8 layers re-quantizes them after it (what
+        notify_weights_updated does).
 
         `optimizer.step` is wrapped rather than hooked: torch runs no step post hook when the
         step raises, so a lock taken in a pre hook would stay held. A step that raises may
         have written some parameters already: the version is counted and the prefixes
         dropped then too, and the lock is given back, before the error propagates."""
-        if self.engine is None:
-            return
         step = optimizer.step   # bound, or an LR scheduler's wrapper when one came first
         policy = self
+        if self.engine is None:
+            from vllm.layers.linear import fp8_linears
+            if not fp8_linears(self.model):
+                return
+
+            def requantizing_step(opt, *args, **kwargs):
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    policy.notify_weights_updated()
+            optimizer.step = types.MethodType(requantizing_step, optimizer)
+            return
 
         def locked_step(opt, *args, **kwargs):
             with policy.engine_lock:
