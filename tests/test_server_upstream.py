@@ -353,3 +353,30 @@ def test_stats_lines_while_the_app_runs(serving, caplog):
     assert any(not line.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
                for line in lines)
     assert serving.llm.stats.prefix_cache_queries > 0   # the engine's prefix-cache counts reach the server
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_taken(serving, app, monkeypatch):
+    """A failure between registering a request and the engine receiving it (here the send
+    raising) gives its id and its slots back: the server is not left at capacity."""
+    llm = serving.llm
+    before = llm._outstanding
+
+    def broken_send(msgs):
+        raise RuntimeError("cannot send")
+    monkeypatch.setattr(llm.client, "send", broken_send)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 3, "request_id": "taken-once"}
+    assert _call(app, "POST", "/v1/chat/completions", body).status_code == 500
+    assert llm._outstanding == before and "taken-once" not in llm._engine_ids
+    monkeypatch.undo()
+    assert _call(app, "POST", "/v1/chat/completions", body).status_code == 200
+
+
+def test_a_schema_nested_too_deep_is_a_400(app):
+    pytest.importorskip("xgrammar")
+    schema = {"type": "integer"}
+    for _ in range(700):
+        schema = {"type": "array", "items": schema}
+    r = _call(app, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                     "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"name": "deep", "schema": schema}}})
+    assert r.status_code == 400 and "nests deeper than 128 levels" in r.json()["error"]["message"]

@@ -100,14 +100,32 @@ def require_xgrammar():
 _ANY_OBJECT = '{"type": "object"}'
 
 
+# a schema nested deeper than this is refused: it describes no output a model would write, and
+# the request carrying it could not be pickled to the engine process (Python's recursion limit)
+MAX_SCHEMA_DEPTH = 128
+
+
+def check_schema_depth(schema) -> None:
+    """ValueError if `schema` (parsed JSON) nests objects and arrays deeper than MAX_SCHEMA_DEPTH."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+
+
 def _schema_text(schema) -> str:
     if isinstance(schema, str):
         try:
             parsed = json.loads(schema)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        check_schema_depth(parsed)
         refuse_unenforced_keywords(parsed)
         return schema
+    check_schema_depth(schema)
     refuse_unenforced_keywords(schema)
     return json.dumps(schema)
 

@@ -282,7 +282,9 @@ class AsyncLLM:
             self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
         try:
             self.client.send(msgs)
-        except EngineDeadError:
+        except BaseException:
+            # nothing reached the engine (a dead engine, a message that cannot be pickled, a
+            # cancelled task): the requests' ids and slots must not stay taken
             with self._lock:
                 for rid, *_ in prepared:
                     self._forget(self._engine_ids.get(rid))
