@@ -315,6 +315,25 @@ def test_reasoning_parser_through_the_app(app):
         serving.reasoning_parser = None
 
 
+def test_qwen3_parser_behind_a_prompt_that_opens_think(app):
+    """A template that ends the prompt in <think> (Qwen3's Thinking releases) leaves the output
+    inside the reasoning: qwen3 reads it as deepseek_r1 does, whole and streamed (here the
+    prompt opens it through continue_final_message)."""
+    serving = app.state.serving
+    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"}, {"role": "assistant", "content": "<think>\n"}],
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 4, "temperature": 0}
+    try:
+        serving.reasoning_parser = "qwen3"
+        msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        assert msg["reasoning"] and msg["content"] is None
+        events = _post(app, "/v1/chat/completions", dict(body, stream=True)).text
+        deltas = [json.loads(e[6:])["choices"] for e in events.split("\n\n") if e.startswith("data: {")]
+        assert "".join(c[0]["delta"].get("reasoning", "") for c in deltas if c) == msg["reasoning"]
+        assert not any(c[0]["delta"].get("content") for c in deltas if c)
+    finally:
+        serving.reasoning_parser = None
+
+
 def test_latency_histograms():
     from vllm.entrypoints.openai.latency import Histogram, LatencyStats, RequestTimes
     h = Histogram((0.1, 1.0))

@@ -5,7 +5,9 @@ clients, `reasoning_content`), the rest to `content`, where tool calls are then 
 - `qwen3`: the output opens its reasoning with `<think>` (Qwen3's template with thinking on);
   without `</think>` an output that opened one is all reasoning (cut by max_tokens); an output
   that does not open with `<think>` is all content (thinking off: `enable_thinking=False`).
-  Templates that open `<think>` in the prompt (Qwen3's "Thinking" releases) take `deepseek_r1`.
+  Behind a prompt that itself ends in `<think>` (the templates of Qwen3's "Thinking" releases
+  and Qwen3-Next-Thinking) the output starts inside the reasoning: it is read as `deepseek_r1`
+  reads it (`prompt_opens_thinking`).
 - `deepseek_r1`: the template opens `<think>` in the prompt, so the output starts inside the
   reasoning (a leading `<think>` is dropped); without `</think>` it is all reasoning.
 
@@ -24,6 +26,11 @@ def check_reasoning_parser(name: str | None) -> str | None:
     if name is not None and name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}")
     return name
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a rendered prompt (its tail is enough) leaves the output inside `<think>`."""
+    return prompt_tail.rstrip().endswith(THINK_START)
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:

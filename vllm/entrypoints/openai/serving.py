@@ -26,7 +26,8 @@ from vllm.entrypoints.openai.protocol import (
     DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, StreamOptions, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
-from vllm.entrypoints.openai.reasoning import ReasoningStream, check_reasoning_parser, split_reasoning
+from vllm.entrypoints.openai.reasoning import (ReasoningStream, check_reasoning_parser, prompt_opens_thinking,
+                                               split_reasoning)
 from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, plan_tools
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -351,11 +352,17 @@ class OpenAIServing:
             raise ModelNotFoundError(f"The model `{requested}` does not exist; served here: {', '.join(self.names)}")
         return requested
 
-    def _reasoning_parser_for(self, params: SamplingParams) -> str | None:
-        """The reasoning parser for a request's outputs: none when a grammar constrains the
-        output from its first token (response_format, structured outputs, a forced tool call),
-        which leaves no room for a <think> part."""
-        return None if params.structured_outputs is not None else self.reasoning_parser
+    def _reasoning_parser_for(self, params: SamplingParams, prompt_ids: Sequence[int]) -> str | None:
+        """How a request's outputs are split: none when a grammar constrains the output from
+        its first token (response_format, structured outputs, a forced tool call), which leaves
+        no room for a <think> part; `qwen3` behind a prompt that opens <think> itself reads the
+        output as starting inside the reasoning, as `deepseek_r1` does."""
+        if params.structured_outputs is not None or self.reasoning_parser is None:
+            return None
+        if self.reasoning_parser == "qwen3" and prompt_opens_thinking(
+                self.llm.tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)):
+            return "deepseek_r1"
+        return self.reasoning_parser
 
     def _accept(self, req: OpenAIBaseModel) -> None:
         """Log the fields the request sets that this server does not know, and apply the
@@ -638,7 +645,7 @@ class OpenAIServing:
         top_k = params.logprobs or 0
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
-        thinking = self._reasoning_parser_for(params)
+        thinking = self._reasoning_parser_for(params, out.prompt_token_ids)
         role, echoed = req.response_role(self.response_role), req.echoed_text(self.response_role)
         choices = [ChatChoice(index=c.index,
                               message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
@@ -662,7 +669,7 @@ class OpenAIServing:
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
-        parser_name = self._reasoning_parser_for(params)
+        parser_name = self._reasoning_parser_for(params, prompt_ids)
         thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
