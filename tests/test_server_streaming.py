@@ -225,3 +225,20 @@ def test_streamed_tool_calls_equal_non_streamed(client, case):
         assert len(want_calls) == 1 and want.finish_reason == "tool_calls"
     if isinstance(case["tool_choice"], dict) and want.finish_reason != "length":
         assert want_calls[0][0] == "add" and want.finish_reason == "stop"
+
+
+def test_no_empty_chunks_while_a_parser_holds_text_back(client):
+    """While the tool parser holds a <tool_call> block back, a step that carries nothing else
+    (no token ids, logprobs, usage or finish) sends no chunk, as upstream; the stream still adds
+    up to the non-streamed answer."""
+    pytest.importorskip("xgrammar")
+    case = dict(CHAT_CASES[0])
+    case["extra_body"] = dict(case["extra_body"], return_token_ids=False)
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0.0, **case)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    body = [c.choices[0] for c in chunks[1:] if c.choices]     # after the role chunk
+    assert all(c.delta.content or c.delta.tool_calls or c.finish_reason for c in body)
+    got = _join_chat_stream(chunks)
+    assert got["content"] == full.choices[0].message.content and got["finish_reason"] == "tool_calls"
+    assert len(got["calls"]) == len(full.choices[0].message.tool_calls) == 1

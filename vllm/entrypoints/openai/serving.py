@@ -725,6 +725,8 @@ class OpenAIServing:
                         deltas += [_delta_message(p) for p in parser.feed(content, finish is not None)]
                         if finish == "stop" and plan.mode in ("auto", "required") and parser.has_calls():
                             finish = "tool_calls"
+                    if not deltas and finish is None and logprobs is None and not want_ids and usage is None:
+                        continue   # the parsers hold the step's text back and nothing else rides: no chunk
                     deltas = deltas or [DeltaMessage()]
                     # one piece per chunk; the step's tokens, logprobs and finish ride on the last
                     for d in deltas[:-1]:
