@@ -84,6 +84,15 @@ def test_algorithm_defaults_and_overrides():
     ({"data": "train.csv"}, "data"),
     ({"task": None, "data": None}, "no data"),
     ({"model": "cfg.json"}, "load_format"),
+    ({"dtype": "float16"}, "no loss scaling"),
+    ({"kl_coef": float("inf")}, "kl_coef: must be finite"),
+    ({"weight_decay": float("inf")}, "weight_decay: must be finite"),
+    ({"overlong_penalty": float("inf")}, "overlong_penalty: must be finite"),
+    ({"adam_eps": float("inf")}, "adam_eps: must be finite"),
+    ({"clip_eps_high": float("inf")}, "clip_eps_high: must be finite"),
+    ({"max_grad_norm": float("nan")}, "max_grad_norm: must be finite"),
+    ({"tis_cap": float("inf")}, "tis_cap"),
+    ({"warmup_steps": 10, "lr_decay_steps": 5}, "must not exceed lr_decay_steps"),
 ])
 def test_bad_values_are_clear_errors(bad, message):
     cfg = TrainConfig.from_dict({"task": "arithmetic"})

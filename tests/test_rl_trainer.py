@@ -4,6 +4,7 @@ recipe (the embedded model on the arithmetic task)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -192,6 +193,40 @@ def test_loss_metric_is_the_mean_over_the_updates_made(tiny_qwen3, rl_files, tmp
     assert m["groups_kept"] == 1 and len(per_update) == 1   # one update; three mini-batches empty
     assert per_update[0] != 0.0
     assert m["loss"] == pytest.approx(per_update[0], rel=1e-9, abs=1e-12)
+
+
+def test_a_skipped_update_shows_in_the_metrics(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    """An update whose loss (so its gradient norm) is nan is skipped: grad_norm is the mean of
+    the finite norms and updates_skipped counts the skipped one (a max over the norms hid it)."""
+    from vllm.rl import losses
+    from vllm.rl.trainer import Trainer as T
+    calls, norms = [0], []
+    real_loss, real_step = losses.policy_loss, T._optimizer_step
+
+    def nan_second(*args, **kw):
+        loss, st = real_loss(*args, **kw)
+        calls[0] += 1
+        return (loss * float("nan") if calls[0] == 2 else loss), st
+
+    def step_spy(self, step):
+        norms.append(real_step(self, step))
+        return norms[-1]
+    monkeypatch.setattr(losses, "policy_loss", nan_second)
+    monkeypatch.setattr(T, "_optimizer_step", step_spy)
+    t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "nan", updates_per_step=2, prompts_per_step=2, steps=1))
+    m = t.step().metrics
+    assert [ok for _, ok in norms] == [True, False] and math.isnan(norms[1][0])
+    assert m["grad_norm"] == norms[0][0] and m["updates_skipped"] == 1 and m["updated"]
+
+
+def test_a_step_without_kept_groups_logs_a_trained_steps_columns(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    from vllm.rl import losses
+    cfg = dict(algorithm="dapo", kl_coef=0.1, max_gen_batches=1, steps=1)
+    trained = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "t", dynamic_sampling=False, **cfg)).step().metrics
+    monkeypatch.setattr(losses, "informative_groups", lambda scores: torch.zeros(scores.shape[0], dtype=torch.bool))
+    empty = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "e", **cfg)).step().metrics
+    assert empty["groups_kept"] == 0 and not empty["updated"]
+    assert set(trained) == set(empty)
 
 
 def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):

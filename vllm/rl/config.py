@@ -391,8 +391,11 @@ class TrainConfig:
             if not ok:
                 errors.append(msg)
 
+        check(m.dtype not in ("float16", "fp16"),
+              "dtype: float16 is not trained here (no loss scaling: its gradients underflow); use bfloat16 "
+              "(float32 master weights) or float32")
         check(m.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
-              f"dtype: auto | float32 | bfloat16 | float16, got {m.dtype!r}")
+              f"dtype: auto | float32 | bfloat16, got {m.dtype!r}")
         check(m.device is None or m.device == "cpu" or m.device.startswith("cuda"),
               f"device: cpu or cuda, got {m.device!r}")
         check(m.max_model_len is None or m.max_model_len > 1, "max_model_len: must be > 1")
@@ -421,13 +424,14 @@ class TrainConfig:
         check(0.0 < a.top_p <= 1.0, f"top_p: must be in (0, 1], got {a.top_p}")
         check(a.max_response_tokens >= 1, f"max_response_tokens: must be >= 1, got {a.max_response_tokens}")
         check(0.0 <= a.clip_eps_low < 1.0, f"clip_eps_low: must be in [0, 1), got {a.clip_eps_low}")
-        check(a.clip_eps_high is not None and a.clip_eps_high >= 0.0, f"clip_eps_high: must be >= 0, got {a.clip_eps_high}")
+        check(a.clip_eps_high is not None and 0.0 <= a.clip_eps_high < math.inf,
+              f"clip_eps_high: must be finite and >= 0, got {a.clip_eps_high}")
         check(a.overlong_buffer is not None and 0 <= a.overlong_buffer <= a.max_response_tokens,
               f"overlong_buffer: must be in [0, max_response_tokens={a.max_response_tokens}], got {a.overlong_buffer}")
-        check(a.overlong_penalty >= 0.0, f"overlong_penalty: must be >= 0, got {a.overlong_penalty}")
+        check(0.0 <= a.overlong_penalty < math.inf, f"overlong_penalty: must be finite and >= 0, got {a.overlong_penalty}")
         check(a.max_gen_batches >= 1, f"max_gen_batches: must be >= 1, got {a.max_gen_batches}")
-        check(a.kl_coef >= 0.0, f"kl_coef: must be >= 0, got {a.kl_coef}")
-        check(a.tis_cap == 0.0 or a.tis_cap >= 1.0, f"tis_cap: 0 (off) or >= 1, got {a.tis_cap}")
+        check(0.0 <= a.kl_coef < math.inf, f"kl_coef: must be finite and >= 0, got {a.kl_coef}")
+        check(a.tis_cap == 0.0 or 1.0 <= a.tis_cap < math.inf, f"tis_cap: 0 (off) or finite and >= 1, got {a.tis_cap}")
         check(1 <= a.updates_per_step <= a.prompts_per_step,
               f"updates_per_step: must be in [1, prompts_per_step={a.prompts_per_step}], got {a.updates_per_step}")
         check(o.lr > 0 and math.isfinite(o.lr), f"lr: must be > 0, got {o.lr}")
@@ -435,10 +439,13 @@ class TrainConfig:
         check(0.0 <= o.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
         check(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
               f"lr_decay_steps: must be >= 1, got {o.lr_decay_steps}")
-        check(o.weight_decay >= 0, f"weight_decay: must be >= 0, got {o.weight_decay}")
+        check(o.lr_decay_steps is None or o.warmup_steps <= o.lr_decay_steps,
+              f"warmup_steps ({o.warmup_steps}) must not exceed lr_decay_steps ({o.lr_decay_steps}): the decay "
+              "starts after the warmup")
+        check(0 <= o.weight_decay < math.inf, f"weight_decay: must be finite and >= 0, got {o.weight_decay}")
         check(0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0, "adam_beta1/adam_beta2: must be in [0, 1)")
-        check(o.adam_eps > 0, f"adam_eps: must be > 0, got {o.adam_eps}")
-        check(o.max_grad_norm >= 0, f"max_grad_norm: must be >= 0, got {o.max_grad_norm}")
+        check(0 < o.adam_eps < math.inf, f"adam_eps: must be finite and > 0, got {o.adam_eps}")
+        check(0 <= o.max_grad_norm < math.inf, f"max_grad_norm: must be finite and >= 0, got {o.max_grad_norm}")
         check(o.micro_batch_tokens is None or o.micro_batch_tokens >= 1,
               f"micro_batch_tokens: must be >= 1, got {o.micro_batch_tokens}")
         check(run.steps >= 1, f"steps: must be >= 1, got {run.steps}")

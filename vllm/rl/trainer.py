@@ -55,6 +55,13 @@ def rollout_seed(seed: int, step: int, batch: int, index: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
 
 
+def _mean_finite(norms: list[float]) -> float:
+    """The mean of a step's finite gradient norms (its updates'); with none finite, the first
+    norm (inf or nan: what skipped the update); 0.0 without updates."""
+    finite = [n for n in norms if math.isfinite(n)]
+    return sum(finite) / len(finite) if finite else (norms[0] if norms else 0.0)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of 0-based step `step`: linear warmup, then constant / linear / cosine decay
     over `lr_decay_steps` (the run's steps when unset), then the floor."""
@@ -423,8 +430,8 @@ class Trainer:
         mism = losses.mismatch_stats(torch.cat([t.cpu() for t in train_lps]), torch.cat(roll))
         metrics = {**mism, "overlong_filtered": sum(cut), "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
                    "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(norms)),
-                   "grad_norm": max(norms) if norms else 0.0, "updated": updated, "lr": lr_at(step, cfg),
-                   "train_tokens": sum(seq_len)}
+                   "grad_norm": _mean_finite(norms), "updates_skipped": sum(not math.isfinite(n) for n in norms),
+                   "updated": updated, "lr": lr_at(step, cfg), "train_tokens": sum(seq_len)}
         if self.reference is not None:
             metrics["ref_kl"] = kl_sum / max(1, tokens)
         return metrics, seqs, plens, roll, train_lps
@@ -437,9 +444,12 @@ class Trainer:
         with torch.no_grad():
             lps = [x.detach().cpu() for mb in self._micro_batches(list(range(len(seqs))), [len(s) for s in seqs])
                    for x in self._logprobs(self.policy, seqs, plens, mb)]
-        metrics = {**losses.mismatch_stats(torch.cat(lps), torch.cat(roll)), "clip_fraction": 0.0,
-                   "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "loss": 0.0, "grad_norm": 0.0,
-                   "updated": False, "lr": lr_at(self.step_count, self.cfg), "train_tokens": 0}
+        metrics = {**losses.mismatch_stats(torch.cat(lps), torch.cat(roll)), "overlong_filtered": 0,
+                   "clip_fraction": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "loss": 0.0,
+                   "grad_norm": 0.0, "updates_skipped": 0, "updated": False, "lr": lr_at(self.step_count, self.cfg),
+                   "train_tokens": 0}
+        if self.reference is not None:
+            metrics["ref_kl"] = None   # nothing trained: the same columns as a training step's record
         return metrics, seqs, plens, roll, lps
 
     def step(self) -> StepResult:
