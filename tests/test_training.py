@@ -306,6 +306,32 @@ def test_a_replaced_lm_head_parameter_is_the_one_differentiated(tiny_qwen3, prom
         assert torch.equal(bits(pa.grad), bits(pb.grad)), name
 
 
+def test_load_state_dict_with_assign_keeps_a_tied_head_tied(tiny_llama, tmp_path):
+    """assign=True gives every loaded name its own Parameter: a tied head is re-tied to the
+    embedding's (else the two would train apart and save_pretrained write a checkpoint whose
+    config says tied and whose tensors differ); a state dict whose two differ is refused."""
+    from vllm.training.policy import Policy
+    p = Policy.from_pretrained(tiny_llama, device="cpu", numerics="invariant")
+    m = p.model
+    n_params = len(list(p.parameters()))
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(sd, assign=True)
+    assert m.lm_head.weight is m.model.embed_tokens.weight and len(list(p.parameters())) == n_params
+    seq = [[5, 6, 7, 8, 9, 10]]
+    opt = torch.optim.SGD(p.parameters(), lr=1.0)
+    (-p.token_logprobs(seq, [2])[0].sum()).backward()
+    opt.step()
+    with torch.no_grad():
+        trained = p.token_logprobs(seq, [2])[0]
+    p.save_pretrained(str(tmp_path / "saved"))
+    with torch.no_grad():
+        reloaded = Policy.from_pretrained(str(tmp_path / "saved"), device="cpu").token_logprobs(seq, [2])[0]
+    assert torch.equal(bits(trained), bits(reloaded))
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="tied to"):
+        m.load_state_dict(sd, assign=True)
+
+
 def test_temperatures_as_the_rollout_takes_them(tiny_qwen3, prompts):
     """The trainer raises a positive temperature below 0.01 to it as SamplingParams does (so
     the rollout's T = 0.005 logprobs are its bits), and refuses NaN / infinity; numpy and
