@@ -348,6 +348,30 @@ def _held_by_a_pause(mode_after: str):
     return core, deltas, steps
 
 
+@pytest.mark.parametrize("order", ["keep_then_wait", "wait_then_keep"])
+def test_pause_wait_and_keep_together_answer_at_once(order):
+    """pause(mode="wait") on an engine paused with "keep" has nothing to wait for (its frozen
+    requests never finish): it is answered at once, paused; a "keep" pause while a "wait" is
+    waiting answers that one too. Either way resume then continues the request."""
+    from vllm.engine.core import EngineCore
+    from vllm.engine.core_messages import AddRequest, UtilityCall
+    core = EngineCore(LLM(device="cpu").llm_engine)
+    core.handle(AddRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)))
+    core.step()
+    modes = ("keep", "wait") if order == "keep_then_wait" else ("wait", "keep")
+    for call_id, mode in enumerate(modes, 1):
+        core.handle(UtilityCall(call_id, "pause", (mode, False)))
+    results = {r.call_id: r for r in core.take_outputs().utility_results}
+    assert set(results) == {1, 2} and all(r.ok and r.value["paused"] for r in results.values())
+    assert core.engine.paused and core.engine.has_unfinished_requests()
+    core.handle(UtilityCall(3, "resume", ()))
+    steps = 0
+    while core.busy and steps < 50:
+        core.step()
+        steps += 1
+    assert not core.engine.has_unfinished_requests() and 0 < steps < 50
+
+
 @pytest.mark.parametrize("mode_after", ["abort", "abort_all", "pause_abort"])
 def test_a_request_held_by_a_pause_is_aborted_with_the_others(mode_after):
     """A request that arrives during pause(mode="wait") waits for resume; aborting it (alone, all

@@ -201,22 +201,29 @@ class EngineCore:
         if mode == "abort":
             self._admit_held()   # held by an earlier pause(mode="wait"): ended too
             eng.abort_requests()
-        if mode == "wait" and eng.has_unfinished_requests():
+        # an engine already paused runs nothing: "wait" has nothing to wait for (frozen requests
+        # would never finish), and it answers now, as upstream's pause_generation does
+        if mode == "wait" and eng.has_unfinished_requests() and not eng.paused:
             self._pause_waiting.append((self._call_id, bool(clear_cache)))
             return _DEFERRED
-        return self._pause_now(clear_cache)
+        # pause(mode="wait") calls still waiting are answered too: the engine is paused now
+        return self._answer_pause_waits(clear_cache)
 
     def _settle_pause(self) -> None:
-        """Answer the pause(mode="wait") calls once nothing is in flight; the requests held
+        """Answer the pause(mode="wait") calls once nothing is in flight."""
+        if self._pause_waiting and not self.engine.has_unfinished_requests():
+            self._answer_pause_waits(False)
+
+    def _answer_pause_waits(self, clear_cache: bool) -> dict:
+        """Pause now and answer every pause(mode="wait") call waiting; the requests held
         meanwhile then queue in the paused engine."""
-        if not self._pause_waiting or self.engine.has_unfinished_requests():
-            return
         calls, self._pause_waiting = self._pause_waiting, []
-        result = self._pause_now(any(clear for _, clear in calls))
+        result = self._pause_now(clear_cache or any(clear for _, clear in calls))
         self._utility += [UtilityResult(call_id, True, result) for call_id, _ in calls]
         held, self._held = self._held, []
         for m in held:
             self.handle(m)
+        return result
 
     def _pause_now(self, clear_cache: bool) -> dict:
         eng = self.engine
