@@ -442,3 +442,34 @@ def test_async_llm_stream_abort_and_params_copies():
         llm.shutdown()
     assert got_b.finished and len(got_b.outputs[0].token_ids) == 3
     assert ids == {} and none == {"aborted": []}
+
+
+def test_async_llm_output_kinds():
+    """AsyncLLM honours SamplingParams.output_kind as upstream's does: CUMULATIVE outputs hold
+    everything so far, DELTA only what is new (text, token ids and logprobs add up to the final
+    cumulative output, sample by sample), FINAL_ONLY one output, the final one, even streamed."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    from vllm.sampling_params import RequestOutputKind
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+
+    async def run(kind):
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, n=2, logprobs=1, ignore_eos=True,
+                                output_kind=kind)
+        return [out async for out in llm.generate("Count: 1, 2,", params, stream=True)]
+    try:
+        cumulative = asyncio.run(run(RequestOutputKind.CUMULATIVE))
+        delta = asyncio.run(run(RequestOutputKind.DELTA))
+        final = asyncio.run(run(RequestOutputKind.FINAL_ONLY))
+    finally:
+        llm.shutdown()
+    want = {c.index: c for c in cumulative[-1].outputs}
+    assert len(final) == 1 and final[0].finished
+    assert [(c.index, c.text, c.token_ids) for c in final[0].outputs] == [(i, c.text, c.token_ids) for i, c in want.items()]
+    assert len(delta) > 2 and delta[-1].finished and not any(o.finished for o in delta[:-1])
+    for i, c in want.items():
+        pieces = [p for o in delta for p in o.outputs if p.index == i]
+        assert "".join(p.text for p in pieces) == c.text
+        assert [t for p in pieces for t in p.token_ids] == c.token_ids
+        assert [lp for p in pieces for lp in p.logprobs] == c.logprobs
+        assert [p.finish_reason for p in pieces][-1] == "length" and all(p.finish_reason is None for p in pieces[:-1])

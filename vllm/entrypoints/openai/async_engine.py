@@ -46,7 +46,7 @@ from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -101,29 +101,57 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._items:
-            self._waiter = self.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item = self._items.popleft()
-        if item is _CHANGED:
-            # Outputs are cumulative: one snapshot covers every step since the last read.
-            with self.owner._lock:
-                self.notified = False
-                item = self.state.output()
-        if item is _ABORTED:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        while True:
+            if self.finished:
+                raise StopAsyncIteration
+            while not self._items:
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            item = self._items.popleft()
+            if item is _CHANGED:
+                # Outputs are cumulative: one snapshot covers every step since the last read.
+                with self.owner._lock:
+                    self.notified = False
+                    item = self.state.output()
+            if item is _ABORTED:
+                self.finished = True
+                raise StopAsyncIteration
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finished:
+                self.finished = True
+            kind = self.state.params.output_kind if self.state is not None else RequestOutputKind.CUMULATIVE
+            if kind is RequestOutputKind.FINAL_ONLY and not item.finished:
+                continue
+            if kind is RequestOutputKind.DELTA:
+                item = self._delta(item)
+                if item is None:
+                    continue
+            return item
+
+    def _delta(self, out: RequestOutput) -> RequestOutput | None:
+        """SamplingParams.output_kind=DELTA: each sample's text, token ids and logprobs since the
+        last output returned, only the samples with something new (or just finished); prompt
+        logprobs on the first output only. None when nothing is new."""
+        sent = self.__dict__.setdefault("_sent", {})
+        outputs = []
+        for c in out.outputs:
+            ntok, ntext, done = sent.get(c.index, (0, 0, False))
+            if done or (len(c.token_ids) == ntok and len(c.text) == ntext and c.finish_reason is None):
+                continue
+            sent[c.index] = (len(c.token_ids), len(c.text), c.finish_reason is not None)
+            outputs.append(dataclasses.replace(
+                c, text=c.text[ntext:], token_ids=list(c.token_ids[ntok:]),
+                logprobs=None if c.logprobs is None else list(c.logprobs[ntok:])))
+        first = not self.__dict__.get("_delta_sent", False)
+        if not outputs and not (first and out.prompt_logprobs is not None) and not out.finished:
+            return None
+        self._delta_sent = True
+        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=out.prompt_logprobs if first else None)
 
     def abort(self) -> None:
         """Abort the request unless it already ended; safe to call any number of times. By
