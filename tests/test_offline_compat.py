@@ -471,3 +471,13 @@ def test_chat_template_content_format(tiny_qwen3):
     assert tok.decode(as_parts.prompt_token_ids) == "<user>[a][b]"
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(msgs[:1], sp, chat_template=string_tpl, chat_template_content_format="json", use_tqdm=False)
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "prompt_embeds"])
+def test_prompt_fields_for_what_is_not_run_are_refused(llm, key):
+    """A prompt dict asking for multimodal inputs or embeddings as the prompt is refused, never
+    generated from its text alone; None (the TypedDicts' unset) is fine."""
+    for prompt in ({"prompt": "hello", key: {"image": "x"}}, {"prompt_token_ids": [5, 6, 7], key: {"image": "x"}}):
+        with pytest.raises(ValueError, match=f"prompt field '{key}' is not supported"):
+            llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.generate({"prompt": "hello", key: None}, SamplingParams(max_tokens=1), use_tqdm=False)

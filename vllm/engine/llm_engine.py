@@ -63,11 +63,22 @@ class _Group:
     state: RequestState | None = None
 
 
+# upstream's prompt-dict keys for what this engine does not run (multimodal inputs, embeddings as
+# the prompt, token types): refused when set, never ignored
+UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+                           "token_type_ids")
+
+
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt as `LLM.generate` and the server take it: a string, or
     a dict with "prompt_token_ids" (its "prompt" kept as the text) or "prompt"."""
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, dict):
+        given = [k for k in UNSUPPORTED_PROMPT_KEYS if prompt.get(k) is not None]
+        if given:
+            raise ValueError(f"prompt field {given[0]!r} is not supported: the models served here take text "
+                             "(or token ids) only")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if hasattr(ids, "tolist"):  # a numpy array or a tensor of ids
