@@ -212,6 +212,10 @@ def test_trl_server_protocol_per_tensor_updates(server, refs, new_weights, tiny_
         r = s.post(f"{server}/update_named_param/", json=bad)
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
     for path, b in (("/generate/", {"prompts": [PROMPT], "generation_kwargs": {"nonsense": 1}}),
+                    ("/generate/", {"prompts": [PROMPT], "generation_kwargs": {"n": "2"}}),
+                    ("/generate/", {"prompts": [PROMPT], "generation_kwargs": {"n": None}}),
+                    ("/generate/", {"prompts": [PROMPT], "generation_kwargs": {"logprobs": "3"}}),
+                    ("/generate/", {"prompts": [PROMPT], "generation_kwargs": {"prompt_logprobs": "3"}}),
                     ("/generate/", {"prompts": [PROMPT], "images": [["x"]]}),
                     ("/generate/", {"prompts": [[10 ** 6]]}),
                     ("/chat/", {"messages": []})):

@@ -819,6 +819,10 @@ class TrlSamplingFields(OpenAIBaseModel):
             if kw.get("structured_outputs") is not None:
                 raise ValueError("give either structured_outputs_regex or generation_kwargs.structured_outputs")
             kw["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+        for name in ("n", "logprobs", "prompt_logprobs"):   # generation_kwargs come unvalidated
+            value = kw.get(name)
+            if (value is not None or name == "n") and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"generation_kwargs: {name} must be an integer, got {value!r}")
         check_max_logprobs(kw.get("logprobs"), max_logprobs)
         check_max_logprobs(kw.get("prompt_logprobs"), max_logprobs, "prompt_logprobs")
         if not 1 <= kw["n"] <= MAX_CHOICES_PER_REQUEST:
