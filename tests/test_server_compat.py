@@ -129,6 +129,8 @@ def test_top_logprobs_zero_and_truncation():
     assert req.truncate_prompt([1, 2, 3, 4, 5], 100) == [3, 4, 5]
     assert req.truncate_prompt([1, 2], 100) == [1, 2]
     assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1).truncate_prompt(list(range(10)), 4) == [7, 8, 9]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(5\) is greater than max_model_len \(4\)"):
+        CompletionRequest(prompt="x", truncate_prompt_tokens=5).truncate_prompt([1, 2], 4)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         _params(CompletionRequest(prompt="x", truncate_prompt_tokens=0))
 

@@ -271,7 +271,11 @@ class _SamplingRequest(OpenAIBaseModel):
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
-        k = max_model_len - 1 if k == -1 else k
+        if k == -1:
+            k = max_model_len - 1
+        elif k > max_model_len:   # upstream's check and message
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                             "Please, select a smaller truncation size.")
         if len(ids) <= k:
             return ids
         return ids[:k] if self.truncation_side == "right" else ids[-k:]
