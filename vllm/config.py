@@ -207,6 +207,10 @@ class ModelConfig(NumericsSpecFields):
         class knows more, e.g. a linear rope scaling's longer reach: vllm.model_loader.build)."""
         if max_positions is not None:
             self.max_position_embeddings = max_positions
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and a generated one), got "
+                             f"{max_model_len!r}")
         if max_model_len is not None and max_model_len > self.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the {self.max_position_embeddings} positions the "
                              "model covers (max_position_embeddings, with its rope scaling)")
@@ -232,6 +236,8 @@ class CacheConfig:
     num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
 
