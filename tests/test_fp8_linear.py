@@ -385,3 +385,25 @@ def test_fp8_policy_requantizes_after_writes_its_version_counters_miss(tiny_qwen
         stepped = p.token_logprobs(seqs, plens)[0]
     assert not torch.equal(stepped, want)
     assert torch.equal(stepped.view(torch.int32), fresh(p).view(torch.int32))
+
+
+def test_policy_from_an_fp8_checkpoint_saves_what_it_holds(tiny_qwen3, tmp_path):
+    """save_pretrained writes the master weights (the FP8 checkpoint dequantized) without the
+    source's quantization_config, which would tell loaders the tensors are FP8-serialized;
+    quantization="fp8" quantizes them again, to the source's own fp8 bits."""
+    from safetensors.torch import load_file
+    src, out = str(tmp_path / "fp8"), str(tmp_path / "saved")
+    _write_fp8_checkpoint(tiny_qwen3, src)
+    p = Policy.from_pretrained(src, device="cpu", dtype="float32")
+    p.save_pretrained(out)
+    assert "quantization_config" not in json.load(open(os.path.join(out, "config.json")))
+    sd = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(out, f)))
+    assert not any(n.endswith("_scale_inv") for n in sd) and all(t.dtype == torch.float32 for t in sd.values())
+    q = Policy.from_pretrained(out, device="cpu", dtype="float32", quantization="fp8")
+    seqs, plens = [[5, 6, 7, 8, 9, 10]], [2]
+    with torch.no_grad():
+        assert torch.equal(p.token_logprobs(seqs, plens)[0].view(torch.int32),
+                           q.token_logprobs(seqs, plens)[0].view(torch.int32))

@@ -293,10 +293,15 @@ class Policy(NumericsSpecFields):
         return [f for f in found if os.path.isfile(f)]
 
     def hf_config(self) -> dict:
-        """The source checkpoint's config.json with this policy's dtype (what a saved one holds)."""
+        """The source checkpoint's config.json with this policy's dtype (what a saved one holds).
+        A quantized source's quantization_config is left out: the weights saved are the master
+        weights in that dtype (an FP8 checkpoint's dequantized and trained), which a loader
+        told they were FP8-serialized would misread; load the saved checkpoint with
+        quantization="fp8" to quantize them again."""
         with open(os.path.join(self.model_config.path, "config.json")) as f:
             cfg = json.load(f)
         cfg["torch_dtype"] = cfg["dtype"] = str(self.dtype).replace("torch.", "")
+        cfg.pop("quantization_config", None)
         return cfg
 
     def save_pretrained(self, save_dir: str) -> None:
