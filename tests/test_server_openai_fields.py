@@ -119,11 +119,12 @@ def test_chat_echo_opens_the_continued_message(app):
     (p,), (e,) = plain["choices"], echoed["choices"]
     assert e["message"]["role"] == "assistant" and e["message"]["content"] == PREFILL + p["message"]["content"]
     assert e["token_ids"] == p["token_ids"] and echoed["usage"] == plain["usage"]   # nothing more generated
-    # streamed: the role, then the echoed text, then the generated text
-    first, echo_chunk, *rest = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "n": 2,
-                                                                           "stream": True}))
-    assert [c["delta"] for c in first["choices"]] == [{"role": "assistant", "content": ""}] * 2
-    assert [(c["index"], c["delta"], c["token_ids"]) for c in echo_chunk["choices"]] == \
+    # streamed: the role, then the echoed text, then the generated text; a chunk per choice
+    role0, role1, echo0, echo1, *rest = _events(_post(app, "/v1/chat/completions", {**body, "echo": True, "n": 2,
+                                                                                    "stream": True}))
+    assert [(c["index"], c["delta"]) for e in (role0, role1) for c in e["choices"]] == \
+        [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    assert [(c["index"], c["delta"], c["token_ids"]) for e in (echo0, echo1) for c in e["choices"]] == \
         [(0, {"content": PREFILL}, []), (1, {"content": PREFILL}, [])]
     for j in (0, 1):
         text = PREFILL + "".join(c["delta"].get("content", "") for e in rest for c in e["choices"] if c["index"] == j)

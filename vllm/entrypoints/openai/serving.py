@@ -681,20 +681,24 @@ class OpenAIServing:
                 return None
             return UsageInfo.of(n_prompt, cur.completion_tokens if cur is not None else 0)
 
-        # OpenAI opens every choice with a role-only delta; the prompt ids ride on the first chunk.
+        # OpenAI opens every choice with a role-only delta, a chunk per choice as upstream sends
+        # them; the prompt ids ride on the first chunk.
         role = req.response_role(self.response_role)
-        yield _sse(ChatCompletionStreamResponse(
-            id=rid, created=created, model=model, prompt_token_ids=list(prompt_ids) if want_ids else None,
-            weight_version=self.llm.weight_version, usage=usage_so_far(None),
-            choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=role, content=""),
-                                      token_ids=[] if want_ids else None) for j in range(params.n)]))
+        for j in range(params.n):
+            yield _sse(ChatCompletionStreamResponse(
+                id=rid, created=created, model=model,
+                prompt_token_ids=list(prompt_ids) if want_ids and j == 0 else None,
+                weight_version=self.llm.weight_version, usage=usage_so_far(None),
+                choices=[ChatStreamChoice(index=j, delta=DeltaMessage(role=role, content=""),
+                                          token_ids=[] if want_ids else None)]))
         echoed = req.echoed_text(self.response_role)
         if echoed:   # echo: the continued message's text before anything generated
-            yield _sse(ChatCompletionStreamResponse(
-                id=rid, created=created, model=model, weight_version=self.llm.weight_version,
-                usage=usage_so_far(None),
-                choices=[ChatStreamChoice(index=j, delta=DeltaMessage(content=echoed),
-                                          token_ids=[] if want_ids else None) for j in range(params.n)]))
+            for j in range(params.n):
+                yield _sse(ChatCompletionStreamResponse(
+                    id=rid, created=created, model=model, weight_version=self.llm.weight_version,
+                    usage=usage_so_far(None),
+                    choices=[ChatStreamChoice(index=j, delta=DeltaMessage(content=echoed),
+                                              token_ids=[] if want_ids else None)]))
         latest: list[RequestOutput] = []   # the request's latest output (its cached tokens)
         try:
             async for _, out in _merge([stream]):
