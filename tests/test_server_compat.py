@@ -280,13 +280,18 @@ if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
 
 
-def test_constrained_output_is_not_split_and_max_new_tokens_is_a_soft_cap(app, monkeypatch):
+def test_constrained_output_behind_closed_thinking_and_max_new_tokens_is_a_soft_cap(app, monkeypatch):
+    """Behind a prompt that closed the reasoning (thinking off) a constrained output is all
+    answer, constrained from its first token, whatever the reasoning parser."""
     serving = app.state.serving
     monkeypatch.setattr(serving, "reasoning_parser", "deepseek_r1")
-    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"}], "max_tokens": 6, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"},
+                         {"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 6, "temperature": 0,
             "guided_choice": ["105", "106"]}
     msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert msg["content"] in ("105", "106") and "reasoning" not in msg
+    body["messages"] = body["messages"][:1]
     # generation_config's max_new_tokens beyond the context left: capped, not a 400
     monkeypatch.setitem(serving.defaults, "max_tokens", 10 ** 6)
     monkeypatch.setattr(serving, "reasoning_parser", None)

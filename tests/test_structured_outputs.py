@@ -148,7 +148,8 @@ def _prompt(llm) -> str:
 
 def _gen(llm, specs, **kw):
     prompt = _prompt(llm)
-    params = [SamplingParams(max_tokens=kw.pop("max_tokens", 40), structured_outputs=s, **kw) for s in specs]
+    max_tokens = kw.pop("max_tokens", 40)
+    params = [SamplingParams(max_tokens=max_tokens, structured_outputs=s, **kw) for s in specs]
     return llm.generate([prompt] * len(specs), params, use_tqdm=False)
 
 
@@ -170,6 +171,23 @@ def test_outputs_match_their_grammar(llm):
             assert c.text in CHOICES
         for c in gr:
             assert re.fullmatch("a[bc]*", c.text), c.text
+
+
+def test_a_grammar_after_its_token_ids(llm):
+    """after_token_ids: every token is free until they have come, then the grammar constrains
+    the rest (the server's reasoning then answer). Ids that never come leave the output free."""
+    free = _gen(llm, [None], temperature=0.0, max_tokens=12, ignore_eos=True)[0].outputs[0]
+    first = free.token_ids[0]
+    after, never = _gen(llm, [SO(grammar='root ::= "a" ("b" | "c")*', after_token_ids=[first]),
+                              SO(regex=REGEX, after_token_ids=[free.token_ids[-1] + 1, 0])],
+                        temperature=0.0, max_tokens=12, ignore_eos=True)
+    after, never = after.outputs[0], never.outputs[0]
+    assert after.token_ids[0] == first
+    tok = llm.get_tokenizer()
+    assert re.fullmatch("a[bc]*", tok.decode(after.token_ids[1:], skip_special_tokens=True))
+    assert never.token_ids == free.token_ids
+    with pytest.raises(ValueError, match="after_token_ids"):
+        SO(regex=REGEX, after_token_ids=[])
 
 
 def _constrained_run(llm, neighbours, mode):
@@ -403,3 +421,33 @@ def test_trl_generate_structured_outputs(app):
         r = await http.post("/generate/", json={"prompts": ["hi"], "structured_outputs_regex": "a("})
         assert r.status_code == 400
     _serve(app, fn)
+
+
+def test_reasoning_parser_lets_a_constrained_request_reason_first(app):
+    """With a reasoning parser a grammar constrains the answer only: the output after </think>.
+    The embedded model never closes a reasoning it is put in (deepseek_r1), so its output is
+    the unconstrained one, all reasoning; behind a prompt that closed the reasoning already
+    (thinking off) the grammar applies from the first token and the output is all content."""
+    serving = app.state.serving
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    closed = MESSAGES + [{"role": "assistant", "content": "<think>\nfine</think>\n"}]
+
+    async def fn(http, client):
+        free = await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=12,
+                                                    temperature=0.0)
+        thinking = await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=12,
+                                                        temperature=0.0, response_format=fmt)
+        answer = await client.chat.completions.create(
+            model="default", messages=closed, max_tokens=40, temperature=0.0, response_format=fmt,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True})
+        return free, thinking, answer
+    try:
+        serving.reasoning_parser = "deepseek_r1"
+        free, thinking, answer = _serve(app, fn)
+    finally:
+        serving.reasoning_parser = None
+    free_msg, msg = free.choices[0].message, thinking.choices[0].message
+    assert msg.content is None and getattr(msg, "reasoning", None) == getattr(free_msg, "reasoning", None)
+    assert getattr(msg, "reasoning", None)
+    obj = json.loads(answer.choices[0].message.content)
+    assert obj["color"] in ("red", "green", "blue") and getattr(answer.choices[0].message, "reasoning", None) is None

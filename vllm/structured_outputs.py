@@ -44,6 +44,10 @@ class StructuredOutputsParams:
     # JSON schema / object: no whitespace between tokens beyond what the schema's
     # separators need (small models otherwise tend to emit whitespace for ever)
     disable_any_whitespace: bool = False
+    # the grammar constrains only the output after these token ids first complete (the server
+    # sets them to the reasoning parser's end marker, `</think>`, so a thinking model reasons
+    # freely and its answer matches); None: from the first token
+    after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
@@ -62,6 +66,10 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.after_token_ids is not None and (
+                not isinstance(self.after_token_ids, (list, tuple)) or not self.after_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.after_token_ids)):
+            raise ValueError("structured_outputs.after_token_ids must be a non-empty list of token ids")
         grammar_of(self)  # ValueError for a schema, regex or grammar xgrammar cannot parse
 
     @property

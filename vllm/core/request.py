@@ -117,6 +117,9 @@ class Request:
         # Structured outputs: this sample's grammar matcher (vllm/structured_outputs.py), fed
         # every output token once its value is on the host (None: unconstrained)
         self.grammar = None
+        # the token ids after which the grammar starts (structured_outputs.after_token_ids);
+        # None once they have come (or without them): the grammar masks and is fed every token
+        self.grammar_after: tuple[int, ...] | None = None
         # logit_bias, allowed_token_ids, bad_words (None: none of them)
         self.controls = controls
         # which tokens it may not sample depends on its output: min_tokens or bad words

@@ -225,7 +225,7 @@ class Scheduler:
     @staticmethod
     def _token_controls(req: Request, sr: ScheduledRequest) -> None:
         """The sampled token's mask (its grammar's, ANDed with allowed_token_ids') and logit_bias."""
-        mask = req.grammar.next_bitmask() if req.grammar is not None else None
+        mask = req.grammar.next_bitmask() if req.grammar is not None and req.grammar_after is None else None
         controls = req.controls
         if controls is not None:
             allowed = controls.allowed_bitmask
@@ -309,7 +309,10 @@ class Scheduler:
             updated.append(req)
             status = req.check_token_stop()
             if req.grammar is not None and status is None:
-                status = self._advance_grammar(req, tok.token_id)
+                if req.grammar_after is None:
+                    status = self._advance_grammar(req, tok.token_id)
+                elif tuple(req.output_token_ids[-len(req.grammar_after):]) == req.grammar_after:
+                    req.grammar_after = None   # the grammar constrains the tokens from the next on
             if status is not None:
                 finished.extend(self.finish_requests([req.req_id], status))
         return updated, finished

@@ -325,6 +325,8 @@ class LLMEngine:
                           cache_salt=cache_salt, priority=priority, controls=controls)
             if compiled is not None:
                 req.grammar = self._grammars.state(compiled)   # one matcher per sample
+                after = params.structured_outputs.after_token_ids
+                req.grammar_after = tuple(after) if after else None
             leader = leader or req
             children.append(req)
         group = _Group(request_id, text, ids, params, children, [None for _ in children], stream=stream,

@@ -11,6 +11,11 @@ clients, `reasoning_content`), the rest to `content`, where tool calls are then 
 - `deepseek_r1`: the template opens `<think>` in the prompt, so the output starts inside the
   reasoning (a leading `<think>` is dropped); without `</think>` it is all reasoning.
 
+Either way a prompt that itself ends in `</think>` (thinking off) leaves no reasoning to split:
+the output is all content. Under a grammar (response_format, structured outputs, a forced tool
+call) the model still reasons first: the grammar constrains only the output after `</think>`
+(structured_outputs.after_token_ids), which is the content.
+
 Only the response is split: the token ids, logprobs and the text the engine produced are
 unchanged (an RL client reads `token_ids`).
 """
@@ -31,6 +36,12 @@ def check_reasoning_parser(name: str | None) -> str | None:
 def prompt_opens_thinking(prompt_tail: str) -> bool:
     """Whether a rendered prompt (its tail is enough) leaves the output inside `<think>`."""
     return prompt_tail.rstrip().endswith(THINK_START)
+
+
+def prompt_closes_thinking(prompt_tail: str) -> bool:
+    """Whether a rendered prompt (its tail) has already closed the reasoning, as Qwen3's template
+    does with thinking off (`<think>\n\n</think>\n\n`): the output is all answer."""
+    return prompt_tail.rstrip().endswith(THINK_END)
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:

@@ -26,8 +26,8 @@ from vllm.entrypoints.openai.protocol import (
     DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, ModelCard, ModelList, OpenAIBaseModel, PromptLogprob, StreamOptions, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, json_logprob,
 )
-from vllm.entrypoints.openai.reasoning import (ReasoningStream, check_reasoning_parser, prompt_opens_thinking,
-                                               split_reasoning)
+from vllm.entrypoints.openai.reasoning import (THINK_END, ReasoningStream, check_reasoning_parser,
+                                               prompt_closes_thinking, prompt_opens_thinking, split_reasoning)
 from vllm.entrypoints.openai.tool_calls import StreamPiece, ToolCallStream, ToolPlan, plan_tools
 from vllm.entrypoints.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, check_tool_call_parser
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -352,17 +352,26 @@ class OpenAIServing:
             raise ModelNotFoundError(f"The model `{requested}` does not exist; served here: {', '.join(self.names)}")
         return requested
 
-    def _reasoning_parser_for(self, params: SamplingParams, prompt_ids: Sequence[int]) -> str | None:
-        """How a request's outputs are split: none when a grammar constrains the output from
-        its first token (response_format, structured outputs, a forced tool call), which leaves
-        no room for a <think> part; `qwen3` behind a prompt that opens <think> itself reads the
+    def _reasoning_parser_for(self, prompt_ids: Sequence[int]) -> str | None:
+        """How a request's outputs are split: none behind a prompt that closed the reasoning
+        itself (thinking off); `qwen3` behind a prompt that opens <think> itself reads the
         output as starting inside the reasoning, as `deepseek_r1` does."""
-        if params.structured_outputs is not None or self.reasoning_parser is None:
+        if self.reasoning_parser is None:
             return None
-        if self.reasoning_parser == "qwen3" and prompt_opens_thinking(
-                self.llm.tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)):
+        tail = self.llm.tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)
+        if prompt_closes_thinking(tail):
+            return None
+        if self.reasoning_parser == "qwen3" and prompt_opens_thinking(tail):
             return "deepseek_r1"
         return self.reasoning_parser
+
+    def _grammar_after_reasoning(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+        """With a reasoning parser, a grammar constrains only the answer: the output after the
+        reasoning's end marker (unless the prompt closed the reasoning already)."""
+        so = params.structured_outputs
+        if so is None or so.after_token_ids is not None or self._reasoning_parser_for(prompt_ids) is None:
+            return
+        so.after_token_ids = list(self.llm.tokenizer.encode(THINK_END, add_special_tokens=False))
 
     def _accept(self, req: OpenAIBaseModel) -> None:
         """Log the fields the request sets that this server does not know, and apply the
@@ -623,6 +632,7 @@ class OpenAIServing:
                 room = self.llm.max_model_len - len(prompt_ids)
                 if room >= 1:
                     params.max_tokens = min(int(self.defaults["max_tokens"]), room)
+            self._grammar_after_reasoning(params, prompt_ids)
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"chatcmpl-{_request_id(req, raw)}"
@@ -645,7 +655,7 @@ class OpenAIServing:
         top_k = params.logprobs or 0
         ids = req.want_token_ids
         plan = req.tool_plan(self.tool_call_parser)
-        thinking = self._reasoning_parser_for(params, out.prompt_token_ids)
+        thinking = self._reasoning_parser_for(out.prompt_token_ids)
         role, echoed = req.response_role(self.response_role), req.echoed_text(self.response_role)
         choices = [ChatChoice(index=c.index,
                               message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
@@ -669,7 +679,7 @@ class OpenAIServing:
         cursors = [_ChoiceCursor() for _ in range(params.n)]
         plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
-        parser_name = self._reasoning_parser_for(params, prompt_ids)
+        parser_name = self._reasoning_parser_for(prompt_ids)
         thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
