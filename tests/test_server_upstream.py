@@ -380,3 +380,23 @@ def test_a_schema_nested_too_deep_is_a_400(app):
                                                      "response_format": {"type": "json_schema",
                                                                          "json_schema": {"name": "deep", "schema": schema}}})
     assert r.status_code == 400 and "nests deeper than 128 levels" in r.json()["error"]["message"]
+
+
+def test_sampling_params_are_built_off_the_event_loop(app, monkeypatch):
+    """A schema or grammar is parsed while SamplingParams are built: that runs on a worker thread,
+    so a slow parse stalls no other stream."""
+    import threading
+
+    from vllm.entrypoints.openai import protocol
+    seen = []
+    for cls in (protocol.ChatCompletionRequest, protocol.CompletionRequest):
+        real = cls.to_sampling_params
+
+        def spy(self, *args, _real=real, **kw):
+            seen.append(threading.current_thread() is threading.main_thread())
+            return _real(self, *args, **kw)
+        monkeypatch.setattr(cls, "to_sampling_params", spy)
+    assert _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+    assert _call(app, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1}).status_code == 200
+    assert seen == [False, False]

@@ -418,12 +418,18 @@ class OpenAIServing:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=n, root=self.model_path, max_model_len=self.max_model_len) for n in self.names])
 
+    async def _sampling_params(self, req) -> SamplingParams:
+        """The request's SamplingParams, built on a worker thread: a schema, regex or grammar is
+        parsed there (a large repetition bound takes seconds), never on the event loop every
+        other stream runs on."""
+        return await asyncio.to_thread(req.to_sampling_params, self.defaults, self.max_logprobs)
+
     # -- /v1/completions -------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request):
         try:
             self._accept(req)
             model = self._model_name(req.model)
-            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            params = await self._sampling_params(req)
             prompts = [req.with_cache_salt(self._completion_prompt(p, req)) for p in req.prompts()]
             if self.before_generate is not None:
                 await self.before_generate()
@@ -619,7 +625,7 @@ class OpenAIServing:
         try:
             self._accept(req)
             model = self._model_name(req.model)
-            params = req.to_sampling_params(self.defaults, self.max_logprobs)
+            params = await self._sampling_params(req)
             messages = req.template_messages()
             prompt_ids = self.chat_prompt_ids(messages, req.template_kwargs(), req.chat_template,
                                               add_generation_prompt=req.add_generation_prompt,
