@@ -53,6 +53,9 @@ def test_aggregation_weights():
     assert losses.aggregation_weights([2, 3], "token-mean", 5, 2).tolist() == pytest.approx([0.2] * 5)
     w = losses.aggregation_weights([2, 3], "seq-mean-token-mean", 5, 2)
     assert w.tolist() == pytest.approx([1 / 4, 1 / 4, 1 / 6, 1 / 6, 1 / 6])
+    # verl's seq-mean-token-sum: each response's token sum, mean over responses
+    w = losses.aggregation_weights([2, 3], "seq-mean-token-sum", 5, 2)
+    assert w.tolist() == pytest.approx([1 / 2] * 5)
     # Dr. GRPO: each response's token sum over a constant (the response limit), mean over responses
     w = losses.aggregation_weights([2, 3], "seq-mean-token-sum-norm", 5, 2, max_response_tokens=8)
     assert w.tolist() == pytest.approx([1 / 16] * 5)

@@ -90,10 +90,12 @@ class AlgorithmSection:
     max_response_tokens: int = _knob(64, "maximum tokens per response")
     clip_eps_low: float = _knob(0.2, "PPO clip: ratio >= 1 - eps_low")
     clip_eps_high: float | None = _knob(None, "PPO clip: ratio <= 1 + eps_high (default: grpo = eps_low, dapo 0.28)")
-    loss_agg: str | None = _knob(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (default: grpo "
-                                       "seq-mean-token-mean, dapo token-mean; Dr. GRPO: seq-mean-token-sum-norm, each "
-                                       "response's token sum over max_response_tokens)",
-                                 ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", None))
+    loss_agg: str | None = _knob(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm "
+                                       "(default: grpo seq-mean-token-mean, dapo token-mean; seq-mean-token-sum: each "
+                                       "response's token sum, mean over responses; Dr. GRPO: seq-mean-token-sum-norm, "
+                                       "each response's token sum over max_response_tokens)",
+                                 ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                  None))
     norm_adv_by_std: bool = _knob(True, "divide group-centred rewards by the group's std (false: Dr. GRPO's "
                                         "advantages; with loss_agg seq-mean-token-sum-norm, Dr. GRPO)")
     overlong_buffer: int | None = _knob(None, "soft overlong penalty over the last N tokens before the limit "

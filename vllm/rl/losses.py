@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def group_advantages(rewards: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -52,12 +52,16 @@ def aggregation_weights(lengths: list[int], mode: str, total_tokens: int, total_
                         max_response_tokens: int = 0) -> torch.Tensor:
     """Per-token weights whose dot product with per-token losses is the aggregated loss.
     token-mean: 1 / (tokens in the mini-batch) (DAPO); seq-mean-token-mean: 1 / (len * seqs)
-    (GRPO); seq-mean-token-sum-norm: 1 / (max_response_tokens * seqs), a constant in place of
-    each response's length (Dr. GRPO; verl's mode of that name, TRL's dr_grpo)."""
+    (GRPO); seq-mean-token-sum: 1 / seqs, each response's token sum, then the mean over
+    responses (verl's mode of that name); seq-mean-token-sum-norm: 1 / (max_response_tokens *
+    seqs), a constant in place of each response's length (Dr. GRPO; verl's mode of that name,
+    TRL's dr_grpo)."""
     if mode == "token-mean":
         return torch.full((sum(lengths),), 1.0 / total_tokens, dtype=torch.float32)
     if mode == "seq-mean-token-mean":
         return torch.cat([torch.full((n,), 1.0 / (n * total_seqs), dtype=torch.float32) for n in lengths])
+    if mode == "seq-mean-token-sum":
+        return torch.full((sum(lengths),), 1.0 / total_seqs, dtype=torch.float32)
     if mode == "seq-mean-token-sum-norm":
         if max_response_tokens <= 0:
             raise ValueError("seq-mean-token-sum-norm needs max_response_tokens > 0 (its constant normaliser)")
