@@ -476,11 +476,12 @@ def test_chat_template_content_format(tiny_qwen3):
 @pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "prompt_embeds"])
 def test_prompt_fields_for_what_is_not_run_are_refused(llm, key):
     """A prompt dict asking for multimodal inputs or embeddings as the prompt is refused, never
-    generated from its text alone; None (the TypedDicts' unset) is fine."""
+    generated from its text alone; None or empty (upstream's "none") is fine."""
     for prompt in ({"prompt": "hello", key: {"image": "x"}}, {"prompt_token_ids": [5, 6, 7], key: {"image": "x"}}):
         with pytest.raises(ValueError, match=f"prompt field '{key}' is not supported"):
             llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert llm.generate({"prompt": "hello", key: None}, SamplingParams(max_tokens=1), use_tqdm=False)
+    for empty in (None, {}):   # verl sends an empty multi_modal_data for text rows
+        assert llm.generate({"prompt_token_ids": [5, 6, 7], key: empty}, SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.parametrize("kw, needle", [(dict(max_model_len=-5), "max_model_len must be an integer >= 2"),
@@ -489,3 +490,18 @@ def test_prompt_fields_for_what_is_not_run_are_refused(llm, key):
 def test_bad_context_and_block_settings_are_refused_at_construction(kw, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(device="cpu", **kw)
+
+
+def test_chat_takes_upstreams_argument_order_and_template_kwargs_win(llm):
+    """LLM.chat's parameters in upstream's order (lora_request fourth), and chat_template_kwargs
+    setting add_generation_prompt / continue_final_message, which win over the named ones as
+    upstream merges them."""
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    msgs = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "The answer"}]
+    named = llm.chat(msgs, sp, False, None, add_generation_prompt=False, continue_final_message=True)[0]
+    merged = llm.chat(msgs, sp, use_tqdm=False,
+                      chat_template_kwargs={"add_generation_prompt": False, "continue_final_message": True})[0]
+    assert merged.prompt_token_ids == named.prompt_token_ids and merged.outputs[0].token_ids == named.outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat(msgs[:1], sp, use_tqdm=False, mm_processor_kwargs={"x": 1})
+    assert llm.chat(msgs[:1], sp, use_tqdm=False, mm_processor_kwargs=None)

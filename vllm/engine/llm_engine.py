@@ -64,7 +64,8 @@ class _Group:
 
 
 # upstream's prompt-dict keys for what this engine does not run (multimodal inputs, embeddings as
-# the prompt, token types): refused when set, never ignored
+# the prompt, token types): refused when set (empty values mean none, as upstream reads them),
+# never ignored
 UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
                            "token_type_ids")
 
@@ -75,7 +76,7 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, dict):
-        given = [k for k in UNSUPPORTED_PROMPT_KEYS if prompt.get(k) is not None]
+        given = [k for k in UNSUPPORTED_PROMPT_KEYS if prompt.get(k)]   # empty or None: text only, as upstream
         if given:
             raise ValueError(f"prompt field {given[0]!r} is not supported: the models served here take text "
                              "(or token ids) only")

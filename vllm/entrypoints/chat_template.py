@@ -118,11 +118,19 @@ def chat_prompt_ids(tokenizer, messages: list[dict], *, add_generation_prompt: b
     (tools, enable_thinking, ...); `add_special_tokens`: the rendered text tokenized with the
     tokenizer's special tokens added (templates write their own: off by default). Every
     failure of the template is a ValueError."""
+    kwargs = dict(template_kwargs or {})
+    # chat_template_kwargs may set the rendering arguments themselves, and win over the named
+    # ones, as upstream merges them (its kwargs dict is updated with chat_template_kwargs)
+    add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if kwargs.get("chat_template") is not None:
+        chat_template = kwargs.pop("chat_template")
+    kwargs.pop("chat_template", None)
+    kwargs.pop("tokenize", None)   # always tokenized here
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template (give one with --chat-template)")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    kwargs = dict(template_kwargs or {})
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if chat_template is not None:

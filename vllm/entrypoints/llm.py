@@ -406,20 +406,25 @@ class LLM:
 
     @_holding_engine_lock
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered as the server's chat completions render them (vllm/entrypoints/chat_template.py).
         `chat_template`: a template (or a file holding one) instead of the tokenizer's.
         `chat_template_content_format` (upstream's): how a content given as a list of text parts
         reaches the template: "string" joins the parts' texts with newlines, "openai" passes the
         list of {"type": "text", "text"} parts (a string content becomes one such part), "auto"
-        picks "openai" when the template loops over a message's content, else "string"."""
+        picks "openai" when the template loops over a message's content, else "string".
+        Parameters in upstream's order; `chat_template_kwargs` may also set
+        add_generation_prompt / continue_final_message, and win, as upstream merges them.
+        `mm_processor_kwargs`: None or empty only (no multimodal inputs here)."""
         from vllm.entrypoints.chat_template import apply_content_format, chat_prompt_ids, load_chat_template
 
         _no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: the models served here take no multimodal inputs")
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.get_tokenizer()
