@@ -505,3 +505,21 @@ def test_chat_takes_upstreams_argument_order_and_template_kwargs_win(llm):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat(msgs[:1], sp, use_tqdm=False, mm_processor_kwargs={"x": 1})
     assert llm.chat(msgs[:1], sp, use_tqdm=False, mm_processor_kwargs=None)
+
+
+def test_upstream_engine_methods_frameworks_call(llm):
+    """What RL frameworks call on `llm.llm_engine` / `llm`: reset_prefix_cache(), abort_request
+    with a list of ids (upstream's v1 signature) or one id, get_num_unfinished_requests(), and
+    LLM.model_config."""
+    eng = llm.llm_engine
+    assert llm.model_config is eng.model_config
+    assert eng.reset_prefix_cache() is True
+    sp = SamplingParams(max_tokens=50, ignore_eos=True)
+    for rid in ("a", "b", "c"):
+        eng.add_request(rid, {"prompt_token_ids": [5, 6, 7]}, sp)
+    assert eng.get_num_unfinished_requests() == 3
+    eng.abort_request(["a", "b"])
+    assert eng.get_num_unfinished_requests() == 1
+    eng.abort_request("c")
+    assert eng.get_num_unfinished_requests() == 0 and not eng.has_unfinished_requests()
+    assert eng.kv.num_free_blocks == eng.kv.num_usable_blocks

@@ -13,6 +13,7 @@ import logging
 import numbers
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -495,16 +496,28 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self._sleeping
 
-    def abort_request(self, request_id: str) -> None:
-        group = self._groups.get(request_id)
-        if group is None:
-            return
-        self.scheduler.finish_requests([c.req_id for c in group.children], RequestStatus.FINISHED_ABORTED)
-        for c in group.children:
-            self._child_to_group.pop(c.req_id, None)
-        del self._groups[request_id]
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop a request (or several: upstream's v1 engine takes a list of ids) without
+        reporting it; unknown ids are ignored."""
+        for rid in ([request_id] if isinstance(request_id, str) else list(request_id)):
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            self.scheduler.finish_requests([c.req_id for c in group.children], RequestStatus.FINISHED_ABORTED)
+            for c in group.children:
+                self._child_to_group.pop(c.req_id, None)
+            del self._groups[rid]
         if not self.scheduler.has_unfinished():
             self.drain()  # nothing left to run: do not leave a step in flight
+
+    def reset_prefix_cache(self) -> bool:
+        """upstream's engine method: forget every cached prefix (False, changing nothing, while
+        requests are running)."""
+        return self.kv.reset_prefix_cache()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished (a request with n samples counts once)."""
+        return sum(1 for g in self._groups.values() if any(not c.status.finished for c in g.children))
 
     def abort_requests(self, request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Abort requests (None: every request in the engine) and report each with what it

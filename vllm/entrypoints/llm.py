@@ -272,6 +272,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    @property
+    def model_config(self):
+        """upstream's `LLM.model_config`: the engine's ModelConfig."""
+        return self.llm_engine.model_config
+
     @_holding_engine_lock
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so the next requests recompute their KV (benchmarks,
