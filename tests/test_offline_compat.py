@@ -523,3 +523,16 @@ def test_upstream_engine_methods_frameworks_call(llm):
     eng.abort_request("c")
     assert eng.get_num_unfinished_requests() == 0 and not eng.has_unfinished_requests()
     assert eng.kv.num_free_blocks == eng.kv.num_usable_blocks
+
+
+def test_upstream_entry_points_not_run_here_say_so(llm):
+    from vllm.lora.request import LoRARequest   # verl imports it at module level
+    lora = LoRARequest("adapter", 1, "/tmp/adapter")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.generate("hi", SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)
+    for name in ("beam_search", "encode", "embed", "score", "classify", "reward"):
+        with pytest.raises(ValueError, match=f"LLM.{name} is not supported here"):
+            getattr(llm, name)(["hi"])
+    for name in ("get_metrics", "start_profile", "stop_profile"):
+        with pytest.raises(ValueError, match=f"LLM.{name} is not supported here"):
+            getattr(llm, name)()
