@@ -61,6 +61,7 @@ def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
     assert seen["cors"] == {"allow_origins": ["*"], "allow_methods": ["GET", "POST"], "allow_headers": ["*"],
                             "allow_credentials": True}
     assert seen["override_generation_config"] == {"temperature": 0.6, "max_new_tokens": 64}
+    assert seen["chat_template_content_format"] == "string"
     assert seen["log_stats_interval"] is None       # --disable-log-stats
     assert cli.main(["serve", "/ckpt"]) == 0
     assert seen["log_stats_interval"] == 10.0       # upstream's period, on by default
@@ -77,7 +78,6 @@ def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
     (["--revision", "v2"], "--revision v2: not supported here"),
     (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides"),
     (["--api-server-count", "2"], "--api-server-count 2: not supported here"),
-    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai"),
     (["--allow-credentials"], "CORS is off unless --allowed-origins"),
     (["--allowed-methods", '["GET"]'], "--allowed-methods"),
 ])
@@ -400,3 +400,26 @@ def test_sampling_params_are_built_off_the_event_loop(app, monkeypatch):
     assert _call(app, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 1}).status_code == 200
     assert seen == [False, False]
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}{{ p['text'] }}"
+                  "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, PARTS_TEMPLATE], ids=["tokenizer's", "loops-over-parts"])
+def test_content_parts_render_as_llm_chat_renders_them(serving, app, monkeypatch, template):
+    """A message's list of text parts reaches the template as LLM.chat passes it (content format
+    "auto": a template that loops over the parts gets them; one that does not, one string), so
+    the server's prompt is LLM.chat's; input_text parts are text, as upstream reads them."""
+    from vllm import LLM
+    monkeypatch.setattr(serving, "chat_template", template)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is 1"},
+                                             {"type": "input_text", "text": " + 2?"}]}]
+    r = _call(app, "POST", "/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    from vllm import SamplingParams
+    want = LLM(device="cpu").chat(messages, SamplingParams(max_tokens=1), use_tqdm=False,
+                                  chat_template=template)[0].prompt_token_ids
+    assert r.json()["tokens"] == want
+    if template is not None:   # the parts' text is in the prompt, not dropped
+        assert "What is 1 + 2?" in serving.llm.tokenizer.decode(want)

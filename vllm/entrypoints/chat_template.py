@@ -49,17 +49,19 @@ def detect_content_format(template) -> str:
     return "string"
 
 
-def _text_parts(content: list, where: str) -> list[dict]:
-    """A content list's parts as {"type": "text", "text": ...} (a bare string is a text part);
-    any other kind of part is a ValueError (text only here)."""
+def text_parts(content: list, where: str) -> list[dict]:
+    """A content list's parts as {"type": "text", "text": ...}, as upstream's parser reads them: a
+    bare string, "text" and "input_text" parts are text, a "refusal" part its refusal text; any
+    other kind of part is a ValueError (text only here)."""
     parts = []
     for part in content:
         if isinstance(part, str):
             part = {"type": "text", "text": part}
-        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        key = "refusal" if kind == "refusal" else "text"
+        if kind not in ("text", "input_text", "refusal") or not isinstance(part.get(key), str):
             raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
-        parts.append({"type": "text", "text": part["text"]})
+        parts.append({"type": "text", "text": part[key]})
     return parts
 
 
@@ -75,7 +77,7 @@ def apply_content_format(messages: list[dict], content_format: str, template) ->
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            parts = _text_parts(content, f"messages[{i}].content")
+            parts = text_parts(content, f"messages[{i}].content")
             m = {**m, "content": "\n".join(p["text"] for p in parts) if content_format == "string" else parts}
         elif isinstance(content, str) and content_format == "openai":
             m = {**m, "content": [{"type": "text", "text": content}]}

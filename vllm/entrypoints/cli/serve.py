@@ -139,8 +139,9 @@ def add_parser(sub) -> None:
                    help="the role of a chat response that opens a turn (add_generation_prompt); without it the "
                         "response takes the last message's role")
     p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
-                   help="how message content reaches the chat template: auto and string (the same here): one string "
-                        "(text parts joined with newlines); openai (a list of parts) is refused")
+                   help="how a message's list of text parts reaches the chat template (as LLM.chat's "
+                        "chat_template_content_format): string joins them with newlines, openai passes the list, "
+                        "auto picks openai for a template that loops over a message's content")
     p.add_argument("--override-generation-config", type=_json_object("--override-generation-config"), default=None,
                    metavar="JSON",
                    help="generation_config.json values over the checkpoint's, as sampling defaults of requests that "
@@ -200,9 +201,6 @@ def check_upstream_flags(args) -> None:
     if args.api_server_count not in (None, 1):
         raise ValueError(f"--api-server-count {args.api_server_count}: not supported here (one API server process; "
                          "run several servers behind a load balancer)")
-    if args.chat_template_content_format == "openai":
-        raise ValueError("--chat-template-content-format openai: not supported here (message content reaches the "
-                         "chat template as one string: auto or string)")
     if args.allowed_origins is None:
         given = [flag for flag, on in (("--allowed-methods", args.allowed_methods is not None),
                                        ("--allowed-headers", args.allowed_headers is not None),
@@ -255,6 +253,7 @@ def run(args) -> int:
                    log_level=args.uvicorn_log_level, max_queued_requests=args.max_queued_requests,
                    api_key=api_key, admin_key=args.admin_key, tool_call_parser=args.tool_call_parser,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                   chat_template_content_format=args.chat_template_content_format,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    reasoning_parser=args.reasoning_parser,
                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,

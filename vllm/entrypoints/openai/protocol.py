@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictInt, field_validator,
                       model_serializer)
 
+from vllm.entrypoints.chat_template import text_parts
 from vllm.inputs import check_cache_salt
 from vllm.sampling_params import SamplingParams
 from vllm.structured_outputs import StructuredOutputsParams
@@ -366,6 +367,7 @@ class CompletionRequest(_SamplingRequest):
 class ChatContentPart(OpenAIBaseModel):
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -375,14 +377,11 @@ class ChatMessage(OpenAIBaseModel):
     content: Optional[Union[str, list[ChatContentPart]]] = None
 
     def to_template_dict(self) -> dict[str, Any]:
+        """The message for the chat template; a list content stays a list of text parts, which
+        the server's content format (chat_template.apply_content_format) joins or keeps."""
         d = self.model_dump(exclude_none=False)
         if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"only text content parts are supported, got type {part.type!r}")
-                parts.append(part.text)
-            d["content"] = "\n".join(parts)
+            d["content"] = text_parts([p.model_dump(exclude_none=True) for p in self.content], "content")
         return d
 
 

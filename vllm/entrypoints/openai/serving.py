@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from vllm.entrypoints.chat_template import chat_prompt_ids, load_chat_template
+from vllm.entrypoints.chat_template import CONTENT_FORMATS, apply_content_format, chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
 from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
                                           require_scored_prompts)
@@ -317,7 +317,8 @@ class OpenAIServing:
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
                  enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
-                 response_role: str = "assistant", enable_log_requests: bool = False, max_log_len: int | None = None):
+                 response_role: str = "assistant", enable_log_requests: bool = False, max_log_len: int | None = None,
+                 chat_template_content_format: str = "auto"):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.llm = async_llm
@@ -329,6 +330,12 @@ class OpenAIServing:
         self.tool_call_parser = check_tool_call_parser(tool_call_parser)   # the format "auto" tool_choice reads
         self.chat_template = load_chat_template(chat_template)   # None: the tokenizer's own
         self.trust_request_chat_template = trust_request_chat_template
+        # how a message's list of text parts reaches the template, as LLM.chat takes it (upstream's
+        # --chat-template-content-format: "auto" detects a template that loops over the parts)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"got {chat_template_content_format!r}")
+        self.chat_template_content_format = chat_template_content_format
         self.return_tokens_as_token_ids = return_tokens_as_token_ids   # every request's, when set
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)   # None: the text is all content
         # a request's final usage reports the prompt tokens the prefix cache served (upstream's flag)
@@ -617,6 +624,9 @@ class OpenAIServing:
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
+        messages = apply_content_format(messages, self.chat_template_content_format,
+                                        template if template is not None else getattr(self.llm.tokenizer,
+                                                                                      "chat_template", None))
         return chat_prompt_ids(self.llm.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=template,
                                template_kwargs=kwargs, add_special_tokens=add_special_tokens)
