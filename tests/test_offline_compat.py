@@ -536,3 +536,12 @@ def test_upstream_entry_points_not_run_here_say_so(llm):
     for name in ("get_metrics", "start_profile", "stop_profile"):
         with pytest.raises(ValueError, match=f"LLM.{name} is not supported here"):
             getattr(llm, name)()
+
+
+def test_outputs_build_in_upstreams_field_order():
+    from vllm.outputs import CompletionOutput, RequestOutput
+    c = CompletionOutput(0, "x", [5], None, None, "stop", None, None)
+    r = RequestOutput("0", "p", [1, 2], None, [c], True)
+    assert (r.outputs, r.finished, r.prompt_logprobs, r.metrics, r.lora_request, r.num_cached_tokens) == \
+        ([c], True, None, None, None, 0)
+    assert c.lora_request is None and c.finish_reason == "stop"

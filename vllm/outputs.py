@@ -15,6 +15,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    lora_request: None = None          # upstream's field (no adapters here)
     # The engine's weight versions this sample was computed under (more than one when a
     # weight update happened while it ran).
     weight_versions: list[int] = field(default_factory=list)
@@ -25,15 +26,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """Fields in upstream's order (code that builds one positionally gets upstream's meaning)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token id: Logprob} holding that token and the top-k alternatives (upstream's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: None = None               # upstream's per-request stats object: none kept here
+    lora_request: None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
     # prompt tokens whose KV came from the prefix cache when the request's first sample was
     # scheduled (upstream's field; the server's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
-    # {token id: Logprob} holding that token and the top-k alternatives (upstream's shape)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -149,5 +149,5 @@ class RequestState:
                                  finish_reason=self.finish[i], stop_reason=self.stop_reason[i],
                                  weight_versions=list(self.weight_versions[i]))
                 for i in range(len(self.finish))]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
+                             self.finished, num_cached_tokens=self.num_cached_tokens)
