@@ -89,6 +89,35 @@ def test_cpu_rowwise_linear_is_position_independent():
     assert torch.equal(bits(_rms_norm_cpu(x[perm], nw, 1e-6)), bits(_rms_norm_cpu(x, nw, 1e-6)[perm]))
 
 
+def test_cpu_rowwise_linear_and_silu_bits_do_not_depend_on_the_slice():
+    """A tensor-parallel rank computes a slice of a column-parallel weight's rows (10 of 80 at
+    TP=8 with an intermediate dim of 40) and of the activation's row: every output element must
+    have the bits of the whole computation's (the one-row GEMM's column groups, the silu's
+    vector path), also with several CPU threads."""
+    from vllm.kernels.torch_ops import linear_rows, silu_and_mul_chunked
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g)
+    w = torch.randn(80, 64, generator=g)
+    full = linear_rows(x, w)
+    for n in (10, 5, 3):
+        parts = torch.cat([linear_rows(x, w[r:r + n]) for r in range(0, 80, n)], dim=-1)[:, :80]
+        assert torch.equal(bits(parts), bits(full)), n
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, saved)):
+            torch.set_num_threads(threads)
+            h = torch.randn(700, 2 * 40, generator=g)
+            whole = silu_and_mul_chunked(h)
+            gate, up = h.chunk(2, dim=-1)
+            for n in (5, 20):   # a rank's slice of the intermediate dim
+                for r in range(0, 40, n):
+                    part = silu_and_mul_chunked(torch.cat((gate[:, r:r + n], up[:, r:r + n]), dim=-1))
+                    assert torch.equal(bits(part), bits(whole[:, r:r + n])), (threads, n, r)
+            assert torch.equal(bits(silu_and_mul_chunked(h[3:4])), bits(whole[3:4]))
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_matmul_float32_out_and_empty():
     x = torch.randn(3, 32).to(DEV)
     w = torch.randn(20, 32).to(DEV)

@@ -24,26 +24,13 @@ import triton
 import triton.language as tl
 
 from vllm.forward_context import StateMetadata
+from vllm.kernels import torch_ops
 
 # ---- torch helpers ---------------------------------------------------------------------------
 
-# A multiple of every SIMD width ATen uses (2 vectors of 16 floats / 32 bf16 on AVX-512) and
-# far below its threading grain, so a chunk never has a scalar tail nor a thread split.
-_CHUNK = 2048
-
-
-def _pointwise(fn: Callable, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, evaluated on contiguous chunks of one fixed length.
-    ATen computes silu, sigmoid and softplus with SIMD code over whole vectors and scalar
-    code on a tensor's tail, and the two differ in the last bit: the result of an element
-    would depend on where the batch put it. Fixed chunks put every element on the SIMD path."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    pad = -n % _CHUNK
-    if pad:
-        flat = torch.cat((flat, flat.new_zeros(pad)))
-    out = torch.cat([fn(c) for c in flat.split(_CHUNK)]) if n else fn(flat)
-    return out[:n].view(x.shape)
+# exp-based functions on fixed-length chunks (torch_ops.pointwise_in_chunks: every element on
+# ATen's vector path)
+_pointwise = torch_ops.pointwise_in_chunks
 
 
 def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

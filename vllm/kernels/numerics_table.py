@@ -83,6 +83,8 @@ def _gemm_options(kernels: KernelConfig) -> dict:
 
 _ROPE = Impl(cuda=elementwise.rope, cpu=torch_ops.rope)
 _SILU = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul)
+# invariant mode on CPU: every silu on ATen's vector path, whatever the row length or threads
+_SILU_INVARIANT = Impl(cuda=elementwise.silu_and_mul_triton, cpu=torch_ops.silu_and_mul_chunked)
 _EMBEDDING = _torch(torch_ops.embedding)
 _PAGED_ATTENTION = Impl(cuda=attention.paged_attention_triton, cpu=attention_cpu.paged_attention_cpu)
 _KV_WRITE = Impl(cuda=cache_write.cache_kv, cpu=cache_write.cache_kv_ref)
@@ -157,7 +159,7 @@ NUMERICS_TABLE: dict[str, OpNumerics] = {
                        cpu_autograd_fn=True)),
     # Elementwise and gathers: each element depends on its own inputs only.
     "rope": OpNumerics(fast=_ROPE, invariant=_ROPE),
-    "silu_and_mul": OpNumerics(fast=_SILU, invariant=_SILU),
+    "silu_and_mul": OpNumerics(fast=_SILU, invariant=_SILU_INVARIANT),
     # x * sigmoid(gate) (Qwen3-Next's attention output gate and shared-expert gate). The CPU's
     # sigmoid takes a vectorised or a scalar exp by where an element falls in the loop, which a
     # gate of one element per row [T, 1] makes depend on T: invariant mode goes row by row.

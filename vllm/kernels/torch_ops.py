@@ -9,6 +9,8 @@ Which function runs where is decided in one place: `vllm/kernels/numerics_table.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,36 @@ def add_zero_centred_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: t
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# A multiple of every SIMD width ATen uses (2 vectors of 16 floats / 32 bf16 on AVX-512) and
+# far below its threading grain, so a chunk never has a scalar tail nor a thread split.
+POINTWISE_CHUNK = 2048
+
+
+def pointwise_in_chunks(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, evaluated on contiguous chunks of one fixed length.
+    ATen computes silu, sigmoid and softplus with SIMD code over whole vectors and scalar
+    code on a tensor's tail (and splits large tensors across threads at offsets of their
+    size), and the two paths differ in the last bit: the result of an element would depend on
+    where the batch, or a tensor-parallel rank's slice, put it. Fixed chunks put every element
+    on the SIMD path."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = -n % POINTWISE_CHUNK
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    out = torch.cat([fn(c) for c in flat.split(POINTWISE_CHUNK)]) if n else fn(flat)
+    return out[:n].view(x.shape)
+
+
+def silu_and_mul_chunked(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with every silu on ATen's vector path (pointwise_in_chunks): an
+    element's bits do not depend on the row's length (a tensor-parallel rank's slice of the
+    intermediate dim), the batch, or the CPU's thread count. The product is one IEEE
+    multiplication: the same on either path."""
+    gate, up = x.chunk(2, dim=-1)
+    return pointwise_in_chunks(F.silu, gate.contiguous()) * up
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +134,21 @@ def _rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
     return out.reshape(*lead, out.shape[-1])
 
 
+# A one-row GEMM (the BLAS's matrix-vector kernel) computes output columns in groups of this
+# many; a remainder takes another kernel, whose sums differ in the last bit. Weights are padded
+# to a multiple of it, so a column's bits do not depend on how many columns the GEMM has (a
+# tensor-parallel rank's slice of the rows against the whole weight).
+GEMV_COLUMN_GROUP = 4
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n = weight.shape[0]
+    pad = -n % GEMV_COLUMN_GROUP
+    if pad:
+        weight = torch.cat((weight, weight.new_zeros(pad, weight.shape[1])))
+        if bias is not None:
+            bias = torch.cat((bias, bias.new_zeros(pad)))
+        return _rows(lambda r: F.linear(r, weight, bias), x)[..., :n]
     return _rows(lambda r: F.linear(r, weight, bias), x)
 
 
