@@ -332,6 +332,31 @@ def test_load_state_dict_with_assign_keeps_a_tied_head_tied(tiny_llama, tmp_path
         m.load_state_dict(sd, assign=True)
 
 
+@pytest.mark.parametrize("around", ["autocast", "matmul_precision"])
+def test_callers_torch_numerics_settings_do_not_reach_the_invariant_forward(tiny_qwen3, prompts, around):
+    """A trainer that calls token_logprobs under torch.autocast, or after lowering the float32
+    matmul precision, still recomputes the rollout's bits: invariant forwards set both aside
+    (and give the caller's setting back afterwards)."""
+    import contextlib
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    seqs, lps = _rollout(llm, prompts)
+    plens = [len(p) for p in prompts]
+    saved = torch.get_float32_matmul_precision()
+    if around == "autocast":
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        torch.set_float32_matmul_precision("medium")
+        ctx = contextlib.nullcontext()
+    try:
+        with ctx, torch.no_grad():
+            got = llm.policy().token_logprobs(seqs, plens, temperature=0.8)
+        assert torch.get_float32_matmul_precision() == ("medium" if around != "autocast" else saved)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    for a, b in zip(got, lps):
+        assert torch.equal(bits(a.cpu()), bits(b))
+
+
 def test_temperatures_as_the_rollout_takes_them(tiny_qwen3, prompts):
     """The trainer raises a positive temperature below 0.01 to it as SamplingParams does (so
     the rollout's T = 0.005 logprobs are its bits), and refuses NaN / infinity; numpy and

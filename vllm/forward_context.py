@@ -169,9 +169,23 @@ def current_kernel_config() -> KernelConfig:
 
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the model call's context. In invariant mode the caller's torch-wide numerics
+    settings are set aside for the call: autocast off (it would change the ops' dtypes) and
+    float32 matmuls at "highest" precision (a lower one lets the CPU BLAS and cuBLAS round
+    through bfloat16 / TF32), so the trainer's forward and the rollout's run the same
+    arithmetic whatever either caller set around them."""
     global _CURRENT
     prev, _CURRENT = _CURRENT, ctx
-    try:
-        yield ctx
-    finally:
-        _CURRENT = prev
+    with contextlib.ExitStack() as stack:
+        if ctx.numerics == "invariant":
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
+            precision = torch.get_float32_matmul_precision()
+            if precision != "highest":
+                torch.set_float32_matmul_precision("highest")
+                stack.callback(torch.set_float32_matmul_precision, precision)
+        try:
+            yield ctx
+        finally:
+            _CURRENT = prev
