@@ -480,6 +480,10 @@ def test_prompt_fields_for_what_is_not_run_are_refused(llm, key):
     for prompt in ({"prompt": "hello", key: {"image": "x"}}, {"prompt_token_ids": [5, 6, 7], key: {"image": "x"}}):
         with pytest.raises(ValueError, match=f"prompt field '{key}' is not supported"):
             llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    import torch
+    with pytest.raises(ValueError, match="prompt field 'prompt_embeds' is not supported"):
+        llm.generate({"prompt_token_ids": [5, 6, 7], "prompt_embeds": torch.zeros(3, 4)}, SamplingParams(max_tokens=1),
+                     use_tqdm=False)
     for empty in (None, {}):   # verl sends an empty multi_modal_data for text rows
         assert llm.generate({"prompt_token_ids": [5, 6, 7], key: empty}, SamplingParams(max_tokens=1), use_tqdm=False)
 

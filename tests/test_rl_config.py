@@ -92,7 +92,7 @@ def test_algorithm_defaults_and_overrides():
     ({"clip_eps_high": float("inf")}, "clip_eps_high: must be finite"),
     ({"max_grad_norm": float("nan")}, "max_grad_norm: must be finite"),
     ({"tis_cap": float("inf")}, "tis_cap"),
-    ({"warmup_steps": 10, "lr_decay_steps": 5}, "must not exceed lr_decay_steps"),
+    ({"warmup_steps": 10, "lr_decay_steps": 5, "lr_schedule": "cosine"}, "must not exceed lr_decay_steps"),
 ])
 def test_bad_values_are_clear_errors(bad, message):
     cfg = TrainConfig.from_dict({"task": "arithmetic"})

@@ -423,3 +423,25 @@ def test_content_parts_render_as_llm_chat_renders_them(serving, app, monkeypatch
     assert r.json()["tokens"] == want
     if template is not None:   # the parts' text is in the prompt, not dropped
         assert "What is 1 + 2?" in serving.llm.tokenizer.decode(want)
+
+
+def test_a_template_in_chat_template_kwargs_needs_the_servers_trust(serving, app, monkeypatch):
+    """chat_template_kwargs may carry the template itself: it takes the same trust check as the
+    request's chat_template field (else any request would render with a template of its own)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"chat_template": "X {{ 1 }}"}}
+    r = _call(app, "POST", "/tokenize", body)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    monkeypatch.setattr(serving, "trust_request_chat_template", True)
+    r = _call(app, "POST", "/tokenize", body)
+    assert r.status_code == 200 and r.json()["tokens"] == serving.llm.tokenizer.encode("X 1", add_special_tokens=False)
+
+
+def test_chat_echo_of_a_list_content(app):
+    body = {"messages": [{"role": "user", "content": "What is 1 + 2?"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "The"}, {"type": "text", "text": "sum"}]}],
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True, "max_tokens": 2,
+            "temperature": 0}
+    r = _call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("The\nsum")
+    r = _call(app, "POST", "/v1/chat/completions", dict(body, stream=True))
+    assert r.status_code == 200 and '"content":"The\\nsum"' in r.text

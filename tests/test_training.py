@@ -327,6 +327,9 @@ def test_load_state_dict_with_assign_keeps_a_tied_head_tied(tiny_llama, tmp_path
     with torch.no_grad():
         reloaded = Policy.from_pretrained(str(tmp_path / "saved"), device="cpu").token_logprobs(seq, [2])[0]
     assert torch.equal(bits(trained), bits(reloaded))
+    without_head = {k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}   # an HF tied checkpoint
+    m.load_state_dict(without_head, assign=True, strict=False)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
     sd["lm_head.weight"] = sd["lm_head.weight"] + 1
     with pytest.raises(ValueError, match="tied to"):
         m.load_state_dict(sd, assign=True)

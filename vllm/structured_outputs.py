@@ -290,7 +290,8 @@ class GrammarCompiler:
 
 class GrammarState:
     """One sample's matcher. Its state always covers exactly the sample's output tokens
-    known on the host: a preempted sample recomputes those same tokens, so nothing is
+    known on the host (those after its after_token_ids, when it has them: the scheduler feeds
+    it from there on): a preempted sample recomputes those same tokens, so nothing is
     rolled back; with async scheduling the scheduler does not sample a constrained
     request again until its last token is known (vllm/core/scheduler.py)."""
 

@@ -71,13 +71,23 @@ UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_mod
                            "token_type_ids")
 
 
+def _is_given(value) -> bool:
+    """A prompt field set: not None and not an empty dict / list / string (upstream reads those as
+    none); a tensor (prompt_embeds) is given whatever its values."""
+    if value is None:
+        return False
+    if isinstance(value, (dict, list, tuple, str)):
+        return len(value) > 0
+    return True
+
+
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt as `LLM.generate` and the server take it: a string, or
     a dict with "prompt_token_ids" (its "prompt" kept as the text) or "prompt"."""
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, dict):
-        given = [k for k in UNSUPPORTED_PROMPT_KEYS if prompt.get(k)]   # empty or None: text only, as upstream
+        given = [k for k in UNSUPPORTED_PROMPT_KEYS if _is_given(prompt.get(k))]
         if given:
             raise ValueError(f"prompt field {given[0]!r} is not supported: the models served here take text "
                              "(or token ids) only")

@@ -26,6 +26,7 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
             # a plain reference, not a submodule: the embedding is registered where it lives
             self.__dict__["_tied_embedding"] = tied_to
+            self.__dict__["_tied_param"] = tied_to.weight   # the Parameter the head holds while tied
             self.register_load_state_dict_post_hook(_retie)
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
@@ -37,11 +38,15 @@ class LMHead(nn.Module):
 def _retie(head: LMHead, incompatible_keys) -> None:
     """After load_state_dict: `assign=True` gives the head and the embedding a Parameter each,
     which would then train apart (and save_pretrained write two tensors a tied config denies).
-    The head takes the embedding's Parameter again; the two must have held the same values. The
-    embedding is loaded before the head (model classes build it first)."""
+    The head takes the embedding's Parameter again; when both were loaded they must have held
+    the same values. The embedding is loaded before the head (model classes build it first)."""
     emb = head.__dict__["_tied_embedding"]
     if head.weight is emb.weight:
         return
-    if head.weight.shape != emb.weight.shape or not torch.equal(head.weight.detach(), emb.weight.detach()):
+    # a state dict without the head's key (an HF tied checkpoint, strict=False) leaves the head
+    # its old Parameter: nothing to compare, it follows the embedding
+    loaded = head.weight is not head.__dict__["_tied_param"]
+    if loaded and (head.weight.shape != emb.weight.shape or not torch.equal(head.weight.detach(), emb.weight.detach())):
         raise ValueError("lm_head.weight differs from the embedding weight it is tied to (tie_word_embeddings)")
     head.weight = emb.weight
+    head.__dict__["_tied_param"] = emb.weight

@@ -25,7 +25,7 @@ def _knob(default, help: str, choices: tuple | None = None):
 class ModelSection:
     model: str | None = _knob(None, "HF checkpoint directory (default: the embedded model); with "
                                     "load_format=dummy also a config.json file (random weights of those dims)")
-    dtype: str = _knob("auto", "auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)")
+    dtype: str = _knob("auto", "auto | float32 | bfloat16 (auto: the checkpoint's dtype on GPU, bf16 when it names none; fp32 on CPU)")
     device: str | None = _knob(None, "cuda | cpu (default: cuda when available)")
     numerics: str = _knob("invariant", "invariant: rollout and trainer logprobs equal bit for bit; fast: plain speed",
                           ("invariant", "fast"))
@@ -441,7 +441,7 @@ class TrainConfig:
         check(0.0 <= o.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
         check(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
               f"lr_decay_steps: must be >= 1, got {o.lr_decay_steps}")
-        check(o.lr_decay_steps is None or o.warmup_steps <= o.lr_decay_steps,
+        check(o.lr_schedule == "constant" or o.lr_decay_steps is None or o.warmup_steps <= o.lr_decay_steps,
               f"warmup_steps ({o.warmup_steps}) must not exceed lr_decay_steps ({o.lr_decay_steps}): the decay "
               "starts after the warmup")
         check(0 <= o.weight_decay < math.inf, f"weight_decay: must be finite and >= 0, got {o.weight_decay}")

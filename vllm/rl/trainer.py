@@ -164,6 +164,9 @@ class Trainer:
         self.client = rollout
         self.policy = self.client.policy(activation_checkpointing=cfg.model.activation_checkpointing)
         self.params = [p for p in self.policy.parameters()]
+        if self.params and self.params[0].dtype == torch.float16:   # dtype auto on a float16 checkpoint
+            raise ValueError("the model resolved to float16, which is not trained here (no loss scaling: its "
+                             "gradients underflow); set dtype bfloat16 (float32 master weights) or float32")
         dtype = self.params[0].dtype
         use_master = cfg.optim.master_weights if cfg.optim.master_weights is not None else dtype != torch.float32
         self.master = [p.detach().to(torch.float32).clone() for p in self.params] if use_master else None

@@ -306,17 +306,18 @@ class AsyncLLM:
                 msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False), cache_salt,
                                        priority))
             self._outstanding += n_samples
-            self.num_requests_received += len(prepared)
-            self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
         try:
             self.client.send(msgs)
         except BaseException:
-            # nothing reached the engine (a dead engine, a message that cannot be pickled, a
-            # cancelled task): the requests' ids and slots must not stay taken
+            # nothing reached the engine (a dead engine, a message that cannot be pickled): the
+            # requests' ids and slots must not stay taken
             with self._lock:
                 for rid, *_ in prepared:
                     self._forget(self._engine_ids.get(rid))
             raise
+        with self._lock:   # counted once the engine has them (/metrics, the stats line)
+            self.num_requests_received += len(prepared)
+            self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
         return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, *,

@@ -441,7 +441,8 @@ class ChatCompletionRequest(_SamplingRequest):
         """echo's prefix: the last message's text when its role is the response's, else ""."""
         if not self.echo or not self.messages or self.messages[-1].role != self.response_role(generation_role):
             return ""
-        return self.messages[-1].to_template_dict()["content"] or ""
+        content = self.messages[-1].to_template_dict()["content"] or ""
+        return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
     def to_sampling_params(self, defaults: dict[str, Any], max_logprobs: int) -> SamplingParams:
         if self.n > MAX_CHOICES_PER_REQUEST:

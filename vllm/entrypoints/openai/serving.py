@@ -373,10 +373,13 @@ class OpenAIServing:
         return self.reasoning_parser
 
     def _grammar_after_reasoning(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """With a reasoning parser, a grammar constrains only the answer: the output after the
-        reasoning's end marker (unless the prompt closed the reasoning already)."""
+        """With a reasoning parser and a prompt that opened the reasoning, a grammar constrains
+        only the answer: the output after the reasoning's end marker."""
         so = params.structured_outputs
-        if so is None or so.after_token_ids is not None or self._reasoning_parser_for(prompt_ids) is None:
+        # only behind a prompt that opened the reasoning (deepseek_r1's reading) is the output
+        # known to reason first: qwen3's own <think> may never come, and the grammar would
+        # never apply; there it constrains from the first token (no reasoning)
+        if so is None or so.after_token_ids is not None or self._reasoning_parser_for(prompt_ids) != "deepseek_r1":
             return
         so.after_token_ids = list(self.llm.tokenizer.encode(THINK_END, add_special_tokens=False))
 
@@ -616,12 +619,15 @@ class OpenAIServing:
         """A conversation's prompt ids under the server's template (--chat-template, else the
         tokenizer's), or the request's own `chat_template` where the server trusts those."""
         template = self.chat_template
+        kwargs = dict(template_kwargs or {})
+        if kwargs.get("chat_template") is not None:   # a template of the request's own, however sent
+            request_template = kwargs["chat_template"]
+        kwargs.pop("chat_template", None)
         if request_template is not None:
             if not self.trust_request_chat_template:
                 raise ValueError("chat_template in a request is refused unless the server runs with "
                                  "--trust-request-chat-template (--chat-template sets one for every request)")
             template = request_template
-        kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
         messages = apply_content_format(messages, self.chat_template_content_format,
