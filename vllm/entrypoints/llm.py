@@ -35,6 +35,15 @@ def _holding_engine_lock(method):
     return locked
 
 
+def _not_supported_here(name: str, hint: str = "this engine runs generative (causal LM) models only"):
+    """An LLM method of upstream's that this engine does not run: a ValueError naming it."""
+    def method(self, *args, **kwargs):
+        raise ValueError(f"LLM.{name} is not supported here: {hint}")
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"upstream's LLM.{name}: not supported here ({hint})."
+    return method
+
+
 class LLM:
     """Offline generation.
 
@@ -275,32 +284,15 @@ class LLM:
     # upstream's other entry points: pooling models, beam search, profiling and metrics objects.
     # This engine generates with causal LMs only: each says so by name rather than being
     # missing (an AttributeError reads like a version mismatch)
-    def beam_search(self, *args, **kwargs):
-        raise _unsupported("beam_search", "beam search is not implemented here; sample with n > 1 instead")
-
-    def encode(self, *args, **kwargs):
-        raise _unsupported("encode")
-
-    def embed(self, *args, **kwargs):
-        raise _unsupported("embed")
-
-    def score(self, *args, **kwargs):
-        raise _unsupported("score", "score completions with prompt_logprobs or Policy.token_logprobs")
-
-    def classify(self, *args, **kwargs):
-        raise _unsupported("classify")
-
-    def reward(self, *args, **kwargs):
-        raise _unsupported("reward")
-
-    def get_metrics(self):
-        raise _unsupported("get_metrics", "vllm serve exports them at /metrics")
-
-    def start_profile(self):
-        raise _unsupported("start_profile", "use torch.profiler around generate")
-
-    def stop_profile(self):
-        raise _unsupported("stop_profile", "use torch.profiler around generate")
+    beam_search = _not_supported_here("beam_search", "beam search is not implemented here; sample with n > 1 instead")
+    encode = _not_supported_here("encode")
+    embed = _not_supported_here("embed")
+    score = _not_supported_here("score", "score completions with prompt_logprobs or Policy.token_logprobs")
+    classify = _not_supported_here("classify")
+    reward = _not_supported_here("reward")
+    get_metrics = _not_supported_here("get_metrics", "vllm serve exports them at /metrics")
+    start_profile = _not_supported_here("start_profile", "use torch.profiler around generate")
+    stop_profile = _not_supported_here("stop_profile", "use torch.profiler around generate")
 
     @property
     def model_config(self):
@@ -574,10 +566,6 @@ def _check_output_kind(params: SamplingParams) -> None:
     if params.output_kind is RequestOutputKind.DELTA:
         raise ValueError("output_kind=RequestOutputKind.DELTA: LLM.generate returns each request's final output only "
                          "(no stream of deltas offline); use FINAL_ONLY or CUMULATIVE, or stream from the server")
-
-
-def _unsupported(method: str, hint: str = "this engine runs generative (causal LM) models only") -> ValueError:
-    return ValueError(f"LLM.{method} is not supported here: {hint}")
 
 
 def _no_lora(lora_request) -> None:
