@@ -93,6 +93,11 @@ def test_algorithm_defaults_and_overrides():
     ({"max_grad_norm": float("nan")}, "max_grad_norm: must be finite"),
     ({"tis_cap": float("inf")}, "tis_cap"),
     ({"warmup_steps": 10, "lr_decay_steps": 5, "lr_schedule": "cosine"}, "must not exceed lr_decay_steps"),
+    # unset, the decay's length is the run's steps (what a resume finds pinned)
+    ({"warmup_steps": 10, "steps": 5, "lr_schedule": "cosine"}, r"lr_decay_steps \(5, the run steps\)"),
+    ({"seed": -1}, "seed: must be >= 0"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+    ({"tp_leaves": 3}, "tp_leaves must be a power of two"),
 ])
 def test_bad_values_are_clear_errors(bad, message):
     cfg = TrainConfig.from_dict({"task": "arithmetic"})

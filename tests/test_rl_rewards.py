@@ -49,6 +49,16 @@ MATH_CASES = [
     (r"\boxed{47+58=105}", "105", True),
     ("answer: 47+58=104", "105", False),
     ("The answer is as follows:\n105", "105", True),   # a lead-in line: the number after it
+    # the answer's clause ends the answer: an "=" in an explanation after it is not the answer
+    ("The answer is 105, because 100 + 5 = 105 and 5 = 5.", "105", True),
+    ("The answer is 15; check: 2x = 10 so x = 5", "15", True),
+    ("The answer is 2.5. Check: 5/2 = 2.5 = 5 * 0.5", "2.5", True),
+    ("The answer is 1,000 since 10 * 100 = 1000 = 999 + 1", "1000", True),
+    # relative 1e-9 also below 1: zero is not within it of a small nonzero reference
+    ("answer: 0", "0.0000000005", False),
+    ("answer: 0.000000001", "0.000000002", False),
+    ("1e-12", "5e-10", False),
+    ("0.0000000005000000000001", "0.0000000005", True),
     # past float range: no exception, just wrong (or right, exactly)
     ("1e400", "1.5", False),
     ("2/3", "1e400", False),
@@ -71,6 +81,15 @@ def test_huge_exponents_are_not_numbers_and_cost_nothing():
     assert answers_match(extract_answer("1e1000000000"), "1") is False
     assert answers_match("1e-1000000000", "0") is False
     assert time.perf_counter() - start < 1.0
+
+
+def test_many_unclosed_boxes_cost_linear_time():
+    """Each unbalanced box used to rescan to the end: 20,000 of them took minutes."""
+    import time
+    text = r"\boxed{" * 20000 + r"\boxed{7}" + r"\boxed{" * 20000
+    start = time.perf_counter()
+    assert last_boxed(text) == "7"
+    assert time.perf_counter() - start < 2.0
 
 
 def test_extraction_details():

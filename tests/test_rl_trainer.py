@@ -141,6 +141,24 @@ def test_resume_via_cli_continues_metrics(tiny_qwen3, rl_files, tmp_path, capsys
     assert "resumed at step 2" in out and "changed knobs" not in out
 
 
+def test_cli_resume_rederives_the_knobs_a_rule_set(tiny_qwen3, rl_files, tmp_path, capsys):
+    """The checkpoint's config pins overlong_buffer (DAPO: max_response_tokens // 5); a resume
+    through the CLI that changes max_response_tokens re-derives it, as a resume through the
+    API does, instead of refusing the pinned value against the new length."""
+    out = str(tmp_path / "run")
+    assert main(["train", "--model", tiny_qwen3, "--device", "cpu", "--data", rl_files["train"], "--prompt-field",
+                 "question", "--answer-field", "solution", "--reward", rl_files["reward"], "--algorithm", "dapo",
+                 "--group-size", "2", "--prompts-per-step", "2", "--max-response-tokens", "10", "--steps", "1",
+                 "--output-dir", out, "--no-progress", "--no-tensorboard", "--no-plots"]) == 0
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
+    assert state["derived_knobs"] == ["lr_decay_steps", "overlong_buffer"]
+    capsys.readouterr()
+    assert main(["train", "--resume", "--output-dir", out, "--steps", "2", "--max-response-tokens", "1",
+                 "--no-progress"]) == 0, capsys.readouterr().err
+    saved = yaml.safe_load((tmp_path / "run" / "checkpoints" / "step_000002" / "config.yaml").read_text())
+    assert (saved["algorithm"]["overlong_buffer"], saved["optim"]["lr_decay_steps"]) == (0, 1)
+
+
 def test_dapo_kl_multi_update_paths(tiny_qwen3, rl_files, tmp_path):
     cfg = _config(tiny_qwen3, rl_files, tmp_path / "dapo", algorithm="dapo", kl_coef=0.1, updates_per_step=2,
                   micro_batch_tokens=40, tis_cap=2.0, max_gen_batches=2, steps=2, prompts_per_step=4)

@@ -441,9 +441,12 @@ class TrainConfig:
         check(0.0 <= o.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
         check(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
               f"lr_decay_steps: must be >= 1, got {o.lr_decay_steps}")
-        check(o.lr_schedule == "constant" or o.lr_decay_steps is None or o.warmup_steps <= o.lr_decay_steps,
-              f"warmup_steps ({o.warmup_steps}) must not exceed lr_decay_steps ({o.lr_decay_steps}): the decay "
-              "starts after the warmup")
+        # unset, lr_decay_steps is the run's steps (pinned so in the checkpoint's config), so a run
+        # and its resume face the same bound
+        decay = o.lr_decay_steps if o.lr_decay_steps is not None else run.steps
+        check(o.lr_schedule == "constant" or o.warmup_steps <= decay,
+              f"warmup_steps ({o.warmup_steps}) must not exceed lr_decay_steps ({decay}"
+              f"{'' if o.lr_decay_steps is not None else ', the run steps'}): the decay starts after the warmup")
         check(0 <= o.weight_decay < math.inf, f"weight_decay: must be finite and >= 0, got {o.weight_decay}")
         check(0.0 <= o.adam_beta1 < 1.0 and 0.0 <= o.adam_beta2 < 1.0, "adam_beta1/adam_beta2: must be in [0, 1)")
         check(0 < o.adam_eps < math.inf, f"adam_eps: must be finite and > 0, got {o.adam_eps}")
@@ -451,6 +454,12 @@ class TrainConfig:
         check(o.micro_batch_tokens is None or o.micro_batch_tokens >= 1,
               f"micro_batch_tokens: must be >= 1, got {o.micro_batch_tokens}")
         check(run.steps >= 1, f"steps: must be >= 1, got {run.steps}")
+        check(run.seed >= 0, f"seed: must be >= 0, got {run.seed}")
+        try:
+            from vllm.config import ParallelConfig
+            ParallelConfig(tensor_parallel_size=m.tensor_parallel_size, tp_leaves=m.tp_leaves)
+        except ValueError as err:
+            errors.append(str(err))
         check(run.eval_interval >= 0, f"eval_interval: must be >= 0, got {run.eval_interval}")
         check(run.checkpoint_interval >= 0, f"checkpoint_interval: must be >= 0, got {run.checkpoint_interval}")
         check(bool(run.output_dir), "output_dir: must not be empty")

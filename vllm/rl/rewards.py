@@ -1,8 +1,9 @@
 """Rewards: a math answer verifier, exact match, and user functions.
 
 Math verifier: the prediction is the content of the LAST \\boxed{...} (or \\fbox{...},
-braces matched), else what follows the last "answer is" / "answer:" on its line (the first
-number there, or the first number after the marker when its line ends in ":"), else the
+braces matched), else what follows the last "answer is" / "answer:" up to the end of its
+clause (the first number there, or the first number after the marker when its line ends in
+":"), else the
 last number in the response; an equation given as the answer counts by its last side
 ("answer: 47 + 58 = 105" is 105, as Minerva's normalisation takes it). Prediction and
 reference are equal when both parse as numbers (integers, decimals, thousands separators,
@@ -46,23 +47,26 @@ _NUMBER_RE = re.compile(
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} / \\fbox{...} (braces matched), or of `\\boxed 5`."""
     matches = list(_BOX_RE.finditer(text))
+    if not matches:
+        return None
+    # each "{" and its matching "}", in one pass (rescanning per unbalanced box is quadratic)
+    close: dict[int, int] = {}
+    opened: list[int] = []
+    for j, ch in enumerate(text):
+        if ch == "{":
+            opened.append(j)
+        elif ch == "}" and opened:
+            close[opened.pop()] = j
     for m in reversed(matches):
         i = m.end()
         while i < len(text) and text[i] == " ":
             i += 1
         if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1:j].strip()
-                j += 1
+            if i in close:
+                return text[i + 1:close[i]].strip()
             continue  # unbalanced: try an earlier box
         rest = re.match(r"[^\s$]+", text[i:])
-        if rest and i > m.end():  # "\boxed 5" (space then a token)
+        if rest and i > m.end():  # "\\boxed 5" (space then a token)
             return rest.group(0)
     return None
 
@@ -80,7 +84,7 @@ def extract_answer(response: str) -> str | None:
     if hits:
         after = response[hits[-1].end():]
         line, _, following = after.partition("\n")
-        rest = _final_side(line.strip())
+        rest = _final_side(_answer_clause(line.strip()))
         nums = _numbers(rest)
         if nums:
             return nums[0]
@@ -94,6 +98,18 @@ def extract_answer(response: str) -> str | None:
             return rest.rstrip(".")
     nums = _numbers(response)
     return nums[-1] if nums else None
+
+
+# where the answer's own clause ends: "; ...", ", because ...", ". Check: ..." (a comma or
+# period followed by a space, so "1,000" and "2.5" stay whole)
+_CLAUSE_END_RE = re.compile(r";|[,.](?=\s)|\s(?:because|since|as|so|where|which|check|thus|hence)\b",
+                            re.IGNORECASE)
+
+
+def _answer_clause(line: str) -> str:
+    """The answer itself from the rest of its line ("105, because 100 + 5 = 105" -> "105")."""
+    m = _CLAUSE_END_RE.search(line)
+    return line[:m.start()].strip() if m and m.start() > 0 else line
 
 
 def _final_side(answer: str) -> str:
@@ -168,7 +184,7 @@ def answers_match(pred: str | None, gold: str) -> bool:
         if a.denominator == 1 and b.denominator == 1:
             return False  # integers: exact (a tolerance would equate large neighbours)
         # in rationals: no float conversion, which overflows past 1e308
-        return abs(a - b) <= Fraction(1, 10 ** 9) * max(1, abs(b))
+        return abs(a - b) <= Fraction(1, 10 ** 9) * abs(b)
     return normalize(pred) == normalize(gold) and normalize(gold) != ""
 
 

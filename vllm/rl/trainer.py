@@ -194,6 +194,10 @@ class Trainer:
         saved = None if self.resume_from is None else \
             _as_resolved_then(TrainConfig.from_dict(_yaml_load(self.resume_from.config_yaml)))
         raw_o, raw_a = self.raw_config.optim, self.raw_config.algorithm
+        # named in the checkpoint's trainer state: a resume through the CLI, which starts from
+        # the saved config, unsets them again and so takes this same path
+        self.derived_knobs = sorted(n for n, v in (("lr_decay_steps", raw_o.lr_decay_steps),
+                                                   ("overlong_buffer", raw_a.overlong_buffer)) if v is None)
         if raw_o.lr_decay_steps is None:
             steps = saved.optim.lr_decay_steps if saved is not None else self.cfg.run.steps
             self.cfg.optim.lr_decay_steps = raw_o.lr_decay_steps = steps
@@ -526,7 +530,7 @@ class Trainer:
         state = {
             "step": self.step_count, "weight_version": self.weight_version, "data": self.sampler.state_dict(),
             "seed": cfg.run.seed, "rollout_seed": "sha256('rollout:{seed}:{step}:{batch}:{index}')[:8] & (2**62 - 1)",
-            "numerics": cfg.model.numerics,
+            "numerics": cfg.model.numerics, "derived_knobs": self.derived_knobs,
         }
         reference = self.reference.model.state_dict() if self.reference is not None else None
         snap = snapshot_checkpoint(trainer_state=state, policy=self.policy, optimizer=self.optimizer,

@@ -106,8 +106,14 @@ def build_config(args):
         output_dir = overrides.get("output_dir") or TrainConfig.from_yaml(find_recipe(DEFAULT_RECIPE)).run.output_dir
         path = find_checkpoint(overrides["resume"], output_dir)
         import yaml
-        cfg = TrainConfig.from_dict(yaml.safe_load(Checkpoint.open(path).config_yaml))
+        ckpt = Checkpoint.open(path)
+        cfg = TrainConfig.from_dict(yaml.safe_load(ckpt.config_yaml))
         cfg.update({"overwrite": False})
+        # knobs the run derived by a rule (lr_decay_steps, overlong_buffer) are pinned in its
+        # config; unset again, the trainer re-derives them as a resume through the API does
+        for name in ckpt.trainer_state.get("derived_knobs", []):
+            if name in field_index() and name not in overrides:
+                cfg.set(name, None)
         overrides["resume"] = path
     else:
         cfg = TrainConfig.from_yaml(find_recipe(args.recipe or DEFAULT_RECIPE))
