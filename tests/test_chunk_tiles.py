@@ -1,6 +1,6 @@
 """chunk_tiles.unit_lower_block_row and unit_lower_block_row_in_place, the block rows of
-T = (I + A)^-1 that Gated DeltaNet's prep kernels build (T carried in registers, or in a
-workspace: gdn_chunk.T_ROWS_IN_WORKSPACE): against float64 inversion, and the property the
+T = (I + A)^-1 that Gated DeltaNet's kernels build (T carried in registers: the backward's own
+T; in a workspace: the forward's prep kernel): against float64 inversion, and the property the
 decode path rests on (a block row's bits depend on its operands' values only: computed alone
 from T's earlier rows read back from memory, it has the bits of the same row in a whole-tile
 pass). In the Triton interpreter on CPU; on the GPU with 3xTF32 dots."""
@@ -116,7 +116,7 @@ def test_a_block_row_alone_has_the_whole_pass_bits(b_first, form):
 
 def test_the_forms_sum_x_in_other_orders():
     """The workspace form sums A[b, :b] T[:b, :] by DB-wide K blocks: the same T within 3xTF32's
-    error, not the same bits (so gdn_chunk.T_ROWS_IN_WORKSPACE is one switch for every path)."""
+    error, not the same bits (so the forward's every path runs the one form)."""
     C = 64
     A = _strict_lower(C, seed=3).to(DEV)
     reg = _run(A, torch.zeros(C, C, device=DEV), 0).cpu().double()

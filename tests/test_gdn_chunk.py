@@ -174,16 +174,8 @@ def test_invariance(impl, case):
     assert_schedules_agree(run, names, ("buf_k", "buf_v", "buf_g"), C, ref64(*seqs["x"], [0, X_LEN], K ** -0.5), tol)
 
 
-@pytest.fixture(params=["registers", "workspace"])
-def t_form(request, monkeypatch):
-    """T's block rows carried in registers (the default) or through the workspace
-    (gdn_chunk.T_ROWS_IN_WORKSPACE): every path must give one prefill's bits either way."""
-    monkeypatch.setattr(gdn_chunk, "T_ROWS_IN_WORKSPACE", request.param == "workspace")
-    return request.param
-
-
 @pytest.mark.parametrize("schedule", ["cuts", "prefill_decode"])
-def test_t_cache_resumes_with_the_same_bits(schedule, t_form):
+def test_t_cache_resumes_with_the_same_bits(schedule):
     """A step that resumes a chunk from the T rows an earlier step left (and, on the decode
     path, from its v_new rows) gives the bits of the same step solving the chunk's T from row 1
     through the whole-chunk path (no decode caches), outputs and states alike; and the cache is
@@ -286,7 +278,7 @@ def test_decode_path_row_tiles():
     _assert_one_prefill_bits(seqs, {"x": 1, "y": 3}, steps)
 
 
-def test_decode_path_beside_folds_and_prefills(t_form):
+def test_decode_path_beside_folds_and_prefills():
     """One step holding a sequence that completes its chunk with one token (a), one resuming its
     chunk with one token (b), a prefill from position 0 past a chunk (c) and a first token (d);
     then a step where b resumes its chunk and ends in the next one (which clears its T stamp:
@@ -328,7 +320,7 @@ def test_state_programs_stride_over_the_work_list(monkeypatch):
     bits of one prefill (the decode path beside folds and prefills)."""
     from vllm.kernels import gdn_chunk
     monkeypatch.setattr(gdn_chunk, "STATE_PROGRAMS", 1)
-    test_decode_path_beside_folds_and_prefills("registers")
+    test_decode_path_beside_folds_and_prefills()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -519,7 +511,7 @@ def test_autograd_fn_gradients(impl):
 # ---- 7. real dims on the GPU ------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits(t_form):
+def test_gpu_real_dims_prefill_cuts_decode_and_trainer_bits():
     _real_dims_check(16, 32, 128, 128, 64)
 
 

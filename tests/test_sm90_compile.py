@@ -64,12 +64,6 @@ def _gdn_chunk():
     op(*bf, 48 ** -0.5, step_metadata([0], [20]), None, chunk_size=C, aligned=True)
     dc = {"x": make_inputs(18, 1, 2, K, V, seed=5, dtype=torch.bfloat16)}
     run_schedule(op, dc, {"x": 0}, [[("x", 17)], [("x", 1)]], aligned=True, chunk=64)
-    # T's block rows through the workspace (T_ROWS_IN_WORKSPACE): the trainer's forward, the decode path
-    saved_tws, gdn_chunk.T_ROWS_IN_WORKSPACE = gdn_chunk.T_ROWS_IN_WORKSPACE, True
-    try:
-        run_schedule(op, dc, {"x": 0}, [[("x", 17)], [("x", 1)]], aligned=True, chunk=64)
-    finally:
-        gdn_chunk.T_ROWS_IN_WORKSPACE = saved_tws
     saved = {n: getattr(gdn_chunk, n) for n in ("BLOCK_K_MAX", "PREP_BLOCK_V_MAX", "STATE_BLOCK_V_MAX",
                                                 "OUT_BLOCK_V_MAX")}
     try:

@@ -90,22 +90,6 @@ def rebuilding_t():
         gdn_chunk.SAVE_T_FOR_BACKWARD = saved
 
 
-@contextlib.contextmanager
-def t_rows_in_workspace(warps: int | None = None):
-    """The prep kernel's T block rows through the workspace (gdn_chunk.T_ROWS_IN_WORKSPACE),
-    timed beside the default register form as `invariant_tws` (off until measured); `warps`:
-    the prep kernel's warps for it (offline for sm_90, its whole-chunk path compiles to 128
-    registers at 8 warps against 194 at 4)."""
-    from vllm.kernels import gdn_chunk
-    saved = gdn_chunk.T_ROWS_IN_WORKSPACE, gdn_chunk.PREP_NUM_WARPS
-    gdn_chunk.T_ROWS_IN_WORKSPACE = True
-    gdn_chunk.PREP_NUM_WARPS = warps or gdn_chunk.PREP_NUM_WARPS
-    try:
-        yield
-    finally:
-        gdn_chunk.T_ROWS_IN_WORKSPACE, gdn_chunk.PREP_NUM_WARPS = saved
-
-
 def train_case(T: int = 10240) -> dict:
     x = inputs(T, 0)
     do = torch.randn(T, HV, V, device=DEV).to(torch.bfloat16)
@@ -126,16 +110,6 @@ def train_case(T: int = 10240) -> dict:
             o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
             o.backward(do)
         out["invariant_rebuild_t"] = bench(step)
-    with t_rows_in_workspace():
-        leaves = [t.clone().requires_grad_() for t in x]
-
-        def step(leaves=leaves):
-            o = GatedDeltaRuleFn.apply(ours(True), *leaves, SCALE, md, C)
-            o.backward(do)
-        out["invariant_tws"] = bench(step)
-        out["invariant_tws_fwd"] = bench(lambda: ours(True)(*x, SCALE, md, None))
-    with t_rows_in_workspace(8):
-        out["invariant_tws_w8_fwd"] = bench(lambda: ours(True)(*x, SCALE, md, None))
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
@@ -160,7 +134,7 @@ def train_case(T: int = 10240) -> dict:
 
 
 def prefill_case(n: int = 5, L: int = 2048, others: bool = True) -> dict:
-    """others: also our fast mode, the workspace T rows and fla (else the invariant mode alone)."""
+    """others: also our fast mode and fla (else the invariant mode alone)."""
     x = inputs(n * L, 1)
     md = prefill_metadata(n, L)
     out = {}
@@ -169,10 +143,6 @@ def prefill_case(n: int = 5, L: int = 2048, others: bool = True) -> dict:
         out[name] = bench(lambda aligned=aligned, st=st: ours(aligned)(*x, SCALE, md, st))
     if not others:
         return out
-    for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
-        with t_rows_in_workspace(warps):
-            st = state(n + 1, True)
-            out[key] = bench(lambda st=st: ours(True)(*x, SCALE, md, st))
     if fla_chunk is not None:
         cu = md.cu_seqlens.long()
         out["fla"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE, output_final_state=True, cu_seqlens=cu))
@@ -180,7 +150,7 @@ def prefill_case(n: int = 5, L: int = 2048, others: bool = True) -> dict:
 
 
 def decode_case(n: int = 256, others: bool = True) -> dict:
-    """others: also our fast mode, the workspace T rows and fla (else the invariant mode alone)."""
+    """others: also our fast mode and fla (else the invariant mode alone)."""
     x = inputs(n, 2)
     md = decode_metadata(n, C)
     out = {}
@@ -189,10 +159,6 @@ def decode_case(n: int = 256, others: bool = True) -> dict:
     if not others:
         return out
     out["fast"] = bench_graph(lambda i: gdn_recurrent_triton(*x, SCALE, md, st_fast), 20)
-    for warps, key in ((None, "invariant_tws"), (8, "invariant_tws_w8")):
-        with t_rows_in_workspace(warps):
-            st_tws = state(n + 1, True, md)
-            out[key] = bench_graph(lambda i, st_tws=st_tws: ours(True)(*x, SCALE, md, st_tws), 20)
     if fla_recurrent is not None:
         h0 = st_fast["ssm"][1:].clone()
         out["fla"] = bench_graph(lambda i: fla_recurrent(*(t[:, None] for t in x), scale=SCALE, initial_state=h0,

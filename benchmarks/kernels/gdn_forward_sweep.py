@@ -7,8 +7,8 @@ training-forward, prefill and decode time.
 Each config (`;`-separated) sets some of gdn_chunk's tunables (NAME=VALUE, space-separated) over
 the module's defaults; the first config ("" = the defaults) is the bits reference. The V tiles,
 warps, stages and register caps only change speed (a row's arithmetic is the same: bits equal
-the reference); T_ROWS_IN_WORKSPACE and PREP_NUM_WARPS may change T's bits (the same on every
-path: "inv rows" must stay 0). Per config: the training forward 1 x 10,240 (no cache), prefill
+the reference); PREP_NUM_WARPS may change T's bits (the same on every path: "inv rows" must
+stay 0). Per config: the training forward 1 x 10,240 (no cache), prefill
 5 x 2,048 and decode 256 x 1 (CUDA graph) at Qwen3-Next's dims beside fla where it imports,
 invariant decode rows differing from one prefill's, and elements whose bits differ from the
 first config on gdn.py's real-dims schedules (outputs / states). Offline sm_90 registers of the
@@ -32,8 +32,6 @@ DEFAULT = ";".join([
     "STATE_NUM_WARPS=8 STATE_MAX_REGISTERS=255",
     "STATE_NUM_STAGES=3",
     "OUT_BLOCK_V_MAX=128 OUT_NUM_WARPS=8",
-    "T_ROWS_IN_WORKSPACE=1",
-    "T_ROWS_IN_WORKSPACE=1 PREP_NUM_WARPS=8",
 ])
 
 

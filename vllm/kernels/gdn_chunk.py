@@ -32,7 +32,7 @@ How that holds:
   precision they are carried in.
 * The one reduction whose order depends on a register layout, the gamma prefix scan,
   always runs on whole C-row tiles in the prep kernel, on every path. T is built from dots
-  and exact copies only (chunk_tiles.unit_lower_block_row), its block rows of DECODE_ROWS
+  and exact copies only (chunk_tiles.unit_lower_block_row_in_place), its block rows of DECODE_ROWS
   rows from the [DECODE_ROWS, C] rows of k k^T. Everything else a row gets from dots that
   keep their K dims, K tiling and operand roundings, and from elementwise math: a tl.dot
   row's bits do not depend on the tile's row count (H200, fp32 accumulator), so a row
@@ -99,8 +99,7 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, \
         dot_rows as _dot, mask2 as _mask2, tile_rows as _tile, \
-        row_tile as _row_tile, unit_lower_block_row as _unit_lower_block_row, \
-        unit_lower_block_row_in_place as _unit_lower_block_row_in_place
+        row_tile as _row_tile, unit_lower_block_row_in_place as _unit_lower_block_row_in_place
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
@@ -122,14 +121,6 @@ DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core 
 # GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims).
 # H200, 1 x 10,240 fwd + bwd: 4,886 us against 5,148 without it (benchmarks/NOTES.md).
 SAVE_T_FOR_BACKWARD = True
-# T's block rows through a workspace instead of registers: each block row's rows of A and, once
-# solved, its rows of T go to a float32 [C, C] workspace of the (chunk, head) (on the decode path
-# the T cache itself), and the block row reads back A's 16 x 16 blocks and T's earlier block rows
-# from it: X = sum_{m < bi} A[bi, m] T[m, :] by 16-wide K blocks, where the register form carries
-# T as a [C / DR, DR, C] tile and multiplies the block row's A rows by all of it (a K of C, most
-# of it zeros). Another summation order of X, so other T bits (the same on every path). Off until
-# measured on the H200 (sm_90 offline, Qwen3-Next dims: see benchmarks/NOTES.md).
-T_ROWS_IN_WORKSPACE = False
 PREP_NUM_WARPS = 4
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
@@ -251,7 +242,6 @@ if HAS_TRITON:
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, SAVE_T: tl.constexpr,
-        TWS: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows of A),
         then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
@@ -301,72 +291,49 @@ if HAS_TRITON:
         kb_scale = b * eg
 
         # T = (I + A)^-1, A = strict_lower(beta_i (k k^T)_ij e^(gamma_i - gamma_j)), block row
-        # by block row of DR rows (chunk_tiles.unit_lower_block_row), each from its rows of A
-        # (a [DR, C] k k^T dot) and T's rows before it. On a hit the block rows before the one
-        # holding row r0 are the T cache's; the others are computed here, the same way on
-        # every path. Rows past L are e_i (zero rows of A).
+        # by block row of DR rows (chunk_tiles.unit_lower_block_row_in_place), each from its rows
+        # of A and T's rows before it. On a hit the block rows before the one holding row r0 are
+        # the T cache's; the others are computed here, the same way on every path. Rows past L
+        # are e_i (zero rows of A).
         tok0 = tl.load(tok0_ptr + n)
         NB: tl.constexpr = C // DR
-        tiles = tl.arange(0, NB)[:, None, None]
-        row3 = tiles * DR + tl.arange(0, DR)[None, :, None]
         bi0 = tl.where(hit, r0 // DR, 0)
         gam2 = tl.reshape(gam, (NB, DR))
-        if TWS:
-            # T's rows in a float32 [C, C] workspace: on the decode path the T cache itself (it
-            # holds the block rows before bi0 on a hit and takes the step's), else the (chunk,
-            # head)'s workspace, with the T cache's rows copied in on a hit and A's rows from
-            # block row bi0 on, all in one [C, C] k k^T dot (a dot row's bits do not depend on
-            # the tile's row count: the decode path's [DR, C] rows have these bits)
-            if decode:
-                scr = tc_ptr + tc_base
-            else:
-                scr = t_ws + base * (C * C)
-                cp = (hit & (rows < bi0 * DR))[:, None]
-                tl.store(scr + rows[:, None] * C + rows[None, :],
-                         tl.load(tc_ptr + tc_base + rows[:, None] * C + rows[None, :], mask=cp, other=0.0), mask=cp)
-                A = _a_rows(rows, b, gam, gam, k_ptr, bk_ptr, trow, brow, from_step, from_buf,
-                            trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
-                tl.store(scr + rows[:, None] * C + rows[None, :], A, mask=(rows >= bi0 * DR)[:, None])
-            tl.debug_barrier()
-            for bi in range(bi0, L // DR + 1):
-                rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
-                if decode:
-                    b_b = tl.where(fb, tl.load(bb_ptr + bb * HV + h, mask=fb, other=0.0),
-                                   tl.load(beta_ptr + tb * HV + h, mask=fs, other=0.0))
-                    gam_b = tl.sum(tl.where(tl.arange(0, NB)[:, None] == bi, gam2, 0.0), 0)   # a copy
-                    Ab = _a_rows(rb, b_b, gam_b, gam, k_ptr, bk_ptr, tb, bb, fs, fb,
-                                 trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
-                    tl.store(scr + rb[:, None] * C + rows[None, :], Ab)
-                    tl.debug_barrier()
-                Tb = _unit_lower_block_row_in_place(scr, bi, DR, C, EMULATE)
-                if decode:
-                    # the step's rows of w and u in this block
-                    _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr,
-                              v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
-                              kd_ws, kc_ws, 0, 0.0, False, False,
-                              HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
+        # T's rows in a float32 [C, C] workspace: on the decode path the T cache itself (it holds
+        # the block rows before bi0 on a hit and takes the step's), else the (chunk, head)'s
+        # workspace, with the T cache's rows copied in on a hit and A's rows from block row bi0
+        # on, all in one [C, C] k k^T dot (a dot row's bits do not depend on the tile's row
+        # count: the decode path's [DR, C] rows have these bits). Each block row reads A's
+        # 16 x 16 blocks and T's earlier block rows back from it (unit_lower_block_row_in_place:
+        # a K of the block rows before it, not the whole chunk)
+        if decode:
+            scr = tc_ptr + tc_base
         else:
-            cached = hit & (row3 < bi0 * DR)
-            T3 = tl.where(row3 == rows[None, None, :], 1.0, 0.0)
-            T3 = tl.where(cached, tl.load(tc_ptr + tc_base + row3 * C + rows[None, None, :], mask=cached, other=0.0),
-                          T3)
-            for bi in range(bi0, L // DR + 1):
-                rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
+            scr = t_ws + base * (C * C)
+            cp = (hit & (rows < bi0 * DR))[:, None]
+            tl.store(scr + rows[:, None] * C + rows[None, :],
+                     tl.load(tc_ptr + tc_base + rows[:, None] * C + rows[None, :], mask=cp, other=0.0), mask=cp)
+            A = _a_rows(rows, b, gam, gam, k_ptr, bk_ptr, trow, brow, from_step, from_buf,
+                        trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
+            tl.store(scr + rows[:, None] * C + rows[None, :], A, mask=(rows >= bi0 * DR)[:, None])
+        tl.debug_barrier()
+        for bi in range(bi0, L // DR + 1):
+            rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
+            if decode:
                 b_b = tl.where(fb, tl.load(bb_ptr + bb * HV + h, mask=fb, other=0.0),
                                tl.load(beta_ptr + tb * HV + h, mask=fs, other=0.0))
                 gam_b = tl.sum(tl.where(tl.arange(0, NB)[:, None] == bi, gam2, 0.0), 0)   # a copy
                 Ab = _a_rows(rb, b_b, gam_b, gam, k_ptr, bk_ptr, tb, bb, fs, fb,
                              trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
-                Tb = _unit_lower_block_row(Ab, tl.reshape(tl.where(tiles < bi, T3, 0.0), (C, C)), bi, DR, EMULATE)
-                T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
-                tl.store(tc_ptr + tc_base + rb[:, None] * C + rows[None, :], Tb,
-                         mask=keep & free & (rb <= L)[:, None])
-                if decode:
-                    # the step's rows of w and u in this block
-                    _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr,
-                              v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
-                              kd_ws, kc_ws, 0, 0.0, False, False,
-                              HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
+                tl.store(scr + rb[:, None] * C + rows[None, :], Ab)
+                tl.debug_barrier()
+            Tb = _unit_lower_block_row_in_place(scr, bi, DR, C, EMULATE)
+            if decode:
+                # the step's rows of w and u in this block
+                _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr,
+                          v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
+                          kd_ws, kc_ws, 0, 0.0, False, False,
+                          HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
         tl.debug_barrier()  # every thread's read of the stamp precedes its write
         tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
 
@@ -376,16 +343,13 @@ if HAS_TRITON:
             # kd is read only where the state kernel folds the chunk in (aligned: complete
             # chunks); the key tile is shared by the value heads of a group: the group's first
             # stores it
-            if TWS:
-                # rows past the block rows solved are e_i (zero rows of A), as the register form's
-                solved = (rows < (L // DR + 1) * DR)[:, None]
-                Tf = tl.where(solved, tl.load(scr + rows[:, None] * C + rows[None, :], mask=solved, other=0.0),
-                              tl.where(rows[:, None] == rows[None, :], 1.0, 0.0))
-                tl.store(tc_ptr + tc_base + rows[:, None] * C + rows[None, :], Tf,
-                         mask=keep & free & (rows <= L)[:, None])
-                Tr = Tf.to(DT)
-            else:
-                Tr = tl.reshape(T3, (C, C)).to(DT)
+            # rows past the block rows solved are e_i (zero rows of A)
+            solved = (rows < (L // DR + 1) * DR)[:, None]
+            Tf = tl.where(solved, tl.load(scr + rows[:, None] * C + rows[None, :], mask=solved, other=0.0),
+                          tl.where(rows[:, None] == rows[None, :], 1.0, 0.0))
+            tl.store(tc_ptr + tc_base + rows[:, None] * C + rows[None, :], Tf,
+                     mask=keep & free & (rows <= L)[:, None])
+            Tr = Tf.to(DT)
             if SAVE_T:  # the T that w and u are computed from, for the training backward (save_t)
                 tl.store(t_out_ptr + (base * C + rows[:, None]) * C + rows[None, :], Tr,
                          mask=(save_t != 0) & (rows >= 0)[:, None])
@@ -724,8 +688,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             raise ValueError("state tensors must be 16-byte aligned")
     else:  # never dereferenced
         has_dc, tc, tpos, bvn, hr = 0, gam_ws, slots, v, h_ws
-    # T's rows of the whole-chunk path's chunks (T_ROWS_IN_WORKSPACE)
-    t_ws = torch.empty((N, Hv, C, C), dtype=torch.float32, device=dev) if T_ROWS_IN_WORKSPACE else gam_ws
+    t_ws = torch.empty((N, Hv, C, C), dtype=torch.float32, device=dev)   # T's rows off the decode path
     launch = dict(enable_fp_fusion=False)
     _gdn_prep_kernel[(Hv, N)](
         k, v, g, beta, bk, bv, bg, bb, slots, tc, tpos,
@@ -733,7 +696,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         gam_ws, kc_ws, w_ws, kd_ws, u_ws, t_ws, gam_ws if t_out is None else t_out, has_state, has_dc,
         int(t_out is not None),
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, SAVE_T=SAVE_T_FOR_BACKWARD, TWS=T_ROWS_IN_WORKSPACE,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, SAVE_T=SAVE_T_FOR_BACKWARD,
         num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
     work, nwork = state_work_list(md, plan, has_state, has_dc, C, aligned)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
