@@ -168,6 +168,11 @@ class ExecutionContract:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ExecutionContract":
+        if not isinstance(d, dict):
+            raise ValueError(f"an execution contract is a JSON object, got {type(d).__name__}")
+        for part in ("semantic", "numerical", "deployment"):
+            if part in d and not isinstance(d[part], dict):
+                raise ValueError(f"execution contract part {part!r} must be an object, got {type(d[part]).__name__}")
         c = cls(d["semantic"], d["numerical"], d["deployment"])
         if "digests" in d and d["digests"] != c.digests:
             raise ValueError("execution contract digests do not match its content (corrupted or edited)")

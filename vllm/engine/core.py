@@ -272,16 +272,21 @@ class EngineCore:
     def utility_execution_contract(self) -> dict:
         return self.engine.execution_contract().to_dict()
 
-    def utility_update_weights_from_path(self, path: str, staging: str = "host"):
+    def utility_update_weights_from_path(self, path: str, staging: str = "host", contract: dict | None = None):
         """In-place update from a checkpoint directory. A thread reads, casts (the load rule)
         and validates it into staging buffers (`staging`: "host" or "device";
         vllm/weight_sync/staging.py) while requests keep running; then, at a step boundary,
         the engine pauses only for the copy into the parameters, the version bump and the
         prefix-cache drop (`_settle_staging`). The answer comes then: {"weight_version",
         "stage_s", "pause_s", "copy_s", ...}. A rejected checkpoint changes nothing. One
-        update at a time: another while one stages is refused (ValueError)."""
+        update at a time: another while one stages is refused (ValueError). `contract`: the
+        sender's ExecutionContract.to_dict(), refused unless compatible."""
         from vllm.model_loader.loader import checkpoint_files
         from vllm.weight_sync.staging import CheckpointStaging
+
+        theirs = _contract_of(contract)
+        if theirs is not None:
+            self.engine.execution_contract().check_compatible(theirs)   # before anything is read
 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise ValueError(f"weights path {path!r} is not a directory")
@@ -363,7 +368,7 @@ class EngineCore:
             t0 = time.perf_counter()  # the step boundary: the step still on the GPU has finished
             update = WeightUpdate(eng, check_finite=False)   # the staging thread checked every byte
             if plan is not None:
-                update.load_planned(plan)
+                update.load_planned(plan, complete=True)   # staging refuses an incomplete checkpoint
             else:
                 update.load(staged.pairs)    # the parameters moved since staging: place the tensors again
             version = update.finish()

@@ -176,7 +176,7 @@ class LLM:
         if transfer.update is not None:
             if contract is not None or require_complete:
                 raise ValueError("contract and require_complete belong to the started update, not to one bucket")
-            transfer._open_update().load(weights)
+            transfer.load(weights)
             return None
         from vllm.weight_sync import update_weights
         return update_weights(self.llm_engine, weights, contract=contract, require_complete=require_complete,
@@ -243,11 +243,14 @@ class LLM:
                                         require_complete=require_complete, backup=backup, check_finite=check_finite)
 
     @_holding_engine_lock
-    def update_weights_from_ipc(self, buckets, check_finite: bool = True) -> int:
+    def update_weights_from_ipc(self, buckets, check_finite: bool = True, contract=None,
+                                require_complete: bool = False) -> int:
         """Apply buckets exported by another process on this node (vllm.weight_sync.ipc:
-        CUDA IPC handles, or shared memory on CPU) as one update; returns the new version."""
+        CUDA IPC handles, or shared memory on CPU) as one update; returns the new version.
+        `contract` and `require_complete` as in `update_weights`."""
         from vllm.weight_sync.ipc import apply_ipc_update
-        return apply_ipc_update(self.llm_engine, buckets, check_finite=check_finite)
+        return apply_ipc_update(self.llm_engine, buckets, contract=contract, require_complete=require_complete,
+                                check_finite=check_finite)
 
     @property
     def weight_error(self) -> str | None:

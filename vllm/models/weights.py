@@ -154,6 +154,9 @@ class WeightPlanner:
         self._alias_targets = set(mapping.aliases.values())
         self._aliased: dict[str, tuple[str, torch.Tensor]] = {}   # target slot -> (alias name, tensor)
         self._targets: dict[str, torch.Tensor] = {}                # sources given for slots that have an alias
+        # a caller that reuses the sources' memory after `add` (a receive buffer written through
+        # bucket by bucket) sets this: the tensors held until `finish` are then copies
+        self.copy_held = False
 
     def add(self, hf_name: str, tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         m = self.mapping
@@ -174,10 +177,10 @@ class WeightPlanner:
         if self.check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {hf_name!r} has non-finite values")
         if hf_name in m.aliases:
-            self._aliased[m.aliases[hf_name]] = (hf_name, tensor)
+            self._aliased[m.aliases[hf_name]] = (hf_name, tensor.clone() if self.copy_held else tensor)
             return None
         if hf_name in self._alias_targets:
-            self._targets[hf_name] = tensor
+            self._targets[hf_name] = tensor.clone() if self.copy_held else tensor
         self._cover(hf_name, slot)
         return dest, tensor if tensor.dtype == dest.dtype else tensor.to(dest.dtype)
 

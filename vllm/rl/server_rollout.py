@@ -125,7 +125,7 @@ class ServerRollout(RolloutClient):
         if self.weight_sync == "path":
             path = os.path.join(self.checkpoint_dir or ".", "rollout_weights")
             policy.save_pretrained(path)
-            versions = [c.update_from_path(os.path.abspath(path)) for c in self.clients]
+            versions = [c.update_from_path(os.path.abspath(path), contract=contract) for c in self.clients]
         else:
             named = policy.model.hf_state_dict()
             versions = []

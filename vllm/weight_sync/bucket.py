@@ -109,6 +109,10 @@ class FlatBucket:
             raise ValueError("a bucket buffer is a contiguous 1-D uint8 tensor")
         if buffer.numel() < layout.nbytes:
             raise ValueError(f"bucket buffer has {buffer.numel()} bytes, its layout needs {layout.nbytes}")
+        for e in layout.entries:   # a layout from the wire: every view must lie inside the buffer
+            if e.offset < 0 or e.offset + e.nbytes > min(layout.nbytes, buffer.numel()):
+                raise ValueError(f"bucket entry {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes}) lies outside "
+                                 f"its bucket of {min(layout.nbytes, buffer.numel())} bytes")
         self.buffer = buffer
         self.layout = layout
         self._views: list[tuple[str, torch.Tensor]] | None = None

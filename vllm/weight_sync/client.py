@@ -70,10 +70,14 @@ class WeightSyncClient:
         return self.request("POST", "/v1/resume")
 
     # ---- transports ---------------------------------------------------------------------
-    def update_from_path(self, path: str, staging: str = "host") -> int:
+    def update_from_path(self, path: str, staging: str = "host", contract=None) -> int:
         """The server loads a checkpoint directory it can read (shared disk) in place: staged
-        in `staging` memory ("host" or "device") while it serves, then copied in a short pause."""
-        return int(self.request("POST", "/v1/weights/update", {"path": path, "staging": staging})["weight_version"])
+        in `staging` memory ("host" or "device") while it serves, then copied in a short pause.
+        `contract` (the weights' ExecutionContract): the server refuses unless it matches its own."""
+        body = {"path": path, "staging": staging}
+        if contract is not None:
+            body["contract"] = contract.to_dict() if hasattr(contract, "to_dict") else contract
+        return int(self.request("POST", "/v1/weights/update", body)["weight_version"])
 
     def init_group(self, contract, *, backend: str = "nccl", host: str = "127.0.0.1", port: int = 0,
                    device: torch.device | str | None = None, timeout_s: float = 300.0) -> None:

@@ -208,12 +208,22 @@ def open_buckets(message: list, device: torch.device, cache: OpenedCudaBuffers |
                         raise ValueError(f"IPC bucket {i}: malformed layout ({err})") from None
             if kind == "shm":
                 try:
-                    shm = shared_memory.SharedMemory(name=str(h["name"]))
+                    name, nbytes = str(h["name"]), int(h["nbytes"])
+                except (KeyError, TypeError, ValueError) as err:
+                    raise ValueError(f"IPC bucket {i}: a shared-memory handle needs 'name' and an integer "
+                                     f"'nbytes' ({type(err).__name__}: {err})") from None
+                try:
+                    shm = shared_memory.SharedMemory(name=name)
                 except FileNotFoundError:
-                    raise ValueError(f"IPC bucket {i}: shared memory {h['name']!r} does not exist") from None
+                    raise ValueError(f"IPC bucket {i}: shared memory {name!r} does not exist") from None
                 _untrack(shm)
-                n = min(int(h["nbytes"]), shm.size)
-                out.append(_Opened(FlatBucket(torch.frombuffer(shm.buf, dtype=torch.uint8, count=n), layout), shm))
+                try:
+                    n = max(0, min(nbytes, shm.size))
+                    bucket = FlatBucket(torch.frombuffer(shm.buf, dtype=torch.uint8, count=n), layout)
+                except BaseException:
+                    shm.close()
+                    raise
+                out.append(_Opened(bucket, shm))
             elif kind == "cuda":
                 if device.type != "cuda":
                     raise ValueError("CUDA IPC buckets need an engine on a CUDA device")

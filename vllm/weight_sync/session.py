@@ -199,6 +199,7 @@ class WeightUpdate:
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []     # validated, written at finish
         self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []       # (destination, its previous bytes)
         self._written = False
+        self._planned_complete = False
         self.closed = False
         self.num_buckets = 0
         self.copy_s = 0.0   # finish's write of the staged buckets (synchronized on CUDA)
@@ -218,6 +219,7 @@ class WeightUpdate:
         self._check_open()
         try:
             pairs = _as_pairs(weights)
+            self.planner.copy_held = not retain   # tied pairs are compared at finish, after the buffer is reused
             plan, names = [], []
             for name, tensor in pairs:
                 w = _add(self.planner, name, tensor)
@@ -240,14 +242,17 @@ class WeightUpdate:
             self.abort(f"{type(err).__name__}: {err}")
             raise
 
-    def load_planned(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_planned(self, plan: list[tuple[torch.Tensor, torch.Tensor]], *, complete: bool = False) -> None:
         """Stage (parameter view, source) pairs that a planner of this model already
         validated and checked for finiteness, sources in the parameters' dtypes (a
         checkpoint staged off the engine loop: vllm/weight_sync/staging.py); written at
-        finish. Nothing is checked again: the pause then covers the copy alone."""
+        finish. Nothing is checked again: the pause then covers the copy alone.
+        `complete`: that planner found every parameter covered (a whole checkpoint), which
+        satisfies `require_complete` (and so lifts a torn engine)."""
         self._check_open()
         self.num_buckets += 1
         self._staged += plan
+        self._planned_complete = self._planned_complete or complete
 
     def _write_through(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not plan:
@@ -285,7 +290,7 @@ class WeightUpdate:
             tail = self.planner.finish()      # aliases given without their target (tied weights)
             if self.check_finite:
                 raise_if_non_finite(self._pending_checks + finite_flags(tail, self.planner.alias_writes))
-            if self.require_complete:
+            if self.require_complete and not self._planned_complete:
                 missing = self.planner.missing()
                 if missing:
                     torn = (" (a failed update tore the weights: only a complete update lifts that)"
@@ -331,7 +336,13 @@ class WeightUpdate:
                         d.restore(b)
             if eng.executor.info.device.type == "cuda":
                 torch.cuda.synchronize(eng.executor.info.device)
-        eng.weight_error = f"weight update failed, previous weights kept (version {eng.weight_version}): {reason}"
+        if getattr(eng, "weights_torn", False):
+            # an earlier failure tore the weights and this one wrote nothing: still torn
+            eng.weight_error = (f"weight update failed ({reason}); the weights are still torn by an earlier failed "
+                                "update: the engine refuses requests until a complete update finishes")
+        else:
+            eng.weight_error = (f"weight update failed, previous weights kept (version {eng.weight_version}): "
+                                f"{reason}")
         logger.warning(eng.weight_error)
         if not self._was_paused and not getattr(eng, "weights_torn", False):
             eng.resume()

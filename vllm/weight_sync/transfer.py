@@ -210,6 +210,17 @@ class WeightTransfer:
             raise ValueError("no weight update is started: call start_weight_update first")
         return self.update
 
+    def load(self, weights) -> None:
+        """Add in-process tensors to the started update (staged by reference until finish).
+        A refused bucket ends the update like any refusal: the previous weights keep
+        serving and requests resume."""
+        update = self._open_update()
+        try:
+            update.load(weights)
+        except Exception as err:
+            self._after_failure(err)
+            raise
+
     def receive(self, update_info: dict) -> dict:
         """One update_weights call, one half of a collective (the trainer broadcasts meanwhile):
         the manifest is checked against the model, then the trainer's buckets are received

@@ -184,7 +184,7 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
 
     @app.post("/v1/weights/update")
     async def weights_update(req: WeightsUpdateRequest):
-        return await await_or_error(llm.update_weights_from_path(req.path, req.staging))
+        return await await_or_error(llm.update_weights_from_path(req.path, req.staging, req.contract))
 
     @app.post("/v1/weights/init_group")
     async def weights_init_group(raw: Request):

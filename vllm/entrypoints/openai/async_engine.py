@@ -406,11 +406,11 @@ class AsyncLLM:
         # engine ids back to the callers' (an engine id is "<request id>@<serial>")
         return {**res, "aborted": [r.rsplit("@", 1)[0] for r in res.get("aborted", [])]}
 
-    async def update_weights_from_path(self, path: str, staging: str = "host") -> dict:
+    async def update_weights_from_path(self, path: str, staging: str = "host", contract: dict | None = None) -> dict:
         """Stage the checkpoint while requests run, then pause only to copy it in
         (EngineCore.utility_update_weights_from_path); {"weight_version", "stage_s",
         "pause_s", "copy_s", ...}."""
-        res = await self.utility("update_weights_from_path", path, staging)
+        res = await self.utility("update_weights_from_path", path, staging, contract)
         self.weight_version = max(self.weight_version, res["weight_version"])
         return res
 

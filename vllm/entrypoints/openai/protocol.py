@@ -759,6 +759,8 @@ class WeightsUpdateRequest(OpenAIBaseModel):
     path: str
     # where the checkpoint is staged before the pause: "host" or "device" (docs/serving.md)
     staging: str = "host"
+    # the trainer's ExecutionContract.to_dict(): refused (400 naming the fields) unless compatible
+    contract: Optional[dict[str, Any]] = None
 
 
 class WeightsVersionResponse(OpenAIBaseModel):
