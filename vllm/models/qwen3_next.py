@@ -135,9 +135,12 @@ class Qwen3NextConfig(DecoderConfig):
                 moe_intermediate_size=int(hf["moe_intermediate_size"]) if experts else 0,
                 shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]) if experts else 0,
                 norm_topk_prob=bool(get("norm_topk_prob")) if by_step else True,
-                decoder_sparse_step=int(get("decoder_sparse_step") or 1) if by_step else 1,
+                decoder_sparse_step=(1 if get("decoder_sparse_step") is None else int(get("decoder_sparse_step")))
+                if by_step else 1,
                 mlp_only_layers=[int(i) for i in (hf.get("mlp_only_layers") or [])] if by_step else [],
             )
+            if cfg.decoder_sparse_step < 1:   # is_sparse divides by it
+                raise ValueError(f"decoder_sparse_step must be >= 1, got {cfg.decoder_sparse_step}")
             # the dense MLPs' size, where a layer has one
             if not all(cfg.is_sparse(i) for i in range(layers)):
                 cfg.intermediate_size = int(hf["intermediate_size"])
@@ -168,6 +171,13 @@ class Qwen3NextConfig(DecoderConfig):
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        # what the Gated DeltaNet kernels cover (vllm/kernels/gdn_ops.py, chunk_scan.check_grid)
+        if not 2 <= self.linear_conv_kernel_dim <= 4:
+            raise ValueError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} is not supported (2..4)")
+        if self.linear_key_head_dim % 16 or self.linear_value_head_dim % 16 or not self.linear_key_head_dim \
+                or not self.linear_value_head_dim:
+            raise ValueError(f"linear_key_head_dim={self.linear_key_head_dim} and linear_value_head_dim="
+                             f"{self.linear_value_head_dim} must be positive multiples of 16 (the kernels' tiles)")
 
     @property
     def rotary_dim(self) -> int:
