@@ -165,7 +165,20 @@ def test_fp8_rollout_equals_training_bits_and_sync_requantizes(tiny_qwen3):
     assert not all(torch.equal(bits(a), bits(b)) for a, b in zip(got2, got))
 
 
-def _write_fp8_checkpoint(src: str, dst: str) -> None:
+def _quantize_power_of_two(w: torch.Tensor):
+    """Block FP8 with power-of-two scales (UE8M0, as DeepSeek-V3.1's checkpoints): not what
+    the deployment rule (amax / 448) gives for the dequantized weight."""
+    N, K = w.shape
+    n, k = -(-N // fp8.BLOCK), -(-K // fp8.BLOCK)
+    wp = torch.zeros(n * fp8.BLOCK, k * fp8.BLOCK)
+    wp[:N, :K] = w.float()
+    blocks = wp.view(n, fp8.BLOCK, k, fp8.BLOCK)
+    s = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0)))
+    q = (blocks / s[:, None, :, None]).clamp(-448, 448).to(fp8.FP8_DTYPE).view(n * fp8.BLOCK, k * fp8.BLOCK)
+    return q[:N, :K].contiguous(), s
+
+
+def _write_fp8_checkpoint(src: str, dst: str, *, quantize=None, skip=(), extra=None) -> None:
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
     files = [f for f in os.listdir(dst) if f.endswith(".safetensors")]
@@ -173,8 +186,8 @@ def _write_fp8_checkpoint(src: str, dst: str) -> None:
         sd = load_file(os.path.join(dst, f))
         out = {}
         for name, t in sd.items():
-            if name.endswith("proj.weight") and t.dim() == 2:
-                q, s = fp8.quantize_weight(t)
+            if name.endswith("proj.weight") and t.dim() == 2 and not any(s in name for s in skip):
+                q, s = (quantize or fp8.quantize_weight)(t)
                 out[name], out[name + "_scale_inv"] = q, s
             else:
                 out[name] = t
@@ -182,7 +195,7 @@ def _write_fp8_checkpoint(src: str, dst: str) -> None:
     with open(os.path.join(dst, "config.json")) as fh:
         cfg = json.load(fh)
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                  "activation_scheme": "dynamic", "fmt": "e4m3"}
+                                  "activation_scheme": "dynamic", "fmt": "e4m3", **(extra or {})}
     with open(os.path.join(dst, "config.json"), "w") as fh:
         json.dump(cfg, fh)
 
@@ -216,6 +229,72 @@ def test_fp8_checkpoint_loads(tiny_qwen3, tmp_path):
     json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
     with pytest.raises(ValueError, match="weight_block_size"):
         LLM(bad, device="cpu")
+
+
+def test_fp8_checkpoint_of_other_scales_keeps_rollout_and_trainer_equal(tiny_qwen3_128, tmp_path):
+    """Power-of-two scales at bfloat16: the master re-quantizes to other bits than the
+    checkpoint's. The fp8 copy is the master quantized on both sides, so the engine (which
+    re-quantizes every layer at a sync) equals the trainer (which re-quantizes the layers
+    that changed) after a sync of unchanged weights, and an engine without masters equals
+    one with them after a partial update."""
+    dst = str(tmp_path / "fp8_pow2")
+    _write_fp8_checkpoint(tiny_qwen3_128, dst, quantize=_quantize_power_of_two)
+    kw = dict(device="cpu", dtype="bfloat16", numerics="invariant", block_size=4)
+    llm = LLM(dst, **kw)
+    pol = Policy.from_pretrained(dst, device="cpu", dtype="bfloat16")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 17)]
+    plens = [len(p) for p in prompts]
+    for sync in (False, True):
+        if sync:
+            llm.update_weights(pol.model.hf_state_dict())
+        seqs, roll = _rollout(llm, prompts)
+        got = pol.token_logprobs(seqs, plens, temperature=0.8)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, roll)), f"sync={sync}"
+    free = LLM(dst, keep_master_weights=False, **kw)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    sd = llm.llm_engine.executor.model.hf_state_dict()
+    update = {name: (sd[name].float() * 1.01).to(sd[name].dtype)}
+    llm.update_weights(update)
+    free.update_weights(update)
+    (_, a), (_, b) = _rollout(llm, prompts), _rollout(free, prompts)
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def test_fp8_checkpoint_modules_to_not_convert_stay_unquantized(tiny_qwen3, tmp_path):
+    dst = str(tmp_path / "fp8_skip")
+    _write_fp8_checkpoint(tiny_qwen3, dst, skip=("layers.0.self_attn.o_proj", "down_proj"),
+                          extra={"modules_to_not_convert": ["layers.0.self_attn.o_proj", "down_proj"]})
+    llm = LLM(dst, device="cpu", dtype="float32", block_size=4)
+    pol = Policy.from_pretrained(dst, device="cpu", dtype="float32")
+    for model in (llm.llm_engine.executor.model, pol.model):
+        mods = dict(model.named_modules())
+        kept = sorted(n for n, m in mods.items() if hasattr(m, "fp8") and not m.fp8)
+        assert "model.layers.0.self_attn.o_proj" in kept and "model.layers.1.self_attn.o_proj" not in kept
+        assert all(not m.fp8 for n, m in mods.items() if n.endswith("down_proj"))
+    unq = llm.execution_contract().numerical["quantization"]["unquantized_linears"]
+    assert "model.layers.0.self_attn.o_proj" in unq
+    pol.execution_contract().check_compatible(llm.execution_contract())
+    every = Policy.from_pretrained(tiny_qwen3, device="cpu", dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="numerical differs"):
+        every.execution_contract().check_compatible(llm.execution_contract())
+
+
+def test_fp8_checkpoint_scales_without_their_weights_are_refused(tiny_qwen3, tmp_path):
+    from safetensors.torch import load_file, save_file
+    for case in ("orphan", "e5m2"):
+        dst = str(tmp_path / case)
+        _write_fp8_checkpoint(tiny_qwen3, dst)
+        f = next(os.path.join(dst, x) for x in os.listdir(dst) if x.endswith(".safetensors"))
+        sd = load_file(f)
+        name = next(n for n in sd if n.endswith("o_proj.weight"))
+        if case == "orphan":   # the weight stored unquantized, its scale left behind
+            sd[name] = fp8.dequantize_weight(sd[name], sd[name + "_scale_inv"], torch.float32)
+        else:
+            sd[name] = sd[name].float().to(torch.float8_e5m2)
+        save_file(sd, f, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="without an fp8 weight" if case == "orphan" else "float8_e5m2"):
+            LLM(dst, device="cpu", dtype="float32")
 
 
 @pytest.mark.gpu

@@ -75,6 +75,8 @@ def test_expert_parallel_refusals(tiny_qwen3_moe, tiny_qwen3):
         apply_expert_parallel(policy.model, 3)
     with pytest.raises(ValueError, match="num_partitions"):
         apply_expert_parallel(policy.model)
+    with pytest.raises(ValueError, match="integer num_partitions"):
+        apply_expert_parallel(policy.model, 2.0)
     apply_expert_parallel(policy.model, 2)
     with pytest.raises(ValueError, match="already applied"):
         apply_expert_parallel(policy.model, 2)

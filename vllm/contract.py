@@ -232,6 +232,11 @@ def build_contract(model: torch.nn.Module, spec: NumericsSpec, *, device: str | 
     tp = getattr(model, "tensor_parallel", None)
     numerical["row_parallel_tree"] = tp.policy() if tp is not None else None
     (deployment if numerics == "invariant" else numerical)["tensor_parallel_size"] = tp.size if tp is not None else 1
+    if numerical.get("quantization") is not None:
+        # which linear layers an FP8 checkpoint keeps in the model dtype (modules_to_not_convert)
+        from vllm.layers.linear import Linear
+        numerical["quantization"]["unquantized_linears"] = sorted(
+            n for n, m in model.named_modules() if isinstance(m, Linear) and not m.fp8)
     layer_kernels = layer_kernel_policies(model, numerics, device)
     if layer_kernels:
         numerical["layer_kernels"] = layer_kernels

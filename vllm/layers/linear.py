@@ -166,12 +166,13 @@ def fp8_linears(model: nn.Module) -> list["Linear"]:
     return [m for m in model.modules() if isinstance(m, Linear) and m.fp8]
 
 
-def enable_fp8(model: nn.Module) -> int:
+def enable_fp8(model: nn.Module, skip: set[str] | frozenset = frozenset()) -> int:
     """quantization="fp8": every Linear of `model` (attention and dense MLP projections; the
-    embedding, lm_head and MoE expert stacks stay in the model dtype). Returns the count."""
+    embedding, lm_head and MoE expert stacks stay in the model dtype) but those named in
+    `skip` (an FP8 checkpoint's modules_to_not_convert). Returns the count."""
     n = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and not m.fp8:
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and not m.fp8 and name not in skip:
             m.enable_fp8()
             n += 1
     return n

@@ -92,10 +92,17 @@ def build_model(model_config: ModelConfig, spec: NumericsSpec, device: str | tor
             raise ValueError(f"checkpoint {model_config.path!r}: {err}") from None
     if spec.quantization is not None:
         from vllm.layers.linear import enable_fp8
-        n = enable_fp8(model)  # quantized from the master weights at load ...
+        from vllm.model_loader.fp8_checkpoint import unquantized_linears, unquantized_modules
+        # quantized from the master weights, but for what the checkpoint keeps in the model dtype
+        keep = unquantized_linears(model, unquantized_modules(model_config.hf_config))
+        n = enable_fp8(model, skip=keep)
         if load_format != "dummy" and reader is not None:
-            taken = reader.apply(model)  # ... or the FP8 checkpoint's own bits where they line up
-            logger.info("fp8 linear layers: %d, %d weight tensors taken from the fp8 checkpoint as they are", n, taken)
+            same, compared = reader.compare(model)
+            log = logger.info if same == compared else logger.warning
+            log("fp8 linear layers: %d (%d kept in the model dtype); %d of %d checkpoint fp8 tensors are what the "
+                "master re-quantizes to%s", n, len(keep), same, compared,
+                "" if same == compared else ": the others are served as the master re-quantized (the checkpoint's "
+                "scales are not amax / 448 of the model-dtype weights), the same in rollout and trainer")
         if not keep_master_weights:
             from vllm.layers.linear import drop_master_weights
             logger.info("fp8 linear layers without master weights: %d", drop_master_weights(model))

@@ -2,12 +2,17 @@
 [128, 128]}`: float8_e4m3fn weights with a float32 `weight_scale_inv` per 128 x 128 block,
 w = weight * weight_scale_inv).
 
-Loading keeps two things: the master weight (the dequantized value, in the model dtype,
-what a trainer updates) and, for every linear layer whose checkpoint shards line up with the
-128-row blocks of its fused weight, the checkpoint's own fp8 bits and scales as the layer's
-fp8 copy, so the first weight version serves exactly the published quantized model. Layers
-that do not line up (and tensors of modules that stay unquantized, e.g. MoE experts) keep
-the re-quantized master."""
+Loading keeps the master weight (the dequantized value, in the model dtype, what a trainer
+updates); every FP8 layer's fp8 copy is the master quantized by the deployment rule, on
+both sides, at load and after every weight change. So the copy is always a function of
+the master: an engine and a trainer (with or without masters, after partial or whole
+updates) quantize the same values into the same bits. Where the checkpoint's own bits and
+scales are what the rule gives for the master (a checkpoint quantized by amax / 448 per
+block from weights in the model dtype), that is exactly the published quantized model;
+elsewhere (power-of-two scales, weights quantized from float32 and loaded in bfloat16) the
+served fp8 weights are the master re-quantized, and the load logs how many tensors differ.
+Modules the config lists in `modules_to_not_convert` (or `ignored_layers`) stay in the
+model dtype."""
 from __future__ import annotations
 
 import logging
@@ -34,7 +39,45 @@ def checkpoint_quantization(hf_config: dict) -> str | None:
         raise ValueError(f"fp8 checkpoint weight_block_size {block!r} is not supported (only [128, 128])")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError("fp8 checkpoint activation_scheme must be 'dynamic' (per-token scales computed at run time)")
+    unquantized_modules(hf_config)   # a malformed list is refused here
     return "fp8"
+
+
+def unquantized_modules(hf_config: dict) -> list[str]:
+    """The module names an FP8 checkpoint keeps in the model dtype (`modules_to_not_convert`,
+    or upstream vLLM's `ignored_layers`): a module whose HF name contains one stays unquantized,
+    as transformers matches them."""
+    qc = hf_config.get("quantization_config") or {}
+    names = []
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        value = qc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"fp8 checkpoint {key} must be a list of module names, got {value!r}")
+        names += value
+    return sorted(set(names))
+
+
+def unquantized_linears(model: torch.nn.Module, patterns: list[str]) -> set[str]:
+    """Our names of the Linear modules whose HF weights match `patterns` (unquantized_modules).
+    ValueError for a fused layer only some of whose shards match: one layer has one dtype."""
+    from vllm.layers.linear import Linear
+    if not patterns:
+        return set()
+    modules = dict(model.named_modules())
+    matched: dict[str, set[bool]] = {}
+    for hf_name, slot in model.weight_mapping().slots.items():
+        owner = slot.param.rsplit(".", 1)[0]
+        if not isinstance(modules.get(owner), Linear) or not slot.param.endswith(".weight"):
+            continue
+        module = hf_name.rsplit(".", 1)[0]
+        matched.setdefault(owner, set()).add(any(p in module for p in patterns))
+    mixed = sorted(m for m, v in matched.items() if len(v) > 1)
+    if mixed:
+        raise ValueError(f"modules_to_not_convert names some shards of fused layers {mixed[:4]} but not the others "
+                         "(a fused layer is quantized as a whole)")
+    return {m for m, v in matched.items() if v == {True}}
 
 
 class FP8CheckpointReader:
@@ -52,6 +95,8 @@ class FP8CheckpointReader:
                 self.scales[name[:-len("_scale_inv")]] = t.float()
             elif t.dtype == FP8_DTYPE:
                 self.fp8[name] = t
+            elif t.dtype.is_floating_point and t.element_size() == 1:
+                raise ValueError(f"{name}: {t.dtype} weights are not read (fp8 checkpoints hold float8_e4m3fn)")
             elif name.endswith((".input_scale", ".activation_scale")):
                 continue  # static activation scales: not used (dynamic per-token scaling)
             else:
@@ -59,30 +104,34 @@ class FP8CheckpointReader:
         missing = sorted(set(self.fp8) - set(self.scales))
         if missing:
             raise ValueError(f"fp8 weights without weight_scale_inv: {missing[:4]}")
+        orphans = sorted(set(self.scales) - set(self.fp8))
+        if orphans:
+            raise ValueError(f"weight_scale_inv without an fp8 weight (the weight would load unscaled): "
+                             f"{[o + '_scale_inv' for o in orphans[:4]]}")
         for name, t in self.fp8.items():
             yield name, dequantize_weight(t, self.scales[name], torch.float32)
 
-    def apply(self, model: torch.nn.Module) -> int:
-        """Write the checkpoint's fp8 bits into the layers' fp8 copies where the blocks line
-        up; returns how many tensors were taken as they are."""
+    def compare(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(tensors whose fp8 copy, quantized from the master, has the checkpoint's own bits
+        and scales, tensors compared): what the load reports. Fused shards are compared
+        where they line up with the 128-row blocks; modules left unquantized are skipped."""
         from vllm.layers.linear import FusedLinear, Linear
         mapping = model.weight_mapping()
         modules = dict(model.named_modules())
-        taken = 0
-        with torch.no_grad():
-            for name, t in self.fp8.items():
-                slot = mapping.slot(name)
-                mod = modules.get(slot.param.rsplit(".", 1)[0])
-                if not isinstance(mod, Linear) or not mod.fp8 or not slot.param.endswith(".weight"):
-                    continue
-                n = mod.out_features
-                off, size = (0, n) if slot.shard is None or not isinstance(mod, FusedLinear) \
-                    else mod.shard_offsets[slot.shard]
-                if off % BLOCK or (size % BLOCK and off + size != n) or t.shape != (size, mod.in_features):
-                    logger.info("fp8 checkpoint: %s does not line up with 128-row blocks; re-quantized", name)
-                    continue
-                slot.view(mod.weight_fp8).copy_(t.to(mod.weight_fp8.device))
-                s = self.scales[name]
-                mod.weight_scale_inv[off // BLOCK:off // BLOCK + s.shape[0]].copy_(s.to(mod.weight_scale_inv.device))
-                taken += 1
-        return taken
+        same = compared = 0
+        for name, t in self.fp8.items():
+            slot = mapping.slot(name)
+            mod = modules.get(slot.param.rsplit(".", 1)[0])
+            if not isinstance(mod, Linear) or not mod.fp8 or not slot.param.endswith(".weight"):
+                continue
+            n = mod.out_features
+            off, size = (0, n) if slot.shard is None or not isinstance(mod, FusedLinear) \
+                else mod.shard_offsets[slot.shard]
+            if off % BLOCK or (size % BLOCK and off + size != n) or t.shape != (size, mod.in_features):
+                continue
+            compared += 1
+            s = self.scales[name]
+            rows = slot.view(mod.weight_fp8)
+            same += int(torch.equal(rows.cpu().view(torch.uint8), t.view(torch.uint8)) and torch.equal(
+                mod.weight_scale_inv[off // BLOCK:off // BLOCK + s.shape[0]].cpu(), s))
+        return same, compared

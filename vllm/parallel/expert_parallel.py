@@ -125,8 +125,9 @@ def apply_expert_parallel(model: nn.Module, num_partitions: int | None = None, g
         if num_partitions not in (None, world):
             raise ValueError(f"num_partitions={num_partitions} must equal the group size {world}")
         num_partitions = world
-    if num_partitions is None or num_partitions < 1:
-        raise ValueError("give num_partitions >= 1 or a process group")
+    if num_partitions is None or isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
+            or num_partitions < 1:
+        raise ValueError(f"give an integer num_partitions >= 1 or a process group, got {num_partitions!r}")
     for block in blocks:
         if block.num_experts % num_partitions:
             raise ValueError(f"{block.num_experts} experts cannot be split into {num_partitions} equal partitions")
