@@ -240,3 +240,38 @@ def test_the_engine_logprobs_mode_is_the_default_of_served_requests():
         assert tempered[0] == unset[0] and tempered[1] != unset[1]
     finally:
         raw_app.state.serving.llm.shutdown()
+
+
+def test_trl_generate_fields_of_every_trl_version():
+    """TRL's /generate/ and /chat/ bodies: `guided_decoding_regex` (its earlier name of
+    structured_outputs_regex) constrains like the new name, `truncate_prompt_tokens` cuts the
+    prompt, both regex names at once are refused."""
+    from vllm.entrypoints.openai.protocol import TrlGenerateRequest
+
+    old = TrlGenerateRequest(prompts=["x"], guided_decoding_regex="(yes|no)", truncate_prompt_tokens=3)
+    params = old.to_sampling_params(20)
+    assert params.structured_outputs.regex == "(yes|no)" and params.truncate_prompt_tokens == 3
+    new = TrlGenerateRequest(prompts=["x"], structured_outputs_regex="a+").to_sampling_params(20)
+    assert new.structured_outputs.regex == "a+" and new.truncate_prompt_tokens is None
+    both = TrlGenerateRequest(prompts=["x"], structured_outputs_regex="a", guided_decoding_regex="b")
+    with pytest.raises(ValueError, match="earlier name"):
+        both.to_sampling_params(20)
+    kw = TrlGenerateRequest(prompts=["x"], truncate_prompt_tokens=3, generation_kwargs={"truncate_prompt_tokens": 5})
+    assert kw.to_sampling_params(20).truncate_prompt_tokens == 5   # generation_kwargs override the fields
+    assert TrlGenerateRequest(prompts=["x"], foo=1).ignored_fields() == ["foo"]
+
+
+def test_an_llm_served_by_an_app_refuses_its_own_entry_points():
+    """Once build_app_from_llm owns the engine, LLM.generate would race its loop for the
+    outputs (a bare KeyError before): a ValueError saying why."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    llm = LLM(device="cpu")
+    app = build_app_from_llm(llm)
+    try:
+        with pytest.raises(ValueError, match="driven by the app"):
+            llm.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False)
+        with pytest.raises(ValueError, match="driven by the app"):
+            llm.update_weights({})
+    finally:
+        app.state.serving.llm.shutdown()

@@ -91,6 +91,17 @@ def test_calls_are_parsed(parser, text, content, calls):
     assert plan_tools(TOOLS, "none", parser=parser).parse(text) == (text, [])
 
 
+@pytest.mark.parametrize("arguments,expected", [
+    ('"{\\"a\\": 1}"', '{"a": 1}'),             # JSON text in a string: taken as it is
+    ('"hello"', '"hello"'),                       # not JSON: encoded as a JSON string
+    ('"{\\"a\\": 1"', '"{\\"a\\": 1"'),         # cut-short JSON in a string: a JSON string too
+])
+def test_string_arguments_are_always_json_text(arguments, expected):
+    _, calls = parse_tool_calls("hermes", f'<tool_call>{{"name": "add", "arguments": {arguments}}}</tool_call>')
+    assert [c.arguments for c in calls] == [expected]
+    json.loads(calls[0].arguments)
+
+
 @pytest.mark.parametrize("parser,text", CONTENT)
 def test_other_text_is_content(parser, text):
     assert parse_tool_calls(parser, text) == (text, [])

@@ -59,8 +59,10 @@ def text_parts(content: list, where: str) -> list[dict]:
             part = {"type": "text", "text": part}
         kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
         key = "refusal" if kind == "refusal" else "text"
-        if kind not in ("text", "input_text", "refusal") or not isinstance(part.get(key), str):
+        if kind not in ("text", "input_text", "refusal"):
             raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get(key), str):
+            raise ValueError(f"{where}: a {kind!r} content part needs a string {key!r} field")
         parts.append({"type": "text", "text": part[key]})
     return parts
 

@@ -30,6 +30,9 @@ def _holding_engine_lock(method):
     such a method may call another (`chat` calls `generate`)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
+        if getattr(self, "_served_by", None) is not None:
+            raise ValueError(f"LLM.{method.__name__}: this LLM's engine is driven by the app of "
+                             f"{self._served_by}, whose engine loop owns it; send requests to the app instead")
         with self._engine_lock:
             return method(self, *args, **kwargs)
     return locked

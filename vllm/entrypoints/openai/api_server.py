@@ -332,6 +332,7 @@ def build_app_from_llm(llm, served_model_names: Sequence[str] | None = None, *, 
     build_app's (APP_OPTIONS) and OpenAIServing's (max_logprobs, tool_call_parser, chat_template, ...)."""
     app_options, serving_options = _split_options(options)
     async_llm = AsyncLLM.from_engine(llm.llm_engine, max_queued_requests=max_queued_requests)
+    llm._served_by = "build_app_from_llm"   # the LLM's own entry points now refuse (ValueError)
     return build_app(_serving(async_llm, served_model_names, generation_config, override_generation_config,
                               **serving_options),
                      api_key=api_key, admin_key=admin_key, **app_options)

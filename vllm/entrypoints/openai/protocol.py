@@ -813,18 +813,26 @@ class TrlSamplingFields(OpenAIBaseModel):
     max_tokens: StrictInt = 16
     logprobs: Optional[StrictInt] = 0
     structured_outputs_regex: Optional[str] = None
+    guided_decoding_regex: Optional[str] = None          # TRL's earlier name of the same field
+    truncate_prompt_tokens: Optional[StrictInt] = None
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
         kw: dict[str, Any] = dict(n=self.n, repetition_penalty=self.repetition_penalty, temperature=self.temperature,
                                   top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, max_tokens=self.max_tokens,
                                   logprobs=self.logprobs)
+        if self.truncate_prompt_tokens is not None:
+            kw["truncate_prompt_tokens"] = self.truncate_prompt_tokens
         kw.update(self.generation_kwargs)
-        if self.structured_outputs_regex is not None:
+        if self.guided_decoding_regex is not None and self.structured_outputs_regex is not None:
+            raise ValueError("give either structured_outputs_regex or guided_decoding_regex (its earlier name)")
+        regex = self.structured_outputs_regex if self.structured_outputs_regex is not None \
+            else self.guided_decoding_regex
+        if regex is not None:
             # TRL's server turns the regex into upstream's StructuredOutputsParams(regex=...)
             if kw.get("structured_outputs") is not None:
                 raise ValueError("give either structured_outputs_regex or generation_kwargs.structured_outputs")
-            kw["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+            kw["structured_outputs"] = StructuredOutputsParams(regex=regex)
         for name in ("n", "logprobs", "prompt_logprobs"):   # generation_kwargs come unvalidated
             value = kw.get(name)
             if (value is not None or name == "n") and (not isinstance(value, int) or isinstance(value, bool)):

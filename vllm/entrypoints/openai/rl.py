@@ -214,6 +214,9 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             return exception_response(err)
 
     async def _trl_run(prompts, req, raw: Request):
+        extra = req.ignored_fields()
+        if extra:   # a field of another TRL version this server does not know: said, not silent
+            logger.warning("TRL %s: ignoring unknown request fields: %s", raw.url.path, ", ".join(extra))
         params = req.to_sampling_params(serving.max_logprobs)
         await trl.settle()
         rid = f"trl-{uuid.uuid4().hex}"

@@ -241,8 +241,9 @@ def _pythonic_prefix_ok(prefix: str) -> bool:
 
 def call_of_object(obj, strict: bool = False, need_arguments: bool = False) -> ParsedToolCall | None:
     """A call from ``{"name": str, "arguments"|"parameters": ...}``, or None. Arguments that
-    are a string are taken as JSON text already; strict: they must be an object (or absent,
-    meaning {}, unless need_arguments)."""
+    are a string holding JSON are taken as that JSON text; any other string is encoded as a
+    JSON string (`arguments` is always JSON text, as OpenAI's schema has it); strict: they
+    must be an object (or absent, meaning {}, unless need_arguments)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
@@ -250,7 +251,8 @@ def call_of_object(obj, strict: bool = False, need_arguments: bool = False) -> P
         return None
     args = obj[key] if key else {}
     if isinstance(args, str) and not strict:
-        return ParsedToolCall(obj["name"], args)
+        return ParsedToolCall(obj["name"], args if _loads(args) is not None or args.strip() == "null"
+                              else json.dumps(args, ensure_ascii=False))
     if strict and not isinstance(args, dict):
         return None
     return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
