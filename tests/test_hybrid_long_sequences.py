@@ -79,3 +79,28 @@ def test_hybrid_update_and_sleep_keep_trainer_bits(tiny_qwen3_next, tiny_models_
     llm.wake_up()
     _, seqs, plens, lps = _rollout(llm, prompts)
     _assert_trainer_bits(other, seqs, plens, lps, policy=new)
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3_next", "tiny_nemotron_h"])
+def test_a_shared_prefix_gets_its_own_snapshot(model, request):
+    """Prompts sharing 140 tokens (a system prompt) whose own snapshot points lie past it: the
+    first leaves KV for the shared part but no snapshot on it; the second, admitted with
+    that KV cached, snapshots at the last grid point inside it (keyed to the first's block);
+    the third restores it. Every sample equals the trainer's bits."""
+    path = request.getfixturevalue(model)
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 500) for _ in range(140)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(60 + 5 * i)] for i in range(3)]
+    llm = LLM(path, device="cpu", dtype="float32", numerics="invariant", block_size=8)
+    grid = llm.llm_engine.scheduler.kv.state_grid
+    cached, seqs, plens, lps = [], [], [], []
+    for p in prompts:
+        outs, s, pl, lp = _rollout(llm, [p])
+        cached.append(outs[0].num_cached_tokens)
+        seqs += s
+        plens += pl
+        lps += lp
+    assert cached[0] == 0 and cached[1] == 0
+    assert cached[2] == 136 // grid * grid > 0      # 17 whole blocks of 8 shared, cut to the grid
+    _assert_trainer_bits(path, seqs, plens, lps)
+

@@ -247,25 +247,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
-                            record: bool = True) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks of ``token_ids`` registered under
-        ``cache_salt`` (None: by unsalted requests).
-
-        Returns ``(block_ids, num_computed_tokens)``. Takes no references: the
-        caller must pass the blocks to ``allocate_slots`` before anything else
-        can allocate (and thereby evict them). ``record=False`` leaves the hit
-        statistics to the caller (``record_prefix_query``): the scheduler counts a
-        request once, when it is admitted, not at every step it waits for room.
-        """
-        if not self.enable_prefix_caching:
-            return [], 0
-        num_tokens = len(token_ids)
+    def _match_chain(self, token_ids: Sequence[int], cache_salt: Optional[str], max_blocks: int) -> list[int]:
+        """The cached blocks holding the first full blocks of ``token_ids`` (at most
+        ``max_blocks``), each verified against the chain (see get_computed_blocks)."""
         bs = self.block_size
-        # At least one token must be left to compute, because the model needs
-        # logits at the last prompt position. (n-1)//bs full blocks never cover
-        # the final token; when n is a multiple of bs it drops the last block.
-        max_blocks = max(0, (num_tokens - 1) // bs)
         computed: list[int] = []
         parent_hash: Optional[int] = chain_root_hash(cache_salt)
         parent_serial: Optional[int] = None
@@ -286,6 +271,37 @@ class KVCacheManager:
             computed.append(block_id)
             parent_hash = block_hash
             parent_serial = blk.serial
+        return computed
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Tokens of ``token_ids``' longest cached prefix of full blocks, whether or not a
+        recurrent-state snapshot lies on it (the KV part of a hit; the scheduler snapshots a
+        hybrid's states where a prompt leaves such a prefix)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._match_chain(token_ids, cache_salt, max(0, (len(token_ids) - 1) // self.block_size))) \
+            * self.block_size
+
+    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
+                            record: bool = True) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks of ``token_ids`` registered under
+        ``cache_salt`` (None: by unsalted requests).
+
+        Returns ``(block_ids, num_computed_tokens)``. Takes no references: the
+        caller must pass the blocks to ``allocate_slots`` before anything else
+        can allocate (and thereby evict them). ``record=False`` leaves the hit
+        statistics to the caller (``record_prefix_query``): the scheduler counts a
+        request once, when it is admitted, not at every step it waits for room.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        num_tokens = len(token_ids)
+        bs = self.block_size
+        # At least one token must be left to compute, because the model needs
+        # logits at the last prompt position. (n-1)//bs full blocks never cover
+        # the final token; when n is a multiple of bs it drops the last block.
+        max_blocks = max(0, (num_tokens - 1) // bs)
+        computed = self._match_chain(token_ids, cache_salt, max_blocks)
         if self.state is not None:
             # recurrent states are restored only from a snapshot on their grid
             per = self.state_grid // bs
@@ -391,14 +407,23 @@ class KVCacheManager:
         slot = self.state.snapshot(computed_blocks[-1])
         return -1 if slot is None else slot
 
-    def take_state_snapshot(self, request_id: str, num_tokens: int, keep: Collection[int] = ()) -> int:
+    def take_state_snapshot(self, request_id: str, num_tokens: int, keep: Collection[int] = (), *,
+                            token_ids: Sequence[int] | None = None, cache_salt: Optional[str] = None) -> int:
         """A snapshot slot for the request's states after its first `num_tokens` tokens (a
-        multiple of state_grid), keyed by the block ending there; -1 when snapshots are off or
-        every snapshot slot is in `keep` (the slots this step saves into already)."""
+        multiple of state_grid), keyed by the block ending there that lookups will find: the
+        cached block already registered for those tokens (`token_ids`, `cache_salt`: another
+        request's, whose KV this request recomputes only for the states), else the request's
+        own, registered once computed. -1 when snapshots are off or every snapshot slot is in
+        `keep` (the slots this step saves into already)."""
         if self.state is None or not self.enable_prefix_caching:
             return -1
-        return self.state.take_snapshot(self._requests[request_id].block_ids[num_tokens // self.block_size - 1],
-                                        keep)
+        n = num_tokens // self.block_size
+        key = self._requests[request_id].block_ids[n - 1]
+        if token_ids is not None:
+            chain = self._match_chain(token_ids, cache_salt, n)
+            if len(chain) == n:
+                key = chain[-1]
+        return self.state.take_snapshot(key, keep)
 
     # --------------------------------------------------------------- allocation
 

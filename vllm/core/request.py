@@ -94,6 +94,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1             # prefix-cache hit on first schedule (-1: not yet scheduled)
+        self.snapshot_branch = 0                # recurrent states: a snapshot point past the hit (Scheduler)
         self.num_preemptions = 0
         self.finishing = False                  # its last sampled token ends it by length (async lookahead)
         self.stop_reason: int | str | None = None

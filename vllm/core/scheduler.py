@@ -83,19 +83,34 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return self._snapshot_cut(req, req.num_computed_tokens, min(n, budget))
 
-    def _snapshot_point(self, req: Request) -> int:
-        """Where a prompt's recurrent states are snapshotted for the prefix cache: its last
-        multiple of the states' grid before the prompt's last token (0: none)."""
+    def _snapshot_points(self, req: Request) -> tuple[int, ...]:
+        """Where a prompt's recurrent states are snapshotted for the prefix cache, ascending:
+        the last multiple of the states' grid within the cached KV prefix it was admitted
+        with, when no snapshot lies there yet (where it leaves another prompt: a shared
+        system prompt's end, so later prompts sharing it hit), and its last multiple of the
+        grid before the prompt's last token."""
+        grid = self.kv.state_grid
+        if grid is None or not self.kv.enable_prefix_caching:
+            return ()
+        last = (req.num_prompt_tokens - 1) // grid * grid
+        return tuple(p for p in sorted({req.snapshot_branch, last}) if p > 0)
+
+    def _snapshot_cut(self, req: Request, start: int, n: int) -> int:
+        """Stop a prefill step at the next snapshot point, so that the state there is in the
+        slot after the step. The states' bits do not depend on where a prefill is cut."""
+        for point in self._snapshot_points(req):
+            if start < point < start + n:
+                return point - start
+        return n
+
+    def _snapshot_branch(self, req: Request, num_cached: int) -> int:
+        """The grid point past the hit (`num_cached`) that the cached KV prefix of the
+        prompt reaches (0: none): the hit stops short of it for want of a snapshot."""
         grid = self.kv.state_grid
         if grid is None or not self.kv.enable_prefix_caching:
             return 0
-        return (req.num_prompt_tokens - 1) // grid * grid
-
-    def _snapshot_cut(self, req: Request, start: int, n: int) -> int:
-        """Stop a prefill step at the snapshot point, so that the state there is in the slot
-        after the step. The states' bits do not depend on where a prefill is cut."""
-        point = self._snapshot_point(req)
-        return point - start if start < point < start + n else n
+        point = self.kv.cached_prefix_tokens(req.prompt_token_ids, req.cache_salt) // grid * grid
+        return point if num_cached < point < (req.num_prompt_tokens - 1) // grid * grid else 0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -171,6 +186,7 @@ class Scheduler:
                 n = min(remaining, budget)
                 if self.config.long_prefill_token_threshold > 0:
                     n = min(n, self.config.long_prefill_token_threshold)
+                req.snapshot_branch = self._snapshot_branch(req, num_cached)
                 n = self._snapshot_cut(req, num_cached, n)
                 if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks, req.cache_salt):
                     break
@@ -199,9 +215,9 @@ class Scheduler:
             if recurrent:
                 slot = self.kv.state_slot(req.req_id)
                 load = state_loads.get(req.req_id, -1)
-                point = self._snapshot_point(req)
-                if point and start + n == point:
-                    save = self.kv.take_state_snapshot(req.req_id, point, saving)
+                if start + n in self._snapshot_points(req):
+                    save = self.kv.take_state_snapshot(req.req_id, start + n, saving, token_ids=req.prompt_token_ids,
+                                                       cache_salt=req.cache_salt)
                     if save >= 0:
                         saving.add(save)
             # positional construction: this loop runs for every request every step
