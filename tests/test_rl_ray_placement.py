@@ -173,3 +173,17 @@ def test_recipe_section_and_flags_set_the_backend(tmp_path):
                                              "--engine-restarts", "0"])
     cfg = build_config(args).validate()
     assert (cfg.cluster.rollout_engines, cfg.cluster.engine_restarts) == (3, 0)
+
+
+def test_the_trainer_runs_the_engines_tp_tree(tiny_qwen3):
+    """--tensor-parallel-size 2 without --tp-leaves: the engines resolve 8 leaves; the Ray
+    trainer (TP=1) is given the same, so the contracts match (they differed in
+    row_parallel_tree before)."""
+    from vllm import LLM
+    from vllm.rl.ray.messages import trainer_tp_leaves
+    from vllm.training import Policy
+
+    assert trainer_tp_leaves(1, None) is None and trainer_tp_leaves(2, None) == 8 and trainer_tp_leaves(4, 4) == 4
+    engine = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2)
+    trainer = Policy.from_pretrained(tiny_qwen3, device="cpu", tp_leaves=trainer_tp_leaves(2, None))
+    trainer.execution_contract().check_compatible(engine.execution_contract())

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from vllm.rl.config import TrainConfig
 from vllm.rl.ray.actors import EngineActor, TrainerActor
-from vllm.rl.ray.messages import EngineEvent, EngineFault, EngineSpec, TrainerSetup
+from vllm.rl.ray.messages import EngineEvent, EngineFault, EngineSpec, TrainerSetup, trainer_tp_leaves
 from vllm.rl.ray.placement import PlacementPlan, plan_placement
 from vllm.rl.trainer import MismatchError, StepResult, model_dir_of
 
@@ -89,7 +89,11 @@ class RayTrainJob:
                     ray.init(num_cpus=c.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(need)),
                              include_dashboard=False)
                 else:
-                    ray.init(address=c.ray_address)
+                    try:
+                        ray.init(address=c.ray_address)
+                    except (ConnectionError, RuntimeError, TimeoutError) as err:
+                        raise ValueError(f"cannot join the Ray cluster at {c.ray_address!r}: "
+                                         f"{type(err).__name__}: {err}") from None
                 self._own_ray = True
             device = _device_of(cfg, ray)
             self.plan = plan = _plan(cfg, device)
@@ -139,7 +143,8 @@ class RayTrainJob:
                                               scheduling_strategy=where(s.bundle)).remote(s.index, spec,
                                                                                           fault_of.get(s.index))
                         for s in plan.engines]
-        setup = TrainerSetup(model_dir=model_dir, tp_leaves=m.tp_leaves, engine_routes=tuple(s.weight_route for s in plan.engines),
+        setup = TrainerSetup(model_dir=model_dir, tp_leaves=trainer_tp_leaves(m.tensor_parallel_size, m.tp_leaves),
+                             engine_routes=tuple(s.weight_route for s in plan.engines),
                              sleep=sleep, torch_threads=threads, bucket_bytes=bucket_bytes,
                              engine_timeout_s=engine_timeout_s)
         t = plan.trainer[0]

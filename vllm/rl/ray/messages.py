@@ -91,6 +91,14 @@ class EngineEvent:
         return f"rollout engine {self.engine} {self.kind}: {self.detail}"
 
 
+def trainer_tp_leaves(tensor_parallel_size: int, tp_leaves: int | None) -> int | None:
+    """The K-leaf tree the engines resolve from these knobs (8 leaves by default at TP > 1),
+    which the trainer (TP=1) must run too: its own resolution of tp_leaves=None at TP=1
+    would be no tree."""
+    from vllm.config import ParallelConfig
+    return ParallelConfig(tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves).leaves
+
+
 @dataclass(frozen=True)
 class TrainerSetup:
     """What the trainer actor needs besides the TrainConfig: the engines' slots in the plan."""
