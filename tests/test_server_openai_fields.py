@@ -273,5 +273,11 @@ def test_an_llm_served_by_an_app_refuses_its_own_entry_points():
             llm.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False)
         with pytest.raises(ValueError, match="driven by the app"):
             llm.update_weights({})
+        with pytest.raises(ValueError, match="driven by the app"):
+            llm.weight_update()
+        with pytest.raises(ValueError, match="driven by the app"):
+            llm.collective_rpc(lambda worker: 1)
+        with pytest.raises(ValueError, match="driven by the app"):
+            llm.policy()
     finally:
         app.state.serving.llm.shutdown()

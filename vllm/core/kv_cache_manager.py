@@ -273,15 +273,6 @@ class KVCacheManager:
             parent_serial = blk.serial
         return computed
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Tokens of ``token_ids``' longest cached prefix of full blocks, whether or not a
-        recurrent-state snapshot lies on it (the KV part of a hit; the scheduler snapshots a
-        hybrid's states where a prompt leaves such a prefix)."""
-        if not self.enable_prefix_caching:
-            return 0
-        return len(self._match_chain(token_ids, cache_salt, max(0, (len(token_ids) - 1) // self.block_size))) \
-            * self.block_size
-
     def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
                             record: bool = True) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``token_ids`` registered under
@@ -293,8 +284,16 @@ class KVCacheManager:
         statistics to the caller (``record_prefix_query``): the scheduler counts a
         request once, when it is admitted, not at every step it waits for room.
         """
+        computed, num_computed_tokens, _ = self.lookup_prefix(token_ids, cache_salt, record=record)
+        return computed, num_computed_tokens
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
+                      record: bool = True) -> tuple[list[int], int, int]:
+        """get_computed_blocks' `(block_ids, num_computed_tokens)` and the tokens of the cached
+        KV prefix before recurrent states cut it back to a snapshot (the same without them):
+        past the hit, up to there, only the states are missing (Scheduler._snapshot_branch)."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return [], 0, 0
         num_tokens = len(token_ids)
         bs = self.block_size
         # At least one token must be left to compute, because the model needs
@@ -302,6 +301,7 @@ class KVCacheManager:
         # the final token; when n is a multiple of bs it drops the last block.
         max_blocks = max(0, (num_tokens - 1) // bs)
         computed = self._match_chain(token_ids, cache_salt, max_blocks)
+        kv_tokens = len(computed) * bs
         if self.state is not None:
             # recurrent states are restored only from a snapshot on their grid
             per = self.state_grid // bs
@@ -312,7 +312,7 @@ class KVCacheManager:
         num_computed_tokens = len(computed) * bs
         if record:
             self.record_prefix_query(num_tokens, num_computed_tokens)
-        return computed, num_computed_tokens
+        return computed, num_computed_tokens, kv_tokens
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup of ``num_tokens`` tokens that reused ``num_hit_tokens``
@@ -417,8 +417,13 @@ class KVCacheManager:
         `keep` (the slots this step saves into already)."""
         if self.state is None or not self.enable_prefix_caching:
             return -1
+        req = self._requests[request_id]
+        if req.chain_broken:
+            # its states may mix two weight versions (a reset while it ran): keyed by a block
+            # registered since, they would be served as the new weights' prefix
+            return -1
         n = num_tokens // self.block_size
-        key = self._requests[request_id].block_ids[n - 1]
+        key = req.block_ids[n - 1]
         if token_ids is not None:
             chain = self._match_chain(token_ids, cache_salt, n)
             if len(chain) == n:

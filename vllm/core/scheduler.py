@@ -90,26 +90,31 @@ class Scheduler:
         system prompt's end, so later prompts sharing it hit), and its last multiple of the
         grid before the prompt's last token."""
         grid = self.kv.state_grid
-        if grid is None or not self.kv.enable_prefix_caching:
+        if grid is None or not self.kv.enable_prefix_caching or not self.kv.state.num_snapshots:
             return ()
         last = (req.num_prompt_tokens - 1) // grid * grid
-        return tuple(p for p in sorted({req.snapshot_branch, last}) if p > 0)
+        if req.snapshot_branch:
+            return (req.snapshot_branch, last)
+        return (last,) if last else ()
 
     def _snapshot_cut(self, req: Request, start: int, n: int) -> int:
         """Stop a prefill step at the next snapshot point, so that the state there is in the
         slot after the step. The states' bits do not depend on where a prefill is cut."""
+        if start >= req.num_prompt_tokens:   # decoding: no point left
+            return n
         for point in self._snapshot_points(req):
             if start < point < start + n:
                 return point - start
         return n
 
-    def _snapshot_branch(self, req: Request, num_cached: int) -> int:
-        """The grid point past the hit (`num_cached`) that the cached KV prefix of the
-        prompt reaches (0: none): the hit stops short of it for want of a snapshot."""
+    def _snapshot_branch(self, req: Request, num_cached: int, kv_tokens: int) -> int:
+        """The grid point past the hit (`num_cached`) that the cached KV prefix (`kv_tokens`)
+        reaches (0: none): the hit stops short of it for want of a snapshot. None with fewer
+        than two snapshot slots, where the prompt's own last-point snapshot would evict it."""
         grid = self.kv.state_grid
-        if grid is None or not self.kv.enable_prefix_caching:
+        if grid is None or kv_tokens - num_cached < grid or self.kv.state.num_snapshots < 2:
             return 0
-        point = self.kv.cached_prefix_tokens(req.prompt_token_ids, req.cache_salt) // grid * grid
+        point = kv_tokens // grid * grid
         return point if num_cached < point < (req.num_prompt_tokens - 1) // grid * grid else 0
 
     def _preempt(self, req: Request) -> None:
@@ -174,19 +179,19 @@ class Scheduler:
                     skipped.append(self.waiting.pop_first())
                     continue
                 # counted once, on admission: a request waiting for room looks up again next step
-                computed_blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt,
-                                                                          record=False)
+                computed_blocks, num_cached, kv_tokens = self.kv.lookup_prefix(req.all_token_ids, req.cache_salt,
+                                                                               record=False)
                 if num_cached > req.num_prompt_logprob_rows and req.prompt_logprobs_pending:
                     # a cached prefix has no logits: the prompt positions whose logprobs are
                     # still missing are recomputed (upstream skips the cache the same way)
-                    computed_blocks, num_cached = [], 0
+                    computed_blocks, num_cached, kv_tokens = [], 0, 0
                 remaining = req.num_tokens - num_cached
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
                 n = min(remaining, budget)
                 if self.config.long_prefill_token_threshold > 0:
                     n = min(n, self.config.long_prefill_token_threshold)
-                req.snapshot_branch = self._snapshot_branch(req, num_cached)
+                req.snapshot_branch = self._snapshot_branch(req, num_cached, kv_tokens)
                 n = self._snapshot_cut(req, num_cached, n)
                 if not self.kv.allocate_slots(req.req_id, num_cached + n, computed_blocks, req.cache_salt):
                     break
@@ -215,7 +220,7 @@ class Scheduler:
             if recurrent:
                 slot = self.kv.state_slot(req.req_id)
                 load = state_loads.get(req.req_id, -1)
-                if start + n in self._snapshot_points(req):
+                if start < req.num_prompt_tokens and start + n in self._snapshot_points(req):
                     save = self.kv.take_state_snapshot(req.req_id, start + n, saving, token_ids=req.prompt_token_ids,
                                                        cache_salt=req.cache_salt)
                     if save >= 0:

@@ -30,12 +30,18 @@ def _holding_engine_lock(method):
     such a method may call another (`chat` calls `generate`)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        if getattr(self, "_served_by", None) is not None:
-            raise ValueError(f"LLM.{method.__name__}: this LLM's engine is driven by the app of "
-                             f"{self._served_by}, whose engine loop owns it; send requests to the app instead")
+        _refuse_if_served(self, method.__name__)
         with self._engine_lock:
             return method(self, *args, **kwargs)
     return locked
+
+
+def _refuse_if_served(llm, name: str) -> None:
+    """Once an app serves this LLM (build_app_from_llm), its engine-core loop owns the engine:
+    every entry point that would step or change it from another thread refuses."""
+    if getattr(llm, "_served_by", None) is not None:
+        raise ValueError(f"LLM.{name}: this LLM's engine is driven by the app of {llm._served_by}, whose engine "
+                         "loop owns it; send requests (and weight updates) to the app instead")
 
 
 def _not_supported_here(name: str, hint: str = "this engine runs generative (causal LM) models only"):
@@ -143,6 +149,7 @@ class LLM:
         so an optimizer step is immediately the engine's new weights. Its attached
         optimizers' steps hold this LLM's engine lock (`Policy.attach_optimizer`)."""
         from vllm.training import Policy
+        _refuse_if_served(self, "policy")
         if not self.config.keep_master_weights:
             raise ValueError("this engine keeps no master weights (keep_master_weights=False): a trainer needs them; "
                              "build the LLM with keep_master_weights=True to train over it")
@@ -242,6 +249,7 @@ class LLM:
         the whole block (never a step between two buckets), while this thread keeps the lock
         re-entrantly (its `generate` inside the block raises ValueError, it does not wait).
         So the thread that opens the update closes it. See vllm/weight_sync/session.py."""
+        _refuse_if_served(self, "weight_update")
         return _LockHoldingWeightUpdate(self._engine_lock, self.llm_engine, contract=contract,
                                         require_complete=require_complete, backup=backup, check_finite=check_finite)
 
@@ -331,6 +339,7 @@ class LLM:
         `timeout` (seconds) bounds that wait (TimeoutError), not the call, which cannot be
         interrupted once it runs."""
         call = self._rpc_call(method, args, kwargs)
+        _refuse_if_served(self, "collective_rpc")
         if not self._engine_lock.acquire(timeout=_lock_wait_s(timeout)):
             raise TimeoutError(f"collective_rpc: the engine stayed busy (another thread's generate or weight "
                                f"update) for {timeout} s")
