@@ -47,13 +47,30 @@ def _reference(prompt, seed, max_tokens, ignore_eos, max_len) -> list[int]:
 
 
 class _Runner:
-    """Writes each scheduled token's KV into its slot and samples from the last one."""
+    """Writes each scheduled token's KV into its slot and samples from the last one. With
+    recurrent states, a request's state slot carries the same chain value: loaded from a
+    snapshot slot before the step (checked against the prompt's chain there), advanced by
+    the step's tokens (checked against the KV), saved into a snapshot slot after it."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, prompts: dict[str, list[int]]):
         self.cache: dict[int, int] = {}
         self.bs = block_size
+        self.prompts = prompts
+        self.states: dict[int, int] = {}
+        self.loads = 0
 
-    def launch(self, out, placeholders: dict[str, int]) -> dict[str, int]:
+    def launch(self, out, placeholders: dict[str, int], recurrent: bool = False) -> dict[str, int]:
+        if recurrent:   # every load of the step before any save, as the model runner orders them
+            for sr in out.requests:
+                if sr.state_load >= 0:
+                    ref = 0
+                    for t in self.prompts[sr.req_id][:sr.num_computed]:
+                        ref = _h(ref, t)
+                    assert self.states[sr.state_load] == ref, (sr.req_id, sr.num_computed)
+                    self.states[sr.state_slot] = self.states[sr.state_load]
+                    self.loads += 1
+                elif sr.num_computed == 0:
+                    self.states[sr.state_slot] = 0
         sampled = {}
         for sr in out.requests:
             toks = list(sr.token_ids)
@@ -64,25 +81,39 @@ class _Runner:
             def slot(p, sr=sr):
                 return sr.block_table[p // self.bs] * self.bs + p % self.bs
             kv = self.cache[slot(sr.num_computed - 1)] if sr.num_computed > 0 else 0
+            if recurrent:
+                assert self.states[sr.state_slot] == kv, sr.req_id
             for j, t in enumerate(toks):
                 kv = _h(kv, t)
                 self.cache[slot(sr.num_computed + j)] = kv
+            if recurrent:
+                self.states[sr.state_slot] = kv
             if sr.sample:
                 sampled[sr.req_id] = _next_token(kv, sr.seed, sr.output_index)
+        if recurrent:
+            for sr in out.requests:
+                if sr.state_save >= 0:
+                    self.states[sr.state_save] = self.states[sr.state_slot]
         return sampled
 
 
-def _run(seed: int, async_mode: bool, policy: str, resets: bool) -> int:
+def _run(seed: int, async_mode: bool, policy: str, resets: bool, recurrent: bool = False) -> int:
+    from vllm.core.state_slots import StateSlots
+
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 16])
     max_len = rng.choice([16, 40, 64])
     per_seq = -(-max_len // bs)
-    kv = KVCacheManager(rng.randint(per_seq + 1, 3 * per_seq + 2), bs, enable_prefix_caching=rng.random() < 0.8)
-    cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), enable_chunked_prefill=True, scheduling_policy=policy,
+    max_seqs = rng.randint(1, 6)
+    state = StateSlots(max_seqs + 1, rng.choice([0, 1, 2, 4]), rng.choice([2, 4, 8])) if recurrent else None
+    kv = KVCacheManager(rng.randint(per_seq + 1, 3 * per_seq + 2), bs, enable_prefix_caching=rng.random() < 0.8,
+                        state=state)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, enable_chunked_prefill=True, scheduling_policy=policy,
                           max_num_batched_tokens=rng.choice([max_len, max_len + 7, 2 * max_len]))
     if rng.random() < 0.3:
         cfg.long_prefill_token_threshold = rng.randint(1, 9)
-    sched, runner = Scheduler(cfg, kv), _Runner(bs)
+    prompts: dict[str, list[int]] = {}
+    sched, runner = Scheduler(cfg, kv), _Runner(bs, prompts)
     prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(3)]
     expected, reqs, aborted = {}, {}, set()
     inflight, added = None, 0
@@ -92,7 +123,7 @@ def _run(seed: int, async_mode: bool, policy: str, resets: bool) -> int:
         if not async_mode:
             out = sched.schedule()
             if out.requests:
-                sampled = runner.launch(out, {})
+                sampled = runner.launch(out, {}, recurrent)
                 sched.update(out, ModelRunnerOutput({k: SampledToken(v) for k, v in sampled.items()}))
             return
         prev, inflight = inflight, None
@@ -100,7 +131,7 @@ def _run(seed: int, async_mode: bool, policy: str, resets: bool) -> int:
             sched.advance(prev[0])
         out = sched.schedule()
         if out.requests:
-            inflight = (out, runner.launch(out, prev[1] if prev is not None else {}))
+            inflight = (out, runner.launch(out, prev[1] if prev is not None else {}, recurrent))
         if prev is not None:
             sched.finalize(prev[0], ModelRunnerOutput({k: SampledToken(v) for k, v in prev[1].items()}))
 
@@ -120,6 +151,7 @@ def _run(seed: int, async_mode: bool, policy: str, resets: bool) -> int:
                 leader = leader or r
                 sched.add_request(r)
                 reqs[rid] = r
+                prompts[rid] = prompt
                 expected[rid] = _reference(prompt, s, sp.max_tokens, sp.ignore_eos, max_len)
             added += 1
         if rng.random() < 0.05 and sched.requests:
@@ -140,13 +172,22 @@ def _run(seed: int, async_mode: bool, policy: str, resets: bool) -> int:
     for rid, r in reqs.items():
         if rid not in aborted:
             assert r.output_token_ids == expected[rid], (seed, rid, r.num_preemptions)
-    return sched.num_preemptions
+    return runner.loads if recurrent else sched.num_preemptions
 
 
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_schedules_give_the_reference_tokens(async_mode, policy):
     assert sum(_run(seed, async_mode, policy, resets=seed % 2 == 1) for seed in range(16)) > 0  # preemption ran
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_recurrent_state_snapshots_restore_the_prompts_chain(async_mode):
+    """Hybrid models: snapshot slots (0, 1, 2 or 4 of them) saved at the grid points a prefill
+    stops on (its last one, and where it leaves the cached KV it was admitted with) and
+    restored by hits; every restored state equals the prompt's chain at that position."""
+    loads = sum(_run(seed, async_mode, "fcfs", resets=seed % 3 == 2, recurrent=True) for seed in range(30))
+    assert loads > 0
 
 
 def test_colliding_block_hashes_never_hand_out_a_wrong_block(monkeypatch):
