@@ -231,7 +231,7 @@ class CacheConfig:
     # On CUDA the cache then lives in a driver VMM region (same address after wake).
     enable_sleep_mode: bool = False
     # Models with recurrent layers: prefix-cache snapshots of their states (one per cached
-    # prompt, at its last multiple of the states' chunk size). None: max_num_seqs // 4
+    # prompt, at its last multiple of the states' chunk size). None: max(1, max_num_seqs // 4)
     # (at least 1) with prefix caching on, 0 with it off.
     num_state_snapshots: int | None = None
 
