@@ -281,3 +281,64 @@ def test_an_llm_served_by_an_app_refuses_its_own_entry_points():
             llm.policy()
     finally:
         app.state.serving.llm.shutdown()
+
+
+def test_malformed_bodies_and_impossible_requests_are_400s():
+    """A malformed /abort_requests body is refused instead of aborting every request; text
+    with an unpaired surrogate is a 400, not the tokenizer's 500; deeply nested JSON on a
+    raw-body route is a 400; a request larger than running + queued can ever hold is a 400,
+    not a 429 to retry forever; TRL's routes cap prompts x n like /v1/completions."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"), max_queued_requests=4)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            cases = [("/v1/completions", '{"model":"default","prompt":"a\\ud800b","max_tokens":1}', "valid Unicode"),
+                     ("/tokenize", '{"prompt":"a\\ud800"}', "valid Unicode"),
+                     ("/v1/completions", '{"model":"default","prompt":"hi","max_tokens":1,"n":300}', "queues at most"),
+                     ("/abort_requests", '{"request_ids": ""}', "list of request id strings"),
+                     ("/abort_requests", '{"request_ids": false}', "list of request id strings"),
+                     ("/abort_requests", '{"request_id": ["x"]}', "unknown fields"),
+                     ("/abort_requests", "[" * 100000, "not valid JSON"),
+                     ("/generate/", '{"prompts": ["a", "b"], "n": 1000, "max_tokens": 1}', "prompts x n"),
+                     ("/generate/", '{"prompts": ["a"], "generation_kwargs": {"skip_special_tokens": "x"}}',
+                      "true or false")]
+            for path, body, message in cases:
+                r = await c.post(path, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and message in r.json()["error"]["message"], (path, body, r.text)
+    try:
+        asyncio.run(go())
+    finally:
+        app.state.serving.llm.shutdown()
+    with pytest.raises(ValueError, match="true or false"):
+        SamplingParams(ignore_eos="yes")
+
+
+def test_text_prompts_are_tokenized_off_the_event_loop():
+    """A multi-megabyte prompt takes seconds to tokenize: on the event loop it stalled every
+    stream and /health meanwhile. Text prompts go through the prompt thread's own tokenizer."""
+    import threading
+    from vllm import LLM
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(device="cpu"))
+    llm = app.state.serving.llm
+    seen = []
+
+    class Recording:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, *args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return self.tok.encode(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+    llm._prep_tokenizer = Recording(llm._prep_tokenizer)
+    try:
+        r = _post(app, "/v1/completions", {"model": "default", "prompt": "Hello there", "max_tokens": 1})
+        assert r.status_code == 200
+    finally:
+        llm.shutdown()
+    assert seen and all(name.startswith("prompt-prep") for name in seen)

@@ -207,12 +207,19 @@ def test_chat_with_openai_client_streaming(app):
 
 
 def test_full_queue_is_429(app):
+    """4 running + 2 queued: two requests of 6 samples at once, the second finds the queue
+    full (429, retry); one of 8 could never fit (400, not a 429 to retry forever)."""
     async def go():
         async with _http(app) as http:
-            return await http.post("/v1/completions", json={"prompt": PROMPT, "n": 8, "max_tokens": 2})
-    r = _run(go())
-    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-    assert r.headers["retry-after"] == "1"
+            body = {"prompt": PROMPT, "n": 6, "max_tokens": 32, "ignore_eos": True}
+            both = await asyncio.gather(http.post("/v1/completions", json=body),
+                                        http.post("/v1/completions", json=body))
+            return both, await http.post("/v1/completions", json={"prompt": PROMPT, "n": 8, "max_tokens": 2})
+    both, never = _run(go())
+    full = [r for r in both if r.status_code != 200]
+    assert sorted(r.status_code for r in both) == [200, 429]
+    assert full[0].json()["error"]["type"] == "rate_limit_error" and full[0].headers["retry-after"] == "1"
+    assert never.status_code == 400 and "queues at most 2" in never.json()["error"]["message"]
 
 
 def test_keys_tokenize_detokenize_version_metrics(app):

@@ -129,6 +129,10 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:

@@ -4,6 +4,17 @@ from __future__ import annotations
 import os
 
 
+def encode_text(tokenizer, text: str, add_special_tokens: bool, where: str = "prompt") -> list[int]:
+    """tokenizer.encode of user text; text that is not valid Unicode (an unpaired surrogate,
+    which JSON's "\\ud800" escape can carry) is a ValueError naming `where`, not the
+    tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where} is not valid Unicode text ({err.reason} at position {err.start})") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def load_tokenizer(path: str):
     if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
         raise ValueError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")

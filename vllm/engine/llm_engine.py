@@ -29,7 +29,7 @@ from vllm.executor import InProcessExecutor
 from vllm.inputs import prompt_cache_salt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.tokenizer import load_tokenizer
+from vllm.tokenizer import encode_text, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt as `LLM.generate` and the server take it: a string, or
     a dict with "prompt_token_ids" (its "prompt" kept as the text) or "prompt"."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+        return prompt, encode_text(tokenizer, prompt, True)
     if isinstance(prompt, dict):
         given = [k for k in UNSUPPORTED_PROMPT_KEYS if _is_given(prompt.get(k))]
         if given:
@@ -99,7 +99,9 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
         return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                       for t in ids]
     if isinstance(prompt, dict) and "prompt" in prompt:
-        return prompt["prompt"], tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"a prompt's 'prompt' is text, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"], encode_text(tokenizer, prompt["prompt"], True)
     raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
 
 
@@ -152,7 +154,7 @@ def bad_words_token_ids(tokenizer, bad_words: list[str], vocab: int) -> tuple[tu
     ValueError."""
     out: list[tuple[int, ...]] = []
     for word in bad_words:
-        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        bare = tuple(encode_text(tokenizer, word.lstrip(), False, "a bad_words entry"))
         if not bare:
             raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
         out.append(bare)

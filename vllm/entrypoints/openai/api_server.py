@@ -252,10 +252,13 @@ async def _abort_requests(llm: AsyncLLM, raw: Request) -> dict:
     body = await raw.body()
     try:
         spec = json.loads(body) if body else {}
-    except ValueError as err:
-        raise ValueError(f"the request body is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"the request body is not valid JSON: {type(err).__name__}") from None
     if not isinstance(spec, dict):
         raise ValueError("the request body must be a JSON object")
+    unknown = sorted(set(spec) - {"request_ids"})
+    if unknown:   # a misspelled key must not read as "every request"
+        raise ValueError(f"unknown fields {unknown}: the body is {{\"request_ids\": [...]}}")
     return {"status": "aborted", **await llm.abort_requests(spec.get("request_ids"))}
 
 
@@ -263,8 +266,8 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
     """Forward a JSON object body to EngineCore.utility_<method>(body)."""
     try:
         body = await raw.json()
-    except ValueError as err:
-        raise ValueError(f"the request body is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"the request body is not valid JSON: {type(err).__name__}") from None
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     result = await llm.utility(method, body)

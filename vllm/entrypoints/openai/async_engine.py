@@ -35,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from vllm.core.request import check_priority
@@ -184,10 +185,14 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.max_queued_requests = max_queued_requests
-        # Two tokenizers: HF fast tokenizers must not be used by two threads at once, and
-        # the receiver thread detokenizes while handlers tokenize on the event loop.
+        # Three tokenizers: HF fast tokenizers must not be used by two threads at once; the
+        # receiver thread detokenizes, handlers render chat templates on the event loop, and
+        # text prompts are tokenized on a thread of their own (a multi-megabyte prompt takes
+        # seconds to tokenize: on the loop it would stall every stream meanwhile).
         self.tokenizer = load_tokenizer(info.tokenizer_path)
         self._detok_tokenizer = load_tokenizer(info.tokenizer_path)
+        self._prep_tokenizer = load_tokenizer(info.tokenizer_path)
+        self._prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-prep")
         self._decode_one = TokenTextCache(self._detok_tokenizer)
         # Each add gets an engine id of its own (the request id + a serial): a step already under
         # way when a request is aborted may still report on it, and those outputs must not
@@ -232,6 +237,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core (process or thread) and fail what is still in flight with 503."""
         self.client.shutdown(timeout)
+        self._prep_pool.shutdown(wait=False)
 
     def on_engine_death(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` once the engine stops by itself (a crash, an exit, a kill;
@@ -257,6 +263,23 @@ class AsyncLLM:
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
+    def _prepare(self, items: list, tokenizer) -> list:
+        """Each request's (id, text, ids, validated params copy, cache salt); ValueError for
+        the first bad one. `tokenizer`: the prompt thread's (None: token-id prompts only)."""
+        prepared = []
+        for rid, prompt, params in items:
+            # a validated copy, before anything is registered: fields set on the caller's object
+            # after construction are checked, and later changes to it reach no running request
+            params = dataclasses.replace(params)
+            text, ids = tokenize_prompt(tokenizer, prompt)
+            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
+            validate_prompt(ids, params, self.vocab_size, self.max_model_len)
+            if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
+                bad_words_token_ids(tokenizer, params.bad_words, self.vocab_size)
+            check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+            prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
+        return prepared
+
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
                            stream: bool = False, priority: int = 0) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
@@ -270,22 +293,19 @@ class AsyncLLM:
         self._check_alive()
         priority = check_priority(priority, self.info.scheduling_policy)
         loop = asyncio.get_running_loop()
-        prepared = []
-        for rid, prompt, params in items:
-            # a validated copy, before anything is registered: fields set on the caller's object
-            # after construction are checked, and later changes to it reach no running request
-            params = dataclasses.replace(params)
-            text, ids = self.tokenize_prompt(prompt)
-            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
-            validate_prompt(ids, params, self.vocab_size, self.max_model_len)
-            if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
-                bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
-            check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
-            prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
+        items = list(items)
+        if any(not (isinstance(p, dict) and "prompt_token_ids" in p) or params.bad_words for _, p, params in items):
+            prepared = await loop.run_in_executor(self._prep_pool, self._prepare, items, self._prep_tokenizer)
+        else:   # token ids only: nothing to tokenize, no thread hop
+            prepared = self._prepare(items, None)
         n_samples = sum(p.n for _, _, _, p, _ in prepared)
         msgs, streams = [], []
         with self._lock:
             if self.max_queued_requests is not None:
+                if n_samples > self.info.max_num_seqs + self.max_queued_requests:
+                    # never fits, however long the client waits: not a 429
+                    raise ValueError(f"the request asks for {n_samples} sequences; this server runs at most "
+                                     f"{self.info.max_num_seqs} and queues at most {self.max_queued_requests}")
                 queued = self._outstanding + n_samples - self.info.max_num_seqs
                 if queued > self.max_queued_requests:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
@@ -396,7 +416,13 @@ class AsyncLLM:
         far, finish_reason "abort", without pausing."""
         if isinstance(request_ids, tuple):
             request_ids = list(request_ids)
-        if request_ids and isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids):
+        # "every request" only from None or []: a malformed value (a string, a number, false)
+        # must not end everyone's work
+        if request_ids is not None and not (isinstance(request_ids, list)
+                                            and all(isinstance(r, str) for r in request_ids)):
+            raise ValueError(f"request_ids must be a list of request id strings (or absent / null / [] for every "
+                             f"request), got {request_ids!r}")
+        if request_ids:
             with self._lock:  # the engine knows them by their engine ids
                 # ids not running are left out (a raw "<id>@<n>" could name another request)
                 request_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]

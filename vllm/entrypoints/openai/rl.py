@@ -30,7 +30,8 @@ from vllm.entrypoints.openai.errors import (
     await_or_error, exception_response, health_response, require_scored_prompts,
 )
 from vllm.entrypoints.openai.protocol import (
-    FinishWeightUpdateRequest, MessageResponse, StartWeightUpdateRequest, TrlChatRequest, TrlGenerateRequest,
+    MAX_CHOICES_PER_REQUEST, FinishWeightUpdateRequest, MessageResponse, StartWeightUpdateRequest, TrlChatRequest,
+    TrlGenerateRequest,
     TrlGenerateResponse, TrlInitCommunicatorRequest, TrlSequenceLogprobsBinaryResponse, TrlSequenceLogprobsRequest,
     TrlSequenceLogprobsResponse, TrlUpdateNamedParamRequest, UpdateWeightVersionRequest, WeightTransferInitRequest,
     WeightTransferUpdateRequest, json_logprob,
@@ -218,6 +219,9 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
         if extra:   # a field of another TRL version this server does not know: said, not silent
             logger.warning("TRL %s: ignoring unknown request fields: %s", raw.url.path, ", ".join(extra))
         params = req.to_sampling_params(serving.max_logprobs)
+        if len(prompts) * params.n > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"a request may ask for at most {MAX_CHOICES_PER_REQUEST} completions (prompts x n), "
+                             f"got {len(prompts)} x {params.n}")
         await trl.settle()
         rid = f"trl-{uuid.uuid4().hex}"
         streams = await llm.add_requests([(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)])

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from vllm.tokenizer import encode_text
 from vllm.entrypoints.chat_template import CONTENT_FORMATS, apply_content_format, chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
 from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
@@ -499,7 +500,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if req.add_special_tokens and req.truncate_prompt_tokens is None:
                 return prompt
-            ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+            ids = list(encode_text(self.llm.tokenizer, prompt, req.add_special_tokens))
             cut = req.truncate_prompt(ids, self.llm.max_model_len)
             return {"prompt_token_ids": cut, **({"prompt": prompt} if len(cut) == len(ids) else {})}
         return {"prompt_token_ids": req.truncate_prompt(prompt["prompt_token_ids"], self.llm.max_model_len)}
@@ -789,7 +790,7 @@ class OpenAIServing:
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if req.prompt is not None:
             special = req.add_special_tokens is not False
-            ids = list(self.llm.tokenizer.encode(req.prompt, add_special_tokens=special))
+            ids = list(encode_text(self.llm.tokenizer, req.prompt, special))
         else:
             # the chat route's rendering: the same template, variables, tools and special tokens
             req.check_chat_fields()
