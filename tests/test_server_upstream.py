@@ -445,3 +445,15 @@ def test_chat_echo_of_a_list_content(app):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("The\nsum")
     r = _call(app, "POST", "/v1/chat/completions", dict(body, stream=True))
     assert r.status_code == 200 and '"content":"The\\nsum"' in r.text
+
+
+def test_empty_keys_refused_and_explicit_empty_cors_lists_kept():
+    """`--api-key ""` would turn the check off without a word; `--allowed-methods '[]'` means
+    none, not every method."""
+    from vllm.entrypoints.cli.serve import _cors, check_upstream_flags
+    for flag in ("--api-key", "--admin-key"):
+        with pytest.raises(ValueError, match=f"{flag} is empty"):
+            check_upstream_flags(_serve_parser().parse_args([flag, " "]))
+    args = _serve_parser().parse_args(["--allowed-origins", '["http://ui"]', "--allowed-methods", "[]"])
+    cors = _cors(args)
+    assert cors["allow_methods"] == [] and cors["allow_headers"] == ["*"]

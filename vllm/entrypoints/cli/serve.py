@@ -210,14 +210,20 @@ def check_upstream_flags(args) -> None:
                              "(this server sends no CORS headers by default)")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be >= 0")
+    for flag in ("api_key", "admin_key"):   # an empty key would silently turn the check off
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ValueError(f"--{flag.replace('_', '-')} is empty: give a key, or leave the flag out for none")
 
 
 def _cors(args) -> dict | None:
     """CORSMiddleware's keywords from the CORS flags (None: no CORS)."""
     if args.allowed_origins is None:
         return None
-    return dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods or ["*"],
-                allow_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
+    # an explicit [] allows none, as given; only an absent flag means every one
+    return dict(allow_origins=args.allowed_origins,
+                allow_methods=args.allowed_methods if args.allowed_methods is not None else ["*"],
+                allow_headers=args.allowed_headers if args.allowed_headers is not None else ["*"],
+                allow_credentials=args.allow_credentials)
 
 
 def run(args) -> int:
