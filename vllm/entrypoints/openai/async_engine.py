@@ -260,9 +260,6 @@ class AsyncLLM:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
-
     def _prepare(self, items: list, tokenizer) -> list:
         """Each request's (id, text, ids, validated params copy, cache salt); ValueError for
         the first bad one. `tokenizer`: the prompt thread's (None: token-id prompts only)."""
