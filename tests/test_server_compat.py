@@ -480,3 +480,30 @@ def test_async_llm_output_kinds():
         assert [t for p in pieces for t in p.token_ids] == c.token_ids
         assert [lp for p in pieces for lp in p.logprobs] == c.logprobs
         assert [p.finish_reason for p in pieces][-1] == "length" and all(p.finish_reason is None for p in pieces[:-1])
+
+
+def test_async_llm_survives_a_caller_giving_up_on_a_utility_call():
+    """A utility call whose caller gives up (a timeout cancels the awaiting task, and with it the
+    call's future) must not take the engine down: the answer arriving later is dropped, the
+    request in flight finishes and the next one runs."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+    async def go():
+        slow = asyncio.ensure_future(_drain(llm, "slow", long))
+        await asyncio.sleep(0.1)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(llm.pause("wait"), 0.01)   # answered once "slow" is done
+        finished = await slow
+        await asyncio.sleep(0.2)                               # the late answer has arrived
+        await llm.resume()
+        after = await _drain(llm, "after", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        return finished, after
+    try:
+        finished, after = asyncio.run(go())
+        assert llm.client.dead_reason is None
+    finally:
+        llm.shutdown()
+    assert finished.outputs[0].finish_reason == "length" and len(after.outputs[0].token_ids) == 3

@@ -173,7 +173,9 @@ class EngineCoreClient:
                     logger.exception("handling engine outputs failed")
                 for res in out.utility_results:
                     fut = self._calls.pop(res.call_id, None)
-                    if fut is None:
+                    # a caller that gave up on its answer (an awaiting task cancelled, a timeout)
+                    # cancelled the future: the answer is dropped, the engine serves on
+                    if fut is None or not fut.set_running_or_notify_cancel():
                         continue
                     if res.ok:
                         fut.set_result(res.value)
