@@ -23,7 +23,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm.kernels.chunk_tiles import unit_lower_block_row, unit_lower_block_row_in_place
+    from vllm.kernels.chunk_tiles import invert_diagonal_blocks_in_place, unit_lower_block_row, \
+        unit_lower_block_row_in_place
 
     @triton.jit
     def _inverse_kernel(a_ptr, t_ptr, b_first, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
@@ -46,16 +47,26 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _inverse_in_place_kernel(a_ptr, t_ptr, b_first, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr):
+    def _inverse_in_place_kernel(a_ptr, t_ptr, b_first, C: tl.constexpr, DB: tl.constexpr, EMULATE: tl.constexpr,
+                                 BATCHED: tl.constexpr):
         """The same block rows with t_ptr as the workspace: each block row's rows of A are stored
-        there, then overwritten by T's (rows before b_first * DB are T's already)."""
+        there, then overwritten by T's (rows before b_first * DB are T's already). BATCHED: A's
+        rows all stored first and their diagonal blocks inverted side by side
+        (invert_diagonal_blocks_in_place), as the forward's whole-chunk path does."""
         NB: tl.constexpr = C // DB
         rows = tl.arange(0, C)
+        if BATCHED:
+            rest = (rows >= b_first * DB)[:, None]
+            tl.store(t_ptr + rows[:, None] * C + rows[None, :],
+                     tl.load(a_ptr + rows[:, None] * C + rows[None, :], mask=rest, other=0.0), mask=rest)
+            tl.debug_barrier()
+            invert_diagonal_blocks_in_place(t_ptr, b_first, DB, C, EMULATE)
         for bi in range(b_first, NB):
             rb = bi * DB + tl.arange(0, DB)
-            tl.store(t_ptr + rb[:, None] * C + rows[None, :], tl.load(a_ptr + rb[:, None] * C + rows[None, :]))
-            tl.debug_barrier()
-            unit_lower_block_row_in_place(t_ptr, bi, DB, C, EMULATE)
+            if not BATCHED:
+                tl.store(t_ptr + rb[:, None] * C + rows[None, :], tl.load(a_ptr + rb[:, None] * C + rows[None, :]))
+                tl.debug_barrier()
+            unit_lower_block_row_in_place(t_ptr, bi, BATCHED, DB, C, EMULATE)
 
 
 def _strict_lower(C: int, seed: int, zero_from: int | None = None) -> torch.Tensor:
@@ -71,12 +82,15 @@ def _strict_lower(C: int, seed: int, zero_from: int | None = None) -> torch.Tens
 
 
 def _run(A: torch.Tensor, T: torch.Tensor, b_first: int, DB: int = 16, form: str = "registers") -> torch.Tensor:
-    kernel = _inverse_kernel if form == "registers" else _inverse_in_place_kernel
-    kernel[(1,)](A, T, b_first, C=A.shape[0], DB=DB, EMULATE=not A.is_cuda)
+    if form == "registers":
+        _inverse_kernel[(1,)](A, T, b_first, C=A.shape[0], DB=DB, EMULATE=not A.is_cuda)
+    else:
+        _inverse_in_place_kernel[(1,)](A, T, b_first, C=A.shape[0], DB=DB, EMULATE=not A.is_cuda,
+                                       BATCHED=form == "workspace-batched")
     return T
 
 
-FORMS = ["registers", "workspace"]
+FORMS = ["registers", "workspace", "workspace-batched"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -122,3 +136,16 @@ def test_the_forms_sum_x_in_other_orders():
     reg = _run(A, torch.zeros(C, C, device=DEV), 0).cpu().double()
     ws = _run(A, torch.zeros(C, C, device=DEV), 0, form="workspace").cpu().double()
     assert ((reg - ws).norm() / reg.norm()).item() < 4e-6
+
+
+@pytest.mark.parametrize("b_first", [0, 1, 3])
+def test_batched_diagonal_inverses_have_the_one_block_bits(b_first):
+    """The whole-chunk path inverts the diagonal blocks side by side, the decode path one block
+    alone: every entry of T has the same bits either way (whatever the block rows resumed)."""
+    C = 64
+    A = _strict_lower(C, seed=11).to(DEV)
+    one = _run(A, torch.zeros(C, C, device=DEV), 0, form="workspace")
+    resumed = one.clone()
+    resumed[b_first * 16:] = float("nan")  # must be recomputed, never read
+    _run(A, resumed, b_first, form="workspace-batched")
+    assert torch.equal(resumed.view(torch.int32), one.view(torch.int32))

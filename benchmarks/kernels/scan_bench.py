@@ -215,7 +215,8 @@ def backward_report(T: int, ref_step: Callable, fused: Callable, exact: tuple, n
 
 def sweep_configs(module: ModuleType, text: str) -> list[dict]:
     """`;`-separated configs of space-separated NAME=INT over `module`'s tunables (the first is a
-    sweep's bits reference; "" = the module's defaults), each value of the tunable's type."""
+    sweep's bits reference; "" = the module's defaults), each value of the tunable's type (an int
+    where the default is None)."""
     configs = []
     for cfg in text.split(";"):
         out = {}
@@ -223,7 +224,8 @@ def sweep_configs(module: ModuleType, text: str) -> list[dict]:
             name, _, value = item.partition("=")
             if not hasattr(module, name) or not value.isdigit():
                 raise ValueError(f"{item!r} is not NAME=INT for a tunable of {module.__name__}")
-            out[name] = type(getattr(module, name))(int(value))
+            current = getattr(module, name)
+            out[name] = int(value) if current is None else type(current)(int(value))
         configs.append(out)
     return configs
 

@@ -117,6 +117,57 @@ if HAS_TRITON:
         return P
 
     @triton.jit
+    def dot_rows3(a, b, acc, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """dot_rows of batched operands, [B, M, K] x [B, K, N]: each batch's rows get the bits
+        dot_rows gives the same operands alone (on the GPU one mma schedule per tile; under
+        EMULATE the same fixed tree over K)."""
+        if EMULATE:
+            B: tl.constexpr = a.shape[0]
+            M: tl.constexpr = a.shape[1]
+            N: tl.constexpr = b.shape[2]
+            p = a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :]
+            for lvl in tl.static_range(1, 17):
+                half: tl.constexpr = a.shape[2] >> lvl
+                if half > 0:
+                    p = tl.sum(tl.reshape(p, [B, M, 2, half, N]), 2)
+            return acc + tl.reshape(p, [B, M, N])
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def unit_lower_inverses(N3, EMULATE: tl.constexpr):
+        """unit_lower_inverse of every strictly lower DB x DB block of N3 [B, DB, DB], side by
+        side: one chain of batched dots instead of B chains one after the other, each block's
+        entries with the bits unit_lower_inverse gives it alone."""
+        DB: tl.constexpr = N3.shape[1]
+        r = tl.arange(0, DB)
+        P = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :] - N3      # I - N
+        Np = N3
+        for lvl in tl.static_range(1, 16):
+            if (DB >> lvl) > 1:
+                Np = dot_rows3(Np, Np, tl.zeros(N3.shape, dtype=tl.float32), EMULATE, "tf32x3")
+                P = dot_rows3(P, Np, P, EMULATE, "tf32x3")                     # P (I + N^(2^lvl))
+        return P
+
+    @triton.jit
+    def invert_diagonal_blocks_in_place(ws, b_first, DB: tl.constexpr, C: tl.constexpr, EMULATE: tl.constexpr):
+        """Overwrites the DB x DB diagonal blocks b_first .. C / DB - 1 of the strictly lower
+        C x C matrix A in the float32 row-major workspace `ws` (stored by every thread before a
+        barrier) with their inverses (I + A[b, b])^-1, all at once (unit_lower_inverses), for
+        unit_lower_block_row_in_place(diag_inverted=True). The inverses of the blocks do not
+        depend on each other: a whole chunk's block rows then wait on one chain of dots, not on
+        one per block row."""
+        NB: tl.constexpr = C // DB
+        blk = tl.arange(0, NB)[:, None, None]
+        r = tl.arange(0, DB)
+        ptrs = ws + (blk * DB + r[None, :, None]) * C + blk * DB + r[None, None, :]
+        todo = (blk >= b_first) & (r >= 0)[None, :, None] & (r >= 0)[None, None, :]
+        P3 = unit_lower_inverses(tl.load(ptrs, mask=todo, other=0.0), EMULATE)
+        tl.debug_barrier()  # every thread's reads of the blocks precede their overwrite
+        tl.store(ptrs, P3, mask=todo)
+        tl.debug_barrier()  # the inverses' stores precede every thread's reads of them
+
+    @triton.jit
     def unit_lower_block_row(Ab, Tprev, bi, DB: tl.constexpr, EMULATE: tl.constexpr):
         """Block row bi (rows bi DB .. bi DB + DB - 1) of T = (I + A)^-1 for a strictly lower
         C x C matrix A, from Ab, A's rows of the block [DB, C], and Tprev, T's rows before
@@ -142,11 +193,14 @@ if HAS_TRITON:
         return tl.where(cols[None, :] < bi * DB, Y, diag)
 
     @triton.jit
-    def unit_lower_block_row_in_place(ws, bi, DB: tl.constexpr, C: tl.constexpr, EMULATE: tl.constexpr):
+    def unit_lower_block_row_in_place(ws, bi, diag_inverted, DB: tl.constexpr, C: tl.constexpr,
+                                      EMULATE: tl.constexpr):
         """Block row bi of T = (I + A)^-1 (A strictly lower, C x C) in a float32 row-major
         [C, C] workspace `ws` of this program that holds T's rows before the block and A's rows
         of the block (stored by every thread before a barrier). Overwrites the block's rows of A
-        with T's and returns them ([DB, C]). The diagonal block as in unit_lower_block_row; the
+        with T's and returns them ([DB, C]). The diagonal block as in unit_lower_block_row, or,
+        where diag_inverted (runtime), as invert_diagonal_blocks_in_place already left it (the
+        same bits); the
         rest T[b, :b] = -T[b, b] sum_{m < b} A[b, m] T[m, :], the sum chained over m in
         increasing order from the workspace's DB x DB blocks of A and block rows of T: dots of K
         DB over the b blocks before the diagonal only (unit_lower_block_row multiplies the
@@ -155,7 +209,11 @@ if HAS_TRITON:
         r = tl.arange(0, DB)
         cols = tl.arange(0, C)
         rb = bi * DB + r
-        P = unit_lower_inverse(tl.load(ws + rb[:, None] * C + (bi * DB + r)[None, :]), EMULATE)  # A[b, b]: a copy
+        Pd = tl.load(ws + rb[:, None] * C + (bi * DB + r)[None, :])   # A[b, b] (a copy), or its inverse
+        if diag_inverted:
+            P = Pd
+        else:
+            P = unit_lower_inverse(Pd, EMULATE)
         X = tl.zeros([DB, C], dtype=tl.float32)
         for m in range(0, bi):
             Am = tl.load(ws + rb[:, None] * C + (m * DB + r)[None, :])

@@ -99,7 +99,8 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import JIT_OPTIONS as _JIT, chunk_rows as _shared_chunk_rows, \
         dot_rows as _dot, mask2 as _mask2, tile_rows as _tile, \
-        row_tile as _row_tile, unit_lower_block_row_in_place as _unit_lower_block_row_in_place
+        row_tile as _row_tile, unit_lower_block_row_in_place as _unit_lower_block_row_in_place, \
+        invert_diagonal_blocks_in_place as _invert_diagonal_blocks_in_place
 
 # --------------------------------------------------------------------------
 # Tunables. Every one of them is fixed per model (head dims), never per step, so a
@@ -121,7 +122,15 @@ DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core 
 # GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims).
 # H200, 1 x 10,240 fwd + bwd: 4,886 us against 5,148 without it (benchmarks/NOTES.md).
 SAVE_T_FOR_BACKWARD = True
+# (sweep) the whole-chunk path inverts T's diagonal blocks side by side before its block rows
+T_DIAG_BATCHED = False
+# (sweep) u = T (beta v) kept in the model dtype between the kernels, as fla keeps it (else fp32)
+U_IN_MODEL_DTYPE = False
+# (sweep) the state kernel folds a chunk as fla does, h' = e^gamma_L h + k^T (dec v_new), from the
+# chunk's key tile (shared by a key head's value heads) instead of the prep kernel's decayed keys
+FOLD_DECAYED_V = False
 PREP_NUM_WARPS = 4
+PREP_MAX_REGISTERS = None  # (sweep) a register cap for the prep kernel (None: the compiler's)
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
 # the state kernel's programs, at most: V / BV x Hv x P, the P programs of a (V tile, head) striding
@@ -242,6 +251,7 @@ if HAS_TRITON:
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, SAVE_T: tl.constexpr,
+        DIAG_BATCHED: tl.constexpr, STORE_KD: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows of A),
         then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
@@ -316,6 +326,9 @@ if HAS_TRITON:
             A = _a_rows(rows, b, gam, gam, k_ptr, bk_ptr, trow, brow, from_step, from_buf,
                         trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
             tl.store(scr + rows[:, None] * C + rows[None, :], A, mask=(rows >= bi0 * DR)[:, None])
+            if DIAG_BATCHED:
+                tl.debug_barrier()
+                _invert_diagonal_blocks_in_place(scr, bi0, DR, C, EMULATE)
         tl.debug_barrier()
         for bi in range(bi0, L // DR + 1):
             rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
@@ -327,7 +340,7 @@ if HAS_TRITON:
                              trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
                 tl.store(scr + rb[:, None] * C + rows[None, :], Ab)
                 tl.debug_barrier()
-            Tb = _unit_lower_block_row_in_place(scr, bi, DR, C, EMULATE)
+            Tb = _unit_lower_block_row_in_place(scr, bi, DIAG_BATCHED and (decode == 0), DR, C, EMULATE)
             if decode:
                 # the step's rows of w and u in this block
                 _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr,
@@ -356,7 +369,7 @@ if HAS_TRITON:
             _w_u_rows(Tr, base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
                       trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
                       kd_ws, kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, dec,
-                      ((rows >= 0) & ((L == C - 1) | (not ALIGNED)))[:, None],
+                      ((rows >= 0) & ((L == C - 1) | (not ALIGNED)) & STORE_KD)[:, None],
                       (rows >= 0)[:, None] & (h % (HV // HK) == 0),
                       HK, HV, K, V, KP, VP, BK, BV, True, EMULATE, PREC)
 
@@ -386,11 +399,11 @@ if HAS_TRITON:
     def _gdn_state_kernel(
         start_pos_ptr, slots_ptr, ssm_ptr, hr_ptr,
         start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr,
-        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws,
+        gam_ws, w_ws, kd_ws, kc_ws, u_ws, vn_ws, h_ws,
         has_state, has_dcache,
-        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
-        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, DECAYED_V: tl.constexpr,
     ):
         """Per (sequence, value head, V tile): walk the sequence's chunks in order carrying
         the fp32 state tile; per chunk store its boundary state and
@@ -424,7 +437,8 @@ if HAS_TRITON:
                 tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
                 w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
                 u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
-                vn = (u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)).to(DT)
+                vf = u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)
+                vn = vf.to(DT)
                 tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vn)
                 L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
                 if ALIGNED:
@@ -433,8 +447,14 @@ if HAS_TRITON:
                     fold = L >= 0
                 if fold:
                     gl = tl.load(gam_ws + base * C + L)
-                    kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
-                    hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
+                    if DECAYED_V:
+                        gam = tl.load(gam_ws + base * C + rows)
+                        dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
+                        kc = tl.load(kc_ws + ((n * HK + h // (HV // HK)) * C + rows[:, None]) * KP + rk[None, :])
+                        hs = _dot(tl.trans(kc), (vf * dec[:, None]).to(DT), hs * tl.exp(gl), EMULATE, PREC)
+                    else:
+                        kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+                        hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
                     folds += 1
             # written back where it changed: a chunk folded in, or a sequence at position 0 (its
             # slot holds another sequence's state); a decode step inside a chunk leaves it as is
@@ -675,8 +695,8 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     gam_ws = torch.empty((N, Hv, C), dtype=torch.float32, device=dev)
     kc_ws = torch.empty((N, Hk, C, KP), dtype=ws_dtype, device=dev)
     w_ws = torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)
-    kd_ws = torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)
-    u_ws = torch.empty((N, Hv, C, VP), dtype=torch.float32, device=dev)
+    kd_ws = w_ws if FOLD_DECAYED_V else torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)  # w_ws: never stored
+    u_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype if U_IN_MODEL_DTYPE else torch.float32, device=dev)
     vn_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype, device=dev)
     h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
 
@@ -697,15 +717,17 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         int(t_out is not None),
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, SAVE_T=SAVE_T_FOR_BACKWARD,
-        num_warps=PREP_NUM_WARPS, num_stages=1, **launch)
+        DIAG_BATCHED=T_DIAG_BATCHED, STORE_KD=not FOLD_DECAYED_V,
+        num_warps=PREP_NUM_WARPS, num_stages=1, **launch,
+        **({} if PREP_MAX_REGISTERS is None else {"maxnreg": PREP_MAX_REGISTERS}))
     work, nwork = state_work_list(md, plan, has_state, has_dc, C, aligned)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
     seq_programs = min(S, max(1, STATE_PROGRAMS // (VP // bv_state * Hv)))
     _gdn_state_kernel[(VP // bv_state, Hv, seq_programs)](
         md.start_pos, slots, ssm, hr, plan.start, plan.end, plan.seq_chunks, work, nwork,
-        gam_ws, w_ws, kd_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
-        HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
+        gam_ws, w_ws, kd_ws, kc_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
+        HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, DECAYED_V=FOLD_DECAYED_V,
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, maxnreg=STATE_MAX_REGISTERS, **launch)
     # the decode path's chunks (only with the decode caches), then the others
     for decode in ((True, False) if has_dc else (False,)):
