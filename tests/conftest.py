@@ -84,6 +84,25 @@ def tiny_qwen3(tiny_models_root) -> str:
     return _tiny_qwen3_checkpoint(tiny_models_root, "qwen3", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_bos(tiny_qwen3, tiny_models_root) -> str:
+    """tiny_qwen3 with a tokenizer that puts a BOS (<|endoftext|>) before every encoding, as
+    Llama's and Gemma's do (the project's tokenizer adds no special tokens)."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    path = tiny_models_root / "qwen3_bos"
+    shutil.copytree(tiny_qwen3, path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                             special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.post_processor = processors.Sequence([p for p in (tok.post_processor, template) if p is not None])
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
 def _tiny_qwen3_128_checkpoint(tiny_models_root, name: str, seed: int) -> str:
     """A tiny Qwen3 whose projections are multiples of 128 rows and columns (hidden 256, 4
     heads of 64, 2 kv heads, intermediate 512), weights drawn from `seed`."""

@@ -30,6 +30,75 @@ def test_sampling_params_normal_form():
         SamplingParams(stop=["a"], detokenize=False)
 
 
+def test_sampling_params_upstream_conveniences():
+    """logprobs=True / prompt_logprobs=True mean 1 (False stays refused); temperature 0 resets
+    top_p, top_k and min_p (greedy); best_of may be None, 1 or n; upstream's number types stay
+    accepted (numpy's included)."""
+    sp = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: False})
+    greedy = SamplingParams(temperature=0, top_p=0.5, top_k=2, min_p=0.3)
+    assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
+    assert (SamplingParams(temperature=0.5, top_p=0.5, top_k=2, min_p=0.3).top_k) == 2
+    assert SamplingParams(best_of=None).best_of is None and SamplingParams(best_of=1).best_of == 1
+    assert SamplingParams(n=3, best_of=3).n == 3
+    with pytest.raises(ValueError, match="best_of=2 is not supported"):
+        SamplingParams(best_of=2)
+    with pytest.raises(ValueError, match="best_of must be greater than or equal to n"):
+        SamplingParams(n=2, best_of=1)
+    sp = SamplingParams(temperature=np.float32(0.5), top_p=1, max_tokens=np.int64(5), min_tokens=np.int32(1),
+                        stop_token_ids=np.array([3, 4]), stop=("a", "b"), bad_words="x")
+    assert (sp.max_tokens, sp.min_tokens, sp.stop_token_ids, sp.stop, sp.bad_words) == (5, 1, [3, 4], ["a", "b"], ["x"])
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", None), ("temperature", "0.5"), ("top_p", None), ("top_p", True), ("min_p", "0"),
+    ("presence_penalty", None), ("frequency_penalty", "1"), ("repetition_penalty", False),
+    ("max_tokens", 2.5), ("max_tokens", "16"), ("max_tokens", True), ("min_tokens", None), ("min_tokens", 1.0),
+    ("stop", 5), ("stop", [5]), ("stop_token_ids", 5), ("stop_token_ids", "12"), ("stop_token_ids", [True]),
+    ("stop_token_ids", [1.0]), ("bad_words", 5), ("bad_words", [3])])
+def test_sampling_params_fields_of_the_wrong_type_are_value_errors(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_guided_decoding_is_the_deprecated_name_of_structured_outputs(llm):
+    pytest.importorskip("xgrammar")
+    from vllm.sampling_params import GuidedDecodingParams
+    from vllm.structured_outputs import StructuredOutputsParams
+    with pytest.warns(DeprecationWarning):
+        sp = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert sp.guided_decoding is None and sp.structured_outputs.choice == ["yes", "no"]
+    assert llm.generate(["What is 2+3?"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    with pytest.warns(DeprecationWarning, match="guided_decoding"):
+        as_dict = SamplingParams(guided_decoding={"regex": "[0-9]+"})
+    assert as_dict.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding={"regex": "a"}, structured_outputs={"regex": "b"})
+
+
+def test_use_tqdm_takes_a_progress_bar_factory(llm):
+    from tqdm import tqdm
+    made = []
+
+    def factory(*args, **kw):
+        made.append(kw.get("desc"))
+        return tqdm(*args, disable=True, **kw)
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=factory)
+    assert len(outs) == 2 and made == ["Processed prompts"]
+
+
+@pytest.mark.parametrize("ids", [None, 5, "abc", [5, None], [[5, 6]], [5.0, 6], [True, 5]])
+def test_prompt_token_ids_must_be_a_list_of_integers(llm, ids):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt": "hi", "prompt_token_ids": ids}],
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests() and not llm.llm_engine._groups
+
+
 def test_stop_set_after_construction_takes_effect(llm):
     ids = [5, 6, 7, 8, 9, 10]
     free = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0, max_tokens=12,
@@ -397,6 +466,64 @@ def test_truncate_prompt_tokens(tiny):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_truncate_prompt_tokens_keeps_the_tokenizers_bos(tiny_qwen3_bos):
+    """A text prompt is cut as upstream's tokenizer call (truncation=True, max_length=k, left
+    side) cuts it: the BOS the tokenizer adds stays and the text's last tokens fill the rest.
+    Token ids keep their plain last k, as upstream's TokensPrompt."""
+    from transformers import AutoTokenizer
+    llm = LLM(tiny_qwen3_bos, device="cpu")
+    tok = llm.get_tokenizer()
+    text = "a b c d e f g h"
+    full = tok.encode(text)
+    assert full[1:] == tok.encode(text, add_special_tokens=False)   # one BOS in front
+    sp = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=4)
+    cut = llm.generate(text, sp, use_tqdm=False)[0]
+    upstream = AutoTokenizer.from_pretrained(tiny_qwen3_bos, truncation_side="left")
+    assert cut.prompt_token_ids == [full[0]] + full[-3:] == upstream(text, truncation=True, max_length=4).input_ids
+    assert cut.prompt == text
+    assert llm.generate({"prompt": text}, sp, use_tqdm=False)[0].prompt_token_ids == cut.prompt_token_ids
+    assert llm.generate({"prompt_token_ids": full}, sp, use_tqdm=False)[0].prompt_token_ids == full[-4:]
+    assert llm.generate("a b", sp, use_tqdm=False)[0].prompt_token_ids == tok.encode("a b")   # short: as it is
+
+
+def test_truncate_text_ids_puts_the_special_tokens_back_where_they_were():
+    from vllm.tokenizer import truncate_text_ids
+
+    class Wrapping:   # a BOS (1) before and an EOS (2) after the text's tokens
+        def encode(self, text, add_special_tokens=True):
+            body = [ord(c) for c in text]
+            return [1] + body + [2] if add_special_tokens else body
+    tok, a, e, f = Wrapping(), ord("a"), ord("e"), ord("f")
+    ids = tok.encode("abcdef")
+    assert truncate_text_ids(tok, "abcdef", ids, 4, True) == [1, e, f, 2]
+    assert truncate_text_ids(tok, "abcdef", ids, 4, True, side="right") == [1, a, ord("b"), 2]
+    assert truncate_text_ids(tok, "abcdef", ids, 2, True) == [f, 2]   # no room for a text token: the plain cut
+    assert truncate_text_ids(tok, "abcdef", ids, 8, True) == ids
+    body = tok.encode("abcdef", add_special_tokens=False)
+    assert truncate_text_ids(tok, "abcdef", body, 2, False) == [e, f]
+
+
+def test_min_tokens_bans_eos_under_ignore_eos_too(tiny):
+    """upstream's rule: min_tokens keeps EOS out of the first min_tokens tokens whatever
+    ignore_eos says; ignore_eos only keeps EOS from ending the request."""
+    eos = tiny.llm_engine.eos_token_ids[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    out = tiny.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos] * 3 and out.finish_reason == "length"
+
+
+def test_greedy_processed_logprobs_do_not_depend_on_truncation(tiny):
+    """temperature 0 resets top_p, top_k and min_p (upstream's): the processed logprobs of a
+    greedy request are the same whatever truncation it names."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    outs = [tiny.generate(prompt, SamplingParams(temperature=0, max_tokens=2, logprobs=4,
+                                                 logprobs_mode="processed_logprobs", **kw), use_tqdm=False)[0].outputs[0]
+            for kw in ({}, {"top_k": 2}, {"top_p": 0.1, "min_p": 0.5})]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert outs[0].logprobs == outs[1].logprobs == outs[2].logprobs
+    assert all(np.isfinite(v.logprob) for d in outs[1].logprobs for v in d.values())
 
 
 def test_output_kind_extra_args_and_from_optional(llm):

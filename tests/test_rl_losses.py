@@ -103,6 +103,44 @@ def test_policy_loss_ratio_one_is_plain_policy_gradient():
     assert st.clipped_low == st.clipped_high == 0
 
 
+@pytest.mark.parametrize("eps_low, eps_high", [(0.0, 0.28), (0.2, 0.0), (0.0, 0.0)])
+def test_a_zero_clip_eps_keeps_the_full_gradient_at_ratio_one(eps_low, eps_high):
+    """r = 1 sits on a clip bound of eps 0: the two sides of the max tie there, and the
+    gradient must be the whole policy gradient -A w (torch.maximum halved it)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    w = torch.tensor([0.5, 0.25, 0.25])
+    loss, st = losses.policy_loss(logp, logp.detach(), adv, w, eps_low=eps_low, eps_high=eps_high)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-0.5, 0.25, -0.5], rel=1e-6)
+    assert float(loss) == pytest.approx(-(0.5 - 0.25 + 0.5), rel=1e-6)
+    assert st.clipped_low == st.clipped_high == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_policy_loss_is_the_clipped_max_bit_for_bit(dtype):
+    """For eps > 0 the loss, its gradient and the clip counts are those of
+    max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) exactly (zero advantages included)."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    logp = (torch.randn(n, generator=g) * 0.3 - 1.0).to(dtype).requires_grad_()
+    old = logp.detach() + (torch.randn(n, generator=g) * 0.2).to(dtype)
+    adv = torch.randn(n, generator=g).to(dtype)
+    adv[::7] = 0.0
+    w = torch.rand(n, generator=g).to(dtype)
+    w[::5] = 0.0
+    for lo, hi in ((0.2, 0.28), (0.1, 0.1)):
+        r = torch.exp(logp - old)
+        want = (torch.maximum(-adv * r, -adv * torch.clamp(r, 1 - lo, 1 + hi)) * w).sum()
+        (want_grad,) = torch.autograd.grad(want, logp)
+        loss, st = losses.policy_loss(logp, old, adv, w, eps_low=lo, eps_high=hi)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert float(loss) == float(want) and torch.equal(grad, want_grad)
+        counted = w > 0
+        assert st.clipped_low == int(((r < 1 - lo) & (adv < 0) & counted).sum()) > 0
+        assert st.clipped_high == int(((r > 1 + hi) & (adv > 0) & counted).sum()) > 0
+
+
 def test_policy_loss_kl_and_tis():
     logp = torch.tensor([math.log(0.5), math.log(0.2)], dtype=torch.float64, requires_grad=True)
     old = logp.detach().clone()

@@ -231,10 +231,36 @@ def test_a_skipped_update_shows_in_the_metrics(tiny_qwen3, rl_files, tmp_path, m
         return norms[-1]
     monkeypatch.setattr(losses, "policy_loss", nan_second)
     monkeypatch.setattr(T, "_optimizer_step", step_spy)
+    # advantages that are never all 0 (the tiny model's rewards may tie): the first update has a
+    # gradient, so it is taken (a gradient of exactly 0 is skipped too)
+    monkeypatch.setattr(losses, "group_advantages",
+                        lambda rewards, norm_by_std=True: torch.linspace(0.5, 1.0, rewards.numel()).reshape(rewards.shape))
     t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "nan", updates_per_step=2, prompts_per_step=2, steps=1))
     m = t.step().metrics
     assert [ok for _, ok in norms] == [True, False] and math.isnan(norms[1][0])
     assert m["grad_norm"] == norms[0][0] and m["updates_skipped"] == 1 and m["updated"]
+
+
+def test_a_step_without_learning_signal_takes_no_optimizer_step(tiny_qwen3, rl_files, tmp_path, monkeypatch):
+    """Every advantage 0 and no KL term: the gradient is exactly 0, and AdamW would still move
+    the weights by the momentum of the step before. No step is taken, reported as a step
+    without kept groups reports it: not updated, weight_version kept, nothing synced."""
+    from vllm.rl import losses
+    t = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "zero", steps=2))
+    monkeypatch.setattr(losses, "group_advantages",
+                        lambda rewards, norm_by_std=True: torch.linspace(-1.0, 1.0, rewards.numel()).reshape(rewards.shape))
+    first = t.step().metrics
+    assert first["updated"] and first["weight_version"] == 1 and first["updates_skipped"] == 0
+    monkeypatch.setattr(losses, "group_advantages", lambda rewards, norm_by_std=True: torch.zeros_like(rewards))
+    synced = []
+    monkeypatch.setattr(t.client, "sync_weights", lambda policy: synced.append(policy))
+    before = [p.detach().clone() for p in t.params]
+    adam_steps = [float(st["step"]) for st in t.optimizer.state.values()]
+    m = t.step().metrics
+    assert not m["updated"] and m["weight_version"] == 1 and t.weight_version == 1 and not synced
+    assert m["updates_skipped"] == 1 and m["grad_norm"] == 0.0 and m["loss"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, t.params))
+    assert [float(st["step"]) for st in t.optimizer.state.values()] == adam_steps
 
 
 def test_a_step_without_kept_groups_logs_a_trained_steps_columns(tiny_qwen3, rl_files, tmp_path, monkeypatch):

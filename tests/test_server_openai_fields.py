@@ -167,6 +167,30 @@ def test_truncation_side():
                              ).truncate_prompt(list(range(10)), 4) == [0, 1, 2]
 
 
+def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(tiny_qwen3_bos):
+    """A text prompt is cut as upstream's tokenizer cuts it (truncation=True, max_length=k):
+    the BOS stays, on either truncation_side, through the app and through AsyncLLM's own
+    SamplingParams.truncate_prompt_tokens."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.api_server import build_app_from_llm
+    app = build_app_from_llm(LLM(tiny_qwen3_bos, device="cpu"))
+    async_llm = app.state.serving.llm
+    try:
+        text = "a b c d e f g h"
+        full = async_llm.tokenizer.encode(text)
+        body = {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 4}
+        left = _post(app, "/v1/completions", body).json()["choices"][0]["prompt_token_ids"]
+        right = _post(app, "/v1/completions", {**body, "truncation_side": "right"}).json()["choices"][0]
+        assert left == [full[0]] + full[-3:] and right["prompt_token_ids"] == full[:4]
+
+        async def direct():
+            sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=4)
+            return [out async for out in async_llm.generate(text, sp, "direct")][-1]
+        assert asyncio.run(direct()).prompt_token_ids == left
+    finally:
+        async_llm.shutdown()
+
+
 def test_truncation_side_through_the_app(app):
     body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 1, "truncate_prompt_tokens": 3}
     left = _post(app, "/v1/completions", body).json()["choices"][0]

@@ -13,6 +13,8 @@ from vllm.structured_outputs import StructuredOutputsParams
 
 # positive temperatures below this are raised to it (upstream's floor)
 MIN_TEMPERATURE = 0.01
+# a temperature below this is greedy (upstream's _SAMPLING_EPS): top_p, top_k and min_p are reset
+_SAMPLING_EPS = 1e-5
 # What logprobs report (docs/sampling.md). upstream vLLM's four modes, with its meanings: raw
 # is before any logits processing (penalties, grammar masks, temperature, truncation),
 # processed after all of it; tempered_logprobs is this engine's own.
@@ -77,6 +79,22 @@ def _int_id(value, field_name: str) -> int:
     raise ValueError(f"{field_name} has a token id that is not an integer: {value!r}")
 
 
+def _count(value, field_name: str) -> int:
+    """A token count given as an integer (numpy's too); a bool, a float or a string is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{field_name} must be an integer, got {value!r}")
+    return int(value)
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """upstream's deprecated name of StructuredOutputsParams (the same fields)."""
+
+    def __post_init__(self) -> None:
+        warnings.warn("GuidedDecodingParams is deprecated: use StructuredOutputsParams", DeprecationWarning,
+                      stacklevel=3)
+        super().__post_init__()
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -127,6 +145,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # upstream's: arbitrary data for custom sampling code, carried and never read here
     extra_args: dict[str, Any] | None = None
+    # upstream's: None, or n (one sample per output): best-of-n selection is not run here
+    best_of: int | None = None
+    # upstream's deprecated name of structured_outputs (a StructuredOutputsParams, its subclass
+    # GuidedDecodingParams, or their fields as a dict): moved there on construction
+    guided_decoding: "StructuredOutputsParams | dict | None" = None
 
     def __post_init__(self) -> None:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -135,6 +158,24 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
+                raise ValueError(f"best_of must be an integer, got {self.best_of!r}")
+            if self.best_of < self.n:   # upstream's rule
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of}")
+            if self.best_of > self.n:
+                raise ValueError(f"best_of={self.best_of} is not supported: best-of-n selection is not run here "
+                                 f"(leave best_of unset or equal to n={self.n})")
+        # a None, a string or a bool here would otherwise fail in a comparison below (a
+        # TypeError) or pass as 0 / 1
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.max_tokens is not None:
+            self.max_tokens = _count(self.max_tokens, "max_tokens")
+        self.min_tokens = _count(self.min_tokens, "min_tokens")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -166,6 +207,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        # upstream's: True asks for the sampled token's logprob and one alternative (False is
+        # refused below: it would read as 0, a request for logprobs)
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         # -1: every token of the vocabulary (upstream's), allowed where max_logprobs permits
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < -1):
@@ -184,16 +231,35 @@ class SamplingParams:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if self.seed == -1:  # upstream's "no seed"
             self.seed = None
+        if self.temperature < _SAMPLING_EPS:
+            # greedy, as upstream: truncation would change nothing that is sampled, only the
+            # processed_* logprobs, which then depend on the request's T alone
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
         # upstream's normal form: lists, read where they are used (a field set after
         # construction, as RL frameworks do per batch, takes effect)
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative ints")
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and (isinstance(self.stop_token_ids, (str, bytes, dict))
+                                                or not hasattr(self.stop_token_ids, "__iter__")):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        stop_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in stop_ids]
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the output text)")
+        if self.guided_decoding is not None:
+            warnings.warn("SamplingParams(guided_decoding=...) is deprecated: use structured_outputs",
+                          DeprecationWarning, stacklevel=3)
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its deprecated name), not both")
+            self.structured_outputs = StructuredOutputsParams.of(self.guided_decoding)
+            self.guided_decoding = None
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.structured_outputs is not None and self.min_tokens > 0:
             # the eos ban of min_tokens and a complete grammar (which allows only eos) would
@@ -232,6 +298,8 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids is not None and empty: it would allow no token")
         if self.bad_words is not None:
+            if not isinstance(self.bad_words, (str, list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
             words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
             if any(not isinstance(w, str) or not w for w in words):
                 raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")

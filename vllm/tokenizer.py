@@ -15,6 +15,46 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool, where: str = "pr
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """SamplingParams.truncate_prompt_tokens as a token count (None: no truncation): -1 is the
+    last max_model_len - 1, the most that leaves room for one generated token, as the server's
+    truncate_prompt_tokens. A k above max_model_len is upstream's ValueError."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len - 1
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                         "Please, select a smaller truncation size.")
+    return k
+
+
+def truncate_text_ids(tokenizer, text: str, ids: list[int], k: int, add_special_tokens: bool,
+                      side: str = "left") -> list[int]:
+    """`ids` (encode_text(tokenizer, text, add_special_tokens)) cut to k tokens as upstream's
+    tokenizer call with truncation=True, max_length=k cuts them: the special tokens the
+    tokenizer adds (a BOS, an EOS) are kept and the text's own tokens are cut to fit, the
+    first ones with side "left" (upstream's default), the last with "right". Where k cannot
+    hold the special tokens and one text token, the plain last (first) k ids."""
+    if len(ids) <= k:
+        return list(ids)
+
+    def cut(seq: list[int], n: int) -> list[int]:
+        return list(seq[-n:]) if side == "left" else list(seq[:n])
+
+    if add_special_tokens:
+        body = tokenizer.encode(text, add_special_tokens=False)
+        extra = len(ids) - len(body)
+        if 0 < extra < k:
+            # the special tokens sit around the text's tokens: find where, so they are put back
+            # where the tokenizer put them (a template may add some before and some after)
+            for start in range(extra + 1):
+                if list(ids[start:start + len(body)]) == list(body):
+                    return list(ids[:start]) + cut(body, k - extra) + list(ids[start + len(body):])
+    return cut(ids, k)
+
+
 def load_tokenizer(path: str):
     if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
         raise ValueError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")

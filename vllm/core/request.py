@@ -187,8 +187,9 @@ class Request:
         reached, and its bad words' bans (as upstream does); each id once."""
         ids = []
         if len(self.output_token_ids) < self.params.min_tokens:
-            ids = [] if self.params.ignore_eos else list(self.eos_token_ids)
-            ids += list(self.params.stop_token_ids or [])
+            # eos is banned under ignore_eos too, as upstream: ignore_eos only keeps eos from
+            # ending the request, min_tokens keeps it out of the first min_tokens tokens
+            ids = list(self.eos_token_ids) + list(self.params.stop_token_ids or [])
         if self.controls is not None and self.controls.bad_words:
             ids += self.controls.bad_word_bans(self.output_token_ids)
         return tuple(dict.fromkeys(ids))

@@ -29,7 +29,7 @@ from vllm.executor import InProcessExecutor
 from vllm.inputs import prompt_cache_salt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.tokenizer import encode_text, load_tokenizer
+from vllm.tokenizer import encode_text, load_tokenizer, truncate_text_ids, truncation_length
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,15 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
         ids = prompt["prompt_token_ids"]
         if hasattr(ids, "tolist"):  # a numpy array or a tensor of ids
             ids = ids.tolist()
-        # numpy / torch integer scalars as Python ints (validate_prompt refuses anything else)
-        return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-                                      for t in ids]
+        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+            raise ValueError(f"prompt_token_ids must be a list of token ids (ints), got {ids!r}")
+        ids = list(ids)
+        # a bool would pass as token 0 / 1; a float, None or a nested list is no token id
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {bad[:5]} in it")
+        # numpy / torch integer scalars as Python ints
+        return prompt.get("prompt"), [int(t) for t in ids]
     if isinstance(prompt, dict) and "prompt" in prompt:
         if not isinstance(prompt["prompt"], str):
             raise ValueError(f"a prompt's 'prompt' is text, got {type(prompt['prompt']).__name__}")
@@ -132,18 +138,27 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, ma
 
 
 def truncate_prompt_ids(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """SamplingParams.truncate_prompt_tokens applied: the prompt's last k token ids (-1: the
-    last max_model_len - 1, the most that leaves room for one generated token, as the server's
-    truncate_prompt_tokens). A k above max_model_len is upstream's ValueError."""
-    k = truncate_prompt_tokens
+    """SamplingParams.truncate_prompt_tokens applied to a token-id prompt: its last k token ids
+    (upstream's rule for TokensPrompt). Text prompts go through tokenize_truncated, which keeps
+    the tokenizer's special tokens."""
+    k = truncation_length(truncate_prompt_tokens, max_model_len)
     if k is None:
         return token_ids
-    if k == -1:
-        k = max_model_len - 1
-    elif k > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
-                         "Please, select a smaller truncation size.")
     return token_ids[-k:] if len(token_ids) > k else token_ids
+
+
+def tokenize_truncated(tokenizer, prompt, truncate_prompt_tokens: int | None,
+                       max_model_len: int) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt (tokenize_prompt) cut to truncate_prompt_tokens as upstream
+    cuts it: a text prompt is tokenized with truncation, so the special tokens the tokenizer adds
+    (BOS) stay and the text is cut to fit; token ids keep their last k."""
+    text, ids = tokenize_prompt(tokenizer, prompt)
+    k = truncation_length(truncate_prompt_tokens, max_model_len)
+    if k is None or len(ids) <= k:
+        return text, ids
+    if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+        return text, truncate_text_ids(tokenizer, text, ids, k, True)
+    return text, ids[-k:]
 
 
 def bad_words_token_ids(tokenizer, bad_words: list[str], vocab: int) -> tuple[tuple[int, ...], ...]:
@@ -288,10 +303,9 @@ class LLMEngine:
     # ---- input ------------------------------------------------------------------------
     def tokenize(self, prompt, params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; with `params`, cut to its truncate_prompt_tokens."""
-        text, ids = tokenize_prompt(self.tokenizer, prompt)
-        if params is not None:
-            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.config.model.max_model_len)
-        return text, ids
+        if params is None:
+            return tokenize_prompt(self.tokenizer, prompt)
+        return tokenize_truncated(self.tokenizer, prompt, params.truncate_prompt_tokens, self.config.model.max_model_len)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -372,8 +372,8 @@ class LLM:
 
     @_holding_engine_lock
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """upstream's signature. `lora_request`: None only (no adapters here). `priority`: one
         integer per prompt, lower admitted earlier (ties by arrival) on an LLM built with
         scheduling_policy="priority"; under "fcfs" any value but 0 is a ValueError, as upstream.
@@ -420,13 +420,17 @@ class LLM:
         policy = self.config.scheduler.scheduling_policy
         return [check_priority(p, policy) for p in priority]
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            # upstream's: a callable is the progress bar's factory (a tqdm subclass, tqdm.notebook's)
+            if callable(use_tqdm):
+                make_bar = use_tqdm
+            else:
+                from tqdm import tqdm as make_bar
+            bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
                 if engine.paused:
@@ -447,8 +451,9 @@ class LLM:
         return [results[r] for r in ids]
 
     @_holding_engine_lock
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:

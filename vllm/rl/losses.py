@@ -86,12 +86,19 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     r = exp(logp - old_logp); `tis_weight` (detached, truncated p_old/p_rollout) corrects
     for a rollout that sampled from different numbers than the trainer computes.
+    The max is taken by its condition: a token is clipped (a constant, no gradient) where
+    A > 0 and r > 1 + eps_high or A < 0 and r < 1 - eps_low, else it is -A r with its full
+    gradient. The value is the max's bit for bit; the gradient differs only where the two
+    sides tie (r on a clip bound: r = 1 under an eps of 0), where torch.maximum would halve it.
     Returns sum(token_weights * L_t) and, over the tokens of non-zero weight (an overlong-
     filtered response's carry none), counts for the clip fraction and the KL sum."""
     ratio = torch.exp(logp - old_logp.detach())
+    with torch.no_grad():
+        clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
+        clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
+    clipped = (-advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)).detach()
+    per_token = torch.where(clipped_high | clipped_low, clipped, unclipped)
     if tis_weight is not None:
         per_token = per_token * tis_weight.detach()
     kl_sum = 0.0
@@ -102,8 +109,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = (per_token * token_weights).sum()
     with torch.no_grad():
         counted = token_weights > 0
-        low = int(((ratio < 1.0 - eps_low) & (advantages < 0) & counted).sum())
-        high = int(((ratio > 1.0 + eps_high) & (advantages > 0) & counted).sum())
+        low = int((clipped_low & counted).sum())
+        high = int((clipped_high & counted).sum())
     return loss, PolicyLossStats(low, high, int(counted.sum()), kl_sum)
 
 

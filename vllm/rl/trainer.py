@@ -353,7 +353,10 @@ class Trainer:
         targets = self.master if self.master is not None else self.params
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(targets, max_norm))
-        if not math.isfinite(norm):
+        # inf / nan: a broken gradient. 0: no learning signal (every token's weight or advantage
+        # is 0 and no other term is in the loss), where AdamW would still move the weights by
+        # its momentum and weight decay and count a step. Either way no step is taken.
+        if not math.isfinite(norm) or norm == 0.0:
             self.optimizer.zero_grad(set_to_none=True)
             for p in self.params:
                 p.grad = None
@@ -396,6 +399,7 @@ class Trainer:
                         train_lps[i] = old[i]
         low = high = tokens = 0
         kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False   # loss: the mean over the updates made
+        skipped = 0   # updates whose gradient was not finite or carried no signal: no step taken
         for chunk in chunks:
             in_chunk = set(chunk)
             members = [i for i in range(n) if group_of[i] in in_chunk]
@@ -433,11 +437,12 @@ class Trainer:
                     kl_sum + st.kl_sum
             norm, ok = self._optimizer_step(step)
             norms.append(norm)
+            skipped += not ok
             updated = updated or ok
         mism = losses.mismatch_stats(torch.cat([t.cpu() for t in train_lps]), torch.cat(roll))
         metrics = {**mism, "overlong_filtered": sum(cut), "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
                    "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(norms)),
-                   "grad_norm": _mean_finite(norms), "updates_skipped": sum(not math.isfinite(n) for n in norms),
+                   "grad_norm": _mean_finite(norms), "updates_skipped": skipped,
                    "updated": updated, "lr": lr_at(step, cfg), "train_tokens": sum(seq_len)}
         if self.reference is not None:
             metrics["ref_kl"] = kl_sum / max(1, tokens)

@@ -41,8 +41,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from vllm.core.request import check_priority
 from vllm.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, RequestDelta, StopChild
-from vllm.engine.llm_engine import (bad_words_token_ids, check_max_tokens, tokenize_prompt, truncate_prompt_ids,
-                                    validate_prompt)
+from vllm.engine.llm_engine import bad_words_token_ids, check_max_tokens, tokenize_truncated, validate_prompt
 from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
@@ -268,8 +267,7 @@ class AsyncLLM:
             # a validated copy, before anything is registered: fields set on the caller's object
             # after construction are checked, and later changes to it reach no running request
             params = dataclasses.replace(params)
-            text, ids = tokenize_prompt(tokenizer, prompt)
-            ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
+            text, ids = tokenize_truncated(tokenizer, prompt, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt(ids, params, self.vocab_size, self.max_model_len)
             if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
                 bad_words_token_ids(tokenizer, params.bad_words, self.vocab_size)

@@ -31,6 +31,7 @@ from vllm.entrypoints.chat_template import text_parts
 from vllm.inputs import check_cache_salt
 from vllm.sampling_params import SamplingParams
 from vllm.structured_outputs import StructuredOutputsParams
+from vllm.tokenizer import truncate_text_ids, truncation_length
 
 # Seeds reach the sampler as int64: anything wider would crash a whole batch
 # inside step(), so it is rejected here, per request.
@@ -268,18 +269,21 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.response_format.structured_outputs() if self.response_format is not None else None
 
     def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids, or its first with truncation_side "right"."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return ids
-        if k == -1:
-            k = max_model_len - 1
-        elif k > max_model_len:   # upstream's check and message
-            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
-                             "Please, select a smaller truncation size.")
-        if len(ids) <= k:
+        """The prompt's last truncate_prompt_tokens ids, or its first with truncation_side "right"
+        (token ids as given; text goes through truncate_text)."""
+        k = truncation_length(self.truncate_prompt_tokens, max_model_len)   # upstream's check and message
+        if k is None or len(ids) <= k:
             return ids
         return ids[:k] if self.truncation_side == "right" else ids[-k:]
+
+    def truncate_text(self, tokenizer, text: str, ids: list[int], max_model_len: int,
+                      add_special_tokens: bool) -> list[int]:
+        """`ids` (`text` tokenized with or without the tokenizer's special tokens) cut as upstream
+        tokenizes text with truncation: the special tokens stay, the text is cut to fit."""
+        k = truncation_length(self.truncate_prompt_tokens, max_model_len)
+        if k is None:
+            return ids
+        return truncate_text_ids(tokenizer, text, ids, k, add_special_tokens, self.truncation_side or "left")
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict[str, Any],
                          max_logprobs: int, prompt_logprobs: Optional[int] = None,

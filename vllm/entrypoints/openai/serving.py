@@ -501,7 +501,7 @@ class OpenAIServing:
             if req.add_special_tokens and req.truncate_prompt_tokens is None:
                 return prompt
             ids = list(encode_text(self.llm.tokenizer, prompt, req.add_special_tokens))
-            cut = req.truncate_prompt(ids, self.llm.max_model_len)
+            cut = req.truncate_text(self.llm.tokenizer, prompt, ids, self.llm.max_model_len, req.add_special_tokens)
             return {"prompt_token_ids": cut, **({"prompt": prompt} if len(cut) == len(ids) else {})}
         return {"prompt_token_ids": req.truncate_prompt(prompt["prompt_token_ids"], self.llm.max_model_len)}
 
