@@ -123,14 +123,14 @@ DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core 
 # H200, 1 x 10,240 fwd + bwd: 4,886 us against 5,148 without it (benchmarks/NOTES.md).
 SAVE_T_FOR_BACKWARD = True
 # (sweep) the whole-chunk path inverts T's diagonal blocks side by side before its block rows
-T_DIAG_BATCHED = False
+T_DIAG_BATCHED = True
 # (sweep) u = T (beta v) kept in the model dtype between the kernels, as fla keeps it (else fp32)
-U_IN_MODEL_DTYPE = False
+U_IN_MODEL_DTYPE = True
 # (sweep) the state kernel folds a chunk as fla does, h' = e^gamma_L h + k^T (dec v_new), from the
 # chunk's key tile (shared by a key head's value heads) instead of the prep kernel's decayed keys
-FOLD_DECAYED_V = False
+FOLD_DECAYED_V = True
 PREP_NUM_WARPS = 4
-PREP_MAX_REGISTERS = None  # (sweep) a register cap for the prep kernel (None: the compiler's)
+PREP_MAX_REGISTERS = 128
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
 # the state kernel's programs, at most: V / BV x Hv x P, the P programs of a (V tile, head) striding
