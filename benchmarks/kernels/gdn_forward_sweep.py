@@ -28,14 +28,10 @@ from vllm.kernels import gdn_chunk  # noqa: E402
 
 DEFAULT = ";".join([
     "",                                                               # the defaults: the bits reference
-    "T_DIAG_BATCHED=1",
-    "U_IN_MODEL_DTYPE=1",
-    "FOLD_DECAYED_V=1",
-    "T_DIAG_BATCHED=1 U_IN_MODEL_DTYPE=1 FOLD_DECAYED_V=1",
-    "T_DIAG_BATCHED=1 U_IN_MODEL_DTYPE=1 FOLD_DECAYED_V=1 PREP_MAX_REGISTERS=168",
-    "STATE_BLOCK_V_MAX=64 STATE_NUM_WARPS=8 STATE_MAX_REGISTERS=255",  # half the w / kd reads of the walk
+    "PREP_MAX_REGISTERS=168",
     "STATE_BLOCK_V_MAX=16",                                            # twice the walks of one long sequence
     "STATE_NUM_STAGES=3",
+    "OUT_BLOCK_V_MAX=128 OUT_NUM_WARPS=8",
 ])
 
 

@@ -10,7 +10,7 @@ with an fp32 state S [K, V]. It is computed in chunks of C rows (transformers'
 state h, gamma = cumsum(g), A = strictly-lower beta_i (k_i . k_j) exp(gamma_i - gamma_j),
 T = (I + A)^-1, w = T (beta e^gamma k), u = T (beta v), v_new = u - w h,
 o_i = scale (e^gamma_i q_i h + sum_{j<=i} (q_i . k_j) e^(gamma_i - gamma_j) v_new_j) and,
-after a chunk whose last row is L, h' = e^gamma_L h + (e^(gamma_L - gamma) k)^T v_new.
+after a chunk whose last row is L, h' = e^gamma_L h + k^T (e^(gamma_L - gamma) v_new).
 
 Invariant mode (`aligned=True`) promises that the bits of a token's output and of the
 state written do not depend on the batch nor on how the sequence was cut into steps.
@@ -43,9 +43,9 @@ buffer and folds the partial last chunk into the state (the usual form: a token'
 depend on where its step began). Same kernels otherwise.
 
 CUDA runs three Triton kernels (and a one-program kernel listing the state kernel's sequences):
-  1. prep, one program per (chunk, value head): gamma, A, T, w, u, the decayed keys of
-     the state update, the chunk's key tile (the only reader of the buffer, except (3)'s
-     decode path, below);
+  1. prep, one program per (chunk, value head): gamma, A, T (the inverses of its diagonal
+     blocks side by side, then its block rows), w, u, the chunk's key tile (the only reader
+     of the buffer, except (3)'s decode path, below);
   2. state, per (sequence, value head, V tile): walks the sequence's chunks in order,
      v_new = u - w h and each chunk's boundary state for (3), folds complete chunks
      (fast mode: every chunk) into the fp32 state, writes the cached state where it changed
@@ -71,7 +71,7 @@ that earlier steps of the chunk solved are read back from the T cache, so a step
 only the block rows holding its new rows (one, for a single token). Every other chunk
 takes the whole-chunk path.
 Dots take model-dtype operands (T, w, h, v_new rounded to it, as flash-linear-attention
-does) with fp32 accumulation. Under the Triton interpreter (tests on CPU) every dot sums
+does) with fp32 accumulation; u passes between the kernels in the model dtype (as fla's does). Under the Triton interpreter (tests on CPU) every dot sums
 over K by one fixed tree, so that there too a row's bits do not depend on the tile's row
 count (chunk_tiles.dot_rows). The CPU runs `gdn_chunk_torch`, the same algorithm in
 float32 torch on fixed-shape tiles, T by forward substitution on the whole tile (same
@@ -122,14 +122,9 @@ DECODE_ROWS = 16        # row tile of the decode path (the smallest tensor-core 
 # GDN layer between the forward and the backward (42 MB at 1 x 10,240, Qwen3-Next's dims).
 # H200, 1 x 10,240 fwd + bwd: 4,886 us against 5,148 without it (benchmarks/NOTES.md).
 SAVE_T_FOR_BACKWARD = True
-# (sweep) the whole-chunk path inverts T's diagonal blocks side by side before its block rows
-T_DIAG_BATCHED = True
-# (sweep) u = T (beta v) kept in the model dtype between the kernels, as fla keeps it (else fp32)
-U_IN_MODEL_DTYPE = True
-# (sweep) the state kernel folds a chunk as fla does, h' = e^gamma_L h + k^T (dec v_new), from the
-# chunk's key tile (shared by a key head's value heads) instead of the prep kernel's decayed keys
-FOLD_DECAYED_V = True
 PREP_NUM_WARPS = 4
+# 2 programs an SM at the compiler's 241 registers, 4 at 128 (its spills stay in L1): H100, decode
+# 256 x 1 545 against 571 us at 168 and 579 at 144, prefill and train forward the same
 PREP_MAX_REGISTERS = 128
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
@@ -189,7 +184,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _w_u_rows(Tr, ws_rows, row_ok, k_ptr, bk_ptr, v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h,
-                  kb_scale, b, w_ws, u_ws, kd_ws, kc_ws, kc_rows, dec, kd_ok, kc_ok,
+                  kb_scale, b, w_ws, u_ws, kc_ws, kc_rows, kc_ok,
                   HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                   VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr,
                   EMULATE: tl.constexpr, PREC: tl.constexpr):
@@ -197,8 +192,8 @@ if HAS_TRITON:
         Tr, those rows of T (model dtype) over all the chunk's C rows: the decode path's DR-row
         tiles and the whole-chunk path's C-row tile run this same code (the same dots, K tiles
         and roundings; a row's bits do not depend on the tile's row count). row_ok: the rows
-        stored ([R, 1]; None: all). With KEYS (whole-chunk path) also, per K tile, the decayed
-        keys kd = dec k (where kd_ok) and the chunk's key tile (rows kc_rows, where kc_ok)."""
+        stored ([R, 1]; None: all). With KEYS (whole-chunk path) also the chunk's key tile
+        (rows kc_rows, where kc_ok). u is stored in the model dtype, as fla keeps it."""
         R: tl.constexpr = Tr.shape[0]
         DT = w_ws.dtype.element_ty
         for k0 in tl.static_range(0, KP, BK):
@@ -209,7 +204,6 @@ if HAS_TRITON:
             w = _dot(Tr, (ktf * kb_scale[:, None]).to(DT), tl.zeros([R, BK], dtype=tl.float32), EMULATE, PREC)
             tl.store(w_ws + ws_rows[:, None] * KP + kcols[None, :], w.to(DT), mask=row_ok)
             if KEYS:
-                tl.store(kd_ws + ws_rows[:, None] * KP + kcols[None, :], (ktf * dec[:, None]).to(DT), mask=kd_ok)
                 tl.store(kc_ws + kc_rows[:, None] * KP + kcols[None, :], kt, mask=kc_ok)
         for v0 in tl.static_range(0, VP, BV):
             vcols = v0 + tl.arange(0, BV)
@@ -217,7 +211,7 @@ if HAS_TRITON:
                        vcols, V, VP)
             u = _dot(Tr, (vt.to(tl.float32) * b[:, None]).to(DT), tl.zeros([R, BV], dtype=tl.float32),
                      EMULATE, PREC)
-            tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u, mask=row_ok)
+            tl.store(u_ws + ws_rows[:, None] * VP + vcols[None, :], u.to(DT), mask=row_ok)
 
     @triton.jit
     def _a_rows(ra, b_a, gam_a, gam, k_ptr, bk_ptr, tra, bra, fsa, fba, trow, brow, from_step, from_buf, hk,
@@ -246,17 +240,15 @@ if HAS_TRITON:
         k_ptr, v_ptr, g_ptr, beta_ptr,
         bk_ptr, bv_ptr, bg_ptr, bb_ptr, slots_ptr, tc_ptr, tpos_ptr,
         seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, seqc_ptr,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws, t_ws, t_out_ptr,
+        gam_ws, kc_ws, w_ws, u_ws, t_ws, t_out_ptr,
         has_state, has_dcache, save_t,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, SAVE_T: tl.constexpr,
-        DIAG_BATCHED: tl.constexpr, STORE_KD: tl.constexpr,
     ):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows of A),
         then w = T (beta e^gamma k) and u = T (beta v) into the workspaces and, off the decode
-        path, kd = e^(gamma_L - gamma) k (rows <= L) and the chunk's key tile for the output
-        kernel. The only kernel that reads the buffer rows of a chunk that is not on the
+        path, the chunk's key tile for the state and output kernels. The only kernel that reads the buffer rows of a chunk that is not on the
         decode path: the output kernel rewrites them once this one is done (a step can resume
         a chunk and end in a later partial one, whose rows land on the same buffer rows).
 
@@ -326,9 +318,10 @@ if HAS_TRITON:
             A = _a_rows(rows, b, gam, gam, k_ptr, bk_ptr, trow, brow, from_step, from_buf,
                         trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
             tl.store(scr + rows[:, None] * C + rows[None, :], A, mask=(rows >= bi0 * DR)[:, None])
-            if DIAG_BATCHED:
-                tl.debug_barrier()
-                _invert_diagonal_blocks_in_place(scr, bi0, DR, C, EMULATE)
+            # the diagonal blocks' inverses side by side (one chain of dots, not one per block row;
+            # each with the bits the decode path's one block gets alone)
+            tl.debug_barrier()
+            _invert_diagonal_blocks_in_place(scr, bi0, DR, C, EMULATE)
         tl.debug_barrier()
         for bi in range(bi0, L // DR + 1):
             rb, fb, fs, tb, bb = _row_tile(bi, start, first, end, tok0, slot, has_state, C, DR)
@@ -340,23 +333,19 @@ if HAS_TRITON:
                              trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
                 tl.store(scr + rb[:, None] * C + rows[None, :], Ab)
                 tl.debug_barrier()
-            Tb = _unit_lower_block_row_in_place(scr, bi, DIAG_BATCHED and (decode == 0), DR, C, EMULATE)
+            Tb = _unit_lower_block_row_in_place(scr, bi, decode == 0, DR, C, EMULATE)
             if decode:
                 # the step's rows of w and u in this block
                 _w_u_rows(Tb.to(DT), base * C + rb, ((rb >= r0) & (rb <= L))[:, None], k_ptr, bk_ptr,
                           v_ptr, bv_ptr, trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
-                          kd_ws, kc_ws, 0, 0.0, False, False,
+                          kc_ws, 0, False,
                           HK, HV, K, V, KP, VP, BK, BV, False, EMULATE, PREC)
         tl.debug_barrier()  # every thread's read of the stamp precedes its write
         tl.store(tpos_ptr + slot * HV + h, tl.where(free, end, -1), mask=keep)
 
         if not decode:
-            gl = tl.reduce(tl.where(rows == L, gam, float("-inf")), 0, _MAX)
-            dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
-            # kd is read only where the state kernel folds the chunk in (aligned: complete
-            # chunks); the key tile is shared by the value heads of a group: the group's first
-            # stores it
-            # rows past the block rows solved are e_i (zero rows of A)
+            # the key tile is shared by the value heads of a group: the group's first stores it.
+            # Rows past the block rows solved are e_i (zero rows of A)
             solved = (rows < (L // DR + 1) * DR)[:, None]
             Tf = tl.where(solved, tl.load(scr + rows[:, None] * C + rows[None, :], mask=solved, other=0.0),
                           tl.where(rows[:, None] == rows[None, :], 1.0, 0.0))
@@ -368,9 +357,7 @@ if HAS_TRITON:
                          mask=(save_t != 0) & (rows >= 0)[:, None])
             _w_u_rows(Tr, base * C + rows, None, k_ptr, bk_ptr, v_ptr, bv_ptr,
                       trow, brow, from_step, from_buf, hk, h, kb_scale, b, w_ws, u_ws,
-                      kd_ws, kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, dec,
-                      ((rows >= 0) & ((L == C - 1) | (not ALIGNED)) & STORE_KD)[:, None],
-                      (rows >= 0)[:, None] & (h % (HV // HK) == 0),
+                      kc_ws, (n.to(tl.int64) * HK + hk) * C + rows, (rows >= 0)[:, None] & (h % (HV // HK) == 0),
                       HK, HV, K, V, KP, VP, BK, BV, True, EMULATE, PREC)
 
     @triton.jit(**{**_GDN_JIT, "do_not_specialize": [*_GDN_JIT["do_not_specialize"], "S"]})
@@ -399,11 +386,11 @@ if HAS_TRITON:
     def _gdn_state_kernel(
         start_pos_ptr, slots_ptr, ssm_ptr, hr_ptr,
         start_ptr, end_ptr, seqc_ptr, work_ptr, nwork_ptr,
-        gam_ws, w_ws, kd_ws, kc_ws, u_ws, vn_ws, h_ws,
+        gam_ws, w_ws, kc_ws, u_ws, vn_ws, h_ws,
         has_state, has_dcache,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BV: tl.constexpr,
-        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr, DECAYED_V: tl.constexpr,
+        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
     ):
         """Per (sequence, value head, V tile): walk the sequence's chunks in order carrying
         the fp32 state tile; per chunk store its boundary state and
@@ -446,15 +433,14 @@ if HAS_TRITON:
                 else:
                     fold = L >= 0
                 if fold:
+                    # h' = e^gamma_L h + k^T (e^(gamma_L - gamma) v_new), as fla folds: the chunk's
+                    # key tile is its key head's (half the bytes of per-value-head decayed keys), the
+                    # decay goes on v_new's fp32 rows before they round (zero rows past L)
                     gl = tl.load(gam_ws + base * C + L)
-                    if DECAYED_V:
-                        gam = tl.load(gam_ws + base * C + rows)
-                        dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
-                        kc = tl.load(kc_ws + ((n * HK + h // (HV // HK)) * C + rows[:, None]) * KP + rk[None, :])
-                        hs = _dot(tl.trans(kc), (vf * dec[:, None]).to(DT), hs * tl.exp(gl), EMULATE, PREC)
-                    else:
-                        kd = tl.load(kd_ws + (base * C + rows[:, None]) * KP + rk[None, :])
-                        hs = _dot(tl.trans(kd), vn, hs * tl.exp(gl), EMULATE, PREC)
+                    gam = tl.load(gam_ws + base * C + rows)
+                    dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
+                    kc = tl.load(kc_ws + ((n * HK + h // (HV // HK)) * C + rows[:, None]) * KP + rk[None, :])
+                    hs = _dot(tl.trans(kc), (vf * dec[:, None]).to(DT), hs * tl.exp(gl), EMULATE, PREC)
                     folds += 1
             # written back where it changed: a chunk folded in, or a sequence at position 0 (its
             # slot holds another sequence's state); a decode step inside a chunk leaves it as is
@@ -695,8 +681,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     gam_ws = torch.empty((N, Hv, C), dtype=torch.float32, device=dev)
     kc_ws = torch.empty((N, Hk, C, KP), dtype=ws_dtype, device=dev)
     w_ws = torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)
-    kd_ws = w_ws if FOLD_DECAYED_V else torch.empty((N, Hv, C, KP), dtype=ws_dtype, device=dev)  # w_ws: never stored
-    u_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype if U_IN_MODEL_DTYPE else torch.float32, device=dev)
+    u_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype, device=dev)
     vn_ws = torch.empty((N, Hv, C, VP), dtype=ws_dtype, device=dev)
     h_ws = torch.empty((N, Hv, KP, VP), dtype=ws_dtype, device=dev)
 
@@ -713,21 +698,19 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _gdn_prep_kernel[(Hv, N)](
         k, v, g, beta, bk, bv, bg, bb, slots, tc, tpos,
         plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
-        gam_ws, kc_ws, w_ws, kd_ws, u_ws, t_ws, gam_ws if t_out is None else t_out, has_state, has_dc,
+        gam_ws, kc_ws, w_ws, u_ws, t_ws, gam_ws if t_out is None else t_out, has_state, has_dc,
         int(t_out is not None),
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=min(VP, PREP_BLOCK_V_MAX), DR=DECODE_ROWS,
         ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, SAVE_T=SAVE_T_FOR_BACKWARD,
-        DIAG_BATCHED=T_DIAG_BATCHED, STORE_KD=not FOLD_DECAYED_V,
-        num_warps=PREP_NUM_WARPS, num_stages=1, **launch,
-        **({} if PREP_MAX_REGISTERS is None else {"maxnreg": PREP_MAX_REGISTERS}))
+        num_warps=PREP_NUM_WARPS, num_stages=1, maxnreg=PREP_MAX_REGISTERS, **launch)
     work, nwork = state_work_list(md, plan, has_state, has_dc, C, aligned)
     bv_state = min(VP, STATE_BLOCK_V_MAX)
     seq_programs = min(S, max(1, STATE_PROGRAMS // (VP // bv_state * Hv)))
     _gdn_state_kernel[(VP // bv_state, Hv, seq_programs)](
         md.start_pos, slots, ssm, hr, plan.start, plan.end, plan.seq_chunks, work, nwork,
-        gam_ws, w_ws, kd_ws, kc_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
+        gam_ws, w_ws, kc_ws, u_ws, vn_ws, h_ws, has_state, has_dc,
         HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BV=bv_state,
-        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, DECAYED_V=FOLD_DECAYED_V,
+        ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES, maxnreg=STATE_MAX_REGISTERS, **launch)
     # the decode path's chunks (only with the decode caches), then the others
     for decode in ((True, False) if has_dc else (False,)):
