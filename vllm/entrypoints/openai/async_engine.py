@@ -86,6 +86,7 @@ class RequestStream:
         self.finished = False  # True once the final output, an error or an abort was seen
         self.state: RequestState | None = None
         self.engine_id: str | None = None   # this add's id in the engine (AsyncLLM._engine_ids)
+        self.abort_after_send = False       # aborted before its AddRequest was sent (_Entry.sent)
         # A _CHANGED marker is queued and unread: the receiver need not queue another.
         self.notified = False
 
@@ -166,6 +167,10 @@ class _Entry:
     state: RequestState
     stream: RequestStream
     times: RequestTimes
+    # the AddRequest is on its way to the engine (add_requests sends it outside the lock): an
+    # abort meanwhile must follow it, not overtake it (the engine would drop the unknown id,
+    # then run the request for nobody), so add_requests sends that abort once its send is done
+    sent: bool = False
 
 
 class AsyncLLM:
@@ -327,12 +332,24 @@ class AsyncLLM:
             # nothing reached the engine (a dead engine, a message that cannot be pickled): the
             # requests' ids and slots must not stay taken
             with self._lock:
-                for rid, *_ in prepared:
-                    self._forget(self._engine_ids.get(rid))
+                for s in streams:
+                    self._forget(s.engine_id)
             raise
         with self._lock:   # counted once the engine has them (/metrics, the stats line)
+            late_aborts = []
+            for s in streams:
+                entry = self._requests.get(s.engine_id)
+                if entry is not None:
+                    entry.sent = True
+                elif s.abort_after_send:
+                    late_aborts.append(AbortRequest(s.engine_id))
             self.num_requests_received += len(prepared)
             self.num_prompt_tokens += sum(len(ids) for _, _, ids, _, _ in prepared)
+        if late_aborts:
+            try:
+                self.client.send(late_aborts)
+            except EngineDeadError:
+                pass
         return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, *,
@@ -359,6 +376,9 @@ class AsyncLLM:
     def _abort_engine_id(self, eid: str | None) -> None:
         with self._lock:
             entry = self._forget(eid)
+            unsent = entry is not None and not entry.sent
+            if unsent:
+                entry.stream.abort_after_send = True   # add_requests sends it after the add
         if entry is None:
             return
         if not entry.stream.finished:  # aborted by someone else than its consumer: end its iteration
@@ -366,6 +386,8 @@ class AsyncLLM:
                 entry.stream.loop.call_soon_threadsafe(_deliver, [(entry.stream, _ABORTED)])
             except RuntimeError:
                 pass
+        if unsent:
+            return
         try:
             self.client.send([AbortRequest(eid)])
         except EngineDeadError:
