@@ -285,6 +285,17 @@ def test_root_path_docs_and_keys(serving):
     assert all(_call(quiet, "GET", p).status_code == 404 for p in ("/openapi.json", "/docs", "/redoc"))
 
 
+def test_a_non_ascii_key_matches_its_utf8_header(serving):
+    """HTTP carries a header's bytes as the client sent them: a key with non-ASCII characters
+    matches the UTF-8 bytes a client sends for it (and nothing else)."""
+    app = _app(serving, api_key="clé-ключ")
+    good = {"Authorization": "Bearer clé-ключ".encode()}
+    assert _call(app, "GET", "/v1/models", headers=good).status_code == 200
+    assert _call(app, "GET", "/v1/models", headers={"Authorization": "Bearer cl-x"}).status_code == 401
+    assert _call(app, "GET", "/v1/models", headers={"Authorization": b"bearer  cl\xc3\xa9-\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87"}
+                 ).status_code == 200
+
+
 def test_cors_only_with_allowed_origins(serving):
     preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "content-type, authorization"}

@@ -53,13 +53,14 @@ def route_path(scope) -> str:
     return path
 
 
-def _bearer(scope) -> str | None:
+def _bearer(scope) -> bytes | None:
+    """The bearer token's raw bytes: compared as bytes with the key's UTF-8, so a non-ASCII key
+    matches the header a client sends for it (HTTP carries the UTF-8 bytes as they are)."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            auth = value.decode("latin-1")
-            return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+            return value[7:].strip() if value[:7].lower() == b"bearer " else None
     return None
 
 
-def _key_ok(given: str | None, key: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+def _key_ok(given: bytes | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given, key.encode())
