@@ -514,6 +514,29 @@ def test_min_tokens_bans_eos_under_ignore_eos_too(tiny):
     assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos] * 3 and out.finish_reason == "length"
 
 
+def test_min_tokens_with_only_banned_tokens_allowed_is_refused(tiny):
+    """With min_tokens banning EOS (and the stop token ids), allowed_token_ids holding nothing
+    else would leave every logit masked: refused before anything is queued."""
+    eos = tiny.llm_engine.eos_token_ids[0]
+    for kw in ({"allowed_token_ids": [eos]}, {"allowed_token_ids": [eos, 9], "stop_token_ids": [9]}):
+        with pytest.raises(ValueError, match="min_tokens"):
+            tiny.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True,
+                                                                        **kw), use_tqdm=False)
+    out = tiny.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True,
+                                                                      allowed_token_ids=[eos, 9]), use_tqdm=False)
+    assert out[0].outputs[0].token_ids[:2] == [9, 9]
+    assert not tiny.llm_engine.has_unfinished_requests()
+
+
+def test_stop_takes_any_iterable_of_strings():
+    """upstream keeps a set of stop strings as given; any iterable of strings is a list here."""
+    assert SamplingParams(stop={"a"}).stop == ["a"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    for bad in (5, b"a", {"a": 1}):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(stop=bad)
+
+
 def test_greedy_processed_logprobs_do_not_depend_on_truncation(tiny):
     """temperature 0 resets top_p, top_k and min_p (upstream's): the processed logprobs of a
     greedy request are the same whatever truncation it names."""

@@ -545,3 +545,42 @@ def test_async_llm_abort_racing_its_add_never_runs_the_request():
     assert order == ["AddRequest", "AbortRequest"]
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert llm._outstanding == 0 and not llm._requests and not outs
+
+
+def test_async_llm_abort_requests_racing_its_add():
+    """abort_requests naming a request whose add is still on its way aborts it after the add
+    (a utility call overtaking the add found no such request, which then ran for nobody)."""
+    import threading
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.engine.core_messages import AbortRequest, AddRequest, UtilityCall
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    order, send, result = [], llm.client.send, {}
+
+    def slow_send(msgs):
+        if any(isinstance(m, AddRequest) for m in msgs):
+            time.sleep(0.3)
+        order.extend(type(m).__name__ for m in msgs if isinstance(m, (AddRequest, AbortRequest, UtilityCall)))
+        return send(msgs)
+    llm.client.send = slow_send
+
+    async def go():
+        def abort():
+            result["r"] = asyncio.run(llm.abort_requests(["c"]))
+        timer = threading.Timer(0.1, abort)
+        timer.start()
+        (s,) = await llm.add_requests([("c", {"prompt_token_ids": [5, 6, 7]},
+                                        SamplingParams(max_tokens=2000, ignore_eos=True))], stream=True)
+        outs = [o async for o in s]
+        timer.join()
+        await asyncio.sleep(0.3)
+        return outs, await llm.engine_stats()
+    try:
+        outs, stats = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    assert result["r"] == {"aborted": ["c"]}
+    assert order[:2] == ["AddRequest", "AbortRequest"]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and llm._outstanding == 0 and not outs

@@ -239,7 +239,7 @@ class SamplingParams:
             self.min_p = 0.0
         # upstream's normal form: lists, read where they are used (a field set after
         # construction, as RL frameworks do per batch, takes effect)
-        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+        if self.stop is not None and (isinstance(self.stop, (bytes, dict)) or not hasattr(self.stop, "__iter__")):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -620,7 +620,8 @@ def ready_info(engine) -> ReadyInfo:
                      max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
                      generation_defaults=dict(cfg.model.generation_defaults), weight_version=engine.weight_version,
                      num_kv_blocks=engine.executor.info.num_blocks, block_size=cfg.cache.block_size,
-                     max_num_seqs=cfg.scheduler.max_num_seqs, scheduling_policy=cfg.scheduler.scheduling_policy)
+                     max_num_seqs=cfg.scheduler.max_num_seqs, scheduling_policy=cfg.scheduler.scheduling_policy,
+                     eos_token_ids=tuple(engine.eos_token_ids))
 
 
 def _set_parent_death_signal() -> None:

@@ -105,3 +105,4 @@ class ReadyInfo(NamedTuple):
     block_size: int
     max_num_seqs: int
     scheduling_policy: str = "fcfs"   # the client refuses a non-zero priority under "fcfs" (HTTP 400)
+    eos_token_ids: tuple = ()         # min_tokens bans them: a request allowing nothing else is refused

@@ -111,7 +111,8 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
 
 
-def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
+def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int,
+                    eos_token_ids=()) -> None:
     """Checks every request gets before it is queued (the engine's and the server's)."""
     if len(token_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -135,6 +136,12 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, ma
         bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"allowed_token_ids contains out-of-vocab token id(s) {bad[:5]}. Vocabulary size: {vocab}")
+        # min_tokens bans EOS and the stop token ids until it is reached: with nothing else
+        # allowed, every logit is masked and no token can be sampled
+        banned = set(eos_token_ids) | set(params.stop_token_ids or ())
+        if params.min_tokens > 0 and set(params.allowed_token_ids) <= banned:
+            raise ValueError(f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} holds only EOS / stop "
+                             f"token ids, which min_tokens={params.min_tokens} bans: no token could be sampled")
 
 
 def truncate_prompt_ids(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
@@ -308,7 +315,8 @@ class LLMEngine:
         return tokenize_truncated(self.tokenizer, prompt, params.truncate_prompt_tokens, self.config.model.max_model_len)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len)
+        validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len,
+                        self.eos_token_ids)
         if params.bad_words:   # a word that cannot be banned is refused before anything is queued
             bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
 
@@ -335,7 +343,7 @@ class LLMEngine:
         if self._sleeping:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt, params)
-        validate_prompt(ids, params, vocab, self.config.model.max_model_len)
+        validate_prompt(ids, params, vocab, self.config.model.max_model_len, self.eos_token_ids)
         controls = token_controls(params, self.tokenizer, vocab)
         priority = check_priority(priority, self.config.scheduler.scheduling_policy)
         cache_salt = prompt_cache_salt(prompt)

@@ -273,7 +273,7 @@ class AsyncLLM:
             # after construction are checked, and later changes to it reach no running request
             params = dataclasses.replace(params)
             text, ids = tokenize_truncated(tokenizer, prompt, params.truncate_prompt_tokens, self.max_model_len)
-            validate_prompt(ids, params, self.vocab_size, self.max_model_len)
+            validate_prompt(ids, params, self.vocab_size, self.max_model_len, self.info.eos_token_ids)
             if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
                 bad_words_token_ids(tokenizer, params.bad_words, self.vocab_size)
             check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
@@ -439,15 +439,22 @@ class AsyncLLM:
                                             and all(isinstance(r, str) for r in request_ids)):
             raise ValueError(f"request_ids must be a list of request id strings (or absent / null / [] for every "
                              f"request), got {request_ids!r}")
+        unsent = []
         if request_ids:
             with self._lock:  # the engine knows them by their engine ids
                 # ids not running are left out (a raw "<id>@<n>" could name another request)
-                request_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+                eids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+                # an add still on its way must not be overtaken by this call (the engine would
+                # not know the id yet): those are aborted after their add (_abort_engine_id)
+                unsent = [e for e in eids if not self._requests[e].sent]
+                request_ids = [e for e in eids if e not in unsent]
+            for eid in unsent:
+                self._abort_engine_id(eid)
             if not request_ids:
-                return {"aborted": []}
+                return {"aborted": [e.rsplit("@", 1)[0] for e in unsent]}
         res = await self.utility("abort_requests", request_ids or None)
         # engine ids back to the callers' (an engine id is "<request id>@<serial>")
-        return {**res, "aborted": [r.rsplit("@", 1)[0] for r in res.get("aborted", [])]}
+        return {**res, "aborted": [r.rsplit("@", 1)[0] for r in [*unsent, *res.get("aborted", [])]]}
 
     async def update_weights_from_path(self, path: str, staging: str = "host", contract: dict | None = None) -> dict:
         """Stage the checkpoint while requests run, then pause only to copy it in
