@@ -35,6 +35,7 @@ LAUNCH_LINE = ["/ckpt", "--served-model-name", "policy", "--enable-tokenizer-inf
                "--disable-log-stats", "--enable-log-requests", "--max-log-len", "200", "--disable-uvicorn-access-log",
                "--response-role", "assistant", "--allowed-origins", '["*"]', "--allowed-methods", '["GET", "POST"]',
                "--allowed-headers", '["*"]', "--allow-credentials", "--root-path", "/llm", "--disable-fastapi-docs",
+               "--enable-request-id-headers",
                "--model-impl", "vllm", "--swap-space", "16", "--distributed-executor-backend", "mp",
                "--tokenizer-mode", "auto", "--data-parallel-size", "1", "-pp", "1", "--revision", "main",
                "--chat-template-content-format", "string", "--hf-overrides", "{}",
@@ -56,6 +57,7 @@ def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
     assert seen["engine_kwargs"]["enable_sleep_mode"] is True
     assert seen["engine_kwargs"]["logprobs_mode"] == "processed_logprobs"
     assert seen["enable_tokenizer_info_endpoint"] and seen["disable_fastapi_docs"] and seen["enable_log_requests"]
+    assert seen["enable_request_id_headers"]
     assert (seen["max_log_len"], seen["root_path"], seen["response_role"]) == (200, "/llm", "assistant")
     assert seen["access_log"] is False
     assert seen["cors"] == {"allow_origins": ["*"], "allow_methods": ["GET", "POST"], "allow_headers": ["*"],
@@ -283,6 +285,22 @@ def test_root_path_docs_and_keys(serving):
     assert _call(_app(serving), "GET", "/openapi.json").status_code == 200
     quiet = _app(serving, disable_fastapi_docs=True)
     assert all(_call(quiet, "GET", p).status_code == 404 for p in ("/openapi.json", "/docs", "/redoc"))
+
+
+def test_request_id_headers_only_when_enabled(serving):
+    """--enable-request-id-headers: every answer (a 401 and a stream included) carries
+    X-Request-Id, the request's own or a new uuid4 hex; without it none does."""
+    plain = _call(_app(serving), "GET", "/v1/models")
+    assert "x-request-id" not in plain.headers
+    app = _app(serving, enable_request_id_headers=True, api_key="k")
+    given = _call(app, "GET", "/v1/models", headers={"Authorization": "Bearer k", "X-Request-Id": "abc-1"})
+    assert given.status_code == 200 and given.headers["x-request-id"] == "abc-1"
+    fresh = _call(app, "GET", "/v1/models")
+    assert fresh.status_code == 401 and len(fresh.headers["x-request-id"]) == 32
+    streamed = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True},
+                     headers={"Authorization": "Bearer k", "X-Request-Id": "s-2"})
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "s-2"
+    assert streamed.headers.get_list("x-request-id") == ["s-2"]
 
 
 def test_a_non_ascii_key_matches_its_utf8_header(serving):

@@ -163,6 +163,8 @@ def add_parser(sub) -> None:
                         "with and without it")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every answer carries X-Request-Id: the request's own header, else a new uuid4 hex")
     p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=None, metavar="JSON",
                    help="CORS: the origins browser pages may call this server from, a JSON list (e.g. '[\"*\"]'); "
                         "without it no CORS headers are sent (upstream allows every origin by default; here the "
@@ -270,6 +272,7 @@ def run(args) -> int:
                    enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
                    disable_fastapi_docs=args.disable_fastapi_docs, cors=_cors(args),
+                   enable_request_id_headers=args.enable_request_id_headers,
                    log_stats_interval=None if args.disable_log_stats else STATS_LOG_INTERVAL_S) == "engine_dead" else 0
     except EngineStartError as err:
         logging.getLogger(__name__).error("%s", err)

@@ -52,6 +52,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, WeightsUpdateRequest,
     WeightsVersionResponse,
 )
+from vllm.entrypoints.openai.request_id import RequestIdHeaderMiddleware
 from vllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ logger = logging.getLogger(__name__)
 def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, api_key: str | None = None,
               admin_key: str | None = None, enable_tokenizer_info_endpoint: bool = False,
               root_path: str | None = None, disable_fastapi_docs: bool = False,
-              cors: dict | None = None, log_stats_interval: float | None = None) -> FastAPI:
+              cors: dict | None = None, log_stats_interval: float | None = None,
+              enable_request_id_headers: bool = False) -> FastAPI:
     """The FastAPI app. Tests drive it in-process; `vllm serve` runs it under uvicorn.
 
     api_key: every /v1/ endpoint requires `Authorization: Bearer <api_key>`.
@@ -72,6 +74,8 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     allow_credentials); None: no CORS headers (browsers on other origins cannot read answers).
     log_stats_interval: log the stats line (stats_logger.StatsLogger) every this many seconds
     while the app runs; None: never (`vllm serve` logs every 10 s unless --disable-log-stats).
+    enable_request_id_headers: every answer carries X-Request-Id, the request's own header's
+    value or a new uuid4 hex (upstream's --enable-request-id-headers).
     """
     stats_logger = StatsLogger(serving.llm, log_stats_interval) if log_stats_interval is not None else None
 
@@ -94,6 +98,8 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
 
     if api_key or admin_key:
         app.add_middleware(AuthMiddleware, api_key=api_key, admin_key=admin_key)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     if cors is not None:
         # added last, so it runs first: it answers browsers' preflight requests (which carry
         # no key) and puts its headers on every answer, a 401 included
@@ -278,7 +284,8 @@ async def _utility_with_body(llm: AsyncLLM, method: str, raw: Request):
 
 # build_app's keywords among the options build_app_from_llm and run_server take (the rest are
 # OpenAIServing's)
-APP_OPTIONS = ("enable_tokenizer_info_endpoint", "root_path", "disable_fastapi_docs", "cors", "log_stats_interval")
+APP_OPTIONS = ("enable_tokenizer_info_endpoint", "root_path", "disable_fastapi_docs", "cors", "log_stats_interval",
+               "enable_request_id_headers")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
