@@ -177,6 +177,36 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path, tiny_qwen3, capsys, no_engine)
     assert "--resume" in capsys.readouterr().err
 
 
+def test_cli_output_dir_errors_come_before_any_compute(tmp_path, tiny_qwen3, capsys, no_engine):
+    """An output directory that cannot hold the run's files (a path under a file, a
+    `checkpoints` that is a file) is a one-line error before any model is loaded."""
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", "--model", tiny_qwen3, "--data", data, "--output-dir", str(tmp_path / "afile" / "out"),
+                 "--steps", "1"]) == 2
+    assert "--output-dir" in capsys.readouterr().err
+    (tmp_path / "out2").mkdir()
+    (tmp_path / "out2" / "checkpoints").write_text("x")
+    assert main(["train", "--model", tiny_qwen3, "--data", data, "--output-dir", str(tmp_path / "out2"),
+                 "--steps", "1"]) == 2
+    assert "checkpoints" in capsys.readouterr().err
+
+
+def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, tiny_qwen3, no_engine):
+    """--overwrite starts afresh: the earlier run's checkpoints and its `latest` go, so a later
+    --resume cannot continue the old run under the new config."""
+    from vllm.rl.trainer import Trainer
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    old = tmp_path / "out" / "checkpoints" / "step_000003"
+    old.mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step_000003\n")
+    cfg = TrainConfig()
+    cfg.update({"model": tiny_qwen3, "data": data, "output_dir": str(tmp_path / "out"), "overwrite": True})
+    with pytest.raises(AssertionError, match="engine was built"):   # stops at the engine: the dir is ready
+        Trainer(cfg)
+    assert os.listdir(tmp_path / "out" / "checkpoints") == []
+
+
 def test_print_config(tmp_path, capsys):
     assert main(["train", "--print-config", "--group-size", "16", "--algorithm", "dapo", "--no-shuffle"]) == 0
     import yaml

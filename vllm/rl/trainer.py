@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class Trainer:
                 and os.listdir(os.path.join(self.output_dir, "checkpoints")):
             raise ValueError(f"{self.output_dir!r} holds checkpoints of an earlier run: continue it with --resume, "
                              "start over with --overwrite, or choose another --output-dir")
+        self._prepare_output_dir()
         self._pin_resolved_knobs()
         # ---- engine, policy, optimizer ---------------------------------------------------
         self.sleep = cfg.model.sleep_mode if cfg.model.sleep_mode is not None else self.device.startswith("cuda")
@@ -525,6 +527,29 @@ class Trainer:
         return {"kind": "eval", "step": self.step_count, "eval_reward_mean": float(np.mean(scores)),
                 "eval_problems": len(scores), "eval_response_length_mean": float(np.mean(lengths))}
 
+    def _prepare_output_dir(self) -> None:
+        """The output directory exists and takes files, before any model is loaded (a path
+        under a file or a read-only place fails now, in one line, not after the first step).
+        --overwrite (without --resume) removes the earlier run's checkpoints: its `latest`
+        left behind would make a later --resume continue the old run under the new config."""
+        out = self.output_dir
+        ckpts = os.path.join(out, "checkpoints")
+        try:
+            os.makedirs(out, exist_ok=True)
+            if self.cfg.run.overwrite and self.resume_from is None and os.path.lexists(ckpts):
+                if os.path.isdir(ckpts) and not os.path.islink(ckpts):
+                    shutil.rmtree(ckpts)
+                else:
+                    os.remove(ckpts)
+            if os.path.exists(ckpts) and not os.path.isdir(ckpts):
+                raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
+            os.makedirs(ckpts, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=ckpts, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise ValueError(f"--output-dir {out!r} cannot hold this run's files: {err.strerror or err} "
+                             f"({err.filename or out})") from err
+
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> str:
         """Checkpoint this step: the state is copied to host memory now (what a resume
@@ -613,7 +638,7 @@ class Trainer:
                     log.log(records[-1])
                 if (cfg.run.checkpoint_interval > 0 and s % cfg.run.checkpoint_interval == 0) or s == cfg.run.steps:
                     path = self.save()
-                    log.write(f"checkpoint: {path}")
+                    log.write(f"checkpoint: {path}" + (" (being written)" if self.checkpoints.background else ""))
             self.checkpoints.wait()  # the last checkpoint is on disk before the run reports done
             done = summary_line(records, time.perf_counter() - t_start)
             if done is not None:

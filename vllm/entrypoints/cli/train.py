@@ -140,6 +140,13 @@ def run(args) -> int:
     except MismatchError as err:
         print(f"vllm train: {err}", file=sys.stderr)
         return 1
+    except OSError as err:   # a checkpoint or log write (disk full, directory removed)
+        print(f"vllm train: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
+        print("vllm train: interrupted; continue with --resume latest", file=sys.stderr)
+        return 130
     return 0
 
 
