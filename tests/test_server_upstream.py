@@ -486,3 +486,203 @@ def test_empty_keys_refused_and_explicit_empty_cors_lists_kept():
     args = _serve_parser().parse_args(["--allowed-origins", '["http://ui"]', "--allowed-methods", "[]"])
     cors = _cors(args)
     assert cors["allow_methods"] == [] and cors["allow_headers"] == ["*"]
+
+
+# ---- `vllm serve` start-up and stop -------------------------------------------------------------
+
+def _fake_run_server(monkeypatch) -> dict:
+    from vllm.entrypoints.openai import api_server
+    seen = {}
+
+    def fake_run_server(engine_kwargs, **kwargs):
+        seen.update(kwargs, engine_kwargs=engine_kwargs)
+        return "stopped"
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
+    return seen
+
+
+def _thread_engine(monkeypatch, model_path):
+    """run_server's engine: the model on a thread of this process instead of its own process."""
+    from vllm import LLM
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    def from_engine_args(engine_kwargs, **kw):
+        return AsyncLLM.from_engine(LLM(model_path, device="cpu", cpu_kv_cache_bytes=4 << 20).llm_engine, **kw)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(from_engine_args))
+
+
+def test_a_clean_stop_exits_0_and_an_engine_death_1(monkeypatch, tiny_qwen3):
+    """After a stop (SIGINT/SIGTERM: uvicorn's should_exit, then the lifespan hook shuts the
+    engine down) run_server reports "stopped" and `vllm serve` exits 0, without the
+    KeyboardInterrupt uvicorn re-raises; "engine_dead" only when the engine died by itself."""
+    import signal
+
+    import uvicorn
+
+    from vllm.entrypoints.openai import api_server
+    _thread_engine(monkeypatch, tiny_qwen3)
+
+    async def stop_at_once(self, counter):   # a clean stop, once started up
+        return True
+    monkeypatch.setattr(uvicorn.Server, "on_tick", stop_at_once)
+    assert cli.main(["serve", "--port", "0", "--disable-log-stats", "--disable-uvicorn-access-log"]) == 0
+
+    async def ctrl_c(self, counter):   # Ctrl-C: uvicorn shuts down, then re-raises the SIGINT
+        if counter == 0:
+            signal.raise_signal(signal.SIGINT)
+        return self.should_exit
+    monkeypatch.setattr(uvicorn.Server, "on_tick", ctrl_c)
+    handler = signal.getsignal(signal.SIGINT)
+    assert cli.main(["serve", "--port", "0", "--disable-log-stats", "--disable-uvicorn-access-log"]) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
+
+    async def kill_the_engine(self, counter):
+        def crash(msg):
+            raise RuntimeError("the engine loop crashed")
+        llm = self.config.app.state.serving.llm
+        if counter == 0:
+            llm.client.core.handle = crash     # the next command kills the engine loop
+            llm.client.utility("engine_stats")
+        return self.should_exit
+    monkeypatch.setattr(uvicorn.Server, "on_tick", kill_the_engine)
+    assert api_server.run_server({}, host="127.0.0.1", port=0, access_log=False) == "engine_dead"
+
+
+def test_a_busy_port_fails_before_the_engine_starts(monkeypatch, capsys):
+    import socket
+
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+
+    def from_engine_args(*a, **kw):
+        raise AssertionError("the engine was started before the port was bound")
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(from_engine_args))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text, value", [("2048", 2048), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
+                                         ("1m", 1000000), ("1M", 1 << 20), (" 32k ", 32000)])
+def test_token_counts_as_upstream_reads_them(text, value):
+    args = _serve_parser().parse_args(["--max-model-len", text, "--max-num-batched-tokens", text])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (value, value)
+    assert type(args.max_model_len) is int
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-model-len", "auto"], "auto: not supported here (the context length is taken from the model config"),
+    (["--max-model-len=-1"], "-1: not supported here (the context length is taken from the model config"),
+    (["--max-model-len", "0"], "0: must be a positive number of tokens (the context length is taken"),
+    (["--max-model-len", "1.5K"], "decimals are not allowed with the binary suffix K (did you mean 1.5k?)"),
+    (["--max-model-len", "0.0001k"], "is not a whole number"),
+    (["--max-num-batched-tokens", "lots"], "invalid integer 'lots'"),
+    (["--port", "65536"], "port 65536 is out of range: 0..65535"),
+    (["--port=-1"], "port -1 is out of range"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--generation-config", "/no/such/dir"], "auto, vllm, or a folder holding generation_config.json"),
+])
+def test_bad_values_are_argparse_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and needle in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_dtype_choices_are_the_engines():
+    from vllm.config import _DTYPES
+    from vllm.entrypoints.cli.engine_args import DTYPE_CHOICES
+    assert set(DTYPE_CHOICES) == {"auto", *_DTYPES}
+
+
+def test_generation_config_folder(tmp_path, monkeypatch, capsys):
+    """--generation-config FOLDER: its generation_config.json's sampling defaults, read as the
+    checkpoint's own are read, in place of the checkpoint's; a folder without one is refused."""
+    from vllm.entrypoints.openai.api_server import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.3, "top_k": 7, "max_new_tokens": 99, "do_sample": True}))
+    folder = str(tmp_path)
+    assert _serve_parser().parse_args(["--generation-config", folder]).generation_config == folder
+    assert generation_defaults({"temperature": 0.7, "top_p": 0.8}, folder, {"top_p": 0.5}) == \
+        {"temperature": 0.3, "top_k": 7, "max_tokens": 99, "top_p": 0.5}
+    seen = _fake_run_server(monkeypatch)
+    assert cli.main(["serve", "--generation-config", folder]) == 0 and seen["generation_config"] == folder
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["--generation-config", str(empty)])
+    assert f"folder {str(empty)!r} has no generation_config.json" in capsys.readouterr().err
+    (tmp_path / "generation_config.json").write_text("[1]")
+    assert cli.main(["serve", "--generation-config", folder]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "is not a JSON object" in err and len(err.splitlines()) == 1, err
+
+
+def test_engine_input_errors_at_start_up_are_one_line(monkeypatch):
+    """A ValueError / NotImplementedError building the engine (a wrong flag value, a missing
+    model) reaches the API server as its message alone; anything else with its traceback."""
+    import multiprocessing
+    import os
+    import pickle
+    import signal
+
+    import vllm
+    from vllm.engine import core
+    monkeypatch.setattr(core, "_set_parent_death_signal", lambda: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)   # the engine process ignores SIGINT; not pytest
+    for err, traceback_sent in ((ValueError("max_num_seqs must be >= 1"), False),
+                                (NotImplementedError("tensor_parallel_size 3"), False),
+                                (RuntimeError("CUDA error"), True)):
+        def fail(**kw):
+            raise err
+        monkeypatch.setattr(vllm, "LLM", fail, raising=False)
+        r, w = multiprocessing.Pipe(duplex=False)
+        core.run_engine_core_process({}, None, w, os.getppid())
+        kind, message = pickle.loads(r.recv_bytes())
+        assert kind == "error" and message.startswith(f"{type(err).__name__}: {err}")
+        assert ("Traceback" in message) is traceback_sent, message
+
+
+def test_config_file(tmp_path, monkeypatch, capsys):
+    """--config FILE.yaml (upstream's): long-form keys, hyphens or underscores; the command line
+    wins over the file, the file over the defaults; true switches a flag on; lists fill
+    nargs='+' options; the command line's MODEL wins over the file's model."""
+    seen = _fake_run_server(monkeypatch)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: /ckpt\nmax-model-len: 1k\nmax_num_batched_tokens: 4K\nport: 8001\nhost: 0.0.0.0\n"
+                   "served-model-name: [a, b]\nenable-sleep-mode: true\nenable_prefix_caching: false\n"
+                   "trust-remote-code: false\ndisable-log-stats: false\nallowed-origins: ['*']\n"
+                   "override-generation-config: {temperature: 0.5}\n")
+    assert cli.main(["serve", "--config", str(cfg), "--port", "9000"]) == 0
+    kw = seen["engine_kwargs"]
+    assert (kw["model"], kw["max_model_len"], kw["max_num_batched_tokens"]) == ("/ckpt", 1000, 4096)
+    assert kw["enable_sleep_mode"] is True and kw["enable_prefix_caching"] is False
+    assert (seen["port"], seen["host"], seen["served_model_names"]) == (9000, "0.0.0.0", ["a", "b"])
+    assert seen["log_stats_interval"] == 10.0 and seen["cors"]["allow_origins"] == ["*"]
+    assert seen["override_generation_config"] == {"temperature": 0.5}
+    assert cli.main(["serve", "/other", f"--config={cfg}", "--max-model-len", "2k"]) == 0
+    assert (seen["engine_kwargs"]["model"], seen["engine_kwargs"]["max_model_len"]) == ("/other", 2000)
+    assert seen["port"] == 8001 and seen["served_model_names"] == ["a", "b"]
+    for text, needle in (("max-model-lenn: 5\n", "unknown key 'max-model-lenn'"),
+                         ("- port\n", "must be a mapping"),
+                         ("port: [1, 2]\n", "port takes one value"),
+                         ("enable-sleep-mode: yes please\n", "is a switch"),
+                         ("port: [\n", "not valid YAML")):
+        cfg.write_text(text)
+        assert cli.main(["serve", "--config", str(cfg)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "cannot read it" in err and len(err.splitlines()) == 1, err
+
+
+def test_no_trust_remote_code_and_served_model_name_help(monkeypatch):
+    seen = _fake_run_server(monkeypatch)
+    assert cli.main(["serve", "--no-trust-remote-code"]) == 0 and seen
+    assert _serve_parser().parse_args(["--no-trust-remote-code"]).trust_remote_code is False
+    help_text = _serve_parser().format_help()
+    assert "echoes the name its request" in " ".join(help_text.split())

@@ -65,6 +65,30 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str, hf_dtype: str | 
     return _DTYPES[dtype]
 
 
+def generation_defaults_of(gen: dict) -> dict[str, Any]:
+    """The sampling defaults a generation_config.json's values set (SamplingParams' names)."""
+    defaults = {key: gen[key] for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty") if key in gen}
+    if isinstance(gen.get("max_new_tokens"), int):  # the server's max_tokens when a request leaves it unset
+        defaults["max_tokens"] = gen["max_new_tokens"]
+    return defaults
+
+
+def load_generation_defaults(folder: str) -> dict[str, Any]:
+    """generation_defaults_of FOLDER/generation_config.json (`vllm serve --generation-config
+    FOLDER`); ValueError, one line, when the folder has none or it is not a JSON object."""
+    path = os.path.join(folder, "generation_config.json")
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--generation-config {folder}: the folder has no generation_config.json") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--generation-config {folder}: cannot read {path}: {err}") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"--generation-config {folder}: {path} is not a JSON object")
+    return generation_defaults_of(gen)
+
+
 class HFConfig(dict):
     """config.json as read: a dict, whose keys also read as attributes (upstream vLLM's
     `model_config.hf_config.vocab_size`); a nested object reads the same way."""
@@ -180,11 +204,7 @@ class ModelConfig(NumericsSpecFields):
                 gen = json.load(f)
             if gen.get("eos_token_id") is not None:
                 eos = gen["eos_token_id"]
-            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-                if key in gen:
-                    gen_defaults[key] = gen[key]
-            if isinstance(gen.get("max_new_tokens"), int):  # the server's max_tokens when a request leaves it unset
-                gen_defaults["max_tokens"] = gen["max_new_tokens"]
+            gen_defaults = generation_defaults_of(gen)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         max_pos = hf.get("max_position_embeddings", 4096)
         mc = cls(

@@ -648,8 +648,15 @@ def run_engine_core_process(engine_kwargs: dict, inbox: Connection, outbox: Conn
         from vllm import LLM
         engine = LLM(**engine_kwargs).llm_engine
     except BaseException as err:  # noqa: BLE001 -- reported to the API server, which exits with it
+        message = f"{type(err).__name__}: {err}"
+        if isinstance(err, (ValueError, NotImplementedError)):
+            # bad input (a wrong flag value, a missing model directory): the message says what
+            # to change, and the user gets that line; the traceback only for debugging
+            logger.debug("engine start-up refused", exc_info=True)
+        else:
+            message += "\n" + traceback.format_exc()   # unexpected: where it broke matters
         try:
-            outbox.send_bytes(pickle.dumps(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
+            outbox.send_bytes(pickle.dumps(("error", message)))
         except OSError:
             pass
         return

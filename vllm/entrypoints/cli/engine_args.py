@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+from decimal import Decimal, InvalidOperation
 
 from vllm.sampling_params import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES
 
@@ -20,21 +22,82 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+# the values vllm.config.resolve_dtype takes (its _DTYPES keys, and "auto"), spelled out here
+# because importing vllm.config imports torch, and building the parser must not
+# (tests/test_server_upstream.py checks the two agree)
+DTYPE_CHOICES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
+
+# upstream's human_readable_int suffixes: lowercase decimal (k = 1000), uppercase binary (K = 1024)
+_DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as upstream's token-count flags take it: 2048, 1k (1000), 1K (1024),
+    25.6k (25600), 1m, 1M. Decimals only with a lowercase (decimal) suffix, and only where
+    they give a whole number."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid integer {text!r} (e.g. 2048, 1k = 1000, 1K = 1024, 25.6k)") from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIX:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: decimals are not allowed with the binary suffix {suffix} "
+                                             f"(did you mean {number}{suffix.lower()}?)")
+        return int(number) * _BINARY_SUFFIX[suffix]
+    try:
+        # Decimal, not float: 25.6k is 25600 exactly, and a fraction of a token is refused
+        value = Decimal(number) * _DECIMAL_SUFFIX[suffix]
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ({value})")
+    return int(value)
+
+
+def _positive_tokens(flag: str, *, auto_note: str | None = None):
+    """human_readable_int, > 0. `auto_note`: why upstream's `auto` / -1 (fit the context to the
+    memory) is not taken here; without it they are just invalid."""
+    def parse(text: str) -> int:
+        if auto_note is not None and text.strip().lower() in ("auto", "-1"):
+            raise argparse.ArgumentTypeError(f"{text.strip()}: not supported here ({auto_note})")
+        value = human_readable_int(text)
+        if value <= 0:
+            note = f" ({auto_note})" if auto_note is not None else ""
+            raise argparse.ArgumentTypeError(f"{text.strip()}: must be a positive number of tokens{note}")
+        return value
+    parse.__name__ = "integer"   # argparse's "invalid integer value" for other errors
+    return parse
+
+
+# why --max-model-len auto / -1 / 0 are refused
+_MAX_MODEL_LEN_NOTE = ("the context length is taken from the model config's max_position_embeddings when the flag "
+                       "is left out, or set explicitly, e.g. 32768 or 32k; it is not fitted to the memory")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF checkpoint directory (default: the embedded model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the --model directory)")
-    p.add_argument("--dtype", default="auto",
-                   help="auto | float32 | bfloat16 | float16; auto: the checkpoint's dtype on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto | float32 | bfloat16 | float16 (fp32, float, bf16, fp16, half: aliases); auto: the checkpoint's dtype on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's counter-based randomness")
     p.add_argument("--numerics", default="invariant", choices=["fast", "invariant"],
                    help="invariant: logprobs match the trainer's (llm.policy()) bit for bit, whatever the batch; "
                         "fast: the plain-speed baseline, batch-dependent bits (docs/numerics.md)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences scheduled in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="most tokens scheduled in one step (default: 8192 on CUDA, 2048 on CPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_tokens("--max-num-batched-tokens"), default=None,
+                   help="most tokens scheduled in one step; 8k = 8000, 8K = 8192 (default: 8192 on CUDA, 2048 "
+                        "on CPU)")
+    p.add_argument("--max-model-len", type=_positive_tokens("--max-model-len", auto_note=_MAX_MODEL_LEN_NOTE),
+                   default=None,
+                   help="longest prompt + output in tokens; 32k = 32000, 32K = 32768, 25.6k = 25600 (default: the "
+                        "model's max_position_embeddings; upstream's auto / -1 are not taken)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use (weights, activations and KV cache)")

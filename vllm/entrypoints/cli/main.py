@@ -41,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm: unknown command {chosen!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     parser = build_parser(chosen)
+    expand = getattr(importlib.import_module(SUBCOMMANDS[chosen][0]), "expand_argv", None) if chosen else None
+    if expand is not None:
+        # a subcommand's own pre-parse (serve's --config FILE): its flags join argv here
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[chosen]
+        at = argv.index(chosen)
+        try:
+            argv = argv[:at] + expand(argv[at:], sub)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     args = parser.parse_args(argv)
     if args.version:
         from vllm import __version__

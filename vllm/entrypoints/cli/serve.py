@@ -73,17 +73,46 @@ def _json_object(flag: str):
     return parse
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: an integer in 0..65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: 0..65535")
+    return port
+
+
+def _generation_config(text: str) -> str:
+    """auto, vllm, or a folder holding generation_config.json (upstream's three forms)."""
+    if text in ("auto", "vllm"):
+        return text
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: auto, vllm, or a folder holding generation_config.json")
+    if not os.path.isfile(os.path.join(text, "generation_config.json")):
+        raise argparse.ArgumentTypeError(f"folder {text!r} has no generation_config.json")
+    return text
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible rollout server", formatter_class=HelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="local HF checkpoint directory to serve (same as --model; default: the embedded model)")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="a YAML mapping of flags in long form (max-model-len: 32k, port: 8001, model: /ckpt, "
+                        "served-model-name: [a, b], enable-sleep-mode: true); the command line wins over it")
+    # where --config's `model:` lands: below the positional MODEL and --model (command line first)
+    p.add_argument("--config-model", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; the default accepts local connections only (use 0.0.0.0 to expose it)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port to listen on (0: any free one); bound before the model loads, so a busy port "
+                        "fails at once")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in the 'model' field; the first is reported in responses "
-                        "(default: the model path, or 'default' for the embedded model)")
+                   help="name(s) clients may put in the 'model' field; a response echoes the name its request "
+                        "used, and the first name stands for a request that names none (default: the model path, "
+                        "or 'default' for the embedded model)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1/ endpoint (default: the VLLM_API_KEY "
                         "environment variable, as upstream, which keeps the secret off the command line)")
@@ -95,10 +124,11 @@ def add_parser(sub) -> None:
                         "(default: no limit)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest number of logprobs (completions) / top_logprobs (chat) a request may ask for")
-    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+    p.add_argument("--generation-config", type=_generation_config, default="auto", metavar="{auto,vllm,FOLDER}",
                    help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, "
                         "repetition_penalty; max_new_tokens as max_tokens) take the model's generation_config.json "
-                        "values; vllm: SamplingParams defaults")
+                        "values; FOLDER: those of FOLDER/generation_config.json instead; vllm: SamplingParams "
+                        "defaults")
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format tool_choice 'auto' reads from chat outputs (upstream's names): "
                         "hermes: <tool_call>{json}</tool_call> blocks (Hermes, Qwen); llama3_json: "
@@ -126,8 +156,9 @@ def add_parser(sub) -> None:
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="keep answering 503 after the engine process dies, instead of exiting with status 1 "
                         "(as upstream: a restart policy then starts a fresh server)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for upstream command lines: architectures are implemented here, no remote code runs")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for upstream command lines (--no-trust-remote-code too): architectures are "
+                        "implemented here, no remote code runs")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for upstream command lines: requests are not logged one by one here")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -189,6 +220,99 @@ def add_parser(sub) -> None:
                        help=text)
 
 
+def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--config's value, argv without it); the last one counts, as argparse would take it."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ValueError("--config needs a FILE.yaml")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg[len("--config="):]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def config_file_args(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The command-line form of a --config YAML file (upstream's format): keys are flags in
+    long form, hyphens or underscores; true switches a flag on (false leaves it off, or gives
+    --no-X for a --X/--no-X flag); a list fills an option taking several values; null leaves
+    the default. ValueError (one line) for an unreadable or non-mapping file or an unknown key."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise ValueError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must be a mapping of flag: value, got a {type(data).__name__}")
+    actions = {opt: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--model":
+            flag = "--config-model"   # below the command line's MODEL / --model (serve.run)
+        action = actions.get(flag)
+        hidden = action is not None and action.help is argparse.SUPPRESS and flag != "--config-model"
+        if action is None or hidden or flag in ("--config", "--help"):
+            raise ValueError(f"--config {path}: unknown key {key!r} (keys are `vllm serve` flags in long form, "
+                             "e.g. max-model-len)")
+        if value is None:
+            continue
+        if action.nargs == 0:   # a switch: store_true, store_false, --X/--no-X
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} is a switch: true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif value == (action.const is True):   # store_true given true (store_false given false)
+                out.append(flag)
+            continue
+        if getattr(action.type, "__name__", "").startswith("JSON") and isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value)]    # the JSON flags take the structure as JSON text
+        elif isinstance(value, list):
+            if action.nargs not in ("+", "*") or not value:
+                raise ValueError(f"--config {path}: {key} takes one value, got a list")
+            out += [flag, *(_config_scalar(path, key, v) for v in value)]
+        else:
+            out += [flag, _config_scalar(path, key, value)]
+    return out
+
+
+def _config_scalar(path: str, key, value) -> str:
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"--config {path}: {key} takes a plain value, got {value!r}")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def expand_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`vllm serve ... --config FILE`: argv with the file's flags put before the command line's
+    own, so that the command line wins (argparse keeps the last value) and the file wins over
+    the defaults. `argv` starts with "serve"."""
+    path, rest = _config_path(argv[1:])
+    if path is None:
+        return argv
+    file_args = config_file_args(path, parser)
+    # a leading MODEL stays first: after a file's list option (served-model-name: [a, b]) it
+    # would be read as one more of the list's values
+    head = rest[:1] if rest and not rest[0].startswith("-") else []
+    return [argv[0], *head, *file_args, *rest[len(head):]]
+
+
 def check_upstream_flags(args) -> None:
     """Refuse, naming the flag and why, the upstream flags given at values this server cannot
     honour (ValueError: `vllm` prints its one line)."""
@@ -235,9 +359,15 @@ def run(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit(f"vllm serve: the model is given twice ({args.model_tag!r} and --model {args.model!r})")
         args.model = args.model_tag
+    if args.model is None:
+        args.model = getattr(args, "config_model", None)
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise SystemExit("vllm serve: --max-queued-requests must be >= 0")
     check_upstream_flags(args)
+    if args.generation_config not in ("auto", "vllm"):
+        # read now, so a malformed file fails before the model loads (ValueError: one line)
+        from vllm.config import load_generation_defaults
+        load_generation_defaults(args.generation_config)
     if args.chat_template is not None:
         from vllm.entrypoints.chat_template import load_chat_template
         try:

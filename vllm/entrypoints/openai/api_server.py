@@ -32,6 +32,9 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import socket
+import threading
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -40,7 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm.config import default_model_path
+from vllm.config import default_model_path, load_generation_defaults
 from vllm.entrypoints.openai.async_engine import AsyncLLM
 from vllm.entrypoints.openai.auth import AuthMiddleware
 from vllm.entrypoints.openai.errors import (
@@ -302,11 +305,17 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
 def generation_defaults(model_defaults: dict, generation_config: str = "auto",
                         override_generation_config: dict | None = None) -> dict:
     """The sampling defaults of requests that leave a field unset: the checkpoint's
-    generation_config.json values ("auto"; "vllm": none), then `override_generation_config`
-    (upstream's --override-generation-config, applied under either) over them. Its keys are
+    generation_config.json values ("auto"), those of FOLDER/generation_config.json (a folder,
+    read as the checkpoint's own is read), or none ("vllm"); then `override_generation_config`
+    (upstream's --override-generation-config, applied under any of them) over them. Its keys are
     generation_config.json's; those that set no sampling default are ignored, as upstream
     ignores them (logged)."""
-    defaults = dict(model_defaults) if generation_config == "auto" else {}
+    if generation_config == "auto":
+        defaults = dict(model_defaults)
+    elif generation_config == "vllm":
+        defaults = {}
+    else:
+        defaults = load_generation_defaults(generation_config)
     override = dict(override_generation_config or {})
     ignored = sorted(k for k in override if k not in GENERATION_CONFIG_KEYS)
     if ignored:
@@ -369,22 +378,79 @@ def run_server(engine_kwargs: dict, *, host: str, port: int, served_model_names:
     import uvicorn
 
     app_options, serving_options = _split_options(options)
-    async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
+    # The port first: a busy one fails now, not after minutes of loading the model.
+    sock = bind_socket(host, port)
+    try:
+        async_llm = AsyncLLM.from_engine_args(engine_kwargs, max_queued_requests=max_queued_requests)
+    except BaseException:
+        sock.close()
+        raise
+    # Set only by the engine-death callback: after a clean stop (SIGINT/SIGTERM) the lifespan
+    # hook has shut the engine down itself, so "not running" alone does not mean it died.
+    died: list[str] = []
     try:
         app = build_app(_serving(async_llm, served_model_names, generation_config, override_generation_config,
                                  **serving_options),
                         api_key=api_key, admin_key=admin_key, **app_options)
         names = app.state.serving.names
-        logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
+        bound_port = sock.getsockname()[1]   # --port 0: the one the kernel picked
+        logger.info("serving %s on http://%s:%d", ", ".join(names), host, bound_port)
         # Bounded graceful shutdown: an open stream must not keep the process alive forever.
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=bound_port, log_level=log_level,
                                                timeout_graceful_shutdown=5, access_log=access_log))
+        async_llm.on_engine_death(died.append)
         if not keep_alive_on_engine_death:
             stop_server_on_engine_death(async_llm, server)
-        server.run()
-        return "stopped" if async_llm.is_running else "engine_dead"
+        # A stop signal sent to the whole process group (SIGTERM to a container's group) also
+        # kills the engine process: a death that came with a requested stop is that stop.
+        signalled = _run_until_stopped(server, sock)
+        return "engine_dead" if died and not signalled else "stopped"
     finally:
+        sock.close()
         async_llm.shutdown()
+
+
+class _StopSignal(Exception):
+    """SIGINT / SIGTERM, re-raised by uvicorn once its graceful shutdown is done."""
+
+
+def _raise_stop(signum, _frame) -> None:
+    raise _StopSignal(signum)
+
+
+def _run_until_stopped(server, sock: socket.socket) -> bool:
+    """server.run on `sock` until SIGINT / SIGTERM (or should_exit). uvicorn takes both signals
+    while it serves, shuts down gracefully, then re-raises the signal to the handler it found:
+    a KeyboardInterrupt traceback for SIGINT, a kill for SIGTERM. The handler found here ends
+    the run instead, so that a requested stop is a normal return (`vllm serve` exits 0).
+    Returns whether a signal stopped it."""
+    if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
+        server.run(sockets=[sock])
+        return False
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+        return False
+    except _StopSignal:
+        return True
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), as uvicorn would bind it (SO_REUSEADDR, so a
+    restart does not wait out TIME_WAIT); ValueError, one line, when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)   # uvicorn's default backlog
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
 
 
 def stop_server_on_engine_death(async_llm: AsyncLLM, server) -> None:
