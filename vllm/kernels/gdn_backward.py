@@ -348,19 +348,18 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     caps = MAX_REGISTERS.get(prec, MAX_REGISTERS["tf32x3"])
 
     def launch(kernel: str) -> dict:
-        return dict(num_warps=warps[kernel], enable_fp_fusion=True,
-                    **({"maxnreg": caps[kernel]} if kernel in caps else {}))
+        return dict(num_warps=warps[kernel], **({"maxnreg": caps[kernel]} if kernel in caps else {}))
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
     saved = t_saved is not None
     _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam,
                        t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
                        EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
-                       **launch("prep"))
+                       enable_fp_fusion=True, **launch("prep"))
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
-                           **dims, **launch("out_grad"))
+                           **dims, enable_fp_fusion=True, **launch("out_grad"))
     du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
@@ -372,10 +371,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
                             _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims,
-                            **launch("final_out"))
+                            enable_fp_fusion=True, **launch("final_out"))
     _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
                            _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims,
-                           **launch("final_wu"))
+                           enable_fp_fusion=True, **launch("final_wu"))
     if G > 1:  # key heads: the sum over the value heads of the group
         dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db
