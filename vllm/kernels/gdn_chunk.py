@@ -149,7 +149,6 @@ if HAS_TRITON:
     # compiled kernel for both
     _GDN_JIT = {**_JIT, "do_not_specialize": [*_JIT["do_not_specialize"], "has_dcache"]}
     _SUM = tl.standard._sum_combine
-    _MAX = tl.standard._elementwise_max
 
     @triton.jit
     def _chunk_rows(n, h, seq_ptr, start_ptr, first_ptr, end_ptr, tok0_ptr, slots_ptr, has_state,
