@@ -322,6 +322,25 @@ def test_reasoning_parser_through_the_app(app):
         serving.reasoning_parser = None
 
 
+def test_named_tool_choice_behind_reasoning_streams_what_the_message_holds(app):
+    """A named tool_choice under a reasoning parser: while the output is all reasoning there is
+    no call, streamed or not (the stream sent a call head with empty arguments mid-reasoning)."""
+    serving = app.state.serving
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 5, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    try:
+        serving.reasoning_parser = "deepseek_r1"
+        msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        events = _post(app, "/v1/chat/completions", dict(body, stream=True)).text
+        deltas = [json.loads(e[6:])["choices"] for e in events.split("\n\n") if e.startswith("data: {")]
+        streamed_calls = [t for c in deltas if c for t in c[0]["delta"].get("tool_calls") or []]
+        assert msg["reasoning"] and not msg.get("tool_calls") and not streamed_calls
+    finally:
+        serving.reasoning_parser = None
+
+
 def test_qwen3_parser_behind_a_prompt_that_opens_think(app):
     """A template that ends the prompt in <think> (Qwen3's Thinking releases) leaves the output
     inside the reasoning: qwen3 reads it as deepseek_r1 does, whole and streamed (here the

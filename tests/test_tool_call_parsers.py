@@ -35,6 +35,9 @@ CALLS = [
     ("pythonic", '  [w(city="Paris", n=[1, -2.5, None, True], deep={"k": {"z": []}}, é="ü"),\n noop()]\n', None,
      [("w", {"city": "Paris", "n": [1, -2.5, None, True], "deep": {"k": {"z": []}}, "é": "ü"}), ("noop", {})]),
     ("pythonic", "[f(s='it''s', x=+3, y=-0.5e3)]", None, [("f", {"s": "its", "x": 3, "y": -500.0})]),
+    # never closed at the end (a stop string "</tool_call>", or EOS after the JSON): still a call
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n', None, [("add", {"a": 1})]),
+    ("hermes", 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}', "Sure.", [("add", {"a": 1})]),
 ]
 
 # text that is not a call in the parser's format: all content, unchanged
@@ -203,6 +206,21 @@ def test_named_call_arguments_are_the_generated_text(text):
     full, streamed = _served(plan, text)
     assert [c[1:] for c in full[1]] == [("add", text)] and full[0] is None and full[2] == "stop"
     _same(full, streamed)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+               '<tool_call>{"name": "noop", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "noop", "parameters": {}}'),
+])
+def test_auto_without_parallel_tool_calls_keeps_the_first_call(parser, text):
+    """parallel_tool_calls false under "auto" (upstream's): the first call only, streamed or not."""
+    plan = plan_tools(TOOLS, "auto", parallel_tool_calls=False, parser=parser)
+    full, streamed = _served(plan, text)
+    assert [c[1:] for c in full[1]] == [("add", '{"a": 1}')] and full[2] == "tool_calls"
+    _same(full, streamed)
+    both = plan_tools(TOOLS, "auto", parser=parser)
+    assert len(_served(both, text)[0][1]) == 2
 
 
 @pytest.mark.parametrize("finish", ["length", "stop"])

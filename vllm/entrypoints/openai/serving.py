@@ -758,7 +758,10 @@ class OpenAIServing:
                     if parser is None:
                         if content or thinking[c.index] is None:
                             deltas.append(DeltaMessage(content=content))
-                    else:
+                    elif content or thinking[c.index] is None or plan.mode != "named":
+                        # a named call starts with the content: while a reasoning parser has
+                        # passed none, there is no call yet (none at all if no content comes, as
+                        # the whole message has none)
                         deltas += [_delta_message(p) for p in parser.feed(content, finish is not None)]
                         if finish == "stop" and plan.mode in ("auto", "required") and parser.has_calls():
                             finish = "tool_calls"

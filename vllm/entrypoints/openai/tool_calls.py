@@ -45,7 +45,8 @@ class ToolPlan:
     function_names: tuple[str, ...] = ()
     named: str | None = None
     parameters: tuple = ()                      # per function (same order), its parameters schema
-    parallel: bool = True                       # "required": more than one call allowed
+    parallel: bool = True                       # more than one call allowed ("required": by the grammar;
+                                                # "auto": the first call kept, as upstream)
     parser: str = DEFAULT_TOOL_CALL_PARSER      # the server's --tool-call-parser: the format "auto"
                                                 # reads (tool_parsers.py), and the ids' form
 
@@ -88,7 +89,8 @@ class ToolPlan:
             # cut-short array): read as the stream reads it, so that the two agree
             return _joined(ToolCallStream(self).feed(text, True))
         if self.mode == "auto":
-            return parse_tool_calls(self.parser, text)
+            content, calls = parse_tool_calls(self.parser, text)
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
 
@@ -117,7 +119,8 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool | None
     if len(set(names)) != len(names):
         raise ValueError("tool function names must be unique")
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan("auto", tuple(names), parameters=tuple(params), parser=parser)
+        return ToolPlan("auto", tuple(names), parameters=tuple(params), parallel=parallel_tool_calls is not False,
+                        parser=parser)
     if tool_choice in ("none", "required"):
         return ToolPlan(tool_choice, tuple(names), parameters=tuple(params), parallel=parallel_tool_calls is not False,
                         parser=parser)
@@ -259,6 +262,8 @@ class ToolCallStream:
         return out
 
     def _call_pieces(self, call: ParsedToolCall) -> list[StreamPiece]:
+        if self.calls and not self.plan.parallel:
+            return []   # parallel_tool_calls false: the first call only (parse() keeps the same)
         i = self.calls
         self.calls += 1
         head = StreamPiece(index=i, id=self.plan.call_id(), name=call.name, arguments="")

@@ -100,7 +100,13 @@ def hermes_block(buf: str, finished: bool):
     finishes), else (length of the block, its calls or None when it is content)."""
     j = buf.find(HERMES_CLOSE, len(HERMES_OPEN))
     if j < 0:
-        return (len(buf), None) if finished else None   # never closed: content, with all after it
+        if not finished:
+            return None
+        # never closed, at the end of the output: a call if the rest is one whole call object (a
+        # stop string "</tool_call>" or an EOS right after the JSON, as upstream's pattern
+        # `<tool_call>(.*)` reads it), else content with all after it
+        call = call_of_object(_loads(buf[len(HERMES_OPEN):].strip()))
+        return len(buf), [call] if call else None
     call = call_of_object(_loads(buf[len(HERMES_OPEN):j]))
     return j + len(HERMES_CLOSE), [call] if call else None
 
