@@ -348,3 +348,40 @@ def test_an_optimizer_step_that_raises_gives_the_lock_back_and_counts_a_version(
     assert lock_is_free(llm)
     assert llm.weight_version == 1
     assert all(o.outputs[0].weight_versions == [1] for o in _generate(llm))
+
+
+def test_policy_forward_beside_a_generate_on_another_thread(tiny_qwen3):
+    """The forward context is per thread: a Policy's token_logprobs on this thread while
+    another thread generates gives both their bits (one process-wide context was overwritten
+    by the other call: 'no forward context is set', or an engine step read the trainer's
+    metadata)."""
+    import torch
+
+    llm = LLM(tiny_qwen3, device="cpu", cpu_kv_cache_bytes=4 << 20, block_size=8)
+    policy = llm.policy()
+    seqs = [p["prompt_token_ids"] + [7, 8, 9, 10] for p in PROMPTS]
+    plens = [len(p["prompt_token_ids"]) for p in PROMPTS]
+    with torch.no_grad():
+        ref = [t.view(torch.int32).clone() for t in policy.token_logprobs(seqs, plens)]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    stop, errors, rollouts = threading.Event(), [], []
+
+    def generate():
+        try:
+            while not stop.is_set():
+                rollouts.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        except Exception as err:  # noqa: BLE001 -- reported below
+            errors.append(err)
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        got = []
+        for _ in range(4):
+            with torch.no_grad():
+                got.append([t.view(torch.int32) for t in policy.token_logprobs(seqs, plens)])
+    finally:
+        stop.set()
+        thread.join(DEADLINE_S)
+    assert not errors, errors
+    assert rollouts and all(r == want for r in rollouts)
+    assert all(torch.equal(a, b) for g in got for a, b in zip(g, ref))

@@ -12,6 +12,7 @@ never hold that state.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -143,20 +144,35 @@ class ForwardContext:
     state: StateBackend | None = None
 
 
-_CURRENT: ForwardContext | None = None
+# Per thread: a trainer thread's Policy forward and the engine's step on another thread each
+# see their own context (one global was overwritten by the other mid-call). Autograd's
+# recomputation (activation checkpointing) re-enters the context it captured, so a backward on
+# autograd's device thread still sees it.
+_LOCAL = threading.local()
+# float32 matmul precision is process-wide in torch: the invariant calls in flight (any thread)
+# hold it at "highest"; the last one out puts the caller's setting back
+_PRECISION_LOCK = threading.Lock()
+_PRECISION_HOLDERS = 0
+_PRECISION_SAVED: str | None = None
+
+
+def _current() -> ForwardContext | None:
+    return getattr(_LOCAL, "ctx", None)
 
 
 def get_forward_context() -> ForwardContext:
-    if _CURRENT is None:
+    ctx = _current()
+    if ctx is None:
         raise RuntimeError("no forward context is set: call the model inside `set_forward_context(...)`")
-    return _CURRENT
+    return ctx
 
 
 def current_numerics() -> str:
     """The numerics mode of the model call in progress (what the op shim dispatches on).
     Outside any forward context (a kernel called directly, as tests and benchmarks do)
     it is "fast", the baseline."""
-    return _CURRENT.numerics if _CURRENT is not None else "fast"
+    ctx = _current()
+    return ctx.numerics if ctx is not None else "fast"
 
 
 _DEFAULT_KERNELS = KernelConfig()
@@ -164,28 +180,45 @@ _DEFAULT_KERNELS = KernelConfig()
 
 def current_kernel_config() -> KernelConfig:
     """The kernel options of the model call in progress (defaults outside any context)."""
-    return _CURRENT.kernels if _CURRENT is not None else _DEFAULT_KERNELS
+    ctx = _current()
+    return ctx.kernels if ctx is not None else _DEFAULT_KERNELS
+
+
+def _hold_highest_precision() -> None:
+    global _PRECISION_HOLDERS, _PRECISION_SAVED
+    with _PRECISION_LOCK:
+        if _PRECISION_HOLDERS == 0:
+            _PRECISION_SAVED = torch.get_float32_matmul_precision()
+            if _PRECISION_SAVED != "highest":
+                torch.set_float32_matmul_precision("highest")
+        _PRECISION_HOLDERS += 1
+
+
+def _release_precision() -> None:
+    global _PRECISION_HOLDERS
+    with _PRECISION_LOCK:
+        _PRECISION_HOLDERS -= 1
+        if _PRECISION_HOLDERS == 0 and _PRECISION_SAVED not in (None, "highest"):
+            torch.set_float32_matmul_precision(_PRECISION_SAVED)
 
 
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    """Make `ctx` the model call's context. In invariant mode the caller's torch-wide numerics
-    settings are set aside for the call: autocast off (it would change the ops' dtypes) and
-    float32 matmuls at "highest" precision (a lower one lets the CPU BLAS and cuBLAS round
-    through bfloat16 / TF32), so the trainer's forward and the rollout's run the same
-    arithmetic whatever either caller set around them."""
-    global _CURRENT
-    prev, _CURRENT = _CURRENT, ctx
+    """Make `ctx` this thread's model-call context. In invariant mode the caller's torch-wide
+    numerics settings are set aside for the call: autocast off (it would change the ops'
+    dtypes) and float32 matmuls at "highest" precision (a lower one lets the CPU BLAS and
+    cuBLAS round through bfloat16 / TF32), so the trainer's forward and the rollout's run the
+    same arithmetic whatever either caller set around them."""
+    prev = _current()
+    _LOCAL.ctx = ctx
     with contextlib.ExitStack() as stack:
         if ctx.numerics == "invariant":
             stack.enter_context(torch.autocast("cpu", enabled=False))
             if torch.cuda.is_available():
                 stack.enter_context(torch.autocast("cuda", enabled=False))
-            precision = torch.get_float32_matmul_precision()
-            if precision != "highest":
-                torch.set_float32_matmul_precision("highest")
-                stack.callback(torch.set_float32_matmul_precision, precision)
+            _hold_highest_precision()
+            stack.callback(_release_precision)
         try:
             yield ctx
         finally:
-            _CURRENT = prev
+            _LOCAL.ctx = prev
