@@ -435,6 +435,27 @@ def test_save_pretrained_carries_the_tokenizer_and_replaces_a_sharded_checkpoint
     assert torch.equal(again.model.lm_head.weight, policy.model.lm_head.weight)
 
 
+def test_a_second_policy_view_keeps_frozen_parameters_and_attach_is_once(tiny_qwen3):
+    """Another llm.policy() of the same model leaves the parameters the user froze frozen, and
+    attaching an optimizer twice counts each step once."""
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    policy = llm.policy()
+    frozen = [n for n, p in policy.model.named_parameters() if "embed_tokens" in n]
+    assert frozen and all(p.requires_grad for p in policy.parameters())
+    for n, p in policy.model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    again = llm.policy()
+    assert all(p.requires_grad == (n not in frozen) for n, p in again.model.named_parameters())
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1)
+    policy.attach_optimizer(opt)
+    again.attach_optimizer(opt)          # the same model: already attached
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e-3) if p.requires_grad else None
+    opt.step()
+    assert llm.weight_version == 1
+
+
 def test_attach_optimizer_composes_with_lr_schedulers(tiny_qwen3):
     """LR schedulers wrap `optimizer.step` too (through its `__func__`): one made before or
     after attach_optimizer keeps working, and every step counts one version."""

@@ -87,8 +87,12 @@ class Policy(NumericsSpecFields):
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
         self._lm_head = _lm_head(model)
-        for p in self.model.parameters():
-            p.requires_grad_(True)
+        # trainable once, when the model first gets a Policy: a later view of the same model
+        # (another llm.policy(), a rollout client's) must not unfreeze what the user froze
+        if not getattr(model, "_policy_made_trainable", False):
+            for p in self.model.parameters():
+                p.requires_grad_(True)
+            model._policy_made_trainable = True
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -161,6 +165,12 @@ class Policy(NumericsSpecFields):
         step raises, so a lock taken in a pre hook would stay held. A step that raises may
         have written some parameters already: the version is counted and the prefixes
         dropped then too, and the lock is given back, before the error propagates."""
+        attached = getattr(optimizer, "_vllm_policy_model", None)
+        if attached is self.model:
+            return   # already attached (a second wrap would count every step twice)
+        if attached is not None:
+            raise ValueError("this optimizer is attached to another Policy's model already")
+        optimizer._vllm_policy_model = self.model
         step = optimizer.step   # bound, or an LR scheduler's wrapper when one came first
         policy = self
         if self.engine is None:
