@@ -456,6 +456,19 @@ def test_a_second_policy_view_keeps_frozen_parameters_and_attach_is_once(tiny_qw
     assert llm.weight_version == 1
 
 
+def test_a_weight_update_between_forward_and_backward_raises(tiny_qwen3):
+    """llm.update_weights writes the parameters in place through views that share their
+    version counter: a backward through a graph built on the old values raises (torch's
+    in-place check) instead of mixing old activations with new weights."""
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant")
+    policy = llm.policy()
+    weights = {k: v.clone() for k, v in policy.model.hf_state_dict().items()}
+    lps = policy.token_logprobs([[5, 6, 7, 8, 9]], [2])
+    llm.update_weights(weights)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sum(t.sum() for t in lps).backward()
+
+
 def test_attach_optimizer_composes_with_lr_schedulers(tiny_qwen3):
     """LR schedulers wrap `optimizer.step` too (through its `__func__`): one made before or
     after attach_optimizer keeps working, and every step counts one version."""

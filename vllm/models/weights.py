@@ -100,11 +100,14 @@ class WeightMapping:
 
     def destination(self, slot: WeightSlot):
         """The parameter memory `slot` writes (a view: in place, storage unchanged), or for
-        an FP8 layer that dropped its master weight, the `QuantizedRows` it covers."""
+        an FP8 layer that dropped its master weight, the `QuantizedRows` it covers. A view of
+        `p.detach()`, not of `p.data`: it shares the parameter's version counter, so a write
+        makes a graph built on the old values raise in backward (torch's in-place check)
+        instead of mixing old activations with new weights."""
         p = self.params[slot.param]
         if p.is_meta:
             return self.model.get_submodule(slot.param.rpartition(".")[0]).quantized_rows(slot.view(p.data))
-        return slot.view(p.data)
+        return slot.view(p.detach())
 
     def destination_of(self, hf_name: str, slot: WeightSlot) -> torch.Tensor:
         """`destination(slot)`, kept per name while the parameter's memory stays where it
