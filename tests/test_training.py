@@ -179,6 +179,20 @@ def test_training_bad_input(tiny_qwen3):
         policy.token_logprobs([[1, 2, 10 ** 6]], [1])
     with pytest.raises(ValueError, match="prompt lengths"):
         policy.token_logprobs([[1, 2, 3]], [1, 2])
+    # what is wrong is named: not a range error for a value that is no token id at all
+    for bad in ([[1.5, 2.0, 3.0]], [["a", "b"]], [[[1, 2], [3, 4]]], [[True, False, True]]):
+        with pytest.raises(ValueError, match="1-D sequence of integer token ids"):
+            policy.token_logprobs(bad, [1])
+    with pytest.raises(ValueError, match="flat list"):
+        policy.token_logprobs([1, 2, 3], [1])
+    for temperature in ("1.0", None, True):
+        with pytest.raises(ValueError, match="temperature"):
+            policy.token_logprobs([[1, 2, 3]], [1], temperature=temperature)
+    for budget in ("3", 1.5, True, 0):
+        with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+            policy.token_logprobs([[1, 2, 3]], [1], max_tokens_per_micro_batch=budget)
+    with pytest.raises(ValueError, match="prompt lengths"):
+        policy.token_logprobs([[1, 2, 3]], 1)
 
 
 def test_divergence_finder_locates_injected_ulp(tiny_qwen3):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import pathlib
 import threading
@@ -211,7 +212,10 @@ class Policy(NumericsSpecFields):
             except (ValueError, TypeError, OverflowError):
                 arr = None
             if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-                raise ValueError(f"sequence {i} has token ids outside the vocabulary [0, {vocab})")
+                what = "not a sequence" if arr is None or arr.ndim == 0 else \
+                    (f"{arr.ndim}-D" if arr.ndim != 1 else f"of {arr.dtype} values")
+                raise ValueError(f"sequence {i} must be a 1-D sequence of integer token ids, got {what}: "
+                                 f"{str(seq)[:60]}")
             if len(arr) > ctx:
                 raise ValueError(f"sequence {i} has {len(arr)} tokens, longer than the model's context {ctx}")
             if isinstance(pl, bool) or not isinstance(pl, int) or pl < 1 or pl > len(arr):
@@ -230,12 +234,20 @@ class Policy(NumericsSpecFields):
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
         most `max_tokens_per_micro_batch` tokens (default: all in one); packing, order and
         micro-batch size do not change the bits."""
+        if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") \
+                or isinstance(prompt_lens, (str, bytes)) or not hasattr(prompt_lens, "__len__"):
+            raise ValueError("token_logprobs takes a list of token-id sequences and a list of prompt lengths")
+        if len(sequences) and all(isinstance(t, numbers.Integral) for t in sequences):
+            raise ValueError("token_logprobs takes a list of sequences (a list of token-id lists), got one flat list "
+                             "of token ids: wrap it in a list")
         prompt_lens = [_as_int(p) for p in prompt_lens]
         arrays = self._validate(sequences, prompt_lens)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
-            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if max_tokens_per_micro_batch is not None and (isinstance(max_tokens_per_micro_batch, bool) or not isinstance(
+                max_tokens_per_micro_batch, numbers.Integral) or max_tokens_per_micro_batch < 1):
+            raise ValueError(f"max_tokens_per_micro_batch must be an integer >= 1, got {max_tokens_per_micro_batch!r}")
         # the rollout's temperature: SamplingParams raises a positive one below its floor to it
         temp = max(float(temperature), MIN_TEMPERATURE) if temperature > 0 else 1.0
         # the sampler divides by a float32 device tensor (an exact IEEE division): the same
