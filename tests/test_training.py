@@ -423,6 +423,31 @@ def test_an_optimizer_step_during_a_rollout_is_refused_before_it_writes(tiny_qwe
     assert llm.weight_version == 1 and not engine.kv._hash_to_block
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_unattached_optimizer_step_is_counted_at_the_next_generate(tiny_qwen3, prompts, foreach, caplog):
+    """An optimizer step on a colocated Policy with neither attach_optimizer nor
+    notify_weights_updated: the parameters' version counters moved, so the next generate
+    counts a new weight version and drops the prefix cache first (once warned), and its
+    rollout is the new weights' (the trainer's bits). A second generate counts nothing."""
+    llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enable_prefix_caching=True)
+    policy = llm.policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5, foreach=foreach)
+    seqs, _ = _rollout(llm, prompts[:2])
+    assert llm.llm_engine.kv.stats()["cached_blocks"] > 0
+    plens = [len(p) for p in prompts[:2]]
+    (-sum(lp.sum() for lp in policy.token_logprobs(seqs, plens, temperature=0.8))).backward()
+    opt.step()
+    assert llm.weight_version == 0   # nothing said so yet
+    with caplog.at_level("WARNING"):
+        seqs2, after = _rollout(llm, prompts[:2])
+    assert llm.weight_version == 1 and "attach the optimizer" in caplog.text.lower()
+    with torch.no_grad():
+        got = policy.token_logprobs(seqs2, plens, temperature=0.8)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, after))
+    _rollout(llm, prompts[:2])
+    assert llm.weight_version == 1
+
+
 def test_save_pretrained_carries_the_tokenizer_and_replaces_a_sharded_checkpoint(tiny_qwen3, tmp_path):
     """The saved checkpoint carries the tokenizer's chat template (transformers 5 keeps it in
     chat_template.jinja) and, saved over a sharded checkpoint, leaves no stale index or

@@ -144,18 +144,30 @@ def gdn_registers() -> None:
                         != y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)).sum())
                    for x, y in zip(a, b))
     ref = step()
-    print(f"gdn backward (T saved) at caps {saved or 'none'}: {bench(step):.0f} us", flush=True)
+    base = bench(step)
+    print(f"gdn backward (T saved) at caps {saved or 'none'}: {base:.0f} us", flush=True)
+    best: dict[str, int] = {}
     try:
         for kernel in gb.WARPS["bf16"]:
+            fastest = base
             for cap in (96, 128, 168):
                 gb.MAX_REGISTERS["bf16"].clear()
                 gb.MAX_REGISTERS["bf16"].update(saved)
                 gb.MAX_REGISTERS["bf16"][kernel] = cap
                 try:
-                    print(f"gdn backward, {kernel} at {cap} registers: {bench(step):.0f} us, "
-                          f"{differing(ref, step())} gradient elements differ", flush=True)
+                    t, n = bench(step), differing(ref, step())
+                    print(f"gdn backward, {kernel} at {cap} registers: {t:.0f} us, {n} gradient elements differ",
+                          flush=True)
+                    # a cap is worth keeping past run-to-run noise (about 2%) and only with equal bits
+                    if n == 0 and t < 0.98 * fastest:
+                        fastest, best[kernel] = t, cap
                 except triton.runtime.errors.OutOfResources as ex:
                     print(f"gdn backward, {kernel} at {cap} registers: does not fit ({str(ex)[:70]})", flush=True)
+        if best:
+            gb.MAX_REGISTERS["bf16"].clear()
+            gb.MAX_REGISTERS["bf16"].update({**saved, **best})
+            print(f"gdn backward, the fastest caps together {best}: {bench(step):.0f} us, "
+                  f"{differing(ref, step())} gradient elements differ", flush=True)
     finally:
         gb.MAX_REGISTERS["bf16"].clear()
         gb.MAX_REGISTERS["bf16"].update(saved)

@@ -257,6 +257,9 @@ class LLMEngine:
         self.eos_token_ids += [t for t in config.model.eos_token_ids if t not in self.eos_token_ids]
         self.step_count = 0
         self.weight_version = 0
+        # the parameters' version counters as of the last counted weight version: a write that
+        # went around on_weights_updated (an optimizer step without attach_optimizer) shows
+        self._parameter_versions = self.parameter_versions()
         # pause(): step() runs nothing until resume(); requests stay queued with their KV
         # (a weight update in between continues them under the new weights).
         self.paused = False
@@ -404,6 +407,34 @@ class LLMEngine:
             raise ValueError("weights may not change while requests are running: their KV would mix two weight "
                              "versions; change weights between generate calls, or pause() first")
 
+    def parameter_versions(self) -> int:
+        """The sum of the parameters' version counters. Every in-place write autograd can see
+        moves it: a for-loop or foreach optimizer step, a weight sync's writes. A fused
+        optimizer's step and writes through `.data` do not."""
+        return sum(p._version for p in self.executor.model.parameters())
+
+    def record_parameter_versions(self) -> None:
+        """The parameters as they are now are the counted weights (after a failed update put
+        the old weights back)."""
+        self._parameter_versions = self.parameter_versions()
+
+    def count_unannounced_weight_change(self) -> bool:
+        """Before a generate call: if the parameters were written since the last counted
+        version without anyone saying so (an optimizer step on a colocated Policy without
+        attach_optimizer or notify_weights_updated), count it now as on_weights_updated
+        would have, so no request reuses prefix KV of the old weights, and warn once.
+        Returns whether it did."""
+        if self.parameter_versions() == self._parameter_versions:
+            return False
+        if not getattr(self, "_warned_unannounced", False):
+            self._warned_unannounced = True
+            logger.warning("the parameters changed since the last weight version (an optimizer step without "
+                           "policy.attach_optimizer(opt) or policy.notify_weights_updated()?): counted now as a "
+                           "new version and the prefix cache dropped. Attach the optimizer: a fused optimizer's "
+                           "step leaves no trace to notice")
+        self.on_weights_updated()
+        return True
+
     def on_weights_updated(self) -> None:
         """The parameters changed in place (colocated trainer step or weight sync):
         count the version and drop cached prefixes computed with the old weights. Changed
@@ -412,6 +443,7 @@ class LLMEngine:
         check_weights_can_change's refusal, the change has already happened."""
         mixed = self.requests_running
         self.weight_version += 1
+        self._parameter_versions = self.parameter_versions()
         # FP8 linear layers: quantized once per weight version, here (in place, so captured
         # CUDA graphs multiply the new fp8 weights)
         if getattr(self, "_fp8_linears", None) is None:   # the layers are fixed once the model is built

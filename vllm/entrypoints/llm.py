@@ -397,6 +397,7 @@ class LLM:
         if engine.weight_update is not None:
             raise ValueError("a weight update is open (llm.weight_update() or start_weight_update()): "
                              "finish it before generating")
+        engine.count_unannounced_weight_change()
         # Validate everything before anything is queued: a bad prompt loses nothing.
         for p, sp in zip(prompts, params):
             _check_output_kind(sp)

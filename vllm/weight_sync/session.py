@@ -336,6 +336,8 @@ class WeightUpdate:
                         d.restore(b)
             if eng.executor.info.device.type == "cuda":
                 torch.cuda.synchronize(eng.executor.info.device)
+            if hasattr(eng, "record_parameter_versions"):   # the old weights, written back: not a new version
+                eng.record_parameter_versions()
         if getattr(eng, "weights_torn", False):
             # an earlier failure tore the weights and this one wrote nothing: still torn
             eng.weight_error = (f"weight update failed ({reason}); the weights are still torn by an earlier failed "
