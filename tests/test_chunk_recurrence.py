@@ -107,6 +107,23 @@ def test_bf16_operands_give_the_same_bits(shape, monkeypatch):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
 
 
+def test_bf16_du_is_the_float32_du_rounded_and_keeps_the_other_gradients(monkeypatch):
+    """du_dtype bfloat16 (the GDN backward's, whose every use of du is a dot operand): du is the
+    float32 walk's du rounded to nearest, and dw, dkd, de (the per-chunk program's dot rounds
+    du the same way) keep their bits. Refused without bf16 dots."""
+    monkeypatch.setattr(cr, "BLOCK_V_MAX", 32)
+    (u, w, kd, e), (gs, gvn) = ([t.to(DEV) for t in ts] for ts in make(1, 2, 3, 16, 16, 64, seed=5))
+    states, vn = cr.recurrence_forward_triton(u, w, kd, e, BF16_DOTS)
+    grads = cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gvn, BF16_DOTS)
+    grads_b = cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gvn, BF16_DOTS, du_dtype=torch.bfloat16)
+    assert grads_b[0].dtype == torch.bfloat16
+    assert torch.equal(grads_b[0].view(torch.int16), grads[0].bfloat16().view(torch.int16))
+    for name, a, b in zip(("dw", "dkd", "de"), grads_b[1:], grads[1:]):
+        assert a.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+    with pytest.raises(ValueError, match="bf16 dots"):
+        cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gvn, "ieee", du_dtype=torch.bfloat16)
+
+
 def test_bf16_states_round_to_nearest(monkeypatch):
     """States stored in bfloat16 (as gdn_backward passes them with bf16 dots) are the float32 walk's states
     rounded to nearest, v_new keeps its bits (the walk carries S in float32), and the backward

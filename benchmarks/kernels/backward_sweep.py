@@ -12,9 +12,8 @@
   stages) in turn (LAUNCH there), the dx kernel's row blocks (ROW_BLOCK), and whether a
   config changes any bit.
 - GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16):
-  each per-chunk kernel's warps in turn (WARPS there); `gdn_registers`: with T from the
-  forward, as training runs it, each per-chunk kernel's register cap in turn (MAX_REGISTERS
-  there) and whether a cap changes any bit of the gradients (it should not).
+  each per-chunk kernel's warps in turn (WARPS there), with T from the forward as training
+  runs it ("prep": the backward building T itself).
 """
 from __future__ import annotations
 
@@ -95,33 +94,8 @@ def mamba2_launch() -> None:
 
 
 def gdn_warps() -> None:
-    """Each per-chunk kernel's warps in turn (bf16 dots), the others at WARPS's."""
-    from vllm.kernels import gdn_backward as gb
-    T, HK, HV, K, V = 10240, 16, 32, 128, 128
-    q, k = (F.normalize(torch.randn(T, HK, K, device="cuda"), dim=-1).bfloat16() for _ in range(2))
-    v, do = (torch.randn(T, HV, V, device="cuda").bfloat16() for _ in range(2))
-    g, beta = -0.6 * torch.rand(T, HV, device="cuda"), torch.rand(T, HV, device="cuda")
-    saved = dict(gb.WARPS["bf16"])
-
-    def step():
-        return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5)
-    print(f"gdn backward at {saved}: {bench(step):.0f} us", flush=True)
-    try:
-        for kernel in saved:
-            for warps in (2, 4, 8):
-                gb.WARPS["bf16"].update(saved)
-                gb.WARPS["bf16"][kernel] = warps
-                try:
-                    print(f"gdn backward, {kernel} at {warps} warps: {bench(step):.0f} us", flush=True)
-                except triton.runtime.errors.OutOfResources as ex:
-                    print(f"gdn backward, {kernel} at {warps} warps: does not fit ({str(ex)[:70]})", flush=True)
-    finally:
-        gb.WARPS["bf16"].update(saved)
-
-
-def gdn_registers() -> None:
-    """Each per-chunk kernel's register cap in turn (bf16 dots, T from the forward, the others
-    uncapped), time and gradient elements whose bits differ from the uncapped run."""
+    """Each per-chunk kernel's warps in turn (bf16 dots), the others at WARPS's: the training
+    step's backward (T from the forward), and for "prep" the backward building T itself."""
     from vllm.kernels import gdn_backward as gb
     from vllm.kernels.gdn_chunk import gdn_chunk_triton
     from vllm.testing.chunked_scan import step_metadata
@@ -133,53 +107,35 @@ def gdn_registers() -> None:
     plan = md.chunk_plan(C, True)
     t_out = torch.empty((plan.num_chunks, HV, C, C), dtype=torch.bfloat16, device="cuda")
     gdn_chunk_triton(q, k, v, g, beta, K ** -0.5, md, None, chunk_size=C, aligned=True, t_out=t_out)
-    saved = dict(gb.MAX_REGISTERS["bf16"])
+    saved = dict(gb.WARPS["bf16"])
 
-    def step():
+    def t_saved():
         return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5, chunk_size=C, t_saved=t_out,
                                       t_chunks=plan.seq_chunks)
 
-    def differing(a, b):
-        return sum(int((x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
-                        != y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)).sum())
-                   for x, y in zip(a, b))
-    ref = step()
-    base = bench(step)
-    print(f"gdn backward (T saved) at caps {saved or 'none'}: {base:.0f} us", flush=True)
-    best: dict[str, int] = {}
+    def t_built():
+        return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5, chunk_size=C)
+    print(f"gdn backward at {saved}: T saved {bench(t_saved):.0f} us, T built {bench(t_built):.0f} us", flush=True)
     try:
-        for kernel in gb.WARPS["bf16"]:
-            fastest = base
-            for cap in (96, 128, 168):
-                gb.MAX_REGISTERS["bf16"].clear()
-                gb.MAX_REGISTERS["bf16"].update(saved)
-                gb.MAX_REGISTERS["bf16"][kernel] = cap
+        for kernel in saved:
+            step, which = (t_built, "T built") if kernel == "prep" else (t_saved, "T saved")
+            for warps in (2, 4, 8):
+                gb.WARPS["bf16"].update(saved)
+                gb.WARPS["bf16"][kernel] = warps
                 try:
-                    t, n = bench(step), differing(ref, step())
-                    print(f"gdn backward, {kernel} at {cap} registers: {t:.0f} us, {n} gradient elements differ",
-                          flush=True)
-                    # a cap is worth keeping past run-to-run noise (about 2%) and only with equal bits
-                    if n == 0 and t < 0.98 * fastest:
-                        fastest, best[kernel] = t, cap
+                    print(f"gdn backward ({which}), {kernel} at {warps} warps: {bench(step):.0f} us", flush=True)
                 except triton.runtime.errors.OutOfResources as ex:
-                    print(f"gdn backward, {kernel} at {cap} registers: does not fit ({str(ex)[:70]})", flush=True)
-        if best:
-            gb.MAX_REGISTERS["bf16"].clear()
-            gb.MAX_REGISTERS["bf16"].update({**saved, **best})
-            print(f"gdn backward, the fastest caps together {best}: {bench(step):.0f} us, "
-                  f"{differing(ref, step())} gradient elements differ", flush=True)
+                    print(f"gdn backward ({which}), {kernel} at {warps} warps: does not fit ({str(ex)[:70]})",
+                          flush=True)
     finally:
-        gb.MAX_REGISTERS["bf16"].clear()
-        gb.MAX_REGISTERS["bf16"].update(saved)
+        gb.WARPS["bf16"].update(saved)
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn", "gdn_registers"]
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
     if "recurrence" in parts:
         recurrence_sweep()
     if "mamba2" in parts:
         mamba2_launch()
     if "gdn" in parts:
         gdn_warps()
-    if "gdn_registers" in parts:
-        gdn_registers()

@@ -103,7 +103,7 @@ if HAS_TRITON:
             ds_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(dS, ds_desc.dtype), (1, BK, BV)))
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
             dvn = tl.reshape(gvn_desc.load([chunk, 0, v0]), (BC, BV)) + _mm(kd, dS, PREC)
-            du_desc.store([chunk, 0, v0], tl.reshape(dvn, (1, BC, BV)))
+            du_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(dvn, du_desc.dtype), (1, BC, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + chunk)
             gs = tl.reshape(gs_desc.load([chunk, 0, v0]), (BK, BV)).to(tl.float32)
@@ -196,17 +196,24 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     return states, vn
 
 
-def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None):
+def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None,
+                               du_dtype: torch.dtype = torch.float32):
     """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
     outputs (w, kd, states and v_new as the forward took and gave them; g_states in float32 or,
     with bfloat16 states, bfloat16). The gradient reaching each chunk's end state passes from
-    the walk to the per-chunk program in the states' dtype."""
+    the walk to the per-chunk program in the states' dtype. `du_dtype` bfloat16 (bf16 dots
+    only): du rounded to nearest, for a caller whose every use of du is a dot operand (the
+    GDN backward's), which rounds it so anyway; dw, dkd and de keep their bits."""
     require_triton(w)
     B, H, nC, C, V = vn.shape
     K = w.shape[-1]
     w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
     prec = precision or training_tiles.dot_precision(w)
-    du = torch.empty_like(vn, dtype=torch.float32)
+    if du_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"du_dtype must be float32 or bfloat16, got {du_dtype}")
+    if du_dtype == torch.bfloat16 and (prec not in BF16_PRECISIONS or V % 8):
+        raise ValueError(f"a bfloat16 du needs bf16 dots and V a multiple of 8 (16-byte rows), got {prec}, V = {V}")
+    du = torch.empty_like(vn, dtype=du_dtype)
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
     if vn.numel() == 0:
         return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()

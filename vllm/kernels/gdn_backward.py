@@ -45,16 +45,15 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # gdn`; runs vary by about 100 us): all four at 8 warps 5,202 us, at 4 4,499 / 4,742; then one
 # kernel at a time: prep at 2 warps 4,550, the final w/u kernel at 8 4,482, the final output
 # kernel at 2 12,425 and the w/u one 11,143.
-WARPS = {"bf16": {"prep": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
-         "tf32x3": {"prep": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
-# register caps by kernel (absent: the compiler's choice). Speed only: a cap moves values to
-# local memory, never an operation. Each of these kernels compiles to 255 registers with bf16
-# dots (offline sm_90): 2 programs an SM at 4 warps, 1 at 8; the forward's prep gained
-# occupancy that way (benchmarks/kernels/backward_sweep.py gdn_registers measures these)
-MAX_REGISTERS: dict[str, dict[str, int]] = {"bf16": {}, "tf32x3": {}}
+# The prep with the forward's T saved ("prep_t_saved": no T to build, two dots) is its own entry.
+# Register caps do not help (H100, T saved, 3,168 us uncapped; each kernel capped alone at 96 /
+# 128 / 168 registers: prep 3,718 / 3,479 / 3,279, output gradients 3,601 / 3,510 / 3,325,
+# final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
+WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
+         "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
 # With bf16 dots, what passes between the kernels goes in bfloat16, as fla's backward passes
-# it: w, kd, T and v_new (every use a dot operand, which the dots round to bfloat16 anyway: the
-# same gradients from half the bytes) and the state-shaped tensors (the per-chunk states, their
+# it: w, kd, T, v_new and du (every use a dot operand, which the dots round to bfloat16 anyway:
+# the same gradients from half the bytes) and the state-shaped tensors (the per-chunk states, their
 # gradients from the outputs, the gradients reaching each chunk's end: 3 x 335 MB of float32 at
 # 1 x 10,240, Qwen3-Next's dims). Those are not the same bits: de = <S, dS> and the walk's
 # dS + g_S take them elementwise, so the gradients move within bf16 rounding (float64 distance
@@ -84,14 +83,26 @@ if HAS_TRITON:
         _rows_out(ptr, x, t0, n, head * X, HS * X, X, BC, BX)
 
     @triton.jit
+    def _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj):
+        """Chunk c of sequence s's T from the forward's (chunk tch[s] + c of ts, ch = (s NC + c)
+        HV + h) as float32; a chunk past its sequence's end (no rows: A = 0) has T = I."""
+        s = ch // NC // HV
+        c = ch % NC
+        c0 = tl.load(tch_ptr + s)
+        has = c < tl.load(tch_ptr + s + 1) - c0
+        fwd_ch = ((c0 + c) * HV + h).to(tl.int64)
+        T = tl.load(ts_ptr + (fwd_ch * C + ii) * C + jj, mask=has & (ii < C) & (jj < C), other=0.0).to(tl.float32)
+        return tl.where(has & (ii < C), T, tl.where(ii == jj, 1.0, 0.0))
+
+    @triton.jit
     def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr,
                      ts_ptr, tch_ptr, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
                      T_SAVED: tl.constexpr):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
         forward: chunk_tiles.unit_lower_block_row; or, T_SAVED, the forward's own T, chunk
-        tch[s] + c of ts for chunk c of sequence s), w, u, kd and e. T goes out whole for the
-        final kernel."""
+        tch[s] + c of ts for chunk c of sequence s), w, u, kd and e. A T built here goes out
+        whole for the final kernel (a saved one it reads where the forward left it)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -104,14 +115,7 @@ if HAS_TRITON:
         ii = rows[:, None]
         jj = rows[None, :]
         if T_SAVED:
-            # a chunk past its sequence's end (no rows: A = 0) has T = I
-            s = ch // NC // HV
-            c = ch % NC
-            c0 = tl.load(tch_ptr + s)
-            has = c < tl.load(tch_ptr + s + 1) - c0
-            fwd_ch = ((c0 + c) * HV + h).to(tl.int64)
-            T = tl.load(ts_ptr + (fwd_ch * C + ii) * C + jj, mask=has & (ii < C) & (jj < C), other=0.0).to(tl.float32)
-            T = tl.where(has & (ii < C), T, tl.where(ii == jj, 1.0, 0.0))
+            T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
         else:
             lower = (jj < ii) & (ii < C)
             kk = _mm(k, tl.trans(k), PREC)
@@ -126,8 +130,8 @@ if HAS_TRITON:
                                            EMULATE)
                 T3 = tl.where(tiles == bi, Tb[None, :, :], T3)
             T = tl.reshape(T3, (BC, BC))
-        tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, _to_dtype_rn(T, t_ptr.dtype.element_ty),
-                 mask=(ii < C) & (jj < C))
+            tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, _to_dtype_rn(T, t_ptr.dtype.element_ty),
+                     mask=(ii < C) & (jj < C))
         eg = tl.exp(gam)
         _put(w_desc, ch, _mm(T, k * (b * eg)[:, None], PREC), BC, BK)
         v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
@@ -200,9 +204,10 @@ if HAS_TRITON:
         tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
     @triton.jit
-    def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, du_desc, dw_desc, dgam_ptr, dgl_ptr, dkp_desc,
-                         dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
-                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, ts_ptr, tch_ptr, du_desc, dw_desc, dgam_ptr,
+                         dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr,
+                         V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                         T_SAVED: tl.constexpr):
         """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
         and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's,
         dkp) and of d gamma, then dg as its reverse cumsum."""
@@ -215,7 +220,10 @@ if HAS_TRITON:
         lower = (jj < ii) & (ii < C)
         b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-        T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        if T_SAVED:
+            T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
+        else:
+            T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
         eg = tl.exp(gam)
         be = b * eg
         # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta. The u side first, whole,
@@ -341,26 +349,23 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     w, kd = torch.empty((B, Hv, nC, C, K), **ops), torch.empty((B, Hv, nC, C, K), **ops)
     u = torch.empty((B, Hv, nC, C, V), **f32)
     e = torch.empty((B, Hv, nC), **f32)
-    tmat = torch.empty((n, C, C), **ops)
     gam = torch.empty((B, Hv, nC, C), **f32)
+    saved = t_saved is not None
+    tmat = gam if saved else torch.empty((n, C, C), **ops)   # a saved T is read where it is
     dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec)
     warps = WARPS.get(prec, WARPS["tf32x3"])
-    caps = MAX_REGISTERS.get(prec, MAX_REGISTERS["tf32x3"])
-
-    def launch(kernel: str) -> dict:
-        return dict(num_warps=warps[kernel], **({"maxnreg": caps[kernel]} if kernel in caps else {}))
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
-    saved = t_saved is not None
-    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam,
-                       t_saved if saved else gam, t_chunks if saved else cu, C, *heads,
-                       EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
-                       enable_fp_fusion=True, **launch("prep"))
+    ts, tch = (t_saved, t_chunks) if saved else (gam, cu)
+    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, ts, tch,
+                       C, *heads, EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
+                       enable_fp_fusion=True, num_warps=warps["prep_t_saved" if saved else "prep"])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
-                           **dims, enable_fp_fusion=True, **launch("out_grad"))
-    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec)
+                           **dims, enable_fp_fusion=True, num_warps=warps["out_grad"])
+    # du: every use is a dot operand (the per-chunk parts' dw, the final kernel's dT and dX_u)
+    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec, du_dtype=between)
     du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
@@ -371,10 +376,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
                             _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims,
-                            enable_fp_fusion=True, **launch("final_out"))
-    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, _desc(du, cv), _desc(dw, ck), dgam, dgl,
-                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, **dims,
-                           enable_fp_fusion=True, **launch("final_wu"))
+                            enable_fp_fusion=True, num_warps=warps["final_out"])
+    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, cv), _desc(dw, ck), dgam, dgl,
+                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, T_SAVED=saved, **dims,
+                           enable_fp_fusion=True, num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
         dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db
