@@ -240,9 +240,11 @@ if has gdn; then
   fi
   if gdn_has backward; then
     # the training backward alone: today's path (autograd of the reference, Triton recurrence)
-    # against the fused kernels (vllm/kernels/gdn_backward.py), time and distance
-    timeout "${GDN_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/gdn.py --backward >"$OUT/gdn_backward.log" 2>&1
-    grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -9
+    # against the fused kernels (vllm/kernels/gdn_backward.py), time and distance, and fla's
+    # kernels per call where its wheel travels
+    PYTHONPATH="$PYTHONPATH:/tmp/fla_site" timeout "${GDN_BACKWARD_TIMEOUT:-150}" python benchmarks/kernels/gdn.py --backward \
+      >"$OUT/gdn_backward.log" 2>&1
+    grep -vE "^\[W" "$OUT/gdn_backward.log" | tail -11
   fi
   if gdn_has sweep; then
     # the forward kernels' tiles, warps and T form: time per config and bits against the defaults

@@ -113,24 +113,28 @@ def train_case(T: int = 10240) -> dict:
     if fla_chunk is not None:
         with torch.no_grad():
             out["fla_fwd"] = bench(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE))
-        leaves = [t[None].clone().requires_grad_() for t in x]
-
-        def fla_step():
-            o, _ = fla_chunk(*leaves, scale=SCALE)
-            o.backward(do[None])
-        try:
-            out["fla"] = bench(fla_step)
-        except RuntimeError as err:
-            # fla 0.6 refuses its gated dq/dk/dw/dg kernel on Hopper with Triton in [3.4, 3.7.1)
-            # (its issue #640: wrong results there). For a native time only, the guard is
-            # lifted: the kernels run as they would, their values are not used.
-            import fla.ops.common.chunk_o as fla_chunk_o
-            if "#640" not in str(err) or not hasattr(fla_chunk_o, "TRITON_ABOVE_3_7_1"):
-                raise
-            print("fla backward: guard for its issue #640 lifted to time it (values unused)")
-            fla_chunk_o.TRITON_ABOVE_3_7_1 = True
-            out["fla"] = bench(fla_step)
+        out["fla"] = bench(fla_train_step(x, do))
     return out
+
+
+def fla_train_step(x, do):
+    """fla's forward + backward over x (the guard that refuses its backward on Hopper with
+    Triton in [3.4, 3.7.1), its issue #640: wrong results there, lifted so the kernels run as
+    they would; for a time only, their values are not used)."""
+    leaves = [t[None].clone().requires_grad_() for t in x]
+
+    def step():
+        o, _ = fla_chunk(*leaves, scale=SCALE)
+        o.backward(do[None])
+    try:
+        step()
+    except RuntimeError as err:
+        import fla.ops.common.chunk_o as fla_chunk_o
+        if "#640" not in str(err) or not hasattr(fla_chunk_o, "TRITON_ABOVE_3_7_1"):
+            raise
+        print("fla backward: guard for its issue #640 lifted to time it (values unused)")
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+    return step
 
 
 def prefill_case(n: int = 5, L: int = 2048, others: bool = True) -> dict:
@@ -247,6 +251,13 @@ def backward_case(T: int = 10240) -> None:
 
     backward_report(T, ref_step, lambda: gdn_backward_triton(*x, do, cu, SCALE),
                     ref_step(do.double()), "q k v g beta".split())  # exact: float64 autograd
+    if fla_chunk is not None:
+        # fla's kernels per call, its forward alone and forward + backward (the backward's are
+        # the second list's less the first's)
+        from scan_bench import kernel_times, report
+        with torch.no_grad():
+            report("fla forward kernels", kernel_times(lambda: fla_chunk(*(t[None] for t in x), scale=SCALE)))
+        report("fla forward + backward kernels", kernel_times(fla_train_step(x, do)))
 
 
 if __name__ == "__main__":
