@@ -262,7 +262,10 @@ def test_concurrent_requests_all_finish(served):
 
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": [5] * 4096, "max_tokens": 4}, "context"),
+    ("/v1/completions", {"prompt": [5] * 4096, "max_tokens": 4}, "This model's maximum context length is 4096"),
+    ("/v1/completions", {"prompt": [5] * 5000}, "This model's maximum context length is 4096"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 5000}]},
+     "This model's maximum context length is 4096"),
     ("/v1/completions", {"prompt": [5, 4096]}, "vocabulary"),
     ("/v1/completions", {"prompt": [[5, 6], [7, -1]]}, "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),

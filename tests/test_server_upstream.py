@@ -170,7 +170,7 @@ def test_tokenizer_info_only_when_enabled(app, serving):
         serving.chat_template = saved
 
 
-def test_null_is_the_default(app):
+def test_null_is_the_default(app, serving):
     chat = _call(app, "POST", "/v1/chat/completions",
                  {"messages": MESSAGES, "max_tokens": 3, "n": None, "logprobs": None, "stream": None,
                   "top_logprobs": None, "temperature": None, "top_p": None, "stop": None, "seed": None,
@@ -179,10 +179,13 @@ def test_null_is_the_default(app):
     assert chat.status_code == 200, chat.text
     choice = chat.json()["choices"]
     assert len(choice) == 1 and choice[0]["logprobs"] is None and chat.json()["usage"]["completion_tokens"] == 3
-    comp = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": None, "echo": None, "stream": None,
-                                                  "n": None, "logprobs": None, **GREEDY})
+    context = serving.llm.max_model_len
+    comp = _call(app, "POST", "/v1/completions", {"prompt": [5] * (context - 5), "max_tokens": None, "echo": None,
+                                                  "stream": None, "n": None, "logprobs": None, **GREEDY})
     assert comp.status_code == 200, comp.text
-    assert comp.json()["usage"]["completion_tokens"] == 16          # null max_tokens: 16, as upstream
+    assert comp.json()["usage"]["completion_tokens"] == 5    # null max_tokens: until the context is full, as upstream
+    absent = _call(app, "POST", "/v1/completions", {"prompt": "hi", **GREEDY})
+    assert absent.json()["usage"]["completion_tokens"] == 16   # absent: OpenAI's default
     assert not comp.json()["choices"][0]["text"].startswith("hi")  # null echo: no echo
     streamed = _call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True,
                                                       "stream_options": {"include_usage": None}, **GREEDY})

@@ -120,7 +120,11 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, ma
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     if len(token_ids) >= max_len:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens but the model's context is {max_len}: no room to generate")
+        # upstream's words: clients (LiteLLM's context-window fallbacks, RL gyms ending a rollout)
+        # recognise a context overflow by them
+        raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your request has "
+                         f"{len(token_ids)} input tokens, which leaves no room to generate. Please reduce the length "
+                         "of the input messages.")
     if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab})")
     if params.logprobs is not None and params.logprobs > vocab:

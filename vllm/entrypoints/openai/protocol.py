@@ -312,9 +312,10 @@ PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
-    # OpenAI's default for completions; 0 only with echo (scoring the prompt: the engine
-    # samples one token, which the response leaves out)
-    max_tokens: Optional[LaxInt] = 16         # null: 16, as upstream
+    # absent: OpenAI's default for completions, 16; null: until the context is full, as
+    # upstream's completions take it; 0 only with echo (scoring the prompt: the engine samples
+    # one token, which the response leaves out)
+    max_tokens: Optional[LaxInt] = 16
     logprobs: Optional[NumericInt] = None     # k: the sampled token's logprob plus the top-k alternatives
     # the prompt before the completion in `text`; with logprobs, the prompt tokens' logprobs
     # first (None for the first token)
@@ -324,7 +325,7 @@ class CompletionRequest(_SamplingRequest):
     prompt_logprobs: Optional[NumericInt] = None   # upstream's: per prompt token its logprob and the top-k
     add_special_tokens: bool = True   # upstream's: false for text already holding them (a client-side template)
 
-    _completion_nulls = _null_means_default("max_tokens", "echo")
+    _completion_nulls = _null_means_default("echo")
 
     def prompts(self) -> list[Union[str, dict]]:
         """The prompts as engine inputs: strings stay strings, token ids become dicts."""
