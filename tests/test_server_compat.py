@@ -394,8 +394,8 @@ def test_latency_metrics_through_the_app(app):
 
 def test_async_llm_request_ids_after_abort_and_within_a_batch():
     """A request id reused right after an abort gets only its own tokens (the aborted one's
-    last step may still report: each add has an engine id of its own), and a batch naming one
-    id twice is refused whole, nothing left waiting."""
+    last step may still report: each add has an engine id of its own); one id named twice in
+    a batch and beside a running request runs each on its own, and an abort by it ends all."""
     from vllm import LLM, SamplingParams
     from vllm.entrypoints.openai.async_engine import AsyncLLM
     llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
@@ -422,8 +422,20 @@ def test_async_llm_request_ids_after_abort_and_within_a_batch():
             a.abort()
             got.append([out async for out in llm.generate({"prompt_token_ids": [7, 8, 9]}, short, "x")][-1])
             await asyncio.gather(*background)
-        with pytest.raises(ValueError, match="already in use"):
-            await llm.add_requests([("d", "hi", short), ("d", "hi", short)])
+        # one id twice, in one call and beside a running one: each runs on its own (as upstream)
+        running = asyncio.ensure_future(_drain(llm, "d", short))
+        d1, d2 = await llm.add_requests([("d", {"prompt_token_ids": [7, 8, 9]}, short),
+                                         ("d", {"prompt_token_ids": [7, 8, 9]}, short)])
+        dups = [[o async for o in s][-1] for s in (d1, d2)] + [await running]
+        assert all(o.request_id == "d" and o.outputs[0].finish_reason == "length" for o in dups)
+        assert all(o.outputs[0].token_ids == ref.outputs[0].token_ids for o in dups[:2])
+        # an abort by a shared id ends every request running under it
+        e1, e2 = await llm.add_requests([("e", {"prompt_token_ids": [5, 6]}, long),
+                                         ("e", {"prompt_token_ids": [5, 6]}, long)], stream=True)
+        llm.abort("e")
+        ended = [[o async for o in s] for s in (e1, e2)]
+        assert all(not outs or outs[-1].outputs[0].finish_reason != "length" for outs in ended)
+        assert "e" not in llm._engine_ids
         return ref, got, llm._outstanding
     try:
         ref, got, outstanding = asyncio.run(go())

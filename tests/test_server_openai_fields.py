@@ -212,6 +212,20 @@ def test_request_id_names_the_response(app):
     assert "request_id" in _error(_post(app, "/v1/completions", {"prompt": "x", "request_id": ""}))
 
 
+def test_concurrent_requests_may_share_an_id(app):
+    """A proxy passing one trace id to a fan-out: every request runs and answers under the
+    id, as upstream's server takes them (not a 400 for the second)."""
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "t-1"})
+                                          for _ in range(3)))
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+    assert {r.json()["id"] for r in rs} == {"chatcmpl-t-1"}
+    assert len({tuple(r.json()["choices"][0]["token_ids"]) for r in rs}) == 1
+
+
 def test_include_reasoning_false_leaves_the_reasoning_out(app, monkeypatch):
     # the embedded model never closes a <think>: under deepseek_r1 all of its output is reasoning
     monkeypatch.setattr(app.state.serving, "reasoning_parser", "deepseek_r1")

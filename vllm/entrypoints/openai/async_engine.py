@@ -200,9 +200,12 @@ class AsyncLLM:
         self._decode_one = TokenTextCache(self._detok_tokenizer)
         # Each add gets an engine id of its own (the request id + a serial): a step already under
         # way when a request is aborted may still report on it, and those outputs must not
-        # reach a new request that reuses the id. Outputs carry the caller's id.
+        # reach a new request that reuses the id. Outputs carry the caller's id. Several requests
+        # may share an id while they run, as upstream's engine takes them (a proxy passing one
+        # trace id to a fan-out, a retry racing its first try): each is its own engine request,
+        # and an abort by the id ends all of them.
         self._requests: dict[str, _Entry] = {}     # by engine id
-        self._engine_ids: dict[str, str] = {}      # request id -> engine id, while it runs
+        self._engine_ids: dict[str, list[str]] = {}   # request id -> engine ids, while they run
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -310,17 +313,12 @@ class AsyncLLM:
                 if queued > self.max_queued_requests:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
                                          f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
-            seen: set[str] = set()
-            for rid, *_ in prepared:
-                if rid in self._engine_ids or rid in seen:
-                    raise ValueError(f"request id {rid!r} is already in use")
-                seen.add(rid)
             for rid, text, ids, params, cache_salt in prepared:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
                 eid = s.engine_id = f"{rid}@{next(self._serial)}"
                 self._requests[eid] = _Entry(s.state, s, LatencyStats.start())
-                self._engine_ids[rid] = eid
+                self._engine_ids.setdefault(rid, []).append(eid)
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours
                 msgs.append(AddRequest(eid, ids, dataclasses.replace(params, stop=None, detokenize=False), cache_salt,
@@ -368,10 +366,12 @@ class AsyncLLM:
             s.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if unknown or finished). Never blocks on the engine."""
+        """Abort a request (every one running under that id; no-op if unknown or finished).
+        Never blocks on the engine."""
         with self._lock:
-            eid = self._engine_ids.get(request_id)
-        self._abort_engine_id(eid)
+            eids = list(self._engine_ids.get(request_id, ()))
+        for eid in eids:
+            self._abort_engine_id(eid)
 
     def _abort_engine_id(self, eid: str | None) -> None:
         with self._lock:
@@ -398,9 +398,16 @@ class AsyncLLM:
         entry = self._requests.pop(engine_id, None) if engine_id is not None else None
         if entry is not None:
             self._outstanding -= sum(1 for f in entry.state.finish if f is None)
-            if self._engine_ids.get(entry.state.request_id) == engine_id:
-                del self._engine_ids[entry.state.request_id]
+            self._drop_engine_id(entry.state.request_id, engine_id)
         return entry
+
+    def _drop_engine_id(self, request_id: str, engine_id: str) -> None:
+        """(caller holds the lock)"""
+        eids = self._engine_ids.get(request_id)
+        if eids is not None and engine_id in eids:
+            eids.remove(engine_id)
+            if not eids:
+                del self._engine_ids[request_id]
 
     # ---- engine utilities -----------------------------------------------------------------
     async def utility(self, method: str, *args: Any) -> Any:
@@ -443,7 +450,7 @@ class AsyncLLM:
         if request_ids:
             with self._lock:  # the engine knows them by their engine ids
                 # ids not running are left out (a raw "<id>@<n>" could name another request)
-                eids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+                eids = [e for r in dict.fromkeys(request_ids) for e in self._engine_ids.get(r, ())]
                 # an add still on its way must not be overtaken by this call (the engine would
                 # not know the id yet): those are aborted after their add (_abort_engine_id)
                 unsent = [e for e in eids if not self._requests[e].sent]
@@ -532,8 +539,7 @@ class AsyncLLM:
                 if state.finished:
                     self.latency.finished(entry.times, now)
                     del self._requests[d.request_id]
-                    if self._engine_ids.get(state.request_id) == d.request_id:
-                        del self._engine_ids[state.request_id]
+                    self._drop_engine_id(state.request_id, d.request_id)
                     deliveries.setdefault(s.loop, []).append((s, state.output()))
                 elif s.stream and not s.notified:  # non-streaming consumers need the final output only
                     s.notified = True
