@@ -160,6 +160,28 @@ def test_transformers_names_load_and_mtp_is_skipped(tiny_nemotron_h, tmp_path):
     assert_loads_as_checkpoint(tiny_nemotron_h, tmp_path, tensors)
 
 
+def test_tie_word_embeddings_is_ignored_as_transformers_ignores_it(tiny_nemotron_h, tmp_path):
+    """transformers' NemotronHForCausalLM never ties, whatever the config says: a checkpoint
+    whose config says tie_word_embeddings: true, with its own lm_head (what transformers writes),
+    loads with that head (not refused as differing from the embedding), and the trainer's
+    save_pretrained writes lm_head.weight back."""
+    import json
+
+    from vllm.training import Policy
+    path = tmp_path / "tied_config"
+    shutil.copytree(tiny_nemotron_h, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert not NemotronHConfig.from_hf(cfg | {"tie_word_embeddings": True}).tie_word_embeddings
+    assert_logits_match(str(path), "invariant", load_hf_model, 20)
+    policy = Policy.from_pretrained(str(path), device="cpu")
+    policy.save_pretrained(str(tmp_path / "saved"))
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert torch.equal(saved["lm_head.weight"], policy.lm_head_weight.detach())
+    assert not torch.equal(saved["lm_head.weight"], saved["backbone.embeddings.weight"])
+
+
 # ---- against transformers --------------------------------------------------------------------
 @pytest.mark.parametrize("numerics", ["invariant", "fast"])
 def test_logits_match_transformers(tiny_nemotron_h, numerics):

@@ -130,7 +130,9 @@ class NemotronHConfig:
                 head_dim=int(get("head_dim")),
                 max_position_embeddings=int(get("max_position_embeddings")),
                 layer_norm_epsilon=float(get("layer_norm_epsilon")),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                # transformers' NemotronHForCausalLM never ties (its _tied_weights_keys is empty),
+                # whatever the config says: the checkpoint's lm_head is its own, and so is ours
+                tie_word_embeddings=False,
                 layer_types=layer_types,
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 use_bias=bool(hf.get("use_bias", False)),
