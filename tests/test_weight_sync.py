@@ -55,6 +55,8 @@ def test_rejected_updates_leave_old_weights(tiny_qwen3):
         "unknown": ("model.layers.99.mlp.up_proj.weight", good[name]),
         "dtype": (name, good[name].to(torch.int32)),
         "non-finite": (name, torch.full_like(good[name], float("nan"))),
+        "meta": (name, torch.empty_like(good[name], device="meta")),
+        "sparse": (name, good[name].to_sparse()),
     }
     for why, (key, value) in bad_entries.items():
         # valid tensors come before the bad one: none of them may have been written

@@ -121,6 +121,12 @@ def test_colocated_policy_update_is_zero_copy(tiny_qwen3):
     finally:
         session.copy_all = orig
     assert sum(calls) == 0
+    # the engine's own parameters holding NaN (a diverged colocated step): refused, not counted
+    with torch.no_grad():
+        next(policy.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values.*engine's own parameter"):
+        llm.update_weights(policy.model.hf_state_dict())
+    assert llm.weight_version == 1 and "non-finite" in llm.weight_error
 
 
 def test_paused_request_reports_both_versions(tiny_qwen3, new_weights):

@@ -226,8 +226,18 @@ class WeightUpdate:
                 if w is not None:
                     plan.append(w)
                     names.append(name)
-            # a source that is the parameter's own memory is already live: nothing to check or copy
-            keep = [i for i, (d, s) in enumerate(plan) if not _same_memory(d, s)]
+            # a source that is the parameter's own memory (a colocated trainer's) is already live:
+            # nothing to copy. Its values are checked all the same: the old weights cannot be
+            # kept (they are gone), but the update is refused rather than counted as good
+            live = [i for i, (d, s) in enumerate(plan) if _same_memory(d, s)]
+            if live and self.check_finite:
+                try:
+                    check_finite([plan[i] for i in live], [names[i] for i in live])
+                except ValueError as err:
+                    raise ValueError(f"{err}: it is the engine's own parameter (a colocated trainer wrote it), "
+                                     "so the engine already computes with it") from None
+            dropped = frozenset(live)
+            keep = [i for i in range(len(plan)) if i not in dropped]
             plan, names = [plan[i] for i in keep], [names[i] for i in keep]
             self.num_buckets += 1
             if retain:
