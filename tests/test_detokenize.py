@@ -84,3 +84,34 @@ def test_a_stop_token_completing_a_stop_string_reports_the_string(tok):
     st, texts = _stream(tok, params, out, "stop", end)
     c = st.output().outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (" hello<|im_end|>", "stop", "<|im_end|>")
+
+
+def test_token_bytes_rebuild_the_text_of_byte_level_tokens(tok):
+    """Logprobs' `bytes`: each token's own bytes (a token holding part of a character gives
+    its bytes, not those of U+FFFD), so the bytes of consecutive tokens join to the text."""
+    from vllm.tokenizer import TokenBytes
+    tb = TokenBytes(tok)
+    for text in ["é 日本", "hello world", " a\n\tb", "🙂!"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert bytes(b for i in ids for b in tb(i)) == text.encode("utf-8"), text
+    partial = [i for i in tok.encode("日本", add_special_tokens=False) if tok.decode([i]) == "\ufffd"]
+    assert partial and all(tb(i) != list("\ufffd".encode()) for i in partial)
+
+
+def test_token_bytes_of_sentencepiece_tokens():
+    """A SentencePiece-style tokenizer (a word-boundary mark, byte-fallback pieces <0xNN>):
+    the mark is a space, a fallback piece its byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vllm.tokenizer import TokenBytes
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581hi": 257, "\u2581": 258, "h": 259,
+             "i": 260}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tb = TokenBytes(sp)
+    assert tb(257) == list(b" hi") and tb(1 + 0xE6) == [0xE6]
+    ids = sp.encode("hi 日", add_special_tokens=False)
+    assert bytes(b for i in ids for b in tb(i)).lstrip(b" ") == "hi 日".encode()

@@ -187,6 +187,14 @@ def test_chat_logprobs(served):
         assert len(item["top_logprobs"]) == 2
         # Greedy: the sampled token is the most likely one.
         assert item["top_logprobs"][0]["logprob"] == item["logprob"]
+    # `bytes` are each token's own: a token holding part of a character (the first byte of
+    # "日", forced by logit_bias) gives that byte, not the bytes of the U+FFFD its decode shows
+    tok = served[1].get_tokenizer()
+    lead = tok.encode("日", add_special_tokens=False)[0]
+    assert tok.decode([lead]) == "\ufffd"
+    forced = _run(_post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "logprobs": True,
+                                                       "logit_bias": {str(lead): 100}, "ignore_eos": True}))
+    assert [item["bytes"] for item in forced.json()["choices"][0]["logprobs"]["content"]] == [[0xE6]] * 2
     no_lp = _run(_post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})).json()
     assert no_lp["choices"][0]["logprobs"] is None
 

@@ -133,3 +133,58 @@ def find_stop_string(text: str, before: int, stops: list[str]) -> tuple[int, str
         if pos >= 0:
             return pos, s
     return None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable characters byte-level BPE (GPT-2's scheme, which ByteLevel pre-tokenizers
+    apply) writes for the 256 byte values, mapped back to the bytes: printable Latin-1 bytes
+    stand for themselves, the others for 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shown = set(printable)
+    out = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in shown:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+class TokenBytes:
+    """A token id's own UTF-8 bytes, as OpenAI's logprobs `bytes` give them: for a token that
+    holds part of a character, its bytes, not those of the U+FFFD its lone decode shows (a
+    client joins the bytes of consecutive tokens to rebuild the character). Byte-level BPE
+    tokens map back through the byte alphabet; SentencePiece tokens read their byte-fallback
+    pieces (<0xNN>) and the word-boundary mark (a space); added tokens and other tokenizers
+    give their text's bytes. Cached per id."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+        self._kind = "byte_level" if "ByteLevel" in decoder else \
+            "sentencepiece" if ("ByteFallback" in decoder or "Metaspace" in decoder or "\u2581" in decoder) else "text"
+        self._alphabet = _byte_level_alphabet() if self._kind == "byte_level" else None
+        self._added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}}
+        self._cache: dict[int, list[int]] = {}
+
+    def __call__(self, token_id: int, decoded: str | None = None) -> list[int]:
+        got = self._cache.get(token_id)
+        if got is None:
+            got = self._cache[token_id] = list(self._bytes(token_id, decoded))
+        return got
+
+    def _bytes(self, token_id: int, decoded: str | None) -> bytes:
+        piece = self._tok.convert_ids_to_tokens(token_id) if self._kind != "text" else None
+        if piece is None or token_id in self._added:
+            return (decoded if decoded is not None else self._tok.decode([token_id])).encode("utf-8")
+        if self._kind == "byte_level":
+            if all(ch in self._alphabet for ch in piece):
+                return bytes(self._alphabet[ch] for ch in piece)
+            return piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")

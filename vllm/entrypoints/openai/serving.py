@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from vllm.tokenizer import encode_text
+from vllm.tokenizer import TokenBytes, encode_text
 from vllm.entrypoints.chat_template import CONTENT_FORMATS, apply_content_format, chat_prompt_ids, load_chat_template
 from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError, RequestStream
 from vllm.entrypoints.openai.errors import (ModelNotFoundError, exception_response, exception_response_body,
@@ -232,17 +232,20 @@ def _prompt_logprobs_plain(prompt_lps: list | None) -> list | None:
     return [None if e is None else {tid: lp.model_dump() for tid, lp in e.items()} for e in entries]
 
 
-def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
-    """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first."""
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False,
+                   token_bytes: TokenBytes | None = None) -> ChatLogprobs:
+    """OpenAI chat logprobs: per token its logprob and the k most likely tokens, best first;
+    `bytes` each token's own (TokenBytes; None: its decoded text's)."""
+    def raw(tid: int, lp: Logprob) -> list[int]:
+        return token_bytes(tid, lp.decoded_token) if token_bytes is not None \
+            else list((lp.decoded_token or "").encode("utf-8"))
     content = []
     for tok, entry in zip(token_ids, lps):
         sampled = entry[tok]
-        text = sampled.decoded_token or ""
-        top = [TopLogprob(token=_token_text(tid, lp, as_ids), logprob=json_logprob(lp.logprob),
-                          bytes=list((lp.decoded_token or "").encode("utf-8")))
+        top = [TopLogprob(token=_token_text(tid, lp, as_ids), logprob=json_logprob(lp.logprob), bytes=raw(tid, lp))
                for tid, lp in _top_alternatives(entry, tok, k)]
         content.append(ChatLogprobToken(token=_token_text(tok, sampled, as_ids), logprob=json_logprob(sampled.logprob),
-                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+                                        bytes=raw(tok, sampled), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -328,6 +331,8 @@ class OpenAIServing:
         self.defaults = dict(generation_defaults or {})
         self.model_path = model_path
         self.max_model_len = max_model_len
+        tokenizer = getattr(async_llm, "tokenizer", None)
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None   # chat logprobs' `bytes`
         self.tool_call_parser = check_tool_call_parser(tool_call_parser)   # the format "auto" tool_choice reads
         self.chat_template = load_chat_template(chat_template)   # None: the tokenizer's own
         self.trust_request_chat_template = trust_request_chat_template
@@ -685,7 +690,8 @@ class OpenAIServing:
                               finish_reason=_chat_finish(c, plan, thinking),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
-                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids)
+                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids,
+                                                      self.token_bytes)
                               if req.logprobs and c.logprobs is not None else None)
                    for c in out.outputs]
         n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
@@ -747,7 +753,8 @@ class OpenAIServing:
                     n_gen += len(ids)
                     cur.completion_tokens += len(ids)
                     usage = usage_so_far(cur)
-                    logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids) if req.logprobs and lps is not None else None
+                    logprobs = _chat_logprobs(ids, lps, top_k, req.return_tokens_as_token_ids, self.token_bytes) \
+                        if req.logprobs and lps is not None else None
                     version = c.weight_versions[-1] if c.weight_versions else None
                     parser, finish = parsers[c.index], c.finish_reason
                     pieces = [("content", text)] if thinking[c.index] is None else \
