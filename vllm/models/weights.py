@@ -168,8 +168,6 @@ class WeightPlanner:
         self.names.add(hf_name)
         if not torch.is_tensor(tensor):
             raise ValueError(f"weight {hf_name!r} is not a tensor (got {type(tensor).__name__})")
-        if tensor.is_meta:
-            raise ValueError(f"weight {hf_name!r} is a meta tensor: it has no values to load")
         if tensor.layout != torch.strided:
             raise ValueError(f"weight {hf_name!r} has layout {tensor.layout}: give a dense tensor (.to_dense())")
         if m.is_derived(hf_name):

@@ -222,6 +222,8 @@ class WeightUpdate:
             self.planner.copy_held = not retain   # tied pairs are compared at finish, after the buffer is reused
             plan, names = [], []
             for name, tensor in pairs:
+                if torch.is_tensor(tensor) and tensor.is_meta:   # (planners check manifests with meta tensors)
+                    raise ValueError(f"weight {name!r} is a meta tensor: it has no values to load")
                 w = _add(self.planner, name, tensor)
                 if w is not None:
                     plan.append(w)
