@@ -2,6 +2,8 @@
 layout that must not change bits is compared by bit pattern, never allclose."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -53,6 +55,21 @@ def test_execution_contract(tiny_qwen3):
     tampered["numerical"]["gemm"] = "something else"
     with pytest.raises(ValueError, match="digests"):
         ExecutionContract.from_dict(tampered)
+    # a saved document without its digests, or without a part: ValueErrors, not KeyErrors
+    undigested = inv.to_dict()
+    del undigested["digests"]
+    with pytest.raises(ValueError, match="no digests"):
+        ExecutionContract.from_json(json.dumps(undigested))
+    with pytest.raises(ValueError, match="no 'numerical' part"):
+        ExecutionContract.from_json('{"semantic": {}, "digests": {}}')
+    with pytest.raises(ValueError, match="JSON"):
+        ExecutionContract.from_json("{not json")
+    # a field differing only in its JSON type is refused and named (1 == 1.0 == True in Python)
+    key = next(k for k, v in inv.numerical.items() if isinstance(v, (str, dict)))
+    retyped = ExecutionContract(inv.semantic, {**inv.numerical, key: 1}, inv.deployment)
+    other = ExecutionContract(inv.semantic, {**inv.numerical, key: 1.0}, inv.deployment)
+    with pytest.raises(ValueError, match=f"numerical differs in \\['{key}'\\]"):
+        retyped.check_compatible(other)
 
 
 def test_contract_names_the_code_that_computes(tiny_qwen3, tmp_path):

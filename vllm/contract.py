@@ -171,7 +171,9 @@ class ExecutionContract:
         if not isinstance(d, dict):
             raise ValueError(f"an execution contract is a JSON object, got {type(d).__name__}")
         for part in ("semantic", "numerical", "deployment"):
-            if part in d and not isinstance(d[part], dict):
+            if part not in d:
+                raise ValueError(f"not an execution contract: no {part!r} part")
+            if not isinstance(d[part], dict):
                 raise ValueError(f"execution contract part {part!r} must be an object, got {type(d[part]).__name__}")
         c = cls(d["semantic"], d["numerical"], d["deployment"])
         if "digests" in d and d["digests"] != c.digests:
@@ -180,23 +182,29 @@ class ExecutionContract:
 
     @classmethod
     def from_json(cls, s: str) -> "ExecutionContract":
-        return cls.from_dict(json.loads(s))
+        """A saved contract (to_json's document): its digests must be there and match its
+        content, so an edit to the file is found even where nobody compares it with a peer."""
+        try:
+            d = json.loads(s)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"an execution contract document is JSON: {err}") from None
+        if isinstance(d, dict) and "digests" not in d:
+            raise ValueError("execution contract document has no digests (to_json writes them): corrupted or edited")
+        return cls.from_dict(d)
 
     def check_compatible(self, other: "ExecutionContract | dict") -> None:
         """Raise ValueError unless `other` (a contract, or its to_dict() as it travels) computes
         the same bits as self (semantic + numerical)."""
         if isinstance(other, dict):
-            try:
-                other = ExecutionContract.from_dict(other)
-            except KeyError as err:
-                raise ValueError(f"not an execution contract: no {err} part") from None
+            other = ExecutionContract.from_dict(other)
         elif not isinstance(other, ExecutionContract):
             raise ValueError(f"contract must be an ExecutionContract or its dict, got {type(other).__name__}")
         bad = []
         for part in ("semantic", "numerical"):
             if self.digests[part] != other.digests[part]:
                 a, b = getattr(self, part), getattr(other, part)
-                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                # as the digests see them (1, 1.0 and true are three values there)
+                keys = sorted(k for k in set(a) | set(b) if k not in a or k not in b or _digest(a[k]) != _digest(b[k]))
                 bad.append(f"{part} differs in {keys}")
         if bad:
             raise ValueError("execution contracts are incompatible: " + "; ".join(bad))
