@@ -264,6 +264,7 @@ class LLMEngine:
         # the parameters' version counters as of the last counted weight version: a write that
         # went around on_weights_updated (an optimizer step without attach_optimizer) shows
         self._parameter_versions = self.parameter_versions()
+        self._warned_unannounced = False
         # pause(): step() runs nothing until resume(); requests stay queued with their KV
         # (a weight update in between continues them under the new weights).
         self.paused = False
@@ -430,7 +431,7 @@ class LLMEngine:
         Returns whether it did."""
         if self.parameter_versions() == self._parameter_versions:
             return False
-        if not getattr(self, "_warned_unannounced", False):
+        if not self._warned_unannounced:
             self._warned_unannounced = True
             logger.warning("the parameters changed since the last weight version (an optimizer step without "
                            "policy.attach_optimizer(opt) or policy.notify_weights_updated()?): counted now as a "
