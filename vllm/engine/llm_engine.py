@@ -525,6 +525,9 @@ class LLMEngine:
             "enable_sleep_mode": c.cache.enable_sleep_mode,
             "cuda_graph_batch_sizes": c.cuda_graph_batch_sizes, "max_model_len": c.model.max_model_len,
             "seed": c.seed, "fused_gumbel": c.kernels.fused_gumbel, "keep_master_weights": c.keep_master_weights,
+            # what a request that leaves logprobs_mode unset reports (a request may name another:
+            # only the default can be named here); the trainer's logprobs are "tempered_logprobs"
+            "logprobs_mode": c.logprobs_mode,
         }
         return build_contract(self.executor.model, c.numerics_spec, device=c.device, deployment=deployment)
 
