@@ -114,11 +114,14 @@ def add_parser(sub) -> None:
                         "used, and the first name stands for a request that names none (default: the model path, "
                         "or 'default' for the embedded model)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1/ endpoint (default: the VLLM_API_KEY "
-                        "environment variable, as upstream, which keeps the secret off the command line)")
+                   help="require 'Authorization: Bearer KEY' on every /v1/ endpoint, TRL's generation routes and, "
+                        "without --admin-key, the admin routes (default: the VLLM_API_KEY environment variable, as "
+                        "upstream, which keeps the secret off the command line)")
     p.add_argument("--admin-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/pause, /v1/resume and /v1/weights/* updates "
-                        "(without it those need the --api-key, or nothing: keep the server on 127.0.0.1 then)")
+                   help="require 'Authorization: Bearer KEY' on the admin routes: pause / resume, /abort_requests, "
+                        "/reset_prefix_cache, every weight update route (ours, upstream's weight transfer, TRL's "
+                        "communicator); without it those need the --api-key, or nothing: keep the server on "
+                        "127.0.0.1 then (docs/serving.md lists them)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="sequences (prompts x n) allowed to wait beyond --max-num-seqs; more get HTTP 429 "
                         "(default: no limit)")
