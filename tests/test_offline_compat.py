@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.config import default_model_path
@@ -583,9 +584,48 @@ def test_upstream_names_of_the_engine_and_the_package(llm):
     assert mc.hf_config.vocab_size == mc.hf_config["vocab_size"] == 4096
     assert mc.dtype == llm.config.dtype and mc.quantization is None and eng.cache_config.cache_dtype == "auto"
     with pytest.raises(AttributeError, match="update_weights"):
-        eng.model_executor.driver_worker.model_runner.model.load_weights([])
+        eng.model_executor.driver_worker.model_runner.model.named_parameters()
+    with pytest.raises(AttributeError, match="update_weights"):
+        eng.model_executor.collective_rpc
+    with pytest.raises(ValueError, match="iterable of"):
+        eng.model_executor.driver_worker.model_runner.model.load_weights(torch.zeros(3))
     with pytest.raises(AttributeError):
         mc.hf_config.no_such_key
+
+
+def test_upstream_load_weights_path_is_a_weight_update(tiny_qwen3, new_weights):
+    """`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(pairs)`
+    (TRL's colocated sync, once per parameter; verl's `driver_worker.worker...`; hand-written
+    loops over a state dict) is a versioned weight update: after it the engine gives a fresh
+    engine's bits with the new weights, and a bad tensor changes nothing."""
+    from safetensors.torch import load_file
+    import glob
+    new = {}
+    for f in sorted(glob.glob(f"{new_weights}/*.safetensors")):
+        new.update(load_file(f))
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
+    prompts = ["the cat", "a dog sat on"]
+    llm = LLM(tiny_qwen3, device="cpu", max_model_len=128, enable_prefix_caching=True)
+    before = [o.outputs[0].logprobs for o in llm.generate(prompts, params)]   # a warm prefix cache
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    v0 = llm.llm_engine.weight_version
+    name = next(iter(new))
+    with pytest.raises(ValueError):
+        model.load_weights([(name, new[name][:1])])     # wrong shape: refused, nothing written
+    assert llm.llm_engine.weight_version == v0
+    assert [o.outputs[0].logprobs for o in llm.generate(prompts, params)] == before
+    for i, (n, t) in enumerate(new.items()):   # TRL's loop: one parameter a call
+        worker = llm.llm_engine.model_executor.driver_worker
+        runner = worker.worker.model_runner if i % 2 else worker.model_runner
+        assert runner.model.load_weights([(n, t)]) == {n}
+    assert llm.llm_engine.weight_version == v0 + len(new)
+    got = llm.generate(prompts, params)
+    want = LLM(new_weights, device="cpu", max_model_len=128).generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs])
+        lb = torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs])
+        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
 
 
 def test_model_impl():

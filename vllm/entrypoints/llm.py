@@ -12,6 +12,7 @@ import torch
 from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.core.request import check_priority
 from vllm.engine.llm_engine import LLMEngine
+from vllm.entrypoints.upstream_executor import upstream_executor
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
 from vllm.outputs import RequestOutput
@@ -131,6 +132,8 @@ class LLM:
         self._engine_lock = threading.RLock()
         self._warned_fast_policy = False
         self._generation_config = generation_config
+        # upstream's llm_engine.model_executor...model.load_weights, as this LLM's update_weights
+        self.llm_engine.model_executor = upstream_executor(self.update_weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams: the checkpoint's

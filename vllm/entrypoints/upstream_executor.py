@@ -1,0 +1,61 @@
+"""Upstream vLLM's path to the worker's model, `llm.llm_engine.model_executor.driver_worker
+.model_runner.model` (and verl's `driver_worker.worker.model_runner.model`), for the one call
+RL scripts make through it: `load_weights(weights)`. TRL's colocated sync makes it once per
+parameter, older verl and OpenRLHF workers and many hand-written loops once per state dict.
+
+Here each call is an `LLM.update_weights`: validated whole before anything is written,
+versioned, the prefix cache dropped, refused while an app serves the LLM. Every other
+attribute on the way is an AttributeError naming the ways in: a write through the model
+object itself would skip the engine's versions and cached prefixes."""
+from __future__ import annotations
+
+from typing import Callable
+
+_WAYS_IN = ("this engine's worker is behind its executor; on upstream's path only "
+            "model_executor.driver_worker.model_runner.model.load_weights(weights) is here (a versioned weight "
+            "update). Change weights with llm.update_weights(weights), llm.weight_update() for buckets, "
+            "update_weights_from_ipc or init_weight_transfer_engine; llm.collective_rpc(fn) runs a function on "
+            "the worker (docs/architecture.md)")
+
+
+class _Step:
+    """One object on the path: `attrs` maps the next names to what they give."""
+
+    def __init__(self, path: str, attrs: dict):
+        self._path, self._attrs = path, attrs
+
+    def __getattr__(self, name: str):
+        attrs = self.__dict__.get("_attrs", {})
+        if name in attrs:
+            return attrs[name]
+        raise AttributeError(f"{self.__dict__.get('_path', '')}.{name}: {_WAYS_IN}")
+
+    def __repr__(self) -> str:
+        return f"<{self._path}: upstream's path to load_weights>"
+
+
+class UpstreamModel(_Step):
+    """The end of the path: `load_weights(weights)` as a weight update."""
+
+    def __init__(self, path: str, update: Callable):
+        super().__init__(path, {})
+        self._update = update
+
+    def load_weights(self, weights) -> set[str]:
+        """Write (HF name, tensor) pairs (a state dict's items, one parameter, ...) into the
+        engine's model as one weight update; returns the names written, as upstream returns
+        the names it loaded. A bad name, shape or value is a ValueError and changes nothing."""
+        from vllm.weight_sync.session import _as_pairs
+        pairs = _as_pairs(weights)
+        self._update(pairs)
+        return {name for name, _ in pairs}
+
+
+def upstream_executor(update: Callable) -> _Step:
+    """`model_executor` for an LLM whose `update_weights` is `update`."""
+    root = "llm_engine.model_executor"
+    model = UpstreamModel(f"{root}.driver_worker.model_runner.model", update)
+    runner = _Step(f"{root}.driver_worker.model_runner", {"model": model})
+    worker = _Step(f"{root}.driver_worker", {"model_runner": runner})
+    worker._attrs["worker"] = worker  # verl's driver_worker.worker.model_runner
+    return _Step(root, {"driver_worker": worker})
