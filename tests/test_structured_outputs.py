@@ -72,6 +72,55 @@ def test_schemas_with_keywords_xgrammar_would_not_enforce_are_refused():
     SamplingParams(structured_outputs={"json": ok})
 
 
+def test_string_lengths_constrain_as_a_pattern_without_control_characters():
+    """A string's bare minLength / maxLength compile as a pattern over the string's
+    characters: xgrammar's own length rule lets raw control characters through (invalid
+    JSON). The lengths count characters; control characters and over-long strings are
+    refused."""
+    from vllm.structured_outputs import grammar_of
+    xgr = pytest.importorskip("xgrammar")
+    accept = getattr(getattr(xgr, "testing", None), "_is_grammar_accept_string", None)
+    if accept is None:
+        pytest.skip("this xgrammar has no testing._is_grammar_accept_string")
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8},
+                                               "t": {"type": "string", "minLength": 2}}, "required": ["s", "t"]}
+    g = grammar_of(SO(json=schema))
+    cases = {'{"s": "abc", "t": "xy"}': True, '{"s": "\u00e9", "t": "\u00e9\u00e9"}': True,
+             '{"s": "12345678", "t": "xy"}': True, '{"s": "123456789", "t": "xy"}': False, '{"s": "a\x05b", "t": "xy"}': False,
+             '{"s": "a\nb", "t": "xy"}': False, '{"s": "", "t": "x"}': False}
+    for text, ok in cases.items():
+        assert accept(g, text) is ok, text
+    # the same through a tool's parameters (the named / required tool-call grammar)
+    from vllm.entrypoints.openai.tool_calls import ToolPlan
+    so = ToolPlan("named", ("f",), "f", ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}},
+                                          "required": ["s"]},)).structured_outputs()
+    assert not accept(grammar_of(so), '{"s": "\x01"}') and accept(grammar_of(so), '{"s": "ab"}')
+
+
+def test_upstream_structured_output_fields():
+    """upstream's other fields: disable_fallback and disable_additional_properties are taken
+    (one backend; schemas compile strictly), whitespace_pattern and structural_tag refused;
+    GuidedDecodingParams takes upstream's `backend` (TRL passes "outlines"), its
+    "disable-any-whitespace" option too, and an unknown backend is a ValueError."""
+    import warnings
+    from vllm.sampling_params import GuidedDecodingParams
+    SO(regex="a", disable_fallback=True, disable_additional_properties=True)
+    for bad in ({"whitespace_pattern": " "}, {"structural_tag": "{}"}, {"disable_fallback": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SO(regex="a", **bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        g = GuidedDecodingParams(backend="outlines", regex="a+")
+        assert g.kind == "regex" and g.backend == "outlines"
+        assert GuidedDecodingParams(backend="xgrammar:disable-any-whitespace", json_object=True).disable_any_whitespace
+        sp = SamplingParams(guided_decoding={"backend": "guidance", "choice": ["x", "y"]})
+        assert sp.structured_outputs.kind == "choice"
+        with pytest.raises(ValueError, match="backend"):
+            GuidedDecodingParams(backend="mine", regex="a")
+    with pytest.raises(ValueError, match="backend"):
+        SamplingParams(structured_outputs={"regex": "a", "backend": "outlines"})   # not a current field
+
+
 def test_tool_parameters_constrain_as_far_as_the_backend_enforces():
     """A tool's parameters schema (the agent's, not a response format) keeps constraining
     required / named tool calls without the keywords xgrammar would drop."""

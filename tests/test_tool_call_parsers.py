@@ -385,3 +385,14 @@ def test_server_parses_the_format(server, parser):
     app.state.serving.tool_call_parser = "hermes"
     other = client.chat.completions.create(**kw).choices[0]
     assert other.message.tool_calls is None and other.finish_reason == "stop" and other.message.content
+
+
+def test_required_array_with_a_raw_control_character_parses():
+    """A "required" call whose arguments hold a raw control character (invalid JSON, which a
+    grammar may let through) is still a call, its arguments dumped again, escaped."""
+    import json
+    plan = plan_tools(TOOLS, "required")
+    text = '[{"name": "add", "parameters": {"a": "x\x05y"}}]'
+    content, calls = plan.parse(text)
+    assert content is None and [c.name for c in calls] == ["add"]
+    assert json.loads(calls[0].arguments) == {"a": "x\x05y"}

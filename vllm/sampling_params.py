@@ -86,12 +86,30 @@ def _count(value, field_name: str) -> int:
     return int(value)
 
 
+# upstream's guided-decoding backends (GuidedDecodingParams.backend, "name:option,..."): each
+# enforces the same constraint; here xgrammar does, whichever is named
+GUIDED_BACKENDS = ("auto", "xgrammar", "outlines", "guidance", "lm-format-enforcer")
+
+
+@dataclass
 class GuidedDecodingParams(StructuredOutputsParams):
-    """upstream's deprecated name of StructuredOutputsParams (the same fields)."""
+    """upstream's deprecated name of StructuredOutputsParams: the same fields, and its
+    `backend` (TRL passes "outlines"). Any of upstream's backends is taken (the constraint
+    is the same; xgrammar enforces it here); the option "disable-any-whitespace" sets
+    disable_any_whitespace, other options are ignored as upstream's other backends ignore
+    theirs."""
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         warnings.warn("GuidedDecodingParams is deprecated: use StructuredOutputsParams", DeprecationWarning,
                       stacklevel=3)
+        if self.backend is not None:
+            if not isinstance(self.backend, str) or self.backend.split(":", 1)[0] not in GUIDED_BACKENDS:
+                raise ValueError(f"guided decoding backend {self.backend!r}: expected one of {GUIDED_BACKENDS} "
+                                 "(optionally with ':options')")
+            options = self.backend.split(":", 1)[1].split(",") if ":" in self.backend else []
+            if "disable-any-whitespace" in options:
+                self.disable_any_whitespace = True
         super().__post_init__()
 
 
@@ -258,7 +276,8 @@ class SamplingParams:
                           DeprecationWarning, stacklevel=3)
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its deprecated name), not both")
-            self.structured_outputs = StructuredOutputsParams.of(self.guided_decoding)
+            self.structured_outputs = (self.guided_decoding if isinstance(self.guided_decoding, StructuredOutputsParams)
+                                       else GuidedDecodingParams.of(self.guided_decoding))
             self.guided_decoding = None
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.structured_outputs is not None and self.min_tokens > 0:

@@ -48,8 +48,25 @@ class StructuredOutputsParams:
     # sets them to the reasoning parser's end marker, `</think>`, so a thinking model reasons
     # freely and its answer matches); None: from the first token
     after_token_ids: list[int] | None = None
+    # upstream's other fields. xgrammar compiles schemas in strict mode: properties a schema
+    # does not name are refused whether or not disable_additional_properties asks; there is
+    # one backend, so nothing to fall back from. whitespace_pattern (outlines') and
+    # structural_tag are refused: a constraint given and not enforced would be a silent lie
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        for flag in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"structured_outputs.{flag} must be a boolean, got {getattr(self, flag)!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported here (it is outlines'; this "
+                             "engine's grammars are xgrammar's): use disable_any_whitespace=True for compact JSON")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported here: give a json schema, regex, "
+                             "choice or grammar")
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
@@ -131,11 +148,9 @@ def _schema_text(schema) -> str:
         except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
         check_schema_depth(parsed)
-        refuse_unenforced_keywords(parsed)
-        return schema
+        return json.dumps(_walk_unenforced(parsed, "$", drop=False))
     check_schema_depth(schema)
-    refuse_unenforced_keywords(schema)
-    return json.dumps(schema)
+    return json.dumps(_walk_unenforced(schema, "$", drop=False))
 
 
 # JSON-schema keywords xgrammar's converter drops without enforcing them (its log says
@@ -193,6 +208,23 @@ def _walk_unenforced(schema, path: str, drop: bool):
                              "is not enforced by the grammar backend (xgrammar); fold the length into the pattern")
         out.pop("minLength", None)
         out.pop("maxLength", None)
+    elif out.get("type") == "string" and ("minLength" in out or "maxLength" in out):
+        out = _lengths_as_pattern(out)
+    return out
+
+
+def _lengths_as_pattern(schema: dict) -> dict:
+    """A string schema's minLength / maxLength as the pattern ^[\\s\\S]{min,max}$. xgrammar
+    compiles bare lengths into a repeat of any character but a quote, a backslash or a line
+    break, which lets the other control characters through, which JSON forbids (the output
+    would not parse; its issue mlc-ai/xgrammar#800); a pattern it matches against the
+    string's characters, control characters excluded. Either way the string holds no
+    escapes. Lengths that are not non-negative integers are left for xgrammar to refuse."""
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in (lo, hi) if x is not None):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("minLength", "maxLength")}
+    out["pattern"] = "^[\\s\\S]{%d,%s}$" % (lo, "" if hi is None else hi)
     return out
 
 

@@ -326,7 +326,9 @@ class ToolCallStream:
             out.append(StreamPiece(content=body))
 
     def _feed_array(self, out: list[StreamPiece], finished: bool) -> None:
-        dec = json.JSONDecoder()
+        # strict=False: a raw control character inside a string (a grammar may let one through)
+        # still parses; the arguments are dumped again, escaped
+        dec = json.JSONDecoder(strict=False)
         text = self.buf
         while self.pos >= 0:
             i = self.pos
@@ -357,7 +359,7 @@ class ToolCallStream:
 
     def _whole_array(self) -> bool:
         try:
-            return isinstance(json.loads(self.buf), list)
+            return isinstance(json.loads(self.buf, strict=False), list)
         except json.JSONDecodeError:
             return False
 
