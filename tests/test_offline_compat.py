@@ -135,6 +135,21 @@ def test_upstream_engine_args():
         LLM(device="cpu", pipeline_parallel_size=2)
     with pytest.raises(TypeError, match="not_an_arg"):
         LLM(device="cpu", not_an_arg=1)
+    with pytest.raises(ValueError, match="override_generation_config"):
+        LLM(device="cpu", override_generation_config={"temperature": 0.3})
+    with pytest.raises(ValueError, match="task='embed'"):
+        LLM(device="cpu", task="embed")
+
+
+def test_engine_args_rl_frameworks_pass():
+    """verl's, OpenRLHF's and TRL's LLM(...) keywords that change nothing here are taken."""
+    llm = LLM(device="cpu", disable_mm_preprocessor_cache=True, limit_mm_per_prompt=None,
+              compilation_config={"cudagraph_capture_sizes": [1, 2]}, max_seq_len_to_capture=8192,
+              cuda_graph_sizes=[1, 2], disable_cascade_attn=True, task="generate", runner="auto",
+              served_model_name="m", download_dir=None, max_lora_rank=64, enable_expert_parallel=False,
+              override_generation_config=None)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.generate(["hi"], sp, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_tiny_temperatures_and_seeds_out_of_range(llm):

@@ -579,6 +579,26 @@ UPSTREAM_NOOP_ARGS = {
     "skip_tokenizer_init": lambda v: v is False,
     "hf_overrides": lambda v: not v,
     "worker_extension_cls": lambda v: not v,
+    # text-only causal LMs: no multimodal inputs to preprocess or limit (a prompt with them is refused)
+    "disable_mm_preprocessor_cache": lambda v: isinstance(v, bool),
+    "limit_mm_per_prompt": lambda v: v is None or isinstance(v, dict),
+    "mm_processor_cache_gb": lambda v: isinstance(v, (int, float)),
+    # torch.compile and upstream's graph capture: this engine runs its own kernels and captures
+    # its CUDA graphs at cuda_graph_batch_sizes; results do not depend on either
+    "compilation_config": lambda v: v is None or isinstance(v, (int, dict)),
+    "max_seq_len_to_capture": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "cuda_graph_sizes": lambda v: v is None or isinstance(v, (int, list)),
+    "disable_cascade_attn": lambda v: isinstance(v, bool),
+    "task": lambda v: v in ("auto", "generate"),
+    "runner": lambda v: v in ("auto", "generate"),
+    "served_model_name": lambda v: v is None or isinstance(v, (str, list)),   # offline: no served name
+    "download_dir": lambda v: v is None or isinstance(v, str),                # local checkpoints only
+    "max_lora_rank": lambda v: isinstance(v, int),                            # with enable_lora=False
+    "max_loras": lambda v: isinstance(v, int),
+    "max_cpu_loras": lambda v: v is None or isinstance(v, int),
+    "override_generation_config": lambda v: not v,
+    # experts over the tensor-parallel group (of one here): every expert on the one rank
+    "enable_expert_parallel": lambda v: v is False or v is True,
 }
 
 
