@@ -121,12 +121,23 @@ def test_colocated_policy_update_is_zero_copy(tiny_qwen3):
     finally:
         session.copy_all = orig
     assert sum(calls) == 0
-    # the engine's own parameters holding NaN (a diverged colocated step): refused, not counted
+    # the engine's own parameters holding NaN (a diverged colocated step): refused, not counted;
+    # the old weights are gone, so the engine stops serving until an update with finite weights
+    p = next(policy.parameters())
+    good = p.detach().view(-1)[0].clone()
     with torch.no_grad():
-        next(policy.parameters()).view(-1)[0] = float("nan")
+        p.view(-1)[0] = float("nan")
     with pytest.raises(ValueError, match="non-finite values.*engine's own parameter"):
         llm.update_weights(policy.model.hf_state_dict())
-    assert llm.weight_version == 1 and "non-finite" in llm.weight_error
+    assert llm.weight_version == 1 and "non-finite" in llm.weight_error and "own parameters" in llm.weight_error
+    assert llm.llm_engine.weights_torn and "previous weights kept" not in llm.weight_error
+    with pytest.raises(ValueError, match="not serving"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
+    with torch.no_grad():
+        p.view(-1)[0] = good          # the trainer restores finite weights and reports them
+    assert llm.update_weights(policy.model.hf_state_dict()) > 1
+    assert not llm.llm_engine.weights_torn
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_paused_request_reports_both_versions(tiny_qwen3, new_weights):

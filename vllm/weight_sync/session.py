@@ -199,6 +199,7 @@ class WeightUpdate:
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []     # validated, written at finish
         self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []       # (destination, its previous bytes)
         self._written = False
+        self._live_non_finite = False   # a colocated source held NaN / Inf: the engine's own weights
         self._planned_complete = False
         self.closed = False
         self.num_buckets = 0
@@ -236,6 +237,9 @@ class WeightUpdate:
                 try:
                     check_finite([plan[i] for i in live], [names[i] for i in live])
                 except ValueError as err:
+                    # the bad values are already the engine's: abort cannot keep the old weights,
+                    # so the engine stops serving (as after a torn update) until a good update
+                    self._live_non_finite = True
                     raise ValueError(f"{err}: it is the engine's own parameter (a colocated trainer wrote it), "
                                      "so the engine already computes with it") from None
             dropped = frozenset(live)
@@ -350,6 +354,13 @@ class WeightUpdate:
                 torch.cuda.synchronize(eng.executor.info.device)
             if hasattr(eng, "record_parameter_versions"):   # the old weights, written back: not a new version
                 eng.record_parameter_versions()
+        if self._live_non_finite:
+            eng.weights_torn = True
+            eng.weight_error = (f"weight update refused ({reason}); the non-finite values are in the engine's own "
+                                "parameters (a colocated trainer wrote them in place), so the previous weights are "
+                                "gone: the engine refuses requests until an update with finite weights finishes")
+            logger.error(eng.weight_error)
+            return
         if getattr(eng, "weights_torn", False):
             # an earlier failure tore the weights and this one wrote nothing: still torn
             eng.weight_error = (f"weight update failed ({reason}); the weights are still torn by an earlier failed "
