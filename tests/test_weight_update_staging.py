@@ -18,6 +18,8 @@ import threading
 import time
 from multiprocessing import Pipe
 
+import glob
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -321,6 +323,33 @@ def test_abort_while_staging_ends_the_thread(old_llm, new_weights):
     assert drv.call(3, "abort_weight_staging") == (True, {"aborted": False, "weight_version": 0})
     drv.until(lambda: "a" in drv.finished)
     assert drv.versions["a"] == [0] and old_llm.llm_engine.weight_version == 0
+
+
+def test_other_updates_wait_for_a_staging_checkpoint(old_llm, new_weights):
+    """A checkpoint being staged is written when it ends, after any update that lands
+    meanwhile, which it would overwrite: the IPC, group and four-phase updates (and TRL's
+    per-tensor one) are refused while it stages, naming it; nothing changes."""
+    from vllm.weight_sync.ipc import IpcExport
+    gate = Gate()
+    core = EngineCore(old_llm.llm_engine)
+    core.staging_hook = gate
+    drv = Driver(core)
+    drv.call(1, "update_weights_from_path", new_weights)
+    assert gate.entered.wait(60)
+    tensors = dict(load_file(sorted(glob.glob(f"{new_weights}/*.safetensors"))[0]))
+    ipc = IpcExport(list(tensors.items()))
+    try:
+        for call_id, (method, args) in enumerate([
+                ("update_weights_from_ipc", ({"buckets": ipc.message()},)),
+                ("weight_transfer", ("start",)),
+                ("weight_transfer", ("check_trl", "model.norm.weight", "float32", [64]))], start=2):
+            ok, (kind, msg) = drv.call(call_id, method, *args)
+            assert not ok and kind == "ValueError" and "being staged" in msg and new_weights in msg, msg
+    finally:
+        ipc.release()
+    assert old_llm.llm_engine.weight_version == 0 and old_llm.llm_engine.weight_update is None
+    ok, res = drv.call(9, "abort_weight_staging")
+    assert ok and res["aborted"] is True and old_llm.llm_engine.weight_version == 0
 
 
 def test_shutdown_while_staging_ends_the_thread(old_llm, new_weights):

@@ -413,10 +413,21 @@ class EngineCore:
         self._release_staged(job)
         return True
 
+    def _refuse_while_staging(self, what: str) -> None:
+        """A checkpoint being staged is written when its staging ends, after whatever update
+        lands meanwhile: that newer update would then serve for a moment and be overwritten
+        by the older weights under a higher version. So another update waits for it."""
+        job = self._staging
+        if job is not None:
+            raise ValueError(f"{what}: a weight update from {job.path!r} is being staged and is written when it "
+                             "ends, after this one, which it would overwrite; send this one after that update "
+                             "answers, or abort it first (abort_weight_staging)")
+
     def utility_update_weights_from_ipc(self, spec: dict) -> dict:
         """Buckets another process on this node exported (vllm/weight_sync/ipc.py), as one update."""
         from vllm.weight_sync.ipc import apply_ipc_update
 
+        self._refuse_while_staging("update_weights_from_ipc")
         if not isinstance(spec, dict) or not isinstance(spec.get("buckets"), list):
             raise ValueError("update_from_ipc takes {'buckets': [...]} as exported by vllm.weight_sync.ipc")
         contract = _contract_of(spec.get("contract"))
@@ -431,6 +442,7 @@ class EngineCore:
         if self.weight_group is None:
             raise ValueError("no weight group: POST /v1/weights/init_group first")
         try:
+            self._refuse_while_staging("update_weights_from_group")
             kwargs = _spec(spec, self.update_weights_from_group)
         except ValueError:
             if self.weight_group is not None:
@@ -443,6 +455,8 @@ class EngineCore:
         """upstream vLLM's four-phase weight transfer and TRL's per-tensor protocol
         (vllm/weight_sync/transfer.py: `op` is one of WeightTransfer's operations)."""
         from vllm.weight_sync.transfer import transfer_of
+        if op in ("start", "check_trl"):    # the operations that open an update
+            self._refuse_while_staging({"start": "start_weight_update", "check_trl": "update_named_param"}[op])
         return transfer_of(self.engine).call(op, *args)
 
     def _paused(self):
