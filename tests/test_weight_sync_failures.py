@@ -178,3 +178,108 @@ def test_contracts_on_ipc_and_path_updates(tiny_qwen3, new_weights):
         time.sleep(0.01)
     assert [r.ok for r in core.take_outputs().utility_results] == [True]
     assert llm.weight_version == 2
+
+
+def test_malformed_shapes_and_offsets_are_value_errors(tiny_qwen3):
+    """A wire layout or manifest with a negative or fractional dimension, or an entry at an
+    offset its dtype cannot start at, is a ValueError (not a RuntimeError, a 500 on the
+    server) and changes nothing."""
+    from vllm.weight_sync.bucket import plan_buckets
+    llm = LLM(tiny_qwen3, device="cpu")
+    name = "model.norm.weight"
+    for shape in ([-64], [64.7], [True], "64"):
+        with pytest.raises(ValueError, match="non-negative integers"):
+            plan_buckets([(name, "float32", shape)])
+    shm = shared_memory.SharedMemory(create=True, size=1024)
+    try:
+        handle = {"kind": "shm", "name": shm.name, "nbytes": 1024}
+        for entry, match in (([name, "float32", [-64], 0], "non-negative integers"),
+                             ([name, "float32", [64], 1], "not a multiple"),
+                             ([name, "float32", [64], -4], "offset")):
+            with pytest.raises(ValueError, match=match):
+                llm.update_weights_from_ipc([{"layout": {"entries": [entry], "nbytes": 1024}, "handle": handle}])
+    finally:
+        shm.close()
+        shm.unlink()
+    assert not llm.llm_engine.paused and llm.weight_version == 0
+
+
+def test_transfer_refusals_end_the_started_update(tiny_qwen3):
+    """upstream's four-phase transfer: update_weights without a group, or a group init with a
+    bad timeout, is a ValueError; a started update it refuses ends (the engine resumes)."""
+    from vllm.weight_sync.transfer import _timeout
+    llm = LLM(tiny_qwen3, device="cpu")
+    llm.start_weight_update()
+    info = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]]}}
+    with pytest.raises(ValueError, match="no weight transfer group"):
+        llm.update_weights(info)
+    assert not llm.llm_engine.paused and llm.llm_engine.weight_update is None
+    assert _timeout(None) == 300.0 and _timeout(5) == 5.0
+    for bad in ("5", 0, -1, float("nan"), True):
+        with pytest.raises(ValueError, match="timeout_s"):
+            _timeout(bad)
+    with pytest.raises(ValueError, match="timeout_s"):
+        llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                                                       "rank_offset": 1, "world_size": 2, "timeout_s": "x"}})
+
+
+def test_trl_tensor_after_its_update_closed_is_reported(tiny_qwen3, monkeypatch):
+    """TRL's per-tensor route: a request settling the implicit update between a tensor's
+    check and its broadcast leaves that tensor unwritten; the next call says so (it was
+    dropped without a word)."""
+    from vllm.weight_sync import transfer as tr
+
+    class FakeGroup:   # the broadcast's data: ones (the trainer's tensor)
+        device = torch.device("cpu")
+        store = None
+        spec = type("Spec", (), {"world_size": 2, "timeout_s": 5.0})()
+
+        def broadcast(self, buf, src):
+            buf.fill_(0)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(tr, "store_barrier", lambda *a: None)
+    llm = LLM(tiny_qwen3, device="cpu")
+    t = tr.transfer_of(llm.llm_engine)
+    t.group, t.protocol, t.trainer_rank = FakeGroup(), "trl", 1
+    name = "model.norm.weight"
+    shape = list(llm.llm_engine.executor.model.hf_state_dict()[name].shape)
+    assert t.check_trl(name, "float32", shape) == {"ready": True}
+    assert t.receive_trl(name, "float32", shape) == {"received": True}
+    assert t.check_trl(name, "float32", shape) == {"ready": True}
+    v = t.settle()["weight_version"]            # a /generate/ came between the check and the broadcast
+    assert t.receive_trl(name, "float32", shape) == {"received": False}
+    with pytest.raises(ValueError, match="arrived after its update was closed"):
+        t.check_trl(name, "float32", shape)
+    assert t.check_trl(name, "float32", shape) == {"ready": True}   # reported once
+    assert llm.weight_version == v
+
+
+def test_a_group_that_breaks_under_a_collective_is_left(tiny_qwen3, monkeypatch):
+    """A group failing inside a collective (the trainer gone, a timeout closing its pairs)
+    is a ValueError saying to join again, not a RuntimeError; the group is left and the
+    started update ends with the previous weights."""
+    from vllm.weight_sync import transfer as tr
+
+    class FakeGroup:
+        device, rank = torch.device("cpu"), 1
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    def broken(*a, **k):
+        raise RuntimeError("Application timeout caused pair closure")
+    monkeypatch.setattr(tr, "receive_buckets", broken)
+    llm = LLM(tiny_qwen3, device="cpu")
+    t = tr.transfer_of(llm.llm_engine)
+    group = FakeGroup()
+    t.group, t.protocol = group, "vllm"
+    llm.start_weight_update()
+    info = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]]}}
+    with pytest.raises(ValueError, match="group failed.*join it again"):
+        llm.update_weights(info)
+    assert group.closed and t.group is None and not llm.llm_engine.paused and llm.weight_version == 0
+    with pytest.raises(ValueError, match="no weight transfer group"):
+        llm.update_weights(info)

@@ -42,7 +42,18 @@ class BucketEntry:
     @classmethod
     def from_json(cls, item) -> "BucketEntry":
         name, dtype, shape, offset = item
-        return cls(str(name), str(dtype), tuple(int(s) for s in shape), int(offset))
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"bucket entry {name!r}: offset must be a non-negative integer, got {offset!r}")
+        return cls(str(name), str(dtype), shape_of(shape, name), offset)
+
+
+def shape_of(shape, name) -> tuple[int, ...]:
+    """A manifest's shape as a tuple of non-negative ints; anything else (a negative or
+    fractional dimension, a bool, a string) is a ValueError naming the tensor."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple)) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"weight {name!r}: shape {shape!r} is not a list of non-negative integers")
+    return tuple(shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,7 +100,7 @@ def plan_buckets(manifest: Sequence[tuple[str, str, Sequence[int]]], bucket_byte
     cur: list[BucketEntry] = []
     used = 0
     for name, dtype, shape in manifest:
-        e = BucketEntry(str(name), str(dtype), tuple(int(s) for s in shape), 0)
+        e = BucketEntry(str(name), str(dtype), shape_of(shape, name), 0)
         size = e.nbytes
         if cur and used + size > bucket_bytes:
             out.append(BucketLayout(tuple(cur), used))
@@ -113,6 +124,10 @@ class FlatBucket:
             if e.offset < 0 or e.offset + e.nbytes > min(layout.nbytes, buffer.numel()):
                 raise ValueError(f"bucket entry {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes}) lies outside "
                                  f"its bucket of {min(layout.nbytes, buffer.numel())} bytes")
+            size = torch.empty((), dtype=e.torch_dtype).element_size()
+            if e.offset % size:
+                raise ValueError(f"bucket entry {e.name!r} starts at byte {e.offset}, not a multiple of its "
+                                 f"{e.dtype} element size ({size})")
         self.buffer = buffer
         self.layout = layout
         self._views: list[tuple[str, torch.Tensor]] | None = None

@@ -40,6 +40,15 @@ def _int(info: dict, key: str, default=None) -> int:
     return v
 
 
+def _timeout(v) -> float:
+    """A timeout in seconds (None: the default, 300); anything but a positive number is a ValueError."""
+    if v is None:
+        return 300.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {v!r}")
+    return float(v)
+
+
 def _contract(spec):
     if spec is None:
         return None
@@ -88,6 +97,7 @@ class WeightTransfer:
         self.update = None                     # the open WeightUpdate
         self._resume_after = False             # the engine was running before start
         self._failed: str | None = None        # why the open update was aborted
+        self._lost: str | None = None          # TRL: a tensor received after its update closed
         self._barriers = 0
         self.labels: dict[int, str] = {}       # weight version -> the trainer's label
 
@@ -129,7 +139,7 @@ class WeightTransfer:
         else:
             logger.warning("weight transfer joined without an execution contract (init_info.contract): the "
                            "trainer's numerics are not checked against this engine's")
-        spec = GroupSpec(host, port, offset, world, backend, float(init_info.get("timeout_s", 300.0))).validate()
+        spec = GroupSpec(host, port, offset, world, backend, _timeout(init_info.get("timeout_s"))).validate()
         self._join(spec)
         self.protocol, self.trainer_rank, self.contract, self.backup = "vllm", 0, contract, backup
         logger.info("weight transfer group joined at %s:%d as rank %d of %d (%s)", host, port, offset, world, backend)
@@ -150,7 +160,7 @@ class WeightTransfer:
         else:
             logger.warning("TRL communicator joined without an execution contract: the trainer's numerics are not "
                            "checked against this engine's")
-        spec = GroupSpec(host, port, 0, world_size, self._device_backend(), float(timeout_s)).validate()
+        spec = GroupSpec(host, port, 0, world_size, self._device_backend(), _timeout(timeout_s)).validate()
         self._join(spec)
         self.protocol, self.trainer_rank, self.contract, self.backup, self._barriers = "trl", world_size - 1, theirs, \
             "device", 0
@@ -161,12 +171,25 @@ class WeightTransfer:
         """Leave the group; an update still open is aborted (the previous weights stay)."""
         if self.update is not None:
             self._abort("the communicator was closed before the update finished")
-        self._failed = None
+        self._failed = self._lost = None
         if self.group is not None:
             self.group.close()
             self.group = None
         self.protocol = None
         return {"closed": True}
+
+    def _broken_group(self, err: BaseException) -> ValueError:
+        """The group failed under a collective (the trainer left, a timeout closed its
+        connections): it cannot carry another update, so it is left; the caller joins again."""
+        if self.group is not None:
+            try:
+                self.group.close()
+            except Exception:  # noqa: BLE001 -- already broken
+                pass
+            self.group, self.protocol = None, None
+        return ValueError(f"the weight transfer group failed ({type(err).__name__}: {err}) and was left; the "
+                          f"previous weights (version {self.engine.weight_version}) keep serving: join it again "
+                          "(/init_weight_transfer_engine) before the next update")
 
     def _need_group(self, protocol: str) -> WeightGroup:
         if self.group is None:
@@ -226,10 +249,10 @@ class WeightTransfer:
         the manifest is checked against the model, then the trainer's buckets are received
         into the open update (handshake and outcome flags: vllm/weight_sync/group.py). A
         refusal after parsing is flagged to the trainer, which then sends nothing."""
-        group = self._need_group("vllm")
-        # a body that is no manifest is refused without touching the group (nobody may be
-        # broadcasting), and ends the started update: the engine does not stay paused
+        # no group, or a body that is no manifest, is refused without touching the group (nobody
+        # may be broadcasting), and ends the started update: the engine does not stay paused
         try:
+            group = self._need_group("vllm")
             manifest = parse_manifest(update_info)
             bucket_bytes = _int(update_info, "packed_buffer_size_bytes", DEFAULT_BUCKET_BYTES)
             if bucket_bytes <= 0:
@@ -242,14 +265,19 @@ class WeightTransfer:
             check_manifest(self.engine.executor.model, layouts)
             update = self._open_update()
         except Exception as err:
-            group.flag(0, src=group.rank)     # the trainer waits for the handshake: refuse at once
             self._after_failure(err)          # nothing was written: the started update ends, requests resume
+            try:
+                group.flag(0, src=group.rank)     # the trainer waits for the handshake: refuse at once
+            except Exception as flag_err:  # noqa: BLE001 -- the group itself broke
+                raise self._broken_group(flag_err) from flag_err
             raise
         t0 = time.perf_counter()
         try:
             receive_buckets(update, group, layouts, self.engine.executor.info.device, trainer_rank=self.trainer_rank)
         except Exception as err:
             self._after_failure(err)
+            if not isinstance(err, ValueError):
+                raise self._broken_group(err) from err
             raise
         logger.info("received %d tensors in %d bucket(s) in %.2f s", len(manifest), len(layouts), time.perf_counter() - t0)
         return {"received": len(manifest)}
@@ -341,7 +369,13 @@ class WeightTransfer:
             raise ValueError(f"the broadcast of {name!r} failed: {type(err).__name__}: {err}") from err
         tensor = buf[:n * torch.empty((), dtype=torch_dtype).element_size()].view(torch_dtype).view(shp)
         if self.update is None or self.update.closed:
-            return {"received": False}            # the implicit update was aborted: reported by the next call
+            if self.update is None and self._failed is None:
+                # not aborted: the implicit update was closed (a generate or a prefix-cache reset
+                # settled it) between this tensor's check and its broadcast
+                self._lost = (f"weight {name!r} arrived after its update was closed (a request or a prefix-cache "
+                              "reset came between its check and its broadcast) and was not written; the weights "
+                              f"serving (version {self.engine.weight_version}) lack it: send it again")
+            return {"received": False}            # reported by the next call
         try:
             self.update.load({name: tensor.to(self.engine.executor.info.device)}, retain=False)
         except Exception as err:  # noqa: BLE001 -- the caller already got its answer: keep it for the next call
@@ -361,6 +395,9 @@ class WeightTransfer:
     def _report_failure(self) -> None:
         if self.update is not None and self.update.closed:
             self._closed()
+        if self.protocol == "trl" and self._lost is not None:
+            lost, self._lost = self._lost, None
+            raise ValueError(lost)
         if self.protocol == "trl" and self.update is None and self._failed is not None:
             reason, self._failed = self._failed, None
             raise ValueError(f"a weight update was refused and undone ({reason}); the previous weights "
