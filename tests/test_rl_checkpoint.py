@@ -18,7 +18,10 @@ def _snapshot(weight: float = 1.0) -> ck.CheckpointSnapshot:
         hf_tensors={"w": torch.full((256, 256), weight)},
         training_state={"optimizer": {"state": {0: {"exp_avg": torch.ones(256, 256)}}}, "master_weights": None,
                         "reference": None},
-        rng=ck.rng_state(), trainer_state={"step": 1}, config_yaml="a: 1\n", contract_json="{}")
+        rng=ck.rng_state(), trainer_state=dict(STATE), config_yaml="a: 1\n", contract_json="{}")
+
+
+STATE = {"step": 1, "weight_version": 1, "data": {}, "seed": 0}
 
 
 def _latest(run):
@@ -29,7 +32,7 @@ def test_write_then_open(tmp_path):
     path = ck.checkpoint_path(str(tmp_path), 3)
     ck.CheckpointSnapshot.write(_snapshot(), path)
     c = ck.Checkpoint.open(ck.find_checkpoint("latest", str(tmp_path)))
-    assert c.trainer_state == {"step": 1} and torch.equal(c.hf_weights()["w"], torch.ones(256, 256))
+    assert c.trainer_state == STATE and torch.equal(c.hf_weights()["w"], torch.ones(256, 256))
     assert torch.equal(c.training_state()["optimizer"]["state"][0]["exp_avg"], torch.ones(256, 256))
 
 
@@ -83,3 +86,40 @@ def test_host_copy_is_a_copy():
     snap = ck._host_copy({"a": [t]})
     t.add_(1)
     assert snap["a"][0].sum() == 0
+
+
+def _truncate(p):
+    data = p.read_bytes()
+    p.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, part", [
+    (lambda d: (d / "config.yaml").unlink(), "config.yaml"),
+    (lambda d: (d / "config.yaml").write_text(""), "config.yaml"),
+    (lambda d: (d / "config.yaml").write_text("a: [1\n"), "config.yaml"),
+    (lambda d: (d / "contract.json").unlink(), "contract.json"),
+    (lambda d: (d / "trainer_state.json").write_text("{not json"), "trainer_state.json"),
+    (lambda d: (d / "trainer_state.json").write_text('{"step": 1}'), "trainer_state.json"),
+    (lambda d: (d / "rng.pt").unlink(), "rng.pt"),
+    (lambda d: __import__("shutil").rmtree(d / "model"), "model/"),
+])
+def test_a_damaged_checkpoint_is_refused_by_name(tmp_path, damage, part):
+    """A resume from a checkpoint with a missing, empty or unreadable part is a ValueError
+    naming the part (not a FileNotFoundError / JSONDecodeError / KeyError from deep inside,
+    nor, for an empty config.yaml, a run silently resumed on the default settings)."""
+    path = ck.checkpoint_path(str(tmp_path), 3)
+    ck.CheckpointSnapshot.write(_snapshot(), path)
+    damage(tmp_path / "checkpoints" / os.path.basename(path))
+    with pytest.raises(ValueError, match=f"incomplete or damaged: {part}"):
+        ck.Checkpoint.open(path)
+
+
+@pytest.mark.parametrize("name", ["training_state.pt", "rng.pt", "model/model.safetensors"])
+def test_a_truncated_file_is_refused_by_name_when_read(tmp_path, name):
+    path = ck.checkpoint_path(str(tmp_path), 3)
+    ck.CheckpointSnapshot.write(_snapshot(), path)
+    _truncate(tmp_path / "checkpoints" / os.path.basename(path) / name)
+    c = ck.Checkpoint.open(path)
+    read = {"training_state.pt": c.training_state, "rng.pt": c.rng_state, "model/model.safetensors": c.hf_weights}
+    with pytest.raises(ValueError, match=f"incomplete or damaged: {name}"):
+        read[name]()

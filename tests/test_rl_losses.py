@@ -194,3 +194,16 @@ def test_mismatch_stats():
     assert s["logprob_diff_std"] == pytest.approx(0.05, rel=1e-5)
     d = torch.tensor([0.1, -0.2], dtype=torch.float64)
     assert s["k3_kl"] == pytest.approx(float((torch.exp(d) - 1 - d).mean()), rel=1e-5)
+
+
+def test_an_overflowing_ratio_keeps_the_gradient_finite():
+    """A log-ratio past 88 would overflow exp to inf, and the clipped side's unselected
+    gradient (0 * inf) would be NaN: the log-ratio is clamped to +-20 first (as verl's)."""
+    logp = torch.tensor([100.0, -100.0, 0.1], requires_grad=True)
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, -1.0, 1.0])
+    loss, _ = losses.policy_loss(logp, old, adv, torch.ones(3), eps_low=0.2, eps_high=0.2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    # inside the clamp nothing changes: the third token's gradient is -A r
+    assert logp.grad[2].item() == pytest.approx(-torch.exp(torch.tensor(0.1)).item())

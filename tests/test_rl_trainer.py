@@ -273,6 +273,23 @@ def test_a_step_without_kept_groups_logs_a_trained_steps_columns(tiny_qwen3, rl_
     assert set(trained) == set(empty)
 
 
+def test_dynamic_sampling_short_of_groups_warns(tiny_qwen3, rl_files, tmp_path, monkeypatch, caplog):
+    """max_gen_batches ran out before prompts_per_step informative groups: the step trains
+    on what it found and says so (a warning beside groups_kept)."""
+    from vllm.rl import losses
+    monkeypatch.setattr(losses, "informative_groups",
+                        lambda scores: torch.arange(scores.shape[0]) == 0)   # one group a batch
+    with caplog.at_level("WARNING", logger="vllm.rl.trainer"):
+        m = Trainer(_config(tiny_qwen3, rl_files, tmp_path / "d", algorithm="dapo", max_gen_batches=2,
+                            steps=1)).step().metrics
+    assert m["groups_kept"] == 2 and "found 2 of 3 informative groups" in caplog.text
+
+
+def test_a_response_budget_past_the_context_is_refused_up_front(tiny_qwen3, rl_files, tmp_path):
+    with pytest.raises(ValueError, match="max_response_tokens=100000 leaves no room"):
+        Trainer(_config(tiny_qwen3, rl_files, tmp_path / "c", max_response_tokens=100000))
+
+
 def test_fp8_kv_cache_run_has_zero_mismatch(tiny_qwen3, rl_files, tmp_path):
     """kv_cache_dtype fp8: the rollout reads K/V through the FP8 round trip, the trainer's
     logprobs take the same one, so every step's difference is still exactly 0."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import yaml
 
 STATE_FILE = "trainer_state.json"
 
@@ -233,12 +234,36 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str) -> "Checkpoint":
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
-        with open(os.path.join(path, "config.yaml")) as f:
-            cfg = f.read()
-        with open(os.path.join(path, "contract.json")) as f:
-            contract = f.read()
+        """The checkpoint at `path`, its files checked before anything is restored: a missing,
+        empty or unreadable part (a copy cut short, a disk that filled) is a ValueError naming
+        it, so a resume never starts on half a checkpoint."""
+        def text(name: str) -> str:
+            try:
+                with open(os.path.join(path, name)) as f:
+                    return f.read()
+            except OSError as err:
+                raise _broken(path, name, err) from None
+
+        try:
+            state = json.loads(text(STATE_FILE))
+        except json.JSONDecodeError as err:
+            raise _broken(path, STATE_FILE, err) from None
+        missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise _broken(path, STATE_FILE, f"it lacks {missing}")
+        cfg, contract = text("config.yaml"), text("contract.json")
+        try:
+            settings = yaml.safe_load(cfg)
+        except yaml.YAMLError as err:
+            raise _broken(path, "config.yaml", err) from None
+        if not isinstance(settings, dict) or not settings:
+            raise _broken(path, "config.yaml", "it holds no settings")
+        for name in ("training_state.pt", "rng.pt"):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise _broken(path, name, "it is missing")
+        model_dir = os.path.join(path, "model")
+        if not os.path.isdir(model_dir) or not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+            raise _broken(path, "model/", "it holds no .safetensors weights")
         return cls(path, state, cfg, contract)
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -248,11 +273,30 @@ class Checkpoint:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
         out = {}
         for name in files:
-            out.update(load_file(os.path.join(model_dir, name)))
+            try:
+                out.update(load_file(os.path.join(model_dir, name)))
+            except Exception as err:  # noqa: BLE001 -- safetensors' own error types
+                raise _broken(self.path, f"model/{name}", err) from None
         return out
 
     def training_state(self) -> dict:
-        return torch.load(os.path.join(self.path, "training_state.pt"), map_location="cpu", weights_only=True)
+        return self._torch_file("training_state.pt")
 
     def rng_state(self) -> dict:
-        return torch.load(os.path.join(self.path, "rng.pt"), map_location="cpu", weights_only=True)
+        return self._torch_file("rng.pt")
+
+    def _torch_file(self, name: str) -> dict:
+        try:
+            return torch.load(os.path.join(self.path, name), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 -- a truncated zip, a missing file, an unpickling error
+            raise _broken(self.path, name, err) from None
+
+
+# what every trainer_state.json holds (Trainer.save writes them; a resume reads them)
+TRAINER_STATE_KEYS = ("step", "weight_version", "data", "seed")
+
+
+def _broken(path: str, name: str, why) -> ValueError:
+    why = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
+    return ValueError(f"--resume: the checkpoint {path!r} is incomplete or damaged: {name} ({why}); resume from "
+                      "an earlier checkpoint (checkpoints/step_*) or start a new run")

@@ -104,8 +104,8 @@ class AlgorithmSection:
     overlong_penalty: float = _knob(1.0, "penalty at the length limit (it ramps linearly over the buffer)")
     overlong_filter: bool = _knob(False, "DAPO's overlong filtering: a response cut at max_response_tokens gets no "
                                          "loss (its reward still counts in its group's advantages)")
-    dynamic_sampling: bool | None = _knob(None, "drop groups whose rewards are all equal, sample more prompts "
-                                                "(default: grpo off, dapo on)")
+    dynamic_sampling: bool | None = _knob(None, "drop groups whose task scores are all equal (before the overlong "
+                                                "penalty), sample more prompts (default: grpo off, dapo on)")
     max_gen_batches: int = _knob(4, "dynamic sampling: rollout batches per step at most")
     kl_coef: float = _knob(0.0, "k3 KL penalty to the frozen initial policy (0: off, no reference kept)")
     tis_cap: float = _knob(0.0, "truncated importance sampling cap C: weight min(p_train/p_rollout, C) "

@@ -43,7 +43,8 @@ def informative_groups(scores: torch.Tensor) -> torch.Tensor:
 
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref) from samples of pi: e^(ref-lp) - (ref-lp) - 1
-    (log-ratio clamped to +-20, result to [-10, 10], as the public trainers do)."""
+    (log-ratio clamped to +-20, result to [-10, 10], as verl's low_var_kl; TRL's does not
+    clamp): past |ref - lp| of about 11 the clamp holds k3 at 10 and its gradient is 0."""
     d = torch.clamp(ref_logp - logp, -20.0, 20.0)
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
 
@@ -54,8 +55,9 @@ def aggregation_weights(lengths: list[int], mode: str, total_tokens: int, total_
     token-mean: 1 / (tokens in the mini-batch) (DAPO); seq-mean-token-mean: 1 / (len * seqs)
     (GRPO); seq-mean-token-sum: 1 / seqs, each response's token sum, then the mean over
     responses (verl's mode of that name); seq-mean-token-sum-norm: 1 / (max_response_tokens *
-    seqs), a constant in place of each response's length (Dr. GRPO; verl's mode of that name,
-    TRL's dr_grpo)."""
+    seqs), a constant in place of each response's length (Dr. GRPO, TRL's dr_grpo; verl's mode
+    of that name in its versions whose agg_loss divides by the response count, older ones
+    divide the token sum by max_response_tokens alone)."""
     if mode == "token-mean":
         return torch.full((sum(lengths),), 1.0 / total_tokens, dtype=torch.float32)
     if mode == "seq-mean-token-mean":
@@ -92,7 +94,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     sides tie (r on a clip bound: r = 1 under an eps of 0), where torch.maximum would halve it.
     Returns sum(token_weights * L_t) and, over the tokens of non-zero weight (an overlong-
     filtered response's carry none), counts for the clip fraction and the KL sum."""
-    ratio = torch.exp(logp - old_logp.detach())
+    # the log-ratio clamped to +-20 (as verl's): a ratio past e^88 would overflow to inf, and
+    # the unselected side's gradient, 0 * inf, would be NaN
+    ratio = torch.exp(torch.clamp(logp - old_logp.detach(), -20.0, 20.0))
     with torch.no_grad():
         clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
         clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -35,6 +36,8 @@ from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
 from vllm.rl.metrics import MetricsLogger, summary_line
 from vllm.rl.rewards import build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
+
+logger = logging.getLogger(__name__)
 
 # knobs that may differ between a run and its resumption without changing its bits
 RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_key", "steps", "eval_interval", "checkpoint_interval",
@@ -236,6 +239,9 @@ class Trainer:
         model_config = read_model_config(self.model_dir, cfg.model.max_model_len)
         max_len, vocab = model_config.max_model_len, model_config.vocab_size
         budget = max_len - cfg.algorithm.max_response_tokens
+        if budget < 1:
+            raise ValueError(f"max_response_tokens={cfg.algorithm.max_response_tokens} leaves no room for a prompt "
+                             f"in the model's context ({max_len} tokens): lower it below {max_len}")
         self.train_prompt_ids, self.eval_prompt_ids = [], []
         for examples, out, what in ((self.train_examples, self.train_prompt_ids, "training"),
                                     (self.eval_examples, self.eval_prompt_ids, "evaluation")):
@@ -313,6 +319,11 @@ class Trainer:
             kept += [g for g, keep in zip(groups, informative.tolist()) if keep]
             if len(kept) >= a.prompts_per_step:
                 break
+        if a.dynamic_sampling and len(kept) < a.prompts_per_step:
+            # verl's DAPO stops the run here; this step trains on the groups it has (groups_kept
+            # in the metrics), and says so
+            logger.warning("step %d: dynamic sampling found %d of %d informative groups in %d rollout batches "
+                           "(max_gen_batches): training on those", step, len(kept), a.prompts_per_step, batches)
         return kept[:a.prompts_per_step], sampled, batches
 
     def _micro_batches(self, order: list[int], lengths: list[int]) -> list[list[int]]:
