@@ -31,6 +31,21 @@ def test_sampling_params_normal_form():
         SamplingParams(stop=["a"], detokenize=False)
 
 
+def test_detokenize_false_decodes_nothing(llm):
+    """detokenize=False (verl sets it with logprobs=0): no text, and every logprob entry's
+    decoded_token None, prompt logprobs' too (as upstream, which then has no tokenizer for
+    them); the numbers are the detokenized run's."""
+    sp = dict(max_tokens=4, temperature=0, logprobs=1, prompt_logprobs=1)
+    plain = llm.generate(["hello there"], SamplingParams(**sp), use_tqdm=False)[0]
+    raw = llm.generate(["hello there"], SamplingParams(detokenize=False, **sp), use_tqdm=False)[0]
+    out = raw.outputs[0]
+    assert out.text == "" and out.token_ids == plain.outputs[0].token_ids
+    assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())
+    assert all(lp.decoded_token is None for entry in raw.prompt_logprobs[1:] for lp in entry.values())
+    assert [{t: lp.logprob for t, lp in e.items()} for e in out.logprobs] == \
+        [{t: lp.logprob for t, lp in e.items()} for e in plain.outputs[0].logprobs]
+
+
 def test_sampling_params_upstream_conveniences():
     """logprobs=True / prompt_logprobs=True mean 1 (False stays refused); temperature 0 resets
     top_p, top_k and min_p (greedy); best_of may be None, 1 or n; upstream's number types stay

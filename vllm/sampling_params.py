@@ -103,14 +103,22 @@ class GuidedDecodingParams(StructuredOutputsParams):
     def __post_init__(self) -> None:
         warnings.warn("GuidedDecodingParams is deprecated: use StructuredOutputsParams", DeprecationWarning,
                       stacklevel=3)
-        if self.backend is not None:
-            if not isinstance(self.backend, str) or self.backend.split(":", 1)[0] not in GUIDED_BACKENDS:
-                raise ValueError(f"guided decoding backend {self.backend!r}: expected one of {GUIDED_BACKENDS} "
-                                 "(optionally with ':options')")
-            options = self.backend.split(":", 1)[1].split(",") if ":" in self.backend else []
-            if "disable-any-whitespace" in options:
-                self.disable_any_whitespace = True
+        if guided_backend_options(self.backend).get("disable_any_whitespace"):
+            self.disable_any_whitespace = True
         super().__post_init__()
+
+
+def guided_backend_options(backend) -> dict:
+    """upstream's guided-decoding `backend` ("name" or "name:option,...") checked, as the
+    StructuredOutputsParams fields its options set (only "disable-any-whitespace" changes
+    anything here)."""
+    if backend is None:
+        return {}
+    if not isinstance(backend, str) or backend.split(":", 1)[0] not in GUIDED_BACKENDS:
+        raise ValueError(f"guided decoding backend {backend!r}: expected one of {GUIDED_BACKENDS} "
+                         "(optionally with ':options')")
+    options = backend.split(":", 1)[1].split(",") if ":" in backend else []
+    return {"disable_any_whitespace": True} if "disable-any-whitespace" in options else {}
 
 
 @dataclass
@@ -276,8 +284,10 @@ class SamplingParams:
                           DeprecationWarning, stacklevel=3)
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its deprecated name), not both")
-            self.structured_outputs = (self.guided_decoding if isinstance(self.guided_decoding, StructuredOutputsParams)
-                                       else GuidedDecodingParams.of(self.guided_decoding))
+            spec = self.guided_decoding
+            if isinstance(spec, dict) and "backend" in spec:   # upstream's older dict form
+                spec = {**{k: v for k, v in spec.items() if k != "backend"}, **guided_backend_options(spec["backend"])}
+            self.structured_outputs = StructuredOutputsParams.of(spec)
             self.guided_decoding = None
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.structured_outputs is not None and self.min_tokens > 0:

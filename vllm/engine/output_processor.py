@@ -59,7 +59,8 @@ class RequestState:
         self.stop_reason: list[int | str | None] = [None] * n
         self.weight_versions: list[list[int]] = [[] for _ in range(n)]
         self.num_cached_tokens = 0
-        self._decode = decode_one
+        # detokenize=False: no text anywhere, the logprobs' decoded_token included (None, as upstream)
+        self._decode = decode_one if params.detokenize else _no_text
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._stop_buffer = max((len(s) for s in params.stop_strings), default=1) - 1
 
@@ -151,3 +152,7 @@ class RequestState:
                 for i in range(len(self.finish))]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
                              self.finished, num_cached_tokens=self.num_cached_tokens)
+
+
+def _no_text(token_id: int) -> None:
+    return None

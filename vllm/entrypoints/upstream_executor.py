@@ -9,6 +9,7 @@ attribute on the way is an AttributeError naming the ways in: a write through th
 object itself would skip the engine's versions and cached prefixes."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 _WAYS_IN = ("this engine's worker is behind its executor; on upstream's path only "
@@ -39,7 +40,10 @@ class UpstreamModel(_Step):
 
     def __init__(self, path: str, update: Callable):
         super().__init__(path, {})
-        self._update = update
+        # a bound method held weakly: the engine holds this object, and the LLM the engine,
+        # so a strong reference would keep a dropped LLM (and its caches) alive until a
+        # collection
+        self._update = weakref.WeakMethod(update) if hasattr(update, "__self__") else (lambda: update)
 
     def load_weights(self, weights) -> set[str]:
         """Write (HF name, tensor) pairs (a state dict's items, one parameter, ...) into the
@@ -47,7 +51,10 @@ class UpstreamModel(_Step):
         the names it loaded. A bad name, shape or value is a ValueError and changes nothing."""
         from vllm.weight_sync.session import _as_pairs
         pairs = _as_pairs(weights)
-        self._update(pairs)
+        update = self._update()
+        if update is None:
+            raise ValueError("the LLM this engine belonged to is gone")
+        update(pairs)
         return {name for name, _ in pairs}
 
 
