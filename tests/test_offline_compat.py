@@ -46,6 +46,37 @@ def test_detokenize_false_decodes_nothing(llm):
         [{t: lp.logprob for t, lp in e.items()} for e in plain.outputs[0].logprobs]
 
 
+def test_bad_call_shapes_are_value_errors(llm):
+    """Arguments of the wrong kind are ValueErrors naming what was expected (not a TypeError
+    from deep inside); numpy integers are taken where upstream takes them."""
+    for prompts in (5, None):
+        with pytest.raises(ValueError, match="prompts must be"):
+            llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"SamplingParams\(\*\*params\)"):
+        llm.generate("hi", {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match="holding"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=1), {"max_tokens": 1}], use_tqdm=False)
+    sp = SamplingParams(n=np.int64(2), seed=np.int64(3), logprobs=np.int32(1), prompt_logprobs=np.int64(0))
+    assert (sp.n, sp.seed, sp.logprobs, sp.prompt_logprobs) == (2, 3, 1, 0) and type(sp.seed) is int
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=True)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        LLM(device="cpu", seed="x")
+
+
+def test_upstream_module_names():
+    """Older import paths RL code still uses: vllm.sequence.Logprob, vllm.utils.get_open_port."""
+    import socket
+
+    import vllm
+    from vllm.sequence import Logprob
+    from vllm.utils import get_ip, get_open_port
+    assert Logprob is vllm.Logprob and isinstance(get_ip(), str)
+    port = get_open_port()
+    with socket.socket() as s:
+        s.bind(("", port))     # free when asked
+
+
 def test_sampling_params_upstream_conveniences():
     """logprobs=True / prompt_logprobs=True mean 1 (False stays refused); temperature 0 resets
     top_p, top_k and min_p (greedy); best_of may be None, 1 or n; upstream's number types stay

@@ -59,8 +59,12 @@ def test_sleep_mode_bad_use(tiny_qwen3):
         llm2.sleep(level=3)
     with pytest.raises(ValueError, match="unknown wake_up tags"):
         llm2.wake_up(tags=["kv"])
+    with pytest.raises(ValueError, match="got '1'"):
+        llm2.sleep(level="1")
     llm2.wake_up()  # awake already: nothing to do
     llm2.sleep()
+    llm2.wake_up(tags="weights")  # one tag given bare
+    assert llm2.llm_engine.is_sleeping()
     llm2.wake_up(tags=["weights"])  # the weights are never released: still asleep
     assert llm2.llm_engine.is_sleeping()
     llm2.wake_up()

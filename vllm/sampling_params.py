@@ -182,8 +182,9 @@ class SamplingParams:
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if isinstance(self.n, bool) or not isinstance(self.n, numbers.Integral) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        self.n = int(self.n)
         if self.best_of is not None:
             if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
                 raise ValueError(f"best_of must be an integer, got {self.best_of!r}")
@@ -240,17 +241,20 @@ class SamplingParams:
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         # -1: every token of the vocabulary (upstream's), allowed where max_logprobs permits
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < -1):
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, numbers.Integral) or self.logprobs < -1):
             raise ValueError(f"logprobs must be None, an integer >= 0 or -1 (all), got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
-                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not isinstance(self.prompt_logprobs, numbers.Integral)
                                                  or self.prompt_logprobs < -1):
             raise ValueError(f"prompt_logprobs must be None, an integer >= 0 or -1 (all), got {self.prompt_logprobs!r}")
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)   # numpy's integers as int
+        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         if self.logprobs_mode is not None:
             check_logprobs_mode(self.logprobs_mode)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self.seed = None if self.seed is None else int(self.seed)
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
             # the sampler keys its noise by a signed 64-bit seed; a larger one would fail
             # inside the step, with every request of the batch

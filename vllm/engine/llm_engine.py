@@ -540,8 +540,8 @@ class LLMEngine:
         Returns the bytes released. Refused while requests are running."""
         if not self.config.cache.enable_sleep_mode:
             raise ValueError("sleep mode is off: build the engine with enable_sleep_mode=True")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self.drain()
         if self.has_unfinished_requests():
             raise ValueError("cannot sleep while requests are running")
@@ -558,6 +558,10 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take the KV cache's memory back. `tags` (upstream's names) may list "kv_cache"
         and "weights"; the weights are never released, so only "kv_cache" does anything."""
+        if isinstance(tags, str):   # one tag given bare
+            tags = [tags]
+        if tags is not None and not isinstance(tags, (list, tuple, set)):
+            raise ValueError(f"wake_up tags must be a list of 'kv_cache' / 'weights', got {tags!r}")
         unknown = set(tags or []) - {"kv_cache", "weights"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; choose from ['kv_cache', 'weights']")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import threading
 import warnings
 from typing import Any, Callable, Sequence
@@ -96,6 +97,11 @@ class LLM:
                              "of each architecture (vllm/models, batch-invariant kernels): model_impl='auto' or 'vllm' "
                              "(the same thing here); there is no transformers or other backend")
         check_logprobs_mode(logprobs_mode)   # before the model is read
+        if seed is None:    # upstream's "no seed": this engine's requests draw from per-request seeds anyway
+            seed = 0
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = int(seed)
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         if load_format == "auto":  # upstream's default: the checkpoint's safetensors here
@@ -384,14 +390,25 @@ class LLM:
         _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError(f"prompts must be a string, a prompt dict ({{'prompt_token_ids': [...]}}) or a list of "
+                             f"them, got {type(prompts).__name__}") from None
         priorities = self._priorities(priority, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if isinstance(sampling_params, (dict, str)) or not hasattr(sampling_params, "__iter__"):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                 f"{type(sampling_params).__name__}" + (" (build SamplingParams(**params))"
+                                                                         if isinstance(sampling_params, dict) else ""))
             params = list(sampling_params)
+            if any(not isinstance(sp, SamplingParams) for sp in params):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them, got a list holding "
+                                 f"{sorted({type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)})}")
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # validated copies (fields set after construction are checked), before anything is queued

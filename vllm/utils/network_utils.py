@@ -1,4 +1,6 @@
-"""upstream vLLM's `get_ip`: the address a trainer advertises to the engines it syncs."""
+"""upstream vLLM's `get_ip` (the address a trainer advertises to the engines it syncs) and
+`get_open_port` (a free port for a weight-transfer group; TRL's and OpenRLHF's launchers
+import it)."""
 from __future__ import annotations
 
 import socket
@@ -16,3 +18,12 @@ def get_ip() -> str:
         except OSError:
             continue
     return "127.0.0.1"
+
+
+def get_open_port() -> int:
+    """A TCP port free on this host now (the OS picks it; another process may take it before
+    it is bound again, as with upstream's). Upstream also reads VLLM_PORT; behaviour here is
+    never chosen by environment variables."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
