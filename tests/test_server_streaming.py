@@ -143,6 +143,15 @@ def test_streamed_completion_equals_non_streamed(client, case):
         _check_same_logprobs(got["logprobs"], want.logprobs)
 
 
+def test_streamed_completion_sends_one_choice_per_chunk(client):
+    """As upstream streams completions: every chunk holds one choice, so a client reading
+    choices[0] (LangChain's, LiteLLM's) sees every choice's text."""
+    chunks = list(client.completions.create(model="tiny", prompt=["a b c", "d e"], n=2, max_tokens=4,
+                                            temperature=0.8, seed=5, stream=True))
+    assert chunks and all(len(ch.choices) == 1 for ch in chunks)
+    assert sorted({ch.choices[0].index for ch in chunks}) == [0, 1, 2, 3]
+
+
 def test_streamed_echo_scoring_sends_the_prompt_then_the_finish(client, server):
     text = "the quick brown fox jumps over the lazy dog"
     kw = dict(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0.0)

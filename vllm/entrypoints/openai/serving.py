@@ -598,17 +598,16 @@ class OpenAIServing:
                     if not prompt_only or c.finish_reason is not None:
                         choices.append((choice, cur.completion_tokens))
                 tail = f', "weight_version": {json.dumps(version)}}}\n\n'
+                # one choice per chunk, as upstream streams completions: clients that read
+                # choices[0] (LangChain's, LiteLLM's) would lose the others; upstream's continuous
+                # usage is per choice too (its prompt, its tokens so far)
                 for group in (prompt_chunks, choices):
-                    if not group:
-                        continue
-                    if usage_per_chunk:
-                        # upstream's continuous usage is per choice (its prompt, its tokens so far):
-                        # one choice per chunk, so each chunk's usage says whose it is
-                        for choice, sent in group:
+                    for choice, sent in group:
+                        if usage_per_chunk:
                             usage = UsageInfo.of(n_prompt[i], sent).model_dump_json()
                             yield f'data: {head}, "choices": [{json.dumps(choice)}], "usage": {usage}{tail}'
-                    else:
-                        yield f'data: {head}, "choices": {json.dumps([choice for choice, _ in group])}{tail}'
+                        else:
+                            yield f'data: {head}, "choices": [{json.dumps(choice)}]{tail}'
             if req.usage_at_end:
                 yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
                                                     usage=UsageInfo.of(sum(n_prompt.values()), n_gen,
