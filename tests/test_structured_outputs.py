@@ -500,3 +500,25 @@ def test_reasoning_parser_lets_a_constrained_request_reason_first(app):
     assert getattr(msg, "reasoning", None)
     obj = json.loads(answer.choices[0].message.content)
     assert obj["color"] in ("red", "green", "blue") and getattr(answer.choices[0].message, "reasoning", None) is None
+
+
+def test_qwen3_reasoning_grammar_waits_for_the_end_of_thinking(app):
+    """qwen3's parser: a model that opens <think> itself (thinking on) reasons before a grammar
+    applies, as upstream has it: the grammar waits for </think>; behind a prompt that closed
+    the thinking (thinking off) it applies from the first token."""
+    serving = app.state.serving
+    tok = serving.llm.tokenizer
+    end = list(tok.encode("</think>", add_special_tokens=False))
+    open_prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    closed_prompt = open_prompt + tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    try:
+        serving.reasoning_parser = "qwen3"
+        for ids, want in ((open_prompt, end), (closed_prompt, None)):
+            params = SamplingParams(structured_outputs={"json": SCHEMA})
+            serving._grammar_after_reasoning(params, ids)
+            assert params.structured_outputs.after_token_ids == want
+    finally:
+        serving.reasoning_parser = None
+    params = SamplingParams(structured_outputs={"json": SCHEMA})
+    serving._grammar_after_reasoning(params, open_prompt)   # no parser: from the first token
+    assert params.structured_outputs.after_token_ids is None

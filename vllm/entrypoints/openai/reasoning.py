@@ -13,9 +13,9 @@ clients, `reasoning_content`), the rest to `content`, where tool calls are then 
 
 Either way a prompt that itself ends in `</think>` (thinking off) leaves no reasoning to split:
 the output is all content. Under a grammar (response_format, structured outputs, a forced tool
-call) behind a prompt that opened the reasoning, the model still reasons first: the grammar
-constrains only the output after `</think>` (structured_outputs.after_token_ids), which is the
-content; elsewhere the grammar constrains from the first token.
+call) the model still reasons first, as upstream has it: the grammar constrains only the
+output after `</think>` (structured_outputs.after_token_ids), which is the content; behind a
+prompt that closed the reasoning (thinking off) it constrains from the first token.
 
 Only the response is split: the token ids, logprobs and the text the engine produced are
 unchanged (an RL client reads `token_ids`).

@@ -379,13 +379,13 @@ class OpenAIServing:
         return self.reasoning_parser
 
     def _grammar_after_reasoning(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """With a reasoning parser and a prompt that opened the reasoning, a grammar constrains
-        only the answer: the output after the reasoning's end marker."""
+        """With a reasoning parser, a grammar constrains only the answer: the output after the
+        reasoning's end marker, as upstream applies structured outputs after the reasoning.
+        Behind a prompt that closed the reasoning (thinking off) it constrains from the first
+        token. (A qwen3 model that never closed its thinking would be unconstrained: Qwen3's
+        models close it, an empty <think></think> when told not to think.)"""
         so = params.structured_outputs
-        # only behind a prompt that opened the reasoning (deepseek_r1's reading) is the output
-        # known to reason first: qwen3's own <think> may never come, and the grammar would
-        # never apply; there it constrains from the first token (no reasoning)
-        if so is None or so.after_token_ids is not None or self._reasoning_parser_for(prompt_ids) != "deepseek_r1":
+        if so is None or so.after_token_ids is not None or self._reasoning_parser_for(prompt_ids) is None:
             return
         so.after_token_ids = list(self.llm.tokenizer.encode(THINK_END, add_special_tokens=False))
 
