@@ -82,6 +82,60 @@ CONTENT = [
 ]
 
 
+# the XML formats (Qwen3-Coder's): values typed by the tools' schemas (TOOLS: add's a is an
+# enum of integers, b a boolean; w is no tool, so its values stay strings)
+XML_CALLS = [
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n"
+                    "true\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=noop>\n</function>\n"
+                    "</tool_call> after", "Let me check.\n\n after", [("add", {"a": 1, "b": True}), ("noop", {})]),
+    ("qwen3_xml", "<tool_call>\n<function=w>\n<parameter=city>\nParis\n</parameter>\n<parameter=note>\nline 1\n"
+                  "line 2\n</parameter>\n</function>\n</tool_call>", None,
+     [("w", {"city": "Paris", "note": "line 1\nline 2"})]),
+    # never closed at the end (a stop string "</tool_call>", or EOS): a call when its function is whole
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n</function>\n", None,
+     [("add", {"a": 2})]),
+]
+XML_CONTENT = [
+    ("qwen3_coder", "<tool_call>no function</tool_call> tail"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</tool_call>"),  # unclosed function
+    ("qwen3_xml", "cut <tool_call>\n<function=add>\n<parameter=a>\n1"),
+    ("qwen3_coder", 'hermes style <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", XML_CALLS)
+def test_xml_calls_are_parsed_and_typed_by_the_schemas(parser, text, content, calls):
+    got_content, got = plan_tools(TOOLS, "auto", parser=parser).parse(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    # without schemas every value is the text itself
+    _, untyped = parse_tool_calls(parser, text)
+    assert all(isinstance(v, str) for c in untyped for v in json.loads(c.arguments).values())
+
+
+@pytest.mark.parametrize("parser,text", XML_CONTENT)
+def test_other_text_is_content_in_the_xml_formats(parser, text):
+    assert plan_tools(TOOLS, "auto", parser=parser).parse(text) == (text, [])
+
+
+def test_xml_values_follow_their_types():
+    from vllm.entrypoints.openai.tool_parsers import _typed
+    assert _typed("3", {"type": "integer"}) == 3 and _typed("3.0", {"type": "number"}) == 3.0
+    assert _typed("7", {"type": "number"}) == 7 and _typed("x", {"type": "integer"}) == "x"
+    assert _typed("False", {"type": "boolean"}) is False and _typed("null", {"type": ["string", "null"]}) is None
+    assert _typed("null", {"type": "string"}) == "null" and _typed(" 12 ", {"type": "string"}) == " 12 "
+    assert _typed('{"a": [1]}', {"type": "object"}) == {"a": [1]} and _typed("[1, 'x']", {"type": "array"}) == [1, "x"]
+    assert _typed("not json", {"type": "object"}) == "not json"
+
+
+@pytest.mark.parametrize("parser,text", [(p, t) for p, t, _, _ in XML_CALLS] + XML_CONTENT)
+def test_xml_stream_matches_parse(parser, text):
+    plan = plan_tools(TOOLS, "auto", parser=parser)
+    content, calls = plan.parse(text)
+    want = (content or None, [(c.name, json.loads(c.arguments)) for c in calls], bool(calls))
+    for seed in range(16):
+        assert stream_in_pieces(plan, text, seed, max_piece=4) == want, seed
+
+
 @pytest.mark.parametrize("parser,text,content,calls", CALLS)
 def test_calls_are_parsed(parser, text, content, calls):
     got_content, got = parse_tool_calls(parser, text)

@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass
 
 from vllm.entrypoints.openai.tool_parsers import (
-    DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, MISTRAL_MARKER, ParsedToolCall, check_tool_call_parser, could_be_calls,
-    hermes_block, mistral_block, parse_marked, parse_tool_calls,
+    DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, MISTRAL_MARKER, XML_CALL_PARSERS, ParsedToolCall, check_tool_call_parser,
+    could_be_calls, hermes_block, mistral_block, parse_marked, parse_tool_calls, xml_block,
 )
 from vllm.structured_outputs import StructuredOutputsParams, without_unenforced_keywords
 
@@ -76,6 +76,10 @@ class ToolPlan:
             return StructuredOutputsParams(json=array, disable_any_whitespace=True)
         return None
 
+    def schemas(self) -> dict:
+        """function name -> its parameters schema (the XML formats type values by it)."""
+        return dict(zip(self.function_names, self.parameters))
+
     def call_id(self) -> str:
         """A fresh id for one of this request's tool calls."""
         return new_tool_call_id(self.parser)
@@ -89,7 +93,7 @@ class ToolPlan:
             # cut-short array): read as the stream reads it, so that the two agree
             return _joined(ToolCallStream(self).feed(text, True))
         if self.mode == "auto":
-            content, calls = parse_tool_calls(self.parser, text)
+            content, calls = parse_tool_calls(self.parser, text, self.schemas())
             return content, calls if self.parallel else calls[:1]
         return text, []
 
@@ -231,7 +235,8 @@ class ToolCallStream:
         self.opened = False
         self.calls = 0
         self.held_ws = ""         # auto, marked: whitespace that ends the content so far
-        self.marked = _MARKED.get(plan.parser)
+        self.marked = (HERMES_OPEN, xml_block(plan.schemas())) if plan.parser in XML_CALL_PARSERS \
+            else _MARKED.get(plan.parser)
         self.passthrough = False  # auto, unmarked: the output is content, sent as it comes
 
     def has_calls(self) -> bool:

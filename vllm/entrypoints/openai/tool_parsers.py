@@ -10,6 +10,10 @@ leaves text it cannot read as content: nothing the model wrote is dropped.
   ``{"name": ..., "parameters": {...}}`` object, or several separated by ``;``.
 * ``pythonic`` (Llama 3.2 / 4): the whole output is a Python list of calls,
   ``[f(a=1, b="x"), g()]``, with literal arguments.
+* ``qwen3_coder`` and ``qwen3_xml`` (Qwen3-Coder, Qwen3.5, Nemotron 3; two upstream names, one
+  format): ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``,
+  each value raw text typed by the tool's parameters schema (string, integer, number, boolean;
+  JSON for objects and arrays; a parameter the schema does not name stays a string).
 
 Hermes and Mistral mark their calls, so the text around them is content (as generated, less
 the whitespace that ends it when there are calls); Llama's JSON and
@@ -25,7 +29,9 @@ import re
 import tokenize
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml")
+# the formats of Qwen3-Coder's XML calls (upstream has two parsers of it)
+XML_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -46,12 +52,15 @@ def check_tool_call_parser(name: str) -> str:
     return name
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+def parse_tool_calls(parser: str, text: str, schemas: dict | None = None) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a finished output in `parser`'s format; content is None when
     the calls are all there is (marked formats drop the whitespace that ends the content
-    when there are calls)."""
+    when there are calls). `schemas`: function name -> parameters schema (the XML formats
+    type their values by it)."""
     if parser == "hermes":
         return parse_marked(text, HERMES_OPEN, hermes_block)
+    if parser in XML_CALL_PARSERS:
+        return parse_marked(text, HERMES_OPEN, xml_block(schemas))
     if parser == "mistral":
         return parse_marked(text, MISTRAL_MARKER, mistral_block)
     if parser == "llama3_json":
@@ -109,6 +118,84 @@ def hermes_block(buf: str, finished: bool):
         return len(buf), [call] if call else None
     call = call_of_object(_loads(buf[len(HERMES_OPEN):j]))
     return j + len(HERMES_CLOSE), [call] if call else None
+
+
+def xml_block(schemas: dict | None):
+    """The block reader of the XML formats (qwen3_coder, qwen3_xml) for these schemas."""
+    def block(buf: str, finished: bool):
+        return xml_call_block(buf, finished, schemas or {})
+    return block
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def xml_call_block(buf: str, finished: bool, schemas: dict):
+    """As hermes_block for ``<tool_call>`` holding ``<function=NAME>`` blocks of
+    ``<parameter=P>value</parameter>``. A block with no function, or one whose function
+    never closes before ``</tool_call>``, is content. Never closed at the end of the output
+    (a stop string or EOS right after the call, as upstream's pattern ``<tool_call>(.*)$``
+    reads it), it is a call when its functions are whole."""
+    j = buf.find(HERMES_CLOSE, len(HERMES_OPEN))
+    if j < 0 and not finished:
+        return None
+    body = buf[len(HERMES_OPEN):j if j >= 0 else len(buf)]
+    end = j + len(HERMES_CLOSE) if j >= 0 else len(buf)
+    calls = []
+    for m in _XML_FUNCTION.finditer(body):
+        if not m.group(0).endswith("</function>"):
+            return end, None
+        name = m.group(1).strip()
+        props = (schemas.get(name) or {}).get("properties") or {}
+        args = {}
+        for pm in _XML_PARAMETER.finditer(m.group(2)):
+            key = pm.group(1).strip()
+            args[key] = _typed(_strip_one_newline(pm.group(2)), (props.get(key) or {}))
+        calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
+    return end, calls or None
+
+
+def _strip_one_newline(value: str) -> str:
+    """A parameter's value without the line break the format puts on each side of it."""
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _typed(value: str, schema: dict):
+    """A raw parameter value as its schema's type says (upstream's qwen3_coder reading):
+    "null" is None; strings stay; integers, numbers and booleans are parsed where they
+    parse; objects, arrays and anything else are JSON (or a Python literal), else the text."""
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if value.strip().lower() == "null" and ("null" in kinds or "string" not in kinds):
+        return None
+    if "string" in kinds or kind is None and not schema:
+        return value
+    text = value.strip()
+    if kinds[0] in ("integer", "int"):
+        try:
+            return int(text)
+        except ValueError:
+            return value
+    if kinds[0] in ("number", "float"):
+        try:
+            f = float(text)
+        except ValueError:
+            return value
+        return int(f) if f.is_integer() and "." not in text and "e" not in text.lower() else f
+    if kinds[0] in ("boolean", "bool"):
+        return {"true": True, "false": False}.get(text.lower(), value)
+    parsed = _loads(text)
+    if parsed is not None or text == "null":
+        return parsed
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return value
 
 
 def mistral_block(buf: str, finished: bool):
