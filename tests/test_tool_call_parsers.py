@@ -127,15 +127,6 @@ def test_xml_values_follow_their_types():
     assert _typed("not json", {"type": "object"}) == "not json"
 
 
-@pytest.mark.parametrize("parser,text", [(p, t) for p, t, _, _ in XML_CALLS] + XML_CONTENT)
-def test_xml_stream_matches_parse(parser, text):
-    plan = plan_tools(TOOLS, "auto", parser=parser)
-    content, calls = plan.parse(text)
-    want = (content or None, [(c.name, json.loads(c.arguments)) for c in calls], bool(calls))
-    for seed in range(16):
-        assert stream_in_pieces(plan, text, seed, max_piece=4) == want, seed
-
-
 @pytest.mark.parametrize("parser,text,content,calls", CALLS)
 def test_calls_are_parsed(parser, text, content, calls):
     got_content, got = parse_tool_calls(parser, text)
@@ -172,7 +163,7 @@ def test_formats_are_per_parser():
                 assert parse_tool_calls(other, text) == (text, []), (parser, other, text)
 
 
-@pytest.mark.parametrize("parser,text", [(p, t) for p, t, _, _ in CALLS] + CONTENT)
+@pytest.mark.parametrize("parser,text", [(p, t) for p, t, _, _ in CALLS + XML_CALLS] + CONTENT + XML_CONTENT)
 def test_stream_matches_parse(parser, text):
     plan = plan_tools(TOOLS, "auto", parser=parser)
     content, calls = plan.parse(text)
