@@ -40,7 +40,11 @@ LAUNCH_LINE = ["/ckpt", "--served-model-name", "policy", "--enable-tokenizer-inf
                "--tokenizer-mode", "auto", "--data-parallel-size", "1", "-pp", "1", "--revision", "main",
                "--chat-template-content-format", "string", "--hf-overrides", "{}",
                "--override-generation-config", '{"temperature": 0.6, "max_new_tokens": 64}', "--api-server-count", "1",
-               "-tp", "1", "--trust-remote-code", "--enable-auto-tool-choice", "--logprobs-mode", "processed_logprobs"]
+               "-tp", "1", "--trust-remote-code", "--enable-auto-tool-choice", "--logprobs-mode", "processed_logprobs",
+               "-O", "3", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}', "--max-seq-len-to-capture",
+               "8192", "--cuda-graph-sizes", "1", "2", "4", "--disable-cascade-attn", "--limit-mm-per-prompt",
+               '{"image": 0}', "--disable-mm-preprocessor-cache", "-ep", "--task", "generate", "--runner", "auto",
+               "--download-dir", "/tmp/models"]
 
 
 def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
@@ -82,6 +86,8 @@ def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):
     (["--api-server-count", "2"], "--api-server-count 2: not supported here"),
     (["--allow-credentials"], "CORS is off unless --allowed-origins"),
     (["--allowed-methods", '["GET"]'], "--allowed-methods"),
+    (["--task", "embed"], "--task embed: not supported here"),
+    (["--limit-mm-per-prompt", "[1]"], "--limit-mm-per-prompt"),
 ])
 def test_upstream_flags_at_other_values_are_one_line_errors(argv, needle, capsys):
     rc = cli.main(["serve", *argv])

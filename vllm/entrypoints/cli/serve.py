@@ -39,6 +39,23 @@ UPSTREAM_NOOP_FLAGS = {
     "--revision": ((), str, "main", "main only: the model is a local directory, read as it is"),
     "--hf-overrides": ((), "json", "JSON", "{} only: config.json is read as it is, as the trainer reads it "
                        "(an override on one side only would break parity): edit the checkpoint's config.json"),
+    "--compilation-config": (("-O",), "json", "JSON|LEVEL", "accepted at any level or JSON: nothing is compiled with "
+                             "torch.compile here (this engine's own kernels), and its CUDA graphs are captured at "
+                             "--cuda-graph-batch-sizes; no result depends on it"),
+    "--max-seq-len-to-capture": ((), int, "N", "accepted at any value: graphs here capture decode steps of any "
+                                 "sequence length"),
+    "--cuda-graph-sizes": ((), "ints", "N", "accepted: upstream's capture sizes; this server captures at "
+                           "--cuda-graph-batch-sizes"),
+    "--disable-cascade-attn": ((), "flag", None, "accepted: there is no cascade attention here (one attention "
+                               "kernel, batch invariant)"),
+    "--limit-mm-per-prompt": ((), "json", "JSON", "accepted: text-only models here; a request with images or "
+                              "audio is refused"),
+    "--disable-mm-preprocessor-cache": ((), "flag", None, "accepted: text-only models, no multimodal preprocessor"),
+    "--enable-expert-parallel": (("-ep",), "flag", None, "accepted: experts over the tensor-parallel group give "
+                                 "tensor parallelism's bits here (docs/parallelism.md)"),
+    "--task": ((), str, "{auto,generate}", "auto or generate only: generative (causal LM) models"),
+    "--runner": ((), str, "{auto,generate}", "auto or generate only: generative (causal LM) models"),
+    "--download-dir": ((), str, "DIR", "accepted: the model is a local directory, nothing is downloaded"),
 }
 
 
@@ -219,8 +236,13 @@ def add_parser(sub) -> None:
                    help="refused: upstream's worker mix-in; use collective_rpc with a function, or the weight-update "
                         "routes (docs/serving.md)")
     for flag, (aliases, kind, metavar, text) in UPSTREAM_NOOP_FLAGS.items():
-        p.add_argument(flag, *aliases, type=_json(flag) if kind == "json" else kind, default=None, metavar=metavar,
-                       help=text)
+        if kind == "flag":
+            p.add_argument(flag, *aliases, action="store_const", const=True, default=None, help=text)
+        elif kind == "ints":
+            p.add_argument(flag, *aliases, type=int, nargs="+", default=None, metavar=metavar, help=text)
+        else:
+            p.add_argument(flag, *aliases, type=_json(flag) if kind == "json" else kind, default=None,
+                           metavar=metavar, help=text)
 
 
 def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
