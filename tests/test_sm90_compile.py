@@ -319,3 +319,25 @@ def test_launches_compile_for_sm90(compiled, family):
                          + sm90.format_failures(unknown))
     if bad:
         pytest.xfail("; ".join(sorted({_known(r) for r in bad})))
+
+
+def test_resource_usage_is_read_from_the_cubin():
+    """compile_launches(usage=True) reports each kernel's registers and stack as ptxas
+    allotted them (benchmarks/kernels/sm90_stats.py prints them): a kernel holding a
+    [BLOCK] float32 tile in registers reports at least that many, and no stack."""
+    x = torch.zeros(128)
+    with sm90.record_launches(execute=False) as rec:
+        _double[(1,)](x, x, BLOCK=128, num_warps=1)
+    (plain,), (used,) = sm90.compile_launches(rec.launches), sm90.compile_launches(rec.launches, usage=True)
+    assert plain.ok and plain.registers is None
+    assert used.ok and used.registers is not None and used.registers >= 4 and used.stack == 0
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _double(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs) * 2.0)

@@ -88,10 +88,13 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """`error` None: compiled, `shared` bytes of shared memory a block uses."""
+    """`error` None: compiled, `shared` bytes of shared memory a block uses; with usage
+    asked for, the registers a thread uses and its stack bytes (spills) as ptxas allotted them."""
     launch: Launch
     error: str | None
     shared: int | None = None
+    registers: int | None = None
+    stack: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -231,23 +234,24 @@ def record_launches(execute: bool = True, gpu_values: dict | None = None) -> Ite
 
 # ---- compiling ----------------------------------------------------------------------------------
 
-_RESULTS: dict[str, Result] = {}  # per process: a specialisation compiles once
+_RESULTS: dict[tuple[str, bool], Result] = {}  # per process and usage flag: a specialisation compiles once
 
 
-def compile_launches(launches: Iterable[Launch], jobs: int | None = None) -> list[Result]:
+def compile_launches(launches: Iterable[Launch], jobs: int | None = None, usage: bool = False) -> list[Result]:
     """Compile each launch for sm_90 in child processes (`jobs` of them, default one per CPU,
-    at most 4), reusing this process's earlier results. Returns the results in order."""
+    at most 4), reusing this process's earlier results. Returns the results in order.
+    `usage`: also read each kernel's registers and stack from its cubin (cuobjdump)."""
     launches = list(launches)
-    todo = list({_key(la): la for la in launches if _key(la) not in _RESULTS}.values())
+    todo = list({_key(la): la for la in launches if (_key(la), usage) not in _RESULTS}.values())
     if todo:
         jobs = max(1, min(jobs or min(os.cpu_count() or 1, 4), len(todo)))
         parts = [todo[i::jobs] for i in range(jobs)]
-        for result in _run_children(parts):
-            _RESULTS[_key(result.launch)] = result
-    return [_RESULTS[_key(la)] for la in launches]
+        for result in _run_children(parts, usage):
+            _RESULTS[(_key(result.launch), usage)] = result
+    return [_RESULTS[(_key(la), usage)] for la in launches]
 
 
-def _run_children(parts: list[list[Launch]]) -> list[Result]:
+def _run_children(parts: list[list[Launch]], usage: bool = False) -> list[Result]:
     # the child compiles, so Triton must not be its interpreter: it says so before anything
     # imports Triton (the environment is otherwise inherited as it is)
     boot = ("import os, sys; os.environ['TRITON_INTERPRET'] = '0'; "
@@ -257,7 +261,7 @@ def _run_children(parts: list[list[Launch]]) -> list[Result]:
         for i, part in enumerate(parts):
             src, dst, log = (os.path.join(tmp, f"{what}{i}") for what in ("in", "out", "log"))
             with open(src, "wb") as f:
-                pickle.dump({"sys_path": list(sys.path), "launches": part}, f)
+                pickle.dump({"sys_path": list(sys.path), "launches": part, "usage": usage}, f)
             with open(log, "w") as out:
                 proc = subprocess.Popen([sys.executable, "-c", boot, src, dst], stdout=out,
                                         stderr=subprocess.STDOUT)
@@ -336,7 +340,28 @@ def _resolve_values(value):
     return value
 
 
-def _compile_one(launch: Launch) -> Result:
+def _resource_usage(kernel) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) of a compiled kernel, from cuobjdump -res-usage on its cubin
+    (the tool beside Triton's ptxas); (None, None) where it is not found."""
+    import re
+
+    import triton
+    try:
+        tool = os.path.join(os.path.dirname(triton.knobs.nvidia.ptxas.path), "cuobjdump")
+    except AttributeError:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        try:
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return None, None
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def _compile_one(launch: Launch, usage: bool = False) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -350,16 +375,17 @@ def _compile_one(launch: Launch) -> Result:
     except Exception as err:  # a compile error is the result
         return Result(launch, f"{type(err).__name__}: {err}")
     shared = kernel.metadata.shared
+    registers, stack = _resource_usage(kernel) if usage else (None, None)
     if shared > SM90_MAX_SHARED:
         return Result(launch, f"OutOfResources: shared memory {shared} B > {SM90_MAX_SHARED} B an sm_90 block "
-                              "may use (fails at launch)", shared)
-    return Result(launch, None, shared)
+                              "may use (fails at launch)", shared, registers, stack)
+    return Result(launch, None, shared, registers, stack)
 
 
 def _main(src: str, dst: str) -> None:
     with open(src, "rb") as f:
         job = pickle.load(f)
     sys.path[:] = job["sys_path"]
-    results = [_compile_one(launch) for launch in job["launches"]]
+    results = [_compile_one(launch, job.get("usage", False)) for launch in job["launches"]]
     with open(dst, "wb") as f:
         pickle.dump(results, f)
