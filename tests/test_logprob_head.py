@@ -97,8 +97,11 @@ def test_head_bad_input():
         _head(h, w, torch.zeros(4, dtype=torch.long), 1.0, 0)
     with pytest.raises(ValueError, match="targets"):
         _head(h, w, torch.zeros(3, dtype=torch.long), 1.0, None)
-    with pytest.raises(ValueError, match="logprob_chunk_rows"):
-        Policy(torch.nn.Linear(1, 1), None, NumericsSpec(torch.float32), "cpu", logprob_chunk_rows=0)
+    for bad in (0, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="logprob_chunk_rows"):
+            Policy(torch.nn.Linear(1, 1), None, NumericsSpec(torch.float32), "cpu", logprob_chunk_rows=bad)
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        Policy(torch.nn.Linear(1, 1), None, NumericsSpec(torch.float32), "cpu", activation_checkpointing="yes")
 
 
 def test_logprob_grad_kernel_matches_torch_formula():

@@ -138,6 +138,23 @@ def test_activation_checkpointing_same_bits_and_grads(tiny_qwen3_moe, prompts):
         assert torch.equal(bits(grads[0][k]), bits(grads[1][k])), k
 
 
+def test_router_stats_are_recorded_once_under_activation_checkpointing(tiny_qwen3_moe, prompts):
+    """A collect_router_stats block over gradient accumulation (a backward inside the block):
+    the recomputation of activation checkpointing records no routing a second time, so the
+    load-balancing loss is the same with it on or off."""
+    seqs = [[p + [5, 6, 7]] for p in prompts[:2]]
+    plens = [[len(p)] for p in prompts[:2]]
+    got = []
+    for ckpt in (False, True):
+        pol = Policy.from_pretrained(tiny_qwen3_moe, device="cpu", numerics="invariant", activation_checkpointing=ckpt)
+        with collect_router_stats() as stats:
+            for seq, plen in zip(seqs, plens):     # micro-batches: forward + backward each
+                pol.token_logprobs(seq, plen)[0].sum().backward()
+        got.append((len(stats.calls), stats.load_balancing_loss().detach()))
+    assert got[0][0] == got[1][0] == 4       # 2 MoE layers x 2 micro-batches
+    assert torch.equal(bits(got[0][1]), bits(got[1][1]))
+
+
 def test_save_pretrained_writes_hf_expert_names(tiny_qwen3_moe, tmp_path):
     """The trainer's checkpoint has the hub layout (one tensor per expert and projection)
     and transformers loads it to our values."""

@@ -472,6 +472,11 @@ def test_save_pretrained_carries_the_tokenizer_and_replaces_a_sharded_checkpoint
     assert load_tokenizer(str(out)).chat_template is not None
     again = Policy.from_pretrained(str(out), device="cpu")
     assert torch.equal(again.model.lm_head.weight, policy.model.lm_head.weight)
+    # saved back into the directory it was loaded from: its config.json is read before it is
+    # rewritten (opening it for writing first emptied it, and the checkpoint was lost)
+    policy.save_pretrained(str(src))
+    back = Policy.from_pretrained(str(src), device="cpu")
+    assert torch.equal(back.model.lm_head.weight, policy.model.lm_head.weight)
 
 
 def test_a_second_policy_view_keeps_frozen_parameters_and_attach_is_once(tiny_qwen3):

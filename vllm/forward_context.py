@@ -142,6 +142,9 @@ class ForwardContext:
     numerics: str = "fast"
     kernels: KernelConfig = field(default_factory=KernelConfig)
     state: StateBackend | None = None
+    # activation checkpointing's recomputation in backward: the same computation again, which
+    # layers that record something per call (router statistics) must not record twice
+    recomputing: bool = False
 
 
 # Per thread: a trainer thread's Policy forward and the engine's step on another thread each
@@ -158,6 +161,12 @@ _PRECISION_SAVED: str | None = None
 
 def _current() -> ForwardContext | None:
     return getattr(_LOCAL, "ctx", None)
+
+
+def recomputing() -> bool:
+    """Whether this call is activation checkpointing's recomputation of a forward."""
+    ctx = _current()
+    return ctx is not None and ctx.recomputing
 
 
 def get_forward_context() -> ForwardContext:

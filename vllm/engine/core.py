@@ -82,7 +82,11 @@ class EngineCore:
         eng = self.engine
         sched = eng.scheduler
         queries, hits = eng.kv.prefix_cache_counts
-        return EngineStats(len(sched.running), len(sched.waiting), eng.kv.usage, eng.kv.num_free_blocks,
+        # waiting: the scheduler's queue of sequences, and those of the requests not in it yet
+        # (held by a pending pause(mode="wait"), or their grammars compiling)
+        waiting = (len(sched.waiting) + sum(m.params.n for m in self._held)
+                   + sum(m.params.n for _, m in self._compiling))
+        return EngineStats(len(sched.running), waiting, eng.kv.usage, eng.kv.num_free_blocks,
                            sched.num_preemptions, eng.step_count, eng.paused, queries, hits)
 
     def take_outputs(self) -> EngineCoreOutputs | None:
@@ -97,6 +101,8 @@ class EngineCore:
     # ---- commands -----------------------------------------------------------------------
     def handle(self, msg) -> None:
         eng = self.engine
+        if isinstance(msg, AddRequest):
+            self._stats_changed = True   # the waiting count moves, stepping or not (a paused engine does not)
         if isinstance(msg, AddRequest) and self._pause_waiting:
             self._held.append(msg)  # pause(mode="wait") is letting the requests in flight finish
         elif isinstance(msg, AddRequest) and msg.params.structured_outputs is not None:

@@ -153,10 +153,11 @@ class LLM:
     def config(self) -> EngineConfig:
         return self.llm_engine.config
 
-    def policy(self, activation_checkpointing: bool = False):
+    def policy(self, activation_checkpointing: bool = False, logprob_chunk_rows: int | None = None):
         """The colocated training view of this engine's model: same parameter storage,
         so an optimizer step is immediately the engine's new weights. Its attached
-        optimizers' steps hold this LLM's engine lock (`Policy.attach_optimizer`)."""
+        optimizers' steps hold this LLM's engine lock (`Policy.attach_optimizer`).
+        `logprob_chunk_rows`: as Policy's (memory only)."""
         from vllm.training import Policy
         _refuse_if_served(self, "policy")
         if not self.config.keep_master_weights:
@@ -170,7 +171,8 @@ class LLM:
         executor = self.llm_engine.executor
         return Policy(executor.model, self.config.model, self.config.numerics_spec, executor.info.device,
                       self.llm_engine.tokenizer, engine=self.llm_engine, activation_checkpointing=activation_checkpointing,
-                      block_size=self.config.cache.block_size, engine_lock=self._engine_lock)
+                      block_size=self.config.cache.block_size, engine_lock=self._engine_lock,
+                      logprob_chunk_rows=logprob_chunk_rows)
 
     @_holding_engine_lock
     def update_weights(self, weights, contract=None, require_complete: bool = False, check_finite: bool = True) -> int | None:

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from vllm.forward_context import current_numerics
+from vllm.forward_context import current_numerics, recomputing
 from vllm.kernels import moe as moe_ops
 from vllm.kernels import ops
 
@@ -154,8 +154,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
-        for stats in _STATS:
-            stats.calls.append((routing.probs, routing.ids))
+        if not recomputing():   # activation checkpointing's second pass: recorded already
+            for stats in _STATS:
+                stats.calls.append((routing.probs, routing.ids))
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, routing)
         return ops.moe_merge(self.experts(x, routing.ids), routing.weights, x.dtype)

@@ -2,11 +2,13 @@
 
 The recomputation runs during backward, outside the `set_forward_context` block
 of the forward, so it re-enters the context the layer first ran under: the same
-attention backend and numerics mode, hence the same bits as the first pass.
+attention backend and numerics mode, hence the same bits as the first pass. It is marked
+`recomputing`, so what a layer records per call (router statistics) is recorded once.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,8 +22,9 @@ def checkpointed(layer, *args):
     if not torch.is_grad_enabled():
         return layer(*args)
     ctx = get_forward_context()
+    again = dataclasses.replace(ctx, recomputing=True)
     return checkpoint(layer, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), set_forward_context(ctx)))
+                      context_fn=lambda: (contextlib.nullcontext(), set_forward_context(again)))
 
 
 def run_layers(layers, positions: torch.Tensor, x: torch.Tensor, activation_checkpointing: bool = False):

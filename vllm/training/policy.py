@@ -75,8 +75,12 @@ class Policy(NumericsSpecFields):
         only: it never changes a bit of the logprobs."""
         if not isinstance(numerics_spec, NumericsSpec):
             raise ValueError(f"Policy takes a NumericsSpec (vllm.config), got {type(numerics_spec).__name__}")
-        if logprob_chunk_rows is not None and logprob_chunk_rows < 1:
-            raise ValueError(f"logprob_chunk_rows must be >= 1, got {logprob_chunk_rows}")
+        if logprob_chunk_rows is not None and (isinstance(logprob_chunk_rows, bool)
+                                               or not isinstance(logprob_chunk_rows, numbers.Integral)
+                                               or logprob_chunk_rows < 1):
+            raise ValueError(f"logprob_chunk_rows must be an integer >= 1, got {logprob_chunk_rows!r}")
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
         self.model = model
         self.model_config = model_config
         self.numerics_spec = numerics_spec
@@ -232,8 +236,9 @@ class Policy(NumericsSpecFields):
         """One float32 1-D tensor per sequence: the logprob of each response token under
         log_softmax(logits / temperature) (temperature 0 -> 1, as the rollout reports),
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
-        most `max_tokens_per_micro_batch` tokens (default: all in one); packing, order and
-        micro-batch size do not change the bits."""
+        most `max_tokens_per_micro_batch` tokens (default: all in one), a longer sequence in
+        one of its own (a sequence is never split); packing, order and micro-batch size do
+        not change the bits."""
         if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") \
                 or isinstance(prompt_lens, (str, bytes)) or not hasattr(prompt_lens, "__len__"):
             raise ValueError("token_logprobs takes a list of token-id sequences and a list of prompt lengths")
@@ -332,10 +337,13 @@ class Policy(NumericsSpecFields):
         from safetensors.torch import save_file
 
         os.makedirs(save_dir, exist_ok=True)
-        files = self.companion_files()   # read before anything in save_dir changes (it may be the source)
+        # read before anything in save_dir changes (it may be the source): the companion files
+        # and the config (opening config.json for writing would empty the source's first)
+        files = self.companion_files()
         contents = {os.path.basename(f): pathlib.Path(f).read_bytes() for f in files}
+        config = self.hf_config()
         with open(os.path.join(save_dir, "config.json"), "w") as f:
-            json.dump(self.hf_config(), f, indent=2)
+            json.dump(config, f, indent=2)
         remove_stale_weights(save_dir)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.model.hf_state_dict().items()}
         save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
