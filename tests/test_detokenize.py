@@ -115,3 +115,51 @@ def test_token_bytes_of_sentencepiece_tokens():
     assert tb(257) == list(b" hi") and tb(1 + 0xE6) == [0xE6]
     ids = sp.encode("hi 日", add_special_tokens=False)
     assert bytes(b for i in ids for b in tb(i)).lstrip(b" ") == "hi 日".encode()
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2 / Mistral-style tokenizer: a word-boundary mark and byte-fallback pieces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581": 257}
+    for c in "abcdefghijklmnopqrstuvwxyzHW":
+        vocab[c] = len(vocab)
+    for w in ("\u2581Hello", "\u2581Hi", "\u2581world"):
+        vocab[w] = len(vocab)
+    merges = []
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("prompt, cut, want", [("Hello 🙂🙂", 0, " world"), ("🙂🙂🙂🙂", 0, " world"),
+                                               ("Hi 🙂🙂", 2, "🙂 world"), ("Hi 日本", 1, "本 world"), ("Hi", 0, " world")])
+def test_sentencepiece_byte_fallback_prompt_ends(prompt, cut, want):
+    """A byte-fallback decoder shows a whole run of byte tokens as U+FFFD when any character
+    in it is cut: the detokenizer finds the prompt's character ends from the tokens' bytes, so
+    a prompt ending in emoji does not send its last one again as output text, and a token-id
+    prompt cut inside a character gives that character to the output (as upstream counts it)."""
+    tok = _sentencepiece_tokenizer()
+    whole = tok.encode(prompt + " world", add_special_tokens=False)
+    split = len(tok.encode(prompt, add_special_tokens=False)) - cut
+    prompt_ids, out_ids = whole[:split], whole[split:]
+    d = IncrementalDetokenizer(tok, prompt_ids)
+    assert "".join(d.append(t) for t in out_ids) == want
+
+
+def test_windows_are_never_cleaned_up():
+    """Incremental decoding never asks for transformers' clean-up of tokenization spaces
+    (transformers 4 applies it where a tokenizer's config asks): on a window it drops the
+    space before punctuation, and the character falls out of the text taken by subtraction."""
+    from vllm.tokenizer import fast_decoder
+
+    class CleaningTokenizer:    # what transformers 4's decode does with the flag on
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=True):
+            text = "".join(["Hello", " ,", " world", " ."][i] for i in ids)
+            return text.replace(" ,", ",").replace(" .", ".") if clean_up_tokenization_spaces else text
+    decode = fast_decoder(CleaningTokenizer())
+    assert decode([0, 1, 2, 3]) == "Hello , world ."

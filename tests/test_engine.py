@@ -348,6 +348,27 @@ def _held_by_a_pause(mode_after: str):
     return core, deltas, steps
 
 
+def test_waiting_count_moves_while_paused():
+    """Requests that arrive while the engine is paused (no steps, so no stats with them) still
+    reach the waiting gauge (/metrics' vllm:num_requests_waiting): each arrival sends the stats,
+    and requests held by a pending pause(mode="wait") count as waiting too."""
+    from vllm.engine.core import EngineCore
+    from vllm.engine.core_messages import AddRequest, UtilityCall
+    core = EngineCore(LLM(device="cpu").llm_engine)
+    core.handle(UtilityCall(1, "pause", ("keep", False)))
+    core.take_outputs()
+    for i in range(3):
+        core.handle(AddRequest(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=2, n=2 if i == 2 else 1,
+                                                                   detokenize=False)))
+    out = core.take_outputs()
+    assert out is not None and out.stats.num_waiting == 4 and out.stats.num_running == 0
+    core.handle(UtilityCall(2, "resume", ()))
+    core.step()
+    core.handle(UtilityCall(3, "pause", ("wait", False)))      # waits for the running requests
+    core.handle(AddRequest("late", [5, 6], SamplingParams(max_tokens=2, detokenize=False)))
+    assert core._held and core.take_outputs().stats.num_waiting >= 1
+
+
 @pytest.mark.parametrize("order", ["keep_then_wait", "wait_then_keep"])
 def test_pause_wait_and_keep_together_answer_at_once(order):
     """pause(mode="wait") on an engine paused with "keep" has nothing to wait for (its frozen

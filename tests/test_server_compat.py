@@ -65,9 +65,37 @@ def test_tool_call_arguments_reach_the_template_parsed():
     text = _text(chat_prompt_ids(_RecordingTokenizer(), TOOL_HISTORY))
     assert 'get_weather{"city": "Paris"};' in text and "now{};" in text, text
     assert "\\\"" not in text  # no JSON inside a JSON string
-    bad = [dict(TOOL_HISTORY[1], tool_calls=[{"function": {"name": "f", "arguments": "{not json"}}])]
-    with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
-        template_messages(bad)
+    # a malformed call in the history (a model's own, an earlier turn) renders with {} as upstream
+    # renders it: refusing it would fail every later turn of the conversation
+    bad = [dict(TOOL_HISTORY[1], tool_calls=[{"function": {"name": "f", "arguments": "{not json"}},
+                                             {"function": {"name": "g", "arguments": "[1, 2]"}}])]
+    assert [c["function"]["arguments"] for c in template_messages(bad)[0]["tool_calls"]] == [{}, {}]
+    # an empty tool_calls list is dropped; null content is empty
+    msgs = template_messages([{"role": "assistant", "content": "hi", "tool_calls": []}])
+    assert "tool_calls" not in msgs[0]
+
+
+def test_chat_ids_are_transformers_and_tokenization_arguments_are_inert():
+    """The prompt ids are transformers' apply_chat_template(tokenize=True) ids; the
+    tokenization arguments transformers takes (truncation, padding, return_tensors, ...) given
+    as chat_template_kwargs change nothing, as upstream renders to text and tokenizes after;
+    a null content (OpenAI clients send it beside tool_calls) renders as empty."""
+    from vllm import LLM
+    tok = LLM(device="cpu").get_tokenizer()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3 + 3?"}]
+    want = list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert chat_prompt_ids(tok, msgs) == want
+    for kwargs in ({"truncation": True, "max_length": 4}, {"padding": "max_length", "max_length": 200},
+                   {"return_tensors": "pt"}, {"return_dict": True}):
+        assert chat_prompt_ids(tok, msgs, template_kwargs=kwargs) == want, kwargs
+    from vllm.entrypoints.chat_template import apply_content_format
+    nulls = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+             {"role": "assistant"}, {"role": "tool", "content": [{"type": "text", "text": "a"}, "b"]}]
+    got = apply_content_format(nulls, "string", tok.chat_template)
+    assert [m["content"] for m in got] == ["", "", "a\nb"]
+    got = apply_content_format(nulls, "openai", tok.chat_template)
+    assert [m["content"] for m in got] == [[], [], "a\nb"]     # a tool message's parts joined in either format
 
 
 def test_chat_template_override_and_special_tokens(tmp_path):

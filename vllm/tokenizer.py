@@ -71,7 +71,13 @@ def fast_decoder(tokenizer):
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode
-    return tokenizer.decode
+
+    def decode(ids, **kwargs):
+        # never the clean-up of tokenization spaces (transformers 4 applies it where the
+        # tokenizer asks): on a window it drops the space before a punctuation mark, which
+        # then falls out of the text taken by subtraction; upstream's detokenizer never applies it
+        return tokenizer.decode(ids, clean_up_tokenization_spaces=False, **kwargs)
+    return decode
 
 
 WINDOW = 6            # prompt tokens decoded before the first output token, for its leading space
@@ -96,12 +102,21 @@ class IncrementalDetokenizer:
         # belong to the output's first character (as upstream's detokenizer counts them), and a
         # window starting inside one would decode its bytes alone
         tail = list(prompt_ids[-(WINDOW + 2 * MAX_CHAR_BYTES):])
-        read = len(tail)
-        while read > 0 and len(tail) - read < MAX_CHAR_BYTES and self._text(tail[max(0, read - WINDOW):read]).endswith("\ufffd"):
-            read -= 1
-        start = max(0, read - WINDOW)
-        while start > 0 and max(0, read - WINDOW) - start < MAX_CHAR_BYTES and self._text(tail[start:read]).startswith("\ufffd"):
-            start -= 1
+        token_bytes = token_bytes_of(tokenizer)
+        if token_bytes.kind == "sentencepiece":
+            # a byte-fallback decoder turns a whole run of byte tokens into U+FFFD when any of
+            # its characters is cut, so where the window's text shows U+FFFD says nothing of
+            # which end is cut: the ends are found from the tokens' bytes instead
+            start, read = _character_ends(tail, token_bytes)
+        else:
+            read = len(tail)
+            while read > 0 and len(tail) - read < MAX_CHAR_BYTES and \
+                    self._text(tail[max(0, read - WINDOW):read]).endswith("\ufffd"):
+                read -= 1
+            start = max(0, read - WINDOW)
+            while start > 0 and max(0, read - WINDOW) - start < MAX_CHAR_BYTES and \
+                    self._text(tail[start:read]).startswith("\ufffd"):
+                start -= 1
         self.ids: list[int] = tail[start:]
         self.prefix_offset = 0
         self.read_offset = read - start
@@ -121,6 +136,42 @@ class IncrementalDetokenizer:
             self.text += new
             return new
         return ""
+
+
+def _character_ends(tail: list[int], token_bytes) -> tuple[int, int]:
+    """(start, read) in `tail` for IncrementalDetokenizer from the tokens' own UTF-8 bytes:
+    `read` the last position (at most MAX_CHAR_BYTES back from the end) where the bytes before
+    end a whole character, `start` the last such position at or before `read - WINDOW`."""
+    stream = bytearray()
+    offsets = [0]
+    for t in tail:
+        stream += bytes(token_bytes(t))
+        offsets.append(len(stream))
+
+    def ends_a_character(i: int) -> bool:
+        o = offsets[i]
+        if o < len(stream):
+            return (stream[o] & 0xC0) != 0x80     # the next byte starts a character
+        j = len(stream) - 1                        # the end: is the last character whole?
+        while j > 0 and (stream[j] & 0xC0) == 0x80:
+            j -= 1
+        lead = stream[j] if stream else 0
+        size = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        return j + size <= len(stream)
+
+    n = len(tail)
+    read = next((i for i in range(n, max(0, n - MAX_CHAR_BYTES) - 1, -1) if ends_a_character(i)), n)
+    first = max(0, read - WINDOW)
+    start = next((i for i in range(first, max(0, first - MAX_CHAR_BYTES) - 1, -1) if ends_a_character(i)), first)
+    return start, read
+
+
+def token_bytes_of(tokenizer) -> "TokenBytes":
+    """The tokenizer's TokenBytes, made once (it caches per token id)."""
+    got = tokenizer.__dict__.get("_vllm_token_bytes")
+    if got is None:
+        got = tokenizer.__dict__["_vllm_token_bytes"] = TokenBytes(tokenizer)
+    return got
 
 
 def find_stop_string(text: str, before: int, stops: list[str]) -> tuple[int, str] | None:
@@ -167,6 +218,11 @@ class TokenBytes:
         self._alphabet = _byte_level_alphabet() if self._kind == "byte_level" else None
         self._added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}}
         self._cache: dict[int, list[int]] = {}
+
+    @property
+    def kind(self) -> str:
+        """"byte_level", "sentencepiece" or "text" (a token's bytes are its text's)."""
+        return self._kind
 
     def __call__(self, token_id: int, decoded: str | None = None) -> list[int]:
         got = self._cache.get(token_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 
 
@@ -20,6 +21,8 @@ def load_chat_template(value: str | None) -> str | None:
         raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
     return value
 
+
+logger = logging.getLogger(__name__)
 
 # upstream's chat_template_content_format values: how a message's content reaches the template
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -59,7 +62,7 @@ def text_parts(content: list, where: str) -> list[dict]:
             part = {"type": "text", "text": part}
         kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
         key = "refusal" if kind == "refusal" else "text"
-        if kind not in ("text", "input_text", "refusal"):
+        if kind not in ("text", "input_text", "output_text", "refusal"):
             raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
         if not isinstance(part.get(key), str):
             raise ValueError(f"{where}: a {kind!r} content part needs a string {key!r} field")
@@ -78,24 +81,37 @@ def apply_content_format(messages: list[dict], content_format: str, template) ->
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
+        if isinstance(m, dict) and content is None:
+            # null or absent (OpenAI clients send null beside tool_calls): empty, as upstream
+            # hands templates ("" / [] by format) rather than a missing attribute
+            m = {**m, "content": "" if content_format == "string" else []}
+        elif isinstance(content, list):
             parts = text_parts(content, f"messages[{i}].content")
-            m = {**m, "content": "\n".join(p["text"] for p in parts) if content_format == "string" else parts}
-        elif isinstance(content, str) and content_format == "openai":
+            # a tool message's parts are joined in either format, as upstream does
+            joined = content_format == "string" or m.get("role") == "tool"
+            m = {**m, "content": "\n".join(p["text"] for p in parts) if joined else parts}
+        elif isinstance(content, str) and content_format == "openai" and m.get("role") != "tool":
             m = {**m, "content": [{"type": "text", "text": content}]}
         out.append(m)
     return out
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
-    """The messages as chat templates expect them, in a copy: an assistant message's tool
-    calls carry `arguments` as a JSON value. OpenAI clients send them as a JSON string, and
-    templates following transformers' tool-use convention (Llama 3.1's, Qwen 2.5's
-    `arguments | tojson`) would render a string JSON-in-JSON; upstream vLLM parses them the same
-    way. A missing or empty string is {}; a string that is not JSON is a ValueError."""
+    """The messages as chat templates expect them, in a copy (upstream vLLM's rules): an
+    assistant message's tool calls carry `arguments` as a JSON object. OpenAI clients send them
+    as a JSON string, and templates following transformers' tool-use convention (Llama 3.1's,
+    Qwen 2.5's `arguments | tojson`) would render a string JSON-in-JSON. A missing or empty
+    string is {}; so is a string that is not JSON, or JSON that is not an object (with a
+    warning): such arguments live in the conversation's history (a model's own malformed
+    call in an agent's earlier turn), and refusing them would fail every later turn too. An
+    empty tool_calls list is dropped (templates test for the key)."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            if not m["tool_calls"]:
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                out.append(m)
+                continue
             m = {**m, "tool_calls": copy.deepcopy(m["tool_calls"])}
             for j, call in enumerate(m["tool_calls"]):
                 fn = call.get("function") if isinstance(call, dict) else None
@@ -108,8 +124,13 @@ def template_messages(messages: list[dict]) -> list[dict]:
                     try:
                         fn["arguments"] = json.loads(args)
                     except json.JSONDecodeError as err:
-                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
-                                         f"{err}") from None
+                        logger.warning("messages[%d].tool_calls[%d] (%r): arguments are not valid JSON (%s); "
+                                       "rendered as {} so the conversation can go on", i, j, fn.get("name"), err)
+                        fn["arguments"] = {}
+                    if not isinstance(fn["arguments"], dict):
+                        logger.warning("messages[%d].tool_calls[%d] (%r): arguments are JSON but not an object; "
+                                       "rendered as {}", i, j, fn.get("name"))
+                        fn["arguments"] = {}
         out.append(m)
     return out
 
@@ -130,7 +151,12 @@ def chat_prompt_ids(tokenizer, messages: list[dict], *, add_generation_prompt: b
     if kwargs.get("chat_template") is not None:
         chat_template = kwargs.pop("chat_template")
     kwargs.pop("chat_template", None)
-    kwargs.pop("tokenize", None)   # always tokenized here
+    # the rendering is tokenized here, as upstream renders to text and tokenizes after:
+    # transformers' tokenization arguments given as template variables would otherwise cut,
+    # pad or reshape the prompt ids
+    for key in ("tokenize", "truncation", "max_length", "padding", "return_tensors", "return_dict",
+                "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens"):
+        kwargs.pop(key, None)
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template (give one with --chat-template)")
     if continue_final_message and add_generation_prompt:
@@ -141,14 +167,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict], *, add_generation_prompt: b
         kwargs["chat_template"] = chat_template
     messages = template_messages(messages)
     try:
-        if add_special_tokens:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 **kwargs)
-            return list(tokenizer.encode(text, add_special_tokens=True))
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                            **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as err:  # jinja errors (raise_exception in templates, bad roles), bad kwargs
         raise ValueError(f"could not apply the chat template: {err}") from err
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    # without special tokens added, what apply_chat_template(tokenize=True) returns
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
