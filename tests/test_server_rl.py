@@ -230,8 +230,9 @@ def test_keys_tokenize_detokenize_version_metrics(app):
                     await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}),
                     await http.post("/detokenize", json={"tokens": [5, 6, 7]}),
                     await http.post("/detokenize", json={"tokens": [10 ** 6]}),
-                    await http.get("/version"), await http.get("/metrics"))
-    (anon_models, anon_health, models, tok, tok_chat, detok, bad_detok, version, metrics) = _run(go())
+                    await http.get("/version"), await http.get("/metrics"), await http.get("/load"))
+    (anon_models, anon_health, models, tok, tok_chat, detok, bad_detok, version, metrics, load) = _run(go())
+    assert load.status_code == 200 and load.json() == {"server_load": 0}   # idle
     assert anon_models.status_code == 401 and anon_health.status_code == 200 and models.status_code == 200
     tokenizer = app.state.serving.llm.tokenizer
     assert tok.json()["tokens"] == tokenizer.encode("Hello world") and tok.json()["count"] == len(tok.json()["tokens"])
@@ -244,8 +245,13 @@ def test_keys_tokenize_detokenize_version_metrics(app):
                  "vllm:weight_version", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:gpu_cache_usage_perc",
+                 "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total", "vllm:cache_config_info{"):
         assert name in text, name
+    for reason in ("stop", "length", "abort"):     # every reason's series, at 0 until it occurs
+        assert f'finished_reason="{reason}"' in text, reason
+    card = models.json()["data"][0]
+    assert card["owned_by"] == "vllm" and card["parent"] is None and card["permission"][0]["allow_sampling"]
 
 
 def test_fast_decoder_equals_tokenizer_decode(tokenizer_dir):

@@ -361,13 +361,13 @@ def test_stats_line_over_an_interval_and_silent_when_idle():
     llm.num_prompt_tokens, llm.num_generation_tokens = 200, 50
     llm.stats = EngineStats(3, 1, 0.25, 5, 0, 7, False, 200, 150)
     now[0] = 20.0
-    assert stats.line() == ("Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+    assert stats.line() == ("Engine 000: Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
                             "Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, "
                             "Prefix cache hit rate: 75.0%")
     llm.stats = EngineStats(0, 0, 0.0, 10, 0, 9, False, 200, 150)
     now[0] = 30.0
     line = stats.line()                             # going idle: one more line (the rate since the start)
-    assert line.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+    assert line.startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
                            "Running: 0 reqs") and line.endswith("Prefix cache hit rate: 75.0%")
     now[0] = 40.0
     assert stats.line() is None
@@ -387,8 +387,8 @@ def test_stats_lines_while_the_app_runs(serving, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.stats"):
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.stats"]
-    assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines)
-    assert any(not line.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
+    assert lines and all(line.startswith("Engine 000: Avg prompt throughput: ") for line in lines)
+    assert any(not line.startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
                for line in lines)
     assert serving.llm.stats.prefix_cache_queries > 0   # the engine's prefix-cache counts reach the server
 

@@ -618,6 +618,7 @@ UPSTREAM_NOOP_ARGS = {
     "override_generation_config": lambda v: not v,
     # experts over the tensor-parallel group (of one here): every expert on the one rank
     "enable_expert_parallel": lambda v: v is False or v is True,
+    "enable_server_load_tracking": lambda v: isinstance(v, bool),       # GET /load is always tracked
 }
 
 

@@ -56,6 +56,8 @@ UPSTREAM_NOOP_FLAGS = {
     "--task": ((), str, "{auto,generate}", "auto or generate only: generative (causal LM) models"),
     "--runner": ((), str, "{auto,generate}", "auto or generate only: generative (causal LM) models"),
     "--download-dir": ((), str, "DIR", "accepted: the model is a local directory, nothing is downloaded"),
+    "--enable-server-load-tracking": ((), "flag", None, "accepted: GET /load always reports the sequences in "
+                                      "flight here"),
 }
 
 

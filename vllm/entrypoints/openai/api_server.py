@@ -146,6 +146,12 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
         from vllm import __version__
         return {"version": __version__}
 
+    @app.get("/load")
+    async def load():
+        # upstream's load signal for routers: here always tracked (a counter the server keeps
+        # anyway), the sequences accepted and not finished
+        return {"server_load": serving.llm.num_in_flight}
+
     try:
         registry = metrics_registry(serving)
     except ImportError:  # prometheus-client is in the [serve] extra

@@ -283,6 +283,11 @@ class AsyncLLM:
             prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
         return prepared
 
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences (prompts x n) accepted and not finished: upstream's /load server_load."""
+        return self._outstanding
+
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
                            stream: bool = False, priority: int = 0) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
@@ -294,6 +299,7 @@ class AsyncLLM:
         EngineDeadError if the engine is not running.
         """
         self._check_alive()
+        arrived = time.monotonic()   # the latency metrics count from here, tokenization included (as upstream)
         priority = check_priority(priority, self.info.scheduling_policy)
         loop = asyncio.get_running_loop()
         items = list(items)
@@ -317,7 +323,7 @@ class AsyncLLM:
                 s = RequestStream(self, rid, loop, stream)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
                 eid = s.engine_id = f"{rid}@{next(self._serial)}"
-                self._requests[eid] = _Entry(s.state, s, LatencyStats.start())
+                self._requests[eid] = _Entry(s.state, s, RequestTimes(arrived))
                 self._engine_ids.setdefault(rid, []).append(eid)
                 streams.append(s)
                 # the engine works on token ids only: stop strings and text are ours

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import time
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -54,10 +53,6 @@ class LatencyStats:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-
-    @staticmethod
-    def start() -> RequestTimes:
-        return RequestTimes(time.monotonic())
 
     def tokens(self, t: RequestTimes, index: int, n: int, now: float) -> None:
         if n <= 0:

@@ -7,6 +7,10 @@ if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving import OpenAIServing
 
 
+# the finish reasons a sequence ends with (vllm.core.request.RequestStatus's finished ones)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 def metrics_registry(serving: OpenAIServing):
     """A Prometheus registry whose collector reads the AsyncLLM's counters at scrape time
     (nothing is counted on the hot path beyond plain integer additions)."""
@@ -44,11 +48,27 @@ def metrics_registry(serving: OpenAIServing):
             yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                           st.prefix_cache_queries)
             yield counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache held.", st.prefix_cache_hits)
+            # upstream's older names of the same values, which dashboards and routers still read
+            # (the Kubernetes production-stack router: these three)
+            yield gauge("vllm:gpu_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1); "
+                        "the older name of vllm:kv_cache_usage_perc.", st.kv_usage)
+            yield counter("vllm:gpu_prefix_cache_queries", "The older name of vllm:prefix_cache_queries.",
+                          st.prefix_cache_queries)
+            yield counter("vllm:gpu_prefix_cache_hits", "The older name of vllm:prefix_cache_hits.",
+                          st.prefix_cache_hits)
             c = CounterMetricFamily("vllm:request_success", "Finished sequences by finish reason.",
                                     labels=["model_name", "finished_reason"])
-            for reason, n in sorted(llm.finished_by_reason.items()):
+            # every reason from the start, at 0 until it occurs (as upstream): rate() and alerts
+            # on a reason see its first increment
+            finished = {reason: 0 for reason in FINISH_REASONS}
+            finished.update(llm.finished_by_reason)
+            for reason, n in sorted(finished.items()):
                 c.add_metric([model, reason], n)
             yield c
+            info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (labels), value 1.",
+                                     labels=["block_size", "num_gpu_blocks"])
+            info.add_metric([str(llm.info.block_size), str(llm.info.num_kv_blocks)], 1)
+            yield info
             lat = llm.latency
             for name, doc, hist in (
                     ("vllm:time_to_first_token_seconds", "Time from acceptance to a request's first token.", lat.ttft),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictInt, field_validator,
@@ -692,13 +693,32 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     weight_version: Optional[int] = None                           # extension
 
 
+class ModelPermission(OpenAIBaseModel):
+    """upstream's model permission entry (every client reads it as "allowed")."""
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIBaseModel):
+    """upstream's model card: tools that recognise a vLLM server by `owned_by` read "vllm"."""
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "vllm-parity"
+    owned_by: str = "vllm"
     root: Optional[str] = None
+    parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIBaseModel):

@@ -45,7 +45,7 @@ class StatsLogger:
         # the interval's lookups; none in it: the rate since the start
         queries, hits = (q1 - q0, h1 - h0) if q1 > q0 else (q1, h1)
         hit_rate = 100.0 * hits / queries if queries else 0.0
-        return (f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
+        return (f"Engine 000: Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "
                 f"Running: {st.num_running} reqs, Waiting: {st.num_waiting} reqs, "
                 f"GPU KV cache usage: {100.0 * st.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
