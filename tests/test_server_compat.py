@@ -405,6 +405,12 @@ def test_latency_histograms():
     assert lat.e2e.sum == 1.0
 
 
+def _series(text: str, suffix: str) -> dict[str, float]:
+    """{metric name: value} of the exposition's `<name>_<suffix>{...} value` lines."""
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:") and f"_{suffix}{{" in line}
+
+
 def test_latency_metrics_through_the_app(app):
     pytest.importorskip("prometheus_client")
     _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
@@ -413,11 +419,23 @@ def test_latency_metrics_through_the_app(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return (await c.get("/metrics")).text
     text = asyncio.run(scrape())
-    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:") and "_count{" in line}
+    counts = _series(text, "count")
     assert counts["vllm:time_to_first_token_seconds_count"] >= 1
     assert counts["vllm:e2e_request_latency_seconds_count"] >= 1
     assert counts["vllm:inter_token_latency_seconds_count"] >= 2
+    sums = _series(text, "sum")
+    # a request of n = 2 samples of 3 tokens each: per sample prompt and generation counts, per
+    # request n, max_tokens and its longest sample
+    _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0.5, "seed": 1, "n": 2,
+                                   "ignore_eos": True})
+    text = asyncio.run(scrape())
+    moved = {k: v - counts[k] for k, v in _series(text, "count").items() if k.startswith("vllm:request_")}
+    assert moved == {"vllm:request_prompt_tokens_count": 2, "vllm:request_generation_tokens_count": 2,
+                     "vllm:request_max_num_generation_tokens_count": 1, "vllm:request_params_n_count": 1,
+                     "vllm:request_params_max_tokens_count": 1}
+    after = _series(text, "sum")
+    assert after["vllm:request_generation_tokens_sum"] - sums["vllm:request_generation_tokens_sum"] == 6
+    assert after["vllm:request_params_n_sum"] - sums["vllm:request_params_n_sum"] == 2
 
 
 def test_async_llm_request_ids_after_abort_and_within_a_batch():

@@ -44,7 +44,7 @@ from vllm.engine.core_messages import AbortRequest, AddRequest, EngineCoreOutput
 from vllm.engine.llm_engine import bad_words_token_ids, check_max_tokens, tokenize_truncated, validate_prompt
 from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
-from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
+from vllm.entrypoints.openai.latency import LatencyStats, RequestSizes, RequestTimes
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tokenizer import load_tokenizer
@@ -218,6 +218,7 @@ class AsyncLLM:
         self.num_generation_tokens = 0
         self.finished_by_reason: collections.Counter = collections.Counter()
         self.latency = LatencyStats()   # /metrics histograms (vllm/entrypoints/openai/latency.py)
+        self.sizes = RequestSizes(info.max_model_len)
         self._dead_error: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[str], None]] = []   # on_engine_death's, not yet called
         client.on_outputs = self._on_outputs
@@ -544,6 +545,8 @@ class AsyncLLM:
                 s = entry.stream
                 if state.finished:
                     self.latency.finished(entry.times, now)
+                    self.sizes.finished(len(state.prompt_token_ids), [len(ids) for ids in state.token_ids],
+                                        state.params.n, state.params.max_tokens)
                     del self._requests[d.request_id]
                     self._drop_engine_id(state.request_id, d.request_id)
                     deliveries.setdefault(s.loop, []).append((s, state.output()))

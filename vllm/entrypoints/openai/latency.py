@@ -1,6 +1,6 @@
-"""Request latencies for /metrics, observed by AsyncLLM's receiver thread: upstream vLLM's
-histogram names and buckets (Grafana dashboards written for upstream read them), counted
-with a bisect and two additions per observation, read at scrape time."""
+"""Request latencies and sizes for /metrics, observed by AsyncLLM's receiver thread: upstream
+vLLM's histogram names and buckets (Grafana dashboards written for upstream read them),
+counted with a bisect and two additions per observation, read at scrape time."""
 from __future__ import annotations
 
 import bisect
@@ -67,3 +67,38 @@ class LatencyStats:
 
     def finished(self, t: RequestTimes, now: float) -> None:
         self.e2e.observe(now - t.arrival)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (upstream's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class RequestSizes:
+    """vllm:request_prompt_tokens and vllm:request_generation_tokens (per sample, as upstream
+    counts each of a request's n samples), vllm:request_max_num_generation_tokens (per request:
+    its longest sample), vllm:request_params_n and vllm:request_params_max_tokens (per request,
+    max_tokens when it was given), observed when a request finishes."""
+
+    def __init__(self, max_model_len: int):
+        tokens = buckets_1_2_5(max(1, max_model_len))
+        self.prompt = Histogram(tokens)
+        self.generation = Histogram(tokens)
+        self.max_generation = Histogram(tokens)
+        self.n = Histogram((1, 2, 5, 10, 20))
+        self.max_tokens = Histogram(tokens)
+
+    def finished(self, prompt_tokens: int, generated: list[int], n: int, max_tokens: int | None) -> None:
+        self.prompt.observe(prompt_tokens, len(generated))
+        for g in generated:
+            self.generation.observe(g)
+        self.max_generation.observe(max(generated, default=0))
+        self.n.observe(n)
+        if max_tokens is not None:
+            self.max_tokens.observe(max_tokens)
