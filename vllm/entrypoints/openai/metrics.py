@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm.core.request import RequestStatus
+
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving import OpenAIServing
 
-
-# the finish reasons a sequence ends with (vllm.core.request.RequestStatus's finished ones)
-FINISH_REASONS = ("stop", "length", "abort")
+# the finish reasons a sequence ends with
+FINISH_REASONS = tuple(s.value for s in RequestStatus if s.finished)
 
 
 def metrics_registry(serving: OpenAIServing):
