@@ -131,6 +131,31 @@ def test_du_in_bfloat16_gives_the_same_gradients(hk, hv, monkeypatch):
                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), name
 
 
+@pytest.mark.parametrize("saved", [False, True])
+def test_prep_column_blocks_give_the_same_gradients(saved, monkeypatch):
+    """The prep writes w, u and kd a block of columns at a time (PREP_COLUMNS): their dots
+    contract over the chunk's rows, so every width gives the same bits, with T built or
+    saved. V = 96 leaves a 64-wide block half past V (its column mask)."""
+    from vllm.kernels import gdn_backward
+    cu, C = [0, 21, 30], 16
+    xs, do = make(30, 1, 2, 64, 96, seed=4)
+    bf = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)]
+    extra = ()
+    if saved:  # any unit lower T per chunk (2 + 1 chunks): the widths must agree on it
+        gen = torch.Generator().manual_seed(5)
+        t = torch.eye(C) + 0.1 * torch.randn(3, 2, C, C, generator=gen).tril(-1)
+        extra = (t.bfloat16().to(DEV), torch.tensor([0, 2, 3], dtype=torch.int32, device=DEV))
+    grads = {}
+    for width in (32, 64, 128):
+        monkeypatch.setattr(gdn_backward, "PREP_COLUMNS", {p: {"prep": width, "prep_t_saved": width}
+                                                           for p in ("bf16", "tf32x3")})
+        grads[width] = gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, C, *extra)
+    for width in (32, 64):
+        for name, a, b in zip("q k v g beta".split(), grads[width], grads[128]):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), (width, name)
+
+
 def test_refuses_cu_seqlens_that_do_not_cover_the_tokens():
     """The gradients are written in place, row by row of each sequence: sequences that miss
     tokens (or do not start at 0) would leave rows unwritten, so they are refused."""

@@ -1,6 +1,6 @@
 """Launch configurations of the training backwards' kernels on the GPU, side by side.
 
-    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn]
+    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_prep]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
   (32 heads x 160 chunks of 64, K = V = 128): forward and backward time for each (V tile,
@@ -13,7 +13,8 @@
   config changes any bit.
 - GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16):
   each per-chunk kernel's warps in turn (WARPS there), with T from the forward as training
-  runs it ("prep": the backward building T itself).
+  runs it ("prep": the backward building T itself); "gdn_prep" the prep's column block and
+  warps together (PREP_COLUMNS and WARPS there), its own time and the backward's.
 """
 from __future__ import annotations
 
@@ -93,9 +94,9 @@ def mamba2_launch() -> None:
         mb.ROW_BLOCK = saved_rows
 
 
-def gdn_warps() -> None:
-    """Each per-chunk kernel's warps in turn (bf16 dots), the others at WARPS's: the training
-    step's backward (T from the forward), and for "prep" the backward building T itself."""
+def _gdn_case():
+    """Qwen3-Next's dims, 1 x 10,240 tokens, bf16: the backward with T from the forward (as
+    training runs it) and building T itself, as two callables."""
     from vllm.kernels import gdn_backward as gb
     from vllm.kernels.gdn_chunk import gdn_chunk_triton
     from vllm.testing.chunked_scan import step_metadata
@@ -107,7 +108,6 @@ def gdn_warps() -> None:
     plan = md.chunk_plan(C, True)
     t_out = torch.empty((plan.num_chunks, HV, C, C), dtype=torch.bfloat16, device="cuda")
     gdn_chunk_triton(q, k, v, g, beta, K ** -0.5, md, None, chunk_size=C, aligned=True, t_out=t_out)
-    saved = dict(gb.WARPS["bf16"])
 
     def t_saved():
         return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5, chunk_size=C, t_saved=t_out,
@@ -115,6 +115,15 @@ def gdn_warps() -> None:
 
     def t_built():
         return gb.gdn_backward_triton(q, k, v, g, beta, do, [0, T], K ** -0.5, chunk_size=C)
+    return t_saved, t_built
+
+
+def gdn_warps() -> None:
+    """Each per-chunk kernel's warps in turn (bf16 dots), the others at WARPS's: the training
+    step's backward (T from the forward), and for "prep" the backward building T itself."""
+    from vllm.kernels import gdn_backward as gb
+    t_saved, t_built = _gdn_case()
+    saved = dict(gb.WARPS["bf16"])
     print(f"gdn backward at {saved}: T saved {bench(t_saved):.0f} us, T built {bench(t_built):.0f} us", flush=True)
     try:
         for kernel in saved:
@@ -131,6 +140,43 @@ def gdn_warps() -> None:
         gb.WARPS["bf16"].update(saved)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def gdn_prep() -> None:
+    """The prep kernel's (column block, warps) with T saved and T built (bf16 dots): the prep's
+    own GPU time (torch profiler) and the whole backward's, and whether any gradient bit moves
+    against the defaults. First the backward's GPU time per kernel at the defaults."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from scan_bench import kernel_times, report
+
+    from vllm.kernels import gdn_backward as gb
+    t_saved, t_built = _gdn_case()
+    report("gdn backward kernels (T saved)", kernel_times(t_saved))
+    report("gdn backward kernels (T built)", kernel_times(t_built))
+    warps0, cols0 = dict(gb.WARPS["bf16"]), dict(gb.PREP_COLUMNS["bf16"])
+    ref = {"prep_t_saved": t_saved(), "prep": t_built()}
+    try:
+        for prep, step in (("prep_t_saved", t_saved), ("prep", t_built)):
+            for cols in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    gb.WARPS["bf16"].update(warps0)
+                    gb.PREP_COLUMNS["bf16"].update(cols0)
+                    gb.WARPS["bf16"][prep], gb.PREP_COLUMNS["bf16"][prep] = warps, cols
+                    try:
+                        same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(step(), ref[prep]))
+                        own = sum(t for name, t in kernel_times(step).items() if "prep" in name)
+                        print(f"gdn backward, {prep} at {cols} columns, {warps} warps: prep {own:.0f} us, "
+                              f"backward {bench(step):.0f} us, {'same bits' if same else 'BITS DIFFER'}",
+                              flush=True)
+                    except triton.runtime.errors.OutOfResources as ex:
+                        print(f"gdn backward, {prep} at {cols} columns, {warps} warps: does not fit "
+                              f"({str(ex)[:70]})", flush=True)
+    finally:
+        gb.WARPS["bf16"].update(warps0)
+        gb.PREP_COLUMNS["bf16"].update(cols0)
+
 if __name__ == "__main__":
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
     if "recurrence" in parts:
@@ -139,3 +185,5 @@ if __name__ == "__main__":
         mamba2_launch()
     if "gdn" in parts:
         gdn_warps()
+    if "gdn_prep" in parts:
+        gdn_prep()

@@ -51,6 +51,9 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
 WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
          "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
+# the prep's column block for w, u and kd (capped at the K and V tiles): the same bits at any
+# width, fewer registers at a narrower one
+PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 128, "prep_t_saved": 128}}
 # With bf16 dots, what passes between the kernels goes in bfloat16, as fla's backward passes
 # it: w, kd, T, v_new and du (every use a dot operand, which the dots round to bfloat16 anyway:
 # the same gradients from half the bytes) and the state-shaped tensors (the per-chunk states, their
@@ -71,12 +74,17 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
-    from vllm.kernels.training_tiles import store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
+    from vllm.kernels.training_tiles import load_block as _block_in, store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
 
     @triton.jit
     def _load_rows(ptr, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
         """Tokens t0 .. t0 + n - 1 of one head of a [T, HS, X] tensor as a float32 [BC, BX] tile."""
         return _rows_in(ptr, t0, n, head * X, HS * X, X, BC, BX)
+
+    @triton.jit
+    def _load_block(ptr, t0, n, head, HS, x0, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        """_load_rows' columns x0 .. x0 + BX - 1 (zeros past X)."""
+        return _block_in(ptr, t0, n, head * X, HS * X, x0, X, BC, BX)
 
     @triton.jit
     def _store_rows(ptr, x, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
@@ -97,12 +105,14 @@ if HAS_TRITON:
     @triton.jit
     def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, w_desc, u_desc, kd_desc, e_ptr, t_ptr, gam_ptr,
                      ts_ptr, tch_ptr, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
-                     T_SAVED: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
+                     EMULATE: tl.constexpr, T_SAVED: tl.constexpr):
         """One program per (chunk, value head): gamma, T = (I + A)^-1 (by block rows, as the
         forward: chunk_tiles.unit_lower_block_row; or, T_SAVED, the forward's own T, chunk
         tch[s] + c of ts for chunk c of sequence s), w, u, kd and e. A T built here goes out
-        whole for the final kernel (a saved one it reads where the forward left it)."""
+        whole for the final kernel (a saved one it reads where the forward left it). w, u and
+        kd go BX columns at a time: their dots contract over the chunk's rows, not the
+        columns, so a column block is the same bits as the whole tile, in fewer registers."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -111,12 +121,12 @@ if HAS_TRITON:
         b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
         gam = tl.cumsum(g, 0)
         tl.store(gam_ptr + ch.to(tl.int64) * C + rows, gam, mask=rm)
-        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         ii = rows[:, None]
         jj = rows[None, :]
         if T_SAVED:
             T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
         else:
+            k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
             lower = (jj < ii) & (ii < C)
             kk = _mm(k, tl.trans(k), PREC)
             A = tl.where(lower, b[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
@@ -132,12 +142,18 @@ if HAS_TRITON:
             T = tl.reshape(T3, (BC, BC))
             tl.store(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, _to_dtype_rn(T, t_ptr.dtype.element_ty),
                      mask=(ii < C) & (jj < C))
-        eg = tl.exp(gam)
-        _put(w_desc, ch, _mm(T, k * (b * eg)[:, None], PREC), BC, BK)
-        v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
-        _put(u_desc, ch, _mm(T, v * b[:, None], PREC), BC, BV)
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
-        _put(kd_desc, ch, k * tl.exp(gl - gam)[:, None], BC, BK)
+        be = b * tl.exp(gam)
+        dec = tl.exp(gl - gam)
+        for x0 in tl.static_range(0, BK, BX):
+            kx = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            w_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(_mm(T, kx * be[:, None], PREC), w_desc.dtype),
+                                                 (1, BC, BX)))
+            kd_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(kx * dec[:, None], kd_desc.dtype), (1, BC, BX)))
+        for x0 in tl.static_range(0, BV, BX):
+            vx = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
+            u_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(_mm(T, vx * b[:, None], PREC), u_desc.dtype),
+                                                 (1, BC, BX)))
         tl.store(e_ptr + ch, tl.exp(gl))
 
     @triton.jit
@@ -357,9 +373,11 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
     ts, tch = (t_saved, t_chunks) if saved else (gam, cu)
-    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, ck), _desc(u, cv), _desc(kd, ck), e, tmat, gam, ts, tch,
-                       C, *heads, EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved, **dims,
-                       enable_fp_fusion=True, num_warps=warps["prep_t_saved" if saved else "prep"])
+    prep = "prep_t_saved" if saved else "prep"
+    BX = min(PREP_COLUMNS.get(prec, PREP_COLUMNS["tf32x3"])[prep], BK, BV)
+    _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, (BC, BX)), _desc(u, (BC, BX)), _desc(kd, (BC, BX)), e, tmat,
+                       gam, ts, tch, C, *heads, EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved,
+                       BX=BX, **dims, enable_fp_fusion=True, num_warps=warps[prep])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
