@@ -110,20 +110,20 @@ def test_bf16_dots_pass_bfloat16_between_the_kernels(hk, hv, monkeypatch):
 
 @pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
 def test_du_in_bfloat16_gives_the_same_gradients(hk, hv, monkeypatch):
-    """With bf16 dots the recurrence's du passes to the final kernel in bfloat16: every use
-    is a dot operand, rounded so anyway, so all five gradients keep their bits against du in
-    float32."""
+    """With bf16 dots the recurrence walk's du passes to the final kernels in bfloat16: every
+    use is a dot operand, rounded so anyway, so all five gradients keep their bits against du
+    in float32."""
     from vllm.kernels import gdn_backward
     cu = [0, 21, 30]
     xs, do = make(30, hk, hv, 16, 32, seed=3)
     bf = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)]
     got = gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
-    real, dtypes = gdn_backward.recurrence_backward_triton, []
+    real, dtypes = gdn_backward.recurrence_backward_walk_triton, []
 
     def float32_du(*args, du_dtype=torch.float32):
         dtypes.append(du_dtype)
         return real(*args, du_dtype=torch.float32)
-    monkeypatch.setattr(gdn_backward, "recurrence_backward_triton", float32_du)
+    monkeypatch.setattr(gdn_backward, "recurrence_backward_walk_triton", float32_du)
     ref = gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
     assert dtypes == [torch.bfloat16]
     for name, a, b in zip("q k v g beta".split(), got, ref):

@@ -1,6 +1,6 @@
 """Launch configurations of the training backwards' kernels on the GPU, side by side.
 
-    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_prep]
+    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_blocks]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
   (32 heads x 160 chunks of 64, K = V = 128): forward and backward time for each (V tile,
@@ -13,8 +13,9 @@
   config changes any bit.
 - GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16):
   each per-chunk kernel's warps in turn (WARPS there), with T from the forward as training
-  runs it ("prep": the backward building T itself); "gdn_prep" the prep's column block and
-  warps together (PREP_COLUMNS and WARPS there), its own time and the backward's.
+  runs it ("prep": the backward building T itself); "gdn_blocks" the block widths and warps
+  of the prep and the final output kernel together (PREP_COLUMNS, FINAL_OUT_V_BLOCK and WARPS
+  there), each kernel's own time and the backward's.
 """
 from __future__ import annotations
 
@@ -144,10 +145,11 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
-def gdn_prep() -> None:
-    """The prep kernel's (column block, warps) with T saved and T built (bf16 dots): the prep's
-    own GPU time (torch profiler) and the whole backward's, and whether any gradient bit moves
-    against the defaults. First the backward's GPU time per kernel at the defaults."""
+def gdn_blocks() -> None:
+    """The block widths and warps of the prep (PREP_COLUMNS: w, u and kd's column block; T
+    saved and T built) and of the final output kernel (FINAL_OUT_V_BLOCK: its loop over V), bf16
+    dots: the kernel's own GPU time (torch profiler), the whole backward's, and whether any
+    gradient bit moves against the defaults. First the backward's GPU time per kernel."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from scan_bench import kernel_times, report
 
@@ -155,27 +157,40 @@ def gdn_prep() -> None:
     t_saved, t_built = _gdn_case()
     report("gdn backward kernels (T saved)", kernel_times(t_saved))
     report("gdn backward kernels (T built)", kernel_times(t_built))
-    warps0, cols0 = dict(gb.WARPS["bf16"]), dict(gb.PREP_COLUMNS["bf16"])
-    ref = {"prep_t_saved": t_saved(), "prep": t_built()}
-    try:
-        for prep, step in (("prep_t_saved", t_saved), ("prep", t_built)):
-            for cols in (32, 64, 128):
-                for warps in (2, 4, 8):
-                    gb.WARPS["bf16"].update(warps0)
-                    gb.PREP_COLUMNS["bf16"].update(cols0)
-                    gb.WARPS["bf16"][prep], gb.PREP_COLUMNS["bf16"][prep] = warps, cols
-                    try:
-                        same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(step(), ref[prep]))
-                        own = sum(t for name, t in kernel_times(step).items() if "prep" in name)
-                        print(f"gdn backward, {prep} at {cols} columns, {warps} warps: prep {own:.0f} us, "
-                              f"backward {bench(step):.0f} us, {'same bits' if same else 'BITS DIFFER'}",
-                              flush=True)
-                    except triton.runtime.errors.OutOfResources as ex:
-                        print(f"gdn backward, {prep} at {cols} columns, {warps} warps: does not fit "
-                              f"({str(ex)[:70]})", flush=True)
-    finally:
+    warps0, cols0, vb0 = dict(gb.WARPS["bf16"]), dict(gb.PREP_COLUMNS["bf16"]), gb.FINAL_OUT_V_BLOCK["bf16"]
+    ref = {"saved": t_saved(), "built": t_built()}
+
+    def restore():
         gb.WARPS["bf16"].update(warps0)
         gb.PREP_COLUMNS["bf16"].update(cols0)
+        gb.FINAL_OUT_V_BLOCK["bf16"] = vb0
+
+    def setting(kernel, block, warps):
+        restore()
+        gb.WARPS["bf16"][kernel] = warps
+        if kernel == "final_out":
+            gb.FINAL_OUT_V_BLOCK["bf16"] = block
+        else:
+            gb.PREP_COLUMNS["bf16"][kernel] = block
+
+    runs = [("prep_t_saved", "saved", b, w) for b in (32, 64, 128) for w in (2, 4, 8)]
+    runs += [("prep", "built", b, w) for b in (32, 64, 128) for w in (2, 4, 8)]
+    runs += [("final_out", "saved", b, w) for b in (32, 64) for w in (4, 8)]
+    try:
+        for kernel, which, block, warps in runs:
+            step = t_saved if which == "saved" else t_built
+            setting(kernel, block, warps)
+            label = f"gdn backward (T {which}), {kernel} at {block} wide, {warps} warps"
+            try:
+                same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(step(), ref[which]))
+                key = "final_out" if kernel == "final_out" else "prep"
+                own = sum(t for name, t in kernel_times(step).items() if key in name)
+                print(f"{label}: kernel {own:.0f} us, backward {bench(step):.0f} us, "
+                      f"{'same bits' if same else 'bits differ'}", flush=True)
+            except triton.runtime.errors.OutOfResources as ex:
+                print(f"{label}: does not fit ({str(ex)[:70]})", flush=True)
+    finally:
+        restore()
 
 if __name__ == "__main__":
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
@@ -185,5 +200,5 @@ if __name__ == "__main__":
         mamba2_launch()
     if "gdn" in parts:
         gdn_warps()
-    if "gdn_prep" in parts:
-        gdn_prep()
+    if "gdn_blocks" in parts:
+        gdn_blocks()

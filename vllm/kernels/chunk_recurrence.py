@@ -196,34 +196,52 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     return states, vn
 
 
-def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None,
-                               du_dtype: torch.dtype = torch.float32):
-    """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
-    outputs (w, kd, states and v_new as the forward took and gave them; g_states in float32 or,
-    with bfloat16 states, bfloat16). The gradient reaching each chunk's end state passes from
-    the walk to the per-chunk program in the states' dtype. `du_dtype` bfloat16 (bf16 dots
-    only): du rounded to nearest, for a caller whose every use of du is a dot operand (the
-    GDN backward's), which rounds it so anyway; dw, dkd and de keep their bits."""
+def recurrence_backward_walk_triton(w, kd, e, states, g_states, g_vn, precision: str | None = None,
+                                    du_dtype: torch.dtype = torch.float32):
+    """The sequential half of the backward: (du, d_end), du = dv_new per chunk and d_end the
+    gradient reaching each chunk's end state (in the states' dtype), for a caller that takes
+    dw = -du S^T, dkd = v_new d_end^T and de = <S, d_end> itself (the GDN backward, in its
+    final kernel, beside the other reads of S and v_new). Arguments as
+    recurrence_backward_triton's (states for its shape and dtype only)."""
     require_triton(w)
-    B, H, nC, C, V = vn.shape
+    B, H, nC, C, V = g_vn.shape
     K = w.shape[-1]
-    w, kd, e, states, vn, g_states, g_vn = (aligned16(t) for t in (w, kd, e, states, vn, g_states, g_vn))
+    w, kd, e, g_states, g_vn = (aligned16(t) for t in (w, kd, e, g_states, g_vn))
     prec = precision or training_tiles.dot_precision(w)
     if du_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"du_dtype must be float32 or bfloat16, got {du_dtype}")
     if du_dtype == torch.bfloat16 and (prec not in BF16_PRECISIONS or V % 8):
         raise ValueError(f"a bfloat16 du needs bf16 dots and V a multiple of 8 (16-byte rows), got {prec}, V = {V}")
-    du = torch.empty_like(vn, dtype=du_dtype)
-    dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
-    if vn.numel() == 0:
-        return du.zero_(), dw.zero_(), dkd.zero_(), de.zero_()
+    du = torch.empty_like(g_vn, dtype=du_dtype)
     d_end = torch.empty_like(states)  # per chunk, the gradient reaching its end state (states' dtype)
+    if g_vn.numel() == 0:
+        return du.zero_(), d_end.zero_()
     block_v, warps, stages = BACKWARD_WALK_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_walk_kernel[(B * H, -(-V // BV))](
         _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(g_states, (BK, BV)), _desc(g_vn, (BC, BV)),
         _desc(du, (BC, BV)), _desc(d_end, (BK, BV)), nC, BC=BC, BK=BK, BV=BV, PREC=prec,
         num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+    return du, d_end
+
+
+def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: str | None = None,
+                               du_dtype: torch.dtype = torch.float32):
+    """(du, dw, dkd, de), float32, of the forward above, given the gradients reaching its
+    outputs (w, kd, states and v_new as the forward took and gave them; g_states in float32 or,
+    with bfloat16 states, bfloat16). The gradient reaching each chunk's end state passes from
+    the walk to the per-chunk program in the states' dtype. `du_dtype` bfloat16 (bf16 dots
+    only): du rounded to nearest, for a caller whose every use of du is a dot operand, which
+    rounds it so anyway; dw, dkd and de keep their bits."""
+    require_triton(w)
+    B, H, nC, C, V = vn.shape
+    K = w.shape[-1]
+    prec = precision or training_tiles.dot_precision(w)
+    du, d_end = recurrence_backward_walk_triton(w, kd, e, states, g_states, g_vn, prec, du_dtype)
+    states, vn = aligned16(states), aligned16(vn)
+    dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
+    if vn.numel() == 0:
+        return du, dw.zero_(), dkd.zero_(), de.zero_()
     block_v, warps = BACKWARD_PARTS_CONFIG.get(prec, INTERPRETER_CONFIG[:2])
     BC, BK, BV = _blocks(C, K, V, block_v)
     _bwd_parts_kernel[(B * H * nC,)](

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels import chunk_recurrence
-from vllm.kernels.chunk_recurrence import recurrence_backward_triton, recurrence_forward_triton
+from vllm.kernels.chunk_recurrence import recurrence_backward_walk_triton, recurrence_forward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
@@ -49,8 +49,10 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # Register caps do not help (H100, T saved, 3,168 us uncapped; each kernel capped alone at 96 /
 # 128 / 168 registers: prep 3,718 / 3,479 / 3,279, output gradients 3,601 / 3,510 / 3,325,
 # final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
-WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 4, "final_wu": 8},
+WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "final_wu": 8},
          "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
+# the V block of the final output kernel's loop over the state, v_new and do
+FINAL_OUT_V_BLOCK = {"bf16": 32, "tf32x3": 32}
 # the prep's column block for w, u and kd (capped at the K and V tiles): the same bits at any
 # width, fewer registers at a narrower one
 PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 128, "prep_t_saved": 128}}
@@ -145,12 +147,12 @@ if HAS_TRITON:
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         be = b * tl.exp(gam)
         dec = tl.exp(gl - gam)
-        for x0 in tl.static_range(0, BK, BX):
+        for x0 in tl.static_range(0, K, BX):  # blocks from 0 while x0 < K (none wholly past it)
             kx = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
             w_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(_mm(T, kx * be[:, None], PREC), w_desc.dtype),
                                                  (1, BC, BX)))
             kd_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(kx * dec[:, None], kd_desc.dtype), (1, BC, BX)))
-        for x0 in tl.static_range(0, BV, BX):
+        for x0 in tl.static_range(0, V, BX):
             vx = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
             u_desc.store([ch, 0, x0], tl.reshape(_to_dtype_rn(_mm(T, vx * b[:, None], PREC), u_desc.dtype),
                                                  (1, BC, BX)))
@@ -178,30 +180,48 @@ if HAS_TRITON:
         _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
-    def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, vn_desc, dkd_desc, de_ptr, dq_ptr, dk_desc,
-                          dgam_ptr, dgl_ptr, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
-                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-        """One program per (chunk, value head), the output's and the decays' side: dq (whole,
-        per value head), the parts of dk and d gamma through o = q e^gamma S + P v_new and kd,
-        and d gamma_L."""
+    def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, ds_desc, vn_desc, du_desc, dw_desc, dq_ptr,
+                          dk_desc, dgam_ptr, dgl_ptr, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVT: tl.constexpr,
+                          PREC: tl.constexpr):
+        """One program per (chunk, value head), the output's, the state's and the decays' side.
+        Over V, BVT columns at a time, from the chunk's state S, the gradient reaching its end
+        dS (the recurrence walk's), v_new, dv_new (= du) and do: dw = -du S^T (out whole), dkd
+        = v_new dS^T, de = <S, dS>, (do S^T) and do v_new^T; then dq (whole, per value head),
+        the parts of dk and d gamma through o = q e^gamma S + P v_new and kd, and d gamma_L.
+        Each state-shaped tile is read once for all of them."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         rm = rows < C
         # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
         incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
+        dqd = tl.zeros((BC, BK), dtype=tl.float32)
+        dkd = tl.zeros((BC, BK), dtype=tl.float32)
+        dw = tl.zeros((BC, BK), dtype=tl.float32)
+        dP = tl.zeros((BC, BC), dtype=tl.float32)
+        de = tl.zeros((BK,), dtype=tl.float32)
+        for v0 in range(0, V, BVT):  # blocks while v0 < V: none wholly past V (do has no mask there)
+            S = tl.reshape(s_desc.load([ch, 0, v0]), (BK, BVT))
+            dS = tl.reshape(ds_desc.load([ch, 0, v0]), (BK, BVT))
+            vn = tl.reshape(vn_desc.load([ch, 0, v0]), (BC, BVT))
+            do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BVT) * scale
+            dqd += _mm(do, tl.trans(S), PREC)
+            dP += _mm(do, tl.trans(vn), PREC)
+            dkd += _mm(vn, tl.trans(dS), PREC)
+            dw -= _mm(tl.reshape(du_desc.load([ch, 0, v0]), (BC, BVT)), tl.trans(S), PREC)
+            # float32 products (widening bfloat16 states and gradients is exact)
+            de += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+        _put(dw_desc, ch, dw, BC, BK)
         gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
         q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
-        do = _load_rows(do_ptr, t0, n, h, HV, V, BC, BV) * scale
         eg = tl.exp(gam)
-        dqd = _mm(do, tl.trans(tl.reshape(s_desc.load([ch, 0, 0]), (BK, BV))), PREC)
         dq = dqd * eg[:, None]
         dgam = tl.sum(dqd * q, 1) * eg
-        # k after the state's part: one [C, K] tile fewer live beside the [K, V] state
         k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
         D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         P = _mm(q, tl.trans(k), PREC) * D
-        dP = tl.where(incl, _mm(do, tl.trans(_tile(vn_desc, ch, BC, BV)), PREC), 0.0)
+        dP = tl.where(incl, dP, 0.0)
         dqk = dP * D
         dq += _mm(dqk, k, PREC)
         _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
@@ -211,11 +231,10 @@ if HAS_TRITON:
         # kd = k e^(gamma_L - gamma), e = e^gamma_L
         gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         dec = tl.exp(gl - gam)
-        dkd = _tile(dkd_desc, ch, BC, BK)
         dk += dkd * dec[:, None]
         t = tl.sum(dkd * k, 1) * dec
         dgam -= t
-        tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.load(de_ptr + ch) * tl.exp(gl))
+        tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.sum(de, 0) * tl.exp(gl))
         _put(dk_desc, ch, dk, BC, BK)
         tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
@@ -382,19 +401,22 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
     _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
                            **dims, enable_fp_fusion=True, num_warps=warps["out_grad"])
-    # du: every use is a dot operand (the per-chunk parts' dw, the final kernel's dT and dX_u)
-    du, dw, dkd, de = recurrence_backward_triton(w, kd, e, states, vn, d_states, d_vn, prec, du_dtype=between)
-    du, dw, dkd, de = (aligned16(t) for t in (du, dw, dkd, de))
+    # du: every use is a dot operand (the final kernels' dw, dT and dX_u)
+    du, d_end = recurrence_backward_walk_triton(w, kd, e, states, d_states, d_vn, prec, du_dtype=between)
+    du, d_end = aligned16(du), aligned16(d_end)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
     dk = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else k.dtype, device=q.device)
     dk_out_side = torch.empty_like(w, dtype=torch.float32)
+    dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
-    _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BV)), _desc(vn, cv), _desc(dkd, ck), de, dq,
-                            _desc(dk_out_side, ck), dgam, dgl, scale, C, *heads, **dims,
-                            enable_fp_fusion=True, num_warps=warps["final_out"])
+    BVT = min(FINAL_OUT_V_BLOCK.get(prec, FINAL_OUT_V_BLOCK["tf32x3"]), BV)
+    _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BVT)), _desc(d_end, (BK, BVT)),
+                            _desc(vn, (BC, BVT)), _desc(du, (BC, BVT)), _desc(dw, ck), dq, _desc(dk_out_side, ck),
+                            dgam, dgl, scale, C, *heads, BVT=BVT, **dims, enable_fp_fusion=True,
+                            num_warps=warps["final_out"])
     _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, cv), _desc(dw, ck), dgam, dgl,
                            _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, T_SAVED=saved, **dims,
                            enable_fp_fusion=True, num_warps=warps["final_wu"])
