@@ -107,6 +107,20 @@ def test_bf16_operands_give_the_same_bits(shape, monkeypatch):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
 
 
+def test_bf16_u_is_taken_as_given():
+    """With bf16 dots, u may come in bfloat16: the forward gives the bits of that u passed
+    widened to float32 (v_new = u - w S, u widened exactly); with other dots it is refused."""
+    (u, w, kd, e), _ = ([t.to(DEV) for t in ts] for ts in make(1, 2, 3, 16, 16, 32, seed=8))
+    ub = u.bfloat16()
+    got = cr.recurrence_forward_triton(ub, w, kd, e, BF16_DOTS)
+    want = cr.recurrence_forward_triton(ub.float(), w, kd, e, BF16_DOTS)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert not torch.equal(got[1], cr.recurrence_forward_triton(u, w, kd, e, BF16_DOTS)[1])  # u's rounding shows
+    with pytest.raises(ValueError, match="bfloat16 u"):
+        cr.recurrence_forward_triton(ub, w, kd, e, "ieee")
+
+
 def test_bf16_du_is_the_float32_du_rounded_and_keeps_the_other_gradients(monkeypatch):
     """du_dtype bfloat16 (the GDN backward's, whose every use of du is a dot operand): du is the
     float32 walk's du rounded to nearest, and dw, dkd, de (the per-chunk program's dot rounds

@@ -86,7 +86,7 @@ def test_bfloat16_inputs_take_bf16_dots(hk, hv):
 
 @pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
 def test_bf16_dots_pass_bfloat16_between_the_kernels(hk, hv, monkeypatch):
-    """With bf16 dots, w, kd, v_new and the states pass between the kernels in bfloat16 (as
+    """With bf16 dots, u, w, kd, v_new and the states pass between the kernels in bfloat16 (as
     fla's backward passes them; the gradients' distance from float64 is
     test_bfloat16_inputs_take_bf16_dots'); float32 inputs (3xTF32 / ieee dots) keep float32,
     and so do bf16 dots at a K or V whose bfloat16 rows would not be 16-byte aligned."""
@@ -95,7 +95,7 @@ def test_bf16_dots_pass_bfloat16_between_the_kernels(hk, hv, monkeypatch):
     real = gdn_backward.recurrence_forward_triton
 
     def spy(u, w, kd, e, prec, vn_dtype=torch.float32, states_dtype=torch.float32):
-        seen.append((w.dtype, kd.dtype, vn_dtype, states_dtype))
+        seen.append((u.dtype, w.dtype, kd.dtype, vn_dtype, states_dtype))
         return real(u, w, kd, e, prec, vn_dtype=vn_dtype, states_dtype=states_dtype)
     monkeypatch.setattr(gdn_backward, "recurrence_forward_triton", spy)
     cu = [0, 21, 30]
@@ -103,7 +103,7 @@ def test_bf16_dots_pass_bfloat16_between_the_kernels(hk, hv, monkeypatch):
     bf = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)]
     gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
     gdn_backward_triton(*(x.float() for x in bf), do.float().to(DEV), cu, 0.25, chunk_size=16)
-    assert seen == [(torch.bfloat16,) * 4, (torch.float32,) * 4]
+    assert seen == [(torch.bfloat16,) * 5, (torch.float32,) * 5]
     assert gdn_backward.bf16_between_kernels("bf16", 16, 32) and not gdn_backward.bf16_between_kernels("bf16", 12, 32)
     assert not gdn_backward.bf16_between_kernels("tf32x3", 128, 128)
 

@@ -82,7 +82,7 @@ if HAS_TRITON:
             chunk = bh * NC + c
             states_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(S, states_desc.dtype), (1, BK, BV)))
             w = tl.reshape(w_desc.load([chunk, 0, 0]), (BC, BK))
-            u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV))
+            u = tl.reshape(u_desc.load([chunk, 0, v0]), (BC, BV)).to(tl.float32)
             vn = u - _mm(w, S, PREC)
             vn_desc.store([chunk, 0, v0], tl.reshape(_to_dtype_rn(vn, vn_desc.dtype), (1, BC, BV)))
             kd = tl.reshape(kd_desc.load([chunk, 0, 0]), (BC, BK))
@@ -146,8 +146,12 @@ BF16_PRECISIONS = ("bf16", "bf16_emulated")
 
 
 def _check(u, w, kd, e, prec: str):
-    if u.dtype != torch.float32 or e.dtype != torch.float32:
-        raise ValueError("the Triton chunk recurrence takes float32 u and e")
+    if e.dtype != torch.float32 or u.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the Triton chunk recurrence takes float32 e and float32 (or bfloat16) u, got {e.dtype}, "
+                         f"{u.dtype}")
+    if u.dtype == torch.bfloat16 and (prec not in BF16_PRECISIONS or u.shape[-1] % 8):
+        raise ValueError(f"a bfloat16 u needs bf16 dots and V a multiple of 8 (16-byte rows), got {prec}, "
+                         f"V = {u.shape[-1]}")
     if w.dtype != kd.dtype or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the Triton chunk recurrence takes float32 (or bfloat16) w and kd, got {w.dtype}, {kd.dtype}")
     if w.dtype == torch.bfloat16 and (prec not in BF16_PRECISIONS or w.shape[-1] % 8):
@@ -171,7 +175,9 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     """(states [B, H, nC, K, V] in states_dtype, v_new [B, H, nC, C, V] in vn_dtype); the
     dots at `precision` (training_tiles.dot_precision of the float32 inputs where None). With
     bf16 dots, w and kd may come in bfloat16 and v_new go out in it: the dots round them to it
-    anyway, so the results are the same bits (half the bytes). States stored in bfloat16 (the
+    anyway, so the results are the same bits (half the bytes). u may come in bfloat16 too
+    (bf16 dots): v_new = u - w S then takes u as given, widened exactly (the bits of u
+    rounded to bfloat16 and passed in float32). States stored in bfloat16 (the
     walk carries them in float32) are rounded to nearest: a lower precision for the backward's
     elementwise uses of them (de)."""
     require_triton(u)
@@ -186,7 +192,7 @@ def recurrence_forward_triton(u, w, kd, e, precision: str | None = None, vn_dtyp
     states = u.new_empty((B, H, nC, K, V), dtype=states_dtype)
     vn = torch.empty_like(u, dtype=vn_dtype)
     if u.numel() == 0:
-        return states.zero_(), vn.copy_(u)
+        return states.zero_(), vn
     block_v, warps, stages = FORWARD_CONFIG.get(prec, INTERPRETER_CONFIG)
     BC, BK, BV = _blocks(C, K, V, block_v)
     _fwd_kernel[(B * H, -(-V // BV))](

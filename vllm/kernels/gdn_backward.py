@@ -2,26 +2,30 @@
 recurrence (chunk_recurrence.py): the gradients of `gdn_reference` (gdn_chunk.py) without
 its autograd graph of batched torch ops.
 
-Per chunk of C rows (every sequence from position 0 with a zero state; all math float32), with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
+Per chunk of C rows (every sequence from position 0 with a zero state; all math float32),
+with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
 
     A = strict_lower(beta_i (k k^T)_ij D_ij),  T = (I + A)^-1,
     w = T (k * beta e^gamma),  u = T (v * beta),  kd = k * e^(gamma_L - gamma),  e = e^gamma_L,
     (S_c, v_new) = the recurrence over chunks of (u, w, kd, e),
     o = scale (q e^gamma S_c + incl_lower(q k^T * D) v_new)
 
-and the backward runs six launches:
-  1. prep (per chunk x value head): gamma, T (by block rows, as the forward), w, u, kd, e;
+and the backward runs six launches (and a seventh, the group sums, where Hv > Hk):
+  1. prep (per chunk x value head): gamma, T (by block rows, as the forward, or the
+     forward's saved T), w, u, kd, e;
   2. the recurrence forward (S_c, v_new);
   3. output grads (per chunk x value head): dS_c = (q e^gamma)^T do, dv_new = P^T do;
-  4. the recurrence backward (du, dw, dkd, de);
+  4. the recurrence backward's walk (du = dv_new and the gradient dS reaching each chunk's
+     end state);
   5. final, in two launches per (chunk x value head) that each fit shared memory: the
-     output's and the decays' side (dq, part of dk and d gamma), then the w / u side (dv,
-     dbeta, the rest of dk, dg as the reverse cumsum of d gamma, through w = T X and
-     dA = -T^T dT T^T).
+     state's, the output's and the decays' side (dw = -du S^T, dkd = v_new dS^T, de =
+     <S, dS>, dq, part of dk and d gamma: each state-shaped tile read once), then the w / u
+     side (dv, dbeta, the rest of dk, dg as the reverse cumsum of d gamma, through w = T X
+     and dA = -T^T dT T^T).
 The kernels read q, k, v, g, beta and do where the caller keeps them ([T, heads, ...], its
 dtype; a chunk's rows past its sequence's end load as zeros, a key head serves the G value
 heads of its group in place) and write dv, dg, dbeta there; what passes from kernel to kernel
-is float32 by chunk ([B, Hv, nC, C, ...]). Key-head gradients are the sums over the value
+is by chunk ([B, Hv, nC, C, ...]), float32 or, with bf16 dots, mostly bfloat16 (below). Key-head gradients are the sums over the value
 heads of the group, taken after (one pass, `_group_sum_kernel`).
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
@@ -57,8 +61,9 @@ FINAL_OUT_V_BLOCK = {"bf16": 32, "tf32x3": 32}
 # width, fewer registers at a narrower one
 PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 128, "prep_t_saved": 128}}
 # With bf16 dots, what passes between the kernels goes in bfloat16, as fla's backward passes
-# it: w, kd, T, v_new and du (every use a dot operand, which the dots round to bfloat16 anyway:
-# the same gradients from half the bytes) and the state-shaped tensors (the per-chunk states, their
+# it: w, kd, T, v_new, du and dw (every use a dot operand, which the dots round to bfloat16
+# anyway: the same gradients from half the bytes); u, as the forward's prep passes it to its
+# state kernel (v_new = u - w S then rounds as the forward's does); and the state-shaped tensors (the per-chunk states, their
 # gradients from the outputs, the gradients reaching each chunk's end: 3 x 335 MB of float32 at
 # 1 x 10,240, Qwen3-Next's dims). Those are not the same bits: de = <S, dS> and the walk's
 # dS + g_S take them elementwise, so the gradients move within bf16 rounding (float64 distance
@@ -382,7 +387,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     between = torch.bfloat16 if bf16_between_kernels(prec, K, V) else torch.float32
     ops = dict(f32, dtype=between)
     w, kd = torch.empty((B, Hv, nC, C, K), **ops), torch.empty((B, Hv, nC, C, K), **ops)
-    u = torch.empty((B, Hv, nC, C, V), **f32)
+    u = torch.empty((B, Hv, nC, C, V), **ops)
     e = torch.empty((B, Hv, nC), **f32)
     gam = torch.empty((B, Hv, nC, C), **f32)
     saved = t_saved is not None
