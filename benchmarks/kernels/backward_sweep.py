@@ -14,8 +14,8 @@
 - GDN's fused backward (vllm/kernels/gdn_backward.py) at Qwen3-Next's dims (1 x 10,240, bf16):
   each per-chunk kernel's warps in turn (WARPS there), with T from the forward as training
   runs it ("prep": the backward building T itself); "gdn_blocks" the block widths and warps
-  of the prep and the final output kernel together (PREP_COLUMNS, FINAL_OUT_V_BLOCK and WARPS
-  there), each kernel's own time and the backward's.
+  of the prep and the final kernels together (PREP_COLUMNS, FINAL_OUT_V_BLOCK, FINAL_WU_BLOCK
+  and WARPS there), each kernel's own time and the backward's.
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def gdn_blocks() -> None:
     """The block widths and warps of the prep (PREP_COLUMNS: w, u and kd's column block; T
-    saved and T built) and of the final output kernel (FINAL_OUT_V_BLOCK: its loop over V), bf16
+    saved and T built) and of the final kernels (FINAL_OUT_V_BLOCK: the output kernel's loop
+    over V; FINAL_WU_BLOCK: the w / u kernel's over K and V), bf16
     dots: the kernel's own GPU time (torch profiler), the whole backward's, and whether any
     gradient bit moves against the defaults. First the backward's GPU time per kernel."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -157,25 +158,28 @@ def gdn_blocks() -> None:
     t_saved, t_built = _gdn_case()
     report("gdn backward kernels (T saved)", kernel_times(t_saved))
     report("gdn backward kernels (T built)", kernel_times(t_built))
-    warps0, cols0, vb0 = dict(gb.WARPS["bf16"]), dict(gb.PREP_COLUMNS["bf16"]), gb.FINAL_OUT_V_BLOCK["bf16"]
+    warps0, cols0 = dict(gb.WARPS["bf16"]), dict(gb.PREP_COLUMNS["bf16"])
+    vb0, wu0 = gb.FINAL_OUT_V_BLOCK["bf16"], gb.FINAL_WU_BLOCK["bf16"]
     ref = {"saved": t_saved(), "built": t_built()}
 
     def restore():
         gb.WARPS["bf16"].update(warps0)
         gb.PREP_COLUMNS["bf16"].update(cols0)
-        gb.FINAL_OUT_V_BLOCK["bf16"] = vb0
+        gb.FINAL_OUT_V_BLOCK["bf16"], gb.FINAL_WU_BLOCK["bf16"] = vb0, wu0
 
     def setting(kernel, block, warps):
         restore()
         gb.WARPS["bf16"][kernel] = warps
         if kernel == "final_out":
             gb.FINAL_OUT_V_BLOCK["bf16"] = block
+        elif kernel == "final_wu":
+            gb.FINAL_WU_BLOCK["bf16"] = block
         else:
             gb.PREP_COLUMNS["bf16"][kernel] = block
 
     runs = [("prep_t_saved", "saved", b, w) for b in (32, 64, 128) for w in (2, 4, 8)]
     runs += [("prep", "built", b, w) for b in (32, 64, 128) for w in (2, 4, 8)]
-    runs += [("final_out", "saved", b, w) for b in (32, 64) for w in (4, 8)]
+    runs += [(kernel, "saved", b, w) for kernel in ("final_out", "final_wu") for b in (32, 64) for w in (4, 8)]
     try:
         for kernel, which, block, warps in runs:
             step = t_saved if which == "saved" else t_built
@@ -183,7 +187,7 @@ def gdn_blocks() -> None:
             label = f"gdn backward (T {which}), {kernel} at {block} wide, {warps} warps"
             try:
                 same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(step(), ref[which]))
-                key = "final_out" if kernel == "final_out" else "prep"
+                key = kernel if kernel.startswith("final") else "prep"
                 own = sum(t for name, t in kernel_times(step).items() if key in name)
                 print(f"{label}: kernel {own:.0f} us, backward {bench(step):.0f} us, "
                       f"{'same bits' if same else 'bits differ'}", flush=True)

@@ -55,6 +55,8 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
 WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "final_wu": 8},
          "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
+# the column block of the final w / u kernel's loops over K and V
+FINAL_WU_BLOCK = {"bf16": 64, "tf32x3": 64}
 # the V block of the final output kernel's loop over the state, v_new and do
 FINAL_OUT_V_BLOCK = {"bf16": 32, "tf32x3": 32}
 # the prep's column block for w, u and kd (capped at the K and V tiles): the same bits at any
@@ -81,7 +83,8 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
-    from vllm.kernels.training_tiles import load_block as _block_in, store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
+    from vllm.kernels.training_tiles import operand as _operand
+    from vllm.kernels.training_tiles import load_block as _block_in, store_block as _block_out, store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
 
     @triton.jit
     def _load_rows(ptr, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
@@ -92,6 +95,10 @@ if HAS_TRITON:
     def _load_block(ptr, t0, n, head, HS, x0, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
         """_load_rows' columns x0 .. x0 + BX - 1 (zeros past X)."""
         return _block_in(ptr, t0, n, head * X, HS * X, x0, X, BC, BX)
+
+    @triton.jit
+    def _store_block(ptr, x, t0, n, head, HS, x0, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
+        _block_out(ptr, x, t0, n, head * X, HS * X, x0, X, BC, BX)
 
     @triton.jit
     def _store_rows(ptr, x, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
@@ -246,11 +253,14 @@ if HAS_TRITON:
     @triton.jit
     def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, ts_ptr, tch_ptr, du_desc, dw_desc, dgam_ptr,
                          dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr,
-                         V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                         V: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
                          T_SAVED: tl.constexpr):
         """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
         and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's,
-        dkp) and of d gamma, then dg as its reverse cumsum."""
+        dkp) and of d gamma, then dg as its reverse cumsum. K and V go BX columns at a time
+        (live: T, dT or dA, and one block of each operand): the u side, then the w side's dT
+        alone, then dA, then the w side's dk, dX_w = T^T dw and k k^T (dw and k read twice, the
+        second time from L2)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -264,35 +274,45 @@ if HAS_TRITON:
             T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
         else:
             T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        T = _operand(T, PREC)  # a dot operand only
         eg = tl.exp(gam)
         be = b * eg
-        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta. The u side first, whole,
-        # then the w side: fewer [C, K] / [C, V] tiles live at once (registers)
-        du = _tile(du_desc, ch, BC, BV)
-        v = _load_rows(v_ptr, t0, n, h, HV, V, BC, BV)
-        dT_u = _mm(du, tl.trans(v * b[:, None]), PREC)
-        dXu = _mm(tl.trans(T), du, PREC)
-        _store_rows(dv_ptr, dXu * b[:, None], t0, n, h, HV, V, BC, BV)
-        db = tl.sum(dXu * v, 1)
-        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
-        dw = _tile(dw_desc, ch, BC, BK)
-        dT = _mm(dw, tl.trans(k * be[:, None]), PREC) + dT_u
-        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle
-        dA = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0)
-        dXw = _mm(tl.trans(T), dw, PREC)
-        dk = _tile(dkp_desc, ch, BC, BK) + dXw * be[:, None]
-        kdot = tl.sum(dXw * k, 1)
-        db += kdot * eg
-        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + kdot * be
-        # A = beta_i (k k^T)_ij D_ij
+        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta: dT = du X_u^T + dw X_w^T
+        dT = tl.zeros((BC, BC), dtype=tl.float32)
+        db = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, V, BX):
+            du = tl.reshape(du_desc.load([ch, 0, x0]), (BC, BX))
+            v = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
+            dT += _mm(du, tl.trans(v * b[:, None]), PREC)
+            dXu = _mm(tl.trans(T), du, PREC)
+            _store_block(dv_ptr, dXu * b[:, None], t0, n, h, HV, x0, V, BC, BX)
+            db += tl.sum(dXu * v, 1)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dT += _mm(tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), tl.trans(k * be[:, None]), PREC)
+        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle; A = beta_i (k k^T)_ij D_ij,
+        # so dk k^T-wise takes dkk = dA beta_i D_ij, and dbeta, d gamma the sums of dA D (k k^T)
+        # (k k^T by K blocks: E below)
         Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        dAkD = dA * _mm(k, tl.trans(k), PREC) * Dl
-        db += tl.sum(dAkD, 1)
-        MA = dAkD * b[:, None]
-        dgam += tl.sum(MA, 1) - tl.sum(MA, 0)
-        dkk = dA * b[:, None] * Dl
-        dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
-        _store_rows(dk_ptr, dk, t0, n, h, HV, K, BC, BK)
+        dAD = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0) * Dl
+        dkk = _operand(dAD * b[:, None], PREC)  # a dot operand only
+        kdot = tl.zeros((BC,), dtype=tl.float32)
+        e_rows = tl.zeros((BC,), dtype=tl.float32)
+        e_cols = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dXw = _mm(tl.trans(T), tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), PREC)
+            kdot += tl.sum(dXw * k, 1)
+            E = dAD * _mm(k, tl.trans(k), PREC)
+            e_rows += tl.sum(E, 1)
+            e_cols += tl.sum(E * b[:, None], 0)
+            dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)) + dXw * be[:, None]
+            dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
+            _store_block(dk_ptr, dk, t0, n, h, HV, x0, K, BC, BX)
+        db += e_rows
+        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
+        db += kdot * eg
+        dgam += kdot * be
         # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
         dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
         tok = (t0 + rows).to(tl.int64) * HV + h
@@ -422,9 +442,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                             _desc(vn, (BC, BVT)), _desc(du, (BC, BVT)), _desc(dw, ck), dq, _desc(dk_out_side, ck),
                             dgam, dgl, scale, C, *heads, BVT=BVT, **dims, enable_fp_fusion=True,
                             num_warps=warps["final_out"])
-    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, cv), _desc(dw, ck), dgam, dgl,
-                           _desc(dk_out_side, ck), dk, dv, dg, db, C, *heads, T_SAVED=saved, **dims,
-                           enable_fp_fusion=True, num_warps=warps["final_wu"])
+    BX = min(FINAL_WU_BLOCK.get(prec, FINAL_WU_BLOCK["tf32x3"]), BK, BV)
+    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)), dgam, dgl,
+                           _desc(dk_out_side, (BC, BX)), dk, dv, dg, db, C, *heads, K=K, V=V, BC=BC, BX=BX, PREC=prec,
+                           T_SAVED=saved, enable_fp_fusion=True, num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
         dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db

@@ -108,6 +108,17 @@ if HAS_TRITON:
             return x.to(dtype)
 
     @triton.jit
+    def operand(x, PREC: tl.constexpr):
+        """x held for mm's use only: with the bf16 dots the bfloat16 mm rounds it to (to
+        nearest; half the registers of float32, the same products), else as it is."""
+        if PREC == "bf16":
+            return to_dtype_rn(x, tl.bfloat16)
+        elif PREC == "bf16_emulated":
+            return round_bf16(x.to(tl.float32))
+        else:
+            return x
+
+    @triton.jit
     def mm(a, b, PREC: tl.constexpr):
         """a @ b of float32 tiles, accumulated in float32: "bf16" rounds both operands to
         bfloat16 first (one tensor-core pass); "bf16_emulated" is the same product for the
