@@ -242,9 +242,10 @@ def recurrence_backward_triton(w, kd, e, states, vn, g_states, g_vn, precision: 
     require_triton(w)
     B, H, nC, C, V = vn.shape
     K = w.shape[-1]
+    # dw and dkd are made like w and kd: from aligned copies (16-byte rows, as descriptors need)
+    w, kd, e, states, vn = (aligned16(t) for t in (w, kd, e, states, vn))
     prec = precision or training_tiles.dot_precision(w)
     du, d_end = recurrence_backward_walk_triton(w, kd, e, states, g_states, g_vn, prec, du_dtype)
-    states, vn = aligned16(states), aligned16(vn)
     dw, dkd, de = (torch.empty_like(t, dtype=torch.float32) for t in (w, kd, e))
     if vn.numel() == 0:
         return du, dw.zero_(), dkd.zero_(), de.zero_()
