@@ -118,12 +118,12 @@ def test_du_in_bfloat16_gives_the_same_gradients(hk, hv, monkeypatch):
     xs, do = make(30, hk, hv, 16, 32, seed=3)
     bf = [x.bfloat16().to(DEV) if i < 3 else x.to(DEV) for i, x in enumerate(xs)]
     got = gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
-    real, dtypes = gdn_backward.recurrence_backward_walk_triton, []
+    real, dtypes = gdn_backward._du_dtype, []
 
-    def float32_du(*args, du_dtype=torch.float32):
-        dtypes.append(du_dtype)
-        return real(*args, du_dtype=torch.float32)
-    monkeypatch.setattr(gdn_backward, "recurrence_backward_walk_triton", float32_du)
+    def float32_du(between):
+        dtypes.append(real(between))
+        return torch.float32
+    monkeypatch.setattr(gdn_backward, "_du_dtype", float32_du)
     ref = gdn_backward_triton(*bf, do.bfloat16().to(DEV), cu, 0.25, chunk_size=16)
     assert dtypes == [torch.bfloat16]
     for name, a, b in zip("q k v g beta".split(), got, ref):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels import chunk_recurrence
-from vllm.kernels.chunk_recurrence import recurrence_backward_walk_triton, recurrence_forward_triton
+from vllm.kernels.chunk_recurrence import recurrence_forward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
@@ -55,6 +55,16 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
 WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "final_wu": 8},
          "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
+# The recurrence's backward walk (V tile, warps, stages), and where it takes the gradients
+# reaching the recurrence's outputs from (WALK_LOCAL): "" reads both as the output-gradient
+# kernel writes them ([chunks, K, V] and [chunks, C, V] per value head); "ds" computes the
+# states' (q e^gamma)^T (scale do) itself from q and do, as fla's state walk does, so they are
+# neither written nor read (335 MB at 1 x 10,240 in bfloat16) and keep float32; "ds_dvn" takes
+# v_new's, P^T (scale do), there too (P recomputed per V tile; no output-gradient kernel).
+# G_VN_DTYPE: what the output-gradient kernel writes v_new's gradient in for the walk.
+WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
+WALK_LOCAL = {"bf16": "", "tf32x3": ""}
+G_VN_DTYPE = {"bf16": torch.float32, "tf32x3": torch.float32}
 # the column block of the final w / u kernel's loops over K and V
 FINAL_WU_BLOCK = {"bf16": 64, "tf32x3": 64}
 # the V block of the final output kernel's loop over the state, v_new and do
@@ -83,7 +93,7 @@ if HAS_TRITON:
 
     from vllm.kernels.chunk_tiles import unit_lower_block_row as _unit_lower_block_row
     from vllm.kernels.training_tiles import chunk_of as _chunk_of, load_rows as _rows_in, load_tile as _tile, mm as _mm
-    from vllm.kernels.training_tiles import operand as _operand
+    from vllm.kernels.training_tiles import load_operand as _rows_operand, operand as _operand
     from vllm.kernels.training_tiles import load_block as _block_in, store_block as _block_out, store_rows as _rows_out, store_tile as _put, to_dtype_rn as _to_dtype_rn
 
     @triton.jit
@@ -173,9 +183,10 @@ if HAS_TRITON:
     @triton.jit
     def _out_grad_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, ds_desc, dvn_desc, scale, C, NC, HV, HK, G,
                          K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, STATE_GRAD: tl.constexpr):
         """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
-        dS_c = (q e^gamma)^T (scale do) and dv_new = P^T (scale do)."""
+        dv_new = P^T (scale do) and (STATE_GRAD; else the walk takes it) dS_c = (q e^gamma)^T
+        (scale do)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -188,8 +199,53 @@ if HAS_TRITON:
         P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         _put(dvn_desc, ch, _mm(tl.trans(P), do, PREC), BC, BV)
-        qd = q * tl.exp(gam)[:, None]
-        _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
+        if STATE_GRAD:
+            qd = q * tl.exp(gam)[:, None]
+            _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
+
+    @triton.jit
+    def _walk_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc,
+                     ds_desc, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOCAL: tl.constexpr):
+        """Program (sequence x value head, V tile), the recurrence's backward walk: dS = 0; per
+        chunk from the last: store dS (the gradient reaching the chunk's end state), dv_new =
+        g_vn + kd dS (= du), then dS of the chunk before, g_S + dS e - w^T dv_new. The
+        gradients reaching the chunk's outputs from o = scale (q e^gamma S_c + P v_new) are
+        taken here from q, k, do and gamma, as fla's state walk takes them, where LOCAL says:
+        "ds" g_S = q^T (e^gamma scale do) (the output-gradient kernel writes g_vn alone);
+        "ds_dvn" g_vn = P^T (scale do) too (no output-gradient kernel); "" both read as the
+        output-gradient kernel wrote them."""
+        bh = tl.program_id(0)
+        v0 = tl.program_id(1) * BV
+        rows = tl.arange(0, BC)
+        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
+        dS = tl.zeros((BK, BV), dtype=tl.float32)
+        for i in range(NC):
+            ch = bh * NC + (NC - 1 - i)
+            ds_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dS, ds_desc.dtype), (1, BK, BV)))
+            if LOCAL != "":
+                t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
+                gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
+                q = _rows_operand(q_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
+                do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BV) * scale
+            if LOCAL == "ds_dvn":
+                k = _rows_operand(k_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
+                # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0
+                P = tl.where(incl, _mm(q, tl.trans(k), PREC)
+                             * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+                gvn = _mm(tl.trans(P), do, PREC)
+            else:
+                gvn = tl.reshape(gvn_desc.load([ch, 0, v0]), (BC, BV))
+            kd = tl.reshape(kd_desc.load([ch, 0, 0]), (BC, BK))
+            dvn = gvn + _mm(kd, dS, PREC)
+            du_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dvn, du_desc.dtype), (1, BC, BV)))
+            w = tl.reshape(w_desc.load([ch, 0, 0]), (BC, BK))
+            e = tl.load(e_ptr + ch)
+            if LOCAL != "":
+                gs = _mm(tl.trans(q), do * tl.exp(gam)[:, None], PREC)
+            else:
+                gs = tl.reshape(gs_desc.load([ch, 0, v0]), (BK, BV)).to(tl.float32)
+            dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
 
     @triton.jit
     def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, ds_desc, vn_desc, du_desc, dw_desc, dq_ptr,
@@ -337,6 +393,12 @@ if HAS_TRITON:
                  mask=m)
 
 
+def _du_dtype(between: torch.dtype) -> torch.dtype:
+    """What the walk writes du (= dv_new) in: the between-kernels dtype (its every use is a dot
+    operand, rounded to bfloat16 anyway with bf16 dots)."""
+    return between
+
+
 def _group_sum(x: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
     """[T, Hk * G, K] float32 (value heads) -> [T, Hk, K] in dtype, each key head the sum of
     its G value heads."""
@@ -423,12 +485,23 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                        gam, ts, tch, C, *heads, EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved,
                        BX=BX, **dims, enable_fp_fusion=True, num_warps=warps[prep])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
-    d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
-    _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
-                           **dims, enable_fp_fusion=True, num_warps=warps["out_grad"])
     # du: every use is a dot operand (the final kernels' dw, dT and dX_u)
-    du, d_end = recurrence_backward_walk_triton(w, kd, e, states, d_states, d_vn, prec, du_dtype=between)
-    du, d_end = aligned16(du), aligned16(d_end)
+    du, d_end = torch.empty_like(vn, dtype=_du_dtype(between)), torch.empty_like(states)
+    local = WALK_LOCAL.get(prec, WALK_LOCAL["tf32x3"])
+    d_states = None if local else torch.empty_like(states)
+    gvn_dtype = G_VN_DTYPE.get(prec, torch.float32) if between == torch.bfloat16 else torch.float32
+    d_vn = None if local == "ds_dvn" else torch.empty_like(vn, dtype=gvn_dtype)
+    if local != "ds_dvn":
+        _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_end if local else d_states, (BK, BV)), _desc(d_vn, cv),
+                               scale, C, *heads, **dims, STATE_GRAD=not local, enable_fp_fusion=True,
+                               num_warps=warps["out_grad"])
+    block_v, walk_warps, walk_stages = WALK_CONFIG.get(prec, WALK_CONFIG["tf32x3"])
+    BVW = min(max(32, block_v), BV)
+    _walk_kernel[(B * Hv, triton.cdiv(V, BVW))](
+        q, k, do, cu, gam, _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_end if local else d_states, (BK, BVW)),
+        _desc(du if d_vn is None else d_vn, (BC, BVW)), _desc(du, (BC, BVW)), _desc(d_end, (BK, BVW)), scale, C,
+        *heads, K=K, V=V, BC=BC, BK=BK, BV=BVW, PREC=prec, LOCAL=local, enable_fp_fusion=True,
+        num_warps=walk_warps, num_stages=walk_stages)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
