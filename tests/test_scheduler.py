@@ -60,17 +60,23 @@ def test_preemption_by_recompute_frees_and_resumes():
     a, b = req("a", 14, max_tokens=6), req("b", 14, max_tokens=6)
     s.add_request(a)
     s.add_request(b)
+    assert a.scheduled_time is None and b.scheduled_time is None
     seen_preempt = False
+    first_scheduled = {}
     for _ in range(40):
         if not s.has_unfinished():
             break
         out, _ = run_step(s)
         seen_preempt |= bool(out.preempted)
+        # the first admission's time, kept when a preempted request is admitted again
+        for r in (a, b):
+            if r.scheduled_time is not None:
+                assert r.scheduled_time == first_scheduled.setdefault(r.req_id, r.scheduled_time) >= r.arrival_time
         if out.preempted:
             assert out.preempted == ["b"]  # the latest arrival goes first
             assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
         kv.check_invariants()
-    assert seen_preempt and s.num_preemptions >= 1
+    assert seen_preempt and s.num_preemptions >= 1 and first_scheduled.keys() == {"a", "b"}
     assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
     assert kv.num_free_blocks == kv.num_blocks - 1
 

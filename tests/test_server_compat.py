@@ -403,6 +403,36 @@ def test_latency_histograms():
     assert lat.ttft.sum == 0.5 and sum(lat.ttft.counts) == 1
     assert sum(lat.itl.counts) == 2 and lat.itl.sum == pytest.approx(0.4)
     assert lat.e2e.sum == 1.0
+    assert t.scheduled is None and all(sum(h.counts) == 0 for h in (lat.queue, lat.prefill, lat.decode,
+                                                                       lat.inference, lat.tpot))
+
+
+def test_latency_phases():
+    """Queue, prefill, decode, inference and per-output-token times of finished requests, from
+    the engine core's first scheduling of each sample (the earliest of a request's samples')."""
+    from vllm.entrypoints.openai.latency import LatencyStats, RequestTimes
+    lat = LatencyStats()
+    t = RequestTimes(arrival=10.0)
+    lat.tokens(t, 1, 0, 10.3, scheduled=10.25)   # a sample's first delta may carry no token
+    lat.tokens(t, 0, 1, 10.5, scheduled=10.2)    # first token; sample 0 was scheduled earlier
+    lat.tokens(t, 1, 1, 10.6)
+    lat.tokens(t, 0, 4, 11.0)
+    lat.finished(t, 11.0, max_generated=5)
+    assert t.scheduled == 10.2
+    assert (lat.queue.sum, lat.prefill.sum, lat.decode.sum, lat.inference.sum, lat.tpot.sum) == pytest.approx(
+        (0.2, 0.3, 0.5, 0.8, 0.5 / 4))
+    assert all(sum(h.counts) == 1 for h in (lat.queue, lat.prefill, lat.decode, lat.inference, lat.tpot))
+    # one token: no time per output token; no token (ended while prefilling): queue time only;
+    # never scheduled (ended while waiting): none of the phases
+    one, none, waiting = RequestTimes(20.0), RequestTimes(30.0), RequestTimes(40.0)
+    lat.tokens(one, 0, 1, 20.5, scheduled=20.1)
+    lat.finished(one, 20.5, max_generated=1)
+    lat.tokens(none, 0, 0, 30.4, scheduled=30.1)
+    lat.finished(none, 30.4)
+    lat.finished(waiting, 40.4)
+    assert [sum(h.counts) for h in (lat.queue, lat.prefill, lat.decode, lat.inference, lat.tpot, lat.e2e)] == [
+        3, 2, 2, 2, 1, 4]
+    assert lat.queue.sum == pytest.approx(0.2 + 0.1 + 0.1) and lat.decode.sum == pytest.approx(0.5)
 
 
 def _series(text: str, suffix: str) -> dict[str, float]:
@@ -411,31 +441,86 @@ def _series(text: str, suffix: str) -> dict[str, float]:
             if line.startswith("vllm:") and f"_{suffix}{{" in line}
 
 
+PHASE_HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                    "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                    "vllm:request_time_per_output_token_seconds")
+
+
+def _scrape(app) -> str:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/metrics")).text
+    return asyncio.run(go())
+
+
 def test_latency_metrics_through_the_app(app):
     pytest.importorskip("prometheus_client")
     _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
-
-    async def scrape():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return (await c.get("/metrics")).text
-    text = asyncio.run(scrape())
+    text = _scrape(app)
     counts = _series(text, "count")
     assert counts["vllm:time_to_first_token_seconds_count"] >= 1
     assert counts["vllm:e2e_request_latency_seconds_count"] >= 1
     assert counts["vllm:inter_token_latency_seconds_count"] >= 2
+    model = app.state.serving.names[0]
+    for name in (*PHASE_HISTOGRAMS, "vllm:time_per_output_token_seconds"):
+        assert counts[f"{name}_count"] >= 1, name
+        for suffix in ('_bucket{le="+Inf",', "_sum{", "_count{"):
+            assert f'{name}{suffix}model_name="{model}"}}' in text, (name, suffix)
     sums = _series(text, "sum")
     # a request of n = 2 samples of 3 tokens each: per sample prompt and generation counts, per
-    # request n, max_tokens and its longest sample
+    # request n, max_tokens, its longest sample and its phases
     _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0.5, "seed": 1, "n": 2,
                                    "ignore_eos": True})
-    text = asyncio.run(scrape())
+    text = _scrape(app)
     moved = {k: v - counts[k] for k, v in _series(text, "count").items() if k.startswith("vllm:request_")}
     assert moved == {"vllm:request_prompt_tokens_count": 2, "vllm:request_generation_tokens_count": 2,
                      "vllm:request_max_num_generation_tokens_count": 1, "vllm:request_params_n_count": 1,
-                     "vllm:request_params_max_tokens_count": 1}
+                     "vllm:request_params_max_tokens_count": 1, **{f"{name}_count": 1 for name in PHASE_HISTOGRAMS}}
     after = _series(text, "sum")
     assert after["vllm:request_generation_tokens_sum"] - sums["vllm:request_generation_tokens_sum"] == 6
     assert after["vllm:request_params_n_sum"] - sums["vllm:request_params_n_sum"] == 2
+    queue, prefill, decode, inference, per_token = (after[f"{name}_sum"] - sums[f"{name}_sum"]
+                                                    for name in PHASE_HISTOGRAMS)
+    # one clock: arrival before the first scheduling before the first token; the inference
+    # time is the prefill's and the decode's (the engine core's stamp and the API server's
+    # clock read the same system-wide monotonic clock)
+    assert queue >= 0 and prefill > 0 and decode > 0
+    assert inference == pytest.approx(prefill + decode, abs=1e-6)
+    assert per_token == pytest.approx(decode / 2, abs=1e-6)   # its longest sample: 3 tokens, 2 after the first
+    # the older name reads the inter-token latency histogram itself
+    def lines(prefix):   # each series line after the name: suffix, labels and value
+        return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    itl = lines("vllm:inter_token_latency_seconds")
+    assert lines("vllm:time_per_output_token_seconds") == itl and len(itl) > 3
+
+
+def test_deltas_without_scheduled_time_still_parse(app):
+    """A delta tuple built without its scheduled time (the layout before that field; and
+    without prompt_logprobs) parses: the request runs as it does with the field, and counts
+    in no phase histogram, having no scheduled time."""
+    from vllm.engine.core_messages import RequestDelta
+    d = RequestDelta(*("r", 0, [5], None, None, None, [0], 0))
+    assert d.prompt_logprobs is None and d.scheduled_time is None
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    ref = _post(app, "/v1/completions", body).json()["choices"][0]["text"]
+    llm = app.state.serving.llm
+    lat, client = llm.latency, llm.client
+    before = [sum(h.counts) for h in (lat.e2e, lat.queue, lat.prefill, lat.decode, lat.tpot)]
+    on_outputs = client.on_outputs
+    n_fields = len(RequestDelta._fields) - 1
+    client.on_outputs = lambda out: on_outputs(out._replace(deltas=[t[:n_fields] for t in out.deltas]))
+
+
+    async def post():   # bounded: a batch the receiver cannot parse is dropped, and its request never ends
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await asyncio.wait_for(c.post("/v1/completions", json=body), 30)
+    try:
+        got = asyncio.run(post()).json()["choices"][0]["text"]
+    finally:
+        client.on_outputs = on_outputs
+    assert got == ref
+    moved = [sum(h.counts) - b for h, b in zip((lat.e2e, lat.queue, lat.prefill, lat.decode, lat.tpot), before)]
+    assert moved == [1, 0, 0, 0, 0]
 
 
 def test_async_llm_request_ids_after_abort_and_within_a_batch():

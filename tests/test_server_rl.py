@@ -246,7 +246,10 @@ def test_keys_tokenize_detokenize_version_metrics(app):
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:gpu_cache_usage_perc",
-                 "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total", "vllm:cache_config_info{"):
+                 "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total", "vllm:cache_config_info{",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count"):
         assert name in text, name
     for reason in ("stop", "length", "abort"):     # every reason's series, at 0 until it occurs
         assert f'finished_reason="{reason}"' in text, reason

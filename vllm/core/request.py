@@ -104,6 +104,9 @@ class Request:
         self.priority = priority
         self.arrival_order = 0
         self.first_token_time: float | None = None
+        # when the scheduler first admitted it (time.monotonic(); kept across preemptions): the
+        # end of its queue time and the start of its prefill in the API server's /metrics
+        self.scheduled_time: float | None = None
         # Sampled-token logprobs: per output token, (logprob, rank, [(id, logprob), ...])
         self.logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
         self.cumulative_logprob = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Iterable
 
 import numpy as np
@@ -199,8 +200,9 @@ class Scheduler:
                 self.kv.record_prefix_query(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
                 state_loads[req.req_id] = self.kv.state_snapshot(computed_blocks) if num_cached else -1
-                if req.num_cached_tokens < 0:
+                if req.num_cached_tokens < 0:   # its first admission, not a re-admission after preemption
                     req.num_cached_tokens = num_cached
+                    req.scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))

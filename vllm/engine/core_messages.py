@@ -1,11 +1,12 @@
 """Typed messages between the API server process and the engine core process.
 
 Both directions carry pickled lists of these NamedTuples over a pipe, except the
-per-step RequestDeltas, which travel as plain tuples (RequestDelta._make on
-arrival): for 256 requests a step's outputs then pickle in about 0.13 ms and
-unpickle in 0.23 ms, against 0.77 / 0.45 ms as NamedTuples and several times that
-as dataclasses (measured on the CPU dev box). The engine never waits on a slow
-reader: a sender thread does the writing.
+per-step RequestDeltas, which travel as plain tuples (RequestDelta(*t) on
+arrival, which fills in the defaults of trailing fields a shorter tuple lacks): for
+256 requests a step's outputs then pickle in about 0.13 ms and unpickle in 0.23 ms,
+against 0.77 / 0.45 ms as NamedTuples and several times that as dataclasses
+(measured on the CPU dev box). The engine never waits on a slow reader: a sender
+thread does the writing.
 
 client -> core: AddRequest, AbortRequest, StopChild, UtilityCall
 core -> client: ReadyInfo (once), then one EngineCoreOutputs per engine step (and
@@ -58,6 +59,10 @@ class RequestDelta(NamedTuple):
     # on the first delta of sample 0 of a request that asked for prompt logprobs: per prompt
     # token after the first, (logprob, rank, [(token id, logprob), ...]) (None where missing)
     prompt_logprobs: list | None = None
+    # on each sample's first delta: when the engine core's scheduler first admitted it
+    # (time.monotonic(), the same system-wide clock in the API server's process), for the
+    # queue / prefill / inference times in /metrics; None on later deltas, or never scheduled
+    scheduled_time: float | None = None
 
 
 class EngineStats(NamedTuple):

@@ -715,9 +715,11 @@ class LLMEngine:
             if start < 0 or (n == start and fin is None):
                 continue  # its finish was already reported, or nothing new
             lps = req.logprobs[start:n] if group.params.logprobs is not None else None
+            first = start == 0   # the sample's first delta: what is sent once
             out.append((group.request_id, i, req.output_token_ids[start:n], lps, fin,
                         req.stop_reason if fin is not None else None, list(group.weight_versions[i]),
-                        max(0, req.num_cached_tokens), req.prompt_logprobs if start == 0 else None))
+                        max(0, req.num_cached_tokens), req.prompt_logprobs if first else None,
+                        req.scheduled_time if first else None))
             group.sent[i] = -1 if fin is not None else n
         return out
 

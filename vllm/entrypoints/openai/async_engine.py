@@ -527,7 +527,7 @@ class AsyncLLM:
         now = time.monotonic()
         with self._lock:
             for t in out.deltas:
-                d = RequestDelta._make(t)
+                d = RequestDelta(*t)   # fills in the defaults of trailing fields a shorter tuple lacks
                 entry = self._requests.get(d.request_id)
                 if entry is None:
                     continue  # aborted while this step ran
@@ -536,7 +536,7 @@ class AsyncLLM:
                 stop = state.apply(d)
                 gen += len(d.new_token_ids)
                 if not was_done:   # tokens after a stop string are dropped: not latency
-                    self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now)
+                    self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now, d.scheduled_time)
                 if stop is not None:
                     stops.append(StopChild(d.request_id, d.index, stop))
                 if not was_done and state.finish[d.index] is not None:
@@ -544,9 +544,9 @@ class AsyncLLM:
                     self.finished_by_reason[state.finish[d.index]] += 1
                 s = entry.stream
                 if state.finished:
-                    self.latency.finished(entry.times, now)
-                    self.sizes.finished(len(state.prompt_token_ids), [len(ids) for ids in state.token_ids],
-                                        state.params.n, state.params.max_tokens)
+                    generated = [len(ids) for ids in state.token_ids]
+                    self.latency.finished(entry.times, now, max(generated, default=0))
+                    self.sizes.finished(len(state.prompt_token_ids), generated, state.params.n, state.params.max_tokens)
                     del self._requests[d.request_id]
                     self._drop_engine_id(state.request_id, d.request_id)
                     deliveries.setdefault(s.loop, []).append((s, state.output()))

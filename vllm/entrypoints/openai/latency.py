@@ -37,24 +37,42 @@ class Histogram:
 
 @dataclasses.dataclass
 class RequestTimes:
-    """One request's clock: when it was accepted, its first token, each sample's last token."""
+    """One request's clock: when it was accepted, its first token, each sample's last token,
+    and when the engine core first scheduled it (the earliest of its samples'; stamped in the
+    engine core's process by time.monotonic(), one system-wide clock on Linux)."""
     arrival: float
     first_token: float | None = None
     last_token: dict = dataclasses.field(default_factory=dict)
+    scheduled: float | None = None
 
 
 class LatencyStats:
     """vllm:time_to_first_token_seconds (per request), vllm:inter_token_latency_seconds (per
     generated token: the gap since its sample's previous token, spread over the tokens of one
     step's delta), vllm:e2e_request_latency_seconds (per request, arrival to its last sample's
-    finish)."""
+    finish), and upstream's per-request phases, observed when a request finishes:
+    vllm:request_queue_time_seconds (arrival to first scheduled), vllm:request_prefill_time_seconds
+    (first scheduled to first token), vllm:request_decode_time_seconds (first token to finish),
+    vllm:request_inference_time_seconds (first scheduled to finish) and
+    vllm:request_time_per_output_token_seconds (decode time over its longest sample's tokens
+    after the first, when it has two or more). A request that finishes without having been
+    scheduled counts in none of them; one without a token only in the queue time."""
 
     def __init__(self):
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.queue = Histogram(E2E_BUCKETS)
+        self.prefill = Histogram(E2E_BUCKETS)
+        self.decode = Histogram(E2E_BUCKETS)
+        self.inference = Histogram(E2E_BUCKETS)
+        self.tpot = Histogram(ITL_BUCKETS)
 
-    def tokens(self, t: RequestTimes, index: int, n: int, now: float) -> None:
+    def tokens(self, t: RequestTimes, index: int, n: int, now: float, scheduled: float | None = None) -> None:
+        """Sample `index` delivered `n` tokens at `now`; `scheduled`: the engine core's first
+        scheduling of that sample, sent on its first delta only."""
+        if scheduled is not None and (t.scheduled is None or scheduled < t.scheduled):
+            t.scheduled = scheduled
         if n <= 0:
             return
         if t.first_token is None:
@@ -65,8 +83,23 @@ class LatencyStats:
             self.itl.observe((now - prev) / n, n)
         t.last_token[index] = now
 
-    def finished(self, t: RequestTimes, now: float) -> None:
+    def finished(self, t: RequestTimes, now: float, max_generated: int = 0) -> None:
+        """The request's last sample finished at `now`; `max_generated`: its longest sample's
+        tokens."""
         self.e2e.observe(now - t.arrival)
+        scheduled = t.scheduled
+        if scheduled is None:   # ended before the engine core scheduled it
+            return
+        self.queue.observe(scheduled - t.arrival)
+        first = t.first_token
+        if first is None:   # ended before its first token: no prefill or decode to time
+            return
+        decode = now - first
+        self.prefill.observe(first - scheduled)
+        self.decode.observe(decode)
+        self.inference.observe(now - scheduled)
+        if max_generated >= 2:
+            self.tpot.observe(decode / (max_generated - 1))
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
