@@ -716,3 +716,46 @@ def test_async_llm_abort_racing_its_add_never_runs_the_request(how):
     assert result.get("r", {"aborted": ["victim"]}) == {"aborted": ["victim"]}
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert llm._outstanding == 0 and not llm._requests and not outs
+
+
+def test_a_request_whose_output_fails_to_apply_ends_alone():
+    """A delta the receiver cannot apply (a bug, a detokenizer's exception) ends its own request
+    with an EngineError and aborts it in the engine; the other requests of the same batch
+    finish with every token, and nothing is left outstanding."""
+    from vllm import LLM, SamplingParams
+    from vllm.engine.output_processor import RequestState
+    from vllm.entrypoints.openai.async_engine import AsyncLLM, EngineError
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    real = RequestState.apply
+
+    def apply(state, d):
+        if d.request_id.startswith("bad") and len(state.token_ids[d.index]) >= 2:
+            raise RuntimeError("cannot apply")
+        return real(state, d)
+
+    async def go():
+        ref = [o async for o in llm.generate({"prompt_token_ids": [7, 8, 9]}, params, "ref")][-1]
+        RequestState.apply = apply
+        try:
+            streams = await llm.add_requests([(name, {"prompt_token_ids": [7, 8, 9]}, params)
+                                              for name in ("good0", "bad", "good1")])
+            results = []
+            for s in streams:
+                try:
+                    results.append([o async for o in s][-1])
+                except EngineError as err:
+                    results.append(err)
+        finally:
+            RequestState.apply = real
+        after = [o async for o in llm.generate({"prompt_token_ids": [7, 8, 9]}, params, "after")][-1]
+        return ref, results, after, llm._outstanding, dict(llm._requests)
+    try:
+        # bounded: without the per-request handling the whole batch is dropped and nothing ends
+        ref, (good0, bad, good1), after, outstanding, left = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        llm.shutdown()
+    assert isinstance(bad, EngineError) and "cannot apply" in str(bad)
+    for o in (good0, good1, after):
+        assert o.outputs[0].token_ids == ref.outputs[0].token_ids and o.outputs[0].finish_reason == "length"
+    assert outstanding == 0 and not left

@@ -523,7 +523,7 @@ class AsyncLLM:
         self.weight_version = out.weight_version
         self.stats = out.stats
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        stops, gen = [], 0
+        stops, gen, broken = [], 0, []
         now = time.monotonic()
         with self._lock:
             for t in out.deltas:
@@ -531,28 +531,14 @@ class AsyncLLM:
                 entry = self._requests.get(d.request_id)
                 if entry is None:
                     continue  # aborted while this step ran
-                state = entry.state
-                was_done = state.finish[d.index] is not None
-                stop = state.apply(d)
-                gen += len(d.new_token_ids)
-                if not was_done:   # tokens after a stop string are dropped: not latency
-                    self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now, d.scheduled_time)
-                if stop is not None:
-                    stops.append(StopChild(d.request_id, d.index, stop))
-                if not was_done and state.finish[d.index] is not None:
-                    self._outstanding -= 1
-                    self.finished_by_reason[state.finish[d.index]] += 1
-                s = entry.stream
-                if state.finished:
-                    generated = [len(ids) for ids in state.token_ids]
-                    self.latency.finished(entry.times, now, max(generated, default=0))
-                    self.sizes.finished(len(state.prompt_token_ids), generated, state.params.n, state.params.max_tokens)
-                    del self._requests[d.request_id]
-                    self._drop_engine_id(state.request_id, d.request_id)
-                    deliveries.setdefault(s.loop, []).append((s, state.output()))
-                elif s.stream and not s.notified:  # non-streaming consumers need the final output only
-                    s.notified = True
-                    deliveries.setdefault(s.loop, []).append((s, _CHANGED))
+                try:
+                    gen += self._apply_delta(d, entry, now, stops, deliveries)
+                except Exception as exc:  # noqa: BLE001 -- one request's bad output must not lose the others
+                    logger.exception("handling the engine's output for request %s failed", d.request_id)
+                    if self._forget(d.request_id) is not None:
+                        err = EngineError(f"handling the engine's output for this request failed: {exc!r}")
+                        deliveries.setdefault(entry.stream.loop, []).append((entry.stream, err))
+                        broken.append(AbortRequest(d.request_id))
             for f in out.failures:
                 err = ValueError(f.message) if f.invalid else EngineError(f.message)
                 for rid in f.request_ids:
@@ -560,9 +546,9 @@ class AsyncLLM:
                     if entry is not None:
                         deliveries.setdefault(entry.stream.loop, []).append((entry.stream, err))
             self.num_generation_tokens += gen
-        if stops:
+        if stops or broken:
             try:
-                self.client.send(stops)
+                self.client.send(stops + broken)
             except EngineDeadError:
                 pass
         for loop, items in deliveries.items():
@@ -572,6 +558,32 @@ class AsyncLLM:
                 for s, item in items:
                     if not (isinstance(item, RequestOutput) and item.finished):
                         self._abort_engine_id(s.engine_id)
+
+    def _apply_delta(self, d: RequestDelta, entry: _Entry, now: float, stops: list, deliveries: dict) -> int:
+        """One delta into its request's state (caller holds the lock): its stop, its latency,
+        its delivery. Returns the tokens it brought."""
+        state = entry.state
+        was_done = state.finish[d.index] is not None
+        stop = state.apply(d)
+        if not was_done:   # tokens after a stop string are dropped: not latency
+            self.latency.tokens(entry.times, d.index, len(d.new_token_ids), now, d.scheduled_time)
+        if stop is not None:
+            stops.append(StopChild(d.request_id, d.index, stop))
+        if not was_done and state.finish[d.index] is not None:
+            self._outstanding -= 1
+            self.finished_by_reason[state.finish[d.index]] += 1
+        s = entry.stream
+        if state.finished:
+            generated = [len(ids) for ids in state.token_ids]
+            self.latency.finished(entry.times, now, max(generated, default=0))
+            self.sizes.finished(len(state.prompt_token_ids), generated, state.params.n, state.params.max_tokens)
+            del self._requests[d.request_id]
+            self._drop_engine_id(state.request_id, d.request_id)
+            deliveries.setdefault(s.loop, []).append((s, state.output()))
+        elif s.stream and not s.notified:  # non-streaming consumers need the final output only
+            s.notified = True
+            deliveries.setdefault(s.loop, []).append((s, _CHANGED))
+        return len(d.new_token_ids)
 
     def _on_dead(self, reason: str) -> None:
         err = EngineDeadError(f"the engine is not running: {reason}")
