@@ -194,6 +194,10 @@ def test_serve_accepts_upstream_flags():
     assert args.enable_prefix_caching and args.enable_chunked_prefill and args.trust_request_chat_template
     args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--no-enable-chunked-prefill"])
     assert not args.enable_prefix_caching and not args.enable_chunked_prefill
+    for name in ("qwen3", "deepseek_r1", "nemotron_v3"):
+        assert parser.parse_args(["serve", "m", "--reasoning-parser", name]).reasoning_parser == name
+    with pytest.raises(SystemExit):   # argparse refuses a name outside the choices
+        parser.parse_args(["serve", "m", "--reasoning-parser", "nemotron_v2"])
 
 
 REASONING_CASES = [  # (parser, text, reasoning, content)
@@ -206,7 +210,64 @@ REASONING_CASES = [  # (parser, text, reasoning, content)
     ("deepseek_r1", "<think>x</think>y", "x", "y"),
     ("deepseek_r1", "no end yet", "no end yet", None),
     ("deepseek_r1", "</think>105", None, "105"),
+    # nemotron_v3 splits as deepseek_r1 does (its swap needs chat_template_kwargs, below)
+    ("nemotron_v3", "add the units</think>105", "add the units", "105"),
+    ("nemotron_v3", "<think>x</think>y", "x", "y"),
+    ("nemotron_v3", "no end yet", "no end yet", None),
+    ("nemotron_v3", "</think>105", None, "105"),
 ]
+
+
+def _stream_split(parser: str, text: str, step: int, chat_template_kwargs=None) -> list[tuple[str, str]]:
+    """The pieces ReasoningStream gives for `text` fed in deltas of `step` characters."""
+    from vllm.entrypoints.openai.reasoning import ReasoningStream
+    stream = ReasoningStream(parser, chat_template_kwargs)
+    chunks = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    return [p for i, chunk in enumerate(chunks) for p in stream.feed(chunk, i == len(chunks) - 1)]
+
+
+OFF, FORCE = {"enable_thinking": False}, {"force_nonempty_content": True}
+NEMOTRON_SWAP_CASES = [  # (chat_template_kwargs, text, reasoning, content) under nemotron_v3
+    (OFF, "The answer is 105", None, "The answer is 105"),           # no </think>: swapped
+    (FORCE, "<think>cut by max_tokens", None, "cut by max_tokens"),
+    ({**OFF, **FORCE}, "all</think>", None, "all"),                   # nothing after </think>
+    (FORCE, "thought</think>\n\n", "\n\n", "thought"),               # whitespace only: a plain swap
+    (FORCE, "thought</think>105", "thought", "105"),                  # an answer came: no swap
+    (OFF, "thought</think>105", "thought", "105"),
+    ({"enable_thinking": True}, "no end yet", "no end yet", None),    # the rule is off
+    ({"force_nonempty_content": False}, "no end yet", "no end yet", None),
+    ({"enable_thinking": 0}, "no end yet", "no end yet", None),       # only false itself, as upstream
+    ({}, "no end yet", "no end yet", None),
+    (None, "no end yet", "no end yet", None),
+    (FORCE, "", None, None),                                           # nothing to swap
+]
+
+
+@pytest.mark.parametrize("kwargs, text, reasoning, content", NEMOTRON_SWAP_CASES)
+def test_nemotron_v3_swaps_reasoning_into_an_empty_content(kwargs, text, reasoning, content):
+    from vllm.entrypoints.openai.reasoning import split_reasoning
+    assert split_reasoning("nemotron_v3", text, kwargs) == (reasoning, content)
+    # the rule is nemotron_v3's own: the other parsers read the same kwargs as nothing
+    assert split_reasoning("deepseek_r1", text, kwargs) == split_reasoning("deepseek_r1", text)
+
+
+@pytest.mark.parametrize("kwargs", [OFF, FORCE, None])
+@pytest.mark.parametrize("text", ["The answer is 105", "<think>cut by max_tokens", "a</think>b", "a</think>",
+                                  "a</think>\n", ""])
+def test_nemotron_v3_stream_repeats_unterminated_reasoning_as_content(kwargs, text):
+    """A stream cannot take back the reasoning it sent: under the rule an output that ends
+    without </think> gets the whole reasoning once more as content, in the last pieces (as
+    upstream's stream); one that closed its reasoning streams as deepseek_r1's does."""
+    from vllm.entrypoints.openai.reasoning import split_reasoning
+    plain = split_reasoning("deepseek_r1", text)
+    forced = kwargs is not None and "</think>" not in text and plain[0] is not None
+    for step in (1, 2, 3, 5, max(len(text), 1)):
+        pieces = _stream_split("nemotron_v3", text, step, kwargs)
+        got = tuple("".join(t for kind, t in pieces if kind == k) or None for k in ("reasoning", "content"))
+        assert got == ((plain[0], plain[0]) if forced else plain), (step, pieces)
+        if forced:   # the repeat is the last piece, after every reasoning piece
+            assert pieces[-1] == ("content", plain[0]) and all(k == "reasoning" for k, _ in pieces[:-1])
+        assert pieces == _stream_split("deepseek_r1", text, step, kwargs) or forced
 
 
 @pytest.mark.parametrize("parser, text, reasoning, content", REASONING_CASES)
@@ -236,6 +297,17 @@ def test_reasoning_apart_from_tool_calls():
     assert msg.reasoning == msg.reasoning_content == "I need add"
     assert [t.function.name for t in msg.tool_calls] == ["add"] and not msg.content
     assert _chat_finish(c, plan, "qwen3") == "tool_calls"
+    # nemotron_v3 (Nemotron 3 calls tools in qwen3_xml's format): a call the swap moves out of an
+    # unterminated reasoning is parsed from the content, as any content's (an argument the schema
+    # does not name stays a string)
+    xml = plan_tools(tools, "auto", None, "qwen3_xml")
+    c = SimpleNamespace(text="I need add\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                             "</function>\n</tool_call>", finish_reason="stop")
+    msg = _chat_message(c, xml, "nemotron_v3", chat_template_kwargs={"force_nonempty_content": True})
+    assert msg.reasoning is None and msg.content.strip() == "I need add"
+    assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [("add", '{"a": "1"}')]
+    assert _chat_finish(c, xml, "nemotron_v3", {"force_nonempty_content": True}) == "tool_calls"
+    assert _chat_finish(c, xml, "nemotron_v3") == "stop" and not _chat_message(c, xml, "nemotron_v3").tool_calls
     # without a parser the message is the text, and no reasoning key is sent
     plain = _chat_message(SimpleNamespace(text="105", finish_reason="stop"), plan_tools(None, None, None, "hermes"))
     assert plain.model_dump() == {"role": "assistant", "content": "105", "tool_calls": None}
@@ -346,6 +418,52 @@ def test_reasoning_parser_through_the_app(app):
             deltas = [json.loads(e[6:])["choices"] for e in events.split("\n\n") if e.startswith("data: {")]
             key = "content" if parser == "qwen3" else "reasoning"
             assert "".join(c[0]["delta"].get(key, "") for c in deltas if c) == text
+    finally:
+        serving.reasoning_parser = None
+
+
+def _chat_both_ways(app, body: dict) -> tuple[dict, list[dict]]:
+    """The message of a chat request, and the deltas of the same request streamed."""
+    msg = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    events = _post(app, "/v1/chat/completions", dict(body, stream=True)).text
+    chunks = [json.loads(e[6:])["choices"] for e in events.split("\n\n") if e.startswith("data: {")]
+    return msg, [c[0]["delta"] for c in chunks if c]
+
+
+def test_nemotron_v3_through_the_app(app):
+    """The embedded model never closes a reasoning it is put in: under nemotron_v3 its output is
+    all reasoning, as deepseek_r1's, unless chat_template_kwargs turn thinking off or ask for a
+    non-empty content: then the message's content is that text and it has no reasoning, and the
+    stream sends the reasoning and then the same text once more as content, in its last delta."""
+    serving = app.state.serving
+    body = {"messages": [{"role": "user", "content": "What is 47 + 58?"}], "max_tokens": 4, "temperature": 0}
+    try:
+        serving.reasoning_parser = "nemotron_v3"
+        msg, deltas = _chat_both_ways(app, body)
+        text = msg["reasoning"]
+        assert text and msg["content"] is None and msg["reasoning_content"] == text
+        assert "".join(d.get("reasoning", "") for d in deltas) == text
+        assert not any(d.get("content") for d in deltas)
+        for kwargs in ({"enable_thinking": False}, {"force_nonempty_content": True}):
+            msg, deltas = _chat_both_ways(app, dict(body, chat_template_kwargs=kwargs))
+            assert msg["content"] == text and "reasoning" not in msg and "reasoning_content" not in msg, kwargs
+            assert "".join(d.get("reasoning", "") for d in deltas) == text
+            assert [d["content"] for d in deltas if d.get("content")] == [text]
+            assert deltas[-1].get("content") == text
+            # without the reasoning in the response the content still comes, whole and streamed
+            msg, deltas = _chat_both_ways(app, dict(body, chat_template_kwargs=kwargs, include_reasoning=False))
+            assert msg["content"] == text and "reasoning" not in msg
+            assert "".join(d.get("content") or "" for d in deltas) == text
+            assert not any("reasoning" in d for d in deltas)
+        # behind a prompt that closed the reasoning (thinking off) the output is all content,
+        # as deepseek_r1's, with or without the kwargs
+        closed = dict(body, messages=body["messages"] + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+                      add_generation_prompt=False, continue_final_message=True)
+        for kwargs in (None, {"force_nonempty_content": True}):
+            msg, deltas = _chat_both_ways(app, dict(closed, chat_template_kwargs=kwargs))
+            assert msg["content"] and "reasoning" not in msg
+            assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+            assert not any("reasoning" in d for d in deltas)
     finally:
         serving.reasoning_parser = None
 

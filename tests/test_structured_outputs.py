@@ -472,9 +472,11 @@ def test_trl_generate_structured_outputs(app):
     _serve(app, fn)
 
 
-def test_reasoning_parser_lets_a_constrained_request_reason_first(app):
+@pytest.mark.parametrize("parser", ["deepseek_r1", "nemotron_v3"])
+def test_reasoning_parser_lets_a_constrained_request_reason_first(app, parser):
     """With a reasoning parser a grammar constrains the answer only: the output after </think>.
-    The embedded model never closes a reasoning it is put in (deepseek_r1), so its output is
+    The embedded model never closes a reasoning it is put in (deepseek_r1, and nemotron_v3
+    that reads the output as deepseek_r1 does), so its output is
     the unconstrained one, all reasoning; behind a prompt that closed the reasoning already
     (thinking off) the grammar applies from the first token and the output is all content."""
     serving = app.state.serving
@@ -491,7 +493,7 @@ def test_reasoning_parser_lets_a_constrained_request_reason_first(app):
             extra_body={"add_generation_prompt": False, "continue_final_message": True})
         return free, thinking, answer
     try:
-        serving.reasoning_parser = "deepseek_r1"
+        serving.reasoning_parser = parser
         free, thinking, answer = _serve(app, fn)
     finally:
         serving.reasoning_parser = None

@@ -168,7 +168,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="chat responses carry the <think> part as message.reasoning (and reasoning_content), the "
                         "rest as content: qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output "
-                        "starts inside it); token ids and logprobs are unchanged")
+                        "starts inside it), nemotron_v3 (deepseek_r1's, and a request whose chat_template_kwargs "
+                        "set enable_thinking false or force_nonempty_content true gets the reasoning as content "
+                        "when no answer followed it); token ids and logprobs are unchanged")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="a request's final usage carries prompt_tokens_details.cached_tokens, the prompt tokens "
                         "served from the prefix cache (left out when none were), as upstream reports them")

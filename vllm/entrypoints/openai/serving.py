@@ -684,9 +684,12 @@ class OpenAIServing:
         plan = req.tool_plan(self.tool_call_parser)
         thinking = self._reasoning_parser_for(out.prompt_token_ids)
         role, echoed = req.response_role(self.response_role), req.echoed_text(self.response_role)
+        # nemotron_v3's swap reads the request's chat_template_kwargs, as upstream's parser does
+        template_kwargs = req.chat_template_kwargs
         choices = [ChatChoice(index=c.index,
-                              message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning),
-                              finish_reason=_chat_finish(c, plan, thinking),
+                              message=_chat_message(c, plan, thinking, role, echoed, req.include_reasoning,
+                                                    template_kwargs),
+                              finish_reason=_chat_finish(c, plan, thinking, template_kwargs),
                               stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None,
                               weight_versions=c.weight_versions,
                               logprobs=_chat_logprobs(c.token_ids, c.logprobs, top_k, req.return_tokens_as_token_ids,
@@ -708,7 +711,8 @@ class OpenAIServing:
         plan = req.tool_plan(self.tool_call_parser)
         parsers = [ToolCallStream(plan) if plan.parses else None for _ in range(params.n)]
         parser_name = self._reasoning_parser_for(prompt_ids)
-        thinking = [ReasoningStream(parser_name) if parser_name else None for _ in range(params.n)]
+        thinking = [ReasoningStream(parser_name, req.chat_template_kwargs) if parser_name else None
+                    for _ in range(params.n)]
         n_gen = 0
         want_ids = req.want_token_ids
         n_prompt = len(prompt_ids)
@@ -834,19 +838,22 @@ def _plain_json(value: Any) -> Any:
     return str(value)
 
 
-def _split(c: CompletionOutput, reasoning_parser: str | None) -> tuple[str | None, str | None]:
+def _split(c: CompletionOutput, reasoning_parser: str | None,
+           chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
     """(reasoning, the rest) of a choice's text; without a reasoning parser, (None, text)."""
     if reasoning_parser is None:
         return None, c.text
-    return split_reasoning(reasoning_parser, c.text)
+    return split_reasoning(reasoning_parser, c.text, chat_template_kwargs)
 
 
 def _chat_message(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None,
-                  role: str = "assistant", echoed: str = "", include_reasoning: bool = True) -> ChatResponseMessage:
+                  role: str = "assistant", echoed: str = "", include_reasoning: bool = True,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> ChatResponseMessage:
     """A choice's message: its text, or with tools its content and parsed tool calls; with a
     reasoning parser the <think> part apart (left out without include_reasoning), tool calls
-    parsed from the rest. `echoed` (chat echo) goes before the content; the parsers never see it."""
-    reasoning, text = _split(c, reasoning_parser)
+    parsed from the rest (the request's chat_template_kwargs may move a reasoning into the
+    rest: nemotron_v3). `echoed` (chat echo) goes before the content; the parsers never see it."""
+    reasoning, text = _split(c, reasoning_parser, chat_template_kwargs)
     reasoning = reasoning if include_reasoning else None
     calls: list = []
     if plan.parses and text is not None:
@@ -864,11 +871,12 @@ def _delta_message(p: StreamPiece) -> DeltaMessage:
                                                   function=DeltaFunctionCall(name=p.name, arguments=p.arguments))])
 
 
-def _chat_finish(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None) -> str | None:
+def _chat_finish(c: CompletionOutput, plan: ToolPlan, reasoning_parser: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> str | None:
     """OpenAI's finish_reason "tool_calls" when the model chose to call tools (a forced
     named function finishes with "stop", as OpenAI's does)."""
     if c.finish_reason == "stop" and plan.mode in ("auto", "required"):
-        text = _split(c, reasoning_parser)[1]
+        text = _split(c, reasoning_parser, chat_template_kwargs)[1]
         if text is not None and plan.parse(text)[1]:
             return "tool_calls"
     return c.finish_reason
