@@ -69,9 +69,6 @@ G_VN_DTYPE = {"bf16": torch.float32, "tf32x3": torch.float32}
 # program per (chunk, key head) over the group's heads in order and sum dq and dk as they go
 # (the same bits as _group_sum's pass after per-value-head kernels).
 GROUP_IN_KERNEL = {"bf16": False, "tf32x3": False}
-# What the output side's part of dk passes to the w / u kernel in (float32; bfloat16 as
-# fla's backward passes its dk parts: half the bytes, one more rounding of a part of dk).
-DK_PART_DTYPE = {"bf16": torch.float32, "tf32x3": torch.float32}
 # the column block of the final w / u kernel's loops over K and V
 FINAL_WU_BLOCK = {"bf16": 64, "tf32x3": 64}
 # the V block of the final output kernel's loop over the state, v_new and do
@@ -569,9 +566,7 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     # float32 per value head dq, dk only the partial sums they pass from head to head
     dq_key, dk_key = ((torch.empty((T, Hk, K), dtype=x.dtype, device=q.device) for x in (q, k)) if grouped
                       else (dq, dk))
-    # the output side's part of dk, for the w / u kernel to add (DK_PART_DTYPE)
-    dk_out_side = torch.empty_like(w, dtype=DK_PART_DTYPE.get(prec, torch.float32) if between == torch.bfloat16
-                                   else torch.float32)
+    dk_out_side = torch.empty_like(w, dtype=torch.float32)
     dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
