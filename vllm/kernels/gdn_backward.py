@@ -65,10 +65,6 @@ WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "
 WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
 WALK_LOCAL = {"bf16": "", "tf32x3": ""}
 G_VN_DTYPE = {"bf16": torch.float32, "tf32x3": torch.float32}
-# Where the value heads of a key head's group are more than one: the final kernels run one
-# program per (chunk, key head) over the group's heads in order and sum dq and dk as they go
-# (the same bits as _group_sum's pass after per-value-head kernels).
-GROUP_IN_KERNEL = {"bf16": False, "tf32x3": False}
 # the column block of the final w / u kernel's loops over K and V
 FINAL_WU_BLOCK = {"bf16": 64, "tf32x3": 64}
 # the V block of the final output kernel's loop over the state, v_new and do
@@ -117,43 +113,6 @@ if HAS_TRITON:
     @triton.jit
     def _store_rows(ptr, x, t0, n, head, HS, X: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr):
         _rows_out(ptr, x, t0, n, head * X, HS * X, X, BC, BX)
-
-    @triton.jit
-    def _program_heads(NC, HV, HK, G, GROUPED: tl.constexpr):
-        """(the program's first chunk index, its number of value heads): chunk ch of [sequences,
-        value heads, chunks] for one per (chunk, value head); GROUPED, one per (chunk, key head),
-        its group's first value head's chunk and G (the others at G steps of NC)."""
-        pid = tl.program_id(0)
-        if GROUPED:
-            c = pid % NC
-            s = pid // NC // HK
-            hk = (pid // NC) % HK
-            return (s * HV + hk * G) * NC + c, G
-        else:
-            return pid, 1
-
-    @triton.jit
-    def _group_block_out(part_ptr, out_ptr, x, t0, n, h, x0, j, heads, HV, HK, G, X: tl.constexpr,
-                         BC: tl.constexpr, BX: tl.constexpr, GROUPED: tl.constexpr):
-        """Value head h's gradient block x (columns x0 ..) to part_ptr [T, HV, X] float32; or,
-        GROUPED (head j of `heads` in the key head's group), x plus the sum of the group's heads
-        before it (read from part_ptr, head h - 1), there, or to out_ptr [T, HK, X] rounded to
-        its dtype at the last head: left to right in float32, the bits of _group_sum."""
-        if GROUPED:
-            if j > 0:
-                x += _load_block(part_ptr, t0, n, h - 1, HV, x0, X, BC, BX)
-            if j == heads - 1:
-                _store_block(out_ptr, _to_dtype_rn(x, out_ptr.dtype.element_ty), t0, n, h // G, HK, x0, X, BC, BX)
-            else:
-                _store_block(part_ptr, x, t0, n, h, HV, x0, X, BC, BX)
-        else:
-            _store_block(part_ptr, x, t0, n, h, HV, x0, X, BC, BX)
-
-    @triton.jit
-    def _group_rows_out(part_ptr, out_ptr, x, t0, n, h, j, heads, HV, HK, G, X: tl.constexpr, BC: tl.constexpr,
-                        BX: tl.constexpr, GROUPED: tl.constexpr):
-        """_group_block_out of all X columns."""
-        _group_block_out(part_ptr, out_ptr, x, t0, n, h, 0, j, heads, HV, HK, G, X, BC, BX, GROUPED)
 
     @triton.jit
     def _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj):
@@ -290,145 +249,131 @@ if HAS_TRITON:
 
     @triton.jit
     def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, ds_desc, vn_desc, du_desc, dw_desc, dq_ptr,
-                          dk_desc, dgam_ptr, dgl_ptr, dqo_ptr, scale, C, NC, HV, HK, G, K: tl.constexpr,
-                          V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          BVT: tl.constexpr, PREC: tl.constexpr, GROUPED: tl.constexpr):
+                          dk_desc, dgam_ptr, dgl_ptr, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVT: tl.constexpr,
+                          PREC: tl.constexpr):
         """One program per (chunk, value head), the output's, the state's and the decays' side.
         Over V, BVT columns at a time, from the chunk's state S, the gradient reaching its end
         dS (the recurrence walk's), v_new, dv_new (= du) and do: dw = -du S^T (out whole), dkd
         = v_new dS^T, de = <S, dS>, (do S^T) and do v_new^T; then dq (whole, per value head),
         the parts of dk and d gamma through o = q e^gamma S + P v_new and kd, and d gamma_L.
-        Each state-shaped tile is read once for all of them. GROUPED: one program per (chunk,
-        key head) over its G value heads in order, dq summed over them as it goes (float32,
-        the partial sum through dq_ptr's rows of the previous head, which this program wrote)
-        and written once to dqo_ptr in its dtype (the same bits as _group_sum's)."""
-        ch0, heads = _program_heads(NC, HV, HK, G, GROUPED)
-        for j in range(heads):
-            ch = ch0 + j * NC
-            if GROUPED:
-                if j > 0:  # the previous head's partial sum, stored by this program's threads
-                    tl.debug_barrier()
-            t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
-            rows = tl.arange(0, BC)
-            rm = rows < C
-            # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
-            incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
-            dqd = tl.zeros((BC, BK), dtype=tl.float32)
-            dkd = tl.zeros((BC, BK), dtype=tl.float32)
-            dw = tl.zeros((BC, BK), dtype=tl.float32)
-            dP = tl.zeros((BC, BC), dtype=tl.float32)
-            de = tl.zeros((BK,), dtype=tl.float32)
-            for v0 in range(0, V, BVT):  # blocks while v0 < V: none wholly past V (do has no mask there)
-                S = tl.reshape(s_desc.load([ch, 0, v0]), (BK, BVT))
-                dS = tl.reshape(ds_desc.load([ch, 0, v0]), (BK, BVT))
-                vn = tl.reshape(vn_desc.load([ch, 0, v0]), (BC, BVT))
-                do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BVT) * scale
-                dqd += _mm(do, tl.trans(S), PREC)
-                dP += _mm(do, tl.trans(vn), PREC)
-                dkd += _mm(vn, tl.trans(dS), PREC)
-                dw -= _mm(tl.reshape(du_desc.load([ch, 0, v0]), (BC, BVT)), tl.trans(S), PREC)
-                # float32 products (widening bfloat16 states and gradients is exact)
-                de += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
-            _put(dw_desc, ch, dw, BC, BK)
-            gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-            q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
-            eg = tl.exp(gam)
-            dq = dqd * eg[:, None]
-            dgam = tl.sum(dqd * q, 1) * eg
-            k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
-            D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-            P = _mm(q, tl.trans(k), PREC) * D
-            dP = tl.where(incl, dP, 0.0)
-            dqk = dP * D
-            dq += _mm(dqk, k, PREC)
-            _group_rows_out(dq_ptr, dqo_ptr, dq, t0, n, h, j, heads, HV, HK, G, K, BC, BK, GROUPED)
-            dk = _mm(tl.trans(dqk), q, PREC)
-            MP = dP * P
-            dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
-            # kd = k e^(gamma_L - gamma), e = e^gamma_L
-            gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
-            dec = tl.exp(gl - gam)
-            dk += dkd * dec[:, None]
-            t = tl.sum(dkd * k, 1) * dec
-            dgam -= t
-            tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.sum(de, 0) * tl.exp(gl))
-            _put(dk_desc, ch, dk, BC, BK)
-            tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
+        Each state-shaped tile is read once for all of them."""
+        ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
+        rows = tl.arange(0, BC)
+        rm = rows < C
+        # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0 and overflow
+        incl = (rows[None, :] <= rows[:, None]) & (rows[:, None] < C)
+        dqd = tl.zeros((BC, BK), dtype=tl.float32)
+        dkd = tl.zeros((BC, BK), dtype=tl.float32)
+        dw = tl.zeros((BC, BK), dtype=tl.float32)
+        dP = tl.zeros((BC, BC), dtype=tl.float32)
+        de = tl.zeros((BK,), dtype=tl.float32)
+        for v0 in range(0, V, BVT):  # blocks while v0 < V: none wholly past V (do has no mask there)
+            S = tl.reshape(s_desc.load([ch, 0, v0]), (BK, BVT))
+            dS = tl.reshape(ds_desc.load([ch, 0, v0]), (BK, BVT))
+            vn = tl.reshape(vn_desc.load([ch, 0, v0]), (BC, BVT))
+            do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BVT) * scale
+            dqd += _mm(do, tl.trans(S), PREC)
+            dP += _mm(do, tl.trans(vn), PREC)
+            dkd += _mm(vn, tl.trans(dS), PREC)
+            dw -= _mm(tl.reshape(du_desc.load([ch, 0, v0]), (BC, BVT)), tl.trans(S), PREC)
+            # float32 products (widening bfloat16 states and gradients is exact)
+            de += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+        _put(dw_desc, ch, dw, BC, BK)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        q = _load_rows(q_ptr, t0, n, h // G, HK, K, BC, BK)
+        eg = tl.exp(gam)
+        dq = dqd * eg[:, None]
+        dgam = tl.sum(dqd * q, 1) * eg
+        k = _load_rows(k_ptr, t0, n, h // G, HK, K, BC, BK)
+        D = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        P = _mm(q, tl.trans(k), PREC) * D
+        dP = tl.where(incl, dP, 0.0)
+        dqk = dP * D
+        dq += _mm(dqk, k, PREC)
+        _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
+        dk = _mm(tl.trans(dqk), q, PREC)
+        MP = dP * P
+        dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
+        # kd = k e^(gamma_L - gamma), e = e^gamma_L
+        gl = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        dec = tl.exp(gl - gam)
+        dk += dkd * dec[:, None]
+        t = tl.sum(dkd * k, 1) * dec
+        dgam -= t
+        tl.store(dgl_ptr + ch, tl.sum(t, 0) + tl.sum(de, 0) * tl.exp(gl))
+        _put(dk_desc, ch, dk, BC, BK)
+        tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
     @triton.jit
     def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, ts_ptr, tch_ptr, du_desc, dw_desc, dgam_ptr,
-                         dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, dko_ptr, C, NC, HV, HK, G,
-                         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
-                         T_SAVED: tl.constexpr, GROUPED: tl.constexpr):
+                         dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr,
+                         V: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
+                         T_SAVED: tl.constexpr):
         """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
         and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's,
         dkp) and of d gamma, then dg as its reverse cumsum. K and V go BX columns at a time
         (live: T, dT or dA, and one block of each operand): the u side, then the w side's dT
         alone, then dA, then the w side's dk, dX_w = T^T dw and k k^T (dw and k read twice, the
-        second time from L2). GROUPED: as the
-        output side's, dk summed over the group's value heads as it goes."""
-        ch0, heads = _program_heads(NC, HV, HK, G, GROUPED)
-        for j in range(heads):
-            ch = ch0 + j * NC
-            if GROUPED:
-                if j > 0:  # the previous head's partial sums, stored by this program's threads
-                    tl.debug_barrier()
-            t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
-            rows = tl.arange(0, BC)
-            rm = rows < C
-            ii = rows[:, None]
-            jj = rows[None, :]
-            lower = (jj < ii) & (ii < C)
-            b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
-            gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-            if T_SAVED:
-                T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
-            else:
-                T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
-            T = _operand(T, PREC)  # a dot operand only
-            eg = tl.exp(gam)
-            be = b * eg
-            # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta: dT = du X_u^T + dw X_w^T
-            dT = tl.zeros((BC, BC), dtype=tl.float32)
-            db = tl.zeros((BC,), dtype=tl.float32)
-            for x0 in range(0, V, BX):
-                du = tl.reshape(du_desc.load([ch, 0, x0]), (BC, BX))
-                v = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
-                dT += _mm(du, tl.trans(v * b[:, None]), PREC)
-                dXu = _mm(tl.trans(T), du, PREC)
-                _store_block(dv_ptr, dXu * b[:, None], t0, n, h, HV, x0, V, BC, BX)
-                db += tl.sum(dXu * v, 1)
-            for x0 in range(0, K, BX):
-                k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
-                dT += _mm(tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), tl.trans(k * be[:, None]), PREC)
-            # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle; A = beta_i (k k^T)_ij D_ij,
-            # so dk k^T-wise takes dkk = dA beta_i D_ij, and dbeta, d gamma the sums of dA D (k k^T)
-            # (k k^T by K blocks: E below)
-            Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-            dAD = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0) * Dl
-            dkk = _operand(dAD * b[:, None], PREC)  # a dot operand only
-            kdot = tl.zeros((BC,), dtype=tl.float32)
-            e_rows = tl.zeros((BC,), dtype=tl.float32)
-            e_cols = tl.zeros((BC,), dtype=tl.float32)
-            for x0 in range(0, K, BX):
-                k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
-                dXw = _mm(tl.trans(T), tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), PREC)
-                kdot += tl.sum(dXw * k, 1)
-                E = dAD * _mm(k, tl.trans(k), PREC)
-                e_rows += tl.sum(E, 1)
-                e_cols += tl.sum(E * b[:, None], 0)
-                dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)) + dXw * be[:, None]
-                dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
-                _group_block_out(dk_ptr, dko_ptr, dk, t0, n, h, x0, j, heads, HV, HK, G, K, BC, BX, GROUPED)
-            db += e_rows
-            dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
-            db += kdot * eg
-            dgam += kdot * be
-            # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
-            dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
-            tok = (t0 + rows).to(tl.int64) * HV + h
-            tl.store(dg_ptr + tok, tl.cumsum(dgam, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=rows < n)
-            tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
+        second time from L2)."""
+        ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
+        rows = tl.arange(0, BC)
+        rm = rows < C
+        ii = rows[:, None]
+        jj = rows[None, :]
+        lower = (jj < ii) & (ii < C)
+        b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        if T_SAVED:
+            T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
+        else:
+            T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        T = _operand(T, PREC)  # a dot operand only
+        eg = tl.exp(gam)
+        be = b * eg
+        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta: dT = du X_u^T + dw X_w^T
+        dT = tl.zeros((BC, BC), dtype=tl.float32)
+        db = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, V, BX):
+            du = tl.reshape(du_desc.load([ch, 0, x0]), (BC, BX))
+            v = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
+            dT += _mm(du, tl.trans(v * b[:, None]), PREC)
+            dXu = _mm(tl.trans(T), du, PREC)
+            _store_block(dv_ptr, dXu * b[:, None], t0, n, h, HV, x0, V, BC, BX)
+            db += tl.sum(dXu * v, 1)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dT += _mm(tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), tl.trans(k * be[:, None]), PREC)
+        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle; A = beta_i (k k^T)_ij D_ij,
+        # so dk k^T-wise takes dkk = dA beta_i D_ij, and dbeta, d gamma the sums of dA D (k k^T)
+        # (k k^T by K blocks: E below)
+        Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        dAD = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0) * Dl
+        dkk = _operand(dAD * b[:, None], PREC)  # a dot operand only
+        kdot = tl.zeros((BC,), dtype=tl.float32)
+        e_rows = tl.zeros((BC,), dtype=tl.float32)
+        e_cols = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dXw = _mm(tl.trans(T), tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), PREC)
+            kdot += tl.sum(dXw * k, 1)
+            E = dAD * _mm(k, tl.trans(k), PREC)
+            e_rows += tl.sum(E, 1)
+            e_cols += tl.sum(E * b[:, None], 0)
+            dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)) + dXw * be[:, None]
+            dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
+            _store_block(dk_ptr, dk, t0, n, h, HV, x0, K, BC, BX)
+        db += e_rows
+        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
+        db += kdot * eg
+        dgam += kdot * be
+        # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
+        dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
+        tok = (t0 + rows).to(tl.int64) * HV + h
+        tl.store(dg_ptr + tok, tl.cumsum(dgam, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=rows < n)
+        tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
 
 
     @triton.jit
@@ -561,28 +506,19 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
     dk = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else k.dtype, device=q.device)
-    grouped = G > 1 and GROUP_IN_KERNEL.get(prec, GROUP_IN_KERNEL["tf32x3"])
-    # grouped: the final kernels sum the key heads' gradients over their groups themselves, the
-    # float32 per value head dq, dk only the partial sums they pass from head to head
-    dq_key, dk_key = ((torch.empty((T, Hk, K), dtype=x.dtype, device=q.device) for x in (q, k)) if grouped
-                      else (dq, dk))
     dk_out_side = torch.empty_like(w, dtype=torch.float32)
     dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
-    programs = n // G if grouped else n
     BVT = min(FINAL_OUT_V_BLOCK.get(prec, FINAL_OUT_V_BLOCK["tf32x3"]), BV)
-    _final_out_kernel[(programs,)](q, k, do, cu, gam, _desc(states, (BK, BVT)), _desc(d_end, (BK, BVT)),
-                                   _desc(vn, (BC, BVT)), _desc(du, (BC, BVT)), _desc(dw, ck), dq,
-                                   _desc(dk_out_side, ck), dgam, dgl, dq_key, scale, C, *heads, BVT=BVT, **dims,
-                                   GROUPED=grouped, enable_fp_fusion=True, num_warps=warps["final_out"])
+    _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BVT)), _desc(d_end, (BK, BVT)),
+                            _desc(vn, (BC, BVT)), _desc(du, (BC, BVT)), _desc(dw, ck), dq, _desc(dk_out_side, ck),
+                            dgam, dgl, scale, C, *heads, BVT=BVT, **dims, enable_fp_fusion=True,
+                            num_warps=warps["final_out"])
     BX = min(FINAL_WU_BLOCK.get(prec, FINAL_WU_BLOCK["tf32x3"]), BK, BV)
-    _final_wu_kernel[(programs,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)), dgam,
-                                  dgl, _desc(dk_out_side, (BC, BX)), dk, dv, dg, db, dk_key, C, *heads, K=K, V=V,
-                                  BC=BC, BX=BX, PREC=prec, T_SAVED=saved, GROUPED=grouped, enable_fp_fusion=True,
-                                  num_warps=warps["final_wu"])
-    if grouped:
-        return dq_key, dk_key, dv, dg, db
+    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)), dgam, dgl,
+                           _desc(dk_out_side, (BC, BX)), dk, dv, dg, db, C, *heads, K=K, V=V, BC=BC, BX=BX, PREC=prec,
+                           T_SAVED=saved, enable_fp_fusion=True, num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
         dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db
