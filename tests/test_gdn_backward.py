@@ -226,3 +226,25 @@ def test_key_head_group_sum(G, dtype):
     if G == 2:
         assert torch.equal(out.view(bits), x.view(37, 3, G, 20).sum(2).to(dtype).view(bits))
     assert _group_sum(x[:0], G, dtype).shape == (0, 3, 20)
+
+
+@pytest.mark.parametrize("in_walk", [True, False], ids=["in_walk", "output_grad_kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_walk_forms_match_float64(in_walk, dtype, monkeypatch):
+    """The recurrence's backward walk taking the gradients reaching the outputs itself (q, k,
+    do and gamma per V tile; bf16 dots' form) or reading the output-gradient kernel's (3xTF32's
+    form): each within float64's tolerance, at V tiles of 32 over V = 64 (two walks per head)
+    and grouped heads with sequences ending mid-chunk."""
+    from vllm.kernels import gdn_backward
+    monkeypatch.setattr(gdn_backward, "OUTPUT_GRADS_IN_WALK", {"bf16": in_walk, "tf32x3": in_walk})
+    monkeypatch.setattr(gdn_backward, "WALK_CONFIG", {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)})
+    cu = [0, 45, 70]
+    xs, do = make(70, 1, 2, 32, 64, seed=9)
+    xs = [x.to(dtype) if i < 3 else x for i, x in enumerate(xs)]
+    do = do.to(dtype)
+    ref = reference_grads(lambda *a: gdn_reference(*a, cu, 32 ** -0.5, chunk_size=32), [x.double() for x in xs],
+                          [True] * 5, do.double())
+    got = gdn_backward_triton(*(x.to(DEV) for x in xs), do.to(DEV), cu, 32 ** -0.5, chunk_size=32)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, b in zip("q k v g beta".split(), got, ref):
+        assert rel_err(a.double().cpu(), b) < tol, name

@@ -268,7 +268,7 @@ FAMILIES = {
     "chunk_recurrence": (_chunk_recurrence, True, {"_fwd_kernel", "_bwd_walk_kernel", "_bwd_parts_kernel"}),
     "mamba2_backward": (_mamba2_backward, True, {"_prep_kernel", "_recurrence_kernel", "_dcb_kernel",
                                                  "_dbc_kernel", "_dx_kernel"}),
-    "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_final_out_kernel",
+    "gdn_backward": (_gdn_backward, True, {"_prep_kernel", "_out_grad_kernel", "_walk_kernel", "_final_out_kernel",
                                            "_final_wu_kernel", "_group_sum_kernel"}),
     "mamba2_chunk": (_mamba2_chunk, True, {"_ssd_prep_kernel", "_ssd_state_kernel", "_ssd_output_kernel",
                                            "_ssd_buffer_kernel"}),

@@ -128,6 +128,8 @@ def gdn_warps() -> None:
     print(f"gdn backward at {saved}: T saved {bench(t_saved):.0f} us, T built {bench(t_built):.0f} us", flush=True)
     try:
         for kernel in saved:
+            if kernel == "out_grad" and gb.OUTPUT_GRADS_IN_WALK["bf16"]:
+                continue   # the walk takes the output gradients itself: that kernel does not run
             step, which = (t_built, "T built") if kernel == "prep" else (t_saved, "T saved")
             for warps in (2, 4, 8):
                 gb.WARPS["bf16"].update(saved)

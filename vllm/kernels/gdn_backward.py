@@ -10,13 +10,15 @@ with gamma = cumsum(g), D_ij = exp(gamma_i - gamma_j), the forward is
     (S_c, v_new) = the recurrence over chunks of (u, w, kd, e),
     o = scale (q e^gamma S_c + incl_lower(q k^T * D) v_new)
 
-and the backward runs six launches (and a seventh, the group sums, where Hv > Hk):
+and the backward runs five launches with bf16 dots, six with 3xTF32 (and one more, the
+group sums, where Hv > Hk):
   1. prep (per chunk x value head): gamma, T (by block rows, as the forward, or the
      forward's saved T), w, u, kd, e;
   2. the recurrence forward (S_c, v_new);
-  3. output grads (per chunk x value head): dS_c = (q e^gamma)^T do, dv_new = P^T do;
-  4. the recurrence backward's walk (du = dv_new and the gradient dS reaching each chunk's
-     end state);
+  3. (3xTF32 only) output grads (per chunk x value head): dS_c = (q e^gamma)^T do, dv_new =
+     P^T do; with bf16 dots the walk takes them itself (OUTPUT_GRADS_IN_WALK);
+  4. the recurrence backward's walk (per sequence x value head x V tile: du = dv_new and the
+     gradient dS reaching each chunk's end state);
   5. final, in two launches per (chunk x value head) that each fit shared memory: the
      state's, the output's and the decays' side (dw = -du S^T, dkd = v_new dS^T, de =
      <S, dS>, dq, part of dk and d gamma: each state-shaped tile read once), then the w / u
@@ -55,16 +57,20 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # final output 9,257 / 3,731 / 3,457, final w/u 4,055 / 3,926 / 3,349).
 WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "final_wu": 8},
          "tf32x3": {"prep": 8, "prep_t_saved": 8, "out_grad": 8, "final_out": 8, "final_wu": 8}}
-# The recurrence's backward walk (V tile, warps, stages), and where it takes the gradients
-# reaching the recurrence's outputs from (WALK_LOCAL): "" reads both as the output-gradient
-# kernel writes them ([chunks, K, V] and [chunks, C, V] per value head); "ds" computes the
-# states' (q e^gamma)^T (scale do) itself from q and do, as fla's state walk does, so they are
-# neither written nor read (335 MB at 1 x 10,240 in bfloat16) and keep float32; "ds_dvn" takes
-# v_new's, P^T (scale do), there too (P recomputed per V tile; no output-gradient kernel).
-# G_VN_DTYPE: what the output-gradient kernel writes v_new's gradient in for the walk.
+# The recurrence's backward walk (V tile, warps, stages), and whether it takes the gradients
+# reaching the recurrence's outputs itself (OUTPUT_GRADS_IN_WALK), as fla's state walk does:
+# per V tile from q, k, do and gamma, g_S = q^T (e^gamma scale do) and g_vn = P^T (scale do)
+# (P recomputed per V tile), so the output-gradient kernel does not run and the [chunks, K,
+# V] and [chunks, C, V] gradients per value head (335 + 168 MB at 1 x 10,240) are neither
+# written nor read, and g_S is never rounded to bfloat16. H100, 1 x 10,240, bf16, T saved:
+# backward 2,700 -> 2,601-2,619 us (walk 510 -> 629 us, the output-gradient kernel's 200
+# gone), float64 distances 3.78e-3 / 3.80e-3 / 3.35e-3 / 3.03e-3 / 2.92e-3 (q k v g beta) ->
+# 3.78e-3 / 3.78e-3 / 3.33e-3 / 3.01e-3 / 2.90e-3. Only g_S in the walk (g_vn from the
+# output-gradient kernel, in bfloat16) gave 2,619-2,639. With 3xTF32 dots (float32 models) the
+# walk spills (1,680 B of stack at 8 warps): 12,497 us against 10,406 with the
+# output-gradient kernel, which keeps that form there.
 WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
-WALK_LOCAL = {"bf16": "", "tf32x3": ""}
-G_VN_DTYPE = {"bf16": torch.float32, "tf32x3": torch.float32}
+OUTPUT_GRADS_IN_WALK = {"bf16": True, "tf32x3": False}
 # the column block of the final w / u kernel's loops over K and V
 FINAL_WU_BLOCK = {"bf16": 64, "tf32x3": 64}
 # the V block of the final output kernel's loop over the state, v_new and do
@@ -183,10 +189,10 @@ if HAS_TRITON:
     @triton.jit
     def _out_grad_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, ds_desc, dvn_desc, scale, C, NC, HV, HK, G,
                          K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr, STATE_GRAD: tl.constexpr):
-        """One program per (chunk, value head): the gradients reaching the recurrence's outputs,
-        dv_new = P^T (scale do) and (STATE_GRAD; else the walk takes it) dS_c = (q e^gamma)^T
-        (scale do)."""
+                         PREC: tl.constexpr):
+        """One program per (chunk, value head), where the walk does not take them itself: the
+        gradients reaching the recurrence's outputs, dS_c = (q e^gamma)^T (scale do) and
+        dv_new = P^T (scale do)."""
         ch = tl.program_id(0)
         t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
@@ -199,22 +205,19 @@ if HAS_TRITON:
         P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                      * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
         _put(dvn_desc, ch, _mm(tl.trans(P), do, PREC), BC, BV)
-        if STATE_GRAD:
-            qd = q * tl.exp(gam)[:, None]
-            _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
+        qd = q * tl.exp(gam)[:, None]
+        _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
     def _walk_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc,
                      ds_desc, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOCAL: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, IN_WALK: tl.constexpr):
         """Program (sequence x value head, V tile), the recurrence's backward walk: dS = 0; per
         chunk from the last: store dS (the gradient reaching the chunk's end state), dv_new =
         g_vn + kd dS (= du), then dS of the chunk before, g_S + dS e - w^T dv_new. The
-        gradients reaching the chunk's outputs from o = scale (q e^gamma S_c + P v_new) are
-        taken here from q, k, do and gamma, as fla's state walk takes them, where LOCAL says:
-        "ds" g_S = q^T (e^gamma scale do) (the output-gradient kernel writes g_vn alone);
-        "ds_dvn" g_vn = P^T (scale do) too (no output-gradient kernel); "" both read as the
-        output-gradient kernel wrote them."""
+        gradients reaching the chunk's outputs from o = scale (q e^gamma S_c + P v_new), g_S =
+        q^T (e^gamma scale do) and g_vn = P^T (scale do), are taken here from q, k, do and
+        gamma (IN_WALK), or read as the output-gradient kernel wrote them."""
         bh = tl.program_id(0)
         v0 = tl.program_id(1) * BV
         rows = tl.arange(0, BC)
@@ -223,13 +226,12 @@ if HAS_TRITON:
         for i in range(NC):
             ch = bh * NC + (NC - 1 - i)
             ds_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dS, ds_desc.dtype), (1, BK, BV)))
-            if LOCAL != "":
+            if IN_WALK:
                 t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
                 gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
                 q = _rows_operand(q_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
-                do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BV) * scale
-            if LOCAL == "ds_dvn":
                 k = _rows_operand(k_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
+                do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BV) * scale
                 # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0
                 P = tl.where(incl, _mm(q, tl.trans(k), PREC)
                              * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
@@ -241,7 +243,7 @@ if HAS_TRITON:
             du_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dvn, du_desc.dtype), (1, BC, BV)))
             w = tl.reshape(w_desc.load([ch, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + ch)
-            if LOCAL != "":
+            if IN_WALK:
                 gs = _mm(tl.trans(q), do * tl.exp(gam)[:, None], PREC)
             else:
                 gs = tl.reshape(gs_desc.load([ch, 0, v0]), (BK, BV)).to(tl.float32)
@@ -393,6 +395,13 @@ if HAS_TRITON:
                  mask=m)
 
 
+def _tuned(table: dict, prec: str):
+    """A launch setting of `table` (keyed "bf16" / "tf32x3") for dot precision `prec`; the
+    interpreter's precisions take their GPU counterparts', so the tests run the GPU's forms
+    ("bf16_emulated" as "bf16", "ieee" as "tf32x3")."""
+    return table["bf16" if prec in ("bf16", "bf16_emulated") else "tf32x3"]
+
+
 def _du_dtype(between: torch.dtype) -> torch.dtype:
     """What the walk writes du (= dv_new) in: the between-kernels dtype (its every use is a dot
     operand, rounded to bfloat16 anyway with bf16 dots)."""
@@ -475,33 +484,32 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     saved = t_saved is not None
     tmat = gam if saved else torch.empty((n, C, C), **ops)   # a saved T is read where it is
     dims = dict(K=K, V=V, BC=BC, BK=BK, BV=BV, PREC=prec)
-    warps = WARPS.get(prec, WARPS["tf32x3"])
+    warps = _tuned(WARPS, prec)
     heads = (nC, Hv, Hk, G)
     ck, cv = (BC, BK), (BC, BV)
     ts, tch = (t_saved, t_chunks) if saved else (gam, cu)
     prep = "prep_t_saved" if saved else "prep"
-    BX = min(PREP_COLUMNS.get(prec, PREP_COLUMNS["tf32x3"])[prep], BK, BV)
+    BX = min(_tuned(PREP_COLUMNS, prec)[prep], BK, BV)
     _prep_kernel[(n,)](k, v, g, beta, cu, _desc(w, (BC, BX)), _desc(u, (BC, BX)), _desc(kd, (BC, BX)), e, tmat,
                        gam, ts, tch, C, *heads, EMULATE=training_tiles.INTERPRET or not q.is_cuda, T_SAVED=saved,
                        BX=BX, **dims, enable_fp_fusion=True, num_warps=warps[prep])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
     # du: every use is a dot operand (the final kernels' dw, dT and dX_u)
     du, d_end = torch.empty_like(vn, dtype=_du_dtype(between)), torch.empty_like(states)
-    local = WALK_LOCAL.get(prec, WALK_LOCAL["tf32x3"])
-    d_states = None if local else torch.empty_like(states)
-    gvn_dtype = G_VN_DTYPE.get(prec, torch.float32) if between == torch.bfloat16 else torch.float32
-    d_vn = None if local == "ds_dvn" else torch.empty_like(vn, dtype=gvn_dtype)
-    if local != "ds_dvn":
-        _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_end if local else d_states, (BK, BV)), _desc(d_vn, cv),
-                               scale, C, *heads, **dims, STATE_GRAD=not local, enable_fp_fusion=True,
-                               num_warps=warps["out_grad"])
-    block_v, walk_warps, walk_stages = WALK_CONFIG.get(prec, WALK_CONFIG["tf32x3"])
+    in_walk = _tuned(OUTPUT_GRADS_IN_WALK, prec)
+    if in_walk:   # never read: stand-ins for the output-gradient kernel's tensors
+        d_states, d_vn = d_end, du
+    else:
+        d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
+        _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
+                               **dims, enable_fp_fusion=True, num_warps=warps["out_grad"])
+    block_v, walk_warps, walk_stages = _tuned(WALK_CONFIG, prec)
     BVW = min(max(32, block_v), BV)
     _walk_kernel[(B * Hv, triton.cdiv(V, BVW))](
-        q, k, do, cu, gam, _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_end if local else d_states, (BK, BVW)),
-        _desc(du if d_vn is None else d_vn, (BC, BVW)), _desc(du, (BC, BVW)), _desc(d_end, (BK, BVW)), scale, C,
-        *heads, K=K, V=V, BC=BC, BK=BK, BV=BVW, PREC=prec, LOCAL=local, enable_fp_fusion=True,
-        num_warps=walk_warps, num_stages=walk_stages)
+        q, k, do, cu, gam, _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_states, (BK, BVW)),
+        _desc(d_vn, (BC, BVW)), _desc(du, (BC, BVW)), _desc(d_end, (BK, BVW)), scale, C, *heads, K=K, V=V, BC=BC,
+        BK=BK, BV=BVW, PREC=prec, IN_WALK=in_walk, enable_fp_fusion=True, num_warps=walk_warps,
+        num_stages=walk_stages)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
@@ -510,12 +518,12 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
-    BVT = min(FINAL_OUT_V_BLOCK.get(prec, FINAL_OUT_V_BLOCK["tf32x3"]), BV)
+    BVT = min(_tuned(FINAL_OUT_V_BLOCK, prec), BV)
     _final_out_kernel[(n,)](q, k, do, cu, gam, _desc(states, (BK, BVT)), _desc(d_end, (BK, BVT)),
                             _desc(vn, (BC, BVT)), _desc(du, (BC, BVT)), _desc(dw, ck), dq, _desc(dk_out_side, ck),
                             dgam, dgl, scale, C, *heads, BVT=BVT, **dims, enable_fp_fusion=True,
                             num_warps=warps["final_out"])
-    BX = min(FINAL_WU_BLOCK.get(prec, FINAL_WU_BLOCK["tf32x3"]), BK, BV)
+    BX = min(_tuned(FINAL_WU_BLOCK, prec), BK, BV)
     _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)), dgam, dgl,
                            _desc(dk_out_side, (BC, BX)), dk, dv, dg, db, C, *heads, K=K, V=V, BC=BC, BX=BX, PREC=prec,
                            T_SAVED=saved, enable_fp_fusion=True, num_warps=warps["final_wu"])
