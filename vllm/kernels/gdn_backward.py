@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels import chunk_recurrence
-from vllm.kernels.chunk_recurrence import recurrence_forward_triton
+from vllm.kernels.chunk_recurrence import recurrence_backward_walk_triton, recurrence_forward_triton
 from vllm.kernels.chunk_scan import PaddedChunks, require_triton
 from vllm.kernels.chunk_tiles import HAS_TRITON, aligned16, next_pow2
 from vllm.kernels import training_tiles
@@ -209,15 +209,16 @@ if HAS_TRITON:
         _put(ds_desc, ch, _mm(tl.trans(qd), do, PREC), BK, BV)
 
     @triton.jit
-    def _walk_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, w_desc, kd_desc, e_ptr, gs_desc, gvn_desc, du_desc,
-                     ds_desc, scale, C, NC, HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, IN_WALK: tl.constexpr):
-        """Program (sequence x value head, V tile), the recurrence's backward walk: dS = 0; per
-        chunk from the last: store dS (the gradient reaching the chunk's end state), dv_new =
-        g_vn + kd dS (= du), then dS of the chunk before, g_S + dS e - w^T dv_new. The
-        gradients reaching the chunk's outputs from o = scale (q e^gamma S_c + P v_new), g_S =
-        q^T (e^gamma scale do) and g_vn = P^T (scale do), are taken here from q, k, do and
-        gamma (IN_WALK), or read as the output-gradient kernel wrote them."""
+    def _walk_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, w_desc, kd_desc, e_ptr, du_desc, ds_desc, scale, C, NC,
+                     HV, HK, G, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, PREC: tl.constexpr):
+        """Program (sequence x value head, V tile), the recurrence's backward walk with the
+        gradients reaching the outputs taken in it: dS = 0; per chunk from the last: store dS
+        (the gradient reaching the chunk's end state); from q, k, do and gamma, g_vn = P^T
+        (scale do) and g_S = q^T (e^gamma scale do), the gradients reaching v_new and S_c from
+        o = scale (q e^gamma S_c + P v_new); dv_new = g_vn + kd dS (= du); then dS of the
+        chunk before, g_S + dS e - w^T dv_new (chunk_recurrence's walk, which reads g_vn and
+        g_S as an output-gradient kernel wrote them)."""
         bh = tl.program_id(0)
         v0 = tl.program_id(1) * BV
         rows = tl.arange(0, BC)
@@ -226,28 +227,20 @@ if HAS_TRITON:
         for i in range(NC):
             ch = bh * NC + (NC - 1 - i)
             ds_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dS, ds_desc.dtype), (1, BK, BV)))
-            if IN_WALK:
-                t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
-                gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
-                q = _rows_operand(q_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
-                k = _rows_operand(k_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
-                do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BV) * scale
-                # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0
-                P = tl.where(incl, _mm(q, tl.trans(k), PREC)
-                             * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-                gvn = _mm(tl.trans(P), do, PREC)
-            else:
-                gvn = tl.reshape(gvn_desc.load([ch, 0, v0]), (BC, BV))
+            t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
+            gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rows < C, other=0.0)
+            q = _rows_operand(q_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
+            k = _rows_operand(k_ptr, t0, n, (h // G) * K, HK * K, K, BC, BK, PREC)
+            do = _load_block(do_ptr, t0, n, h, HV, v0, V, BC, BV) * scale
+            # rows past C (zero tiles) stay out: their exp(gamma_i - gamma_j) read gamma_i = 0
+            P = tl.where(incl, _mm(q, tl.trans(k), PREC)
+                         * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
             kd = tl.reshape(kd_desc.load([ch, 0, 0]), (BC, BK))
-            dvn = gvn + _mm(kd, dS, PREC)
+            dvn = _mm(tl.trans(P), do, PREC) + _mm(kd, dS, PREC)
             du_desc.store([ch, 0, v0], tl.reshape(_to_dtype_rn(dvn, du_desc.dtype), (1, BC, BV)))
             w = tl.reshape(w_desc.load([ch, 0, 0]), (BC, BK))
             e = tl.load(e_ptr + ch)
-            if IN_WALK:
-                gs = _mm(tl.trans(q), do * tl.exp(gam)[:, None], PREC)
-            else:
-                gs = tl.reshape(gs_desc.load([ch, 0, v0]), (BK, BV)).to(tl.float32)
-            dS = gs + dS * e - _mm(tl.trans(w), dvn, PREC)
+            dS = _mm(tl.trans(q), do * tl.exp(gam)[:, None], PREC) + dS * e - _mm(tl.trans(w), dvn, PREC)
 
     @triton.jit
     def _final_out_kernel(q_ptr, k_ptr, do_ptr, cu_ptr, gam_ptr, s_desc, ds_desc, vn_desc, du_desc, dw_desc, dq_ptr,
@@ -495,21 +488,21 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                        BX=BX, **dims, enable_fp_fusion=True, num_warps=warps[prep])
     states, vn = recurrence_forward_triton(u, w, kd, e, prec, vn_dtype=between, states_dtype=between)
     # du: every use is a dot operand (the final kernels' dw, dT and dX_u)
-    du, d_end = torch.empty_like(vn, dtype=_du_dtype(between)), torch.empty_like(states)
-    in_walk = _tuned(OUTPUT_GRADS_IN_WALK, prec)
-    if in_walk:   # never read: stand-ins for the output-gradient kernel's tensors
-        d_states, d_vn = d_end, du
+    if _tuned(OUTPUT_GRADS_IN_WALK, prec):
+        du, d_end = torch.empty_like(vn, dtype=_du_dtype(between)), torch.empty_like(states)
+        block_v, walk_warps, walk_stages = _tuned(WALK_CONFIG, prec)
+        BVW = min(max(32, block_v), BV)
+        _walk_kernel[(B * Hv, triton.cdiv(V, BVW))](
+            q, k, do, cu, gam, _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(du, (BC, BVW)),
+            _desc(d_end, (BK, BVW)), scale, C, *heads, K=K, V=V, BC=BC, BK=BK, BV=BVW, PREC=prec,
+            enable_fp_fusion=True, num_warps=walk_warps, num_stages=walk_stages)
     else:
         d_states, d_vn = torch.empty_like(states), torch.empty_like(vn, dtype=torch.float32)
         _out_grad_kernel[(n,)](q, k, do, cu, gam, _desc(d_states, (BK, BV)), _desc(d_vn, cv), scale, C, *heads,
                                **dims, enable_fp_fusion=True, num_warps=warps["out_grad"])
-    block_v, walk_warps, walk_stages = _tuned(WALK_CONFIG, prec)
-    BVW = min(max(32, block_v), BV)
-    _walk_kernel[(B * Hv, triton.cdiv(V, BVW))](
-        q, k, do, cu, gam, _desc(w, (BC, BK)), _desc(kd, (BC, BK)), e, _desc(d_states, (BK, BVW)),
-        _desc(d_vn, (BC, BVW)), _desc(du, (BC, BVW)), _desc(d_end, (BK, BVW)), scale, C, *heads, K=K, V=V, BC=BC,
-        BK=BK, BV=BVW, PREC=prec, IN_WALK=in_walk, enable_fp_fusion=True, num_warps=walk_warps,
-        num_stages=walk_stages)
+        du, d_end = recurrence_backward_walk_triton(w, kd, e, states, d_states, d_vn, prec,
+                                                    du_dtype=_du_dtype(between))
+    du, d_end = aligned16(du), aligned16(d_end)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
     dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
