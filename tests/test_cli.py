@@ -95,3 +95,15 @@ def test_logprobs_mode_flag_reaches_the_engine(name):
         assert engine_kwargs(_subparser(name).parse_args(["--logprobs-mode", mode]))["logprobs_mode"] == mode
     with pytest.raises(SystemExit):   # argparse names the choices
         _subparser(name).parse_args(["--logprobs-mode", "logits"])
+
+
+def test_cuda_graph_batch_sizes_flag_reaches_the_engine(tiny_qwen3, capsys):
+    """`--cuda-graph-batch-sizes` (the sizes the engine captures decode graphs at) reaches the
+    engine; a size below 1 is one clear line, no traceback."""
+    from vllm.entrypoints.cli.engine_args import engine_kwargs
+    args = _subparser("serve").parse_args(["--cuda-graph-batch-sizes", "1", "4", "8"])
+    assert engine_kwargs(args)["cuda_graph_batch_sizes"] == [1, 4, 8]
+    assert engine_kwargs(_subparser("serve").parse_args([]))["cuda_graph_batch_sizes"] is None
+    rc = cli.main(["generate", "--model", tiny_qwen3, "--device", "cpu", "--cuda-graph-batch-sizes", "0"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "cuda_graph_batch_sizes must be a list of integers >= 1" in err and "Traceback" not in err

@@ -41,6 +41,11 @@ def test_help_lists_every_knob(capsys):
                  "--resume", "--recipe"):
         assert flag in text
     assert "train" in build_parser(None).format_help()
+    # every knob with a default shows it, switches as on / off
+    flat = " ".join(text.split())
+    for shown in ("--shuffle, --no-shuffle shuffle the training data each epoch (seeded) (default: on)",
+                  "(default: grpo)", "(default: auto)"):
+        assert shown in flat, shown
 
 
 def test_recipes_parse_and_validate():

@@ -423,6 +423,9 @@ class EngineConfig(NumericsSpecFields):
             raise ValueError(f"max_logprobs must be an integer >= 0 or -1 (the whole vocabulary), got {self.max_logprobs!r}")
         if not isinstance(self.numerics_spec, NumericsSpec):
             raise ValueError(f"numerics_spec must be a NumericsSpec, got {type(self.numerics_spec).__name__}")
+        sizes = self.cuda_graph_batch_sizes
+        if not isinstance(sizes, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be a list of integers >= 1, got {sizes!r}")
         if not self.keep_master_weights and self.quantization is None:
             raise ValueError("keep_master_weights=False needs quantization='fp8': only FP8 layers have a copy to keep")
         if self.async_scheduling is None:

@@ -63,7 +63,8 @@ class DataSection:
                                         "([{role, content}, ...])")
     answer_field: str = _knob("answer", "record field holding the reference answer")
     chat_template: str = _knob("auto", "auto: chat messages go through the tokenizer's chat template, strings are "
-                                       "used as they are; always: strings become one user message; never",
+                                       "used as they are; always: strings become one user message; never: strings are "
+                                       "tokenized as they are and chat messages are refused",
                                ("auto", "always", "never"))
     system_prompt: str | None = _knob(None, "system message prepended when the chat template is applied")
     train_size: int = _knob(10000, "problems a --task generates for training")

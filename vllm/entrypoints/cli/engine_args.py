@@ -116,6 +116,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "by the request's priority (lower first, ties by arrival), and when KV blocks run out the "
                         "running request with the largest (priority, arrival) is preempted; the tokens are the same")
     p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
+    p.add_argument("--cuda-graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to capture CUDA graphs at (a step runs the graph of the smallest size "
+                        "that holds its batch, a larger batch runs eagerly; default: 1, 2, 4, 8, then multiples of 16 up "
+                        "to 256 and of 32 up to 1024, up to --max-num-seqs)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "auto", "dummy"],
                    help="dummy: random weights of the config's shapes (benchmarks; no checkpoint files needed); "
                         "auto (upstream's default): safetensors")
@@ -163,6 +167,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
+                cuda_graph_batch_sizes=getattr(args, "cuda_graph_batch_sizes", None),
                 load_format={"auto": "safetensors"}.get(getattr(args, "load_format", "safetensors"),
                                                         getattr(args, "load_format", "safetensors")),
                 async_scheduling=getattr(args, "async_scheduling", None), gemm_cublaslt=args.gemm_cublaslt,

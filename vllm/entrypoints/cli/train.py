@@ -74,10 +74,10 @@ def add_parser(sub) -> None:
     for name, (sec, f, tp) in index.items():
         flag = "--" + name.replace("_", "-")
         help_text = f.metadata["help"]
-        if "default" not in help_text and f.default is not None and _base_type(tp)[0] is not bool:
-            # a None default means "decided later" (the help says how), and a switch's
-            # wording says what its default is: print a default only where it informs
-            help_text += f" (default: {f.default})"
+        if "(default" not in help_text and f.default is not None:
+            # a None default means "decided later" (the help says how)
+            shown = ("on" if f.default else "off") if _base_type(tp)[0] is bool else f.default
+            help_text += f" (default: {shown})"
         g = groups[sec]
         choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
         if name == "rollout_url":
