@@ -86,9 +86,8 @@ PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 1
 # 1 x 10,240, Qwen3-Next's dims). Those are not the same bits: de = <S, dS> and the walk's
 # dS + g_S take them elementwise, so the gradients move within bf16 rounding (float64 distance
 # 4.0e-3 either way). H200, 1 x 10,240 fwd + bwd: 4,844 us against 5,148 with float32 between
-# the kernels; the operands alone in bfloat16 were slower (5,258). The walk computing the
-# states' gradients from q and do itself, as fla's does, saved 69 us but gave dk other bits
-# with bf16 dots than the output-gradient kernel's: not kept (benchmarks/NOTES.md).
+# the kernels; the operands alone in bfloat16 were slower (5,258). With the walk taking the
+# outputs' gradients itself (OUTPUT_GRADS_IN_WALK) the states' g_S stays float32.
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64

@@ -27,10 +27,9 @@ place only when complete, under a file lock, so a half-written directory is
 never used and concurrent callers do the work once. A directory whose marker
 is missing or names another format is rebuilt.
 
-The cache location is ``~/.cache/vllm-parity/smollm2-135m-instruct`` (under
-``$XDG_CACHE_HOME`` when set); the environment variable
-``VLLM_PARITY_SMOLLM2_DIR`` moves it (for tests and CI only: a caller passes
-``cache_dir``).
+The cache location is ``~/.cache/vllm-parity/smollm2-135m-instruct``; a caller passes
+``cache_dir`` to put it elsewhere (the tests' fixture takes it from
+``VLLM_PARITY_SMOLLM2_DIR``).
 
 Command line: ``python -m vllm.testing.smollm2 [--dir DIR] [--force]`` or
 ``python scripts/prepare_smollm2.py``; prints the directory.
