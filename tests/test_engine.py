@@ -404,3 +404,30 @@ def test_a_request_held_by_a_pause_is_aborted_with_the_others(mode_after):
     assert not core.engine.has_unfinished_requests()
     if mode_after != "abort":   # the client still waits on its stream: it ends
         assert [d.finish_reason for d in deltas][-1:] == ["abort"]
+
+
+def test_allowed_tokens_all_banned_and_foreign_requests_are_refused():
+    """allowed_token_ids whose every token a single-token bad word bans: a ValueError before
+    anything is queued (no token could be sampled). llm.generate with requests added through
+    llm.llm_engine still unfinished: a ValueError (generate would finish them and drop their
+    outputs); once they finish, generate runs. A negative long_prefill_token_threshold is
+    refused."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import SchedulerConfig
+    llm = LLM(device="cpu", max_model_len=128)
+    a = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    with pytest.raises(ValueError, match="banned by bad_words"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                     SamplingParams(max_tokens=3, allowed_token_ids=a, bad_words=["a"]), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    eng = llm.llm_engine
+    eng.add_request("mine", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    with pytest.raises(ValueError, match="added through llm.llm_engine are unfinished"):
+        llm.generate([{"prompt_token_ids": [8, 9]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in finished] == ["mine"] and len(finished[0].outputs[0].token_ids) == 4
+    assert len(llm.generate([{"prompt_token_ids": [8, 9]}], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

@@ -290,6 +290,11 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "long_prefill_token_threshold" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'long_prefill_token_threshold' else 1}, "
+                                 f"got {v!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 

@@ -209,7 +209,18 @@ def token_controls(params: SamplingParams, tokenizer, vocab: int) -> TokenContro
         # bit j of word i allows token 32 i + j (the grammar masks' format)
         allowed = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
     words = bad_words_token_ids(tokenizer, params.bad_words, vocab) if params.bad_words else ()
+    check_allowed_not_all_banned(params, words)
     return TokenControls(logit_bias=bias, allowed_bitmask=allowed, bad_words=words)
+
+
+def check_allowed_not_all_banned(params: SamplingParams, bad_words: tuple[tuple[int, ...], ...]) -> None:
+    """Single-token bad words are banned at every step: with every token of allowed_token_ids
+    among them no token could be sampled (the whole logits row masked)."""
+    if params.allowed_token_ids:
+        single = {w[0] for w in bad_words if len(w) == 1}
+        if set(params.allowed_token_ids) <= single:
+            raise ValueError(f"every token of allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} is "
+                             "banned by bad_words: no token could be sampled")
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -326,7 +337,8 @@ class LLMEngine:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len,
                         self.eos_token_ids)
         if params.bad_words:   # a word that cannot be banned is refused before anything is queued
-            bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
+            words = bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
+            check_allowed_not_all_banned(params, words)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
                     stream: bool = False, compiled_grammar=None, priority: int = 0) -> str:

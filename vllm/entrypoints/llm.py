@@ -419,6 +419,12 @@ class LLM:
         if engine.weight_update is not None:
             raise ValueError("a weight update is open (llm.weight_update() or start_weight_update()): "
                              "finish it before generating")
+        pending = engine.get_num_unfinished_requests()
+        if pending:
+            # generate steps the engine until everything in it finishes, and returns only its
+            # own requests: the others' outputs would be lost
+            raise ValueError(f"{pending} request(s) added through llm.llm_engine are unfinished: step the engine "
+                             "until they finish (llm.llm_engine.step()) or abort them before llm.generate")
         engine.count_unannounced_weight_change()
         # Validate everything before anything is queued: a bad prompt loses nothing.
         for p, sp in zip(prompts, params):
