@@ -197,9 +197,10 @@ def test_cli_output_dir_errors_come_before_any_compute(tmp_path, tiny_qwen3, cap
     assert "checkpoints" in capsys.readouterr().err
 
 
-def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, tiny_qwen3, no_engine):
-    """--overwrite starts afresh: the earlier run's checkpoints and its `latest` go, so a later
-    --resume cannot continue the old run under the new config."""
+def test_overwrite_keeps_the_earlier_run_until_the_engine_is_up(tmp_path, tiny_qwen3, no_engine):
+    """--overwrite drops the earlier run's checkpoints only once the engine (or the rollout
+    servers) is up: a refusal found while building it (here: no engine may be built) leaves
+    them as they were."""
     from vllm.rl.trainer import Trainer
     data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
     old = tmp_path / "out" / "checkpoints" / "step_000003"
@@ -207,9 +208,48 @@ def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, tiny_qwen3, no
     (tmp_path / "out" / "checkpoints" / "latest").write_text("step_000003\n")
     cfg = TrainConfig()
     cfg.update({"model": tiny_qwen3, "data": data, "output_dir": str(tmp_path / "out"), "overwrite": True})
-    with pytest.raises(AssertionError, match="engine was built"):   # stops at the engine: the dir is ready
+    with pytest.raises(AssertionError, match="engine was built"):
         Trainer(cfg)
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["latest", "step_000003"]
+
+
+def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, tiny_qwen3):
+    """--overwrite starts afresh once the engine is up: the earlier run's checkpoints and its
+    `latest` go, so a later --resume cannot continue the old run under the new config."""
+    from vllm.rl.trainer import Trainer
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    (tmp_path / "out" / "checkpoints" / "step_000003").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step_000003\n")
+    cfg = TrainConfig()
+    cfg.update({"model": tiny_qwen3, "data": data, "output_dir": str(tmp_path / "out"), "overwrite": True,
+                "device": "cpu"})
+    Trainer(cfg)
     assert os.listdir(tmp_path / "out" / "checkpoints") == []
+
+
+def test_output_dir_in_use_by_a_live_process_is_refused(tmp_path, tiny_qwen3, no_engine):
+    """A second run into a directory another live process is training into is refused before
+    anything is built (its metrics and checkpoints would interleave); the mark of a process
+    that has ended is taken over."""
+    import subprocess
+    import sys
+    from vllm.rl.trainer import Trainer
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    out = tmp_path / "out"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".vllm-train.pid").write_text(f"{other.pid}\n")
+        cfg = TrainConfig()
+        cfg.update({"model": tiny_qwen3, "data": data, "output_dir": str(out)})
+        with pytest.raises(ValueError, match="in use by another vllm train run"):
+            Trainer(cfg)
+    finally:
+        other.kill()
+        other.wait()
+    with pytest.raises(AssertionError, match="engine was built"):   # the ended process's mark is taken over
+        Trainer(cfg)
+    assert (out / ".vllm-train.pid").read_text().strip() == str(os.getpid())
 
 
 def test_print_config(tmp_path, capsys):
@@ -232,3 +272,24 @@ def test_recipe_paths_expand_home(tmp_path, monkeypatch):
     assert cfg.get("data") == str(tmp_path / "data.jsonl")
     smol = TrainConfig.from_yaml(os.path.join(REPO, "training", "smollm2_arithmetic_grpo.yaml"))
     assert smol.get("model") == str(tmp_path / ".cache" / "vllm-parity" / "smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_cli_interrupt_says_whether_there_is_a_checkpoint(tmp_path, tiny_qwen3, capsys, monkeypatch,
+                                                          with_checkpoint):
+    """Ctrl-C during a run: "continue with --resume latest" only where a checkpoint exists,
+    else that there is nothing to resume (exit 130 either way)."""
+    from vllm.rl import trainer as trainer_module
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    out = tmp_path / "out"
+
+    def interrupted(self):
+        if with_checkpoint:
+            (out / "checkpoints" / "step_000001").mkdir(parents=True)
+            os.symlink("step_000001", out / "checkpoints" / "latest")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer_module.Trainer, "run", interrupted)
+    assert main(["train", "--model", tiny_qwen3, "--data", data, "--output-dir", str(out), "--device", "cpu",
+                 "--steps", "2"]) == 130
+    err = capsys.readouterr().err
+    assert ("--resume latest" in err) == with_checkpoint and ("nothing to resume" in err) != with_checkpoint

@@ -133,6 +133,34 @@ def model_dir_of(cfg: TrainConfig) -> str:
     return path
 
 
+
+def _claim_output_dir(out: str) -> None:
+    """Mark `out` as this process's run (its pid in `.vllm-train.pid`), refusing a directory
+    another live process has marked: a second run into it would interleave its metrics and
+    checkpoints. A mark left by a process that has ended is taken over."""
+    path = os.path.join(out, ".vllm-train.pid")
+    try:
+        with open(path) as f:
+            other = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        other = 0
+    if other > 0 and other != os.getpid():
+        try:
+            os.kill(other, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:   # a process of another user
+            alive = True
+        if alive:
+            raise ValueError(f"--output-dir {out!r} is in use by another vllm train run (process {other}, "
+                             f"{path}): wait for it or choose another --output-dir")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+
+
 class Trainer:
     """`Trainer(config)` checks the configuration, the data and the reward function,
     then builds the engine and the Policy (and restores a checkpoint with
@@ -167,6 +195,7 @@ class Trainer:
         if rollout is None:
             rollout = self._build_server_rollout() if cfg.model.rollout_url else self._build_colocated()
         self.client = rollout
+        self._start_checkpoints()
         self.policy = self.client.policy(activation_checkpointing=cfg.model.activation_checkpointing)
         self.params = [p for p in self.policy.parameters()]
         if self.params and self.params[0].dtype == torch.float16:   # dtype auto on a float16 checkpoint
@@ -539,27 +568,42 @@ class Trainer:
                 "eval_problems": len(scores), "eval_response_length_mean": float(np.mean(lengths))}
 
     def _prepare_output_dir(self) -> None:
-        """The output directory exists and takes files, before any model is loaded (a path
-        under a file or a read-only place fails now, in one line, not after the first step).
-        --overwrite (without --resume) removes the earlier run's checkpoints: its `latest`
-        left behind would make a later --resume continue the old run under the new config."""
+        """The output directory exists, takes files and is this run's alone, before any model
+        is loaded (a path under a file or a read-only place fails now, in one line, not after
+        the first step; a second `vllm train` into it is refused while this one's process holds its
+        mark). The earlier run's checkpoints that --overwrite drops go only once the engine or
+        the rollout servers are up (_start_checkpoints): a refusal found while building them
+        loses nothing."""
         out = self.output_dir
         ckpts = os.path.join(out, "checkpoints")
         try:
             os.makedirs(out, exist_ok=True)
+            _claim_output_dir(out)
+            if os.path.exists(ckpts) and not os.path.isdir(ckpts) and not self.cfg.run.overwrite:
+                raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
+            with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise ValueError(f"--output-dir {out!r} cannot hold this run's files: {err.strerror or err} "
+                             f"({err.filename or out})") from err
+
+    def _start_checkpoints(self) -> None:
+        """--overwrite (without --resume) removes the earlier run's checkpoints: its `latest`
+        left behind would make a later --resume continue the old run under the new config."""
+        out = self.output_dir
+        ckpts = os.path.join(out, "checkpoints")
+        try:
             if self.cfg.run.overwrite and self.resume_from is None and os.path.lexists(ckpts):
                 if os.path.isdir(ckpts) and not os.path.islink(ckpts):
                     shutil.rmtree(ckpts)
                 else:
                     os.remove(ckpts)
-            if os.path.exists(ckpts) and not os.path.isdir(ckpts):
-                raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
             os.makedirs(ckpts, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=ckpts, prefix=".write-test-"):
                 pass
         except OSError as err:
-            raise ValueError(f"--output-dir {out!r} cannot hold this run's files: {err.strerror or err} "
-                             f"({err.filename or out})") from err
+            raise ValueError(f"--output-dir {out!r} cannot hold this run's checkpoints: {err.strerror or err} "
+                             f"({err.filename or ckpts})") from err
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> str:

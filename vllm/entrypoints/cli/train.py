@@ -145,7 +145,11 @@ def run(args) -> int:
         return 1
     except KeyboardInterrupt:
         # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
-        print("vllm train: interrupted; continue with --resume latest", file=sys.stderr)
+        if os.path.lexists(os.path.join(trainer.output_dir, "checkpoints", "latest")):
+            print("vllm train: interrupted; continue with --resume latest", file=sys.stderr)
+        else:
+            print("vllm train: interrupted before any checkpoint was written (--checkpoint-interval N saves one "
+                  "every N steps): nothing to resume", file=sys.stderr)
         return 130
     return 0
 
