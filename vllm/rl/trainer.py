@@ -161,6 +161,21 @@ def _claim_output_dir(out: str) -> None:
     os.replace(tmp, path)
 
 
+def _writable_dir(out: str, path: str, what: str, before=None) -> None:
+    """`path` (under the run's --output-dir `out`) exists and takes a file, after `before()`;
+    an OSError of any of it is one ValueError naming the directory."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        if before is not None:
+            before()
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"--output-dir {out!r} cannot hold this run's {what}: {err.strerror or err} "
+                         f"({err.filename or path})") from err
+
+
 class Trainer:
     """`Trainer(config)` checks the configuration, the data and the reward function,
     then builds the engine and the Policy (and restores a checkpoint with
@@ -576,34 +591,23 @@ class Trainer:
         loses nothing."""
         out = self.output_dir
         ckpts = os.path.join(out, "checkpoints")
-        try:
-            os.makedirs(out, exist_ok=True)
-            _claim_output_dir(out)
-            if os.path.exists(ckpts) and not os.path.isdir(ckpts) and not self.cfg.run.overwrite:
-                raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
-            with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-                pass
-        except OSError as err:
-            raise ValueError(f"--output-dir {out!r} cannot hold this run's files: {err.strerror or err} "
-                             f"({err.filename or out})") from err
+        _writable_dir(out, out, "files", before=lambda: _claim_output_dir(out))
+        if os.path.exists(ckpts) and not os.path.isdir(ckpts) and not self.cfg.run.overwrite:
+            raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
 
     def _start_checkpoints(self) -> None:
         """--overwrite (without --resume) removes the earlier run's checkpoints: its `latest`
         left behind would make a later --resume continue the old run under the new config."""
         out = self.output_dir
         ckpts = os.path.join(out, "checkpoints")
-        try:
+
+        def drop_earlier_run():
             if self.cfg.run.overwrite and self.resume_from is None and os.path.lexists(ckpts):
                 if os.path.isdir(ckpts) and not os.path.islink(ckpts):
                     shutil.rmtree(ckpts)
                 else:
                     os.remove(ckpts)
-            os.makedirs(ckpts, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=ckpts, prefix=".write-test-"):
-                pass
-        except OSError as err:
-            raise ValueError(f"--output-dir {out!r} cannot hold this run's checkpoints: {err.strerror or err} "
-                             f"({err.filename or ckpts})") from err
+        _writable_dir(out, ckpts, "checkpoints", before=drop_earlier_run)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> str:
