@@ -30,7 +30,7 @@ DEFAULT = ";".join([
     "",                                                               # the defaults: the bits reference
     "PREP_MAX_REGISTERS=168",
     "STATE_BLOCK_V_MAX=16",                                            # twice the walks of one long sequence
-    "STATE_NUM_STAGES=3",
+    "STATE_NUM_STAGES=4",
     "OUT_BLOCK_V_MAX=128 OUT_NUM_WARPS=8",
 ])
 

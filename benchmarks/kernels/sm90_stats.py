@@ -1,7 +1,7 @@
 """Offline sm_90 resource use of the Gated DeltaNet kernels at Qwen3-Next's dims, no GPU.
 
     TRITON_INTERPRET=1 python benchmarks/kernels/sm90_stats.py [--backward] [--float32]
-        [--only SUBSTRING] [--set module.NAME=JSON ...]
+        [--only SUBSTRING] [--set module.NAME=JSON ...] [--asm DIR]
 
 Each kernel the layer's forward launches (and, with --backward, the training backward's,
 with T from the forward as training runs it) is compiled for sm_90 as the GPU's first launch
@@ -10,7 +10,8 @@ bytes (spills) and shared memory per block are printed. bfloat16 inputs (bf16 do
 backward) unless --float32 (3xTF32). `--set` changes a tunable before the launches are
 recorded, e.g. `--set 'gdn_backward.WARPS={"bf16": {"final_out": 8}}'` (JSON values, merged into
 a dict tunable key by key; modules under vllm.kernels): a candidate's registers and spills
-read before any GPU time is spent on it.
+read before any GPU time is spent on it. `--asm DIR` writes each kernel's compiled stages there
+(NAME.ttgir, NAME.ptx, ...: e.g. whether a loop's loads became async copies).
 Nothing runs: the launches are recorded without executing.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="kernels whose name holds this substring")
     ap.add_argument("--set", action="append", default=[], metavar="module.NAME=JSON",
                     help="a tunable of vllm.kernels.<module> set before recording")
+    ap.add_argument("--asm", default="", metavar="DIR", help="write each kernel's ttir / ttgir / llir / ptx here")
     args = ap.parse_args(argv)
 
     from vllm.kernels import gdn_chunk, training_tiles
@@ -77,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
                                 t_chunks=plan.seq_chunks.to(torch.int32))
     launches = [la for la in rec.launches if args.only in str(la.kernel)]
     print(f"{'kernel':<44} {'warps':>5} {'regs':>5} {'stack B':>8} {'shared B':>9}")
-    for r in sm90.compile_launches(launches, usage=True):
+    for i, r in enumerate(sm90.compile_launches(launches, usage=True, asm=bool(args.asm))):
         name = str(r.launch.kernel)
         warps = dict(r.launch.options).get("num_warps")
         status = "" if r.ok else f"  FAILS: {r.error[:80]}"
         print(f"{name:<44} {warps!s:>5} {r.registers!s:>5} {r.stack!s:>8} {r.shared!s:>9}{status}")
+        if args.asm and r.asm:
+            os.makedirs(args.asm, exist_ok=True)
+            for stage, text in r.asm.items():
+                with open(os.path.join(args.asm, f"{i:02d}_{name.rpartition('.')[2]}.{stage}"), "w") as f:
+                    f.write(text)
     return 0
 
 

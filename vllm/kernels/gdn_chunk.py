@@ -127,7 +127,9 @@ PREP_NUM_WARPS = 4
 # 256 x 1 545 against 571 us at 168 and 579 at 144, prefill and train forward the same
 PREP_MAX_REGISTERS = 128
 STATE_NUM_WARPS = 4
-STATE_NUM_STAGES = 2
+# the walk's loads (w, u, the key tile, gamma) run this many chunks ahead: H200, train forward
+# 1 x 10,240 758 us against 849 at 2 (119 kB of shared memory: one program an SM)
+STATE_NUM_STAGES = 3
 # the state kernel's programs, at most: V / BV x Hv x P, the P programs of a (V tile, head) striding
 # over the sequences that need the walk (an idle program costs a launch: most decode sequences
 # need none). Speed only, like the tiles: every walk is the same code wherever it runs
@@ -381,6 +383,42 @@ if HAS_TRITON:
             total += tl.sum(need, 0)
         tl.store(nwork_ptr, total)
 
+    @triton.jit
+    def _state_chunk(n, h, hs, rk, rv, rows, start_ptr, end_ptr, gam_ws, w_ws, kc_ws, u_ws, vn_ws, h_ws,
+                     HK: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                     BV: tl.constexpr, WHOLE: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
+                     PREC: tl.constexpr):
+        """One chunk n of the state walk (value head h, the V tile rv of the fp32 state hs): its
+        boundary state and v_new = u - w h into the workspaces, then the fold of a whole chunk
+        (WHOLE: known to be one; else read from its rows, and in aligned mode a partial chunk
+        stays out of the state). Returns the state after the chunk and whether it folded."""
+        DT = w_ws.dtype.element_ty
+        base = n * HV + h
+        tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
+        w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
+        u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
+        vf = u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)
+        tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vf.to(DT))
+        if WHOLE:
+            L = C - 1
+            fold = True
+        else:
+            L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
+            if ALIGNED:
+                fold = L == C - 1  # a partial chunk stays out of the state
+            else:
+                fold = L >= 0
+        if fold:
+            # h' = e^gamma_L h + k^T (e^(gamma_L - gamma) v_new), as fla folds: the chunk's key tile
+            # is its key head's (half the bytes of per-value-head decayed keys), the decay goes on
+            # v_new's fp32 rows before they round (zero rows past L)
+            gl = tl.load(gam_ws + base * C + L)
+            gam = tl.load(gam_ws + base * C + rows)
+            dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
+            kc = tl.load(kc_ws + ((n * HK + h // (HV // HK)) * C + rows[:, None]) * KP + rk[None, :])
+            hs = _dot(tl.trans(kc), (vf * dec[:, None]).to(DT), hs * tl.exp(gl), EMULATE, PREC)
+        return hs, fold
+
     @triton.jit(**_GDN_JIT)
     def _gdn_state_kernel(
         start_pos_ptr, slots_ptr, ssm_ptr, hr_ptr,
@@ -417,33 +455,22 @@ if HAS_TRITON:
             # a sequence at position 0 never reads its slot (slots are reused, not zeroed)
             read = (has_state != 0) & (sp > 0) & (c_end > c0)
             hs = tl.load(st_ptrs, mask=st_ok & read, other=0.0)
-            folds = 0
-            for n in range(c0.to(tl.int64), c_end.to(tl.int64)):
-                base = n * HV + h
-                tl.store(h_ws + (base * KP + rk[:, None]) * VP + rv[None, :], hs.to(DT))
-                w = tl.load(w_ws + (base * C + rows[:, None]) * KP + rk[None, :])
-                u = tl.load(u_ws + (base * C + rows[:, None]) * VP + rv[None, :])
-                vf = u - _dot(w, hs.to(DT), tl.zeros([C, BV], dtype=tl.float32), EMULATE, PREC)
-                vn = vf.to(DT)
-                tl.store(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :], vn)
-                L = tl.load(end_ptr + n) - tl.load(start_ptr + n) - 1
-                if ALIGNED:
-                    fold = L == C - 1  # a partial chunk stays out of the state
-                else:
-                    fold = L >= 0
-                if fold:
-                    # h' = e^gamma_L h + k^T (e^(gamma_L - gamma) v_new), as fla folds: the chunk's
-                    # key tile is its key head's (half the bytes of per-value-head decayed keys), the
-                    # decay goes on v_new's fp32 rows before they round (zero rows past L)
-                    gl = tl.load(gam_ws + base * C + L)
-                    gam = tl.load(gam_ws + base * C + rows)
-                    dec = tl.where(rows <= L, tl.exp(tl.where(rows <= L, gl - gam, 0.0)), 0.0)
-                    kc = tl.load(kc_ws + ((n * HK + h // (HV // HK)) * C + rows[:, None]) * KP + rk[None, :])
-                    hs = _dot(tl.trans(kc), (vf * dec[:, None]).to(DT), hs * tl.exp(gl), EMULATE, PREC)
-                    folds += 1
+            # every chunk but a sequence's last is whole (C rows on the grid, or fast mode's C rows
+            # from the first new token) and folds: that loop has no branch, so its loads (w, u, the
+            # key tile, gamma) are software-pipelined across chunks; the last chunk folds where
+            # it is whole (fast mode: always). The same arithmetic either way.
+            for n in range(c0.to(tl.int64), c_end.to(tl.int64) - 1):
+                hs, _ = _state_chunk(n, h, hs, rk, rv, rows, start_ptr, end_ptr, gam_ws, w_ws, kc_ws, u_ws,
+                                     vn_ws, h_ws, HK, HV, C, KP, VP, BV, True, ALIGNED, EMULATE, PREC)
+            folded = c_end - c0 > 1
+            if c_end > c0:
+                hs, last_folded = _state_chunk(c_end.to(tl.int64) - 1, h, hs, rk, rv, rows, start_ptr, end_ptr,
+                                               gam_ws, w_ws, kc_ws, u_ws, vn_ws, h_ws,
+                                               HK, HV, C, KP, VP, BV, False, ALIGNED, EMULATE, PREC)
+                folded = folded | last_folded
             # written back where it changed: a chunk folded in, or a sequence at position 0 (its
             # slot holds another sequence's state); a decode step inside a chunk leaves it as is
-            changed = st_ok & (has_state != 0) & any_chunk & ((folds > 0) | (sp == 0))
+            changed = st_ok & (has_state != 0) & any_chunk & (folded | (sp == 0))
             tl.store(st_ptrs, hs, mask=changed)
             tl.store(hr_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :], hs.to(DT),
                      mask=changed & (has_dcache != 0))

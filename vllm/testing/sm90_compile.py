@@ -95,6 +95,7 @@ class Result:
     shared: int | None = None
     registers: int | None = None
     stack: int | None = None
+    asm: dict | None = None  # with asm asked for: the compiled stages' text ("ttgir", "ptx", ...)
 
     @property
     def ok(self) -> bool:
@@ -237,10 +238,14 @@ def record_launches(execute: bool = True, gpu_values: dict | None = None) -> Ite
 _RESULTS: dict[tuple[str, bool], Result] = {}  # per process and usage flag: a specialisation compiles once
 
 
-def compile_launches(launches: Iterable[Launch], jobs: int | None = None, usage: bool = False) -> list[Result]:
+def compile_launches(launches: Iterable[Launch], jobs: int | None = None, usage: bool = False,
+                     asm: bool = False) -> list[Result]:
     """Compile each launch for sm_90 in child processes (`jobs` of them, default one per CPU,
     at most 4), reusing this process's earlier results. Returns the results in order.
-    `usage`: also read each kernel's registers and stack from its cubin (cuobjdump)."""
+    `usage`: also read each kernel's registers and stack from its cubin (cuobjdump).
+    `asm`: also keep the text stages of the compile (ttir, ttgir, llir, ptx) in `Result.asm`,
+    e.g. to see whether a loop's loads were pipelined (async copies in its ttgir)."""
+    usage = (usage, asm) if asm else usage
     launches = list(launches)
     todo = list({_key(la): la for la in launches if (_key(la), usage) not in _RESULTS}.values())
     if todo:
@@ -361,7 +366,7 @@ def _resource_usage(kernel) -> tuple[int | None, int | None]:
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
-def _compile_one(launch: Launch, usage: bool = False) -> Result:
+def _compile_one(launch: Launch, usage: bool | tuple = False) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -374,12 +379,14 @@ def _compile_one(launch: Launch, usage: bool = False) -> Result:
         kernel = triton.compile(src, target=GPUTarget(*TARGET), options=dict(launch.options))
     except Exception as err:  # a compile error is the result
         return Result(launch, f"{type(err).__name__}: {err}")
+    usage, keep_asm = usage if isinstance(usage, tuple) else (usage, False)
     shared = kernel.metadata.shared
     registers, stack = _resource_usage(kernel) if usage else (None, None)
+    text = {k: v for k, v in kernel.asm.items() if isinstance(v, str)} if keep_asm else None
     if shared > SM90_MAX_SHARED:
         return Result(launch, f"OutOfResources: shared memory {shared} B > {SM90_MAX_SHARED} B an sm_90 block "
-                              "may use (fails at launch)", shared, registers, stack)
-    return Result(launch, None, shared, registers, stack)
+                              "may use (fails at launch)", shared, registers, stack, text)
+    return Result(launch, None, shared, registers, stack, text)
 
 
 def _main(src: str, dst: str) -> None:
