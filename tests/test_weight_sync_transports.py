@@ -131,6 +131,23 @@ def test_contract_mismatch_names_fields(server, tiny_qwen3):
         WeightSyncClient(server.url).request("POST", "/v1/weights/init_group", body)
 
 
+def test_wrong_admin_key_fails_fast(server, tiny_qwen3):
+    """A refused init_group (here a wrong admin key) is raised as soon as the server answers,
+    not after the group's join timeout; the server still takes the right key afterwards."""
+    import time
+
+    from vllm.training import Policy
+
+    contract = Policy.from_pretrained(tiny_qwen3, device="cpu").execution_contract()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="401"):
+        WeightSyncClient(server.url, admin_key="wrong").init_group(contract, backend="gloo", timeout_s=120)
+    assert time.monotonic() - t0 < 30
+    client = WeightSyncClient(server.url, admin_key=ADMIN)
+    client.init_group(contract, backend="gloo")
+    client.close()
+
+
 @pytest.mark.parametrize("message,error", [
     ({"layout": {}}, "non-empty list"),
     ([], "non-empty list"),

@@ -92,7 +92,7 @@ class WeightSyncClient:
                 "timeout_s": timeout_s, "contract": contract.to_dict()}
         reply = self._in_thread("POST", "/v1/weights/init_group", body)
         try:
-            group = WeightGroup(spec, device=device, store=store)
+            group = _unless_refused(reply, lambda: WeightGroup(spec, device=device, store=store))
         except Exception:
             reply.join()
             reply.raise_if_failed()
@@ -112,7 +112,12 @@ class WeightSyncClient:
         body = {"manifest": [[n, d, list(s)] for n, d, s in manifest_of(named)], "bucket_bytes": bucket_bytes,
                 "backup": backup, "require_complete": require_complete}
         reply = self._in_thread("POST", "/v1/weights/update_from_group", body)
-        ok = send_update(self.group, named, bucket_bytes)
+        try:
+            ok = _unless_refused(reply, lambda: send_update(self.group, named, bucket_bytes))
+        except BaseException:
+            if reply.refused_early:  # the group waits on a collective the server never joined: unusable
+                self.group = None
+            raise
         reply.join()
         reply.raise_if_failed()
         if not ok:
@@ -130,6 +135,31 @@ class WeightSyncClient:
         return r
 
 
+def _unless_refused(reply: "_Reply", fn):
+    """fn() (joining the group, or the collective of an update), unless the server refuses
+    first: the server answers these calls only after the collective, so an answer before fn
+    returns is a refusal (a wrong admin key, a bad request), raised at once rather than after
+    the group's timeout. fn runs on a thread (abandoned on a refusal: it ends at that timeout)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 -- re-raised on the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name="weight-sync-join")
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        if worker.is_alive() and not reply.is_alive() and reply.error is not None:
+            reply.refused_early = True
+            raise reply.error
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class _Reply(threading.Thread):
     """An HTTP call on a thread: the server answers only after the collective it starts."""
 
@@ -138,6 +168,7 @@ class _Reply(threading.Thread):
         self.args_ = (client, method, path, body)
         self.result = None
         self.error: BaseException | None = None
+        self.refused_early = False
 
     def run(self) -> None:
         client, method, path, body = self.args_
