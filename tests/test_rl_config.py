@@ -293,3 +293,29 @@ def test_cli_interrupt_says_whether_there_is_a_checkpoint(tmp_path, tiny_qwen3, 
                  "--steps", "2"]) == 130
     err = capsys.readouterr().err
     assert ("--resume latest" in err) == with_checkpoint and ("nothing to resume" in err) != with_checkpoint
+
+
+def test_cli_sigterm_stops_like_ctrl_c(tmp_path, tiny_qwen3, capsys, monkeypatch):
+    """SIGTERM during a run unwinds it as Ctrl-C does (the trainer's cleanup runs), exits 143
+    and says so; the earlier SIGTERM handler is back afterwards."""
+    import signal
+    import time
+
+    from vllm.rl import trainer as trainer_module
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    cleaned = []
+
+    def run(self):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        finally:
+            cleaned.append(True)
+    monkeypatch.setattr(trainer_module.Trainer, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert main(["train", "--model", tiny_qwen3, "--data", data, "--output-dir", str(tmp_path / "out"),
+                 "--device", "cpu", "--steps", "2"]) == 143
+    assert time.monotonic() - t0 < 25 and cleaned == [True]
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 DEFAULT_RECIPE = "arithmetic_grpo"
@@ -135,6 +136,9 @@ def run(args) -> int:
     except ValueError as err:
         print(f"vllm train: error: {err}", file=sys.stderr)
         return 2
+    # a scheduler's stop (SIGTERM: SLURM, Kubernetes, `kill`) ends the run as Ctrl-C does: the
+    # trainer's cleanup runs (engines and rollout servers shut down), the last checkpoint stays
+    previous = _stop_on_sigterm()
     try:
         trainer.run()
     except MismatchError as err:
@@ -143,15 +147,34 @@ def run(args) -> int:
     except OSError as err:   # a checkpoint or log write (disk full, directory removed)
         print(f"vllm train: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
         # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
         if os.path.lexists(os.path.join(trainer.output_dir, "checkpoints", "latest")):
-            print("vllm train: interrupted; continue with --resume latest", file=sys.stderr)
+            print(f"vllm train: {what}; continue with --resume latest", file=sys.stderr)
         else:
-            print("vllm train: interrupted before any checkpoint was written (--checkpoint-interval N saves one "
+            print(f"vllm train: {what} before any checkpoint was written (--checkpoint-interval N saves one "
                   "every N steps): nothing to resume", file=sys.stderr)
-        return 130
+        return 143 if isinstance(err, Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: raised where the run is, so it unwinds as Ctrl-C does."""
+
+
+def _stop_on_sigterm():
+    """Turn SIGTERM into Terminated on the main thread; returns the handler it replaced (None
+    where no handler can be set: not the main thread)."""
+    def handler(signum, frame):
+        raise Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:   # not the main thread
+        return None
 
 
 def _run_on_ray(cfg) -> int:
