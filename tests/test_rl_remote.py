@@ -51,3 +51,31 @@ def test_train_against_a_server_keeps_parity(server, tiny_qwen3, data, tmp_path,
     assert all(r["updated"] and r["grad_norm"] > 0 for r in records)
     assert all(r["logprob_diff_max"] == 0.0 for r in records)
     assert records[-1]["weight_version"] == 2
+
+
+def test_a_server_that_dies_is_named(tiny_qwen3, capsys, monkeypatch):
+    """A rollout server gone mid-run: rollouts and the weight update raise RolloutServerError
+    naming it (not a raw socket or gloo error), and `vllm train` exits 1 with that line."""
+    from vllm.rl import trainer as trainer_module
+    from vllm.rl.rollout import RolloutRequest, RolloutSettings
+    from vllm.rl.server_rollout import RolloutServerError, ServerRollout
+    from vllm.testing.rollout_server import cpu_server
+
+    with cpu_server(tiny_qwen3, "--admin-key", ADMIN, "--max-num-seqs", "4", env=dict(os.environ)) as srv:
+        ro = ServerRollout([srv.url], tiny_qwen3, device="cpu", admin_key=ADMIN, timeout_s=60)
+        settings = RolloutSettings(temperature=1.0, top_p=1.0, max_tokens=3)
+        assert len(ro.generate([RolloutRequest([5, 6, 7], 2, 0)], settings)[0].completions) == 2  # group made
+        srv.stop()
+        with pytest.raises(RolloutServerError, match=f"{srv.url} stopped answering"):
+            ro.generate([RolloutRequest([5, 6, 7], 2, 0)], settings)
+        with pytest.raises(RolloutServerError, match=f"{srv.url}: the weight update failed"):
+            ro.sync_weights(ro.policy())
+        ro.close()
+
+    def run(self):
+        raise RolloutServerError("rollout server http://127.0.0.1:1 stopped answering (refused)")
+    monkeypatch.setattr(trainer_module.Trainer, "run", run)
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", lambda self, cfg: setattr(self, "output_dir", "/nonexistent"))
+    assert main(["train", "--model", tiny_qwen3, "--device", "cpu", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped answering" in err and "nothing to resume" in err

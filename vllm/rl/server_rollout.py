@@ -30,6 +30,10 @@ from vllm.weight_sync.client import WeightSyncClient
 WEIGHT_SYNC_MODES = ("group", "path")
 
 
+class RolloutServerError(RuntimeError):
+    """A rollout server stopped answering or its weight group broke (not a refusal)."""
+
+
 class ServerRollout(RolloutClient):
     def __init__(self, urls: list[str], model_dir: str, *, dtype: str = "auto", device: str = "cpu",
                  numerics: str = "invariant", weight_sync: str = "group", backend: str | None = None,
@@ -70,6 +74,8 @@ class ServerRollout(RolloutClient):
                 return json.loads(resp.read())
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"rollout server {url}: {err.code} {err.read()[:500]!r}") from None
+        except OSError as err:   # refused, reset, timed out: the server is gone or stuck
+            raise RolloutServerError(f"rollout server {url} stopped answering ({err})") from None
 
     def _model_name(self, url: str) -> str:
         req = urllib.request.Request(url + "/v1/models")
@@ -130,10 +136,18 @@ class ServerRollout(RolloutClient):
             named = policy.model.hf_state_dict()
             versions = []
             for c in self.clients:
-                if c.group is None:
-                    c.init_group(contract, backend=self.backend, host=self.sync_host,
-                                 device=policy.device if self.backend == "nccl" else None)
-                versions.append(c.push(named, require_complete=True))
+                try:
+                    if c.group is None:
+                        c.init_group(contract, backend=self.backend, host=self.sync_host,
+                                     device=policy.device if self.backend == "nccl" else None)
+                    versions.append(c.push(named, require_complete=True))
+                except ValueError:   # a refusal (contract, manifest, weights): the server is fine
+                    raise
+                except Exception as err:   # the group or the HTTP call broke: the server is gone
+                    c.group = None
+                    raise RolloutServerError(f"rollout server {c.url}: the weight update failed "
+                                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                                             ) from err
         self._synced = True
         self._version = max(versions)
         return self._version

@@ -123,6 +123,7 @@ def build_config(args):
 
 
 def run(args) -> int:
+    from vllm.rl.server_rollout import RolloutServerError
     from vllm.rl.trainer import MismatchError, Trainer
 
     try:
@@ -147,19 +148,25 @@ def run(args) -> int:
     except OSError as err:   # a checkpoint or log write (disk full, directory removed)
         print(f"vllm train: error: {err}", file=sys.stderr)
         return 1
+    except RolloutServerError as err:
+        print(f"vllm train: error: {err}; {_resume_hint(trainer)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as err:
         what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
-        if os.path.lexists(os.path.join(trainer.output_dir, "checkpoints", "latest")):
-            print(f"vllm train: {what}; continue with --resume latest", file=sys.stderr)
-        else:
-            print(f"vllm train: {what} before any checkpoint was written (--checkpoint-interval N saves one "
-                  "every N steps): nothing to resume", file=sys.stderr)
+        print(f"vllm train: {what}; {_resume_hint(trainer)}", file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _resume_hint(trainer) -> str:
+    # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
+    if os.path.lexists(os.path.join(trainer.output_dir, "checkpoints", "latest")):
+        return "continue with --resume latest"
+    return ("no checkpoint was written before it (--checkpoint-interval N saves one every N steps): "
+            "nothing to resume")
 
 
 class Terminated(KeyboardInterrupt):
