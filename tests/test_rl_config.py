@@ -215,16 +215,21 @@ def test_overwrite_keeps_the_earlier_run_until_the_engine_is_up(tmp_path, tiny_q
 
 def test_overwrite_removes_the_earlier_runs_checkpoints(tmp_path, tiny_qwen3):
     """--overwrite starts afresh once the engine is up: the earlier run's checkpoints and its
-    `latest` go, so a later --resume cannot continue the old run under the new config."""
+    `latest` go, so a later --resume cannot continue the old run under the new config; so do
+    its TensorBoard events and its W&B run id (the new run is a new W&B run)."""
     from vllm.rl.trainer import Trainer
     data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
     (tmp_path / "out" / "checkpoints" / "step_000003").mkdir(parents=True)
     (tmp_path / "out" / "checkpoints" / "latest").write_text("step_000003\n")
+    (tmp_path / "out" / "tensorboard").mkdir()
+    (tmp_path / "out" / "tensorboard" / "events.out.tfevents.1").write_text("old")
+    (tmp_path / "out" / "wandb_run_id").write_text("abc123")
     cfg = TrainConfig()
     cfg.update({"model": tiny_qwen3, "data": data, "output_dir": str(tmp_path / "out"), "overwrite": True,
                 "device": "cpu"})
     Trainer(cfg)
     assert os.listdir(tmp_path / "out" / "checkpoints") == []
+    assert not (tmp_path / "out" / "tensorboard").exists() and not (tmp_path / "out" / "wandb_run_id").exists()
 
 
 def test_output_dir_in_use_by_a_live_process_is_refused(tmp_path, tiny_qwen3, no_engine):

@@ -141,6 +141,29 @@ def test_resume_via_cli_continues_metrics(tiny_qwen3, rl_files, tmp_path, capsys
     assert "resumed at step 2" in out and "changed knobs" not in out
 
 
+def test_resume_from_another_directory_with_relative_paths(tiny_qwen3, rl_files, tmp_path, monkeypatch, capsys):
+    """A run started with relative paths (data, reward file, output directory) resumes from
+    another working directory by its checkpoint's path alone: the checkpoint keeps them absolute."""
+    import shutil
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(rl_files["train"], work / "train.jsonl")
+    shutil.copy(rl_files["reward"].rpartition(":")[0], work / "toy_reward.py")
+    monkeypatch.chdir(work)
+    common = ["--device", "cpu", "--no-progress", "--no-tensorboard", "--no-plots"]
+    assert main(["train", *common, "--model", tiny_qwen3, "--data", "train.jsonl", "--prompt-field", "question",
+                 "--answer-field", "solution", "--reward", "toy_reward.py:digit_fraction", "--group-size", "2",
+                 "--prompts-per-step", "2", "--max-response-tokens", "4", "--output-dir", "run", "--steps", "1"]) == 0
+    saved = yaml.safe_load((work / "run" / "checkpoints" / "step_000001" / "config.yaml").read_text())
+    flat = {k: v for section in saved.values() if isinstance(section, dict) for k, v in section.items()}
+    assert flat["data"] == str(work / "train.jsonl") and flat["output_dir"] == str(work / "run")
+    assert flat["reward"] == f"{work / 'toy_reward.py'}:digit_fraction"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *common, "--resume", str(work / "run" / "checkpoints" / "latest"), "--steps", "2"]) == 0
+    assert [r["step"] for r in read_metrics(str(work / "run" / "metrics.jsonl"))] == [1, 2]
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_resume_rederives_the_knobs_a_rule_set(tiny_qwen3, rl_files, tmp_path, capsys):
     """The checkpoint's config pins overlong_buffer (DAPO: max_response_tokens // 5); a resume
     through the CLI that changes max_response_tokens re-derives it, as a resume through the

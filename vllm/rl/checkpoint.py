@@ -202,7 +202,8 @@ class CheckpointWriter:
 
 
 def find_checkpoint(resume: str, output_dir: str) -> str:
-    """'latest' (in output_dir), a checkpoint directory, or a run's output directory."""
+    """'latest' (in output_dir), a checkpoint directory, a run's output directory, or a run's
+    checkpoints/latest marker file."""
     def latest_in(run_dir: str) -> str | None:
         marker = os.path.join(run_dir, "checkpoints", "latest")
         if os.path.isfile(marker):
@@ -218,6 +219,8 @@ def find_checkpoint(resume: str, output_dir: str) -> str:
         return found
     if os.path.isfile(os.path.join(resume, STATE_FILE)):
         return resume
+    if os.path.basename(resume) == "latest" and os.path.isfile(resume):
+        resume = os.path.dirname(os.path.dirname(os.path.abspath(resume)))   # <run>/checkpoints/latest
     found = latest_in(resume)
     if found is None:
         raise ValueError(f"--resume {resume!r}: neither a checkpoint directory (with {STATE_FILE}) nor a run "

@@ -190,6 +190,26 @@ ALGORITHM_DEFAULTS = {
 PATH_KNOBS = ("model", "data", "eval_data")
 
 
+def with_absolute_paths(cfg: "TrainConfig") -> "TrainConfig":
+    """`cfg` with its relative paths made absolute from the working directory: the model,
+    data and chat-template files and a reward's `file.py` where they exist there (a model or
+    template name stays as it is), the output directory always. The configuration a
+    checkpoint keeps then resumes from any directory."""
+    for name in (*PATH_KNOBS, "chat_template"):
+        value = cfg.get(name)
+        if isinstance(value, str) and value and not os.path.isabs(value) and os.path.exists(value):
+            cfg.set(name, os.path.abspath(value))
+    reward = cfg.get("reward")
+    if isinstance(reward, str):
+        path, sep, fn = reward.rpartition(":")
+        if sep and path.endswith(".py") and not os.path.isabs(path) and os.path.exists(path):
+            cfg.set("reward", f"{os.path.abspath(path)}:{fn}")
+    out = cfg.get("output_dir")
+    if isinstance(out, str) and out and not os.path.isabs(os.path.expanduser(out)):
+        cfg.set("output_dir", os.path.abspath(out))
+    return cfg
+
+
 def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -70,6 +70,9 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
 def _wandb_run(output_dir: str, project: str, config: dict, skipped: list):
     """A wandb run for this output directory: its id is kept in OUTPUT_DIR/wandb_run_id, so a
     resumed run logs into the same wandb run (wandb keeps the values first logged for a step,
@@ -80,7 +83,7 @@ def _wandb_run(output_dir: str, project: str, config: dict, skipped: list):
     except ImportError:
         skipped.append("Weights & Biases logs (pip install wandb)")
         return None
-    id_path = os.path.join(output_dir, "wandb_run_id")
+    id_path = os.path.join(output_dir, WANDB_ID_FILE)
     run_id = open(id_path).read().strip() if os.path.isfile(id_path) else uuid.uuid4().hex[:12]
     with open(id_path, "w") as f:
         f.write(run_id)

@@ -31,9 +31,9 @@ import torch
 from vllm.rl import losses
 from vllm.rl.checkpoint import (Checkpoint, CheckpointWriter, checkpoint_path, find_checkpoint, set_rng_state,
                                  snapshot_checkpoint)
-from vllm.rl.config import SECTIONS, TrainConfig
+from vllm.rl.config import SECTIONS, TrainConfig, with_absolute_paths
 from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
-from vllm.rl.metrics import MetricsLogger, summary_line
+from vllm.rl.metrics import WANDB_ID_FILE, MetricsLogger, summary_line
 from vllm.rl.rewards import build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
 
@@ -183,7 +183,9 @@ class Trainer:
     a client of a separate rollout server)."""
 
     def __init__(self, config: TrainConfig, rollout: RolloutClient | None = None, stream=None):
-        self.raw_config = copy.deepcopy(config)  # resolved knobs get pinned in it (_pin_resolved_knobs)
+        # resolved knobs get pinned in it (_pin_resolved_knobs); absolute paths: a checkpoint's
+        # copy resumes from any directory
+        self.raw_config = with_absolute_paths(copy.deepcopy(config))
         self.cfg = cfg = config.validate()
         self.stream = stream
         self.device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -596,17 +598,21 @@ class Trainer:
             raise ValueError(f"--output-dir {out!r}: {ckpts!r} is not a directory")
 
     def _start_checkpoints(self) -> None:
-        """--overwrite (without --resume) removes the earlier run's checkpoints: its `latest`
-        left behind would make a later --resume continue the old run under the new config."""
+        """--overwrite (without --resume) removes the earlier run's checkpoints (its `latest`
+        left behind would make a later --resume continue the old run under the new config),
+        its TensorBoard events (their curves would mix with the new run's) and its W&B run id
+        (the new run gets its own W&B run)."""
         out = self.output_dir
         ckpts = os.path.join(out, "checkpoints")
 
         def drop_earlier_run():
-            if self.cfg.run.overwrite and self.resume_from is None and os.path.lexists(ckpts):
-                if os.path.isdir(ckpts) and not os.path.islink(ckpts):
-                    shutil.rmtree(ckpts)
-                else:
-                    os.remove(ckpts)
+            if not (self.cfg.run.overwrite and self.resume_from is None):
+                return
+            for path in (ckpts, os.path.join(out, "tensorboard"), os.path.join(out, WANDB_ID_FILE)):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                elif os.path.lexists(path):
+                    os.remove(path)
         _writable_dir(out, ckpts, "checkpoints", before=drop_earlier_run)
 
     # ---- checkpoints -------------------------------------------------------------------------
