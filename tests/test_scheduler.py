@@ -57,7 +57,8 @@ def test_no_chunking_waits_for_room():
 def test_preemption_by_recompute_frees_and_resumes():
     # 8 usable blocks of 4 tokens: two 14-token requests fit, their growth does not
     s, kv = make(num_blocks=9, budget=64)
-    a, b = req("a", 14, max_tokens=6), req("b", 14, max_tokens=6)
+    # different prompts: identical ones would share their blocks (b waits for a's, then reuses them)
+    a, b = req("a", 14, max_tokens=6), req("b", 14, max_tokens=6, prompt=list(range(300, 314)))
     s.add_request(a)
     s.add_request(b)
     assert a.scheduled_time is None and b.scheduled_time is None
@@ -139,9 +140,51 @@ def test_token_stop_rules():
 def test_max_num_seqs_caps_running():
     s, _ = make(max_seqs=3, budget=1000)
     for i in range(5):
-        s.add_request(req(str(i), 6))
+        s.add_request(req(str(i), 6, prompt=list(range(200 + 10 * i, 206 + 10 * i))))
     out, _ = run_step(s)
     assert len(out.requests) == 3 and len(s.waiting) == 2
+
+
+def test_a_prefix_being_computed_is_waited_for_then_reused():
+    """Prompts sharing a prefix, admitted together: the first computes it; the others wait
+    until its blocks are cached, then reuse them (not the same KV computed twice in one step).
+    An unrelated prompt is admitted at once; without prefix caching nobody waits."""
+    shared = list(range(500, 512))                       # 3 blocks of 4
+    s, kv = make(budget=64)
+    a, b, c = req("a", 0, prompt=shared + [1, 2, 3, 4, 5]), req("b", 0, prompt=shared + [9, 8, 7]), \
+        req("c", 0, prompt=list(range(600, 610)))
+    d = req("d", 0, prompt=shared[:8] + [42, 43, 44, 45, 46])   # shares 2 of the blocks
+    for r in (a, b, c, d):
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert [(r.req_id, r.num_computed) for r in out.requests] == [("a", 0), ("c", 0)]
+    out, _ = run_step(s)
+    assert [(r.req_id, r.num_computed) for r in out.requests if r.req_id in "bd"] == [("b", 12), ("d", 8)]
+    assert b.num_cached_tokens == 12 and d.num_cached_tokens == 8
+    kv.check_invariants()
+
+    # chunked: the waiting request is admitted once the shared blocks are cached, even though
+    # the first one's prefill goes on
+    s, kv = make(budget=8)
+    a, b = req("a", 0, prompt=shared + [1, 2]), req("b", 0, prompt=shared[:8] + [1, 2])
+    s.add_request(a)
+    s.add_request(b)
+    steps = [[(r.req_id, r.num_computed, r.num_new) for r in run_step(s)[0].requests] for _ in range(2)]
+    assert steps == [[("a", 0, 8)], [("a", 8, 6), ("b", 8, 2)]]
+
+    # the request computing the prefix goes (aborted / preempted): the other stops waiting
+    s, kv = make(budget=64)
+    a, b = req("a", 0, prompt=shared + [1, 2]), req("b", 0, prompt=shared + [3, 4])
+    s.add_request(a)
+    out = s.schedule()
+    kv.free("a")
+    s.add_request(b)
+    assert "b" in [r.req_id for r in s.schedule().requests]
+
+    s, _ = make(budget=64, caching=False)
+    for r in (req("a", 0, prompt=shared + [1]), req("b", 0, prompt=shared + [2])):
+        s.add_request(r)
+    assert [r.req_id for r in run_step(s)[0].requests] == ["a", "b"]
 
 
 # ---- scheduling_policy ------------------------------------------------------------------

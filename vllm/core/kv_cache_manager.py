@@ -178,6 +178,12 @@ class KVCacheManager:
         self._free_queue = _FreeQueue(1, num_blocks)
         # Prefix cache index: block hash -> id of the block registered under it.
         self._hash_to_block: dict[int, int] = {}
+        # Full prompt blocks a running request is yet to compute: hash -> that request. A new
+        # request whose next uncached block is one of them waits until it is cached (the
+        # scheduler) rather than computing the same KV beside it in the same step. Entries
+        # go when the block is registered or the request's blocks are freed.
+        self._pending: dict[int, str] = {}
+        self._pending_of: dict[str, list[int]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._serials = itertools.count()
 
@@ -273,6 +279,54 @@ class KVCacheManager:
             parent_serial = blk.serial
         return computed
 
+    def _chain_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str], num_blocks: int) -> list[int]:
+        """The hash chain of the first ``num_blocks`` full blocks of ``token_ids``."""
+        bs = self.block_size
+        hashes: list[int] = []
+        parent_hash: Optional[int] = chain_root_hash(cache_salt)
+        for k in range(num_blocks):
+            parent_hash = hash_block_tokens(parent_hash, tuple(token_ids[k * bs:(k + 1) * bs]))
+            hashes.append(parent_hash)
+        return hashes
+
+    def mark_pending(self, request_id: str, token_ids: Sequence[int], cache_salt: Optional[str],
+                     num_computed_tokens: int, num_prompt_tokens: int) -> None:
+        """The request (just admitted with ``num_computed_tokens`` cached) will compute its full
+        prompt blocks after those: index them as pending (see waits_for_pending). Not on a model
+        with recurrent states: a hit there also needs a state snapshot at its end, which the
+        other request's step may not take."""
+        if not self.enable_prefix_caching or self.state is not None:
+            return
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, num_prompt_tokens // bs
+        if last <= first:
+            return
+        own = [h for h in self._chain_hashes(token_ids, cache_salt, last)[first:]
+               if h not in self._hash_to_block and self._pending.setdefault(h, request_id) == request_id]
+        if own:
+            self._pending_of[request_id] = own
+
+    def _drop_pending(self, request_id: str) -> None:
+        for h in self._pending_of.pop(request_id, ()):
+            if self._pending.get(h) == request_id:
+                del self._pending[h]
+
+    def waits_for_pending(self, request_id: str, token_ids: Sequence[int], cache_salt: Optional[str],
+                          num_cached_tokens: int) -> bool:
+        """Whether the block after the request's cached prefix (``num_cached_tokens``, a
+        lookup_prefix result) is one another running request is computing: admitted once it
+        is cached, the request reuses it (and any later shared blocks) instead of computing the
+        same KV in the same step."""
+        if not self._pending:
+            return False
+        bs = self.block_size
+        k = num_cached_tokens // bs
+        if k >= max(0, (len(token_ids) - 1) // bs):   # no further block could be a hit
+            return False
+        h = self._chain_hashes(token_ids, cache_salt, k + 1)[k]
+        owner = self._pending.get(h)
+        return owner is not None and owner != request_id and h not in self._hash_to_block
+
     def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: Optional[str] = None,
                             record: bool = True) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``token_ids`` registered under
@@ -341,6 +395,8 @@ class KVCacheManager:
             block_hash = hash_block_tokens(req.parent_hash, tokens)
             block_id = req.block_ids[k]
             blk = self._blocks[block_id]
+            if self._pending:
+                self._pending.pop(block_hash, None)
             existing_id = self._hash_to_block.get(block_hash)
             if existing_id is None:
                 # New entry. Our block was freshly allocated (hash cleared then),
@@ -368,6 +424,7 @@ class KVCacheManager:
                     # block can't be registered, and its descendants could
                     # never be found through the chain, so stop here.
                     req.chain_broken = True
+                    self._drop_pending(request_id)
                     return
             req.parent_hash = block_hash
             req.parent_serial = serial
@@ -390,6 +447,8 @@ class KVCacheManager:
         for block_id in self._hash_to_block.values():
             self._blocks[block_id].clear_hash()
         self._hash_to_block.clear()
+        self._pending.clear()       # in-use requests register nothing more (chain_broken)
+        self._pending_of.clear()
         if self.state is not None:
             self.state.clear_snapshots()
         return True
@@ -509,6 +568,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (finished, aborted or preempted)."""
+        self._drop_pending(request_id)
         req = self._requests.pop(request_id, None)
         if req is None:
             return

@@ -186,6 +186,12 @@ class Scheduler:
                     # a cached prefix has no logits: the prompt positions whose logprobs are
                     # still missing are recomputed (upstream skips the cache the same way)
                     computed_blocks, num_cached, kv_tokens = [], 0, 0
+                if not req.prompt_logprobs_pending and self.kv.waits_for_pending(
+                        req.req_id, req.all_token_ids, req.cache_salt, num_cached):
+                    # its next prefix block is being computed by a running request: admitted
+                    # once that block is cached, it reuses it rather than computing it again
+                    skipped.append(self.waiting.pop_first())
+                    continue
                 remaining = req.num_tokens - num_cached
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
@@ -198,6 +204,7 @@ class Scheduler:
                     break
                 self.waiting.pop_first()
                 self.kv.record_prefix_query(req.num_tokens, num_cached)
+                self.kv.mark_pending(req.req_id, req.all_token_ids, req.cache_salt, num_cached, req.num_prompt_tokens)
                 req.num_computed_tokens = num_cached
                 state_loads[req.req_id] = self.kv.state_snapshot(computed_blocks) if num_cached else -1
                 if req.num_cached_tokens < 0:   # its first admission, not a re-admission after preemption
