@@ -268,6 +268,6 @@ if __name__ == "__main__":
         for name, r in bits_vs(sys.argv[sys.argv.index("--bits-vs") + 1]).items():
             print(f"{name:<16} elements whose bits differ: outputs {r['outputs']}, states {r['states']}")
         sys.exit(0)
-    main(__doc__, "Gated DeltaNet, one layer (H200, Hk 16 / Hv 32 x 128, C 64, bf16; us, median)",
+    main(__doc__, "Gated DeltaNet, one layer ({device}, Hk 16 / Hv 32 x 128, C 64, bf16; us, median)",
          {"train 1x10240 fwd+bwd": train_case, "prefill 5x2048": prefill_case, "decode 256x1": decode_case},
          bits_check, "fla")

@@ -276,6 +276,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) == 3 and sys.argv[1] == "--bits-vs":
         sys.exit(1 if bits_vs(sys.argv[2]) else 0)
-    main(__doc__, "Mamba-2, one layer (H200, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)",
+    main(__doc__, "Mamba-2, one layer ({device}, 128 heads x 64, d_state 128, 8 groups, C 128, bf16; us, median)",
          {"train 1x8192 fwd+bwd": train_case, "prefill 4x2048": prefill_case, "decode 256x1": decode_case},
          bits_check, "mamba_ssm")

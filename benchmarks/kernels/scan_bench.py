@@ -91,6 +91,7 @@ def main(doc: str, title: str, cases: dict[str, Callable], bits_check: Callable,
     for _ in range(args.processes - 1):
         results = best_of(results, _another_process(args.cases))
     b = bits_check()
+    title = title.replace("{device}", torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU")
     print(f"\n== {title}" + (f"; each column the best of {args.processes} processes" if args.processes > 1 else ""))
     print(f"{'case':<24}{'invariant':>12}{'fast':>12}{baseline:>12}{'inv/native':>12}{'inv/fast':>10}")
     for case, r in results.items():
