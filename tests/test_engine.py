@@ -233,7 +233,7 @@ def test_bad_input_is_rejected_and_loses_nothing(tiny_qwen3, engines):
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([good, {"prompt_token_ids": [vocab + 5]}], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="context"):
-        llm.generate({"prompt_token_ids": [5] * llm.config.model.max_model_len}, use_tqdm=False)
+        llm.generate({"prompt_token_ids": [5] * (llm.config.model.max_model_len + 1)}, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-3), dict(min_p=2.0), dict(max_tokens=0), dict(n=0)):

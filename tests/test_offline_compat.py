@@ -253,7 +253,11 @@ def test_a_cache_smaller_than_the_context_caps_it():
     with pytest.raises(ValueError, match="more than the KV cache holds"):   # asked for: an error, as upstream
         LLM(device="cpu", num_gpu_blocks_override=5, block_size=16, max_model_len=128)
     with pytest.raises(ValueError, match="context"):
-        small.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4), use_tqdm=False)
+        small.generate([{"prompt_token_ids": [5] * 65}], SamplingParams(max_tokens=4), use_tqdm=False)
+    # a prompt that fills the context: one token, "length" (upstream's LLM; its server refuses it)
+    full = small.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(full.token_ids) == 1 and full.finish_reason == "length"
     outs = small.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 50}],
                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 40

@@ -152,7 +152,8 @@ class Request:
 
     @property
     def max_output_tokens(self) -> int:
-        room = self.max_model_len - self.num_prompt_tokens
+        # a prompt filling the context still samples one token (its KV is never needed)
+        room = max(1, self.max_model_len - self.num_prompt_tokens)
         mt = self.params.max_tokens
         return room if mt is None else min(mt, room)
 

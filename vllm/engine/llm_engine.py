@@ -112,14 +112,16 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
 
 
 def validate_prompt(token_ids: list[int], params: SamplingParams, vocab: int, max_len: int,
-                    eos_token_ids=()) -> None:
-    """Checks every request gets before it is queued (the engine's and the server's)."""
+                    eos_token_ids=(), full_context_ok: bool = False) -> None:
+    """Checks every request gets before it is queued (the engine's and the server's).
+    `full_context_ok`: a prompt of exactly max_len tokens is accepted (the engine, as upstream's
+    LLM: it samples one token and stops with "length"); the server refuses it, as upstream's."""
     if len(token_ids) == 0:
         raise ValueError("the prompt is empty")
     bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    if len(token_ids) >= max_len:
+    if len(token_ids) > max_len or (len(token_ids) == max_len and not full_context_ok):
         # upstream's words: clients (LiteLLM's context-window fallbacks, RL gyms ending a rollout)
         # recognise a context overflow by them
         raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your request has "
@@ -335,7 +337,7 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.config.model.vocab_size, self.config.model.max_model_len,
-                        self.eos_token_ids)
+                        self.eos_token_ids, full_context_ok=True)
         if params.bad_words:   # a word that cannot be banned is refused before anything is queued
             words = bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
             check_allowed_not_all_banned(params, words)
@@ -363,7 +365,7 @@ class LLMEngine:
         if self._sleeping:
             raise ValueError("the engine is asleep (its KV cache is released): call wake_up() first")
         text, ids = self.tokenize(prompt, params)
-        validate_prompt(ids, params, vocab, self.config.model.max_model_len, self.eos_token_ids)
+        validate_prompt(ids, params, vocab, self.config.model.max_model_len, self.eos_token_ids, full_context_ok=True)
         controls = token_controls(params, self.tokenizer, vocab)
         priority = check_priority(priority, self.config.scheduler.scheduling_policy)
         cache_salt = prompt_cache_salt(prompt)
