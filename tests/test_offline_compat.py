@@ -745,7 +745,8 @@ def test_prompt_fields_for_what_is_not_run_are_refused(llm, key):
 
 @pytest.mark.parametrize("kw, needle", [(dict(max_model_len=-5), "max_model_len must be an integer >= 2"),
                                         (dict(max_model_len=0), "max_model_len must be an integer >= 2"),
-                                        (dict(block_size=0), "block_size must be a positive integer")])
+                                        (dict(block_size=0), "block_size must be a positive integer"),
+                                        (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override must be an integer >= 2")])
 def test_bad_context_and_block_settings_are_refused_at_construction(kw, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(device="cpu", **kw)

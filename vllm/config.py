@@ -260,6 +260,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+        if self.num_gpu_blocks is not None and (isinstance(self.num_gpu_blocks, bool)
+                                                or not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks < 2):
+            raise ValueError("num_gpu_blocks_override must be an integer >= 2 (block 0 is reserved: the padding "
+                             f"slots write there), got {self.num_gpu_blocks!r}")
 
     @property
     def cache_dtype(self) -> str:
