@@ -351,9 +351,11 @@ def test_engine_failure_is_500_and_server_recovers(served, ref_llm):
 
 
 def test_abandoned_stream_is_aborted(served):
-    """A consumer that stops reading (what a client disconnect does) frees its engine slot."""
+    """A consumer that stops reading (what a client disconnect does) frees its engine slot, and
+    the request counts as finished by "abort" (/metrics' request_success)."""
     app, _ = served
     async_llm = app.state.serving.llm
+    aborted = async_llm.finished_by_reason["abort"]
 
     async def go():
         seen = 0
@@ -367,6 +369,7 @@ def test_abandoned_stream_is_aborted(served):
                     break
         return (await async_llm.engine_stats())["has_unfinished"]
     assert _run(go()) is False
+    assert async_llm.finished_by_reason["abort"] == aborted + 1
 
     async def invalid():
         async for _ in async_llm.generate("hi", SamplingParams(stop_token_ids=[10 ** 6])):

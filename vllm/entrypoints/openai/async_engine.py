@@ -383,6 +383,10 @@ class AsyncLLM:
     def _abort_engine_id(self, eid: str | None) -> None:
         with self._lock:
             entry = self._forget(eid)
+            if entry is not None:   # its unfinished samples end as aborted (/metrics' request_success)
+                aborted = sum(1 for f in entry.state.finish if f is None)
+                if aborted:
+                    self.finished_by_reason["abort"] += aborted
             unsent = entry is not None and not entry.sent
             if unsent:
                 entry.stream.abort_after_send = True   # add_requests sends it after the add
