@@ -91,6 +91,38 @@ def test_head_backward_vs_float64(chunk_rows, need):
             assert ours is None
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, None])
+@pytest.mark.parametrize("T", [0.7, 1.0, 0.0])
+def test_head_entropy_vs_float64_and_logprob_bits_unchanged(chunk_rows, T, monkeypatch):
+    """with_entropy: each row's entropy of softmax(logits / T) within float32 rounding of float64,
+    in row blocks of any size; the logprobs' bits and gradients are those without it."""
+    from vllm.training import logprob_head
+    monkeypatch.setattr(logprob_head, "ENTROPY_BLOCK_BYTES", 4 * 300 * 2)   # two rows at a time
+    torch.manual_seed(2)
+    h, w = torch.randn(37, 24), torch.randn(300, 24)
+    targets = torch.randint(0, 300, (37,))
+    t = torch.tensor(T if T > 0 else 1.0, dtype=torch.float32)
+    with set_forward_context(ForwardContext(None, "invariant")):
+        hg = h.clone().requires_grad_()
+        lp, ent = token_logprobs_head(hg, w, targets, t, T if T > 0 else 1.0, lambda x: ops.logits(x, w), chunk_rows,
+                                      with_entropy=True)
+        assert not ent.requires_grad and ent.shape == (37,)
+        lp.sum().backward()
+        plain = h.clone().requires_grad_()
+        lp0 = _head(plain, w, targets, T, chunk_rows)
+        lp0.sum().backward()
+    assert torch.equal(bits(lp), bits(lp0)) and torch.equal(hg.grad, plain.grad)
+    with set_forward_context(ForwardContext(None, "invariant")):   # the same float32 logits, then float64
+        logits = ops.logits(h, w).double()
+    p = torch.softmax(logits / (T if T > 0 else 1.0), -1)
+    ref = -(p * p.log()).sum(-1)
+    assert torch.allclose(ent.double(), ref, rtol=1e-5, atol=1e-5)
+    with set_forward_context(ForwardContext(None, "invariant")), torch.no_grad():
+        _, ent_ng = token_logprobs_head(h, w, targets, t, T if T > 0 else 1.0, lambda x: ops.logits(x, w), chunk_rows,
+                                        with_entropy=True)
+    assert torch.equal(ent_ng, ent)
+
+
 def test_head_bad_input():
     h, w = torch.randn(4, 8), torch.randn(10, 8)
     with pytest.raises(ValueError, match="chunk_rows"):

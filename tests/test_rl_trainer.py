@@ -4,7 +4,6 @@ recipe (the embedded model on the arithmetic task)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import sys
@@ -70,6 +69,9 @@ def test_invariant_run_has_zero_mismatch_every_step(tiny_qwen3, rl_files, tmp_pa
         assert r["logprob_diff_max"] == 0.0 and r["logprob_diff_mean"] == 0.0 and r["k3_kl"] == 0.0
         assert r["clip_fraction"] == 0.0  # one update per batch: the ratio is exactly 1
         assert r["updated"] and r["grad_norm"] > 0
+        # the policy's entropy at its response tokens (nats; a random tiny model's is high)
+        assert 0 < r["entropy"] < 20
+    assert "| ent " in out
     assert [r["weight_version"] for r in steps] == [1, 2, 3]
     ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
     assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "contract.json").is_file()

@@ -12,7 +12,7 @@ from statistics import fmean
 
 # Keys every training-step record carries (tests and plots rely on them).
 STEP_KEYS = ("step", "reward_mean", "response_length_mean", "logprob_diff_max", "logprob_diff_mean",
-             "logprob_diff_std", "k3_kl", "clip_fraction", "grad_norm", "time_generate_s", "time_train_s",
+             "logprob_diff_std", "k3_kl", "clip_fraction", "entropy", "grad_norm", "time_generate_s", "time_train_s",
              "time_sync_s", "tokens_per_s")
 
 
@@ -33,6 +33,7 @@ def format_line(r: dict, total_steps: int) -> str:
         f"diff max {_g(r['logprob_diff_max'])} mean {_g(r['logprob_diff_mean'])} std {_g(r['logprob_diff_std'])}",
         f"k3 {_g(r['k3_kl'])}",
         f"clip {r['clip_fraction']:.3f}",
+        *([f"ent {r['entropy']:.3f}"] if r.get("entropy") is not None else []),
         f"gnorm {_g(r['grad_norm'])}",
         f"gen {r['time_generate_s']:.2f}s train {r['time_train_s']:.2f}s sync {r['time_sync_s']:.2f}s",
         f"{r['tokens_per_s']:.0f} tok/s",

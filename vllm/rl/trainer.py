@@ -387,9 +387,10 @@ class Trainer:
             out.append(cur)
         return out
 
-    def _logprobs(self, policy, seqs, plens, idx: list[int]) -> list[torch.Tensor]:
+    def _logprobs(self, policy, seqs, plens, idx: list[int], entropy: bool = False):
+        """The micro-batch's logprobs; with `entropy`, (logprobs, entropies)."""
         return policy.token_logprobs([seqs[i] for i in idx], [plens[i] for i in idx],
-                                     temperature=self.cfg.algorithm.temperature)
+                                     temperature=self.cfg.algorithm.temperature, return_entropy=entropy)
 
     def _accumulate_master_grads(self) -> None:
         """Move the bf16 parameter gradients of one micro-batch into the float32 master
@@ -458,6 +459,7 @@ class Trainer:
                         train_lps[i] = old[i]
         low = high = tokens = 0
         kl_sum, loss_sum, norms, updated = 0.0, 0.0, [], False   # loss: the mean over the updates made
+        ent_sum, ent_tokens = 0.0, 0   # the policy's entropy at the response tokens it trains on
         skipped = 0   # updates whose gradient was not finite or carried no signal: no step taken
         for chunk in chunks:
             in_chunk = set(chunk)
@@ -467,8 +469,9 @@ class Trainer:
             scored = [i for i in members if not cut[i]]
             total_tokens = max(1, sum(resp_len[i] for i in scored))
             for mb in self._micro_batches(members, seq_len):
-                lps = self._logprobs(self.policy, seqs, plens, mb)
+                lps, ents = self._logprobs(self.policy, seqs, plens, mb, entropy=True)
                 lp = torch.cat(lps)
+                ent_sum, ent_tokens = ent_sum + float(torch.cat(ents).sum()), ent_tokens + lp.numel()
                 if a.updates_per_step == 1:
                     for i, x in zip(mb, lps):
                         old[i] = x.detach()
@@ -502,7 +505,8 @@ class Trainer:
         metrics = {**mism, "overlong_filtered": sum(cut), "clip_fraction": (low + high) / max(1, tokens), "clip_fraction_low": low / max(1, tokens),
                    "clip_fraction_high": high / max(1, tokens), "loss": loss_sum / max(1, len(norms)),
                    "grad_norm": _mean_finite(norms), "updates_skipped": skipped,
-                   "updated": updated, "lr": lr_at(step, cfg), "train_tokens": sum(seq_len)}
+                   "updated": updated, "lr": lr_at(step, cfg), "train_tokens": sum(seq_len),
+                   "entropy": ent_sum / max(1, ent_tokens)}
         if self.reference is not None:
             metrics["ref_kl"] = kl_sum / max(1, tokens)
         return metrics, seqs, plens, roll, train_lps
@@ -512,13 +516,17 @@ class Trainer:
         seqs = [g.prompt_ids + c.token_ids for g in groups for c in g.completions]
         plens = [len(g.prompt_ids) for g in groups for _ in g.completions]
         roll = [c.logprobs for g in groups for c in g.completions]
+        lps, ents = [], []
         with torch.no_grad():
-            lps = [x.detach().cpu() for mb in self._micro_batches(list(range(len(seqs))), [len(s) for s in seqs])
-                   for x in self._logprobs(self.policy, seqs, plens, mb)]
+            for mb in self._micro_batches(list(range(len(seqs))), [len(s) for s in seqs]):
+                lp_mb, ent_mb = self._logprobs(self.policy, seqs, plens, mb, entropy=True)
+                lps += [x.detach().cpu() for x in lp_mb]
+                ents += [x.cpu() for x in ent_mb]
+        ent = torch.cat(ents)
         metrics = {**losses.mismatch_stats(torch.cat(lps), torch.cat(roll)), "overlong_filtered": 0,
                    "clip_fraction": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "loss": 0.0,
                    "grad_norm": 0.0, "updates_skipped": 0, "updated": False, "lr": lr_at(self.step_count, self.cfg),
-                   "train_tokens": 0}
+                   "train_tokens": 0, "entropy": float(ent.mean()) if ent.numel() else 0.0}
         if self.reference is not None:
             metrics["ref_kl"] = None   # nothing trained: the same columns as a training step's record
         return metrics, seqs, plens, roll, lps

@@ -28,10 +28,12 @@ from typing import Callable
 import torch
 
 from vllm.kernels.logprob_grad import logprob_grad_block
-from vllm.sample.sampler import tempered_target_logprobs
+from vllm.sample.sampler import apply_temperature, tempered_target_logprobs
 
 # float32 logits held at once, forward (per row chunk) and backward (per vocab block)
 LOGITS_CHUNK_BYTES = 1 << 29
+# float32 held at once beside a chunk's logits while its rows' entropy is taken
+ENTROPY_BLOCK_BYTES = 1 << 26
 
 
 def rows_per_chunk(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> int:
@@ -40,15 +42,32 @@ def rows_per_chunk(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> i
     return rows - rows % 128 if rows >= 128 else rows
 
 
-def _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows):
+def _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows, with_entropy=False):
     R = hidden.shape[0]
     lp = torch.empty(R, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(R, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(R if with_entropy else 0, dtype=torch.float32, device=hidden.device)
     chunk_rows = _even_split(R, chunk_rows)
     for a in range(0, R, chunk_rows):
         b = min(R, a + chunk_rows)
-        lp[a:b], lse[a:b] = tempered_target_logprobs(logits_fn(hidden[a:b]), temperature, targets[a:b])
-    return lp, lse
+        logits = logits_fn(hidden[a:b])
+        lp[a:b], lse[a:b] = tempered_target_logprobs(logits, temperature, targets[a:b])
+        if with_entropy:
+            ent[a:b] = _entropy(logits, temperature, lse[a:b])
+    return lp, lse, ent
+
+
+def _entropy(logits: torch.Tensor, temperature, lse: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p of softmax(logits / T) per row, float32 (a metric, outside every
+    gradient and every parity claim): log p = logits / T - lse (lse: the rows' log-sum-exp of
+    logits / T; subtracted before the sum, not after it, which would cancel two large terms),
+    in row blocks of at most ENTROPY_BLOCK_BYTES of float32."""
+    rows = max(1, ENTROPY_BLOCK_BYTES // (4 * max(1, logits.shape[1])))
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for a in range(0, logits.shape[0], rows):
+        logp = apply_temperature(logits[a:a + rows], temperature).sub_(lse[a:a + rows, None])
+        out[a:a + rows] = -(torch.exp(logp).mul_(logp)).sum(-1)
+    return out
 
 
 def _even_split(n: int, most: int, multiple: int = 1) -> int:
@@ -70,15 +89,16 @@ def _mm_float(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tenso
 
 class LogprobHeadFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, temperature_value, logits_fn, chunk_rows):
-        lp, lse = _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows)
+    def forward(ctx, hidden, weight, targets, temperature, temperature_value, logits_fn, chunk_rows, with_entropy):
+        lp, lse, ent = _forward_chunks(hidden, targets, temperature, logits_fn, chunk_rows, with_entropy)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature_value
         ctx.chunk_rows = chunk_rows
-        return lp
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _g_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         R, H = hidden.shape
@@ -106,26 +126,30 @@ class LogprobHeadFn(torch.autograd.Function):
                     dw[v0:v1] = d.t() @ h_op
             if need_h:
                 dh += _mm_float(d, w_blk.to(d_dtype), acc)
-        return (dh.to(hidden.dtype) if need_h else None), dw, None, None, None, None, None
+        return (dh.to(hidden.dtype) if need_h else None), dw, None, None, None, None, None, None
 
 
 def token_logprobs_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                         temperature: torch.Tensor, temperature_value: float,
                         logits_fn: Callable[[torch.Tensor], torch.Tensor],
-                        chunk_rows: int | None = None) -> torch.Tensor:
+                        chunk_rows: int | None = None, with_entropy: bool = False):
     """log_softmax(logits_fn(hidden) / T)[r, targets[r]] for every row r, float32 [R].
 
     `logits_fn(h)` must equal `h @ weight.T` in float32 (the model's compute_logits with
     its lm_head weight); `temperature` is the device tensor the division uses (the
     sampler's exact IEEE division), `temperature_value` the same value as a float for the
     backward. Differentiable w.r.t. hidden and weight. `chunk_rows`: rows per forward
-    chunk (default: what fits LOGITS_CHUNK_BYTES)."""
+    chunk (default: what fits LOGITS_CHUNK_BYTES). `with_entropy`: also each row's entropy
+    of softmax(logits / T), float32 [R], not differentiable: returns (logprobs, entropy)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [R, H] and targets [R], got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     chunk = chunk_rows or rows_per_chunk(weight.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return LogprobHeadFn.apply(hidden, weight, targets, temperature, temperature_value, logits_fn, chunk)
-    with torch.no_grad():
-        return _forward_chunks(hidden, targets, temperature, logits_fn, chunk)[0]
+        lp, ent = LogprobHeadFn.apply(hidden, weight, targets, temperature, temperature_value, logits_fn, chunk,
+                                      with_entropy)
+    else:
+        with torch.no_grad():
+            lp, _, ent = _forward_chunks(hidden, targets, temperature, logits_fn, chunk, with_entropy)
+    return (lp, ent) if with_entropy else lp

@@ -232,13 +232,15 @@ class Policy(NumericsSpecFields):
         return arrays
 
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float = 1.0,
-                       max_tokens_per_micro_batch: int | None = None) -> list[torch.Tensor]:
+                       max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
         """One float32 1-D tensor per sequence: the logprob of each response token under
         log_softmax(logits / temperature) (temperature 0 -> 1, as the rollout reports),
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
         most `max_tokens_per_micro_batch` tokens (default: all in one), a longer sequence in
         one of its own (a sequence is never split); packing, order and micro-batch size do
-        not change the bits."""
+        not change the bits. `return_entropy`: returns (logprobs, entropies), the second one
+        float32 tensor per sequence of the entropy of each response position's tempered
+        distribution (not differentiable; the logprobs' bits are the same either way)."""
         if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") \
                 or isinstance(prompt_lens, (str, bytes)) or not hasattr(prompt_lens, "__len__"):
             raise ValueError("token_logprobs takes a list of token-id sequences and a list of prompt lengths")
@@ -260,20 +262,21 @@ class Policy(NumericsSpecFields):
         temp_t = to_device(np.float32(temp), torch.float32, self.device)
         budget = max_tokens_per_micro_batch or sum(len(a) for a in arrays)
         results: list[torch.Tensor | None] = [None] * len(arrays)
+        entropies: list[torch.Tensor | None] | None = [None] * len(arrays) if return_entropy else None
         batch: list[int] = []
         used = 0
         for i, a in enumerate(arrays):
             if batch and used + len(a) > budget:
-                self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results)
+                self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results, entropies)
                 batch, used = [], 0
             batch.append(i)
             used += len(a)
         if batch:
-            self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results)
-        return results  # type: ignore[return-value]
+            self._micro_batch(batch, arrays, prompt_lens, temp, temp_t, results, entropies)
+        return (results, entropies) if return_entropy else results  # type: ignore[return-value]
 
     def _micro_batch(self, idx: list[int], arrays: list[np.ndarray], prompt_lens, temp: float, temp_t: torch.Tensor,
-                     results) -> None:
+                     results, entropies=None) -> None:
         lens = np.array([len(arrays[i]) for i in idx], dtype=np.int64)
         plens = np.array([prompt_lens[i] for i in idx], dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
@@ -296,7 +299,12 @@ class Policy(NumericsSpecFields):
             # sampler's tempered log-softmax at the target column: the same bits as
             # tempered_logprobs(compute_logits(rows)).gather(targets)
             picked = token_logprobs_head(hidden.index_select(0, rows_t), self.lm_head_weight, targets_t,
-                                         temp_t, temp, self.model.compute_logits, self.logprob_chunk_rows)
+                                         temp_t, temp, self.model.compute_logits, self.logprob_chunk_rows,
+                                         with_entropy=entropies is not None)
+        if entropies is not None:
+            picked, ent = picked
+            for i, part in zip(idx, ent.split(n_resp.tolist())):
+                entropies[i] = part
         # one split (one autograd node, a single concatenation in backward), not a slice per sequence
         for i, part in zip(idx, picked.split(n_resp.tolist())):
             results[i] = part
