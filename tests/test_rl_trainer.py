@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import threading
 
@@ -462,3 +463,21 @@ def test_hybrid_gated_deltanet_run_has_zero_mismatch_every_step(tiny_qwen3_next,
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["logprob_diff_max"] == 0.0 and r["updated"] and r["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("raise KeyError('score')", r"raised KeyError: 'score'"),
+    ("return None", r"returned None; it must return a finite number"),
+    ("return float('nan')", r"returned nan"),
+])
+def test_a_failing_reward_names_its_record(tiny_qwen3, rl_files, tmp_path, capsys, body, needle):
+    """A custom reward that raises or returns no finite number stops the run with one line
+    naming the reward and the data record (exit 1), not a traceback from inside the trainer."""
+    reward = tmp_path / "r.py"
+    reward.write_text(f"def r(response, answer, record):\n    {body}\n")
+    rc = main(["train", "--model", tiny_qwen3, "--device", "cpu", "--data", rl_files["train"], "--prompt-field",
+               "question", "--answer-field", "solution", "--reward", f"{reward}:r", "--group-size", "2",
+               "--prompts-per-step", "1", "--max-response-tokens", "3", "--steps", "1", "--output-dir",
+               str(tmp_path / "run"), "--no-progress", "--no-tensorboard", "--no-plots"])
+    err = capsys.readouterr().err
+    assert rc == 1 and re.search(rf"the reward '.*r\.py:r' on record \d+ of the data {needle}", err), err

@@ -244,9 +244,13 @@ def load_custom(spec: str) -> RewardFn:
         value = fn(response, answer, record)
         # numbers.Real: numpy and other scalar floats too
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"reward {spec!r} returned {value!r}; it must return a finite number")
+            raise InvalidReward(f"returned {value!r}; it must return a finite number")
         return float(value)
     return reward
+
+
+class InvalidReward(ValueError):
+    """A custom reward returned something other than a finite number."""
 
 
 def build_reward(spec: str, correct: float = 1.0, wrong: float = 0.0) -> RewardFn:

@@ -34,7 +34,7 @@ from vllm.rl.checkpoint import (Checkpoint, CheckpointWriter, checkpoint_path, f
 from vllm.rl.config import SECTIONS, TrainConfig, with_absolute_paths
 from vllm.rl.data import Example, PromptRenderer, PromptSampler, load_examples
 from vllm.rl.metrics import WANDB_ID_FILE, MetricsLogger, summary_line
-from vllm.rl.rewards import build_reward
+from vllm.rl.rewards import InvalidReward, build_reward
 from vllm.rl.rollout import ColocatedRollout, Completion, RolloutClient, RolloutRequest, RolloutSettings
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ RESUME_FREE_KNOBS = {"rollout_url", "weight_sync", "sync_host", "rollout_admin_k
 
 class MismatchError(RuntimeError):
     """Invariant mode: a rollout logprob differs from the trainer's under the same weights."""
+
+
+class RewardError(RuntimeError):
+    """The reward function raised, or returned something other than a finite number, on a
+    record (named in the message)."""
 
 
 def rollout_seed(seed: int, step: int, batch: int, index: int) -> int:
@@ -338,9 +343,19 @@ class Trainer:
         return ref
 
     # ---- one step -----------------------------------------------------------------------------
+    def _reward(self, response: str, example: Example) -> float:
+        """reward_fn on one response, its failures named by the data record they happened on."""
+        where = f"the reward {self.cfg.reward.reward!r} on record {example.index} of the data"
+        try:
+            return self.reward_fn(response, example.answer, example.record)
+        except InvalidReward as err:
+            raise RewardError(f"{where} {err}") from None
+        except Exception as err:   # noqa: BLE001 -- a user's function: any exception, named
+            raise RewardError(f"{where} raised {type(err).__name__}: {err} (response {response[:80]!r})") from err
+
     def _score(self, example: Example, group) -> ScoredGroup:
         a = self.cfg.algorithm
-        scores = [self.reward_fn(c.text, example.answer, example.record) for c in group.completions]
+        scores = [self._reward(c.text, example) for c in group.completions]
         lengths = torch.tensor([len(c.token_ids) for c in group.completions])
         pen = losses.overlong_penalty(lengths, a.max_response_tokens, a.overlong_buffer, a.overlong_penalty)
         rewards = [s + float(p) for s, p in zip(scores, pen)]
@@ -586,8 +601,7 @@ class Trainer:
         """Greedy responses to the evaluation problems; mean reward. Changes no training state."""
         reqs = [RolloutRequest(ids, 1, 0) for ids in self.eval_prompt_ids]
         groups = self.client.generate(reqs, RolloutSettings(0.0, 1.0, self.cfg.algorithm.max_response_tokens))
-        scores = [self.reward_fn(g.completions[0].text, ex.answer, ex.record)
-                  for g, ex in zip(groups, self.eval_examples)]
+        scores = [self._reward(g.completions[0].text, ex) for g, ex in zip(groups, self.eval_examples)]
         lengths = [len(g.completions[0].token_ids) for g in groups]
         return {"kind": "eval", "step": self.step_count, "eval_reward_mean": float(np.mean(scores)),
                 "eval_problems": len(scores), "eval_response_length_mean": float(np.mean(lengths))}

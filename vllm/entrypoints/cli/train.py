@@ -124,7 +124,7 @@ def build_config(args):
 
 def run(args) -> int:
     from vllm.rl.server_rollout import RolloutServerError
-    from vllm.rl.trainer import MismatchError, Trainer
+    from vllm.rl.trainer import MismatchError, RewardError, Trainer
 
     try:
         cfg = build_config(args)
@@ -148,7 +148,7 @@ def run(args) -> int:
     except OSError as err:   # a checkpoint or log write (disk full, directory removed)
         print(f"vllm train: error: {err}", file=sys.stderr)
         return 1
-    except RolloutServerError as err:
+    except (RolloutServerError, RewardError) as err:
         print(f"vllm train: error: {err}; {_resume_hint(trainer)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
