@@ -187,3 +187,31 @@ def test_the_trainer_runs_the_engines_tp_tree(tiny_qwen3):
     engine = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2)
     trainer = Policy.from_pretrained(tiny_qwen3, device="cpu", tp_leaves=trainer_tp_leaves(2, None))
     trainer.execution_contract().check_compatible(engine.execution_contract())
+
+
+def test_an_interrupted_job_kills_its_actors_without_waiting(monkeypatch):
+    """Ctrl-C while the trainer actor runs: shutdown does not queue a close call behind the
+    busy actor (it would wait out its 30 s timeout); the actors are killed at once."""
+    ray = pytest.importorskip("ray")
+    from vllm.rl.ray.driver import RayTrainJob
+
+    calls = []
+
+    class Actor:
+        def __init__(self, name):
+            self.name = name
+            self.close = type("M", (), {"remote": lambda _self: calls.append(("close", name))})()
+
+    def get(ref, timeout=None):
+        if ref == "run":
+            raise KeyboardInterrupt
+        calls.append(("get", ref))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: calls.append(("kill", actor.name)))
+    job = object.__new__(RayTrainJob)
+    job.trainer, job.engines, job._pg, job._own_ray, job._interrupted = Actor("trainer"), [Actor("e0")], None, False, False
+    with pytest.raises(KeyboardInterrupt):
+        job._call("run")
+    job.shutdown()
+    assert calls == [("kill", "trainer"), ("kill", "e0")]

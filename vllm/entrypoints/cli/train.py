@@ -149,21 +149,26 @@ def run(args) -> int:
         print(f"vllm train: error: {err}", file=sys.stderr)
         return 1
     except (RolloutServerError, RewardError) as err:
-        print(f"vllm train: error: {err}; {_resume_hint(trainer)}", file=sys.stderr)
+        print(f"vllm train: error: {err}; {_resume_hint(trainer.output_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        print(f"vllm train: {what}; {_resume_hint(trainer)}", file=sys.stderr)
-        return 143 if isinstance(err, Terminated) else 130
+        return _stopped(err, trainer.output_dir)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
 
 
-def _resume_hint(trainer) -> str:
+def _stopped(err: KeyboardInterrupt, output_dir: str) -> int:
+    """Ctrl-C (130) or SIGTERM (143): one line, with whether there is a checkpoint to resume."""
+    what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+    print(f"vllm train: {what}; {_resume_hint(output_dir)}", file=sys.stderr)
+    return 143 if isinstance(err, Terminated) else 130
+
+
+def _resume_hint(output_dir: str) -> str:
     # the last complete checkpoint stays behind `latest` (saves are write-then-rename)
-    if os.path.lexists(os.path.join(trainer.output_dir, "checkpoints", "latest")):
+    if os.path.lexists(os.path.join(output_dir, "checkpoints", "latest")):
         return "continue with --resume latest"
     return ("no checkpoint was written before it (--checkpoint-interval N saves one every N steps): "
             "nothing to resume")
@@ -190,6 +195,7 @@ def _run_on_ray(cfg) -> int:
 
     from vllm.rl.ray.driver import TrainerActorDied, run_on_ray
 
+    previous = _stop_on_sigterm()
     try:
         run_on_ray(cfg)
     except ValueError as err:
@@ -198,4 +204,9 @@ def _run_on_ray(cfg) -> int:
     except (MismatchError, TrainerActorDied) as err:
         print(f"vllm train: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:   # the actors are killed at once (RayTrainJob.shutdown)
+        return _stopped(err, cfg.run.output_dir)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0

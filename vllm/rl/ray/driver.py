@@ -82,6 +82,7 @@ class RayTrainJob:
         self._pg = None
         self.engines: list = []
         self.trainer = None
+        self._interrupted = False   # Ctrl-C / SIGTERM: the trainer actor is busy, not asked to close
         try:
             if not ray.is_initialized():
                 if c.ray_address is None:
@@ -161,6 +162,9 @@ class RayTrainJob:
         import ray
         try:
             return ray.get(ref)
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
         except ray.exceptions.RayTaskError as err:
             cause = getattr(err, "cause", None)
             if isinstance(cause, PASS_THROUGH):
@@ -191,7 +195,10 @@ class RayTrainJob:
             return
         if not ray.is_initialized():
             return
-        if self.trainer is not None:
+        # an interrupted run's trainer actor is still in its task: a close call would queue
+        # behind it and wait out its timeout, so the actors are killed at once (a checkpoint
+        # being written is left unfinished under its temporary name; `latest` stays)
+        if self.trainer is not None and not self._interrupted:
             try:
                 ray.get(self.trainer.close.remote(), timeout=30)
             except Exception:  # noqa: BLE001 -- a dead trainer has nothing left to close
