@@ -81,6 +81,8 @@ def add_parser(sub) -> None:
             help_text += f" (default: {shown})"
         g = groups[sec]
         choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
+        if None in (f.metadata.get("choices") or ()):
+            choices.append("none")   # "none" sets the knob to None (e.g. over a recipe's fp8)
         if name == "rollout_url":
             g.add_argument(flag, nargs="+", default=argparse.SUPPRESS, metavar="URL",
                            help=help_text + "; several URLs share the rollouts")
