@@ -481,3 +481,16 @@ def test_a_failing_reward_names_its_record(tiny_qwen3, rl_files, tmp_path, capsy
                str(tmp_path / "run"), "--no-progress", "--no-tensorboard", "--no-plots"])
     err = capsys.readouterr().err
     assert rc == 1 and re.search(rf"the reward '.*r\.py:r' on record \d+ of the data {needle}", err), err
+
+
+def test_rollout_server_knobs_without_servers_are_named(tiny_qwen3, rl_files, tmp_path, capsys):
+    """--weight-sync / --sync-host / --rollout-admin-key only act with --rollout-url: a local
+    run that sets them says it ignores them."""
+    rc = main(["train", "--model", tiny_qwen3, "--device", "cpu", "--data", rl_files["train"], "--prompt-field",
+               "question", "--answer-field", "solution", "--reward", rl_files["reward"], "--group-size", "2",
+               "--prompts-per-step", "1", "--max-response-tokens", "3", "--steps", "1", "--weight-sync", "path",
+               "--rollout-admin-key", "k", "--output-dir", str(tmp_path / "run"), "--no-progress",
+               "--no-tensorboard", "--no-plots"])
+    assert rc == 0
+    assert "note: --weight-sync, --rollout-admin-key apply only with --rollout-url: ignored here" in \
+        capsys.readouterr().out

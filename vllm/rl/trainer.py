@@ -342,6 +342,15 @@ class Trainer:
             p.requires_grad_(False)
         return ref
 
+    def _ignored_knobs(self) -> list[str]:
+        """The rollout-server knobs set away from their defaults on a run without rollout servers."""
+        from vllm.rl.config import ModelSection
+        m = self.cfg.model
+        if m.rollout_url:
+            return []
+        return ["--" + name.replace("_", "-") for name in ("weight_sync", "sync_host", "rollout_admin_key")
+                if getattr(m, name) != ModelSection.__dataclass_fields__[name].default]
+
     # ---- one step -----------------------------------------------------------------------------
     def _reward(self, response: str, example: Example) -> float:
         """reward_fn on one response, its failures named by the data record they happened on."""
@@ -709,6 +718,9 @@ class Trainer:
                 log.write(f"already at step {self.step_count} of {cfg.run.steps}: nothing to do (raise --steps)")
             if self.eval_note:
                 log.write(self.eval_note)
+            ignored = self._ignored_knobs()
+            if ignored:
+                log.write(f"note: {', '.join(ignored)} apply only with --rollout-url: ignored here")
             if self.eval_examples and self.step_count == 0:
                 records.append(self.evaluate())
                 log.log(records[-1])
