@@ -693,6 +693,22 @@ def test_upstream_load_weights_path_is_a_weight_update(tiny_qwen3, new_weights):
         assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
 
 
+def test_upstream_load_weights_skips_a_tied_lm_head(tiny_llama):
+    """A tied model (tiny_llama) skips lm_head.weight on upstream's load_weights path, as
+    upstream's loaders do: a trainer whose lm_head is its own tensor (PEFT's modules_to_save)
+    does not overwrite the embedding; the embedding itself still loads."""
+    llm = LLM(tiny_llama, device="cpu", max_model_len=64)
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    emb = llm.llm_engine.executor.model.model.embed_tokens.weight
+    before = emb.detach().clone()
+    v0 = llm.llm_engine.weight_version
+    assert model.load_weights([("lm_head.weight", before * 2)]) == set()
+    assert torch.equal(emb, before) and llm.llm_engine.weight_version == v0
+    assert model.load_weights([("model.embed_tokens.weight", before * 3),
+                               ("lm_head.weight", before)]) == {"model.embed_tokens.weight"}
+    assert torch.equal(emb, before * 3)
+
+
 def test_model_impl():
     assert LLM(device="cpu", model_impl="vllm").llm_engine is not None
     with pytest.raises(ValueError, match="model_impl='transformers'.*'auto' or 'vllm'"):

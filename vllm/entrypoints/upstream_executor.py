@@ -49,12 +49,20 @@ class UpstreamModel(_Step):
         """Write (HF name, tensor) pairs (a state dict's items, one parameter, ...) into the
         engine's model as one weight update; returns the names written, as upstream returns
         the names it loaded. A bad name, shape or value is a ValueError and changes nothing."""
-        from vllm.weight_sync.session import _as_pairs
+        from vllm.weight_sync.session import _as_pairs, weight_mapping_of
         pairs = _as_pairs(weights)
         update = self._update()
         if update is None:
             raise ValueError("the LLM this engine belonged to is gone")
-        update(pairs)
+        # a tied model skips the names tied to another tensor (lm_head.weight to the embedding),
+        # as upstream's loaders do: a trainer whose lm_head is its own tensor must not overwrite
+        # the embedding with it
+        engine = getattr(getattr(update, "__self__", None), "llm_engine", None)
+        if engine is not None:
+            tied = {a for a in weight_mapping_of(engine.executor.model).aliases if a.startswith("lm_head.")}
+            pairs = [(name, t) for name, t in pairs if name not in tied]
+        if pairs:
+            update(pairs)
         return {name for name, _ in pairs}
 
 
