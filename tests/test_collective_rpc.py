@@ -54,8 +54,22 @@ def test_engine_side_names_keep_the_engines_record_true(llm):
     assert len(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
 
 
+def test_reload_weights_after_a_level_2_sleep_changes_nothing(llm):
+    """TRL's colocated loop with sleep mode: sleep(2), wake_up(["weights"]), then
+    collective_rpc("reload_weights") (catching only NotImplementedError). Sleep keeps the
+    weights here: the call does nothing and the outputs stay the same."""
+    before = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    version = llm.llm_engine.weight_version
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.collective_rpc("reload_weights") == [None]
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.llm_engine.weight_version == version
+    assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
 @pytest.mark.parametrize("name", ["execute", "launch", "sleep_worker", "update_named_param", "init_communicator",
-                                  "reload_weights", "load_weights", "model"])
+                                  "load_weights", "model"])
 def test_unknown_names_are_refused_naming_what_to_use(llm, name):
     with pytest.raises(ValueError, match="no method") as err:
         llm.collective_rpc(name)

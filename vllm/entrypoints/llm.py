@@ -342,7 +342,8 @@ class LLM:
         nothing is pickled. Names: the worker's `get_model`, `kv_cache_bytes`,
         `verify_graph_pointers`, and upstream's worker names whose state lives in the engine
         here (`reset_prefix_cache`, `sleep`, `wake_up`: run as this LLM's methods, so the
-        engine's record stays true); any other name is a ValueError. A function that writes
+        engine's record stays true; `reload_weights`: nothing to do, sleep keeps the weights);
+        any other name is a ValueError. A function that writes
         parameters bypasses weight versions and the prefix-cache drop: change weights with
         `update_weights` / `weight_update` instead.
 
@@ -368,6 +369,11 @@ class LLM:
         args, kwargs = tuple(args), dict(kwargs or {})
         executor = self.llm_engine.executor
         if isinstance(method, str):
+            if method == "reload_weights":
+                # upstream's worker reloads the checkpoint that sleep(level=2) discarded (TRL calls
+                # it after wake_up(tags=["weights"]), then loads its own weights on top): sleep
+                # keeps the weights here, so there is nothing to reload
+                return lambda: [None]
             if method in ENGINE_RPC_METHODS:
                 engine_method = getattr(self, method)
                 return lambda: [engine_method(*args, **kwargs)]
@@ -557,7 +563,8 @@ ENGINE_RPC_METHODS = ("reset_prefix_cache", "sleep", "wake_up")
 
 
 def _unknown_rpc_message(name: str, worker_methods: Sequence[str]) -> str:
-    return (f"collective_rpc: no method {name!r}; by name it calls {sorted([*ENGINE_RPC_METHODS, *worker_methods])}, "
+    return (f"collective_rpc: no method {name!r}; by name it calls "
+            f"{sorted([*ENGINE_RPC_METHODS, 'reload_weights', *worker_methods])}, "
             "or pass a function called as fn(worker, *args, **kwargs). Weights change through llm.update_weights, "
             "weight_update, update_weights_from_ipc or init_weight_transfer_engine (versioned and checked), "
             "not through worker methods")
