@@ -821,3 +821,37 @@ def test_outputs_build_in_upstreams_field_order():
     assert (r.outputs, r.finished, r.prompt_logprobs, r.metrics, r.lora_request, r.num_cached_tokens) == \
         ([c], True, None, None, None, 0)
     assert c.lora_request is None and c.finish_reason == "stop"
+
+
+def test_upstream_helper_modules_that_frameworks_import():
+    """OpenRLHF imports vllm.utils.random_uuid; verl and OpenRLHF call parallel_state's
+    teardown before dropping an LLM (no global groups here: no-ops)."""
+    from vllm.distributed import parallel_state
+    from vllm.utils import random_uuid
+    a, b = random_uuid(), random_uuid()
+    assert len(a) == 32 and a != b and int(a, 16) >= 0
+    assert parallel_state.destroy_model_parallel() is None
+    assert parallel_state.destroy_distributed_environment() is None
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+
+
+def test_upstream_keywords_none_and_noop(tmp_path):
+    """upstream's None-means-default engine arguments (TRL passes max_num_seqs=None), its
+    no-op arguments, and newer signatures: reset_prefix_cache(reset_running_requests=...),
+    generate(tokenization_kwargs=None), llm_engine.add_request(..., arrival_time=None)."""
+    llm = LLM(device="cpu", max_num_seqs=None, enable_prefix_caching=None, speculative_config=None,
+              attention_backend=None, enable_log_requests=False, calculate_kv_scales=False)
+    assert llm.llm_engine.config.scheduler.max_num_seqs == 256 and llm.llm_engine.kv.enable_prefix_caching
+    assert llm.reset_prefix_cache(reset_running_requests=False) is True
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False, tokenization_kwargs=None)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False, tokenization_kwargs={"truncation": True})
+    eng = llm.llm_engine
+    eng.add_request("r", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), None)
+    while eng.has_unfinished_requests():
+        eng.step()
+    with pytest.raises(ValueError, match="lora_request"):
+        eng.add_request("r2", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), None, object())
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(device="cpu", speculative_config={"method": "ngram"})

@@ -342,13 +342,22 @@ class LLMEngine:
             words = bad_words_token_ids(self.tokenizer, params.bad_words, self.config.model.vocab_size)
             check_allowed_not_all_banned(params, words)
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *,
-                    stream: bool = False, compiled_grammar=None, priority: int = 0) -> str:
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                    trace_headers=None, *, stream: bool = False, compiled_grammar=None, priority: int = 0) -> str:
         """Validate and queue one request; `stream=True` makes step() also report its progress.
         `compiled_grammar`: its structured output's grammar, compiled already (the engine core
         compiles off its loop: grammar_compiler()); else it is compiled here. `priority`: lower
         is admitted earlier under scheduling_policy="priority"; any other value than 0 is a
-        ValueError under "fcfs" (as upstream). Every sample of the request takes it."""
+        ValueError under "fcfs" (as upstream). Every sample of the request takes it.
+        `arrival_time`, `lora_request`, `tokenization_kwargs`, `trace_headers`: upstream's
+        positional arguments; the arrival is stamped here, and the others must be None / empty
+        (no adapters, the checkpoint's tokenizer as it is, no tracing)."""
+        if lora_request is not None or tokenization_kwargs or trace_headers:
+            raise ValueError("add_request: lora_request, tokenization_kwargs and trace_headers are not supported "
+                             "here (None / empty only)")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
+            raise ValueError(f"add_request: arrival_time must be a number of seconds or None, got {arrival_time!r}")
         # a validated copy: fields set on the caller's object after construction are checked
         # here, and later changes to it do not reach a queued request
         params = dataclasses.replace(params) if params is not None else SamplingParams()

@@ -96,6 +96,17 @@ class LLM:
             raise ValueError(f"model_impl={model_impl!r}: not supported here. This engine runs its own implementation "
                              "of each architecture (vllm/models, batch-invariant kernels): model_impl='auto' or 'vllm' "
                              "(the same thing here); there is no transformers or other backend")
+        # upstream's EngineArgs take None as "the default" for these (TRL passes max_num_seqs=None)
+        if max_num_seqs is None:
+            max_num_seqs = 256
+        if enable_prefix_caching is None:
+            enable_prefix_caching = True
+        if enable_chunked_prefill is None:
+            enable_chunked_prefill = True
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = 0.9
+        if block_size is None:
+            block_size = 16
         check_logprobs_mode(logprobs_mode)   # before the model is read
         if seed is None:    # upstream's "no seed": this engine's requests draw from per-request seeds anyway
             seed = 0
@@ -325,11 +336,15 @@ class LLM:
         return self.llm_engine.model_config
 
     @_holding_engine_lock
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prefix, so the next requests recompute their KV (benchmarks,
         or after changing weights by hand). Returns False, changing nothing, while
-        requests are running."""
-        return self.llm_engine.kv.reset_prefix_cache()
+        requests are running, unless `reset_running_requests` (upstream's keyword): then the
+        hashes go anyway and the running requests keep their blocks without registering
+        more. `reset_connector`: upstream's KV connector; there is none here."""
+        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
+            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector must be bools")
+        return self.llm_engine.kv.reset_prefix_cache(allow_in_use=reset_running_requests)
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -390,12 +405,15 @@ class LLM:
     @_holding_engine_lock
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """upstream's signature. `lora_request`: None only (no adapters here). `priority`: one
         integer per prompt, lower admitted earlier (ties by arrival) on an LLM built with
         scheduling_policy="priority"; under "fcfs" any value but 0 is a ValueError, as upstream.
-        Priorities only reorder the work: every token's bits are the same."""
+        Priorities only reorder the work: every token's bits are the same.
+        `tokenization_kwargs`: None or empty only (SamplingParams' truncate_prompt_tokens cuts
+        a prompt)."""
         _no_lora(lora_request)
+        _no_tokenization_kwargs(tokenization_kwargs)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         try:
@@ -632,6 +650,11 @@ UPSTREAM_NOOP_ARGS = {
     # experts over the tensor-parallel group (of one here): every expert on the one rank
     "enable_expert_parallel": lambda v: v is False or v is True,
     "enable_server_load_tracking": lambda v: isinstance(v, bool),       # GET /load is always tracked
+    "speculative_config": lambda v: not v,                              # no speculative decoding here
+    "attention_backend": lambda v: v is None,                           # this engine's own attention kernels
+    "enable_log_requests": lambda v: isinstance(v, bool),
+    "disable_log_requests": lambda v: isinstance(v, bool),
+    "calculate_kv_scales": lambda v: v is False,                        # FP8 KV scales: docs/fp8.md
 }
 
 
@@ -643,6 +666,12 @@ def _check_output_kind(params: SamplingParams) -> None:
     if params.output_kind is RequestOutputKind.DELTA:
         raise ValueError("output_kind=RequestOutputKind.DELTA: LLM.generate returns each request's final output only "
                          "(no stream of deltas offline); use FINAL_ONLY or CUMULATIVE, or stream from the server")
+
+
+def _no_tokenization_kwargs(kwargs) -> None:
+    if kwargs:
+        raise ValueError(f"tokenization_kwargs={kwargs!r}: not supported here (prompts are tokenized as the "
+                         "checkpoint's tokenizer does; SamplingParams(truncate_prompt_tokens=k) cuts them)")
 
 
 def _no_lora(lora_request) -> None:
