@@ -855,3 +855,22 @@ def test_upstream_keywords_none_and_noop(tmp_path):
         eng.add_request("r2", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), None, object())
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(device="cpu", speculative_config={"method": "ngram"})
+
+
+def test_a_hub_id_already_in_the_local_cache_loads(tmp_path, monkeypatch):
+    """TRL builds LLM(model=model.name_or_path): a hub id whose snapshot transformers already
+    put in the local Hugging Face cache resolves to that snapshot (nothing is downloaded); an
+    id that is not cached is the usual ValueError."""
+    snap = tmp_path / "hub" / "models--someorg--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(default_model_path(), snap)
+    (tmp_path / "hub" / "models--someorg--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    llm = LLM("someorg/tiny", device="cpu")
+    assert llm.llm_engine.config.model.path == str(snap)
+    assert len(llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="nor a hub id in the local Hugging Face cache"):
+        LLM("someorg/absent", device="cpu")

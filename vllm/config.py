@@ -132,6 +132,23 @@ class NumericsSpecFields:
         return self.numerics_spec.parallel
 
 
+def resolve_model_dir(path: str) -> str:
+    """A checkpoint directory, or a hub id ("org/name") whose snapshot is already in the local
+    Hugging Face cache (HF_HOME / HF_HUB_CACHE; what `AutoModel.from_pretrained(id)` downloaded
+    there, and what TRL passes as `model.name_or_path`): its snapshot directory. Nothing is
+    downloaded. ValueError otherwise."""
+    if os.path.isdir(path):
+        return path
+    if isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(path, local_files_only=True)
+        except Exception:  # noqa: BLE001 -- not cached (or no huggingface_hub): the message below
+            pass
+    raise ValueError(f"model path {path!r} is not a directory, nor a hub id in the local Hugging Face cache (no model "
+                     "hub is reachable: pass a local HF checkpoint directory)")
+
+
 @dataclass
 class ModelConfig(NumericsSpecFields):
     """The checkpoint as the engine sees it: where it is, which model class reads it, and
@@ -184,9 +201,8 @@ class ModelConfig(NumericsSpecFields):
 
     @classmethod
     def from_pretrained(cls, path: str, max_model_len: int | None = None) -> "ModelConfig":
+        path = resolve_model_dir(path)
         cfg_path = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable: pass a local HF checkpoint directory)")
         if not os.path.isfile(cfg_path):
             raise ValueError(f"model directory {path!r} has no config.json")
         with open(cfg_path) as f:

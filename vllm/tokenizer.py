@@ -56,6 +56,8 @@ def truncate_text_ids(tokenizer, text: str, ids: list[int], k: int, add_special_
 
 
 def load_tokenizer(path: str):
+    from vllm.config import resolve_model_dir
+    path = resolve_model_dir(path)
     if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
         raise ValueError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")
     from transformers import AutoTokenizer
