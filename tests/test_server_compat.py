@@ -400,6 +400,24 @@ def test_constrained_output_behind_closed_thinking_and_max_new_tokens_is_a_soft_
     monkeypatch.setitem(serving.defaults, "max_tokens", 2)
     r = _post(app, "/v1/chat/completions", {"messages": body["messages"], "temperature": 0, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 2
+    # completions too, for a text and a token-id prompt (max_tokens unset or null), as upstream
+    # completions too (max_tokens null; left out, it is the OpenAI default 16), for a text and a
+    # token-id prompt, as upstream
+    for prompt in ("hello", [5, 6, 7]):
+        for extra, want in (({"max_tokens": None}, 2), ({}, 16)):
+            r = _post(app, "/v1/completions", {"prompt": prompt, "temperature": 0, "ignore_eos": True, **extra})
+            assert r.json()["usage"]["completion_tokens"] == want, r.text
+
+
+def test_echo_keeps_an_explicit_smaller_prompt_logprobs(app):
+    """echo + logprobs=3 + prompt_logprobs=1: the prompt positions report 1 alternative (the
+    request's own prompt_logprobs), as upstream; without prompt_logprobs they report 3."""
+    body = {"prompt": "hello there", "max_tokens": 1, "echo": True, "logprobs": 3, "temperature": 0}
+    def prompt_positions(extra):
+        choice = _post(app, "/v1/completions", dict(body, **extra)).json()["choices"][0]
+        return [len(d) for d in choice["logprobs"]["top_logprobs"][1:-1]]   # echoed prompt tokens, not the first
+    assert prompt_positions({"prompt_logprobs": 1}) == [2, 2, 2]   # the token's own entry and 1 alternative
+    assert prompt_positions({}) == [4, 4, 4]
 
 
 def test_reasoning_parser_through_the_app(app):

@@ -268,9 +268,11 @@ class AsyncLLM:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def _prepare(self, items: list, tokenizer) -> list:
+    def _prepare(self, items: list, tokenizer, default_max_tokens: int | None = None) -> list:
         """Each request's (id, text, ids, validated params copy, cache salt); ValueError for
-        the first bad one. `tokenizer`: the prompt thread's (None: token-id prompts only)."""
+        the first bad one. `tokenizer`: the prompt thread's (None: token-id prompts only).
+        `default_max_tokens`: caps a request that leaves max_tokens unset, within the context
+        its prompt leaves (the checkpoint's max_new_tokens, as upstream's get_max_tokens)."""
         prepared = []
         for rid, prompt, params in items:
             # a validated copy, before anything is registered: fields set on the caller's object
@@ -278,6 +280,8 @@ class AsyncLLM:
             params = dataclasses.replace(params)
             text, ids = tokenize_truncated(tokenizer, prompt, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt(ids, params, self.vocab_size, self.max_model_len, self.info.eos_token_ids)
+            if params.max_tokens is None and default_max_tokens and self.max_model_len - len(ids) >= 1:
+                params.max_tokens = min(int(default_max_tokens), self.max_model_len - len(ids))
             if params.bad_words:   # a word that cannot be banned is a 400, not an engine-side failure
                 bad_words_token_ids(tokenizer, params.bad_words, self.vocab_size)
             check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
@@ -290,7 +294,8 @@ class AsyncLLM:
         return self._outstanding
 
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
-                           stream: bool = False, priority: int = 0) -> list[RequestStream]:
+                           stream: bool = False, priority: int = 0,
+                           default_max_tokens: int | None = None) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
 
         Raises ValueError (nothing added) if any prompt or params is invalid -- including a
@@ -305,9 +310,10 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         items = list(items)
         if any(not (isinstance(p, dict) and "prompt_token_ids" in p) or params.bad_words for _, p, params in items):
-            prepared = await loop.run_in_executor(self._prep_pool, self._prepare, items, self._prep_tokenizer)
+            prepared = await loop.run_in_executor(self._prep_pool, self._prepare, items, self._prep_tokenizer,
+                                                  default_max_tokens)
         else:   # token ids only: nothing to tokenize, no thread hop
-            prepared = self._prepare(items, None)
+            prepared = self._prepare(items, None, default_max_tokens)
         n_samples = sum(p.n for _, _, _, p, _ in prepared)
         msgs, streams = [], []
         with self._lock:

@@ -365,8 +365,10 @@ class CompletionRequest(_SamplingRequest):
                 raise ValueError("max_tokens=0 is allowed only with echo=true (scoring the prompt)")
             max_tokens = 1
         prompt_logprobs = self.prompt_logprobs
-        if self.echo and self.logprobs is not None and prompt_logprobs != -1:
-            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            # echo's prompt positions report `logprobs` alternatives, unless the request names its
+            # own prompt_logprobs (as upstream)
+            prompt_logprobs = self.logprobs
         return self._sampling_params(max_tokens, self.logprobs, defaults, max_logprobs, prompt_logprobs)
 
 

@@ -453,7 +453,8 @@ class OpenAIServing:
             for i, p in enumerate(prompts):
                 self._log_request(f"{rid}-{i}", p, params)
             streams = await self.llm.add_requests(
-                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream, priority=req.priority)
+                [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream, priority=req.priority,
+                default_max_tokens=self.defaults.get("max_tokens"))
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
             return exception_response(err)
         created = int(time.time())
