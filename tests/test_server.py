@@ -60,6 +60,11 @@ async def _post(app, path: str, body: dict) -> httpx.Response:
         return await c.post(path, json=body)
 
 
+async def _post_raw(app, path: str, body: bytes, headers: dict) -> httpx.Response:
+    async with _client(app) as c:
+        return await c.post(path, content=body, headers=headers)
+
+
 def _sse_events(text: str) -> list:
     """Parse an SSE body into JSON events; the terminating [DONE] must be last."""
     events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
@@ -452,3 +457,15 @@ def test_echo_text_offsets_follow_the_prompt_tokens(served):
     streamed = [o for e in _sse_events(r.text) for c in e["choices"] if c.get("logprobs")
                 for o in c["logprobs"]["text_offset"]]
     assert streamed == running
+
+
+def test_a_body_that_is_not_json_is_refused_by_its_media_type(served):
+    """curl -d sends a form content type: upstream's message names the media type, not the
+    body's shape."""
+    app, _ = served
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = _run(_post_raw(app, "/v1/completions", body, headers))
+        assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+    r = _run(_post_raw(app, "/v1/completions", body, {"content-type": "application/json; charset=utf-8"}))
+    assert r.status_code == 200

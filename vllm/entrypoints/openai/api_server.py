@@ -38,7 +38,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,6 +60,15 @@ from vllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
+
+
+async def json_body_only(request: Request) -> None:
+    """A body sent as another media type (curl -d's form encoding), or with none, is refused
+    in upstream's words, rather than with a validation error about the body's shape."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise RequestValidationError([{"loc": ("header", "content-type"), "type": "value_error",
+                                       "msg": "Unsupported Media Type: Only 'application/json' is allowed"}])
 
 def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, api_key: str | None = None,
               admin_key: str | None = None, enable_tokenizer_info_endpoint: bool = False,
@@ -168,19 +177,19 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
     async def models():
         return serving.models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(json_body_only)])
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(json_body_only)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=[Depends(json_body_only)])
     async def tokenize(req: TokenizeRequest):
         return call_or_error(serving.tokenize, req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(json_body_only)])
     async def detokenize(req: DetokenizeRequest):
         return call_or_error(serving.detokenize, req)
 
