@@ -65,6 +65,7 @@ def test_completion_stream_carries_usage_on_every_chunk(app):
     # include_usage alone: the usage arrives once, at the end
     plain = _events(_post(app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
     assert all(e.get("usage") is None for e in plain[:-1]) and plain[-1]["usage"] == full["usage"]
+    assert all("usage" in e for e in plain)   # null on every chunk but the last, as the spec and chat
 
 
 def test_completion_scoring_stream_reports_no_completion_tokens(app):

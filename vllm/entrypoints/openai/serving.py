@@ -607,6 +607,8 @@ class OpenAIServing:
                         if usage_per_chunk:
                             usage = UsageInfo.of(n_prompt[i], sent).model_dump_json()
                             yield f'data: {head}, "choices": [{json.dumps(choice)}], "usage": {usage}{tail}'
+                        elif req.usage_at_end:   # the spec's null usage on every chunk but the last
+                            yield f'data: {head}, "choices": [{json.dumps(choice)}], "usage": null{tail}'
                         else:
                             yield f'data: {head}, "choices": [{json.dumps(choice)}]{tail}'
             if req.usage_at_end:
