@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 
 import pytest
 
@@ -44,7 +45,19 @@ LAUNCH_LINE = ["/ckpt", "--served-model-name", "policy", "--enable-tokenizer-inf
                "-O", "3", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}', "--max-seq-len-to-capture",
                "8192", "--cuda-graph-sizes", "1", "2", "4", "--disable-cascade-attn", "--limit-mm-per-prompt",
                '{"image": 0}', "--disable-mm-preprocessor-cache", "-ep", "--task", "generate", "--runner", "auto",
-               "--download-dir", "/tmp/models"]
+               "--download-dir", "/tmp/models", "--disable-frontend-multiprocessing", "--disable-custom-all-reduce",
+               "--enable-log-outputs", "--cpu-offload-gb", "0", "--guided-decoding-backend", "xgrammar",
+               "--structured-outputs-config", '{"backend": "auto"}', "--speculative-config", "{}"]
+
+
+@pytest.mark.parametrize("argv, needle", [(["--enable-lora"], "--enable-lora"),
+                                          (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4"),
+                                          (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
+                                          (["--speculative-config", '{"method": "ngram"}'], "--speculative-config")])
+def test_upstream_flags_at_values_not_honoured_are_refused_by_name(argv, needle):
+    from vllm.entrypoints.cli.serve import check_upstream_flags
+    with pytest.raises(ValueError, match=re.escape(needle) + ".*not supported here"):
+        check_upstream_flags(_serve_parser().parse_args(argv))
 
 
 def test_upstream_launch_flags_parse_and_reach_the_server(monkeypatch):

@@ -651,6 +651,11 @@ UPSTREAM_NOOP_ARGS = {
     "enable_expert_parallel": lambda v: v is False or v is True,
     "enable_server_load_tracking": lambda v: isinstance(v, bool),       # GET /load is always tracked
     "speculative_config": lambda v: not v,                              # no speculative decoding here
+    "disable_frontend_multiprocessing": lambda v: isinstance(v, bool),
+    "enable_log_outputs": lambda v: isinstance(v, bool),
+    "guided_decoding_backend": lambda v: v in ("auto", "xgrammar"),     # xgrammar enforces every constraint
+    "structured_outputs_config": lambda v: v is None or (isinstance(v, dict) and v.get("backend", "auto") in
+                                                         ("auto", "xgrammar")),
     "attention_backend": lambda v: v is None,                           # this engine's own attention kernels
     "enable_log_requests": lambda v: isinstance(v, bool),
     "disable_log_requests": lambda v: isinstance(v, bool),

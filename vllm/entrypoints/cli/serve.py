@@ -58,6 +58,20 @@ UPSTREAM_NOOP_FLAGS = {
     "--download-dir": ((), str, "DIR", "accepted: the model is a local directory, nothing is downloaded"),
     "--enable-server-load-tracking": ((), "flag", None, "accepted: GET /load always reports the sequences in "
                                       "flight here"),
+    "--disable-frontend-multiprocessing": ((), "flag", None, "accepted: the engine core runs in its own process "
+                                           "either way; no result depends on where"),
+    "--disable-custom-all-reduce": ((), "flag", None, "accepted: no all-reduce kernel of upstream's here (tensor "
+                                    "parallelism's reductions are the fixed-order leaf tree)"),
+    "--enable-log-outputs": ((), "flag", None, "accepted: --enable-log-requests logs what a request asked for; "
+                             "outputs are not logged"),
+    "--cpu-offload-gb": ((), float, "0", "0 only: the weights stay on the GPU"),
+    "--guided-decoding-backend": ((), str, "{auto,xgrammar}", "auto or xgrammar only: xgrammar enforces every "
+                                  "structured output here"),
+    "--structured-outputs-config": ((), "json", "JSON", "accepted with no backend or backend auto / xgrammar: "
+                                    "xgrammar enforces every structured output here"),
+    "--speculative-config": ((), "json", "JSON", "{} or null only: no speculative decoding here"),
+    "--enable-lora": ((), "flag", None, "refused: no LoRA adapters here (merge an adapter into the weights, or "
+                      "sync merged weights)"),
 }
 
 
