@@ -469,3 +469,34 @@ def test_a_body_that_is_not_json_is_refused_by_its_media_type(served):
         assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
     r = _run(_post_raw(app, "/v1/completions", body, {"content-type": "application/json; charset=utf-8"}))
     assert r.status_code == 200
+
+
+def test_prompts_are_rendered_and_tokenized_off_the_event_loop(served, monkeypatch):
+    """A chat conversation's template and tokens, a completion's text this route tokenizes
+    itself (add_special_tokens false, truncate_prompt_tokens) and /tokenize run on the prompt
+    thread: a large prompt there does not stall the other streams."""
+    import threading
+    from vllm.entrypoints.openai import serving as serving_module
+    app, _ = served
+    seen = []
+    real_chat, real_encode = serving_module.OpenAIServing.chat_prompt_ids, serving_module.encode_text
+
+    def chat_prompt_ids(self, *a, **kw):
+        seen.append(("chat", threading.current_thread().name))
+        return real_chat(self, *a, **kw)
+
+    def encode_text(*a, **kw):
+        seen.append(("encode", threading.current_thread().name))
+        return real_encode(*a, **kw)
+    monkeypatch.setattr(serving_module.OpenAIServing, "chat_prompt_ids", chat_prompt_ids)
+    monkeypatch.setattr(serving_module, "encode_text", encode_text)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert _run(_post(app, "/v1/chat/completions", chat)).status_code == 200
+    assert _run(_post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "add_special_tokens": False})
+                ).status_code == 200
+    assert _run(_post(app, "/v1/completions", {"prompt": "hi there", "max_tokens": 1, "truncate_prompt_tokens": 1})
+                ).status_code == 200
+    assert _run(_post(app, "/tokenize", {"prompt": "hi"})).status_code == 200
+    assert _run(_post(app, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})).status_code == 200
+    assert {kind for kind, _ in seen} == {"chat", "encode"} and len(seen) >= 5
+    assert all(name.startswith("prompt-prep") for _, name in seen), seen

@@ -187,7 +187,7 @@ def build_app(serving: OpenAIServing, *, shutdown_engine_on_exit: bool = True, a
 
     @app.post("/tokenize", dependencies=[Depends(json_body_only)])
     async def tokenize(req: TokenizeRequest):
-        return call_or_error(serving.tokenize, req)
+        return await await_or_error(serving.tokenize_off_loop(req))
 
     @app.post("/detokenize", dependencies=[Depends(json_body_only)])
     async def detokenize(req: DetokenizeRequest):

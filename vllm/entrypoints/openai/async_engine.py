@@ -288,6 +288,12 @@ class AsyncLLM:
             prepared.append((rid, text, ids, params, prompt_cache_salt(prompt)))
         return prepared
 
+    async def on_prompt_thread(self, fn):
+        """fn(tokenizer) on the prompt thread, with that thread's own tokenizer: rendering a
+        chat template or tokenizing a large prompt there leaves the event loop to every other
+        stream (a megabyte prompt takes seconds)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn, self._prep_tokenizer)
+
     @property
     def num_in_flight(self) -> int:
         """Sequences (prompts x n) accepted and not finished: upstream's /load server_load."""

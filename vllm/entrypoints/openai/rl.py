@@ -207,9 +207,11 @@ def register_rl_routes(app: FastAPI, serving: OpenAIServing) -> TrlSession:
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
-            prompts = [{"prompt_token_ids": serving.chat_prompt_ids([m.to_template_dict() for m in conv], kwargs,
-                                                                    req.chat_template)}
-                       for conv in req.messages]
+            convs = [[m.to_template_dict() for m in conv] for conv in req.messages]
+            # rendered and tokenized off the event loop (a batch of long conversations takes seconds)
+            prompts = await serving.llm.on_prompt_thread(lambda tok: [
+                {"prompt_token_ids": serving.chat_prompt_ids(conv, kwargs, req.chat_template, tokenizer=tok)}
+                for conv in convs])
             return await _trl_run(prompts, req, raw)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)

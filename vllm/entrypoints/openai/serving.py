@@ -446,7 +446,13 @@ class OpenAIServing:
             self._accept(req)
             model = self._model_name(req.model)
             params = await self._sampling_params(req)
-            prompts = [req.with_cache_salt(self._completion_prompt(p, req)) for p in req.prompts()]
+            raw_prompts = req.prompts()
+            if any(isinstance(p, str) and not (req.add_special_tokens and req.truncate_prompt_tokens is None)
+                   for p in raw_prompts):   # text this route tokenizes itself: off the event loop
+                prompts = await self.llm.on_prompt_thread(
+                    lambda tok: [req.with_cache_salt(self._completion_prompt(p, req, tok)) for p in raw_prompts])
+            else:
+                prompts = [req.with_cache_salt(self._completion_prompt(p, req)) for p in raw_prompts]
             if self.before_generate is not None:
                 await self.before_generate()
             rid = f"cmpl-{_request_id(req, raw)}"
@@ -499,15 +505,17 @@ class OpenAIServing:
         return _json(CompletionResponse(id=rid, created=created, model=model, choices=choices, weight_version=version,
                                         usage=UsageInfo.of(n_prompt, n_gen, self._cached_tokens(finals))))
 
-    def _completion_prompt(self, prompt, req: CompletionRequest):
+    def _completion_prompt(self, prompt, req: CompletionRequest, tokenizer=None):
         """A prompt as the engine takes it, after add_special_tokens and truncate_prompt_tokens:
         text the engine tokenizes itself (with special tokens) where neither applies, else token
-        ids (with the text kept for echo when nothing was cut)."""
+        ids (with the text kept for echo when nothing was cut). `tokenizer`: the prompt
+        thread's, where text is tokenized here."""
         if isinstance(prompt, str):
             if req.add_special_tokens and req.truncate_prompt_tokens is None:
                 return prompt
-            ids = list(encode_text(self.llm.tokenizer, prompt, req.add_special_tokens))
-            cut = req.truncate_text(self.llm.tokenizer, prompt, ids, self.llm.max_model_len, req.add_special_tokens)
+            tok = tokenizer if tokenizer is not None else self.llm.tokenizer
+            ids = list(encode_text(tok, prompt, req.add_special_tokens))
+            cut = req.truncate_text(tok, prompt, ids, self.llm.max_model_len, req.add_special_tokens)
             return {"prompt_token_ids": cut, **({"prompt": prompt} if len(cut) == len(ids) else {})}
         return {"prompt_token_ids": req.truncate_prompt(prompt["prompt_token_ids"], self.llm.max_model_len)}
 
@@ -623,9 +631,11 @@ class OpenAIServing:
     def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None = None,
                         request_template: str | None = None, *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, tools=None,
-                        add_special_tokens: bool = False) -> list[int]:
+                        add_special_tokens: bool = False, tokenizer=None) -> list[int]:
         """A conversation's prompt ids under the server's template (--chat-template, else the
-        tokenizer's), or the request's own `chat_template` where the server trusts those."""
+        tokenizer's), or the request's own `chat_template` where the server trusts those.
+        `tokenizer`: the prompt thread's (AsyncLLM.on_prompt_thread), else the server's."""
+        tok = tokenizer if tokenizer is not None else self.llm.tokenizer
         template = self.chat_template
         kwargs = dict(template_kwargs or {})
         if kwargs.get("chat_template") is not None:   # a template of the request's own, however sent
@@ -639,9 +649,8 @@ class OpenAIServing:
         if tools:
             kwargs["tools"] = tools
         messages = apply_content_format(messages, self.chat_template_content_format,
-                                        template if template is not None else getattr(self.llm.tokenizer,
-                                                                                      "chat_template", None))
-        return chat_prompt_ids(self.llm.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                        template if template is not None else getattr(tok, "chat_template", None))
+        return chat_prompt_ids(tok, messages, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=template,
                                template_kwargs=kwargs, add_special_tokens=add_special_tokens)
 
@@ -651,11 +660,11 @@ class OpenAIServing:
             model = self._model_name(req.model)
             params = await self._sampling_params(req)
             messages = req.template_messages()
-            prompt_ids = self.chat_prompt_ids(messages, req.template_kwargs(), req.chat_template,
-                                              add_generation_prompt=req.add_generation_prompt,
-                                              continue_final_message=req.continue_final_message, tools=req.tools,
-                                              add_special_tokens=req.add_special_tokens)
-            prompt_ids = req.truncate_prompt(prompt_ids, self.llm.max_model_len)
+            # rendered and tokenized off the event loop: a long conversation would stall every stream
+            prompt_ids = await self.llm.on_prompt_thread(lambda tok: req.truncate_prompt(self.chat_prompt_ids(
+                messages, req.template_kwargs(), req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tools=req.tools,
+                add_special_tokens=req.add_special_tokens, tokenizer=tok), self.llm.max_model_len))
             if params.max_tokens is None and self.defaults.get("max_tokens"):
                 # the checkpoint's max_new_tokens caps a request that leaves max_tokens unset, within
                 # the context left (as upstream's get_max_tokens: never a reason for a 400)
@@ -800,13 +809,19 @@ class OpenAIServing:
         yield _DONE_EVENT
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize_off_loop(self, req: TokenizeRequest) -> TokenizeResponse:
+        """/tokenize on the prompt thread (a large prompt or conversation leaves the event loop
+        to the streams)."""
+        return await self.llm.on_prompt_thread(lambda tok: self.tokenize(req, tok))
+
+    def tokenize(self, req: TokenizeRequest, tokenizer=None) -> TokenizeResponse:
         self._model_name(req.model)
+        tok = tokenizer if tokenizer is not None else self.llm.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if req.prompt is not None:
             special = req.add_special_tokens is not False
-            ids = list(encode_text(self.llm.tokenizer, req.prompt, special))
+            ids = list(encode_text(tok, req.prompt, special))
         else:
             # the chat route's rendering: the same template, variables, tools and special tokens
             req.check_chat_fields()
@@ -814,8 +829,8 @@ class OpenAIServing:
             ids = self.chat_prompt_ids([m.to_template_dict() for m in req.messages], req.chat_template_kwargs,
                                        req.chat_template, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message, tools=req.tools,
-                                       add_special_tokens=bool(req.add_special_tokens))
-        strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+                                       add_special_tokens=bool(req.add_special_tokens), tokenizer=tok)
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
