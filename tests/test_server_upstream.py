@@ -243,6 +243,8 @@ def test_max_completion_tokens_wins_over_max_tokens(app):
     r = _call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 3,
                                                     **GREEDY})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = _call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0, **GREEDY})
+    assert r.status_code == 400 and "max_completion_tokens must be >= 1" in r.json()["error"]["message"]
 
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers",

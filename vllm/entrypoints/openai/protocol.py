@@ -470,6 +470,8 @@ class ChatCompletionRequest(_SamplingRequest):
                                  "it cannot be combined with response_format or structured_outputs")
             structured = tool_grammar
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not supported with stream=true")
