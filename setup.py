@@ -89,6 +89,8 @@ setup(
         "safetensors",
         "tokenizers",
         "transformers>=4.51",
+        # a hub id already in the local Hugging Face cache resolves to its snapshot (no download)
+        "huggingface_hub",
         "jinja2",  # chat templates (LLM.chat, /v1/chat/completions)
         "tqdm",
         "pydantic>=2",

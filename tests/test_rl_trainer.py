@@ -4,6 +4,7 @@ recipe (the embedded model on the arithmetic task)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
