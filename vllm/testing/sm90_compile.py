@@ -235,7 +235,7 @@ def record_launches(execute: bool = True, gpu_values: dict | None = None) -> Ite
 
 # ---- compiling ----------------------------------------------------------------------------------
 
-_RESULTS: dict[tuple[str, bool], Result] = {}  # per process and usage flag: a specialisation compiles once
+_RESULTS: dict[tuple[str, bool, bool], Result] = {}  # per process, usage and asm flags: a specialisation compiles once
 
 
 def compile_launches(launches: Iterable[Launch], jobs: int | None = None, usage: bool = False,
@@ -245,18 +245,17 @@ def compile_launches(launches: Iterable[Launch], jobs: int | None = None, usage:
     `usage`: also read each kernel's registers and stack from its cubin (cuobjdump).
     `asm`: also keep the text stages of the compile (ttir, ttgir, llir, ptx) in `Result.asm`,
     e.g. to see whether a loop's loads were pipelined (async copies in its ttgir)."""
-    usage = (usage, asm) if asm else usage
     launches = list(launches)
-    todo = list({_key(la): la for la in launches if (_key(la), usage) not in _RESULTS}.values())
+    todo = list({_key(la): la for la in launches if (_key(la), usage, asm) not in _RESULTS}.values())
     if todo:
         jobs = max(1, min(jobs or min(os.cpu_count() or 1, 4), len(todo)))
         parts = [todo[i::jobs] for i in range(jobs)]
-        for result in _run_children(parts, usage):
-            _RESULTS[(_key(result.launch), usage)] = result
-    return [_RESULTS[(_key(la), usage)] for la in launches]
+        for result in _run_children(parts, usage, asm):
+            _RESULTS[(_key(result.launch), usage, asm)] = result
+    return [_RESULTS[(_key(la), usage, asm)] for la in launches]
 
 
-def _run_children(parts: list[list[Launch]], usage: bool = False) -> list[Result]:
+def _run_children(parts: list[list[Launch]], usage: bool = False, asm: bool = False) -> list[Result]:
     # the child compiles, so Triton must not be its interpreter: it says so before anything
     # imports Triton (the environment is otherwise inherited as it is)
     boot = ("import os, sys; os.environ['TRITON_INTERPRET'] = '0'; "
@@ -266,7 +265,7 @@ def _run_children(parts: list[list[Launch]], usage: bool = False) -> list[Result
         for i, part in enumerate(parts):
             src, dst, log = (os.path.join(tmp, f"{what}{i}") for what in ("in", "out", "log"))
             with open(src, "wb") as f:
-                pickle.dump({"sys_path": list(sys.path), "launches": part, "usage": usage}, f)
+                pickle.dump({"sys_path": list(sys.path), "launches": part, "usage": usage, "asm": asm}, f)
             with open(log, "w") as out:
                 proc = subprocess.Popen([sys.executable, "-c", boot, src, dst], stdout=out,
                                         stderr=subprocess.STDOUT)
@@ -366,7 +365,7 @@ def _resource_usage(kernel) -> tuple[int | None, int | None]:
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
-def _compile_one(launch: Launch, usage: bool | tuple = False) -> Result:
+def _compile_one(launch: Launch, usage: bool = False, keep_asm: bool = False) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -379,7 +378,6 @@ def _compile_one(launch: Launch, usage: bool | tuple = False) -> Result:
         kernel = triton.compile(src, target=GPUTarget(*TARGET), options=dict(launch.options))
     except Exception as err:  # a compile error is the result
         return Result(launch, f"{type(err).__name__}: {err}")
-    usage, keep_asm = usage if isinstance(usage, tuple) else (usage, False)
     shared = kernel.metadata.shared
     registers, stack = _resource_usage(kernel) if usage else (None, None)
     text = {k: v for k, v in kernel.asm.items() if isinstance(v, str)} if keep_asm else None
@@ -393,6 +391,6 @@ def _main(src: str, dst: str) -> None:
     with open(src, "rb") as f:
         job = pickle.load(f)
     sys.path[:] = job["sys_path"]
-    results = [_compile_one(launch, job.get("usage", False)) for launch in job["launches"]]
+    results = [_compile_one(launch, job.get("usage", False), job.get("asm", False)) for launch in job["launches"]]
     with open(dst, "wb") as f:
         pickle.dump(results, f)
