@@ -1,6 +1,6 @@
 """Launch configurations of the training backwards' kernels on the GPU, side by side.
 
-    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_blocks]
+    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_blocks,gdn_walk]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
   (32 heads x 160 chunks of 64, K = V = 128): forward and backward time for each (V tile,
@@ -15,7 +15,9 @@
   each per-chunk kernel's warps in turn (WARPS there), with T from the forward as training
   runs it ("prep": the backward building T itself); "gdn_blocks" the block widths and warps
   of the prep and the final kernels together (PREP_COLUMNS, FINAL_OUT_V_BLOCK, FINAL_WU_BLOCK
-  and WARPS there), each kernel's own time and the backward's.
+  and WARPS there), each kernel's own time and the backward's; "gdn_walk" the backward walk's
+  (V tile, warps, stages) (WALK_CONFIG) and the per-value-head gradients' dtype
+  (HEAD_GRADS_BETWEEN).
 """
 from __future__ import annotations
 
@@ -200,6 +202,44 @@ def gdn_blocks() -> None:
     finally:
         restore()
 
+
+def gdn_walk() -> None:
+    """The backward walk's (V tile, warps, stages) (WALK_CONFIG) and the per-value-head
+    gradients' dtype (HEAD_GRADS_BETWEEN), bf16 dots, T saved: the walk's own GPU time, the
+    group sums' and the final kernels', the whole backward's, and how far each gradient moves
+    from the defaults' (max |a - b| / max |b|)."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from scan_bench import kernel_times
+
+    from vllm.kernels import gdn_backward as gb
+    t_saved, _ = _gdn_case()
+    walk0, heads0 = gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN
+    ref = t_saved()
+    runs = [("walk", cfg) for cfg in ((32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2),
+                                      (16, 4, 3))]
+    runs += [("head grads", not heads0)]
+    try:
+        for what, value in runs:
+            gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN = walk0, heads0
+            if what == "walk":
+                gb.WALK_CONFIG["bf16"] = value
+            else:
+                gb.HEAD_GRADS_BETWEEN = value
+            label = f"gdn backward, {what} {value}"
+            try:
+                out = t_saved()
+                moved = " ".join(f"{(a.float() - b.float()).abs().max().item() / b.float().abs().max().item():.1e}"
+                                 for a, b in zip(out, ref))
+                times = kernel_times(t_saved)
+                own = {key: sum(t for name, t in times.items() if key in name)
+                       for key in ("walk", "group_sum", "final_out", "final_wu")}
+                print(f"{label}: backward {bench(t_saved):.0f} us, " + ", ".join(f"{k} {v:.0f}" for k, v in own.items())
+                      + f"; moved (q k v g beta) {moved}", flush=True)
+            except triton.runtime.errors.OutOfResources as ex:
+                print(f"{label}: does not fit ({str(ex)[:70]})", flush=True)
+    finally:
+        gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN = walk0, heads0
+
 if __name__ == "__main__":
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
     if "recurrence" in parts:
@@ -210,3 +250,5 @@ if __name__ == "__main__":
         gdn_warps()
     if "gdn_blocks" in parts:
         gdn_blocks()
+    if "gdn_walk" in parts:
+        gdn_walk()

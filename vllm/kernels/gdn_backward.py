@@ -88,6 +88,10 @@ PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 1
 # 4.0e-3 either way). H200, 1 x 10,240 fwd + bwd: 4,844 us against 5,148 with float32 between
 # the kernels; the operands alone in bfloat16 were slower (5,258). With the walk taking the
 # outputs' gradients itself (OUTPUT_GRADS_IN_WALK) the states' g_S stays float32.
+# Whether the per-value-head gradients of q and k (summed over a key head's group after) and the
+# output side's part of dk (the w / u kernel adds its own) pass in the between-kernels dtype
+# (bfloat16 with bf16 dots, as fla passes them), not float32
+HEAD_GRADS_BETWEEN = True
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -286,7 +290,7 @@ if HAS_TRITON:
         dP = tl.where(incl, dP, 0.0)
         dqk = dP * D
         dq += _mm(dqk, k, PREC)
-        _store_rows(dq_ptr, dq, t0, n, h, HV, K, BC, BK)
+        _store_rows(dq_ptr, _to_dtype_rn(dq, dq_ptr.dtype.element_ty), t0, n, h, HV, K, BC, BK)
         dk = _mm(tl.trans(dqk), q, PREC)
         MP = dP * P
         dgam += tl.sum(MP, 1) - tl.sum(MP, 0)
@@ -356,9 +360,9 @@ if HAS_TRITON:
             E = dAD * _mm(k, tl.trans(k), PREC)
             e_rows += tl.sum(E, 1)
             e_cols += tl.sum(E * b[:, None], 0)
-            dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)) + dXw * be[:, None]
+            dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)).to(tl.float32) + dXw * be[:, None]
             dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
-            _store_block(dk_ptr, dk, t0, n, h, HV, x0, K, BC, BX)
+            _store_block(dk_ptr, _to_dtype_rn(dk, dk_ptr.dtype.element_ty), t0, n, h, HV, x0, K, BC, BX)
         db += e_rows
         dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
         db += kdot * eg
@@ -380,9 +384,9 @@ if HAS_TRITON:
         c = tl.arange(0, BK)
         m = (r < n)[:, None] & (c < K)[None, :]
         src = x_ptr + r.to(tl.int64)[:, None] * (G * K) + c[None, :]
-        acc = tl.load(src, mask=m, other=0.0)
+        acc = tl.load(src, mask=m, other=0.0).to(tl.float32)
         for j in tl.static_range(1, G):
-            acc += tl.load(src + j * K, mask=m, other=0.0)
+            acc += tl.load(src + j * K, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :], _to_dtype_rn(acc, out_ptr.dtype.element_ty),
                  mask=m)
 
@@ -504,9 +508,10 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     du, d_end = aligned16(du), aligned16(d_end)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
-    dq = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else q.dtype, device=q.device)
-    dk = torch.empty((T, Hv, K), dtype=torch.float32 if G > 1 else k.dtype, device=q.device)
-    dk_out_side = torch.empty_like(w, dtype=torch.float32)
+    head_grads = between if HEAD_GRADS_BETWEEN else torch.float32
+    dq = torch.empty((T, Hv, K), dtype=head_grads if G > 1 else q.dtype, device=q.device)
+    dk = torch.empty((T, Hv, K), dtype=head_grads if G > 1 else k.dtype, device=q.device)
+    dk_out_side = torch.empty_like(w, dtype=head_grads)
     dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)

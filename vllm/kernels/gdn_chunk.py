@@ -140,6 +140,9 @@ STATE_PROGRAMS = 1024
 STATE_MAX_REGISTERS = 168
 WORK_BLOCK = 256        # sequences per iteration of the work-list kernel
 OUT_NUM_WARPS = 4
+# the whole-chunk output's K loop: 1 unrolled, else a loop whose next K tile's loads run this many
+# stages ahead
+OUT_NUM_STAGES = 2
 # the output kernel's specialisation for the decode path: one program per (sequence, head), all of
 # V (270 us at decode 256 x 1 on the H200, against 338 at V tiles of 64 and 4 warps)
 OUT_DECODE_BLOCK_V_MAX = 128
@@ -217,11 +220,12 @@ if HAS_TRITON:
     @triton.jit
     def _a_rows(ra, b_a, gam_a, gam, k_ptr, bk_ptr, tra, bra, fsa, fba, trow, brow, from_step, from_buf, hk,
                 HK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, WHOLE: tl.constexpr):
         """Rows ra of A = strict_lower(beta_i (k k^T)_ij e^(gamma_i - gamma_j)) over the chunk's C
         columns, from those rows' beta b_a, gamma gam_a and keys (token rows tra / buffer rows
         bra where fsa / fba), and the chunk's gamma and keys: k k^T over the K tiles, chained in
-        increasing order. Any row count: a row's bits do not depend on it."""
+        increasing order. Any row count: a row's bits do not depend on it. WHOLE: the rows are
+        the chunk's own (one key tile load serves both operands)."""
         C: tl.constexpr = gam.shape[0]
         cols = tl.arange(0, C)
         kk = tl.zeros([ra.shape[0], C], dtype=tl.float32)
@@ -229,7 +233,10 @@ if HAS_TRITON:
             kcols = k0 + tl.arange(0, BK)
             kt = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, trow, brow, from_step, from_buf,
                        kcols, K, KP)
-            kr = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, tra, bra, fsa, fba, kcols, K, KP)
+            if WHOLE:
+                kr = kt
+            else:
+                kr = _tile(k_ptr + hk * K, HK * K, bk_ptr + hk * K, HK * K, tra, bra, fsa, fba, kcols, K, KP)
             kk = _dot(kr, tl.trans(kt), kk, EMULATE, PREC)
         lower = cols[None, :] < ra[:, None]
         return tl.where(lower, b_a[:, None] * kk * tl.exp(tl.where(lower, gam_a[:, None] - gam[None, :], 0.0)), 0.0)
@@ -317,7 +324,7 @@ if HAS_TRITON:
             tl.store(scr + rows[:, None] * C + rows[None, :],
                      tl.load(tc_ptr + tc_base + rows[:, None] * C + rows[None, :], mask=cp, other=0.0), mask=cp)
             A = _a_rows(rows, b, gam, gam, k_ptr, bk_ptr, trow, brow, from_step, from_buf,
-                        trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
+                        trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC, True)
             tl.store(scr + rows[:, None] * C + rows[None, :], A, mask=(rows >= bi0 * DR)[:, None])
             # the diagonal blocks' inverses side by side (one chain of dots, not one per block row;
             # each with the bits the decode path's one block gets alone)
@@ -331,7 +338,7 @@ if HAS_TRITON:
                                tl.load(beta_ptr + tb * HV + h, mask=fs, other=0.0))
                 gam_b = tl.sum(tl.where(tl.arange(0, NB)[:, None] == bi, gam2, 0.0), 0)   # a copy
                 Ab = _a_rows(rb, b_b, gam_b, gam, k_ptr, bk_ptr, tb, bb, fs, fb,
-                             trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC)
+                             trow, brow, from_step, from_buf, hk, HK, K, KP, BK, EMULATE, PREC, False)
                 tl.store(scr + rb[:, None] * C + rows[None, :], Ab)
                 tl.debug_barrier()
             Tb = _unit_lower_block_row_in_place(scr, bi, decode == 0, DR, C, EMULATE)
@@ -475,6 +482,19 @@ if HAS_TRITON:
             tl.store(hr_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :], hs.to(DT),
                      mask=changed & (has_dcache != 0))
 
+    @triton.jit
+    def _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
+                    hk, HK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                    BK: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr):
+        """One K tile of the whole-chunk output's q k^T and q h."""
+        cols = k0 + tl.arange(0, BK)
+        # q only for the step's rows: rows before first_new have no output
+        qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
+                     mask=_mask2(from_step, cols, K, KP), other=0.0)
+        kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
+        hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
+        return _dot(qt, tl.trans(kt), qk, EMULATE, PREC), _dot(qt, hb, qh, EMULATE, PREC)
+
     @triton.jit(**_GDN_JIT)
     def _gdn_output_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
@@ -485,6 +505,7 @@ if HAS_TRITON:
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
         KP: tl.constexpr, VP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DR: tl.constexpr,
         DECODE: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr,
+        OUT_STAGES: tl.constexpr,
     ):
         """One program per (chunk, value head, V tile), for the chunks on the decode path
         (DECODE) or for the others (not DECODE; the other chunks' programs return): two
@@ -587,15 +608,16 @@ if HAS_TRITON:
                 kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
                 qk = tl.zeros([C, C], dtype=tl.float32)
                 qh = tl.zeros([C, BV], dtype=tl.float32)
-                for k0 in tl.static_range(0, KP, BK):
-                    cols = k0 + tl.arange(0, BK)
-                    # q only for the step's rows: rows before first_new have no output
-                    qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
-                                 mask=_mask2(from_step, cols, K, KP), other=0.0)
-                    kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
-                    hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
-                    qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
-                    qh = _dot(qt, hb, qh, EMULATE, PREC)
+                if OUT_STAGES == 1:
+                    for k0 in tl.static_range(0, KP, BK):
+                        qk, qh = _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
+                                             hk, HK, K, KP, VP, BK, EMULATE, PREC)
+                else:
+                    # a loop, not unrolled: the next K tile's loads are async copies issued while
+                    # this one is multiplied (the same dots in the same order)
+                    for k0 in tl.range(0, KP, BK, num_stages=OUT_STAGES):
+                        qk, qh = _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
+                                             hk, HK, K, KP, VP, BK, EMULATE, PREC)
                 incl = jj <= ii
                 P = tl.where(incl, qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
                 vn = tl.load(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :])
@@ -746,7 +768,7 @@ def gdn_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             plan.seq, plan.start, plan.first_new, plan.end, plan.token0, plan.seq_chunks,
             gam_ws, kc_ws, w_ws, u_ws, vn_ws, h_ws, float(scale), has_state, has_dc,
             HK=Hk, HV=Hv, K=K, V=V, C=C, KP=KP, VP=VP, BK=BK, BV=bv_out, DR=DECODE_ROWS, DECODE=decode,
-            ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec,
+            ALIGNED=bool(aligned), EMULATE=emulate, PREC=prec, OUT_STAGES=1 if decode else OUT_NUM_STAGES,
             num_warps=OUT_DECODE_NUM_WARPS if decode else OUT_NUM_WARPS, num_stages=1, **launch)
     return o
 
