@@ -1,6 +1,6 @@
 """Launch configurations of the training backwards' kernels on the GPU, side by side.
 
-    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_blocks,gdn_walk]
+    python benchmarks/kernels/backward_sweep.py [recurrence,mamba2,gdn,gdn_blocks,gdn_walk] [--bf16-only]
 
 - The chunk recurrence (vllm/kernels/chunk_recurrence.py) at Qwen3-Next's GDN training dims
   (32 heads x 160 chunks of 64, K = V = 128): forward and backward time for each (V tile,
@@ -35,23 +35,31 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30) * 1e3
 
 
+BF16_ONLY = "--bf16-only" in sys.argv
+
+
 def recurrence_sweep() -> None:
     B, H, nC, C, K, V = 1, 32, 160, 64, 128, 128
     u = torch.randn(B, H, nC, C, V, device="cuda")
     w, kd = (torch.randn(B, H, nC, C, K, device="cuda") * 0.05 for _ in range(2))
     e = torch.rand(B, H, nC, device="cuda")
     gs, gv = torch.randn(B, H, nC, K, V, device="cuda"), torch.randn_like(u)
+    bf16_in = tuple(x.bfloat16() for x in (u, w, kd))
     saved = cr.FORWARD_CONFIG.copy(), cr.BACKWARD_WALK_CONFIG.copy()
     try:
         for prec in ("bf16", "tf32x3"):
-            for cfg in ((32, 4, 1), (32, 4, 2), (32, 8, 1), (32, 8, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)):
+            configs = ((32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2))
+            for cfg in configs if prec == "bf16" or not BF16_ONLY else ():
                 cr.FORWARD_CONFIG[prec] = cr.BACKWARD_WALK_CONFIG[prec] = cfg
                 try:
                     states, vn = cr.recurrence_forward_triton(u, w, kd, e, prec)
                     f = bench(lambda: cr.recurrence_forward_triton(u, w, kd, e, prec))
+                    # as the GDN backward runs it with bf16 dots: bfloat16 in and out
+                    f16 = bench(lambda: cr.recurrence_forward_triton(*bf16_in, e, prec, vn_dtype=torch.bfloat16,
+                                                                     states_dtype=torch.bfloat16))
                     b = bench(lambda: cr.recurrence_backward_triton(w, kd, e, states, vn, gs, gv, prec))
-                    print(f"recurrence {prec} V tile {cfg[0]} warps {cfg[1]} stages {cfg[2]}: forward {f:.0f} us, "
-                          f"backward {b:.0f} us", flush=True)
+                    print(f"recurrence {prec} V tile {cfg[0]} warps {cfg[1]} stages {cfg[2]}: forward {f:.0f} us "
+                          f"(bfloat16 in and out {f16:.0f}), backward {b:.0f} us", flush=True)
                 except triton.runtime.errors.OutOfResources as ex:
                     print(f"recurrence {prec} V tile {cfg[0]} warps {cfg[1]} stages {cfg[2]}: does not fit "
                           f"({str(ex)[:70]})", flush=True)
@@ -241,7 +249,8 @@ def gdn_walk() -> None:
         gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN = walk0, heads0
 
 if __name__ == "__main__":
-    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["recurrence", "mamba2", "gdn"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    parts = args[0].split(",") if args else ["recurrence", "mamba2", "gdn"]
     if "recurrence" in parts:
         recurrence_sweep()
     if "mamba2" in parts:
