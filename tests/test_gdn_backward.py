@@ -29,8 +29,8 @@ def make(T, hk, hv, K, V, seed):
 
 
 # (lens, Hk, Hv, K, V, C): grouped heads, sequences ending mid-chunk, padded tiles (C, K, V
-# below their power-of-two tiles); K = 40 takes the w / u kernel's dk by K halves (a 64-wide
-# K tile, the second half partly padding)
+# below their power-of-two tiles); K = 40 in a 64-wide K tile, the final w / u kernel's second
+# K block partly padding
 CASES = [([21, 9], 2, 4, 16, 32, 16), ([37], 1, 1, 12, 20, 8), ([5, 16, 3], 1, 2, 16, 16, 16),
          ([19, 14], 1, 2, 40, 24, 16)]
 

@@ -16,8 +16,7 @@
   runs it ("prep": the backward building T itself); "gdn_blocks" the block widths and warps
   of the prep and the final kernels together (PREP_COLUMNS, FINAL_OUT_V_BLOCK, FINAL_WU_BLOCK
   and WARPS there), each kernel's own time and the backward's; "gdn_walk" the backward walk's
-  (V tile, warps, stages) (WALK_CONFIG) and the per-value-head gradients' dtype
-  (HEAD_GRADS_BETWEEN).
+  (V tile, warps, stages) (WALK_CONFIG).
 """
 from __future__ import annotations
 
@@ -212,28 +211,20 @@ def gdn_blocks() -> None:
 
 
 def gdn_walk() -> None:
-    """The backward walk's (V tile, warps, stages) (WALK_CONFIG) and the per-value-head
-    gradients' dtype (HEAD_GRADS_BETWEEN), bf16 dots, T saved: the walk's own GPU time, the
-    group sums' and the final kernels', the whole backward's, and how far each gradient moves
-    from the defaults' (max |a - b| / max |b|)."""
+    """The backward walk's (V tile, warps, stages) (WALK_CONFIG), bf16 dots, T saved: the
+    walk's own GPU time, the group sums' and the final kernels', the whole backward's, and
+    how far each gradient moves from the defaults' (max |a - b| / max |b|)."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from scan_bench import kernel_times
 
     from vllm.kernels import gdn_backward as gb
     t_saved, _ = _gdn_case()
-    walk0, heads0 = gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN
+    walk0 = gb.WALK_CONFIG["bf16"]
     ref = t_saved()
-    runs = [("walk", cfg) for cfg in ((32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2),
-                                      (16, 4, 3))]
-    runs += [("head grads", not heads0)]
     try:
-        for what, value in runs:
-            gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN = walk0, heads0
-            if what == "walk":
-                gb.WALK_CONFIG["bf16"] = value
-            else:
-                gb.HEAD_GRADS_BETWEEN = value
-            label = f"gdn backward, {what} {value}"
+        for cfg in ((32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (16, 4, 3)):
+            gb.WALK_CONFIG["bf16"] = cfg
+            label = f"gdn backward, walk {cfg}"
             try:
                 out = t_saved()
                 moved = " ".join(f"{(a.float() - b.float()).abs().max().item() / b.float().abs().max().item():.1e}"
@@ -246,7 +237,8 @@ def gdn_walk() -> None:
             except triton.runtime.errors.OutOfResources as ex:
                 print(f"{label}: does not fit ({str(ex)[:70]})", flush=True)
     finally:
-        gb.WALK_CONFIG["bf16"], gb.HEAD_GRADS_BETWEEN = walk0, heads0
+        gb.WALK_CONFIG["bf16"] = walk0
+
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]

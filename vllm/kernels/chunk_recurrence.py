@@ -43,9 +43,12 @@ from vllm.kernels.training_tiles import matrix_desc as _desc, rows_aligned
 # split over programs). H200, 32 heads x 160 chunks of 64, K = V = 128 (V tile / warps /
 # stages): bf16 32/4/2 383 us (32/8/2 453, 64/4/2 430, 32/4/1 728); tf32x3 32/4/2 678 (32/8/2
 # 770, 32/4/1 1,006). A 16-wide tile at 8 warps hit an illegal memory access at K = 128 (not
-# looked into; `_blocks` never takes that tile). `benchmarks/kernels/backward_sweep.py`
-# measures them.
-FORWARD_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 4, 2)}
+# looked into; `_blocks` never takes that tile). With bfloat16 in and out, as the GDN backward
+# runs it (H100, `backward_sweep.py recurrence --bf16-only`): 32/4/1 597 us, 32/4/2 305,
+# 32/4/3 241, 32/4/4 does not fit (254 kB of shared memory), 32/8/2 347, 64/4/2 328, 64/4/3
+# 249, 64/8/2 404 (float32 in and out, 32/4/3 is slower: 508 against 459; bf16 dots take
+# bfloat16 from gdn_backward). `benchmarks/kernels/backward_sweep.py` measures them.
+FORWARD_CONFIG = {"bf16": (32, 4, 3), "tf32x3": (32, 4, 2)}
 INTERPRETER_CONFIG = (32, 4, 2)
 # The backward in two launches: the walk keeps to what must be sequential (dv_new and the
 # state's gradient, two dots a chunk: 166 registers / 106 kB at V tile 32, so twice the walks a

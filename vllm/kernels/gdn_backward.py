@@ -28,8 +28,7 @@ The kernels read q, k, v, g, beta and do where the caller keeps them ([T, heads,
 dtype; a chunk's rows past its sequence's end load as zeros, a key head serves the G value
 heads of its group in place) and write dv, dg, dbeta there; what passes from kernel to kernel
 is by chunk ([B, Hv, nC, C, ...]), float32 or, with bf16 dots, mostly bfloat16 (below). Key-head gradients are the sums over the value
-heads of the group: dk's in the w / u kernel (one program per chunk and key head), dq's after
-(one pass, `_group_sum_kernel`).
+heads of the group, taken after (one pass, `_group_sum_kernel`).
 
 Dots (training_tiles.mm) take bf16 operands with float32 accumulation on the GPU for
 bfloat16 inputs, 3xTF32 for float32 ones, "ieee" under the interpreter. This is a backward,
@@ -70,6 +69,9 @@ WARPS = {"bf16": {"prep": 2, "prep_t_saved": 2, "out_grad": 4, "final_out": 8, "
 # output-gradient kernel, in bfloat16) gave 2,619-2,639. With 3xTF32 dots (float32 models) the
 # walk spills (1,680 B of stack at 8 warps): 12,497 us against 10,406 with the
 # output-gradient kernel, which keeps that form there.
+# H100, the walk's own time (`backward_sweep.py gdn_walk`): 32/4/2 639 us, 32/4/3 631, 32/8/2
+# 772, 64/4/2 712, 64/8/2 855, 16/4/2 637, 16/4/3 634 (its loads are async copies at 2 stages
+# already; its time is the serial chain of dots per chunk)
 WALK_CONFIG = {"bf16": (32, 4, 2), "tf32x3": (32, 8, 2)}
 OUTPUT_GRADS_IN_WALK = {"bf16": True, "tf32x3": False}
 # the column block of the final w / u kernel's loops over K and V
@@ -89,10 +91,15 @@ PREP_COLUMNS = {"bf16": {"prep": 128, "prep_t_saved": 128}, "tf32x3": {"prep": 1
 # 4.0e-3 either way). H200, 1 x 10,240 fwd + bwd: 4,844 us against 5,148 with float32 between
 # the kernels; the operands alone in bfloat16 were slower (5,258). With the walk taking the
 # outputs' gradients itself (OUTPUT_GRADS_IN_WALK) the states' g_S stays float32.
-# Whether the per-value-head gradients of q and k (summed over a key head's group after) and the
-# output side's part of dk (the w / u kernel adds its own) pass in the between-kernels dtype
-# (bfloat16 with bf16 dots, as fla passes them), not float32
-HEAD_GRADS_BETWEEN = True
+# The per-value-head gradients of q and k (summed over a key head's group after) and the output
+# side's part of dk (the w / u kernel adds its own) pass in the between-kernels dtype (bfloat16
+# with bf16 dots, as fla passes them). H100, 1 x 10,240, T saved, against float32: group sums 139
+# -> 82 us, final output kernel 590 -> 559, final w / u 644 -> 624 (`backward_sweep.py
+# gdn_walk` as it was); dq and dk move by 4.8e-3 / 4.7e-3 of their largest element (one more
+# bfloat16 rounding of each head's part), the other gradients not at all.
+# Measured not to help: the w / u kernel per (chunk, key head), summing its group's dk in
+# registers (no per-head dk, group sums for dq only): 255 registers with 232 B of spills at 8
+# warps, 809 us against 625 (group sums 82 -> 40): 140 us slower in all.
 # the largest chunk whose kernels fit sm_90's shared memory (227 KB a block; the final
 # kernels take C = 64 (Qwen3-Next): 196 KB of it)
 MAX_CHUNK = 64
@@ -306,100 +313,74 @@ if HAS_TRITON:
         tl.store(dgam_ptr + ch.to(tl.int64) * C + rows, dgam, mask=rm)
 
     @triton.jit
-    def _wu_dk_part(acc, k, T, dkk, be, dwk_desc, dkp_desc, ch, x0, BC: tl.constexpr, BXK: tl.constexpr,
-                    PREC: tl.constexpr):
-        """Columns x0 .. x0 + BXK - 1 of one value head's dk (the output side's dkp, then
-        dX_w beta e^gamma + (dkk + dkk^T) k, dX_w = T^T dw) added to acc, and that block's
-        share of sum(dX_w k) per row."""
-        dXw = _mm(tl.trans(T), tl.reshape(dwk_desc.load([ch, 0, x0]), (BC, BXK)), PREC)
-        kdot = tl.sum(dXw * k.to(tl.float32), 1)
-        acc += tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BXK)).to(tl.float32) + dXw * be[:, None]
-        acc += _mm(dkk, k, PREC)
-        acc += _mm(tl.trans(dkk), k, PREC)
-        return acc, kdot
-
-    @triton.jit
-    def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, ts_ptr, tch_ptr, du_desc, dw_desc, dwk_desc,
-                         dgam_ptr, dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK,
-                         G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BXK: tl.constexpr,
-                         SPLIT: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr, T_SAVED: tl.constexpr):
-        """One program per (chunk, key head), the w / u side of the G value heads of its group
-        in turn: through w = T X_w, u = T X_u and T = (I + A)^-1, each head's dv and dbeta
-        (whole) and its rest of d gamma, then dg as its reverse cumsum; and the key head's dk,
-        the sum over the group of the output side's (dkp) and the w / u side's parts, in
-        registers across the heads (no per-head dk, no group sum after). Each head's V and K
-        sides go BX columns at a time (the u side, then the w side's dT), then dA; dk's part
-        and k k^T by K halves (dX_w = T^T dw; dw and k read twice, the second time from L2).""" 
-        p = tl.program_id(0)
-        c = p % NC
-        hk = (p // NC) % HK
-        b_seq = p // NC // HK
+    def _final_wu_kernel(k_ptr, v_ptr, b_ptr, cu_ptr, gam_ptr, t_ptr, ts_ptr, tch_ptr, du_desc, dw_desc, dgam_ptr,
+                         dgl_ptr, dkp_desc, dk_ptr, dv_ptr, dg_ptr, db_ptr, C, NC, HV, HK, G, K: tl.constexpr,
+                         V: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
+                         T_SAVED: tl.constexpr):
+        """One program per (chunk, value head), the w / u side: through w = T X_w, u = T X_u
+        and T = (I + A)^-1, dv and dbeta (whole), the rest of dk (added to the output side's,
+        dkp) and of d gamma, then dg as its reverse cumsum. K and V go BX columns at a time
+        (live: T, dT or dA, and one block of each operand): the u side, then the w side's dT
+        alone, then dA, then the w side's dk, dX_w = T^T dw and k k^T (dw and k read twice, the
+        second time from L2)."""
+        ch = tl.program_id(0)
+        t0, n, h = _chunk_of(ch, cu_ptr, NC, HV, C)
         rows = tl.arange(0, BC)
         rm = rows < C
         ii = rows[:, None]
         jj = rows[None, :]
         lower = (jj < ii) & (ii < C)
-        ch0 = (b_seq * HV + hk * G) * NC + c
-        t0, n, h0 = _chunk_of(ch0, cu_ptr, NC, HV, C)
-        # the key head's dk by K halves (SPLIT: two accumulators of BXK columns, else one)
-        dk0 = tl.zeros((BC, BXK), dtype=tl.float32)
-        dk1 = tl.zeros((BC, BXK), dtype=tl.float32)
-        for g in range(G):
-            h = h0 + g
-            ch = ch0 + g * NC
-            b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
-            gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
-            if T_SAVED:
-                T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
-            else:
-                T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
-            T = _operand(T, PREC)  # a dot operand only
-            eg = tl.exp(gam)
-            be = b * eg
-            # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta: dT = du X_u^T + dw X_w^T
-            dT = tl.zeros((BC, BC), dtype=tl.float32)
-            db = tl.zeros((BC,), dtype=tl.float32)
-            for x0 in range(0, V, BX):
-                du = tl.reshape(du_desc.load([ch, 0, x0]), (BC, BX))
-                v = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
-                dT += _mm(du, tl.trans(v * b[:, None]), PREC)
-                dXu = _mm(tl.trans(T), du, PREC)
-                _store_block(dv_ptr, dXu * b[:, None], t0, n, h, HV, x0, V, BC, BX)
-                db += tl.sum(dXu * v, 1)
-            for x0 in range(0, K, BX):
-                kx = _load_block(k_ptr, t0, n, hk, HK, x0, K, BC, BX)
-                dT += _mm(tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), tl.trans(kx * be[:, None]), PREC)
-            # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle; A = beta_i (k k^T)_ij
-            # D_ij, so dk k^T-wise takes dkk = dA beta_i D_ij, and dbeta, d gamma the sums of
-            # dA D (k k^T)
-            Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-            dAD = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0) * Dl
-            dkk = _operand(dAD * b[:, None], PREC)  # a dot operand only
-            # k k^T by K halves, chained (k per head from L2: not held across the heads' loop)
-            k0 = _operand(_load_block(k_ptr, t0, n, hk, HK, 0, K, BC, BXK), PREC)
-            KK = _mm(k0, tl.trans(k0), PREC)
-            if SPLIT:
-                k1 = _operand(_load_block(k_ptr, t0, n, hk, HK, BXK, K, BC, BXK), PREC)
-                KK += _mm(k1, tl.trans(k1), PREC)
-            E = dAD * KK
-            e_rows = tl.sum(E, 1)
-            e_cols = tl.sum(E * b[:, None], 0)
-            dk0, kdot = _wu_dk_part(dk0, k0, T, dkk, be, dwk_desc, dkp_desc, ch, 0, BC, BXK, PREC)
-            if SPLIT:
-                dk1, kdot1 = _wu_dk_part(dk1, k1, T, dkk, be, dwk_desc, dkp_desc, ch, BXK, BC, BXK, PREC)
-                kdot += kdot1
-            db += e_rows
-            dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
-            db += kdot * eg
-            dgam += kdot * be
-            # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
-            dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
-            tok = (t0 + rows).to(tl.int64) * HV + h
-            tl.store(dg_ptr + tok, tl.cumsum(dgam, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=rows < n)
-            tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
-        _store_block(dk_ptr, _to_dtype_rn(dk0, dk_ptr.dtype.element_ty), t0, n, hk, HK, 0, K, BC, BXK)
-        if SPLIT:
-            _store_block(dk_ptr, _to_dtype_rn(dk1, dk_ptr.dtype.element_ty), t0, n, hk, HK, BXK, K, BC, BXK)
+        b = tl.load(b_ptr + (t0 + rows).to(tl.int64) * HV + h, mask=rows < n, other=0.0).to(tl.float32)
+        gam = tl.load(gam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0)
+        if T_SAVED:
+            T = _saved_t(ts_ptr, tch_ptr, ch, h, NC, HV, C, ii, jj)
+        else:
+            T = tl.load(t_ptr + ch.to(tl.int64) * C * C + ii * C + jj, mask=(ii < C) & (jj < C), other=0.0)
+        T = _operand(T, PREC)  # a dot operand only
+        eg = tl.exp(gam)
+        be = b * eg
+        # w = T X_w, X_w = k beta e^gamma; u = T X_u, X_u = v beta: dT = du X_u^T + dw X_w^T
+        dT = tl.zeros((BC, BC), dtype=tl.float32)
+        db = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, V, BX):
+            du = tl.reshape(du_desc.load([ch, 0, x0]), (BC, BX))
+            v = _load_block(v_ptr, t0, n, h, HV, x0, V, BC, BX)
+            dT += _mm(du, tl.trans(v * b[:, None]), PREC)
+            dXu = _mm(tl.trans(T), du, PREC)
+            _store_block(dv_ptr, dXu * b[:, None], t0, n, h, HV, x0, V, BC, BX)
+            db += tl.sum(dXu * v, 1)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dT += _mm(tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), tl.trans(k * be[:, None]), PREC)
+        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle; A = beta_i (k k^T)_ij D_ij,
+        # so dk k^T-wise takes dkk = dA beta_i D_ij, and dbeta, d gamma the sums of dA D (k k^T)
+        # (k k^T by K blocks: E below)
+        Dl = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        dAD = tl.where(lower, -_mm(_mm(tl.trans(T), dT, PREC), tl.trans(T), PREC), 0.0) * Dl
+        dkk = _operand(dAD * b[:, None], PREC)  # a dot operand only
+        kdot = tl.zeros((BC,), dtype=tl.float32)
+        e_rows = tl.zeros((BC,), dtype=tl.float32)
+        e_cols = tl.zeros((BC,), dtype=tl.float32)
+        for x0 in range(0, K, BX):
+            k = _load_block(k_ptr, t0, n, h // G, HK, x0, K, BC, BX)
+            dXw = _mm(tl.trans(T), tl.reshape(dw_desc.load([ch, 0, x0]), (BC, BX)), PREC)
+            kdot += tl.sum(dXw * k, 1)
+            E = dAD * _mm(k, tl.trans(k), PREC)
+            e_rows += tl.sum(E, 1)
+            e_cols += tl.sum(E * b[:, None], 0)
+            dk = tl.reshape(dkp_desc.load([ch, 0, x0]), (BC, BX)).to(tl.float32) + dXw * be[:, None]
+            dk += _mm(dkk, k, PREC) + _mm(tl.trans(dkk), k, PREC)
+            _store_block(dk_ptr, _to_dtype_rn(dk, dk_ptr.dtype.element_ty), t0, n, h, HV, x0, K, BC, BX)
+        db += e_rows
+        dgam = tl.load(dgam_ptr + ch.to(tl.int64) * C + rows, mask=rm, other=0.0) + e_rows * b - e_cols
+        db += kdot * eg
+        dgam += kdot * be
+        # gamma_L is row C - 1's; gamma = cumsum(g): dg_i = sum_{j >= i} d gamma_j
+        dgam += tl.where(rows == C - 1, tl.load(dgl_ptr + ch), 0.0)
+        tok = (t0 + rows).to(tl.int64) * HV + h
+        tl.store(dg_ptr + tok, tl.cumsum(dgam, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=rows < n)
+        tl.store(db_ptr + tok, db.to(db_ptr.dtype.element_ty), mask=rows < n)
+
 
     @triton.jit
     def _group_sum_kernel(x_ptr, out_ptr, n, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
@@ -535,10 +516,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
     du, d_end = aligned16(du), aligned16(d_end)
     # dq, dk per value head: float32 where the group's G heads are summed after, else the
     # caller's dtype straight from the kernel
-    head_grads = between if HEAD_GRADS_BETWEEN else torch.float32
-    dq = torch.empty((T, Hv, K), dtype=head_grads if G > 1 else q.dtype, device=q.device)
-    dk = torch.empty_like(k)   # the key heads' (the w / u kernel sums the group's)
-    dk_out_side = torch.empty_like(w, dtype=head_grads)
+    dq = torch.empty((T, Hv, K), dtype=between if G > 1 else q.dtype, device=q.device)
+    dk = torch.empty((T, Hv, K), dtype=between if G > 1 else k.dtype, device=q.device)
+    dk_out_side = torch.empty_like(w, dtype=between)
     dw = torch.empty_like(w)  # a dot operand only (the w / u kernel's dT and dX_w): between-kernels dtype
     dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     dgam, dgl = torch.empty_like(gam), torch.empty_like(e)
@@ -548,13 +528,9 @@ def gdn_backward_triton(q, k, v, g, beta, do, cu_seqlens, scale: float, chunk_si
                             dgam, dgl, scale, C, *heads, BVT=BVT, **dims, enable_fp_fusion=True,
                             num_warps=warps["final_out"])
     BX = min(_tuned(FINAL_WU_BLOCK, prec), BK, BV)
-    # dk's part by K halves from 64 columns up (two accumulators: registers), else whole
-    BXK = BK // 2 if BK >= 64 else BK
-    _final_wu_kernel[(B * Hk * nC,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)),
-                                     _desc(dw, (BC, BXK)), dgam, dgl, _desc(dk_out_side, (BC, BXK)), dk, dv, dg, db,
-                                     C, nC, Hv, Hk, G=G, K=K, V=V, BC=BC, BXK=BXK, SPLIT=BXK < BK, BX=BX,
-                                     PREC=prec, T_SAVED=saved, enable_fp_fusion=True,
-                                     num_warps=warps["final_wu"])
+    _final_wu_kernel[(n,)](k, v, beta, cu, gam, tmat, ts, tch, _desc(du, (BC, BX)), _desc(dw, (BC, BX)), dgam, dgl,
+                           _desc(dk_out_side, (BC, BX)), dk, dv, dg, db, C, *heads, K=K, V=V, BC=BC, BX=BX, PREC=prec,
+                           T_SAVED=saved, enable_fp_fusion=True, num_warps=warps["final_wu"])
     if G > 1:  # key heads: the sum over the value heads of the group
-        dq = _group_sum(dq, G, q.dtype)
+        dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
     return dq, dk, dv, dg, db

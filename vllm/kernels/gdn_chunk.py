@@ -140,8 +140,11 @@ STATE_PROGRAMS = 1024
 STATE_MAX_REGISTERS = 168
 WORK_BLOCK = 256        # sequences per iteration of the work-list kernel
 OUT_NUM_WARPS = 4
-# the whole-chunk output's K loop: 1 unrolled, else a loop whose next K tile's loads run this many
-# stages ahead
+# the whole-chunk output's K loop runs its next K tile's loads this many stages ahead (a loop, its
+# q, key-tile and state loads async copies: 164 registers, three programs an SM; unrolled, they
+# were synchronous loads at 176). H100 (`gdn_forward_sweep.py`), train forward 1 x 10,240 /
+# prefill 5 x 2,048: unrolled 799 / 841 us, 2 stages 768 / 803, 3 stages 763 / 800 (the same
+# bits: 0 outputs and states differ on gdn.py's schedules)
 OUT_NUM_STAGES = 2
 # the output kernel's specialisation for the decode path: one program per (sequence, head), all of
 # V (270 us at decode 256 x 1 on the H200, against 338 at V tiles of 64 and 4 warps)
@@ -482,19 +485,6 @@ if HAS_TRITON:
             tl.store(hr_ptr + (slot * HV + h) * (K * V) + rk[:, None] * V + rv[None, :], hs.to(DT),
                      mask=changed & (has_dcache != 0))
 
-    @triton.jit
-    def _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
-                    hk, HK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                    BK: tl.constexpr, EMULATE: tl.constexpr, PREC: tl.constexpr):
-        """One K tile of the whole-chunk output's q k^T and q h."""
-        cols = k0 + tl.arange(0, BK)
-        # q only for the step's rows: rows before first_new have no output
-        qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
-                     mask=_mask2(from_step, cols, K, KP), other=0.0)
-        kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
-        hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
-        return _dot(qt, tl.trans(kt), qk, EMULATE, PREC), _dot(qt, hb, qh, EMULATE, PREC)
-
     @triton.jit(**_GDN_JIT)
     def _gdn_output_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
@@ -608,16 +598,17 @@ if HAS_TRITON:
                 kc_rows = (n.to(tl.int64) * HK + hk) * C + rows
                 qk = tl.zeros([C, C], dtype=tl.float32)
                 qh = tl.zeros([C, BV], dtype=tl.float32)
-                if OUT_STAGES == 1:
-                    for k0 in tl.static_range(0, KP, BK):
-                        qk, qh = _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
-                                             hk, HK, K, KP, VP, BK, EMULATE, PREC)
-                else:
-                    # a loop, not unrolled: the next K tile's loads are async copies issued while
-                    # this one is multiplied (the same dots in the same order)
-                    for k0 in tl.range(0, KP, BK, num_stages=OUT_STAGES):
-                        qk, qh = _out_k_tile(k0, q_ptr, kc_ws, h_ws, qk, qh, trow, from_step, kc_rows, base, rv,
-                                             hk, HK, K, KP, VP, BK, EMULATE, PREC)
+                # a loop, not unrolled: the next K tile's loads are async copies issued while this
+                # one is multiplied (OUT_NUM_STAGES)
+                for k0 in tl.range(0, KP, BK, num_stages=OUT_STAGES):
+                    cols = k0 + tl.arange(0, BK)
+                    # q only for the step's rows: rows before first_new have no output
+                    qt = tl.load(q_ptr + hk * K + trow[:, None] * (HK * K) + cols[None, :],
+                                 mask=_mask2(from_step, cols, K, KP), other=0.0)
+                    kt = tl.load(kc_ws + kc_rows[:, None] * KP + cols[None, :])
+                    hb = tl.load(h_ws + (base * KP + cols[:, None]) * VP + rv[None, :])
+                    qk = _dot(qt, tl.trans(kt), qk, EMULATE, PREC)
+                    qh = _dot(qt, hb, qh, EMULATE, PREC)
                 incl = jj <= ii
                 P = tl.where(incl, qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
                 vn = tl.load(vn_ws + (base * C + rows[:, None]) * VP + rv[None, :])
