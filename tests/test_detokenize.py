@@ -74,6 +74,39 @@ def test_streamed_text_only_grows_with_stop_strings(tok, stop):
     assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
 
 
+@pytest.mark.parametrize("stop", [None, "STOP!", "STO"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_tails_concatenate_to_the_cumulative_output(tok, stop, every):
+    """RequestState.output_tail (a streamed response's chunks): read every `every` deltas, the
+    tails' text, token ids and logprobs concatenate to output()'s, each tail holding only what
+    is new (a chunk's cost does not grow with the output), stop strings held back as output()
+    holds them back; the last tail carries the finish."""
+    out = tok.encode(" é😀 STOP now and more text after it", add_special_tokens=False)
+    params = SamplingParams(max_tokens=40, stop=[stop] if stop else None, logprobs=1)
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    st = RequestState("r", None, prompt, params, tok, TokenTextCache(tok))
+    marks = [[0, 0]]
+    tails, cumulative = [], []
+    for k, t in enumerate(out):
+        last = k == len(out) - 1
+        st.apply(RequestDelta("r", 0, [t], [(-0.5 - k, 1, [(t, -0.5 - k)])], "length" if last else None, None,
+                              [0], 0))
+        if (k + 1) % every == 0 or last or st.finished:
+            c = st.output_tail(marks).outputs[0]
+            tails.append(c)
+            cumulative.append(st.output().outputs[0])
+            assert len(c.token_ids) <= every and len(c.logprobs) == len(c.token_ids)
+        if st.finished:
+            break
+    full = st.output().outputs[0]
+    assert "".join(c.text for c in tails) == full.text
+    assert [t for c in tails for t in c.token_ids] == full.token_ids
+    assert [e for c in tails for e in c.logprobs] == full.logprobs
+    assert all("".join(c.text for c in tails[:i + 1]) == cum.text for i, cum in enumerate(cumulative))
+    assert tails[-1].finish_reason == full.finish_reason and all(c.finish_reason is None for c in tails[:-1])
+    assert st.output_tail(marks).outputs[0].token_ids == [] and st.output_tail(marks).outputs[0].text == ""
+
+
 def test_a_stop_token_completing_a_stop_string_reports_the_string(tok):
     """A stop token whose own text completes a stop string (kept in the output): the string is
     the stop reason, as upstream."""

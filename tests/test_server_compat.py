@@ -780,6 +780,40 @@ def test_async_llm_output_kinds():
         assert [p.finish_reason for p in pieces][-1] == "length" and all(p.finish_reason is None for p in pieces[:-1])
 
 
+def test_async_llm_tail_streams():
+    """add_requests(tail=True) (the server's streamed responses): each output carries every
+    sample's text, token ids and logprobs since the previous one, whatever the output_kind; they
+    add up to the cumulative final output, prompt fields on every output. DELTA without stream
+    gives its one output whole."""
+    from vllm import LLM, SamplingParams
+    from vllm.entrypoints.openai.async_engine import AsyncLLM
+    from vllm.sampling_params import RequestOutputKind
+    llm = AsyncLLM.from_engine(LLM(device="cpu").llm_engine)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=7, n=2, logprobs=1, ignore_eos=True)
+
+    async def run(tail, stream=True, p=params):
+        (s,) = await llm.add_requests([("t", "Count: 1, 2,", p)], stream=stream, tail=tail)
+        return [out async for out in s]
+    try:
+        cumulative = asyncio.run(run(False))
+        tails = asyncio.run(run(True))
+        one = asyncio.run(run(False, False, SamplingParams(temperature=0.8, seed=5, max_tokens=7, n=2, logprobs=1,
+                                                           ignore_eos=True, output_kind=RequestOutputKind.DELTA)))
+    finally:
+        llm.shutdown()
+    want = {c.index: c for c in cumulative[-1].outputs}
+    assert tails[-1].finished and not any(o.finished for o in tails[:-1])
+    assert all(o.prompt_token_ids == cumulative[-1].prompt_token_ids and len(o.outputs) == 2 for o in tails)
+    for i, c in want.items():
+        pieces = [p for o in tails for p in o.outputs if p.index == i]
+        assert "".join(p.text for p in pieces) == c.text
+        assert [t for p in pieces for t in p.token_ids] == c.token_ids
+        assert [lp for p in pieces for lp in p.logprobs] == c.logprobs
+    assert sum(len(p.token_ids) for o in tails for p in o.outputs) == 14
+    assert len(one) == 1 and [(c.index, c.text, c.token_ids) for c in one[0].outputs] == \
+        [(i, c.text, c.token_ids) for i, c in want.items()]
+
+
 def test_async_llm_survives_a_caller_giving_up_on_a_utility_call():
     """A utility call whose caller gives up (a timeout cancels the awaiting task, and with it the
     call's future) must not take the engine down: the answer arriving later is dropped, the

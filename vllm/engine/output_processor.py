@@ -141,6 +141,33 @@ class RequestState:
         hold = 0 if self.finish[i] is not None or self.params.include_stop_str_in_output else self._stop_buffer
         return detok.text[:max(0, len(detok.text) - hold)] if hold else detok.text
 
+    def output_tail(self, marks: list[list[int]]) -> RequestOutput:
+        """output() with each sample's text, token ids and logprobs only past marks[i] =
+        [characters, tokens] already handed out, then advances the marks: the cost of a call is
+        what is new, not the sample's length (a streamed response's chunks). The text holds
+        back what _text holds back; the prompt fields are output()'s (not copied)."""
+        lps = self.logprobs
+        outs = []
+        for i in range(len(self.finish)):
+            t0, n0 = marks[i]
+            detok = self.detoks[i]
+            text = ""
+            if detok is not None:
+                hold = 0 if self.finish[i] is not None or self.params.include_stop_str_in_output else self._stop_buffer
+                end = len(detok.text) - hold
+                if end > t0:
+                    text = detok.text[t0:end]
+                    marks[i][0] = end
+            ids = self.token_ids[i]
+            marks[i][1] = len(ids)
+            outs.append(CompletionOutput(index=i, text=text, token_ids=ids[n0:],
+                                         cumulative_logprob=self.cumulative[i] if lps is not None else None,
+                                         logprobs=lps[i][n0:] if lps is not None else None,
+                                         finish_reason=self.finish[i], stop_reason=self.stop_reason[i],
+                                         weight_versions=list(self.weight_versions[i])))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
+                             self.finished, num_cached_tokens=self.num_cached_tokens)
+
     def output(self) -> RequestOutput:
         lps = self.logprobs
         outs = [CompletionOutput(index=i, text=self._text(i),

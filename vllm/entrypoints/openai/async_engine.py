@@ -76,11 +76,18 @@ class RequestStream:
     fails, EngineError (or EngineDeadError) is raised.
     """
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop, stream: bool):
+    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop, stream: bool,
+                 tail: bool = False):
         self.owner = owner
         self.request_id = request_id
         self.loop = loop
         self.stream = stream
+        # tail: each output carries what is new since the previous one (RequestState.output_tail),
+        # built when the consumer reads, the final one included: for a caller that asked for
+        # tails (the server's streamed responses: tail_for_caller) and under output_kind=DELTA
+        self.tail_for_caller = tail
+        self.tail = tail
+        self._marks: list[list[int]] = []
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.finished = False  # True once the final output, an error or an abort was seen
@@ -113,10 +120,11 @@ class RequestStream:
                     self._waiter = None
             item = self._items.popleft()
             if item is _CHANGED:
-                # Outputs are cumulative: one snapshot covers every step since the last read.
+                # One snapshot covers every step since the last read (cumulative, or the tail
+                # since the previous output).
                 with self.owner._lock:
                     self.notified = False
-                    item = self.state.output()
+                    item = self.state.output_tail(self._marks) if self.tail else self.state.output()
             if item is _ABORTED:
                 self.finished = True
                 raise StopAsyncIteration
@@ -128,26 +136,25 @@ class RequestStream:
             kind = self.state.params.output_kind if self.state is not None else RequestOutputKind.CUMULATIVE
             if kind is RequestOutputKind.FINAL_ONLY and not item.finished:
                 continue
-            if kind is RequestOutputKind.DELTA:
+            if kind is RequestOutputKind.DELTA and not self.tail_for_caller:
                 item = self._delta(item)
                 if item is None:
                     continue
             return item
 
     def _delta(self, out: RequestOutput) -> RequestOutput | None:
-        """SamplingParams.output_kind=DELTA: each sample's text, token ids and logprobs since the
-        last output returned, only the samples with something new (or just finished); prompt
-        logprobs on the first output only. None when nothing is new."""
-        sent = self.__dict__.setdefault("_sent", {})
+        """SamplingParams.output_kind=DELTA, from the tail output_tail built: each sample's text,
+        token ids and logprobs since the last output returned, only the samples with something
+        new (or just finished, once); prompt logprobs on the first output only. None when
+        nothing is new."""
+        done = self.__dict__.setdefault("_done", set())
         outputs = []
         for c in out.outputs:
-            ntok, ntext, done = sent.get(c.index, (0, 0, False))
-            if done or (len(c.token_ids) == ntok and len(c.text) == ntext and c.finish_reason is None):
+            if c.index in done or (not c.text and not c.token_ids and c.finish_reason is None):
                 continue
-            sent[c.index] = (len(c.token_ids), len(c.text), c.finish_reason is not None)
-            outputs.append(dataclasses.replace(
-                c, text=c.text[ntext:], token_ids=list(c.token_ids[ntok:]),
-                logprobs=None if c.logprobs is None else list(c.logprobs[ntok:])))
+            if c.finish_reason is not None:
+                done.add(c.index)
+            outputs.append(c)
         first = not self.__dict__.get("_delta_sent", False)
         if not outputs and not (first and out.prompt_logprobs is not None) and not out.finished:
             return None
@@ -301,8 +308,12 @@ class AsyncLLM:
 
     async def add_requests(self, items: Sequence[tuple[str, Any, SamplingParams]], *,
                            stream: bool = False, priority: int = 0,
-                           default_max_tokens: int | None = None) -> list[RequestStream]:
+                           default_max_tokens: int | None = None, tail: bool = False) -> list[RequestStream]:
         """Add several requests atomically; returns one stream per request, in order.
+        tail: each output carries each sample's text, token ids and logprobs since the
+        previous output (every sample, its finish and stop reason as they stand; prompt
+        fields on every output), whatever the params' output_kind: a streamed response's
+        chunks cost what they carry, not the output's length.
 
         Raises ValueError (nothing added) if any prompt or params is invalid -- including a
         max_tokens that does not fit in the context left, and a non-zero `priority` (every
@@ -333,8 +344,10 @@ class AsyncLLM:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
                                          f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
             for rid, text, ids, params, cache_salt in prepared:
-                s = RequestStream(self, rid, loop, stream)
+                s = RequestStream(self, rid, loop, stream, tail=tail)
+                s.tail = tail or params.output_kind is RequestOutputKind.DELTA
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
+                s._marks = [[0, 0] for _ in range(params.n)]
                 eid = s.engine_id = f"{rid}@{next(self._serial)}"
                 self._requests[eid] = _Entry(s.state, s, RequestTimes(arrived))
                 self._engine_ids.setdefault(rid, []).append(eid)
@@ -572,7 +585,8 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: nobody will read these
                 for s, item in items:
-                    if not (isinstance(item, RequestOutput) and item.finished):
+                    if not ((isinstance(item, RequestOutput) and item.finished)
+                            or (item is _CHANGED and s.state is not None and s.state.finished)):
                         self._abort_engine_id(s.engine_id)
 
     def _apply_delta(self, d: RequestDelta, entry: _Entry, now: float, stops: list, deliveries: dict) -> int:
@@ -595,7 +609,11 @@ class AsyncLLM:
             self.sizes.finished(len(state.prompt_token_ids), generated, state.params.n, state.params.max_tokens)
             del self._requests[d.request_id]
             self._drop_engine_id(state.request_id, d.request_id)
-            deliveries.setdefault(s.loop, []).append((s, state.output()))
+            if not s.tail:
+                deliveries.setdefault(s.loop, []).append((s, state.output()))
+            elif not s.notified:   # the reader builds the last tail (a queued _CHANGED builds it too)
+                s.notified = True
+                deliveries.setdefault(s.loop, []).append((s, _CHANGED))
         elif s.stream and not s.notified:  # non-streaming consumers need the final output only
             s.notified = True
             deliveries.setdefault(s.loop, []).append((s, _CHANGED))

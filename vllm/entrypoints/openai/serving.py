@@ -276,8 +276,6 @@ def trl_logprobs(outputs: Sequence[RequestOutput], k: int | None) -> tuple[list 
 @dataclass
 class _ChoiceCursor:
     """How much of one choice has been sent."""
-    text: int = 0
-    tokens: int = 0
     text_offset: int = 0
     done: bool = False
     first: bool = True
@@ -285,23 +283,18 @@ class _ChoiceCursor:
 
 
 def _stream_delta(c: CompletionOutput, cur: _ChoiceCursor) -> tuple[str, list[int], list | None] | None:
-    """The not-yet-sent part of a choice, or None when there is nothing to send.
+    """A choice's part of a tail output (AsyncLLM.add_requests(tail=True): what is new since
+    the previous output), or None when there is nothing to send.
 
     An unfinished choice's text leaves out the characters a stop string may be completing
-    (RequestState.output holds them back), so the chunks always concatenate to the
+    (RequestState.output_tail holds them back), so the chunks always concatenate to the
     non-streamed text.
     """
     finished = c.finish_reason is not None
-    end = max(cur.text, len(c.text))
-    text = c.text[cur.text:end]
-    ids = c.token_ids[cur.tokens:]
-    lps = c.logprobs[cur.tokens:] if c.logprobs is not None else None
-    if not text and not ids and not finished:
+    if not c.text and not c.token_ids and not finished:
         return None
-    cur.text = max(cur.text, end)
-    cur.tokens = len(c.token_ids)
     cur.done = finished
-    return text, ids, lps
+    return c.text, list(c.token_ids), c.logprobs
 
 
 def _request_id(req: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
@@ -460,7 +453,7 @@ class OpenAIServing:
                 self._log_request(f"{rid}-{i}", p, params)
             streams = await self.llm.add_requests(
                 [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)], stream=req.stream, priority=req.priority,
-                default_max_tokens=self.defaults.get("max_tokens"))
+                default_max_tokens=self.defaults.get("max_tokens"), tail=req.stream)
         except Exception as err:  # noqa: BLE001 -- mapped to 400/429/500/503
             return exception_response(err)
         created = int(time.time())
@@ -677,7 +670,7 @@ class OpenAIServing:
             rid = f"chatcmpl-{_request_id(req, raw)}"
             self._log_request(rid, prompt_ids, params)
             streams = await self.llm.add_requests([(rid, req.with_cache_salt({"prompt_token_ids": prompt_ids}), params)],
-                                                  stream=req.stream, priority=req.priority)
+                                                  stream=req.stream, priority=req.priority, tail=req.stream)
         except Exception as err:  # noqa: BLE001
             return exception_response(err)
         created = int(time.time())
