@@ -102,6 +102,7 @@ def test_config_parsing():
            ({**base, "num_experts_per_tok": 9}, "num_experts_per_tok"),
            ({**base, "num_experts_per_tok": 0}, "num_experts_per_tok"),
            ({**base, "decoder_sparse_step": -1}, "decoder_sparse_step"),
+           ({**base, "decoder_sparse_step": 0}, "decoder_sparse_step"),
            ({**base, "use_sliding_window": True}, "sliding_window"),
            ({**base, "attention_bias": True}, "attention_bias"),
            ({**base, "hidden_act": "gelu"}, "hidden_act"),

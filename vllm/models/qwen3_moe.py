@@ -66,7 +66,8 @@ class Qwen3MoeConfig(LlamaFamilyConfig):
                   num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                  decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
+                  # null means the default; 0 is refused below (transformers would divide by it)
+                  decoder_sparse_step=int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"]),
                   mlp_only_layers=[int(i) for i in (hf.get("mlp_only_layers") or [])])
         if cfg.num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {cfg.num_experts}")
