@@ -78,14 +78,13 @@ def test_upstream_module_names():
 
 
 def test_sampling_params_upstream_conveniences():
-    """logprobs=True / prompt_logprobs=True mean 1 (False stays refused); temperature 0 resets
+    """logprobs=True / prompt_logprobs=True mean 1, False none; temperature 0 resets
     top_p, top_k and min_p (greedy); best_of may be None, 1 or n; upstream's number types stay
     accepted (numpy's included)."""
     sp = SamplingParams(logprobs=True, prompt_logprobs=True)
     assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)
-    for name in ("logprobs", "prompt_logprobs"):
-        with pytest.raises(ValueError, match=name):
-            SamplingParams(**{name: False})
+    sp = SamplingParams(logprobs=False, prompt_logprobs=False)
+    assert (sp.logprobs, sp.prompt_logprobs) == (None, None)
     greedy = SamplingParams(temperature=0, top_p=0.5, top_k=2, min_p=0.3)
     assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
     assert (SamplingParams(temperature=0.5, top_p=0.5, top_k=2, min_p=0.3).top_k) == 2

@@ -234,12 +234,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        # upstream's: True asks for the sampled token's logprob and one alternative (False is
-        # refused below: it would read as 0, a request for logprobs)
-        if self.logprobs is True:
-            self.logprobs = 1
-        if self.prompt_logprobs is True:
-            self.prompt_logprobs = 1
+        # upstream's: True asks for the sampled token's logprob and one alternative. False means
+        # none (a flag passed through, `logprobs=return_logprobs`): upstream reads it as 0 and
+        # computes the sampled tokens' logprobs, which such a caller does not read
+        if isinstance(self.logprobs, bool):
+            self.logprobs = 1 if self.logprobs else None
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = 1 if self.prompt_logprobs else None
         # -1: every token of the vocabulary (upstream's), allowed where max_logprobs permits
         if self.logprobs is not None and (isinstance(self.logprobs, bool)
                                           or not isinstance(self.logprobs, numbers.Integral) or self.logprobs < -1):
