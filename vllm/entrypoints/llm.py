@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import numbers
 import threading
 import warnings
@@ -20,6 +21,8 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import (DEFAULT_LOGPROBS_MODE, DEFAULT_MAX_LOGPROBS, RequestOutputKind, SamplingParams,
                                   check_logprobs_mode, check_max_logprobs)
 from vllm.weight_sync.session import WeightUpdate
+
+logger = logging.getLogger(__name__)
 
 
 def _default_device() -> str:
@@ -127,6 +130,12 @@ class LLM:
                                 kernels=KernelConfig(gemm_cublaslt=gemm_cublaslt, fused_gumbel=fused_gumbel),
                                 kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                 tensor_parallel_size=tensor_parallel_size, tp_leaves=tp_leaves)
+        if isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
+            # upstream splits the weights over C devices; here the C ranks share one (the
+            # multi-process executor is not built yet): a model must fit one device
+            logger.warning("tensor_parallel_size=%d runs its %d ranks in this process on one device: TP=%d's "
+                           "bits, not its memory split (docs/parallelism.md)", tensor_parallel_size,
+                           tensor_parallel_size, tensor_parallel_size)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if device != "cpu" else 2048
         config = EngineConfig(
