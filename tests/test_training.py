@@ -195,6 +195,43 @@ def test_training_bad_input(tiny_qwen3):
         policy.token_logprobs([[1, 2, 3]], 1)
 
 
+def test_a_padded_batch_with_its_attention_mask_gives_the_unpadded_bits(tiny_qwen3):
+    """An RL framework's form: a [B, L] batch, prompts left-padded and responses right-padded,
+    with its attention_mask: each row's logprobs and entropies are the unpadded sequence's,
+    bit for bit (the padding is not context); a mask that does not mark one run of tokens, has
+    another shape or marks nothing is refused by row."""
+    policy = Policy.from_pretrained(tiny_qwen3, device="cpu", numerics="invariant")
+    seqs = [[5, 9, 13, 2, 7], [3, 4, 8, 11, 6, 12, 14], [20, 21, 22, 23]]
+    plens = [2, 4, 1]
+    P, R, pad = 4, 4, 0
+    ids = torch.full((3, P + R), pad, dtype=torch.int64)
+    mask = torch.zeros((3, P + R), dtype=torch.int64)
+    for i, (s, p) in enumerate(zip(seqs, plens)):
+        ids[i, P - p:P] = torch.tensor(s[:p])
+        ids[i, P:P + len(s) - p] = torch.tensor(s[p:])
+        mask[i, P - p:P + len(s) - p] = 1
+    want, want_ent = policy.token_logprobs(seqs, plens, temperature=0.7, return_entropy=True)
+    got, got_ent = policy.token_logprobs(ids, plens, temperature=0.7, return_entropy=True, attention_mask=mask)
+    for a, b in zip(got + got_ent, want + want_ent):
+        assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
+    got_bool = policy.token_logprobs(ids.tolist(), plens, attention_mask=mask.bool().numpy())
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got_bool, policy.token_logprobs(seqs, plens)))
+    gap = mask.clone()
+    gap[1, P] = 0
+    with pytest.raises(ValueError, match="row 1 must mark one run"):
+        policy.token_logprobs(ids, plens, attention_mask=gap)
+    with pytest.raises(ValueError, match="a row per sequence"):
+        policy.token_logprobs(ids, plens, attention_mask=mask[:2])
+    with pytest.raises(ValueError, match="row 0 must be 1-D and as long"):
+        policy.token_logprobs(ids, plens, attention_mask=mask[:, :5])
+    empty = mask.clone()
+    empty[2] = 0
+    with pytest.raises(ValueError, match="row 2 marks no tokens"):
+        policy.token_logprobs(ids, plens, attention_mask=empty)
+    with pytest.raises(ValueError, match="only 0 / 1"):
+        policy.token_logprobs(ids, plens, attention_mask=mask * 2)
+
+
 def test_divergence_finder_locates_injected_ulp(tiny_qwen3):
     from vllm.parity import find_divergence
     llm = LLM(tiny_qwen3, device="cpu", numerics="invariant", enforce_eager=True)

@@ -232,7 +232,8 @@ class Policy(NumericsSpecFields):
         return arrays
 
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float = 1.0,
-                       max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
+                       max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False,
+                       attention_mask=None):
         """One float32 1-D tensor per sequence: the logprob of each response token under
         log_softmax(logits / temperature) (temperature 0 -> 1, as the rollout reports),
         differentiable w.r.t. the parameters. Sequences are packed into micro-batches of at
@@ -240,7 +241,15 @@ class Policy(NumericsSpecFields):
         one of its own (a sequence is never split); packing, order and micro-batch size do
         not change the bits. `return_entropy`: returns (logprobs, entropies), the second one
         float32 tensor per sequence of the entropy of each response position's tempered
-        distribution (not differentiable; the logprobs' bits are the same either way)."""
+        distribution (not differentiable; the logprobs' bits are the same either way).
+        `attention_mask`: a padded batch (an RL framework's [B, L] input ids, left-padded
+        prompts and right-padded responses): per row 1 / True on its tokens, which must be
+        one run, 0 on padding. Each row is cut to its tokens first, and `prompt_lens` count
+        a row's prompt tokens without its padding; the results are those of the unpadded
+        sequences, bit for bit. Without it every position is a token: padding would be read
+        as context."""
+        if attention_mask is not None:
+            sequences = _unpadded(sequences, attention_mask)
         if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") \
                 or isinstance(prompt_lens, (str, bytes)) or not hasattr(prompt_lens, "__len__"):
             raise ValueError("token_logprobs takes a list of token-id sequences and a list of prompt lengths")
@@ -365,3 +374,31 @@ class Policy(NumericsSpecFields):
         from vllm.contract import build_contract
         return build_contract(self.model, self.numerics_spec, device=str(self.device),
                               deployment={"block_size": self.block_size, "max_model_len": self.model_config.max_model_len})
+
+
+def _unpadded(sequences, attention_mask) -> list[np.ndarray]:
+    """Each row of a padded batch cut to the one run of positions its mask marks."""
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
+        raise ValueError("token_logprobs takes a list of token-id sequences (or a [B, L] batch with attention_mask)")
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask.detach().cpu()
+    if not hasattr(attention_mask, "__len__") or len(attention_mask) != len(sequences):
+        n = len(attention_mask) if hasattr(attention_mask, "__len__") else "no"
+        raise ValueError(f"attention_mask must have a row per sequence: {len(sequences)} sequences, {n} rows")
+    out = []
+    for i, (seq, row) in enumerate(zip(sequences, attention_mask)):
+        seq = np.asarray(seq.detach().cpu() if isinstance(seq, torch.Tensor) else seq)
+        m = np.asarray(row)
+        if m.ndim != 1 or len(m) != len(seq):
+            raise ValueError(f"attention_mask row {i} must be 1-D and as long as sequence {i} ({len(seq)}), "
+                             f"got shape {m.shape}")
+        if m.size and not np.isin(m, (0, 1)).all():
+            raise ValueError(f"attention_mask row {i} must hold only 0 / 1 (or booleans)")
+        idx = np.flatnonzero(m)
+        if idx.size == 0:
+            raise ValueError(f"attention_mask row {i} marks no tokens")
+        if idx[-1] - idx[0] + 1 != idx.size:
+            raise ValueError(f"attention_mask row {i} must mark one run of tokens (padding before and after it "
+                             f"only), got a gap at position {int(idx[np.flatnonzero(np.diff(idx) > 1)[0]]) + 1}")
+        out.append(seq[idx[0]:idx[-1] + 1])
+    return out
