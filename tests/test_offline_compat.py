@@ -692,6 +692,68 @@ def test_upstream_load_weights_path_is_a_weight_update(tiny_qwen3, new_weights):
         assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
 
 
+def test_upstream_load_weights_streams_a_generator(tiny_qwen3, new_weights, monkeypatch):
+    """A generator on upstream's load_weights path (verl's FSDP sync yields each gathered
+    tensor once) is one update written chunk by chunk as it yields: a tensor it yielded is
+    not kept alive past its chunk, the result is a fresh engine's bits with the new weights
+    and one new version; a bad tensor or an error in the generator midway puts back every
+    chunk already written (the old bits, the old version); an empty one changes nothing."""
+    import gc
+    import glob
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from vllm.entrypoints import upstream_executor as ue
+    monkeypatch.setattr(ue, "STREAM_CHUNK_BYTES", 1)   # a chunk per tensor
+    new = {}
+    for f in sorted(glob.glob(f"{new_weights}/*.safetensors")):
+        new.update(load_file(f))
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
+    prompts = ["the cat", "a dog sat on"]
+    llm = LLM(tiny_qwen3, device="cpu", max_model_len=128)
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    before = [o.outputs[0].logprobs for o in llm.generate(prompts, params)]
+    v0 = llm.llm_engine.weight_version
+
+    def failing(bad):
+        for i, (n, t) in enumerate(new.items()):
+            if i == 3:
+                if bad == "shape":
+                    yield n, t[:1]
+                else:
+                    raise RuntimeError("the trainer's gather failed")
+            yield n, t.clone()
+    for bad, err in (("shape", ValueError), ("raise", RuntimeError)):
+        with pytest.raises(err):
+            model.load_weights(failing(bad))
+        assert llm.llm_engine.weight_version == v0
+        assert [o.outputs[0].logprobs for o in llm.generate(prompts, params)] == before
+    assert model.load_weights(iter(())) == set() and llm.llm_engine.weight_version == v0
+
+    alive = []
+
+    def gathered():
+        for n, t in new.items():
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+            full = t.clone()
+            refs.append(weakref.ref(full))
+            yield n, full
+            del full
+    refs: list = []
+    assert model.load_weights(gathered()) == set(new)
+    assert max(alive) <= 1   # the tensor yielded before may still be held until its chunk is loaded
+    assert llm.llm_engine.weight_version == v0 + 1
+    got = llm.generate(prompts, params)
+    want = LLM(new_weights, device="cpu", max_model_len=128).generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs])
+        lb = torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs])
+        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
+
+
 def test_upstream_load_weights_skips_a_tied_lm_head(tiny_llama):
     """A tied model (tiny_llama) skips lm_head.weight on upstream's load_weights path, as
     upstream's loaders do: a trainer whose lm_head is its own tensor (PEFT's modules_to_save)

@@ -64,7 +64,7 @@ def test_buckets_then_finish_make_one_version(tiny_qwen3, new_weights):
     assert "incomplete" in llm.weight_error
 
 
-@pytest.mark.parametrize("retain,backup", [(True, "device"), (False, "device"), (False, "host")])
+@pytest.mark.parametrize("retain,backup", [(True, "device"), (False, "device"), (False, "host"), (False, "auto")])
 def test_failing_middle_bucket_leaves_old_weights(tiny_qwen3, new_weights, retain, backup):
     llm = LLM(tiny_qwen3, device="cpu")
     before = param_bits(llm)
@@ -87,6 +87,33 @@ def test_failing_middle_bucket_leaves_old_weights(tiny_qwen3, new_weights, retai
     assert out1[0].outputs[0].token_ids == out0[0].outputs[0].token_ids
     # the old weights written back are not a new version (generate counts unannounced writes)
     assert llm.weight_version == 0
+
+
+def test_auto_backup_keeps_the_device_while_it_has_room(monkeypatch):
+    """backup="auto" (the default): a written bucket's previous bytes stay on the device
+    while its free memory (the driver's, plus what the allocator holds unused) has room for
+    them and the headroom, else they go to host memory; "device" and "host" are as named."""
+    import types
+
+    from vllm.weight_sync import session
+    u = session.WeightUpdate.__new__(session.WeightUpdate)
+    u.engine = types.SimpleNamespace(executor=types.SimpleNamespace(info=types.SimpleNamespace(
+        device=torch.device("cuda", 0))))
+    plan = [(torch.empty(1 << 20, dtype=torch.bfloat16), None)]   # 2 MiB to back up
+    free = {"driver": 0, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free["driver"], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: free["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: free["allocated"])
+    need = (2 << 20) + session.AUTO_BACKUP_HEADROOM_BYTES
+    for backup, driver, spare, want in (("auto", need, 0, None), ("auto", need - 1, 0, "cpu"),
+                                        ("auto", need - 4096, 4096, None), ("device", 0, 0, None),
+                                        ("host", 1 << 40, 0, "cpu")):
+        u.backup = backup
+        free.update(driver=driver, reserved=spare + 100, allocated=100)
+        assert u._backup_device(plan) == want, (backup, driver, spare)
+    u.engine.executor.info.device = torch.device("cpu")
+    u.backup = "auto"
+    assert u._backup_device(plan) is None
 
 
 def test_failure_without_backup_refuses_service(tiny_qwen3, new_weights):

@@ -508,7 +508,7 @@ class EngineCore:
         return {"joined": True, "rank": rank, "world_size": world_size, "backend": backend,
                 "weight_version": self.engine.weight_version}
 
-    def update_weights_from_group(self, *, manifest: list, bucket_bytes: int, backup: str = "device",
+    def update_weights_from_group(self, *, manifest: list, bucket_bytes: int, backup: str = "auto",
                                   require_complete: bool = False) -> dict:
         """Receive one update broadcast by the trainer over the group made by
         init_weight_group, while the engine is paused (the caller pauses and resumes

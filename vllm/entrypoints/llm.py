@@ -266,7 +266,7 @@ class LLM:
         from vllm.weight_sync.transfer import transfer_of
         transfer_of(self.llm_engine).close()
 
-    def weight_update(self, contract=None, require_complete: bool = False, backup: str = "device",
+    def weight_update(self, contract=None, require_complete: bool = False, backup: str = "auto",
                       check_finite: bool = True):
         """Open a bucketed weight update (a context manager):
 

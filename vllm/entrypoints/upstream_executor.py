@@ -4,7 +4,9 @@ RL scripts make through it: `load_weights(weights)`. TRL's colocated sync makes 
 parameter, older verl and OpenRLHF workers and many hand-written loops once per state dict.
 
 Here each call is an `LLM.update_weights`: validated whole before anything is written,
-versioned, the prefix cache dropped, refused while an app serves the LLM. Every other
+versioned, the prefix cache dropped, refused while an app serves the LLM. A generator is one
+update written chunk by chunk as it yields (its tensors are never all alive at once), the
+overwritten bytes kept until it ends, so a failure still leaves the previous weights. Every other
 attribute on the way is an AttributeError naming the ways in: a write through the model
 object itself would skip the engine's versions and cached prefixes."""
 from __future__ import annotations
@@ -48,22 +50,77 @@ class UpstreamModel(_Step):
     def load_weights(self, weights) -> set[str]:
         """Write (HF name, tensor) pairs (a state dict's items, one parameter, ...) into the
         engine's model as one weight update; returns the names written, as upstream returns
-        the names it loaded. A bad name, shape or value is a ValueError and changes nothing."""
+        the names it loaded. A bad name, shape or value is a ValueError and changes nothing.
+
+        A generator (verl's FSDP sync yields each gathered full tensor once) is written as it
+        arrives, STREAM_CHUNK_BYTES at a time, each chunk validated before it is written and
+        the bytes it overwrites kept (on the device while it has room, else in host memory)
+        until the update finishes: at most a chunk of the source is alive at once, as with
+        upstream's loader, and a failure anywhere puts every written chunk back."""
         from vllm.weight_sync.session import _as_pairs, weight_mapping_of
-        pairs = _as_pairs(weights)
         update = self._update()
         if update is None:
             raise ValueError("the LLM this engine belonged to is gone")
         # a tied model skips the names tied to another tensor (lm_head.weight to the embedding),
         # as upstream's loaders do: a trainer whose lm_head is its own tensor must not overwrite
         # the embedding with it
-        engine = getattr(getattr(update, "__self__", None), "llm_engine", None)
-        if engine is not None:
-            tied = {a for a in weight_mapping_of(engine.executor.model).aliases if a.startswith("lm_head.")}
-            pairs = [(name, t) for name, t in pairs if name not in tied]
+        llm = getattr(update, "__self__", None)
+        engine = getattr(llm, "llm_engine", None)
+        tied = set() if engine is None else \
+            {a for a in weight_mapping_of(engine.executor.model).aliases if a.startswith("lm_head.")}
+        if _is_stream(weights) and engine is not None and hasattr(llm, "weight_update") \
+                and getattr(engine, "weight_update", None) is None:
+            return _load_stream(llm, weights, tied)
+        pairs = [(name, t) for name, t in _as_pairs(weights) if name not in tied]
         if pairs:
             update(pairs)
         return {name for name, _ in pairs}
+
+
+# a streamed load_weights writes its pairs in chunks of about this many bytes
+STREAM_CHUNK_BYTES = 256 << 20
+_END = object()
+
+
+def _is_stream(weights) -> bool:
+    """An iterator (a generator): its tensors exist one at a time, so they are not collected."""
+    try:
+        return iter(weights) is weights
+    except TypeError:
+        return False
+
+
+def _then(first, rest):
+    """first, then rest's items, holding first no longer than its turn (a yielded tensor is
+    freed with its chunk)."""
+    box = [first]
+    del first
+    yield box.pop()
+    yield from rest
+
+
+def _load_stream(llm, weights, tied: set[str]) -> set[str]:
+    from vllm.weight_sync.session import _as_pairs
+    names: set[str] = set()
+    first = next(weights, _END)
+    if first is _END:   # nothing given: no update (no new version)
+        return names
+    items, first = _then(first, weights), None
+    with llm.weight_update() as update:
+        chunk, size = [], 0
+        for item in items:
+            (name, tensor), = _as_pairs([item])   # the same checks and messages as a list's items
+            if name in tied:
+                continue
+            chunk.append((name, tensor))
+            names.add(name)
+            size += tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0
+            if size >= STREAM_CHUNK_BYTES:
+                update.load(chunk, retain=False)
+                chunk, size = [], 0
+        if chunk:
+            update.load(chunk, retain=False)
+    return names
 
 
 def upstream_executor(update: Callable) -> _Step:

@@ -101,7 +101,7 @@ class WeightSyncClient:
         reply.raise_if_failed()
         self.group = group
 
-    def push(self, named, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: str = "device",
+    def push(self, named, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: str = "auto",
              require_complete: bool = True) -> int:
         """Broadcast HF-named tensors to the server as one update; returns its new version."""
         from vllm.weight_sync.group import send_update

@@ -120,7 +120,7 @@ def host_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float =
 
 
 # ---- the engine's side ------------------------------------------------------------------
-def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, backup: str = "device",
+def receive_update(engine, group: WeightGroup, manifest, bucket_bytes: int, *, backup: str = "auto",
                    require_complete: bool = False, contract=None) -> int:
     """Steps 1-4 of the module docstring on the engine (rank `group.rank`). Returns the
     new weight version; ValueError (after staying in step with the trainer) if refused."""

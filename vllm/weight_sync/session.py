@@ -19,9 +19,10 @@ Rules, whatever the transport:
   `load(bucket)` (the bucket's tensors stay valid until finish) nothing is written before
   `finish`, so a bucket that fails leaves the previous weights untouched. A transport that
   reuses its receive buffer loads with `retain=False`: the bucket is written at once and
-  the bytes it overwrote are kept (`backup`: "device", "host") to be put back if the
-  update fails later; `backup="none"` saves that memory and leaves the engine refusing
-  requests after such a failure (never serving a mix of two versions).
+  the bytes it overwrote are kept (`backup`: "auto", the default: on the device while it has
+  room for them, else in host memory; "device"; "host") to be put back if the update fails
+  later; `backup="none"` saves that memory and leaves the engine refusing requests after
+  such a failure (never serving a mix of two versions).
 - Writes are copies INTO the existing parameters (storage addresses unchanged: captured
   CUDA graphs stay valid); a source that already is the parameter's memory (a colocated
   `llm.policy()`) is not copied at all. An FP8 layer without a master weight
@@ -48,7 +49,11 @@ from vllm.weight_sync.bucket import FlatBucket, copy_all
 
 logger = logging.getLogger(__name__)
 
-BACKUPS = ("device", "host", "none")
+BACKUPS = ("auto", "device", "host", "none")
+# backup="auto" keeps a written bucket's previous bytes on the device while the device has room
+# for them and this much more (a model's whole copy may not fit beside the KV cache), else in
+# host memory
+AUTO_BACKUP_HEADROOM_BYTES = 256 << 20
 
 
 class WeightUpdateError(RuntimeError):
@@ -174,10 +179,11 @@ class WeightUpdate:
     `contract`: the sender's ExecutionContract, refused unless compatible with the
     engine's (the error names the differing fields). `require_complete`: every parameter
     (every fused shard) must be given before finish. `backup`: where buckets loaded with
-    retain=False keep the bytes they overwrite ("device", "host", or "none").
+    retain=False keep the bytes they overwrite ("auto": the device while it has room, else
+    the host; "device", "host", or "none").
     `check_finite`: refuse NaN/Inf (reads every byte once; off for a trainer that checked)."""
 
-    def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "device",
+    def __init__(self, engine, *, contract=None, require_complete: bool = False, backup: str = "auto",
                  check_finite: bool = True):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
@@ -274,12 +280,24 @@ class WeightUpdate:
         if not plan:
             return
         if self.backup != "none":
-            where = "cpu" if self.backup == "host" else None
+            where = self._backup_device(plan)
             with torch.no_grad():
                 self._undo += [(d, d.snapshot(where) if isinstance(d, QuantizedRows)
                                 else d.detach().to(where, copy=True) if where else d.detach().clone()) for d, _ in plan]
         self._written = True
         self._copy(plan)
+
+    def _backup_device(self, plan) -> str | None:
+        """Where a written bucket's previous bytes go: "cpu", or None for the device."""
+        if self.backup == "host":
+            return "cpu"
+        dev = self.engine.executor.info.device
+        if self.backup == "device" or dev.type != "cuda":
+            return None
+        need = sum(d.numel() * (1 if isinstance(d, QuantizedRows) else d.element_size()) for d, _ in plan)
+        free, _ = torch.cuda.mem_get_info(dev)
+        spare = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)   # the allocator's own
+        return None if need + AUTO_BACKUP_HEADROOM_BYTES <= free + spare else "cpu"
 
     def _copy(self, plan) -> None:
         if not plan:

@@ -30,7 +30,7 @@ from vllm.weight_sync.group import GroupSpec, WeightGroup, check_manifest, recei
 
 logger = logging.getLogger(__name__)
 
-BACKUPS = ("device", "host")
+BACKUPS = ("auto", "device", "host")
 
 
 def _int(info: dict, key: str, default=None) -> int:
@@ -93,7 +93,7 @@ class WeightTransfer:
         self.protocol: str | None = None      # "vllm" (four phases) or "trl" (per tensor)
         self.trainer_rank = 0
         self.contract = None
-        self.backup = "device"
+        self.backup = "auto"
         self.update = None                     # the open WeightUpdate
         self._resume_after = False             # the engine was running before start
         self._failed: str | None = None        # why the open update was aborted
@@ -130,7 +130,7 @@ class WeightTransfer:
             raise ValueError(f"this server is one engine of one rank: world_size must be rank_offset + 1 "
                              f"(the trainer is rank 0), got world_size {world} and rank_offset {offset}")
         backend = init_info.get("backend") or self._device_backend()
-        backup = init_info.get("backup", "device")
+        backup = init_info.get("backup", "auto")
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
         contract = _contract(init_info.get("contract"))
@@ -163,7 +163,7 @@ class WeightTransfer:
         spec = GroupSpec(host, port, 0, world_size, self._device_backend(), _timeout(timeout_s)).validate()
         self._join(spec)
         self.protocol, self.trainer_rank, self.contract, self.backup, self._barriers = "trl", world_size - 1, theirs, \
-            "device", 0
+            "auto", 0
         logger.info("TRL communicator: hosting rank 0 of %d at %s:%d", world_size, host, port)
         return {"joined": True, "rank": 0, "world_size": world_size}
 
