@@ -814,6 +814,66 @@ def test_async_llm_tail_streams():
         [(i, c.text, c.token_ids) for i, c in want.items()]
 
 
+def _worker_device(worker, suffix=""):
+    """A module-level function: it can travel to the engine's process."""
+    return str(worker.device) + suffix
+
+
+def test_async_llm_upstream_rl_calls():
+    """upstream's AsyncLLM calls RL frameworks make between rollouts (verl's and SkyRL's async
+    engines): sleep / is_sleeping / wake_up (the KV cache released and taken back, the same
+    tokens after), reset_prefix_cache, collective_rpc by name, with a module-level function
+    (its args and kwargs) and sleep by name, a lambda refused by name before it is sent,
+    pause_generation's older wait_for_inflight_requests keyword; and upstream's import paths,
+    vllm.v1.engine.async_llm.AsyncLLM and vllm.engine.arg_utils.AsyncEngineArgs."""
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.entrypoints.openai.async_engine import AsyncLLM as Ours
+    from vllm.v1.engine.async_llm import AsyncLLM
+    assert AsyncLLM is Ours
+    args = AsyncEngineArgs(model="m", enable_sleep_mode=True)
+    args.gpu_memory_utilization = 0.5
+    assert isinstance(args, EngineArgs) and args.to_kwargs() == {"model": "m", "enable_sleep_mode": True,
+                                                                  "gpu_memory_utilization": 0.5}
+    with pytest.raises(AttributeError, match="no 'seed' set"):
+        args.seed
+    with pytest.raises(ValueError, match="unknown keyword arguments"):
+        AsyncLLM.from_engine_args({}, no_such_flag=1)
+    llm = AsyncLLM.from_engine(LLM(device="cpu", enable_sleep_mode=True).llm_engine)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def go():
+        first = [o async for o in llm.generate("Count: 1, 2,", params)][-1].outputs[0].token_ids
+        assert await llm.reset_prefix_cache() is True
+        kv = await llm.collective_rpc("kv_cache_bytes")
+        assert len(kv) == 1 and kv[0] > 0
+        assert await llm.collective_rpc(_worker_device, args=("!",)) == ["cpu!"]
+        assert await llm.collective_rpc(_worker_device, kwargs={"suffix": "?"}, timeout=30) == ["cpu?"]
+        with pytest.raises(ValueError, match="cannot travel"):
+            await llm.collective_rpc(lambda w: 1)
+        with pytest.raises(ValueError, match="no method 'nope'"):
+            await llm.collective_rpc("nope")
+        assert not await llm.is_sleeping()
+        freed = await llm.sleep(1)
+        assert freed > 0 and await llm.is_sleeping()
+        await llm.wake_up(["kv_cache"])
+        assert not await llm.is_sleeping()
+        assert (await llm.collective_rpc("sleep", args=(2,)))[0] > 0 and await llm.is_sleeping()
+        await llm.wake_up()
+        again = [o async for o in llm.generate("Count: 1, 2,", params)][-1].outputs[0].token_ids
+        paused = await llm.pause_generation(wait_for_inflight_requests=True)
+        assert await llm.is_paused()
+        await llm.resume_generation()
+        with pytest.raises(ValueError, match="disagree"):
+            await llm.pause_generation("abort", wait_for_inflight_requests=True)
+        return first, again, paused
+    try:
+        first, again, paused = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    assert first == again and len(first) == 5 and isinstance(paused, dict)
+
+
 def test_async_llm_survives_a_caller_giving_up_on_a_utility_call():
     """A utility call whose caller gives up (a timeout cancels the awaiting task, and with it the
     call's future) must not take the engine down: the answer arriving later is dropped, the

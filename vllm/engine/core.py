@@ -28,6 +28,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from vllm.engine.rpc_names import ENGINE_RPC_METHODS, check_rpc_args, unknown_rpc_message
 from vllm.engine.core_messages import (
     AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestFailure, StopChild,
     UtilityCall, UtilityResult,
@@ -272,8 +273,39 @@ class EngineCore:
     def utility_weight_version(self) -> int:
         return self.engine.weight_version
 
-    def utility_reset_prefix_cache(self) -> bool:
-        return self.engine.kv.reset_prefix_cache()
+    def utility_reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine.kv.reset_prefix_cache(allow_in_use=bool(reset_running_requests))
+
+    def utility_sleep(self, level: int = 1) -> int:
+        """Release the KV cache (LLMEngine.sleep: the weights stay; refused while requests
+        run); the bytes released."""
+        return self.engine.sleep(level)
+
+    def utility_wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
+
+    def utility_is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def utility_collective_rpc(self, method, args=(), kwargs=None) -> list:
+        """upstream's collective_rpc in the engine's process, between two steps: a worker
+        method's name, or a function called as fn(worker, *args, **kwargs) (it came pickled:
+        a module-level function); sleep / wake_up / reset_prefix_cache run as the engine's
+        own, reload_weights does nothing (the weights stay through sleep). One result."""
+        args, kwargs = check_rpc_args(args, kwargs)
+        executor = self.engine.executor
+        if isinstance(method, str):
+            if method == "reload_weights":
+                return [None]
+            if method in ENGINE_RPC_METHODS:
+                return [getattr(self, f"utility_{method}")(*args, **kwargs)]
+            if method not in executor.rpc_methods:
+                raise ValueError(unknown_rpc_message(method, executor.rpc_methods))
+            method = executor.rpc_methods[method]
+        elif not callable(method):
+            raise ValueError(f"collective_rpc: method must be a worker method's name or a function taking the "
+                             f"worker, got {type(method).__name__}")
+        return executor.collective_rpc(method, args, kwargs)
 
     def utility_execution_contract(self) -> dict:
         return self.engine.execution_contract().to_dict()

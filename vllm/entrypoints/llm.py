@@ -14,6 +14,7 @@ import torch
 from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.core.request import check_priority
 from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.rpc_names import ENGINE_RPC_METHODS, check_rpc_args, unknown_rpc_message
 from vllm.entrypoints.upstream_executor import upstream_executor
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
@@ -386,11 +387,7 @@ class LLM:
 
     def _rpc_call(self, method, args, kwargs):
         """The checked call collective_rpc runs under the lock (bad input refused before waiting)."""
-        if not isinstance(args, (tuple, list)):
-            raise ValueError(f"collective_rpc: args must be a tuple, got {type(args).__name__}")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError(f"collective_rpc: kwargs must be a dict or None, got {type(kwargs).__name__}")
-        args, kwargs = tuple(args), dict(kwargs or {})
+        args, kwargs = check_rpc_args(args, kwargs)
         executor = self.llm_engine.executor
         if isinstance(method, str):
             if method == "reload_weights":
@@ -404,7 +401,7 @@ class LLM:
             # the one check of a name: the executor takes the function it names
             worker_methods = executor.rpc_methods
             if method not in worker_methods:
-                raise ValueError(_unknown_rpc_message(method, worker_methods))
+                raise ValueError(unknown_rpc_message(method, worker_methods))
             method = worker_methods[method]
         elif not callable(method):
             raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
@@ -586,15 +583,6 @@ class _LockHoldingWeightUpdate(WeightUpdate):
 
 # upstream worker methods that RL frameworks call through collective_rpc whose state lives
 # in this engine, not in its worker: collective_rpc runs them as the LLM's own methods
-ENGINE_RPC_METHODS = ("reset_prefix_cache", "sleep", "wake_up")
-
-
-def _unknown_rpc_message(name: str, worker_methods: Sequence[str]) -> str:
-    return (f"collective_rpc: no method {name!r}; by name it calls "
-            f"{sorted([*ENGINE_RPC_METHODS, 'reload_weights', *worker_methods])}, "
-            "or pass a function called as fn(worker, *args, **kwargs). Weights change through llm.update_weights, "
-            "weight_update, update_weights_from_ipc or init_weight_transfer_engine (versioned and checked), "
-            "not through worker methods")
 
 
 def _lock_wait_s(timeout) -> float:

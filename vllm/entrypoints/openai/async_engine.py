@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from vllm.engine.llm_engine import bad_words_token_ids, check_max_tokens, tokeni
 from vllm.inputs import prompt_cache_salt
 from vllm.engine.output_processor import RequestState, TokenTextCache
 from vllm.entrypoints.openai.latency import LatencyStats, RequestSizes, RequestTimes
+from vllm.engine.rpc_names import check_rpc_args
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tokenizer import load_tokenizer
@@ -61,6 +63,11 @@ class EngineError(RuntimeError):
 class QueueFullError(RuntimeError):
     """More requests are waiting than the server accepts (--max-queued-requests): HTTP 429."""
 
+
+# upstream's AsyncLLM.from_engine_args / from_vllm_config keywords that mean nothing here
+UPSTREAM_FROM_ENGINE_ARGS_NOOPS = frozenset({"usage_context", "start_engine_loop", "stat_loggers",
+                                             "enable_log_requests", "disable_log_requests", "disable_log_stats",
+                                             "client_addresses", "client_count", "client_index"})
 
 _ABORTED = object()
 _CHANGED = object()   # the request advanced: build its output when the consumer reads
@@ -232,9 +239,21 @@ class AsyncLLM:
         client.on_dead = self._on_dead
 
     @classmethod
-    def from_engine_args(cls, engine_kwargs: dict, *, max_queued_requests: int | None = None,
-                         startup_timeout: float | None = None) -> "AsyncLLM":
-        """Start the engine core in its own process (what `vllm serve` does)."""
+    def from_engine_args(cls, engine_kwargs, *, max_queued_requests: int | None = None,
+                         startup_timeout: float | None = None, **upstream_kwargs) -> "AsyncLLM":
+        """Start the engine core in its own process (what `vllm serve` does). `engine_kwargs`:
+        LLM's keyword arguments, a dict or upstream's (Async)EngineArgs. upstream's other
+        keywords (usage_context, start_engine_loop, stat_loggers, ...) are accepted and change
+        nothing."""
+        from vllm.engine.arg_utils import EngineArgs
+        unknown = set(upstream_kwargs) - UPSTREAM_FROM_ENGINE_ARGS_NOOPS
+        if unknown:
+            raise ValueError(f"from_engine_args: unknown keyword arguments {sorted(unknown)}")
+        if isinstance(engine_kwargs, EngineArgs):
+            engine_kwargs = engine_kwargs.to_kwargs()
+        if not isinstance(engine_kwargs, dict):
+            raise ValueError(f"engine_kwargs must be a dict of LLM's keyword arguments or an AsyncEngineArgs, got "
+                             f"{type(engine_kwargs).__name__}")
         return cls(EngineCoreClient.start_process(engine_kwargs, startup_timeout=startup_timeout),
                    max_queued_requests=max_queued_requests)
 
@@ -461,9 +480,59 @@ class AsyncLLM:
     async def resume(self) -> dict:
         return await self.utility("resume")
 
-    # upstream vLLM's names for the same calls (its defaults: abort, and clear the cache)
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+    # upstream vLLM's names for the same calls (its defaults: abort, and clear the cache;
+    # its older keyword wait_for_inflight_requests=True is mode "wait", False "abort")
+    async def pause_generation(self, mode: str | None = None, clear_cache: bool = True, *,
+                               wait_for_inflight_requests: bool | None = None) -> dict:
+        if mode is None:
+            mode = "wait" if wait_for_inflight_requests else "abort"
+        elif wait_for_inflight_requests is not None and (mode == "wait") != wait_for_inflight_requests:
+            raise ValueError(f"pause_generation: mode={mode!r} and wait_for_inflight_requests="
+                             f"{wait_for_inflight_requests} disagree")
         return await self.pause(mode, clear_cache)
+
+    # upstream's AsyncLLM calls RL frameworks make between rollouts
+    async def sleep(self, level: int = 1) -> int:
+        """Release the KV cache's memory (an engine built with enable_sleep_mode; refused
+        while requests run); the weights stay. Returns the bytes released."""
+        return await self.utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.utility("is_sleeping")
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold blocks,
+        unless reset_running_requests. reset_connector: upstream's KV connector, none here."""
+        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
+            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector must be bools")
+        return await self.utility("reset_prefix_cache", reset_running_requests)
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """upstream's call into every worker, in the engine's process between two steps: one
+        result per worker (one here). `method`: a worker method's name (LLM.collective_rpc
+        lists them) or a function called as fn(worker, *args, **kwargs), which travels
+        pickled (a module-level function, not a lambda), as its result does. `timeout`
+        (seconds): how long to wait for the answer (TimeoutError)."""
+        args, kwargs = check_rpc_args(args, kwargs)
+        if not isinstance(method, str):
+            if not callable(method):
+                raise ValueError(f"collective_rpc: method must be a worker method's name or a function taking the "
+                                 f"worker, got {type(method).__name__}")
+            try:
+                pickle.dumps(method)
+            except Exception as err:  # noqa: BLE001 -- any pickling failure says the same
+                raise ValueError(f"collective_rpc: {method!r} cannot travel to the engine's process "
+                                 f"({type(err).__name__}: {err}); pass a module-level function or a worker "
+                                 "method's name") from None
+        call = self.utility("collective_rpc", method, args, kwargs)
+        return await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+
+    async def get_tokenizer(self):
+        return self.tokenizer
 
     async def resume_generation(self) -> dict:
         return await self.resume()

@@ -1,0 +1,1 @@
+"""upstream vLLM's `vllm.v1.engine` import paths."""
