@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from vllm import LLM, SamplingParams
-from vllm.entrypoints.llm import ENGINE_RPC_METHODS
+from vllm.engine.rpc_names import ENGINE_RPC_METHODS
 
 PROMPT = {"prompt_token_ids": list(range(20, 45))}
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -657,6 +657,17 @@ def test_upstream_names_of_the_engine_and_the_package(llm):
         mc.hf_config.no_such_key
 
 
+def _same_greedy_bits_as_fresh(llm, new_weights, prompts, params):
+    """llm's tokens and logprob bits equal a fresh engine's loaded from new_weights."""
+    got = llm.generate(prompts, params)
+    want = LLM(new_weights, device="cpu", max_model_len=128).generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs])
+        lb = torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs])
+        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
+
+
 def test_upstream_load_weights_path_is_a_weight_update(tiny_qwen3, new_weights):
     """`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(pairs)`
     (TRL's colocated sync, once per parameter; verl's `driver_worker.worker...`; hand-written
@@ -683,13 +694,7 @@ def test_upstream_load_weights_path_is_a_weight_update(tiny_qwen3, new_weights):
         runner = worker.worker.model_runner if i % 2 else worker.model_runner
         assert runner.model.load_weights([(n, t)]) == {n}
     assert llm.llm_engine.weight_version == v0 + len(new)
-    got = llm.generate(prompts, params)
-    want = LLM(new_weights, device="cpu", max_model_len=128).generate(prompts, params)
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        la = torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs])
-        lb = torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs])
-        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
+    _same_greedy_bits_as_fresh(llm, new_weights, prompts, params)
 
 
 def test_upstream_load_weights_streams_a_generator(tiny_qwen3, new_weights, monkeypatch):
@@ -745,13 +750,7 @@ def test_upstream_load_weights_streams_a_generator(tiny_qwen3, new_weights, monk
     assert model.load_weights(gathered()) == set(new)
     assert max(alive) <= 1   # the tensor yielded before may still be held until its chunk is loaded
     assert llm.llm_engine.weight_version == v0 + 1
-    got = llm.generate(prompts, params)
-    want = LLM(new_weights, device="cpu", max_model_len=128).generate(prompts, params)
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        la = torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs])
-        lb = torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs])
-        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
+    _same_greedy_bits_as_fresh(llm, new_weights, prompts, params)
 
 
 def test_upstream_load_weights_skips_a_tied_lm_head(tiny_llama):

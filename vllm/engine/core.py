@@ -28,7 +28,6 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from vllm.engine.rpc_names import ENGINE_RPC_METHODS, check_rpc_args, unknown_rpc_message
 from vllm.engine.core_messages import (
     AbortRequest, AddRequest, EngineCoreOutputs, EngineStats, ReadyInfo, RequestFailure, StopChild,
     UtilityCall, UtilityResult,
@@ -274,7 +273,7 @@ class EngineCore:
         return self.engine.weight_version
 
     def utility_reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.engine.kv.reset_prefix_cache(allow_in_use=bool(reset_running_requests))
+        return self.engine.reset_prefix_cache(reset_running_requests)
 
     def utility_sleep(self, level: int = 1) -> int:
         """Release the KV cache (LLMEngine.sleep: the weights stay; refused while requests
@@ -288,24 +287,9 @@ class EngineCore:
         return self.engine.is_sleeping()
 
     def utility_collective_rpc(self, method, args=(), kwargs=None) -> list:
-        """upstream's collective_rpc in the engine's process, between two steps: a worker
-        method's name, or a function called as fn(worker, *args, **kwargs) (it came pickled:
-        a module-level function); sleep / wake_up / reset_prefix_cache run as the engine's
-        own, reload_weights does nothing (the weights stay through sleep). One result."""
-        args, kwargs = check_rpc_args(args, kwargs)
-        executor = self.engine.executor
-        if isinstance(method, str):
-            if method == "reload_weights":
-                return [None]
-            if method in ENGINE_RPC_METHODS:
-                return [getattr(self, f"utility_{method}")(*args, **kwargs)]
-            if method not in executor.rpc_methods:
-                raise ValueError(unknown_rpc_message(method, executor.rpc_methods))
-            method = executor.rpc_methods[method]
-        elif not callable(method):
-            raise ValueError(f"collective_rpc: method must be a worker method's name or a function taking the "
-                             f"worker, got {type(method).__name__}")
-        return executor.collective_rpc(method, args, kwargs)
+        """upstream's collective_rpc in the engine's process, between two steps
+        (LLMEngine.collective_rpc; a function came pickled: a module-level one)."""
+        return self.engine.collective_rpc(method, None, args, kwargs)
 
     def utility_execution_contract(self) -> dict:
         return self.engine.execution_contract().to_dict()

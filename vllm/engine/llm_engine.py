@@ -13,7 +13,7 @@ import logging
 import numbers
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ from vllm.core.request import Request, RequestStatus, TokenControls, check_prior
 from vllm.core.scheduler import Scheduler
 from vllm.engine.core_messages import RequestDelta
 from vllm.engine.output_processor import RequestState
+from vllm.engine.rpc_names import ENGINE_RPC_METHODS, check_rpc_args, unknown_rpc_message
 from vllm.executor import InProcessExecutor
 from vllm.inputs import prompt_cache_salt
 from vllm.outputs import RequestOutput
@@ -611,10 +612,47 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.drain()  # nothing left to run: do not leave a step in flight
 
-    def reset_prefix_cache(self) -> bool:
-        """upstream's engine method: forget every cached prefix (False, changing nothing, while
-        requests are running)."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """upstream's engine method: forget every cached prefix. Returns False, changing
+        nothing, while requests are running, unless `reset_running_requests` (upstream's
+        keyword): then the hashes go anyway and the running requests keep their blocks without
+        registering more. `reset_connector`: upstream's KV connector; there is none here."""
+        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
+            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector must be bools")
+        return self.kv.reset_prefix_cache(allow_in_use=reset_running_requests)
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """upstream's LLMEngine.collective_rpc: one result per worker (one here). The
+        caller's thread owns this engine, so `timeout` has nothing to wait for (LLM's
+        collective_rpc bounds its wait for the engine lock with it). See rpc_call."""
+        return self.rpc_call(method, args, kwargs)()
+
+    def rpc_call(self, method, args, kwargs) -> Callable[[], list]:
+        """collective_rpc's call, checked (bad input refused before anything runs): `method`
+        a function called as fn(worker, *args, **kwargs), or a name: the worker's RPC_METHODS,
+        or upstream's worker names whose state lives in the engine here (reset_prefix_cache,
+        sleep, wake_up: run as this engine's methods, so its record stays true;
+        reload_weights: nothing to do, sleep keeps the weights)."""
+        args, kwargs = check_rpc_args(args, kwargs)
+        if isinstance(method, str):
+            if method == "reload_weights":
+                # upstream's worker reloads the checkpoint that sleep(level=2) discarded (TRL calls
+                # it after wake_up(tags=["weights"]), then loads its own weights on top): sleep
+                # keeps the weights here, so there is nothing to reload
+                return lambda: [None]
+            if method in ENGINE_RPC_METHODS:
+                engine_method = getattr(self, method)
+                return lambda: [engine_method(*args, **kwargs)]
+            # the one check of a name: the executor takes the function it names
+            worker_methods = self.executor.rpc_methods
+            if method not in worker_methods:
+                raise ValueError(unknown_rpc_message(method, worker_methods))
+            method = worker_methods[method]
+        elif not callable(method):
+            raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
+                             f"worker, got {type(method).__name__}")
+        return lambda: self.executor.collective_rpc(method, args, kwargs)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not yet finished (a request with n samples counts once)."""

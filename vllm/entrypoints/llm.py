@@ -14,7 +14,6 @@ import torch
 from vllm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, default_model_path
 from vllm.core.request import check_priority
 from vllm.engine.llm_engine import LLMEngine
-from vllm.engine.rpc_names import ENGINE_RPC_METHODS, check_rpc_args, unknown_rpc_message
 from vllm.entrypoints.upstream_executor import upstream_executor
 from vllm.inputs import prompt_cache_salt
 from vllm.model_loader.build import read_model_config, resolve_numerics
@@ -352,9 +351,7 @@ class LLM:
         requests are running, unless `reset_running_requests` (upstream's keyword): then the
         hashes go anyway and the running requests keep their blocks without registering
         more. `reset_connector`: upstream's KV connector; there is none here."""
-        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
-            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector must be bools")
-        return self.llm_engine.kv.reset_prefix_cache(allow_in_use=reset_running_requests)
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -375,7 +372,7 @@ class LLM:
         Runs holding the engine lock, after any generate or update of another thread;
         `timeout` (seconds) bounds that wait (TimeoutError), not the call, which cannot be
         interrupted once it runs."""
-        call = self._rpc_call(method, args, kwargs)
+        call = self.llm_engine.rpc_call(method, args, kwargs)
         _refuse_if_served(self, "collective_rpc")
         if not self._engine_lock.acquire(timeout=_lock_wait_s(timeout)):
             raise TimeoutError(f"collective_rpc: the engine stayed busy (another thread's generate or weight "
@@ -384,29 +381,6 @@ class LLM:
             return call()
         finally:
             self._engine_lock.release()
-
-    def _rpc_call(self, method, args, kwargs):
-        """The checked call collective_rpc runs under the lock (bad input refused before waiting)."""
-        args, kwargs = check_rpc_args(args, kwargs)
-        executor = self.llm_engine.executor
-        if isinstance(method, str):
-            if method == "reload_weights":
-                # upstream's worker reloads the checkpoint that sleep(level=2) discarded (TRL calls
-                # it after wake_up(tags=["weights"]), then loads its own weights on top): sleep
-                # keeps the weights here, so there is nothing to reload
-                return lambda: [None]
-            if method in ENGINE_RPC_METHODS:
-                engine_method = getattr(self, method)
-                return lambda: [engine_method(*args, **kwargs)]
-            # the one check of a name: the executor takes the function it names
-            worker_methods = executor.rpc_methods
-            if method not in worker_methods:
-                raise ValueError(unknown_rpc_message(method, worker_methods))
-            method = worker_methods[method]
-        elif not callable(method):
-            raise ValueError(f"collective_rpc: method must be a worker method's name or a callable taking the "
-                             f"worker, got {type(method).__name__}")
-        return lambda: executor.collective_rpc(method, args, kwargs)
 
     @_holding_engine_lock
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
