@@ -83,8 +83,8 @@ class RequestStream:
     fails, EngineError (or EngineDeadError) is raised.
     """
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop, stream: bool,
-                 tail: bool = False):
+    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop, stream: bool, *,
+                 tail: bool = False, delta: bool = False, samples: int = 1):
         self.owner = owner
         self.request_id = request_id
         self.loop = loop
@@ -93,8 +93,8 @@ class RequestStream:
         # built when the consumer reads, the final one included: for a caller that asked for
         # tails (the server's streamed responses: tail_for_caller) and under output_kind=DELTA
         self.tail_for_caller = tail
-        self.tail = tail
-        self._marks: list[list[int]] = []
+        self.tail = tail or delta
+        self._marks = [[0, 0] for _ in range(samples)]   # per sample: characters, tokens handed out
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.finished = False  # True once the final output, an error or an abort was seen
@@ -363,10 +363,9 @@ class AsyncLLM:
                     raise QueueFullError(f"the server is at capacity ({self._outstanding} sequences in flight, at most "
                                          f"{self.info.max_num_seqs} running + {self.max_queued_requests} queued); retry later")
             for rid, text, ids, params, cache_salt in prepared:
-                s = RequestStream(self, rid, loop, stream, tail=tail)
-                s.tail = tail or params.output_kind is RequestOutputKind.DELTA
+                s = RequestStream(self, rid, loop, stream, tail=tail, delta=params.output_kind is RequestOutputKind.DELTA,
+                                  samples=params.n)
                 s.state = RequestState(rid, text, ids, params, self._detok_tokenizer, self._decode_one)
-                s._marks = [[0, 0] for _ in range(params.n)]
                 eid = s.engine_id = f"{rid}@{next(self._serial)}"
                 self._requests[eid] = _Entry(s.state, s, RequestTimes(arrived))
                 self._engine_ids.setdefault(rid, []).append(eid)
