@@ -79,7 +79,6 @@ class UpstreamModel(_Step):
 
 # a streamed load_weights writes its pairs in chunks of about this many bytes
 STREAM_CHUNK_BYTES = 256 << 20
-_END = object()
 
 
 def _is_stream(weights) -> bool:
@@ -90,31 +89,22 @@ def _is_stream(weights) -> bool:
         return False
 
 
-def _then(first, rest):
-    """first, then rest's items, holding first no longer than its turn (a yielded tensor is
-    freed with its chunk)."""
-    box = [first]
-    del first
-    yield box.pop()
-    yield from rest
-
-
 def _load_stream(llm, weights, tied: set[str]) -> set[str]:
+    import contextlib
+
     from vllm.weight_sync.session import _as_pairs
     names: set[str] = set()
-    first = next(weights, _END)
-    if first is _END:   # nothing given: no update (no new version)
-        return names
-    items, first = _then(first, weights), None
-    with llm.weight_update() as update:
-        chunk, size = [], 0
-        for item in items:
+    with contextlib.ExitStack() as stack:
+        update, chunk, size = None, [], 0
+        for item in weights:
             (name, tensor), = _as_pairs([item])   # the same checks and messages as a list's items
             if name in tied:
                 continue
+            if update is None:   # opened at the first weight: an empty generator is no update
+                update = stack.enter_context(llm.weight_update())
             chunk.append((name, tensor))
             names.add(name)
-            size += tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0
+            size += tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0   # a non-tensor: load names it
             if size >= STREAM_CHUNK_BYTES:
                 update.load(chunk, retain=False)
                 chunk, size = [], 0
