@@ -845,6 +845,8 @@ def test_async_llm_upstream_rl_calls():
     async def go():
         first = [o async for o in llm.generate("Count: 1, 2,", params)][-1].outputs[0].token_ids
         assert await llm.reset_prefix_cache() is True
+        with pytest.raises(ValueError, match="must be bools"):   # checked in the engine's process
+            await llm.reset_prefix_cache(reset_running_requests="yes")
         kv = await llm.collective_rpc("kv_cache_bytes")
         assert len(kv) == 1 and kv[0] > 0
         assert await llm.collective_rpc(_worker_device, args=("!",)) == ["cpu!"]

@@ -272,8 +272,8 @@ class EngineCore:
     def utility_weight_version(self) -> int:
         return self.engine.weight_version
 
-    def utility_reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.engine.reset_prefix_cache(reset_running_requests)
+    def utility_reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def utility_sleep(self, level: int = 1) -> int:
         """Release the KV cache (LLMEngine.sleep: the weights stay; refused while requests

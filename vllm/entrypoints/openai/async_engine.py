@@ -505,9 +505,7 @@ class AsyncLLM:
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold blocks,
         unless reset_running_requests. reset_connector: upstream's KV connector, none here."""
-        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
-            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector must be bools")
-        return await self.utility("reset_prefix_cache", reset_running_requests)
+        return await self.utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
     async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:
