@@ -855,6 +855,8 @@ def test_async_llm_upstream_rl_calls():
             await llm.collective_rpc(lambda w: 1)
         with pytest.raises(ValueError, match="no method 'nope'"):
             await llm.collective_rpc("nope")
+        with pytest.raises(ValueError, match="method must be"):
+            await llm.collective_rpc(3)
         assert not await llm.is_sleeping()
         freed = await llm.sleep(1)
         assert freed > 0 and await llm.is_sleeping()
